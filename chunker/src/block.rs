@@ -1,0 +1,256 @@
+//! Fixed-size chunking of block volumes.
+
+use crate::{
+    error::Result, id::ChunkId, id::ChunkKey, merkle::MerkleBuilder, pipeline::read_ahead,
+    size::ChunkSize, volume::BlockVolume, zero::is_zero,
+};
+use rayon::prelude::*;
+
+/// What a chunk of a block volume holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkKind {
+    /// Only zeros (or a hole): never hashed, shipped or stored as data.
+    Zero,
+    /// Data, named by its keyed BLAKE3.
+    Data(ChunkId),
+}
+
+/// A run of whole chunks read from a volume, starting at a chunk boundary.
+///
+/// Chunks that lie entirely in a hole of the source are not read: they are flagged in
+/// `hole` and their bytes in `buf` are left as they were (callers must not look at them).
+#[derive(Debug, Default)]
+pub struct Window {
+    /// Volume offset of the first byte.
+    pub offset: u64,
+    /// The bytes; `buf.len()` is the window's length.
+    pub buf: Vec<u8>,
+    /// One flag per chunk: true when the whole chunk is a hole.
+    pub hole: Vec<bool>,
+}
+
+impl Window {
+    /// The byte ranges (within `buf`) of the window's chunks, in order.
+    pub fn chunk_ranges(&self, chunk: ChunkSize) -> impl Iterator<Item = std::ops::Range<usize>> {
+        let len = self.buf.len();
+        (0..len).step_by(chunk.bytes()).map(move |s| s..(s + chunk.bytes()).min(len))
+    }
+}
+
+/// Reads `len` bytes at `offset` (a chunk boundary) into `win`, skipping whole-hole chunks.
+pub fn read_window(
+    volume: &BlockVolume,
+    chunk: ChunkSize,
+    offset: u64,
+    len: usize,
+    win: &mut Window,
+) -> Result<()> {
+    debug_assert_eq!(offset % chunk.get(), 0);
+    win.offset = offset;
+    win.buf.resize(len, 0);
+    let n_chunks = len.div_ceil(chunk.bytes());
+    win.hole.clear();
+    win.hole.resize(n_chunks, false);
+    mark_hole_chunks(volume, chunk, offset, len as u64, &mut win.hole);
+    // Read maximal runs of non-hole chunks with one pread each.
+    let mut i = 0;
+    while i < n_chunks {
+        if win.hole[i] {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < n_chunks && !win.hole[i] {
+            i += 1;
+        }
+        let s = start * chunk.bytes();
+        let e = (i * chunk.bytes()).min(len);
+        volume.read_exact_at(&mut win.buf[s..e], offset + s as u64)?;
+    }
+    Ok(())
+}
+
+/// Flags the chunks of [offset, offset+len) that lie entirely inside holes.
+fn mark_hole_chunks(v: &BlockVolume, chunk: ChunkSize, offset: u64, len: u64, hole: &mut [bool]) {
+    let end = offset + len;
+    let cs = chunk.get();
+    let mut pos = offset;
+    while pos < end {
+        let data = v.next_data(pos).unwrap_or(end).min(end);
+        // [pos, data) is a hole: flag the chunks it covers entirely.
+        let first = (pos - offset).div_ceil(cs);
+        let mut c = first;
+        while c < hole.len() as u64 && offset + ((c + 1) * cs).min(len) <= data {
+            hole[c as usize] = true;
+            c += 1;
+        }
+        if data >= end {
+            break;
+        }
+        pos = v.next_hole(data).max(data + 1);
+    }
+}
+
+/// Classifies and hashes the chunks of a window in parallel (on the current rayon pool).
+pub fn hash_chunks(key: &ChunkKey, chunk: ChunkSize, win: &Window) -> Vec<ChunkKind> {
+    let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
+    ranges
+        .into_par_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let data = &win.buf[r];
+            if win.hole[i] || is_zero(data) {
+                ChunkKind::Zero
+            } else {
+                ChunkKind::Data(key.chunk_id(data))
+            }
+        })
+        .collect()
+}
+
+/// Summary of a whole volume's chunks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeDigest {
+    /// Volume size in bytes.
+    pub size: u64,
+    /// Chunk size used.
+    pub chunk: ChunkSize,
+    /// Number of data chunks.
+    pub data_chunks: u64,
+    /// Number of zero (or hole) chunks.
+    pub zero_chunks: u64,
+    /// Bytes in data chunks.
+    pub data_bytes: u64,
+    /// Merkle root over all chunks, binding size and chunk size.
+    pub root: ChunkId,
+}
+
+/// Window size for reads: big enough for efficient I/O and to feed every core.
+pub(crate) fn window_len(chunk: ChunkSize) -> usize {
+    chunk.bytes().max(8 << 20)
+}
+
+/// Reads and hashes a whole volume with read-ahead, in bounded memory.
+///
+/// `progress` is called with the number of bytes done after each window.
+pub fn hash_volume(
+    volume: &BlockVolume,
+    key: &ChunkKey,
+    chunk: ChunkSize,
+    mut progress: impl FnMut(u64),
+) -> Result<VolumeDigest> {
+    volume.advise_sequential();
+    let size = volume.size();
+    let wlen = window_len(chunk) as u64;
+    let mut merkle = MerkleBuilder::new(key.clone());
+    let mut digest =
+        VolumeDigest { size, chunk, data_chunks: 0, zero_chunks: 0, data_bytes: 0, root: ChunkId([0; 32]) };
+    let mut next = 0u64;
+    read_ahead(
+        3,
+        |recycled: Option<Window>| {
+            if next >= size {
+                return None;
+            }
+            let mut win = recycled.unwrap_or_default();
+            let len = wlen.min(size - next) as usize;
+            let r = read_window(volume, chunk, next, len, &mut win).map(|()| win);
+            next += len as u64;
+            Some(r)
+        },
+        |win: &mut Window| {
+            let kinds = hash_chunks(key, chunk, win);
+            for (kind, r) in kinds.iter().zip(win.chunk_ranges(chunk)) {
+                merkle.push(kind, r.len() as u64);
+                match kind {
+                    ChunkKind::Zero => digest.zero_chunks += 1,
+                    ChunkKind::Data(_) => {
+                        digest.data_chunks += 1;
+                        digest.data_bytes += r.len() as u64;
+                    }
+                }
+            }
+            progress(win.offset + win.buf.len() as u64);
+            Ok(())
+        },
+    )?;
+    digest.root = merkle.finish(size, chunk);
+    Ok(digest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{RngCore, SeedableRng, rngs::StdRng};
+    use std::{fs::File, os::unix::fs::FileExt};
+
+    fn image(len: u64, writes: &[(u64, usize)]) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        let f = File::create(&path).unwrap();
+        f.set_len(len).unwrap();
+        let mut rng = StdRng::seed_from_u64(42);
+        for &(off, n) in writes {
+            let mut buf = vec![0u8; n];
+            rng.fill_bytes(&mut buf);
+            f.write_all_at(&buf, off).unwrap();
+        }
+        (dir, path)
+    }
+
+    #[test]
+    fn holes_and_zero_chunks_are_not_data() {
+        let cs = ChunkSize::new(64 << 10).unwrap();
+        // 1 MiB + 5 bytes: a short last chunk; data in chunk 2 and in the last one;
+        // chunk 5 holds written zeros (not a hole) and must still count as zero.
+        let (_d, path) = image((1 << 20) + 5, &[(2 * 65536 + 100, 10), (1 << 20, 5)]);
+        File::options().write(true).open(&path).unwrap().write_all_at(&[0; 65536], 5 * 65536).unwrap();
+        let v = BlockVolume::open(&path).unwrap();
+        let d = hash_volume(&v, &ChunkKey::local(), cs, |_| {}).unwrap();
+        assert_eq!(d.data_chunks, 2);
+        assert_eq!(d.zero_chunks, 15);
+        assert_eq!(d.data_bytes, 65536 + 5);
+    }
+
+    #[test]
+    fn digest_changes_with_any_byte_and_not_with_holes_vs_zeros() {
+        let cs = ChunkSize::new(64 << 10).unwrap();
+        let (_a, pa) = image(3 << 20, &[(1000, 300_000)]);
+        let (_b, pb) = image(3 << 20, &[(1000, 300_000)]);
+        let key = ChunkKey::local();
+        let da = hash_volume(&BlockVolume::open(&pa).unwrap(), &key, cs, |_| {}).unwrap();
+        // Same content, but the tail written as explicit zeros instead of a hole.
+        File::options().write(true).open(&pb).unwrap().write_all_at(&vec![0; 1 << 20], 2 << 20).unwrap();
+        let db = hash_volume(&BlockVolume::open(&pb).unwrap(), &key, cs, |_| {}).unwrap();
+        assert_eq!(da, db);
+        File::options().write(true).open(&pb).unwrap().write_all_at(&[1], (3 << 20) - 1).unwrap();
+        let dc = hash_volume(&BlockVolume::open(&pb).unwrap(), &key, cs, |_| {}).unwrap();
+        assert_ne!(da.root, dc.root);
+        // The chunk size is bound into the root.
+        let dd = hash_volume(&BlockVolume::open(&pa).unwrap(), &key, ChunkSize::DEFAULT, |_| {}).unwrap();
+        assert_ne!(da.root, dd.root);
+    }
+
+    #[test]
+    fn window_reads_match_plain_reads() {
+        let cs = ChunkSize::new(64 << 10).unwrap();
+        let (_d, path) = image(40 << 20, &[(0, 4096), (9 << 20, 3 << 20), ((40 << 20) - 70_000, 70_000)]);
+        let v = BlockVolume::open(&path).unwrap();
+        let all = std::fs::read(&path).unwrap();
+        let mut win = Window::default();
+        let mut off = 0;
+        while off < v.size() {
+            let len = (8u64 << 20).min(v.size() - off) as usize;
+            read_window(&v, cs, off, len, &mut win).unwrap();
+            for (i, r) in win.chunk_ranges(cs).enumerate() {
+                let want = &all[off as usize + r.start..off as usize + r.end];
+                if win.hole[i] {
+                    assert!(is_zero(want), "chunk {i} at {off} flagged hole but has data");
+                } else {
+                    assert_eq!(&win.buf[r], want);
+                }
+            }
+            off += len as u64;
+        }
+    }
+}

@@ -1,0 +1,39 @@
+//! Chunking and hashing of volumes.
+//!
+//! Everything mover ships, stores or compares is cut into chunks first:
+//! - **Block volumes** (a block device or an image file) are cut into fixed, aligned
+//!   chunks ([`ChunkSize`], a power of two from 64 KiB to 8 MiB, default 1 MiB).
+//!   Holes (found with `SEEK_DATA`/`SEEK_HOLE`) and all-zero chunks become
+//!   [`ChunkKind::Zero`] and are never hashed as data ([`BlockVolume`], [`hash_chunks`]).
+//! - **Byte streams** (file contents in tree volumes, repository blobs) are cut with
+//!   FastCDC v2020 over a gear table seeded from the key ([`CdcChunker`]).
+//! - Every data chunk is named by a [`ChunkId`]: the keyed BLAKE3 of its plaintext.
+//!   The key ([`ChunkKey`]) belongs to a repository or a replication relationship, so an
+//!   outsider cannot confirm content by hash.
+//! - A volume's chunk list folds into a Merkle summary ([`MerkleBuilder`]) in O(log n)
+//!   memory, and [`differing_pages`] finds the 4 KiB pages that differ inside a chunk.
+//!
+//! The crate is synchronous (no tokio): hashing runs on rayon, reads on a read-ahead
+//! thread ([`read_ahead`]) so I/O overlaps hashing with bounded memory.
+
+mod block;
+mod cdc;
+mod error;
+mod id;
+mod merkle;
+mod pages;
+mod pipeline;
+mod size;
+mod volume;
+mod zero;
+
+pub use block::{ChunkKind, Window, hash_chunks, hash_volume, read_window, VolumeDigest};
+pub use cdc::{CdcChunk, CdcChunker, CdcParams};
+pub use error::{ChunkerError, Result};
+pub use id::{ChunkId, ChunkKey};
+pub use merkle::MerkleBuilder;
+pub use pages::{PAGE_SIZE, differing_pages};
+pub use pipeline::read_ahead;
+pub use size::{ChunkSize, parse_size};
+pub use volume::{BlockVolume, VolumeKind};
+pub use zero::is_zero;

@@ -1,0 +1,191 @@
+use crate::error::{ChunkerError, Result};
+use rustix::fs::SeekFrom;
+use std::{
+    fs::{File, OpenOptions},
+    io::{Seek, SeekFrom as StdSeekFrom},
+    os::unix::fs::{FileExt, FileTypeExt, MetadataExt},
+    path::{Path, PathBuf},
+};
+
+/// What kind of object holds a block volume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VolumeKind {
+    /// A block device such as `/dev/loop0` or `/dev/sdb`.
+    BlockDevice,
+    /// A regular file holding a raw image.
+    ImageFile,
+}
+
+/// An open block volume: a block device or an image file, read by offset.
+#[derive(Debug)]
+pub struct BlockVolume {
+    file: File,
+    path: PathBuf,
+    kind: VolumeKind,
+    size: u64,
+}
+
+impl BlockVolume {
+    /// Opens `path` read-only as a block volume.
+    pub fn open(path: &Path) -> Result<Self> {
+        Self::open_with(path, OpenOptions::new().read(true))
+    }
+
+    /// Opens `path` with the given options (e.g. read-write, `O_EXCL`), and checks that it
+    /// is a block device or a regular file.
+    pub fn open_with(path: &Path, options: &OpenOptions) -> Result<Self> {
+        let open_err = |source| ChunkerError::Open { path: path.to_path_buf(), source };
+        let mut file = options.open(path).map_err(open_err)?;
+        let meta = file.metadata().map_err(open_err)?;
+        let ft = meta.file_type();
+        let kind = if ft.is_block_device() {
+            VolumeKind::BlockDevice
+        } else if ft.is_file() {
+            VolumeKind::ImageFile
+        } else {
+            let what = if ft.is_dir() {
+                "a directory (file-tree volumes are copied as trees, not images)"
+            } else if ft.is_char_device() {
+                "a character device"
+            } else if ft.is_fifo() {
+                "a FIFO"
+            } else if ft.is_socket() {
+                "a socket"
+            } else {
+                "not a regular file"
+            };
+            return Err(ChunkerError::NotABlockVolume { path: path.to_path_buf(), what });
+        };
+        // st_size is 0 for block devices: ask the device by seeking to its end.
+        let size = match kind {
+            VolumeKind::ImageFile => meta.len(),
+            VolumeKind::BlockDevice => file.seek(StdSeekFrom::End(0)).map_err(open_err)?,
+        };
+        Ok(BlockVolume { file, path: path.to_path_buf(), kind, size })
+    }
+
+    /// The path it was opened by.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Block device or image file.
+    pub fn kind(&self) -> VolumeKind {
+        self.kind
+    }
+
+    /// Size in bytes, as of opening.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The open file, for writers and `fsync`.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// (device, inode) for regular files, or the device number for block devices:
+    /// equal identities mean the same storage.
+    pub fn identity(&self) -> Result<(u64, u64)> {
+        let meta = self
+            .file
+            .metadata()
+            .map_err(|source| ChunkerError::Open { path: self.path.clone(), source })?;
+        Ok(match self.kind {
+            VolumeKind::BlockDevice => (u64::MAX, meta.rdev()),
+            VolumeKind::ImageFile => (meta.dev(), meta.ino()),
+        })
+    }
+
+    /// Reads exactly `buf.len()` bytes at `offset`; a short read means the volume shrank.
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let at = offset + done as u64;
+            match self.file.read_at(&mut buf[done..], at) {
+                Ok(0) => {
+                    return Err(ChunkerError::ShortRead {
+                        path: self.path.clone(),
+                        offset: at,
+                        size: self.size,
+                    });
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(source) => {
+                    return Err(ChunkerError::Read { path: self.path.clone(), offset: at, source });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The start of the next data region at or after `offset`, or `None` when only a
+    /// hole follows. Filesystems without hole support report everything as data.
+    pub fn next_data(&self, offset: u64) -> Option<u64> {
+        if self.kind == VolumeKind::BlockDevice {
+            // Block devices report no holes; zero detection covers them.
+            return (offset < self.size).then_some(offset);
+        }
+        match rustix::fs::seek(&self.file, SeekFrom::Data(offset)) {
+            Ok(pos) => Some(pos),
+            Err(rustix::io::Errno::NXIO) => None,
+            Err(_) => Some(offset),
+        }
+    }
+
+    /// The start of the next hole at or after `offset` (the end of the volume counts as a
+    /// hole).
+    pub fn next_hole(&self, offset: u64) -> u64 {
+        if self.kind == VolumeKind::BlockDevice {
+            return self.size;
+        }
+        match rustix::fs::seek(&self.file, SeekFrom::Hole(offset)) {
+            Ok(pos) => pos.min(self.size),
+            Err(_) => self.size,
+        }
+    }
+
+    /// Tells the kernel the volume will be read sequentially, for deeper read-ahead.
+    pub fn advise_sequential(&self) {
+        let _ = rustix::fs::fadvise(&self.file, 0, None, rustix::fs::Advice::Sequential);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn reports_size_kind_and_holes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        let mut f = File::create(&path).unwrap();
+        f.set_len(8 << 20).unwrap();
+        f.write_all_at(&[7u8; 4096], 4 << 20).unwrap();
+        f.flush().unwrap();
+        let v = BlockVolume::open(&path).unwrap();
+        assert_eq!(v.size(), 8 << 20);
+        assert_eq!(v.kind(), VolumeKind::ImageFile);
+        // tmpfs, ext4 and xfs all track holes; the data block must be found.
+        let data = v.next_data(0).unwrap();
+        assert!(data <= 4 << 20);
+        assert!(v.next_hole(4 << 20) > 4 << 20);
+        assert_eq!(v.next_data((4 << 20) + 4096).filter(|&d| d < 8 << 20), None);
+        let mut buf = [0u8; 16];
+        v.read_exact_at(&mut buf, 4 << 20).unwrap();
+        assert_eq!(buf, [7u8; 16]);
+        let err = v.read_exact_at(&mut buf, (8 << 20) - 8).unwrap_err();
+        assert!(matches!(err, ChunkerError::ShortRead { .. }), "{err}");
+    }
+
+    #[test]
+    fn refuses_directories_with_a_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = BlockVolume::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("is a directory"), "{err}");
+        let err = BlockVolume::open(&dir.path().join("missing")).unwrap_err().to_string();
+        assert!(err.contains("cannot open") && err.contains("missing"), "{err}");
+    }
+}
