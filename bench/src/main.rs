@@ -1,1 +1,152 @@
-fn main(){}
+//! `mover-bench`: builds a realistic volume, attaches it to a loop device, and times
+//! `mover hash` and `mover copy` (full and delta) against b3sum, cp, dd and rsync in the
+//! same run, printing a table of ratios and writing every figure as JSON.
+//!
+//! Run `mover-bench --help` for what is measured and which targets are checked.
+
+mod cli;
+mod diff;
+mod guard;
+mod image;
+mod mover;
+mod phases;
+mod prng;
+mod process;
+mod progress;
+mod report;
+mod tools;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+
+use crate::cli::Args;
+use crate::guard::LoopDevice;
+use crate::image::CachePaths;
+use crate::phases::Ctx;
+use crate::progress::note;
+use crate::report::Results;
+use crate::tools::Tools;
+
+/// Exit status when the run completed but some target was missed.
+const EXIT_TARGET_MISSED: u8 = 2;
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    progress::start();
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(EXIT_TARGET_MISSED),
+        Err(err) => {
+            eprintln!("mover-bench: error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs the whole bench; returns whether every target was met.
+fn run(args: &Args) -> Result<bool> {
+    tools::ensure_root()?;
+    let tools = Tools::find()?;
+    let mover = tools::resolve_mover(args.mover.as_deref())?;
+    let workdir = prepare_workdir(&args.workdir)?;
+    let cache = CachePaths::new(&workdir);
+    guard::cleanup_stale(&tools, &cache.mount_point, &cache.images())?;
+    ensure_free_space(&workdir, args.size, args.skip_build)?;
+    let json_path = args
+        .json
+        .clone()
+        .unwrap_or_else(|| workdir.join("results.json"));
+
+    let images = image::prepare(&tools, &cache, args.size, args.skip_build)?;
+    let scratch = workdir.join("destination.img");
+    let outcome = measure_and_publish(&tools, &mover, &images, scratch.clone(), &json_path);
+    image::remove_if_present(&scratch)?;
+    if !args.keep {
+        note!("removing the images (pass --keep to reuse them with --skip-build)");
+        cache.remove()?;
+    }
+    outcome
+}
+
+/// Attaches today's image to a loop device, runs every phase, and publishes the results.
+fn measure_and_publish(
+    tools: &Tools,
+    mover: &Path,
+    images: &image::Images,
+    scratch: PathBuf,
+    json_path: &Path,
+) -> Result<bool> {
+    let started_unix_secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let device = LoopDevice::attach_read_only(tools, &images.today)?;
+    note!("source: {} on {}", images.today.display(), device.path().display());
+    let ctx = Ctx {
+        tools,
+        mover,
+        images,
+        device: device.path(),
+        scratch,
+        nproc: std::thread::available_parallelism().map_or(1, usize::from),
+    };
+    let results = Results {
+        bench_version: env!("CARGO_PKG_VERSION"),
+        started_unix_secs,
+        kernel: kernel_release(),
+        nproc: ctx.nproc,
+        mover: mover.to_path_buf(),
+        workdir: images
+            .today
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default(),
+        source_device: device.path().to_path_buf(),
+        images: images.manifest.clone(),
+        hash: phases::hash(&ctx)?,
+        full_copy: phases::full_copy(&ctx)?,
+        delta_copy: phases::delta_copy(&ctx)?,
+        sparse_copy: phases::sparse_copy(&ctx)?,
+    };
+    drop(device);
+    report::publish(&results, json_path)
+}
+
+/// Creates the working directory and returns its canonical path (mount points are matched
+/// against /proc/self/mountinfo, which lists canonical paths).
+fn prepare_workdir(workdir: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(workdir)
+        .with_context(|| format!("cannot create the workdir {}", workdir.display()))?;
+    workdir
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", workdir.display()))
+}
+
+/// Refuses to start when the workdir's filesystem cannot hold the images and a copy.
+fn ensure_free_space(workdir: &Path, size: u64, reuse: bool) -> Result<()> {
+    let stat = rustix::fs::statvfs(workdir)
+        .with_context(|| format!("cannot statvfs {}", workdir.display()))?;
+    let free = stat.f_bavail * stat.f_frsize;
+    // Images are ~80% allocated: yesterday + today + one copy, plus the sparse image and
+    // its copy; reusing images only needs room for the copies.
+    let copies = size + (1 << 30);
+    let needed = if reuse { copies } else { 2 * size + copies };
+    if free < needed {
+        bail!(
+            "{} has {:.1} GiB free but the bench needs about {:.1} GiB at --size {size}",
+            workdir.display(),
+            free as f64 / f64::from(1 << 30),
+            needed as f64 / f64::from(1 << 30)
+        );
+    }
+    Ok(())
+}
+
+/// The running kernel's release, or `unknown`.
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map_or_else(|_| "unknown".to_string(), |s| s.trim().to_string())
+}

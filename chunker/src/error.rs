@@ -7,12 +7,12 @@ pub type Result<T, E = ChunkerError> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum ChunkerError {
     /// The volume could not be opened or inspected.
-    #[error("cannot open {path}: {source}")]
+    #[error("cannot open {path}: {cause}")]
     Open {
         /// The volume's path.
         path: PathBuf,
         /// The OS error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The path exists but is not something that holds a block volume.
     #[error("{path} is {what}, not a block device or an image file")]
@@ -23,14 +23,14 @@ pub enum ChunkerError {
         what: &'static str,
     },
     /// A read failed part way.
-    #[error("read of {path} at offset {offset} failed: {source}")]
+    #[error("read of {path} at offset {offset} failed: {cause}")]
     Read {
         /// The volume's path.
         path: PathBuf,
         /// Byte offset of the failed read.
         offset: u64,
         /// The OS error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The volume got shorter while it was being read.
     #[error("{path} ended at offset {offset}, before its size {size}: was it truncated while being read?")]
@@ -58,8 +58,8 @@ impl ChunkerError {
     pub fn is_retryable(&self) -> bool {
         use std::io::ErrorKind::*;
         match self {
-            ChunkerError::Read { source, .. } => {
-                matches!(source.kind(), Interrupted | WouldBlock | TimedOut)
+            ChunkerError::Read { cause, .. } => {
+                matches!(cause.kind(), Interrupted | WouldBlock | TimedOut)
             }
             _ => false,
         }

@@ -34,7 +34,7 @@ impl BlockVolume {
     /// Opens `path` with the given options (e.g. read-write, `O_EXCL`), and checks that it
     /// is a block device or a regular file.
     pub fn open_with(path: &Path, options: &OpenOptions) -> Result<Self> {
-        let open_err = |source| ChunkerError::Open { path: path.to_path_buf(), source };
+        let open_err = |cause| ChunkerError::Open { path: path.to_path_buf(), cause };
         let mut file = options.open(path).map_err(open_err)?;
         let meta = file.metadata().map_err(open_err)?;
         let ft = meta.file_type();
@@ -64,6 +64,27 @@ impl BlockVolume {
         Ok(BlockVolume { file, path: path.to_path_buf(), kind, size })
     }
 
+    /// A view of only the first `size` bytes (e.g. of a destination device larger than
+    /// its source), for reading and hashing. `size` must not exceed the volume's size.
+    pub fn limited_to(mut self, size: u64) -> Self {
+        assert!(size <= self.size, "a volume view cannot be larger than the volume");
+        self.size = size;
+        self
+    }
+
+    /// Resizes an image file (sparse growth or truncation) and records the new size.
+    pub fn set_len(&mut self, size: u64) -> std::io::Result<()> {
+        if self.kind == VolumeKind::BlockDevice {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "a block device cannot be resized",
+            ));
+        }
+        self.file.set_len(size)?;
+        self.size = size;
+        Ok(())
+    }
+
     /// The path it was opened by.
     pub fn path(&self) -> &Path {
         &self.path
@@ -90,7 +111,7 @@ impl BlockVolume {
         let meta = self
             .file
             .metadata()
-            .map_err(|source| ChunkerError::Open { path: self.path.clone(), source })?;
+            .map_err(|cause| ChunkerError::Open { path: self.path.clone(), cause })?;
         Ok(match self.kind {
             VolumeKind::BlockDevice => (u64::MAX, meta.rdev()),
             VolumeKind::ImageFile => (meta.dev(), meta.ino()),
@@ -112,8 +133,8 @@ impl BlockVolume {
                 }
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(source) => {
-                    return Err(ChunkerError::Read { path: self.path.clone(), offset: at, source });
+                Err(cause) => {
+                    return Err(ChunkerError::Read { path: self.path.clone(), offset: at, cause });
                 }
             }
         }

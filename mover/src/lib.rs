@@ -1,1 +1,18 @@
-//! placeholder
+//! The mover engine.
+//!
+//! Every job is one pipeline: read a source volume in chunks, learn what the sink
+//! already holds, and write or ship only the difference (shared/DESIGN.md §1). This
+//! crate holds the jobs; the `mover` binary (src/main.rs) only parses arguments, sets
+//! up tracing and the progress bar, and maps errors to exit codes.
+//!
+//! Built so far: [`copy_block`], the one-shot copy of a block volume (block device or
+//! image file) onto another, writing only the 4 KiB pages that differ and keeping holes
+//! as holes; and [`hash_block`], a volume's chunk digest.
+
+mod copy;
+mod error;
+mod hash;
+
+pub use copy::{CopyOptions, CopySummary, Progress, copy_block};
+pub use error::{CopyError, Result};
+pub use hash::{HashSummary, hash_block};

@@ -1,1 +1,241 @@
-fn main(){}
+//! The `mover` binary: parses arguments, sets up logging and progress, calls the engine,
+//! and maps errors to exit codes. All the work lives in the `mover` library.
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use mover::{CopyError, CopyOptions, CopySummary, HashSummary, Progress};
+use std::{io::IsTerminal, path::PathBuf, process::ExitCode, sync::Mutex};
+
+/// Exit code for refused input (nothing was written) and usage errors.
+const EXIT_REFUSED: u8 = 2;
+/// Exit code for a copy whose read-back did not match the source.
+const EXIT_VERIFY_FAILED: u8 = 3;
+
+#[derive(Parser)]
+#[command(
+    name = "mover",
+    version,
+    about = "Copy, replicate and snapshot volumes: block devices, images and file trees",
+    after_help = "Exit status: 0 done; 1 failed part way (rerun to resume); \
+                  2 refused bad input or usage (nothing written); 3 verification failed.\n\
+                  Logging: RUST_LOG=debug (default info) on stderr."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Copy a block volume (device or image file) onto another, writing only what differs.
+    #[command(long_about = "Copy a block volume (a block device such as /dev/loop0 or an \
+        image file) onto another.\n\n\
+        If DST does not exist, a sparse image file is created (under a hidden temp name, \
+        renamed into place when complete). If DST already holds an older copy, it is read \
+        and compared, and only the 4 KiB pages that differ are written. Zero regions and \
+        holes of SRC stay holes in DST (punched, not written as zeros).\n\n\
+        An interrupted copy (Ctrl-C, kill -9, power loss) is finished by running the same \
+        command again: what is already equal is read, not rewritten.\n\n\
+        Refused, with nothing written: a missing SRC, a DST smaller than SRC (see --grow), \
+        SRC and DST being the same storage, a DST block device that is mounted or in use \
+        (see --force).\n\n\
+        Examples:\n  \
+        mover copy /dev/vg0/data /dev/sdb            # device to device\n  \
+        mover copy /dev/loop0 backup.img --verify    # device to a new sparse image\n  \
+        mover copy today.img yesterday.img --json    # delta onto an older copy")]
+    Copy {
+        /// Source volume: a block device or an image file.
+        src: PathBuf,
+        /// Destination: a block device, an existing image file, or a new image file path.
+        dst: PathBuf,
+        #[command(flatten)]
+        options: CopyOptions,
+        #[command(flatten)]
+        output: OutputArgs,
+    },
+    /// Print a block volume's chunk digest (Merkle root over keyed BLAKE3 chunk ids).
+    #[command(long_about = "Hash a block volume the way mover sees it: fixed chunks, \
+        zeros and holes counted apart, a Merkle root over all chunks. Two volumes with \
+        the same root (at the same chunk size) hold the same bytes.")]
+    Hash {
+        /// The volume: a block device or an image file.
+        volume: PathBuf,
+        /// Chunk size: a power of two from 64K to 8M.
+        #[arg(long, value_name = "SIZE", default_value_t = chunker::ChunkSize::DEFAULT)]
+        chunk_size: chunker::ChunkSize,
+        /// Hashing threads [default: one per core].
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
+        #[command(flatten)]
+        output: OutputArgs,
+    },
+}
+
+/// How results are shown.
+#[derive(clap::Args)]
+struct OutputArgs {
+    /// Print one JSON object with the results on stdout instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Never draw a progress bar (it is drawn only when stderr is a terminal).
+    #[arg(long)]
+    no_progress: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("mover: error: {err:#}");
+            ExitCode::from(exit_code(&err))
+        }
+    }
+}
+
+/// The one place where errors become exit codes.
+fn exit_code(err: &anyhow::Error) -> u8 {
+    match err.downcast_ref::<CopyError>() {
+        Some(CopyError::VerifyFailed { .. }) => EXIT_VERIFY_FAILED,
+        Some(e) if e.is_refusal() => EXIT_REFUSED,
+        _ if err.downcast_ref::<Unsupported>().is_some() => EXIT_REFUSED,
+        _ => 1,
+    }
+}
+
+/// An endpoint kind this build does not handle yet.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}: remote endpoints (agent://, s3://, repo://) are not supported by this build yet; use a local device or image path")]
+struct Unsupported(String);
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Copy { src, dst, options, output } => {
+            for p in [&src, &dst] {
+                if p.to_string_lossy().contains("://") {
+                    return Err(Unsupported(p.display().to_string()).into());
+                }
+            }
+            let bar = Bar::new(&output);
+            let summary = mover::copy_block(&src, &dst, &options, &bar)
+                .with_context(|| format!("copy {} -> {}", src.display(), dst.display()))?;
+            bar.done();
+            print_copy(&summary, output.json)
+        }
+        Command::Hash { volume, chunk_size, threads, output } => {
+            let bar = Bar::new(&output);
+            let summary = mover::hash_block(&volume, chunk_size, threads, &bar)
+                .with_context(|| format!("hash {}", volume.display()))?;
+            bar.done();
+            print_hash(&summary, output.json)
+        }
+    }
+}
+
+fn print_copy(s: &CopySummary, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(s)?);
+        return Ok(());
+    }
+    println!(
+        "copied {} -> {}: {} in {:.2}s ({}/s){}",
+        s.source.display(),
+        s.destination.display(),
+        human(s.volume_bytes),
+        s.duration_secs,
+        human(s.throughput_bytes_per_sec as u64),
+        if s.resumed { ", finishing an interrupted copy" } else { "" }
+    );
+    println!(
+        "  read {} of source, {} of destination; wrote {} ({} pages), zeroed {}; {} of zeros skipped",
+        human(s.source_bytes_read),
+        human(s.destination_bytes_read),
+        human(s.bytes_written),
+        s.pages_written,
+        human(s.bytes_zeroed),
+        human(s.zero_bytes_skipped),
+    );
+    if let Some(root) = &s.root {
+        println!("  verified: destination read back equals source (root {root})");
+    }
+    Ok(())
+}
+
+fn print_hash(s: &HashSummary, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(s)?);
+        return Ok(());
+    }
+    println!("{}  {}", s.root, s.volume.display());
+    println!(
+        "  {} in {} chunks of {}: {} data chunks ({}), {} zero chunks; {:.2}s ({}/s)",
+        human(s.volume_bytes),
+        s.data_chunks + s.zero_chunks,
+        human(s.chunk_size),
+        s.data_chunks,
+        human(s.data_bytes),
+        s.zero_chunks,
+        s.duration_secs,
+        human(s.throughput_bytes_per_sec as u64)
+    );
+    Ok(())
+}
+
+/// Bytes in binary units, e.g. "1.50 GiB".
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{bytes} B") } else { format!("{v:.2} {}", UNITS[unit]) }
+}
+
+/// A progress bar on stderr, drawn only on a terminal.
+struct Bar(Option<Mutex<ProgressBar>>);
+
+impl Bar {
+    fn new(output: &OutputArgs) -> Self {
+        let show = !output.no_progress && std::io::stderr().is_terminal();
+        Bar(show.then(|| Mutex::new(ProgressBar::hidden())))
+    }
+
+    fn done(&self) {
+        if let Some(bar) = &self.0 {
+            bar.lock().expect("progress bar lock").finish_and_clear();
+        }
+    }
+}
+
+impl Progress for Bar {
+    fn begin(&self, phase: &'static str, total: u64) {
+        if let Some(bar) = &self.0 {
+            let mut bar = bar.lock().expect("progress bar lock");
+            bar.finish_and_clear();
+            *bar = ProgressBar::new(total).with_style(
+                ProgressStyle::with_template(
+                    "{prefix:>7} [{bar:40}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+                )
+                .expect("valid template")
+                .progress_chars("=> "),
+            );
+            bar.set_prefix(phase);
+        }
+    }
+
+    fn update(&self, done: u64) {
+        if let Some(bar) = &self.0 {
+            bar.lock().expect("progress bar lock").set_position(done);
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! Running child processes: checked helpers, and timed runs that record the child's own
+//! peak memory.
+
+use std::ffi::OsStr;
+use std::io::{self, Read};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// What a timed child run produced.
+#[derive(Debug)]
+pub struct Timed {
+    /// Wall clock from spawn to reap, plus the trailing `sync(2)` when one was asked for.
+    pub elapsed: Duration,
+    /// The part of `elapsed` spent in the trailing `sync(2)`.
+    pub sync: Duration,
+    /// The child's peak resident set size (`ru_maxrss`), in bytes.
+    pub max_rss_bytes: u64,
+    /// Everything the child wrote on stdout.
+    pub stdout: Vec<u8>,
+}
+
+/// Whether a timed run ends with a `sync(2)` that counts in its time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThenSync {
+    /// Stop the clock when the child is reaped.
+    No,
+    /// Flush all dirty data to disk before stopping the clock (copies: mover fsyncs).
+    Yes,
+}
+
+/// The command line of `cmd`, for messages and the JSON results.
+pub fn describe(cmd: &Command) -> String {
+    std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(OsStr::to_string_lossy)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Runs `cmd` to completion and returns its stdout; a non-zero exit is an error that quotes
+/// the child's stderr.
+pub fn run_checked(cmd: &mut Command) -> Result<Vec<u8>> {
+    let what = describe(cmd);
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("cannot start `{what}`"))?;
+    ensure_success(&what, out.status, &out.stderr)?;
+    Ok(out.stdout)
+}
+
+/// Runs `cmd`, timing it from spawn to reap (and through a `sync(2)` if `then_sync`), and
+/// records its peak RSS.
+pub fn run_timed(cmd: &mut Command, then_sync: ThenSync) -> Result<Timed> {
+    let what = describe(cmd);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let start = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start `{what}`"))?;
+    let stderr = child.stderr.take().context("child stderr is not piped")?;
+    let stderr_reader = std::thread::spawn(move || read_all(stderr));
+    let mut stdout = Vec::new();
+    let read = child
+        .stdout
+        .take()
+        .context("child stdout is not piped")?
+        .read_to_end(&mut stdout);
+    let (status, max_rss_bytes) =
+        wait_with_peak_rss(child.id()).with_context(|| format!("cannot wait for `{what}`"))?;
+    let ran = start.elapsed();
+    let stderr = stderr_reader.join().unwrap_or_default();
+    read.with_context(|| format!("cannot read the output of `{what}`"))?;
+    ensure_success(&what, status, &stderr)?;
+    let sync = match then_sync {
+        ThenSync::No => Duration::ZERO,
+        ThenSync::Yes => timed_sync(),
+    };
+    Ok(Timed {
+        elapsed: ran + sync,
+        sync,
+        max_rss_bytes,
+        stdout,
+    })
+}
+
+/// Flushes all dirty data (`sync(2)`) and returns how long that took.
+pub fn timed_sync() -> Duration {
+    let start = Instant::now();
+    rustix::fs::sync();
+    start.elapsed()
+}
+
+/// Flushes dirty data, then drops the page cache, dentries and inodes so the next timed run
+/// reads from disk.
+pub fn drop_caches() -> Result<()> {
+    rustix::fs::sync();
+    std::fs::write("/proc/sys/vm/drop_caches", "3")
+        .context("cannot drop the page cache via /proc/sys/vm/drop_caches")
+}
+
+/// Turns a failed exit into an error carrying the end of the child's stderr.
+fn ensure_success(what: &str, status: ExitStatus, stderr: &[u8]) -> Result<()> {
+    if status.success() {
+        return Ok(());
+    }
+    let stderr = String::from_utf8_lossy(stderr);
+    let tail: Vec<&str> = stderr.trim_end().lines().rev().take(10).collect();
+    let tail: Vec<&str> = tail.into_iter().rev().collect();
+    bail!("`{what}` failed ({status}):\n{}", tail.join("\n"))
+}
+
+/// Reads `reader` to its end, keeping whatever arrived before an error.
+fn read_all(mut reader: impl Read) -> Vec<u8> {
+    let mut buf = Vec::new();
+    let _ = reader.read_to_end(&mut buf);
+    buf
+}
+
+/// Reaps the child `pid` and returns its exit status and peak RSS in bytes.
+///
+/// `std::process::Child::wait` throws the child's `rusage` away, and
+/// `getrusage(RUSAGE_CHILDREN)` reports the maximum over *every* child reaped so far (an
+/// earlier `cp` or `rsync` would mask mover's figure), so this calls `wait4(2)` directly.
+#[allow(unsafe_code)] // The one FFI call the bench needs; see the SAFETY comments.
+fn wait_with_peak_rss(pid: u32) -> io::Result<(ExitStatus, u64)> {
+    let pid = libc::pid_t::try_from(pid).map_err(io::Error::other)?;
+    let mut status: libc::c_int = 0;
+    // SAFETY: `rusage` is a C struct of integers, for which all-zero bytes are a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: both pointers refer to live, writable locals of the types wait4 expects,
+        // and `pid` is our own not-yet-reaped child, so no other process can be reaped.
+        let reaped = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+        if reaped == pid {
+            break;
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+    // Linux reports ru_maxrss in KiB.
+    let max_rss_kib = u64::try_from(usage.ru_maxrss).unwrap_or(0);
+    Ok((ExitStatus::from_raw(status), max_rss_kib * 1024))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timed_run_captures_stdout_and_peak_rss() {
+        let timed = run_timed(Command::new("sh").args(["-c", "echo hi"]), ThenSync::No).unwrap();
+        assert_eq!(timed.stdout, b"hi\n");
+        assert!(timed.max_rss_bytes > 0);
+        assert_eq!(timed.sync, Duration::ZERO);
+    }
+
+    #[test]
+    fn peak_rss_is_the_childs_own() {
+        // A child touching 64 MiB must report at least that, and a later small child must
+        // not inherit the figure (which getrusage(RUSAGE_CHILDREN) would do).
+        let script = "head -c 67108864 /dev/zero | (v=$(cat | tr '\\0' a); echo ${#v})";
+        let big = run_timed(Command::new("bash").args(["-c", script]), ThenSync::No).unwrap();
+        let small = run_timed(&mut Command::new("true"), ThenSync::No).unwrap();
+        assert!(big.max_rss_bytes >= 64 << 20, "{}", big.max_rss_bytes);
+        assert!(small.max_rss_bytes < 16 << 20, "{}", small.max_rss_bytes);
+    }
+
+    #[test]
+    fn failures_quote_stderr() {
+        let err = run_checked(Command::new("sh").args(["-c", "echo boom >&2; exit 3"]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("boom"), "{err}");
+        let err = run_timed(Command::new("sh").args(["-c", "echo bang >&2; exit 4"]), ThenSync::No)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bang"), "{err}");
+    }
+}

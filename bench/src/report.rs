@@ -1,0 +1,417 @@
+//! The results: targets checked, the human table, and the JSON document.
+
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use crate::image::Manifest;
+use crate::phases::{DeltaCopy, FullCopy, HashResult, Run, SparseCopy};
+
+/// Targets mover must meet.
+const HASH_MIN_RATIO: f64 = 0.90;
+const FULL_COPY_MAX_RATIO: f64 = 1.10;
+const DELTA_MIN_SPEEDUP: f64 = 5.0;
+const DELTA_MAX_WRITE_RATIO: f64 = 1.10;
+const MAX_RSS_MIB: f64 = 256.0;
+
+/// Bytes per MiB.
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Everything measured in one run of the bench.
+#[derive(Debug, Serialize)]
+pub struct Results {
+    /// Version of mover-bench.
+    pub bench_version: &'static str,
+    /// When the run started, in seconds since the Unix epoch.
+    pub started_unix_secs: u64,
+    /// `uname -r`.
+    pub kernel: String,
+    /// CPUs available to the bench.
+    pub nproc: usize,
+    /// The mover binary measured.
+    pub mover: PathBuf,
+    /// The working directory.
+    pub workdir: PathBuf,
+    /// The loop device mover read from.
+    pub source_device: PathBuf,
+    /// How the images were built and what they hold.
+    pub images: Manifest,
+    /// Hashing, per thread count.
+    pub hash: Vec<HashResult>,
+    /// The full copy.
+    pub full_copy: FullCopy,
+    /// The delta copy.
+    pub delta_copy: DeltaCopy,
+    /// The sparse 64 GiB copy.
+    pub sparse_copy: SparseCopy,
+}
+
+/// How a measured figure is compared with its limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rule {
+    /// measured >= limit.
+    AtLeast,
+    /// measured <= limit.
+    AtMost,
+    /// measured < limit.
+    Below,
+}
+
+/// The unit a check's figures are in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Unit {
+    /// A dimensionless ratio.
+    Ratio,
+    /// Mebibytes.
+    Mib,
+    /// A count.
+    Count,
+}
+
+/// One target and whether it was met.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    /// What is checked.
+    pub name: String,
+    /// The figure measured.
+    pub measured: f64,
+    /// How it must compare to `limit`.
+    pub rule: Rule,
+    /// The limit.
+    pub limit: f64,
+    /// Unit of `measured` and `limit`.
+    pub unit: Unit,
+    /// Whether the target is met.
+    pub pass: bool,
+}
+
+impl Check {
+    /// A check of `measured` against `limit`.
+    fn new(name: &str, measured: f64, rule: Rule, limit: f64, unit: Unit) -> Self {
+        let pass = match rule {
+            Rule::AtLeast => measured >= limit,
+            Rule::AtMost => measured <= limit,
+            Rule::Below => measured < limit,
+        };
+        Self {
+            name: name.to_string(),
+            measured,
+            rule,
+            limit,
+            unit,
+            pass,
+        }
+    }
+
+    /// `measured` with its unit.
+    fn measured_text(&self) -> String {
+        format_value(self.measured, self.unit)
+    }
+
+    /// The rule and limit, e.g. `>= 0.90x`.
+    fn target_text(&self) -> String {
+        let op = match self.rule {
+            Rule::AtLeast => ">=",
+            Rule::AtMost => "<=",
+            Rule::Below => "<",
+        };
+        format!("{op} {}", format_value(self.limit, self.unit))
+    }
+
+    /// `PASS` or `FAIL`.
+    fn verdict(&self) -> &'static str {
+        if self.pass { "PASS" } else { "FAIL" }
+    }
+}
+
+/// `value` written in `unit`.
+fn format_value(value: f64, unit: Unit) -> String {
+    match unit {
+        Unit::Ratio => format!("{value:.2}x"),
+        Unit::Mib => format!("{value:.1} MiB"),
+        Unit::Count => format!("{value:.0}"),
+    }
+}
+
+/// One line of the timing table.
+struct Row<'a> {
+    /// Which comparison.
+    phase: String,
+    /// The timed command.
+    run: &'a Run,
+    /// Logical bytes processed, for the MiB/s column.
+    bytes: u64,
+    /// The target this row is judged by, if any.
+    check: Option<Check>,
+}
+
+/// The table rows and the checks not tied to a row.
+struct Summary<'a> {
+    rows: Vec<Row<'a>>,
+    other_checks: Vec<Check>,
+}
+
+impl<'a> Summary<'a> {
+    /// Derives rows and checks from `results`.
+    fn new(results: &'a Results) -> Self {
+        let size = results.images.size;
+        let mut rows = Vec::new();
+        for hash in &results.hash {
+            let phase = format!("hash N={}", hash.threads);
+            let ratio = hash.b3sum.seconds / hash.mover.seconds;
+            let name = format!("{phase}: mover throughput / b3sum's");
+            rows.push(row(&phase, &hash.b3sum, size, None));
+            let check = Check::new(&name, ratio, Rule::AtLeast, HASH_MIN_RATIO, Unit::Ratio);
+            rows.push(row(&phase, &hash.mover, size, Some(check)));
+        }
+        rows.extend(full_copy_rows(&results.full_copy, size));
+        rows.extend(delta_copy_rows(&results.delta_copy, size));
+        let sparse = &results.sparse_copy;
+        rows.push(row("sparse 64G", &sparse.cp, sparse.size, None));
+        rows.push(row("sparse 64G", &sparse.mover, sparse.size, None));
+        Self {
+            rows,
+            other_checks: other_checks(results),
+        }
+    }
+
+    /// Every check, row checks first.
+    fn checks(&self) -> Vec<Check> {
+        let row_checks = self.rows.iter().filter_map(|r| r.check.clone());
+        row_checks.chain(self.other_checks.iter().cloned()).collect()
+    }
+}
+
+/// A table row.
+fn row<'a>(phase: &str, run: &'a Run, bytes: u64, check: Option<Check>) -> Row<'a> {
+    Row {
+        phase: phase.to_string(),
+        run,
+        bytes,
+        check,
+    }
+}
+
+/// Rows of the full copy: cp, dd, and mover judged against cp.
+fn full_copy_rows(full: &FullCopy, size: u64) -> Vec<Row<'_>> {
+    let ratio = full.mover.seconds / full.cp.seconds;
+    let check = Check::new(
+        "full copy: mover time / cp --sparse=always time",
+        ratio,
+        Rule::AtMost,
+        FULL_COPY_MAX_RATIO,
+        Unit::Ratio,
+    );
+    vec![
+        row("full copy", &full.cp, size, None),
+        row("full copy", &full.dd, size, None),
+        row("full copy", &full.mover, size, Some(check)),
+    ]
+}
+
+/// Rows of the delta copy: rsync, and mover judged by its speed-up over rsync.
+fn delta_copy_rows(delta: &DeltaCopy, size: u64) -> Vec<Row<'_>> {
+    let speedup = delta.rsync.seconds / delta.mover.seconds;
+    let check = Check::new(
+        "delta copy: rsync time / mover time",
+        speedup,
+        Rule::AtLeast,
+        DELTA_MIN_SPEEDUP,
+        Unit::Ratio,
+    );
+    vec![
+        row("delta copy", &delta.rsync, size, None),
+        row("delta copy", &delta.mover, size, Some(check)),
+    ]
+}
+
+/// Checks not tied to a timing: bytes written, memory, exactness of mover's copies.
+fn other_checks(results: &Results) -> Vec<Check> {
+    let delta = &results.delta_copy;
+    let changed = delta.changed.differing_bytes().max(1) as f64;
+    let mover_copies = [
+        &results.full_copy.mover,
+        &delta.mover,
+        &results.sparse_copy.mover,
+    ];
+    let inexact = mover_copies.iter().filter(|run| !run.is_exact()).count();
+    vec![
+        Check::new(
+            "delta copy: mover bytes written / changed 4 KiB pages",
+            delta.mover_bytes_written as f64 / changed,
+            Rule::AtMost,
+            DELTA_MAX_WRITE_RATIO,
+            Unit::Ratio,
+        ),
+        Check::new(
+            "peak RSS of mover, full copy",
+            results.full_copy.mover.max_rss_bytes as f64 / MIB,
+            Rule::Below,
+            MAX_RSS_MIB,
+            Unit::Mib,
+        ),
+        Check::new(
+            "peak RSS of mover, 64 GiB sparse copy",
+            results.sparse_copy.mover.max_rss_bytes as f64 / MIB,
+            Rule::Below,
+            MAX_RSS_MIB,
+            Unit::Mib,
+        ),
+        Check::new(
+            "mover copies differing from their source",
+            inexact as f64,
+            Rule::AtMost,
+            0.0,
+            Unit::Count,
+        ),
+    ]
+}
+
+/// The JSON document: the results, every check, and the overall verdict.
+#[derive(Debug, Serialize)]
+struct Document<'a> {
+    #[serde(flatten)]
+    results: &'a Results,
+    checks: Vec<Check>,
+    all_passed: bool,
+}
+
+/// Prints the tables and writes the JSON to `json_path`; returns whether every target was
+/// met.
+pub fn publish(results: &Results, json_path: &Path) -> Result<bool> {
+    let summary = Summary::new(results);
+    print!("{}", render(results, &summary));
+    let checks = summary.checks();
+    let all_passed = checks.iter().all(|c| c.pass);
+    let document = Document {
+        results,
+        checks,
+        all_passed,
+    };
+    write_json_file(json_path, &document)?;
+    println!("\nJSON results: {}", json_path.display());
+    Ok(all_passed)
+}
+
+/// The human-readable report.
+fn render(results: &Results, summary: &Summary) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "\n{}", headline(results));
+    let _ = writeln!(
+        out,
+        "\n{:<12} {:<34} {:>9} {:>10} {:>10} {:>7} {:>9} {:>6}",
+        "phase", "tool", "seconds", "MiB/s", "peak RSS", "ratio", "target", "result"
+    );
+    for row in &summary.rows {
+        let _ = writeln!(out, "{}", render_row(row));
+    }
+    let _ = writeln!(out, "\n{:<56} {:>12} {:>12} {:>6}", "check", "measured", "target", "result");
+    for check in &summary.other_checks {
+        let _ = writeln!(
+            out,
+            "{:<56} {:>12} {:>12} {:>6}",
+            check.name,
+            check.measured_text(),
+            check.target_text(),
+            check.verdict()
+        );
+    }
+    let failed = summary.checks().iter().filter(|c| !c.pass).count();
+    let _ = match failed {
+        0 => writeln!(out, "\nall targets met"),
+        n => writeln!(out, "\n{n} target(s) missed"),
+    };
+    out
+}
+
+/// The line describing the volume and the machine.
+fn headline(results: &Results) -> String {
+    let images = &results.images;
+    let diff = &images.diff;
+    format!(
+        "mover-bench: {:.2} GiB volume ({:.2} GiB allocated), {} CPUs, kernel {}\n\
+         day of changes: {} of {} 4 KiB pages differ ({:.1}% of the volume, {:.1}% of pages \
+         holding data)",
+        images.size as f64 / (MIB * 1024.0),
+        images.today_allocated as f64 / (MIB * 1024.0),
+        results.nproc,
+        results.kernel,
+        diff.differing_pages,
+        diff.total_pages,
+        percent(diff.differing_pages, diff.total_pages),
+        percent(diff.differing_pages, diff.compared_pages),
+    )
+}
+
+/// `part` as a percentage of `whole`.
+fn percent(part: u64, whole: u64) -> f64 {
+    100.0 * part as f64 / whole.max(1) as f64
+}
+
+/// One line of the timing table.
+fn render_row(row: &Row) -> String {
+    let run = row.run;
+    let (ratio, target, verdict) = match &row.check {
+        Some(check) => (check.measured_text(), check.target_text(), check.verdict()),
+        None => (String::new(), String::new(), ""),
+    };
+    let mut tool = run.tool.clone();
+    if run.differing_pages_after.is_some_and(|pages| pages != 0) {
+        tool.push_str(" (INEXACT)");
+    }
+    format!(
+        "{:<12} {:<34} {:>9.3} {:>10.1} {:>10} {:>7} {:>9} {:>6}",
+        row.phase,
+        tool,
+        run.seconds,
+        row.bytes as f64 / MIB / run.seconds,
+        format!("{:.1} MiB", run.max_rss_bytes as f64 / MIB),
+        ratio,
+        target,
+        verdict
+    )
+}
+
+/// Writes `value` as pretty JSON to `path` durably: temporary file, fsync, rename.
+pub fn write_json_file(path: &Path, value: &impl Serialize) -> Result<()> {
+    let mut tmp_name = path.as_os_str().to_owned();
+    tmp_name.push(".tmp");
+    let tmp = PathBuf::from(tmp_name);
+    let mut text = serde_json::to_string_pretty(value).context("cannot serialise JSON")?;
+    text.push('\n');
+    let mut file = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    file.write_all(text.as_bytes())
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_compare_as_named() {
+        assert!(Check::new("a", 0.9, Rule::AtLeast, 0.9, Unit::Ratio).pass);
+        assert!(!Check::new("b", 1.11, Rule::AtMost, 1.1, Unit::Ratio).pass);
+        assert!(!Check::new("c", 256.0, Rule::Below, 256.0, Unit::Mib).pass);
+        assert!(Check::new("d", 0.0, Rule::AtMost, 0.0, Unit::Count).pass);
+    }
+
+    #[test]
+    fn figures_render_with_units() {
+        let check = Check::new("rss", 34.25, Rule::Below, 256.0, Unit::Mib);
+        assert_eq!(check.measured_text(), "34.2 MiB");
+        assert_eq!(check.target_text(), "< 256.0 MiB");
+        let ratio = Check::new("r", 0.951, Rule::AtLeast, 0.9, Unit::Ratio);
+        assert_eq!(ratio.target_text(), ">= 0.90x");
+        assert_eq!(ratio.verdict(), "PASS");
+    }
+}

@@ -1,0 +1,389 @@
+//! One-shot copy of a block volume onto another, writing only what differs.
+//!
+//! The source is read in windows by a read-ahead thread (the destination's matching
+//! window too, unless it is a new sparse file); each window's chunks are classified,
+//! compared page by page and planned in parallel ([`plan`]); the writer applies the
+//! merged writes and hole punches in order. An interrupted copy is finished by rerunning
+//! it: equal pages are read, never rewritten.
+
+mod dest;
+mod marker;
+mod plan;
+
+use crate::error::{CopyError, Result, write_error};
+use chunker::{
+    BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, MerkleBuilder, Window, hash_volume,
+    is_zero, read_ahead, read_window,
+};
+use plan::{DstChunk, Op, SrcChunk, plan_chunk, push_merged};
+use rayon::prelude::*;
+use rustix::fs::FallocateFlags;
+use serde::Serialize;
+use std::{
+    ops::Range,
+    os::unix::fs::FileExt,
+    path::{Path, PathBuf},
+    time::Instant,
+};
+
+/// Options of `mover copy` for block volumes.
+#[derive(Clone, Debug, clap::Args)]
+pub struct CopyOptions {
+    /// Chunk size for reading, comparing and hashing: a power of two from 64K to 8M.
+    /// Changed chunks are still compared and written per 4 KiB page.
+    #[arg(long, value_name = "SIZE", default_value_t = ChunkSize::DEFAULT)]
+    pub chunk_size: ChunkSize,
+    /// After copying, drop DST from the page cache, read it back, and prove by
+    /// hash that it equals SRC. The copy is only marked complete if it does.
+    #[arg(long)]
+    pub verify: bool,
+    /// Extend an image-file DST that is smaller than SRC (block devices cannot grow).
+    #[arg(long)]
+    pub grow: bool,
+    /// Write to a DST block device even if it is mounted or held by another user.
+    /// This corrupts a mounted filesystem: only for devices you know are idle.
+    #[arg(long)]
+    pub force: bool,
+    /// Where markers of unfinished in-place copies are kept
+    /// [default: /var/lib/mover as root, else $XDG_STATE_HOME/mover].
+    #[arg(long, value_name = "DIR", env = "MOVER_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+}
+
+impl Default for CopyOptions {
+    fn default() -> Self {
+        CopyOptions { chunk_size: ChunkSize::DEFAULT, verify: false, grow: false, force: false, state_dir: None }
+    }
+}
+
+impl CopyOptions {
+    /// The state directory in effect.
+    pub fn state_dir(&self) -> PathBuf {
+        if let Some(dir) = &self.state_dir {
+            return dir.clone();
+        }
+        if rustix::process::geteuid().is_root() {
+            return PathBuf::from("/var/lib/mover");
+        }
+        let base = std::env::var_os("XDG_STATE_HOME").map(PathBuf::from).unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| ".".into());
+            home.join(".local/state")
+        });
+        base.join("mover")
+    }
+}
+
+/// Receives progress of long operations (the binary draws a bar; tests pass `&()`).
+pub trait Progress: Sync {
+    /// A phase ("copy", "verify") of `total` bytes begins.
+    fn begin(&self, _phase: &'static str, _total: u64) {}
+    /// `done` bytes of the current phase are finished.
+    fn update(&self, _done: u64) {}
+}
+
+impl Progress for () {}
+
+/// What a copy did, for people and (as JSON) for programs.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct CopySummary {
+    /// Source path.
+    pub source: PathBuf,
+    /// Destination path.
+    pub destination: PathBuf,
+    /// Bytes in the source volume (and copied to the destination).
+    pub volume_bytes: u64,
+    /// Chunk size used.
+    pub chunk_size: u64,
+    /// Source bytes read (holes are not read).
+    pub source_bytes_read: u64,
+    /// Destination bytes read to compare (zero for a new image).
+    pub destination_bytes_read: u64,
+    /// Bytes written to the destination as data.
+    pub bytes_written: u64,
+    /// Bytes made zero in the destination by punching holes (no data written).
+    pub bytes_zeroed: u64,
+    /// Source bytes in zero chunks or holes, never written as data.
+    pub zero_bytes_skipped: u64,
+    /// 4 KiB pages written.
+    pub pages_written: u64,
+    /// Wall time in seconds, verification included.
+    pub duration_secs: f64,
+    /// `volume_bytes / duration_secs`.
+    pub throughput_bytes_per_sec: f64,
+    /// The destination was read back and matched the source.
+    pub verified: bool,
+    /// Merkle root of the source (with `--verify`), equal to the destination's.
+    pub root: Option<String>,
+    /// This run finished an earlier interrupted copy.
+    pub resumed: bool,
+}
+
+/// A source window and, when the destination must be compared, its matching window.
+#[derive(Default)]
+struct WindowPair {
+    src: Window,
+    dst: Option<Window>,
+}
+
+/// Copies the block volume `src` onto `dst` (created if missing), writing only the pages
+/// that differ. See the module docs.
+pub fn copy_block(src: &Path, dst: &Path, opts: &CopyOptions, progress: &dyn Progress) -> Result<CopySummary> {
+    let started = Instant::now();
+    let source = BlockVolume::open(src)?;
+    warn_if_source_mounted(&source);
+    let dest = dest::prepare(&source, dst, opts)?;
+    if dest.resumed {
+        tracing::info!(destination = %dst.display(), "finishing an interrupted copy: equal pages are kept");
+    }
+    let chunk = opts.chunk_size;
+    let key = ChunkKey::local();
+    let mut merkle = opts.verify.then(|| MerkleBuilder::new(key.clone()));
+    let mut sum = CopySummary {
+        source: src.into(),
+        destination: dst.into(),
+        volume_bytes: source.size(),
+        chunk_size: chunk.get(),
+        resumed: dest.resumed,
+        ..Default::default()
+    };
+    source.advise_sequential();
+    dest.volume.advise_sequential();
+    progress.begin("copy", source.size());
+    let window_len = chunk.bytes().max(8 << 20) as u64;
+    let mut next = 0u64;
+    read_ahead(
+        2,
+        |recycled: Option<WindowPair>| {
+            if next >= source.size() {
+                return None;
+            }
+            let mut pair = recycled.unwrap_or_default();
+            let len = window_len.min(source.size() - next) as usize;
+            let offset = next;
+            next += len as u64;
+            let want_dst = !dest.fresh;
+            let dst_win = pair.dst.get_or_insert_with(Window::default);
+            let (a, b) = rayon::join(
+                || read_window(&source, chunk, offset, len, &mut pair.src),
+                || if want_dst { read_window(&dest.volume, chunk, offset, len, dst_win) } else { Ok(()) },
+            );
+            if !want_dst {
+                pair.dst = None;
+            }
+            Some(a.and(b).map(|()| pair).map_err(CopyError::from))
+        },
+        |pair: &mut WindowPair| {
+            let planned = plan_window(pair, chunk, &key, opts.verify);
+            let mut ops = Vec::new();
+            for (i, (r, (kind, chunk_ops))) in pair.src.chunk_ranges(chunk).zip(planned).enumerate() {
+                let len = r.len() as u64;
+                if !pair.src.hole[i] {
+                    sum.source_bytes_read += len;
+                }
+                if pair.dst.as_ref().is_some_and(|d| !d.hole[i]) {
+                    sum.destination_bytes_read += len;
+                }
+                if kind == ChunkKind::Zero {
+                    sum.zero_bytes_skipped += len;
+                }
+                if let Some(m) = merkle.as_mut() {
+                    m.push(&kind, len);
+                }
+                for op in chunk_ops {
+                    push_merged(&mut ops, shift(op, r.start));
+                }
+            }
+            apply_ops(&dest.volume, &pair.src, &ops, &mut sum)?;
+            progress.update(pair.src.offset + pair.src.buf.len() as u64);
+            Ok(())
+        },
+    )?;
+    let file = dest.volume.file();
+    file.sync_all().map_err(|e| write_error("sync of", dest.volume.path(), 0, e))?;
+
+    if let Some(m) = merkle {
+        let root = m.finish(source.size(), chunk);
+        verify(&source, &dest.volume, &key, chunk, root, dst, progress)?;
+        sum.verified = true;
+        sum.root = Some(root.to_hex());
+    }
+    finish(dest)?;
+    sum.duration_secs = started.elapsed().as_secs_f64();
+    sum.throughput_bytes_per_sec = sum.volume_bytes as f64 / sum.duration_secs.max(1e-9);
+    Ok(sum)
+}
+
+/// Classifies (and with `hash`, hashes) each chunk of a window and plans its ops, in parallel.
+fn plan_window(pair: &WindowPair, chunk: ChunkSize, key: &ChunkKey, hash: bool) -> Vec<(ChunkKind, Vec<Op>)> {
+    let ranges: Vec<Range<usize>> = pair.src.chunk_ranges(chunk).collect();
+    ranges
+        .into_par_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let data = &pair.src.buf[r.clone()];
+            let zero = pair.src.hole[i] || is_zero(data);
+            let kind = match (zero, hash) {
+                (true, _) => ChunkKind::Zero,
+                (false, true) => ChunkKind::Data(key.chunk_id(data)),
+                (false, false) => ChunkKind::Data(ChunkId([0; 32])),
+            };
+            let dst = match &pair.dst {
+                Some(d) if !d.hole[i] => DstChunk::Bytes(&d.buf[r.clone()]),
+                _ => DstChunk::Zeros,
+            };
+            let src = if zero { SrcChunk::Zero(r.len()) } else { SrcChunk::Data(data) };
+            let mut ops = Vec::new();
+            plan_chunk(src, dst, &mut ops);
+            (kind, ops)
+        })
+        .collect()
+}
+
+fn shift(op: Op, by: usize) -> Op {
+    match op {
+        Op::Write(r) => Op::Write(r.start + by..r.end + by),
+        Op::Zero(r) => Op::Zero(r.start + by..r.end + by),
+    }
+}
+
+/// Applies a window's ops to the destination, in order.
+fn apply_ops(dst: &BlockVolume, src: &Window, ops: &[Op], sum: &mut CopySummary) -> Result<()> {
+    for op in ops {
+        match op {
+            Op::Write(r) => {
+                let at = src.offset + r.start as u64;
+                dst.file().write_all_at(&src.buf[r.clone()], at).map_err(|e| write_error("write to", dst.path(), at, e))?;
+                sum.bytes_written += r.len() as u64;
+                sum.pages_written += r.len().div_ceil(chunker::PAGE_SIZE) as u64;
+            }
+            Op::Zero(r) => {
+                zero_range(dst, src.offset + r.start as u64, r.len() as u64)?;
+                sum.bytes_zeroed += r.len() as u64;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Makes a range read as zeros: a punched hole where the file system or device can
+/// (loop devices pass it to their backing file), else explicit zeros.
+fn zero_range(dst: &BlockVolume, offset: u64, len: u64) -> Result<()> {
+    use rustix::io::Errno;
+    for flags in [
+        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+        FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE,
+    ] {
+        match rustix::fs::fallocate(dst.file(), flags, offset, len) {
+            Ok(()) => return Ok(()),
+            Err(Errno::OPNOTSUPP | Errno::INVAL | Errno::NODEV | Errno::NOTTY) => continue,
+            Err(e) => return Err(write_error("zeroing of", dst.path(), offset, e.into())),
+        }
+    }
+    let zeros = vec![0u8; len.min(1 << 20) as usize];
+    let mut at = offset;
+    while at < offset + len {
+        let n = zeros.len().min((offset + len - at) as usize);
+        dst.file().write_all_at(&zeros[..n], at).map_err(|e| write_error("write to", dst.path(), at, e))?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
+/// Reads the destination back from disk and checks its Merkle root against the source's.
+fn verify(
+    source: &BlockVolume,
+    dst: &BlockVolume,
+    key: &ChunkKey,
+    chunk: ChunkSize,
+    src_root: ChunkId,
+    shown_dst: &Path,
+    progress: &dyn Progress,
+) -> Result<()> {
+    // Drop the pages just written from the cache so the check reads the disk, not memory.
+    let _ = rustix::fs::fadvise(dst.file(), 0, None, rustix::fs::Advice::DontNeed);
+    progress.begin("verify", dst.size());
+    let digest = hash_volume(dst, key, chunk, |done| progress.update(done))?;
+    if digest.root == src_root {
+        return Ok(());
+    }
+    let offset = first_difference(source, dst, chunk)?.unwrap_or(0);
+    Err(CopyError::VerifyFailed { src: source.path().into(), dst: shown_dst.into(), offset })
+}
+
+/// The offset of the first chunk where two volumes differ, by direct comparison.
+fn first_difference(a: &BlockVolume, b: &BlockVolume, chunk: ChunkSize) -> Result<Option<u64>> {
+    let (mut wa, mut wb) = (Window::default(), Window::default());
+    let mut off = 0;
+    while off < a.size() {
+        let len = (8u64 << 20).min(a.size() - off) as usize;
+        read_window(a, chunk, off, len, &mut wa)?;
+        read_window(b, chunk, off, len, &mut wb)?;
+        for (i, r) in wa.chunk_ranges(chunk).enumerate() {
+            let za = wa.hole[i] || is_zero(&wa.buf[r.clone()]);
+            let zb = wb.hole[i] || is_zero(&wb.buf[r.clone()]);
+            let equal = match (za, zb) {
+                (true, true) => true,
+                (false, false) => wa.buf[r.clone()] == wb.buf[r.clone()],
+                _ => false,
+            };
+            if !equal {
+                return Ok(Some(off + r.start as u64));
+            }
+        }
+        off += len as u64;
+    }
+    Ok(None)
+}
+
+/// Makes the finished copy visible: renames a new image into place, or clears the marker.
+fn finish(dest: dest::Destination) -> Result<()> {
+    if let Some(partial) = &dest.partial {
+        rename_no_replace(partial, &dest.path)?;
+        let dir = dest.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| write_error("sync of directory", dir, 0, e))?;
+    }
+    if let Some(marker) = dest.marker {
+        marker.finish()?;
+    }
+    Ok(())
+}
+
+/// Renames without replacing: if something appeared at `to` during the copy, keep both.
+fn rename_no_replace(from: &Path, to: &Path) -> Result<()> {
+    use rustix::fs::{CWD, RenameFlags, renameat_with};
+    match renameat_with(CWD, from, CWD, to, RenameFlags::NOREPLACE) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::EXIST) => Err(CopyError::BadDestination {
+            path: to.into(),
+            why: format!(
+                "was created by someone else during the copy; the complete copy is kept at {}",
+                from.display()
+            ),
+        }),
+        // File systems without RENAME_NOREPLACE: the existence check at the start stands.
+        Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS) => {
+            std::fs::rename(from, to).map_err(|e| write_error("rename onto", to, 0, e))
+        }
+        Err(e) => Err(write_error("rename onto", to, 0, e.into())),
+    }
+}
+
+/// Copying a mounted, writable filesystem gives a torn image: say so, but proceed
+/// (it is how people copy a frozen or quiesced volume).
+fn warn_if_source_mounted(source: &BlockVolume) {
+    use std::os::unix::fs::MetadataExt;
+    if source.kind() != chunker::VolumeKind::BlockDevice {
+        return;
+    }
+    if let Ok(meta) = source.file().metadata()
+        && let Some(mountpoint) = dest::mounted_at(meta.rdev())
+    {
+        tracing::warn!(
+            source = %source.path().display(),
+            %mountpoint,
+            "the source is mounted: unless it is frozen (fsfreeze) or read-only, the copy may not be consistent"
+        );
+    }
+}

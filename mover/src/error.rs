@@ -1,0 +1,144 @@
+use chunker::ChunkerError;
+use std::path::PathBuf;
+
+/// Result alias for the engine.
+pub type Result<T, E = CopyError> = std::result::Result<T, E>;
+
+/// Why a copy was refused or failed. Every message says what, where, and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum CopyError {
+    /// Reading or opening a volume failed.
+    #[error(transparent)]
+    Volume(#[from] ChunkerError),
+    /// The destination cannot hold the source.
+    #[error(
+        "destination {path} is smaller than the source ({dst_size} < {src_size} bytes); {hint}"
+    )]
+    DestinationTooSmall {
+        /// Destination path.
+        path: PathBuf,
+        /// Its size.
+        dst_size: u64,
+        /// The source size.
+        src_size: u64,
+        /// What to do about it.
+        hint: &'static str,
+    },
+    /// An image file destination larger than the source would keep stale bytes past the end.
+    #[error(
+        "destination {path} is larger than the source ({dst_size} > {src_size} bytes): the copy \
+         would keep stale bytes past the source's end. Shrink it first (truncate -s {src_size} \
+         {path}) or remove it"
+    )]
+    DestinationLarger {
+        /// Destination path.
+        path: PathBuf,
+        /// Its size.
+        dst_size: u64,
+        /// The source size.
+        src_size: u64,
+    },
+    /// Source and destination are the same storage.
+    #[error("source {src} and destination {dst} are the same volume{detail}; nothing was written")]
+    SameVolume {
+        /// Source path.
+        src: PathBuf,
+        /// Destination path.
+        dst: PathBuf,
+        /// How they are the same (e.g. a loop device over the file).
+        detail: String,
+    },
+    /// The destination block device is mounted or held by another user.
+    #[error(
+        "destination {path} is {detail}; writing under a mounted filesystem corrupts it. \
+         Unmount it first, or pass --force if you are sure"
+    )]
+    DestinationInUse {
+        /// Destination path.
+        path: PathBuf,
+        /// Where it is mounted, or who holds it.
+        detail: String,
+    },
+    /// The destination path cannot be used (a directory, a missing parent, ...).
+    #[error("destination {path}: {why}")]
+    BadDestination {
+        /// Destination path.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        why: String,
+    },
+    /// A write, punch, sync or rename on the destination failed.
+    #[error("{what} {path} at offset {offset} failed: {cause}{hint}")]
+    Write {
+        /// What was being done ("write to", "sync of", ...).
+        what: &'static str,
+        /// Destination path.
+        path: PathBuf,
+        /// Byte offset (0 for whole-file operations).
+        offset: u64,
+        /// The OS error.
+        cause: std::io::Error,
+        /// Advice, e.g. for a full disk.
+        hint: &'static str,
+    },
+    /// The destination read back differs from the source.
+    #[error(
+        "verification failed: {dst} differs from {src} at offset {offset}; the destination is \
+         not a valid copy (rerun the copy to repair it)"
+    )]
+    VerifyFailed {
+        /// Source path.
+        src: PathBuf,
+        /// Destination path.
+        dst: PathBuf,
+        /// First differing byte offset found (chunk-aligned).
+        offset: u64,
+    },
+    /// The state directory (interrupted-copy markers) could not be used.
+    #[error("state directory {path}: {cause} (set --state-dir or MOVER_STATE_DIR to a writable directory)")]
+    State {
+        /// The path.
+        path: PathBuf,
+        /// The OS error.
+        cause: std::io::Error,
+    },
+}
+
+impl CopyError {
+    /// Whether rerunning the same command may succeed without the user changing anything.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            CopyError::Volume(e) => e.is_retryable(),
+            CopyError::Write { cause, .. } => matches!(
+                cause.kind(),
+                std::io::ErrorKind::Interrupted | std::io::ErrorKind::TimedOut
+            ),
+            _ => false,
+        }
+    }
+
+    /// Whether the error is a refusal of bad input, made before anything was written.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            CopyError::DestinationTooSmall { .. }
+                | CopyError::DestinationLarger { .. }
+                | CopyError::SameVolume { .. }
+                | CopyError::DestinationInUse { .. }
+                | CopyError::BadDestination { .. }
+        ) || matches!(self, CopyError::Volume(ChunkerError::Open { .. } | ChunkerError::NotABlockVolume { .. }))
+    }
+}
+
+/// Builds a [`CopyError::Write`] for `path`, adding advice for the errors a user can act on.
+pub(crate) fn write_error(what: &'static str, path: &std::path::Path, offset: u64, cause: std::io::Error) -> CopyError {
+    let hint = match cause.kind() {
+        std::io::ErrorKind::StorageFull => {
+            ": the destination is full. Free space (or use a larger destination) and rerun: \
+             the copy resumes and rewrites nothing already equal"
+        }
+        std::io::ErrorKind::ReadOnlyFilesystem => ": the destination is read-only",
+        _ => "",
+    };
+    CopyError::Write { what, path: path.to_path_buf(), offset, cause, hint }
+}
