@@ -257,7 +257,8 @@ impl Layout {
 
 /// `percent` of `size`, rounded down to a whole MiB.
 fn share(size: u64, percent: u64) -> u64 {
-    size / 100 * percent >> 20 << 20
+    const MIB: u64 = 1 << 20;
+    size * percent / 100 / MIB * MIB
 }
 
 /// The temporary name an image is built under.
@@ -302,7 +303,7 @@ mod tests {
     #[test]
     fn shares_are_whole_mib() {
         assert_eq!(share(4 << 30, 15) % (1 << 20), 0);
-        assert!(share(4 << 30, 15) <= (4u64 << 30) / 100 * 15);
+        assert!(share(4 << 30, 15) <= (4u64 << 30) * 15 / 100);
         assert_eq!(share(512 << 20, 100), 512 << 20);
     }
 

@@ -48,7 +48,7 @@ pub fn build(path: &Path, seed: u64) -> Result<Vec<Region>> {
 
 /// Picks the regions: one per slot of `SPARSE_SIZE / REGIONS`, at a random aligned offset.
 fn layout(rng: &mut SplitMix64) -> Vec<Region> {
-    let slot = SPARSE_SIZE / REGIONS;
+    let slot = SPARSE_SIZE / REGIONS / ALIGN * ALIGN;
     (0..REGIONS)
         .map(|i| Region {
             offset: i * slot + rng.below((slot - REGION_LEN) / ALIGN) * ALIGN,
