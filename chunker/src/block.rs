@@ -1,8 +1,14 @@
 //! Fixed-size chunking of block volumes.
 
 use crate::{
-    error::Result, id::ChunkId, id::ChunkKey, merkle::MerkleBuilder, pipeline::read_ahead,
-    size::ChunkSize, volume::BlockVolume, zero::is_zero,
+    error::{ChunkerError, Result},
+    id::ChunkId,
+    id::ChunkKey,
+    merkle::MerkleBuilder,
+    pipeline::read_ahead,
+    size::ChunkSize,
+    volume::BlockVolume,
+    zero::is_zero,
 };
 use rayon::prelude::*;
 
@@ -33,7 +39,9 @@ impl Window {
     /// The byte ranges (within `buf`) of the window's chunks, in order.
     pub fn chunk_ranges(&self, chunk: ChunkSize) -> impl Iterator<Item = std::ops::Range<usize>> {
         let len = self.buf.len();
-        (0..len).step_by(chunk.bytes()).map(move |s| s..(s + chunk.bytes()).min(len))
+        (0..len)
+            .step_by(chunk.bytes())
+            .map(move |s| s..(s + chunk.bytes()).min(len))
     }
 }
 
@@ -97,14 +105,7 @@ pub fn hash_chunks(key: &ChunkKey, chunk: ChunkSize, win: &Window) -> Vec<ChunkK
     ranges
         .into_par_iter()
         .enumerate()
-        .map(|(i, r)| {
-            let data = &win.buf[r];
-            if win.hole[i] || is_zero(data) {
-                ChunkKind::Zero
-            } else {
-                ChunkKind::Data(key.chunk_id(data))
-            }
-        })
+        .map(|(i, r)| classify(key, &win.buf[r], win.hole[i]))
         .collect()
 }
 
@@ -130,21 +131,38 @@ pub(crate) fn window_len(chunk: ChunkSize) -> usize {
     chunk.bytes().max(8 << 20)
 }
 
-/// Reads and hashes a whole volume with read-ahead, in bounded memory.
+/// Reads and hashes a whole volume in bounded memory.
 ///
+/// Maps the volume window by window where it can (no copy: as fast as `b3sum`, and the
+/// mapping of a finished window is dropped so resident memory stays one window), and
+/// falls back to `pread` with read-ahead where mapping fails.
 /// `progress` is called with the number of bytes done after each window.
 pub fn hash_volume(
     volume: &BlockVolume,
     key: &ChunkKey,
     chunk: ChunkSize,
-    mut progress: impl FnMut(u64),
+    progress: impl FnMut(u64),
 ) -> Result<VolumeDigest> {
+    let mut digest = DigestBuilder::new(key, volume.size(), chunk);
+    if volume.size() > 0 && map_window(volume, 0, chunk.bytes().min(volume.size() as usize)).is_ok()
+    {
+        hash_mapped(volume, chunk, &mut digest, progress)?;
+    } else {
+        hash_read(volume, chunk, &mut digest, progress)?;
+    }
+    Ok(digest.finish())
+}
+
+/// Hashing through `pread` into reused buffers, with read-ahead on another thread.
+fn hash_read(
+    volume: &BlockVolume,
+    chunk: ChunkSize,
+    digest: &mut DigestBuilder,
+    mut progress: impl FnMut(u64),
+) -> Result<()> {
     volume.advise_sequential();
     let size = volume.size();
     let wlen = window_len(chunk) as u64;
-    let mut merkle = MerkleBuilder::new(key.clone());
-    let mut digest =
-        VolumeDigest { size, chunk, data_chunks: 0, zero_chunks: 0, data_bytes: 0, root: ChunkId([0; 32]) };
     let mut next = 0u64;
     read_ahead(
         3,
@@ -159,23 +177,117 @@ pub fn hash_volume(
             Some(r)
         },
         |win: &mut Window| {
-            let kinds = hash_chunks(key, chunk, win);
-            for (kind, r) in kinds.iter().zip(win.chunk_ranges(chunk)) {
-                merkle.push(kind, r.len() as u64);
-                match kind {
-                    ChunkKind::Zero => digest.zero_chunks += 1,
-                    ChunkKind::Data(_) => {
-                        digest.data_chunks += 1;
-                        digest.data_bytes += r.len() as u64;
-                    }
-                }
-            }
+            let kinds = hash_chunks(digest.key, chunk, win);
+            digest.push_all(&kinds, win.chunk_ranges(chunk).map(|r| r.len() as u64));
             progress(win.offset + win.buf.len() as u64);
             Ok(())
         },
-    )?;
-    digest.root = merkle.finish(size, chunk);
-    Ok(digest)
+    )
+}
+
+/// Window size when hashing through a memory map: the mapping is prefaulted in one go.
+const MAP_WINDOW: u64 = 64 << 20;
+
+/// Hashing straight from the page cache through per-window memory maps.
+fn hash_mapped(
+    volume: &BlockVolume,
+    chunk: ChunkSize,
+    digest: &mut DigestBuilder,
+    mut progress: impl FnMut(u64),
+) -> Result<()> {
+    let size = volume.size();
+    let mut offset = 0u64;
+    let mut hole = Vec::new();
+    while offset < size {
+        let len = MAP_WINDOW.min(size - offset);
+        let map = map_window(volume, offset, len as usize).map_err(|cause| ChunkerError::Read {
+            path: volume.path().into(),
+            offset,
+            cause,
+        })?;
+        hole.clear();
+        hole.resize((len as usize).div_ceil(chunk.bytes()), false);
+        mark_hole_chunks(volume, chunk, offset, len, &mut hole);
+        let kinds: Vec<ChunkKind> = map
+            .par_chunks(chunk.bytes())
+            .enumerate()
+            .map(|(i, data)| classify(digest.key, data, hole[i]))
+            .collect();
+        digest.push_all(&kinds, map.chunks(chunk.bytes()).map(|c| c.len() as u64));
+        offset += len;
+        progress(offset);
+    }
+    Ok(())
+}
+
+/// Maps `len` bytes of the volume at `offset` (page aligned) read-only, prefaulted.
+#[allow(unsafe_code)]
+fn map_window(volume: &BlockVolume, offset: u64, len: usize) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: the mapping is read-only and private to this function's caller, which only
+    // reads it while hashing. If another process truncated the file underneath, reads of
+    // the lost pages would fault (SIGBUS); mover maps only volumes it is asked to hash,
+    // and copies read their source with pread instead, where that risk is not acceptable.
+    unsafe {
+        memmap2::MmapOptions::new()
+            .offset(offset)
+            .len(len)
+            .populate()
+            .map(volume.file())
+    }
+}
+
+/// A chunk's kind: zero if a hole or all zeros, else its id.
+fn classify(key: &ChunkKey, data: &[u8], hole: bool) -> ChunkKind {
+    if hole || is_zero(data) {
+        ChunkKind::Zero
+    } else {
+        ChunkKind::Data(key.chunk_id(data))
+    }
+}
+
+/// Accumulates chunk kinds into a [`VolumeDigest`].
+struct DigestBuilder<'k> {
+    key: &'k ChunkKey,
+    merkle: MerkleBuilder,
+    digest: VolumeDigest,
+}
+
+impl<'k> DigestBuilder<'k> {
+    fn new(key: &'k ChunkKey, size: u64, chunk: ChunkSize) -> Self {
+        DigestBuilder {
+            key,
+            merkle: MerkleBuilder::new(key.clone()),
+            digest: VolumeDigest {
+                size,
+                chunk,
+                data_chunks: 0,
+                zero_chunks: 0,
+                data_bytes: 0,
+                root: ChunkId([0; 32]),
+            },
+        }
+    }
+
+    fn push_all(&mut self, kinds: &[ChunkKind], lens: impl Iterator<Item = u64>) {
+        for (kind, len) in kinds.iter().zip(lens) {
+            self.merkle.push(kind, len);
+            match kind {
+                ChunkKind::Zero => self.digest.zero_chunks += 1,
+                ChunkKind::Data(_) => {
+                    self.digest.data_chunks += 1;
+                    self.digest.data_bytes += len;
+                }
+            }
+        }
+    }
+
+    fn finish(self) -> VolumeDigest {
+        let root = self.merkle.finish(self.digest.size, self.digest.chunk);
+        VolumeDigest {
+            root,
+            ..self.digest
+        }
+    }
 }
 
 #[cfg(test)]
@@ -204,7 +316,12 @@ mod tests {
         // 1 MiB + 5 bytes: a short last chunk; data in chunk 2 and in the last one;
         // chunk 5 holds written zeros (not a hole) and must still count as zero.
         let (_d, path) = image((1 << 20) + 5, &[(2 * 65536 + 100, 10), (1 << 20, 5)]);
-        File::options().write(true).open(&path).unwrap().write_all_at(&[0; 65536], 5 * 65536).unwrap();
+        File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .write_all_at(&[0; 65536], 5 * 65536)
+            .unwrap();
         let v = BlockVolume::open(&path).unwrap();
         let d = hash_volume(&v, &ChunkKey::local(), cs, |_| {}).unwrap();
         assert_eq!(d.data_chunks, 2);
@@ -220,21 +337,40 @@ mod tests {
         let key = ChunkKey::local();
         let da = hash_volume(&BlockVolume::open(&pa).unwrap(), &key, cs, |_| {}).unwrap();
         // Same content, but the tail written as explicit zeros instead of a hole.
-        File::options().write(true).open(&pb).unwrap().write_all_at(&vec![0; 1 << 20], 2 << 20).unwrap();
+        File::options()
+            .write(true)
+            .open(&pb)
+            .unwrap()
+            .write_all_at(&vec![0; 1 << 20], 2 << 20)
+            .unwrap();
         let db = hash_volume(&BlockVolume::open(&pb).unwrap(), &key, cs, |_| {}).unwrap();
         assert_eq!(da, db);
-        File::options().write(true).open(&pb).unwrap().write_all_at(&[1], (3 << 20) - 1).unwrap();
+        File::options()
+            .write(true)
+            .open(&pb)
+            .unwrap()
+            .write_all_at(&[1], (3 << 20) - 1)
+            .unwrap();
         let dc = hash_volume(&BlockVolume::open(&pb).unwrap(), &key, cs, |_| {}).unwrap();
         assert_ne!(da.root, dc.root);
         // The chunk size is bound into the root.
-        let dd = hash_volume(&BlockVolume::open(&pa).unwrap(), &key, ChunkSize::DEFAULT, |_| {}).unwrap();
+        let dd = hash_volume(
+            &BlockVolume::open(&pa).unwrap(),
+            &key,
+            ChunkSize::DEFAULT,
+            |_| {},
+        )
+        .unwrap();
         assert_ne!(da.root, dd.root);
     }
 
     #[test]
     fn window_reads_match_plain_reads() {
         let cs = ChunkSize::new(64 << 10).unwrap();
-        let (_d, path) = image(40 << 20, &[(0, 4096), (9 << 20, 3 << 20), ((40 << 20) - 70_000, 70_000)]);
+        let (_d, path) = image(
+            40 << 20,
+            &[(0, 4096), (9 << 20, 3 << 20), ((40 << 20) - 70_000, 70_000)],
+        );
         let v = BlockVolume::open(&path).unwrap();
         let all = std::fs::read(&path).unwrap();
         let mut win = Window::default();
@@ -245,7 +381,10 @@ mod tests {
             for (i, r) in win.chunk_ranges(cs).enumerate() {
                 let want = &all[off as usize + r.start..off as usize + r.end];
                 if win.hole[i] {
-                    assert!(is_zero(want), "chunk {i} at {off} flagged hole but has data");
+                    assert!(
+                        is_zero(want),
+                        "chunk {i} at {off} flagged hole but has data"
+                    );
                 } else {
                     assert_eq!(&win.buf[r], want);
                 }

@@ -19,14 +19,20 @@ pub struct CdcParams {
 impl Default for CdcParams {
     /// 256 KiB / 1 MiB / 4 MiB: the average matches the block chunk size.
     fn default() -> Self {
-        CdcParams { min: 256 << 10, avg: 1 << 20, max: 4 << 20 }
+        CdcParams {
+            min: 256 << 10,
+            avg: 1 << 20,
+            max: 4 << 20,
+        }
     }
 }
 
 impl CdcParams {
     /// Checks the sizes against what FastCDC v2020 accepts.
     pub fn validate(&self) -> Result<()> {
-        use fastcdc::v2020::{AVERAGE_MAX, AVERAGE_MIN, MAXIMUM_MAX, MAXIMUM_MIN, MINIMUM_MAX, MINIMUM_MIN};
+        use fastcdc::v2020::{
+            AVERAGE_MAX, AVERAGE_MIN, MAXIMUM_MAX, MAXIMUM_MIN, MINIMUM_MAX, MINIMUM_MIN,
+        };
         let ok = (MINIMUM_MIN..=MINIMUM_MAX).contains(&self.min)
             && (AVERAGE_MIN..=AVERAGE_MAX).contains(&self.avg)
             && (MAXIMUM_MIN..=MAXIMUM_MAX).contains(&self.max)
@@ -97,12 +103,26 @@ impl CdcChunker {
         reader: R,
     ) -> impl Iterator<Item = std::io::Result<(CdcChunk, Vec<u8>)>> + use<'_, R> {
         let p = self.params;
-        StreamCDC::with_level_and_seed(reader, p.min, p.avg, p.max, Normalization::Level1, self.seed)
-            .map(move |r| {
-                let c = r.map_err(std::io::Error::from)?;
-                let id = self.key.chunk_id(&c.data);
-                Ok((CdcChunk { offset: c.offset, len: c.length, id }, c.data))
-            })
+        StreamCDC::with_level_and_seed(
+            reader,
+            p.min,
+            p.avg,
+            p.max,
+            Normalization::Level1,
+            self.seed,
+        )
+        .map(move |r| {
+            let c = r.map_err(std::io::Error::from)?;
+            let id = self.key.chunk_id(&c.data);
+            Ok((
+                CdcChunk {
+                    offset: c.offset,
+                    len: c.length,
+                    id,
+                },
+                c.data,
+            ))
+        })
     }
 }
 
@@ -112,7 +132,11 @@ mod tests {
     use rand::{RngCore, SeedableRng, rngs::StdRng};
 
     fn small() -> CdcParams {
-        CdcParams { min: 4096, avg: 16384, max: 65536 }
+        CdcParams {
+            min: 4096,
+            avg: 16384,
+            max: 65536,
+        }
     }
 
     #[test]
@@ -125,8 +149,15 @@ mod tests {
         edited.splice(1 << 20..1 << 20, [0xAB; 100]);
         let after = c.chunk_slice(&edited);
         let old: std::collections::HashSet<_> = before.iter().map(|c| c.id).collect();
-        let new_bytes: usize = after.iter().filter(|c| !old.contains(&c.id)).map(|c| c.len).sum();
-        assert!(new_bytes < 4 * 65536, "an insert of 100 bytes made {new_bytes} new bytes");
+        let new_bytes: usize = after
+            .iter()
+            .filter(|c| !old.contains(&c.id))
+            .map(|c| c.len)
+            .sum();
+        assert!(
+            new_bytes < 4 * 65536,
+            "an insert of 100 bytes made {new_bytes} new bytes"
+        );
         assert_eq!(after.iter().map(|c| c.len).sum::<usize>(), edited.len());
     }
 
@@ -144,7 +175,27 @@ mod tests {
 
     #[test]
     fn rejects_bad_params() {
-        assert!(CdcChunker::new(ChunkKey::local(), CdcParams { min: 10, avg: 16384, max: 65536 }).is_err());
-        assert!(CdcChunker::new(ChunkKey::local(), CdcParams { min: 65536, avg: 16384, max: 65536 }).is_err());
+        assert!(
+            CdcChunker::new(
+                ChunkKey::local(),
+                CdcParams {
+                    min: 10,
+                    avg: 16384,
+                    max: 65536
+                }
+            )
+            .is_err()
+        );
+        assert!(
+            CdcChunker::new(
+                ChunkKey::local(),
+                CdcParams {
+                    min: 65536,
+                    avg: 16384,
+                    max: 65536
+                }
+            )
+            .is_err()
+        );
     }
 }

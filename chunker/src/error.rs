@@ -33,7 +33,9 @@ pub enum ChunkerError {
         cause: std::io::Error,
     },
     /// The volume got shorter while it was being read.
-    #[error("{path} ended at offset {offset}, before its size {size}: was it truncated while being read?")]
+    #[error(
+        "{path} ended at offset {offset}, before its size {size}: was it truncated while being read?"
+    )]
     ShortRead {
         /// The volume's path.
         path: PathBuf,

@@ -16,7 +16,10 @@ impl ChunkKey {
     /// The fixed key for local copies, where no secret is at stake and both sides
     /// are on this machine.
     pub fn local() -> Self {
-        ChunkKey(blake3::derive_key("mover 2026 local copy chunk key v1", b""))
+        ChunkKey(blake3::derive_key(
+            "mover 2026 local copy chunk key v1",
+            b"",
+        ))
     }
 
     /// The raw key bytes.
@@ -81,7 +84,10 @@ mod tests {
         let b = ChunkKey::from_bytes([2; 32]);
         assert_ne!(a.chunk_id(b"data"), b.chunk_id(b"data"));
         assert_eq!(a.chunk_id(b"data"), a.chunk_id(b"data"));
-        assert_eq!(a.chunk_id(b"data").0, *blake3::keyed_hash(&[1; 32], b"data").as_bytes());
+        assert_eq!(
+            a.chunk_id(b"data").0,
+            *blake3::keyed_hash(&[1; 32], b"data").as_bytes()
+        );
     }
 
     #[test]

@@ -21,7 +21,11 @@ pub struct MerkleBuilder {
 impl MerkleBuilder {
     /// An empty builder under `key`.
     pub fn new(key: ChunkKey) -> Self {
-        MerkleBuilder { key, stack: Vec::with_capacity(64), leaves: 0 }
+        MerkleBuilder {
+            key,
+            stack: Vec::with_capacity(64),
+            leaves: 0,
+        }
     }
 
     /// Appends the next chunk; `len` is its length in bytes.
@@ -58,7 +62,11 @@ impl MerkleBuilder {
             .unwrap_or(ChunkId([0; 32]));
         self.key.tagged_hash(
             TAG_ROOT,
-            &[&volume_size.to_le_bytes(), &chunk.get().to_le_bytes(), &tree.0],
+            &[
+                &volume_size.to_le_bytes(),
+                &chunk.get().to_le_bytes(),
+                &tree.0,
+            ],
         )
     }
 
@@ -77,7 +85,10 @@ mod tests {
             return leaves[0];
         }
         let split = leaves.len().next_power_of_two() / 2;
-        b.node(&reference(b, &leaves[..split]), &reference(b, &leaves[split..]))
+        b.node(
+            &reference(b, &leaves[..split]),
+            &reference(b, &leaves[split..]),
+        )
     }
 
     #[test]
@@ -85,7 +96,13 @@ mod tests {
         let key = ChunkKey::local();
         for n in [1usize, 2, 3, 5, 8, 13, 64, 100] {
             let kinds: Vec<ChunkKind> = (0..n)
-                .map(|i| if i % 3 == 0 { ChunkKind::Zero } else { ChunkKind::Data(key.chunk_id(&i.to_le_bytes())) })
+                .map(|i| {
+                    if i % 3 == 0 {
+                        ChunkKind::Zero
+                    } else {
+                        ChunkKind::Data(key.chunk_id(&i.to_le_bytes()))
+                    }
+                })
                 .collect();
             let mut b = MerkleBuilder::new(key.clone());
             let leaves: Vec<ChunkId> = kinds
@@ -102,7 +119,11 @@ mod tests {
             let tree = reference(&b, &leaves);
             let want = key.tagged_hash(
                 TAG_ROOT,
-                &[&1u64.to_le_bytes(), &ChunkSize::DEFAULT.get().to_le_bytes(), &tree.0],
+                &[
+                    &1u64.to_le_bytes(),
+                    &ChunkSize::DEFAULT.get().to_le_bytes(),
+                    &tree.0,
+                ],
             );
             assert_eq!(b.finish(1, ChunkSize::DEFAULT), want, "n={n}");
         }

@@ -8,7 +8,11 @@ pub const PAGE_SIZE: usize = 4096;
 /// pages merged into one range. Both slices must have the same length; the last page
 /// may be short.
 pub fn differing_pages(a: &[u8], b: &[u8], page: usize) -> Vec<Range<usize>> {
-    assert_eq!(a.len(), b.len(), "compared buffers must have the same length");
+    assert_eq!(
+        a.len(),
+        b.len(),
+        "compared buffers must have the same length"
+    );
     let mut runs: Vec<Range<usize>> = Vec::new();
     for (i, (pa, pb)) in a.chunks(page).zip(b.chunks(page)).enumerate() {
         if pa != pb {

@@ -62,13 +62,25 @@ mod tests {
         assert_eq!(seen, (1..=100).collect::<Vec<_>>());
 
         let mut n = 0;
-        let err = read_ahead(2, |_| {
-            n += 1;
-            Some(if n == 5 { Err("read failed".to_string()) } else { Ok(n) })
-        }, |_| Ok(()));
+        let err = read_ahead(
+            2,
+            |_| {
+                n += 1;
+                Some(if n == 5 {
+                    Err("read failed".to_string())
+                } else {
+                    Ok(n)
+                })
+            },
+            |_| Ok(()),
+        );
         assert_eq!(err, Err("read failed".to_string()));
 
-        let err = read_ahead(2, |_| Some(Ok::<_, String>(1)), |_| Err("write failed".to_string()));
+        let err = read_ahead(
+            2,
+            |_| Some(Ok::<_, String>(1)),
+            |_| Err("write failed".to_string()),
+        );
         assert_eq!(err, Err("write failed".to_string()));
     }
 }

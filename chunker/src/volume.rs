@@ -34,7 +34,10 @@ impl BlockVolume {
     /// Opens `path` with the given options (e.g. read-write, `O_EXCL`), and checks that it
     /// is a block device or a regular file.
     pub fn open_with(path: &Path, options: &OpenOptions) -> Result<Self> {
-        let open_err = |cause| ChunkerError::Open { path: path.to_path_buf(), cause };
+        let open_err = |cause| ChunkerError::Open {
+            path: path.to_path_buf(),
+            cause,
+        };
         let mut file = options.open(path).map_err(open_err)?;
         let meta = file.metadata().map_err(open_err)?;
         let ft = meta.file_type();
@@ -54,20 +57,31 @@ impl BlockVolume {
             } else {
                 "not a regular file"
             };
-            return Err(ChunkerError::NotABlockVolume { path: path.to_path_buf(), what });
+            return Err(ChunkerError::NotABlockVolume {
+                path: path.to_path_buf(),
+                what,
+            });
         };
         // st_size is 0 for block devices: ask the device by seeking to its end.
         let size = match kind {
             VolumeKind::ImageFile => meta.len(),
             VolumeKind::BlockDevice => file.seek(StdSeekFrom::End(0)).map_err(open_err)?,
         };
-        Ok(BlockVolume { file, path: path.to_path_buf(), kind, size })
+        Ok(BlockVolume {
+            file,
+            path: path.to_path_buf(),
+            kind,
+            size,
+        })
     }
 
     /// A view of only the first `size` bytes (e.g. of a destination device larger than
     /// its source), for reading and hashing. `size` must not exceed the volume's size.
     pub fn limited_to(mut self, size: u64) -> Self {
-        assert!(size <= self.size, "a volume view cannot be larger than the volume");
+        assert!(
+            size <= self.size,
+            "a volume view cannot be larger than the volume"
+        );
         self.size = size;
         self
     }
@@ -108,10 +122,10 @@ impl BlockVolume {
     /// (device, inode) for regular files, or the device number for block devices:
     /// equal identities mean the same storage.
     pub fn identity(&self) -> Result<(u64, u64)> {
-        let meta = self
-            .file
-            .metadata()
-            .map_err(|cause| ChunkerError::Open { path: self.path.clone(), cause })?;
+        let meta = self.file.metadata().map_err(|cause| ChunkerError::Open {
+            path: self.path.clone(),
+            cause,
+        })?;
         Ok(match self.kind {
             VolumeKind::BlockDevice => (u64::MAX, meta.rdev()),
             VolumeKind::ImageFile => (meta.dev(), meta.ino()),
@@ -134,7 +148,11 @@ impl BlockVolume {
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(cause) => {
-                    return Err(ChunkerError::Read { path: self.path.clone(), offset: at, cause });
+                    return Err(ChunkerError::Read {
+                        path: self.path.clone(),
+                        offset: at,
+                        cause,
+                    });
                 }
             }
         }
@@ -206,7 +224,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let err = BlockVolume::open(dir.path()).unwrap_err().to_string();
         assert!(err.contains("is a directory"), "{err}");
-        let err = BlockVolume::open(&dir.path().join("missing")).unwrap_err().to_string();
-        assert!(err.contains("cannot open") && err.contains("missing"), "{err}");
+        let err = BlockVolume::open(&dir.path().join("missing"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("cannot open") && err.contains("missing"),
+            "{err}"
+        );
     }
 }
