@@ -23,6 +23,49 @@ pub struct BlockVolume {
     path: PathBuf,
     kind: VolumeKind,
     size: u64,
+    holes: HoleMap,
+}
+
+/// Where the volume's holes can be learned.
+#[derive(Debug)]
+enum HoleMap {
+    /// `SEEK_DATA`/`SEEK_HOLE` on the volume's own file.
+    OwnFile,
+    /// A loop device: the same calls on its backing file, shifted by the loop offset.
+    LoopBacking { file: File, offset: u64 },
+    /// A block device that cannot tell: everything counts as data (zero detection
+    /// still finds zero chunks, at the cost of reading them).
+    None,
+}
+
+impl HoleMap {
+    /// For a loop device over a regular file, its backing file; else `None`.
+    fn for_device(device: &File, rdev: u64) -> HoleMap {
+        let sys = format!(
+            "/sys/dev/block/{}:{}/loop",
+            rustix::fs::major(rdev),
+            rustix::fs::minor(rdev)
+        );
+        let read = |name: &str| std::fs::read_to_string(format!("{sys}/{name}")).ok();
+        let (Some(backing), Some(offset)) = (read("backing_file"), read("offset")) else {
+            return HoleMap::None;
+        };
+        let backing = backing.trim_end();
+        let Ok(offset) = offset.trim().parse::<u64>() else {
+            return HoleMap::None;
+        };
+        match File::open(backing) {
+            Ok(file) if file.metadata().is_ok_and(|m| m.is_file()) => {
+                // Writes made through the device may still sit in its page cache, not
+                // yet in the backing file's map: flush them so no data looks like a hole.
+                if device.sync_all().is_err() {
+                    return HoleMap::None;
+                }
+                HoleMap::LoopBacking { file, offset }
+            }
+            _ => HoleMap::None,
+        }
+    }
 }
 
 impl BlockVolume {
@@ -67,11 +110,16 @@ impl BlockVolume {
             VolumeKind::ImageFile => meta.len(),
             VolumeKind::BlockDevice => file.seek(StdSeekFrom::End(0)).map_err(open_err)?,
         };
+        let holes = match kind {
+            VolumeKind::ImageFile => HoleMap::OwnFile,
+            VolumeKind::BlockDevice => HoleMap::for_device(&file, meta.rdev()),
+        };
         Ok(BlockVolume {
             file,
             path: path.to_path_buf(),
             kind,
             size,
+            holes,
         })
     }
 
@@ -160,14 +208,15 @@ impl BlockVolume {
     }
 
     /// The start of the next data region at or after `offset`, or `None` when only a
-    /// hole follows. Filesystems without hole support report everything as data.
+    /// hole follows. Where holes cannot be learned, everything counts as data.
     pub fn next_data(&self, offset: u64) -> Option<u64> {
-        if self.kind == VolumeKind::BlockDevice {
-            // Block devices report no holes; zero detection covers them.
-            return (offset < self.size).then_some(offset);
-        }
-        match rustix::fs::seek(&self.file, SeekFrom::Data(offset)) {
-            Ok(pos) => Some(pos),
+        let (file, shift) = match &self.holes {
+            HoleMap::None => return (offset < self.size).then_some(offset),
+            HoleMap::OwnFile => (&self.file, 0),
+            HoleMap::LoopBacking { file, offset } => (file, *offset),
+        };
+        match rustix::fs::seek(file, SeekFrom::Data(offset + shift)) {
+            Ok(pos) => Some(pos - shift).filter(|&p| p < self.size),
             Err(rustix::io::Errno::NXIO) => None,
             Err(_) => Some(offset),
         }
@@ -176,11 +225,13 @@ impl BlockVolume {
     /// The start of the next hole at or after `offset` (the end of the volume counts as a
     /// hole).
     pub fn next_hole(&self, offset: u64) -> u64 {
-        if self.kind == VolumeKind::BlockDevice {
-            return self.size;
-        }
-        match rustix::fs::seek(&self.file, SeekFrom::Hole(offset)) {
-            Ok(pos) => pos.min(self.size),
+        let (file, shift) = match &self.holes {
+            HoleMap::None => return self.size,
+            HoleMap::OwnFile => (&self.file, 0),
+            HoleMap::LoopBacking { file, offset } => (file, *offset),
+        };
+        match rustix::fs::seek(file, SeekFrom::Hole(offset + shift)) {
+            Ok(pos) => (pos - shift).min(self.size),
             Err(_) => self.size,
         }
     }

@@ -95,7 +95,9 @@ pub enum CopyError {
         offset: u64,
     },
     /// The state directory (interrupted-copy markers) could not be used.
-    #[error("state directory {path}: {cause} (set --state-dir or MOVER_STATE_DIR to a writable directory)")]
+    #[error(
+        "state directory {path}: {cause} (set --state-dir or MOVER_STATE_DIR to a writable directory)"
+    )]
     State {
         /// The path.
         path: PathBuf,
@@ -126,12 +128,20 @@ impl CopyError {
                 | CopyError::SameVolume { .. }
                 | CopyError::DestinationInUse { .. }
                 | CopyError::BadDestination { .. }
-        ) || matches!(self, CopyError::Volume(ChunkerError::Open { .. } | ChunkerError::NotABlockVolume { .. }))
+        ) || matches!(
+            self,
+            CopyError::Volume(ChunkerError::Open { .. } | ChunkerError::NotABlockVolume { .. })
+        )
     }
 }
 
 /// Builds a [`CopyError::Write`] for `path`, adding advice for the errors a user can act on.
-pub(crate) fn write_error(what: &'static str, path: &std::path::Path, offset: u64, cause: std::io::Error) -> CopyError {
+pub(crate) fn write_error(
+    what: &'static str,
+    path: &std::path::Path,
+    offset: u64,
+    cause: std::io::Error,
+) -> CopyError {
     let hint = match cause.kind() {
         std::io::ErrorKind::StorageFull => {
             ": the destination is full. Free space (or use a larger destination) and rerun: \
@@ -140,5 +150,11 @@ pub(crate) fn write_error(what: &'static str, path: &std::path::Path, offset: u6
         std::io::ErrorKind::ReadOnlyFilesystem => ": the destination is read-only",
         _ => "",
     };
-    CopyError::Write { what, path: path.to_path_buf(), offset, cause, hint }
+    CopyError::Write {
+        what,
+        path: path.to_path_buf(),
+        offset,
+        cause,
+        hint,
+    }
 }

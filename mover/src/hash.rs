@@ -31,11 +31,20 @@ pub struct HashSummary {
 }
 
 /// Hashes the block volume at `path` with `threads` hashing threads (all cores if `None`).
-pub fn hash_block(path: &Path, chunk: ChunkSize, threads: Option<usize>, progress: &dyn Progress) -> Result<HashSummary> {
+pub fn hash_block(
+    path: &Path,
+    chunk: ChunkSize,
+    threads: Option<usize>,
+    progress: &dyn Progress,
+) -> Result<HashSummary> {
     let started = Instant::now();
     let volume = BlockVolume::open(path)?;
     progress.begin("hash", volume.size());
-    let run = || hash_volume(&volume, &ChunkKey::local(), chunk, |done| progress.update(done));
+    let run = || {
+        hash_volume(&volume, &ChunkKey::local(), chunk, |done| {
+            progress.update(done)
+        })
+    };
     let digest = match threads {
         Some(n) => rayon::ThreadPoolBuilder::new()
             .num_threads(n.max(1))

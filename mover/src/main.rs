@@ -29,7 +29,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Copy a block volume (device or image file) onto another, writing only what differs.
-    #[command(long_about = "Copy a block volume (a block device such as /dev/loop0 or an \
+    #[command(
+        long_about = "Copy a block volume (a block device such as /dev/loop0 or an \
         image file) onto another.\n\n\
         If DST does not exist, a sparse image file is created (under a hidden temp name, \
         renamed into place when complete). If DST already holds an older copy, it is read \
@@ -43,7 +44,8 @@ enum Command {
         Examples:\n  \
         mover copy /dev/vg0/data /dev/sdb            # device to device\n  \
         mover copy /dev/loop0 backup.img --verify    # device to a new sparse image\n  \
-        mover copy today.img yesterday.img --json    # delta onto an older copy")]
+        mover copy today.img yesterday.img --json    # delta onto an older copy"
+    )]
     Copy {
         /// Source volume: a block device or an image file.
         src: PathBuf,
@@ -55,9 +57,11 @@ enum Command {
         output: OutputArgs,
     },
     /// Print a block volume's chunk digest (Merkle root over keyed BLAKE3 chunk ids).
-    #[command(long_about = "Hash a block volume the way mover sees it: fixed chunks, \
+    #[command(
+        long_about = "Hash a block volume the way mover sees it: fixed chunks, \
         zeros and holes counted apart, a Merkle root over all chunks. Two volumes with \
-        the same root (at the same chunk size) hold the same bytes.")]
+        the same root (at the same chunk size) hold the same bytes."
+    )]
     Hash {
         /// The volume: a block device or an image file.
         volume: PathBuf,
@@ -113,12 +117,19 @@ fn exit_code(err: &anyhow::Error) -> u8 {
 
 /// An endpoint kind this build does not handle yet.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}: remote endpoints (agent://, s3://, repo://) are not supported by this build yet; use a local device or image path")]
+#[error(
+    "{0}: remote endpoints (agent://, s3://, repo://) are not supported by this build yet; use a local device or image path"
+)]
 struct Unsupported(String);
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Copy { src, dst, options, output } => {
+        Command::Copy {
+            src,
+            dst,
+            options,
+            output,
+        } => {
             for p in [&src, &dst] {
                 if p.to_string_lossy().contains("://") {
                     return Err(Unsupported(p.display().to_string()).into());
@@ -130,7 +141,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             bar.done();
             print_copy(&summary, output.json)
         }
-        Command::Hash { volume, chunk_size, threads, output } => {
+        Command::Hash {
+            volume,
+            chunk_size,
+            threads,
+            output,
+        } => {
             let bar = Bar::new(&output);
             let summary = mover::hash_block(&volume, chunk_size, threads, &bar)
                 .with_context(|| format!("hash {}", volume.display()))?;
@@ -152,7 +168,11 @@ fn print_copy(s: &CopySummary, json: bool) -> anyhow::Result<()> {
         human(s.volume_bytes),
         s.duration_secs,
         human(s.throughput_bytes_per_sec as u64),
-        if s.resumed { ", finishing an interrupted copy" } else { "" }
+        if s.resumed {
+            ", finishing an interrupted copy"
+        } else {
+            ""
+        }
     );
     println!(
         "  read {} of source, {} of destination; wrote {} ({} pages), zeroed {}; {} of zeros skipped",
@@ -198,7 +218,11 @@ fn human(bytes: u64) -> String {
         v /= 1024.0;
         unit += 1;
     }
-    if unit == 0 { format!("{bytes} B") } else { format!("{v:.2} {}", UNITS[unit]) }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[unit])
+    }
 }
 
 /// A progress bar on stderr, drawn only on a terminal.

@@ -6,7 +6,11 @@ use common::*;
 use std::path::Path;
 
 fn opts(state: &Path) -> mover::CopyOptions {
-    mover::CopyOptions { state_dir: Some(state.into()), verify: true, ..Default::default() }
+    mover::CopyOptions {
+        state_dir: Some(state.into()),
+        verify: true,
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -14,7 +18,12 @@ fn full_copy_to_new_image_is_identical_and_sparse() {
     let t = tempfile::tempdir().unwrap();
     let (src, dst) = (t.path().join("src.img"), t.path().join("dst.img"));
     // 3 MiB of data at 5 MiB, 12 KiB near the end, a 2 MiB run of written zeros: 64 MiB.
-    make_image(&src, 64 * MIB, 1, &[(5 * MIB, 3 * MIB), (60 * MIB + 8192, 12288)]);
+    make_image(
+        &src,
+        64 * MIB,
+        1,
+        &[(5 * MIB, 3 * MIB), (60 * MIB + 8192, 12288)],
+    );
     write_zeros(&src, 10 * MIB, 2 * MIB);
     let s = mover::copy_block(&src, &dst, &opts(t.path()), &()).unwrap();
     assert_eq!(blake3_of(&src, 64 * MIB), blake3_of(&dst, 64 * MIB));
@@ -22,7 +31,11 @@ fn full_copy_to_new_image_is_identical_and_sparse() {
     assert!(s.verified && s.root.is_some());
     assert_eq!(s.bytes_written, 3 * MIB + 12288, "only data is written");
     assert_eq!(s.destination_bytes_read, 0, "a new image is not read");
-    assert!(allocated(&dst) <= 3 * MIB + 64 * 1024, "holes stay holes: {} allocated", allocated(&dst));
+    assert!(
+        allocated(&dst) <= 3 * MIB + 64 * 1024,
+        "holes stay holes: {} allocated",
+        allocated(&dst)
+    );
     assert!(!t.path().join(".dst.img.mover-partial").exists());
 }
 
@@ -39,10 +52,17 @@ fn delta_copy_writes_only_changed_pages_and_punches_cleared_ones() {
     let s = mover::copy_block(&src, &dst, &opts(t.path()), &()).unwrap();
     assert_eq!(blake3_of(&src, 48 * MIB), blake3_of(&dst, 48 * MIB));
     // Pages scribbled inside the cleared region are zeroed, not written.
-    assert!(s.bytes_written <= changed * PAGE, "wrote {} for {changed} changed pages", s.bytes_written);
+    assert!(
+        s.bytes_written <= changed * PAGE,
+        "wrote {} for {changed} changed pages",
+        s.bytes_written
+    );
     assert!(s.bytes_written >= (changed - 60) * PAGE);
     assert!(s.bytes_zeroed >= 2 * MIB);
-    assert!(allocated(&dst) <= before - 2 * MIB + 64 * 1024, "cleared region punched");
+    assert!(
+        allocated(&dst) <= before - 2 * MIB + 64 * 1024,
+        "cleared region punched"
+    );
 
     // A second run finds nothing to do.
     let again = mover::copy_block(&src, &dst, &opts(t.path()), &()).unwrap();
@@ -54,13 +74,22 @@ fn odd_sizes_and_chunk_sizes_copy_exactly() {
     let t = tempfile::tempdir().unwrap();
     let src = t.path().join("odd.img");
     let len = 10 * MIB + 4096 * 3 + 512; // not a multiple of any chunk size or of a page
-    make_image(&src, len, 4, &[(0, 1000), (len - 3000, 3000), (4 * MIB, MIB + 17)]);
+    make_image(
+        &src,
+        len,
+        4,
+        &[(0, 1000), (len - 3000, 3000), (4 * MIB, MIB + 17)],
+    );
     for cs in ["64K", "1M", "8M"] {
         let dst = t.path().join(format!("odd-{cs}.img"));
         let mut o = opts(t.path());
         o.chunk_size = cs.parse().unwrap();
         mover::copy_block(&src, &dst, &o, &()).unwrap();
-        assert_eq!(blake3_of(&src, len), blake3_of(&dst, len), "chunk size {cs}");
+        assert_eq!(
+            blake3_of(&src, len),
+            blake3_of(&dst, len),
+            "chunk size {cs}"
+        );
         assert_eq!(size_of(&dst), len);
     }
 }
@@ -81,7 +110,14 @@ fn refusals_write_nothing_and_exit_2() {
     };
 
     let new_dst = t.path().join("new.img");
-    check(&["copy", t.path().join("missing.img").to_str().unwrap(), new_dst.to_str().unwrap()], "No such file");
+    check(
+        &[
+            "copy",
+            t.path().join("missing.img").to_str().unwrap(),
+            new_dst.to_str().unwrap(),
+        ],
+        "No such file",
+    );
     assert!(!new_dst.exists() && !t.path().join(".new.img.mover-partial").exists());
 
     check(&["copy", s, s], "same volume");
@@ -90,21 +126,51 @@ fn refusals_write_nothing_and_exit_2() {
     make_image(&small, 4 * MIB, 6, &[(0, 4 * MIB)]);
     let small_hash = blake3_of(&small, 4 * MIB);
     check(&["copy", s, small.to_str().unwrap()], "--grow");
-    assert_eq!(blake3_of(&small, 4 * MIB), small_hash, "refused destination untouched");
+    assert_eq!(
+        blake3_of(&small, 4 * MIB),
+        small_hash,
+        "refused destination untouched"
+    );
     assert_eq!(size_of(&small), 4 * MIB);
 
     let large = t.path().join("large.img");
     make_image(&large, 16 * MIB, 7, &[(0, MIB)]);
-    check(&["copy", s, large.to_str().unwrap()], "larger than the source");
+    check(
+        &["copy", s, large.to_str().unwrap()],
+        "larger than the source",
+    );
 
     check(&["copy", s, t.path().to_str().unwrap()], "is a directory");
-    check(&["copy", s, t.path().join("no/such/dir.img").to_str().unwrap()], "does not exist");
+    check(
+        &[
+            "copy",
+            s,
+            t.path().join("no/such/dir.img").to_str().unwrap(),
+        ],
+        "does not exist",
+    );
     check(&["copy", s, "agent://node-b:7070/vol"], "not supported");
-    check(&["copy", s, t.path().join("x").to_str().unwrap(), "--chunk-size", "3M"], "power of two");
+    check(
+        &[
+            "copy",
+            s,
+            t.path().join("x").to_str().unwrap(),
+            "--chunk-size",
+            "3M",
+        ],
+        "power of two",
+    );
 
     // --grow makes the smaller file fit, and the copy is exact.
-    let out = mover(&state, &["copy", s, small.to_str().unwrap(), "--grow", "--verify"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = mover(
+        &state,
+        &["copy", s, small.to_str().unwrap(), "--grow", "--verify"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(blake3_of(&src, 8 * MIB), blake3_of(&small, 8 * MIB));
 }
 
@@ -114,7 +180,16 @@ fn json_summary_reports_the_work_done() {
     let src = t.path().join("src.img");
     let dst = t.path().join("dst.img");
     make_image(&src, 16 * MIB, 8, &[(MIB, 2 * MIB)]);
-    let out = mover(t.path(), &["copy", src.to_str().unwrap(), dst.to_str().unwrap(), "--json", "--verify"]);
+    let out = mover(
+        t.path(),
+        &[
+            "copy",
+            src.to_str().unwrap(),
+            dst.to_str().unwrap(),
+            "--json",
+            "--verify",
+        ],
+    );
     let j = json_of(&out);
     assert_eq!(j["volume_bytes"], 16 * MIB);
     assert_eq!(j["bytes_written"], 2 * MIB);
@@ -122,7 +197,10 @@ fn json_summary_reports_the_work_done() {
     assert_eq!(j["pages_written"], 512);
     assert_eq!(j["verified"], true);
     let hash = json_of(&mover(t.path(), &["hash", dst.to_str().unwrap(), "--json"]));
-    assert_eq!(hash["root"], j["root"], "mover hash of the copy equals the copy's verified root");
+    assert_eq!(
+        hash["root"], j["root"],
+        "mover hash of the copy equals the copy's verified root"
+    );
     assert_eq!(hash["data_chunks"], 2);
 }
 
@@ -137,24 +215,46 @@ fn killed_copy_resumes_without_rewriting() {
     let len = 768 * MIB;
     make_image(&src, len, 9, &[(0, len)]);
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
-        .args(["copy", src.to_str().unwrap(), dst.to_str().unwrap(), "--no-progress"])
+        .args([
+            "copy",
+            src.to_str().unwrap(),
+            dst.to_str().unwrap(),
+            "--no-progress",
+        ])
         .env("MOVER_STATE_DIR", t.path())
         .spawn()
         .unwrap();
     // Wait until a good part is written, then kill -9.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while !(partial.exists() && allocated(&partial) >= 64 * MIB) {
-        assert!(child.try_wait().unwrap().is_none(), "copy finished before it could be killed");
-        assert!(std::time::Instant::now() < deadline, "copy made no progress");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "copy finished before it could be killed"
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "copy made no progress"
+        );
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
     child.kill().unwrap();
     child.wait().unwrap();
-    assert!(!dst.exists(), "an interrupted copy must not appear under the final name");
+    assert!(
+        !dst.exists(),
+        "an interrupted copy must not appear under the final name"
+    );
     let done_before = allocated(&partial);
     assert!(done_before < len, "killed before the end");
 
-    let j = json_of(&mover(t.path(), &["copy", src.to_str().unwrap(), dst.to_str().unwrap(), "--json"]));
+    let j = json_of(&mover(
+        t.path(),
+        &[
+            "copy",
+            src.to_str().unwrap(),
+            dst.to_str().unwrap(),
+            "--json",
+        ],
+    ));
     assert_eq!(j["resumed"], true);
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
     let written = j["bytes_written"].as_u64().unwrap();
@@ -177,14 +277,22 @@ fn killed_in_place_copy_leaves_a_marker_until_finished() {
     make_image(&src, len, 10, &[(0, len)]);
     make_image(&dst, len, 11, &[(0, len)]);
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
-        .args(["copy", src.to_str().unwrap(), dst.to_str().unwrap(), "--no-progress"])
+        .args([
+            "copy",
+            src.to_str().unwrap(),
+            dst.to_str().unwrap(),
+            "--no-progress",
+        ])
         .env("MOVER_STATE_DIR", &state)
         .spawn()
         .unwrap();
     let markers = state.join("copies");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while std::fs::read_dir(&markers).map(|d| d.count()).unwrap_or(0) == 0 {
-        assert!(child.try_wait().unwrap().is_none(), "copy finished before it could be killed");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "copy finished before it could be killed"
+        );
         assert!(std::time::Instant::now() < deadline);
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
@@ -192,10 +300,27 @@ fn killed_in_place_copy_leaves_a_marker_until_finished() {
     child.kill().unwrap();
     let status = child.wait().unwrap();
     assert!(!status.success());
-    assert_eq!(std::fs::read_dir(&markers).unwrap().count(), 1, "marker left by the killed copy");
+    assert_eq!(
+        std::fs::read_dir(&markers).unwrap().count(),
+        1,
+        "marker left by the killed copy"
+    );
 
-    let j = json_of(&mover(&state, &["copy", src.to_str().unwrap(), dst.to_str().unwrap(), "--json", "--verify"]));
+    let j = json_of(&mover(
+        &state,
+        &[
+            "copy",
+            src.to_str().unwrap(),
+            dst.to_str().unwrap(),
+            "--json",
+            "--verify",
+        ],
+    ));
     assert_eq!(j["resumed"], true);
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
-    assert_eq!(std::fs::read_dir(&markers).unwrap().count(), 0, "marker removed once complete");
+    assert_eq!(
+        std::fs::read_dir(&markers).unwrap().count(),
+        0,
+        "marker removed once complete"
+    );
 }

@@ -37,10 +37,16 @@ pub(crate) fn prepare(src: &BlockVolume, dst: &Path, opts: &CopyOptions) -> Resu
     };
     let ft = meta.file_type();
     if ft.is_dir() {
-        return Err(bad(dst, "is a directory; name the image file to create inside it (e.g. DIR/disk.img)".into()));
+        return Err(bad(
+            dst,
+            "is a directory; name the image file to create inside it (e.g. DIR/disk.img)".into(),
+        ));
     }
     if !ft.is_file() && !ft.is_block_device() {
-        return Err(bad(dst, "is neither a block device nor an image file".into()));
+        return Err(bad(
+            dst,
+            "is neither a block device nor an image file".into(),
+        ));
     }
     check_not_same(src, dst, &meta)?;
     let mut options = OpenOptions::new();
@@ -73,32 +79,62 @@ pub(crate) fn prepare(src: &BlockVolume, dst: &Path, opts: &CopyOptions) -> Resu
             hint: "pass --grow to extend the image file",
         });
     } else if meta.len() > size {
-        return Err(CopyError::DestinationLarger { path: dst.into(), dst_size: meta.len(), src_size: size });
+        return Err(CopyError::DestinationLarger {
+            path: dst.into(),
+            dst_size: meta.len(),
+            src_size: size,
+        });
     }
     let mut volume = BlockVolume::open_with(dst, &options).map_err(|e| match e {
-        chunker::ChunkerError::Open { cause, .. } if cause.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error()) => {
-            CopyError::DestinationInUse { path: dst.into(), detail: "in use by another program or holder (LVM, RAID, a mount)".into() }
+        chunker::ChunkerError::Open { cause, .. }
+            if cause.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error()) =>
+        {
+            CopyError::DestinationInUse {
+                path: dst.into(),
+                detail: "in use by another program or holder (LVM, RAID, a mount)".into(),
+            }
         }
         other => other.into(),
     })?;
     if volume.kind() == VolumeKind::ImageFile && volume.size() < size {
-        volume.set_len(size).map_err(|e| write_error("growing", dst, 0, e))?;
+        volume
+            .set_len(size)
+            .map_err(|e| write_error("growing", dst, 0, e))?;
     }
-    let volume = if volume.size() > size { volume.limited_to(size) } else { volume };
+    let volume = if volume.size() > size {
+        volume.limited_to(size)
+    } else {
+        volume
+    };
     let (marker, resumed) = Marker::begin(&opts.state_dir(), dst, src.path())?;
-    Ok(Destination { volume, path: dst.into(), partial: None, fresh: false, marker: Some(marker), resumed })
+    Ok(Destination {
+        volume,
+        path: dst.into(),
+        partial: None,
+        fresh: false,
+        marker: Some(marker),
+        resumed,
+    })
 }
 
 /// A new image file: written under a hidden temp name in the same directory and renamed
 /// into place only once complete, so a crash never leaves a file that looks like a copy.
 fn create_new(src: &BlockVolume, dst: &Path) -> Result<Destination> {
-    let name = dst.file_name().ok_or_else(|| bad(dst, "has no file name".into()))?;
+    let name = dst
+        .file_name()
+        .ok_or_else(|| bad(dst, "has no file name".into()))?;
     let parent = match dst.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
     if !parent.is_dir() {
-        return Err(bad(dst, format!("its directory {} does not exist; create it first", parent.display())));
+        return Err(bad(
+            dst,
+            format!(
+                "its directory {} does not exist; create it first",
+                parent.display()
+            ),
+        ));
     }
     let partial = parent.join(format!(".{}.mover-partial", name.to_string_lossy()));
     let mut options = OpenOptions::new();
@@ -112,7 +148,9 @@ fn create_new(src: &BlockVolume, dst: &Path) -> Result<Destination> {
         Err(e) => return Err(e.into()),
     };
     if volume.size() != src.size() {
-        volume.set_len(src.size()).map_err(|e| write_error("sizing", &partial, 0, e))?;
+        volume
+            .set_len(src.size())
+            .map_err(|e| write_error("sizing", &partial, 0, e))?;
     }
     Ok(Destination {
         volume,
@@ -126,29 +164,49 @@ fn create_new(src: &BlockVolume, dst: &Path) -> Result<Destination> {
 
 /// Refuses a destination that is the source itself, directly or through a loop device.
 fn check_not_same(src: &BlockVolume, dst: &Path, dst_meta: &fs::Metadata) -> Result<()> {
-    let same = |detail: &str| CopyError::SameVolume { src: src.path().into(), dst: dst.into(), detail: detail.into() };
-    let src_meta = src.file().metadata().map_err(|e| bad(src.path(), e.to_string()))?;
+    let same = |detail: &str| CopyError::SameVolume {
+        src: src.path().into(),
+        dst: dst.into(),
+        detail: detail.into(),
+    };
+    let src_meta = src
+        .file()
+        .metadata()
+        .map_err(|e| bad(src.path(), e.to_string()))?;
     let is_blk = |m: &fs::Metadata| m.file_type().is_block_device();
     if is_blk(&src_meta) && is_blk(dst_meta) && src_meta.rdev() == dst_meta.rdev() {
         return Err(same(""));
     }
-    if !is_blk(&src_meta) && !is_blk(dst_meta) && (src_meta.dev(), src_meta.ino()) == (dst_meta.dev(), dst_meta.ino()) {
+    if !is_blk(&src_meta)
+        && !is_blk(dst_meta)
+        && (src_meta.dev(), src_meta.ino()) == (dst_meta.dev(), dst_meta.ino())
+    {
         return Err(same(""));
     }
     // A loop device over the other side's image file is the same storage too.
     if is_blk(dst_meta) && loop_backs(dst_meta.rdev(), &src_meta) {
-        return Err(same(" (the destination loop device is backed by the source file)"));
+        return Err(same(
+            " (the destination loop device is backed by the source file)",
+        ));
     }
     if is_blk(&src_meta) && loop_backs(src_meta.rdev(), dst_meta) {
-        return Err(same(" (the source loop device is backed by the destination file)"));
+        return Err(same(
+            " (the source loop device is backed by the destination file)",
+        ));
     }
     Ok(())
 }
 
 /// Whether the loop device `rdev` is backed by the file `file`.
 fn loop_backs(rdev: u64, file: &fs::Metadata) -> bool {
-    let sys = format!("/sys/dev/block/{}:{}/loop/backing_file", rustix::fs::major(rdev), rustix::fs::minor(rdev));
-    let Ok(backing) = fs::read_to_string(sys) else { return false };
+    let sys = format!(
+        "/sys/dev/block/{}:{}/loop/backing_file",
+        rustix::fs::major(rdev),
+        rustix::fs::minor(rdev)
+    );
+    let Ok(backing) = fs::read_to_string(sys) else {
+        return false;
+    };
     let backing = backing.trim_end().trim_end_matches(" (deleted)");
     fs::metadata(backing).is_ok_and(|m| (m.dev(), m.ino()) == (file.dev(), file.ino()))
 }
@@ -174,5 +232,8 @@ fn libc_o_excl() -> i32 {
 }
 
 fn bad(path: &Path, why: String) -> CopyError {
-    CopyError::BadDestination { path: path.into(), why }
+    CopyError::BadDestination {
+        path: path.into(),
+        why,
+    }
 }

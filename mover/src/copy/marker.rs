@@ -54,7 +54,10 @@ impl Marker {
 
     /// Removes the marker durably: the destination is complete.
     pub fn finish(self) -> Result<()> {
-        let err = |cause| CopyError::State { path: self.path.clone(), cause };
+        let err = |cause| CopyError::State {
+            path: self.path.clone(),
+            cause,
+        };
         fs::remove_file(&self.path).map_err(err)?;
         if let Some(dir) = self.path.parent() {
             File::open(dir).and_then(|d| d.sync_all()).map_err(err)?;

@@ -52,7 +52,13 @@ pub struct CopyOptions {
 
 impl Default for CopyOptions {
     fn default() -> Self {
-        CopyOptions { chunk_size: ChunkSize::DEFAULT, verify: false, grow: false, force: false, state_dir: None }
+        CopyOptions {
+            chunk_size: ChunkSize::DEFAULT,
+            verify: false,
+            grow: false,
+            force: false,
+            state_dir: None,
+        }
     }
 }
 
@@ -65,10 +71,14 @@ impl CopyOptions {
         if rustix::process::geteuid().is_root() {
             return PathBuf::from("/var/lib/mover");
         }
-        let base = std::env::var_os("XDG_STATE_HOME").map(PathBuf::from).unwrap_or_else(|| {
-            let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| ".".into());
-            home.join(".local/state")
-        });
+        let base = std::env::var_os("XDG_STATE_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                let home = std::env::var_os("HOME")
+                    .map(PathBuf::from)
+                    .unwrap_or_else(|| ".".into());
+                home.join(".local/state")
+            });
         base.join("mover")
     }
 }
@@ -127,7 +137,12 @@ struct WindowPair {
 
 /// Copies the block volume `src` onto `dst` (created if missing), writing only the pages
 /// that differ. See the module docs.
-pub fn copy_block(src: &Path, dst: &Path, opts: &CopyOptions, progress: &dyn Progress) -> Result<CopySummary> {
+pub fn copy_block(
+    src: &Path,
+    dst: &Path,
+    opts: &CopyOptions,
+    progress: &dyn Progress,
+) -> Result<CopySummary> {
     let started = Instant::now();
     let source = BlockVolume::open(src)?;
     warn_if_source_mounted(&source);
@@ -165,7 +180,13 @@ pub fn copy_block(src: &Path, dst: &Path, opts: &CopyOptions, progress: &dyn Pro
             let dst_win = pair.dst.get_or_insert_with(Window::default);
             let (a, b) = rayon::join(
                 || read_window(&source, chunk, offset, len, &mut pair.src),
-                || if want_dst { read_window(&dest.volume, chunk, offset, len, dst_win) } else { Ok(()) },
+                || {
+                    if want_dst {
+                        read_window(&dest.volume, chunk, offset, len, dst_win)
+                    } else {
+                        Ok(())
+                    }
+                },
             );
             if !want_dst {
                 pair.dst = None;
@@ -175,7 +196,8 @@ pub fn copy_block(src: &Path, dst: &Path, opts: &CopyOptions, progress: &dyn Pro
         |pair: &mut WindowPair| {
             let planned = plan_window(pair, chunk, &key, opts.verify);
             let mut ops = Vec::new();
-            for (i, (r, (kind, chunk_ops))) in pair.src.chunk_ranges(chunk).zip(planned).enumerate() {
+            for (i, (r, (kind, chunk_ops))) in pair.src.chunk_ranges(chunk).zip(planned).enumerate()
+            {
                 let len = r.len() as u64;
                 if !pair.src.hole[i] {
                     sum.source_bytes_read += len;
@@ -199,7 +221,8 @@ pub fn copy_block(src: &Path, dst: &Path, opts: &CopyOptions, progress: &dyn Pro
         },
     )?;
     let file = dest.volume.file();
-    file.sync_all().map_err(|e| write_error("sync of", dest.volume.path(), 0, e))?;
+    file.sync_all()
+        .map_err(|e| write_error("sync of", dest.volume.path(), 0, e))?;
 
     if let Some(m) = merkle {
         let root = m.finish(source.size(), chunk);
@@ -214,29 +237,42 @@ pub fn copy_block(src: &Path, dst: &Path, opts: &CopyOptions, progress: &dyn Pro
 }
 
 /// Classifies (and with `hash`, hashes) each chunk of a window and plans its ops, in parallel.
-fn plan_window(pair: &WindowPair, chunk: ChunkSize, key: &ChunkKey, hash: bool) -> Vec<(ChunkKind, Vec<Op>)> {
+fn plan_window(
+    pair: &WindowPair,
+    chunk: ChunkSize,
+    key: &ChunkKey,
+    hash: bool,
+) -> Vec<(ChunkKind, Vec<Op>)> {
+    let plan_one = |(i, r): (usize, Range<usize>)| {
+        let data = &pair.src.buf[r.clone()];
+        let zero = pair.src.hole[i] || is_zero(data);
+        let kind = match (zero, hash) {
+            (true, _) => ChunkKind::Zero,
+            (false, true) => ChunkKind::Data(key.chunk_id(data)),
+            (false, false) => ChunkKind::Data(ChunkId([0; 32])),
+        };
+        let dst = match &pair.dst {
+            Some(d) if !d.hole[i] => DstChunk::Bytes(&d.buf[r.clone()]),
+            _ => DstChunk::Zeros,
+        };
+        let src = if zero {
+            SrcChunk::Zero(r.len())
+        } else {
+            SrcChunk::Data(data)
+        };
+        let mut ops = Vec::new();
+        plan_chunk(src, dst, &mut ops);
+        (kind, ops)
+    };
     let ranges: Vec<Range<usize>> = pair.src.chunk_ranges(chunk).collect();
-    ranges
-        .into_par_iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let data = &pair.src.buf[r.clone()];
-            let zero = pair.src.hole[i] || is_zero(data);
-            let kind = match (zero, hash) {
-                (true, _) => ChunkKind::Zero,
-                (false, true) => ChunkKind::Data(key.chunk_id(data)),
-                (false, false) => ChunkKind::Data(ChunkId([0; 32])),
-            };
-            let dst = match &pair.dst {
-                Some(d) if !d.hole[i] => DstChunk::Bytes(&d.buf[r.clone()]),
-                _ => DstChunk::Zeros,
-            };
-            let src = if zero { SrcChunk::Zero(r.len()) } else { SrcChunk::Data(data) };
-            let mut ops = Vec::new();
-            plan_chunk(src, dst, &mut ops);
-            (kind, ops)
-        })
-        .collect()
+    // Hashing needs every core. Without it, planning is a few memcmps per chunk: run
+    // it inline, since idle rayon workers spinning between windows steal the CPU that
+    // the kernel's writeback and loop-device threads need.
+    if hash {
+        ranges.into_par_iter().enumerate().map(plan_one).collect()
+    } else {
+        ranges.into_iter().enumerate().map(plan_one).collect()
+    }
 }
 
 fn shift(op: Op, by: usize) -> Op {
@@ -252,7 +288,9 @@ fn apply_ops(dst: &BlockVolume, src: &Window, ops: &[Op], sum: &mut CopySummary)
         match op {
             Op::Write(r) => {
                 let at = src.offset + r.start as u64;
-                dst.file().write_all_at(&src.buf[r.clone()], at).map_err(|e| write_error("write to", dst.path(), at, e))?;
+                dst.file()
+                    .write_all_at(&src.buf[r.clone()], at)
+                    .map_err(|e| write_error("write to", dst.path(), at, e))?;
                 sum.bytes_written += r.len() as u64;
                 sum.pages_written += r.len().div_ceil(chunker::PAGE_SIZE) as u64;
             }
@@ -283,7 +321,9 @@ fn zero_range(dst: &BlockVolume, offset: u64, len: u64) -> Result<()> {
     let mut at = offset;
     while at < offset + len {
         let n = zeros.len().min((offset + len - at) as usize);
-        dst.file().write_all_at(&zeros[..n], at).map_err(|e| write_error("write to", dst.path(), at, e))?;
+        dst.file()
+            .write_all_at(&zeros[..n], at)
+            .map_err(|e| write_error("write to", dst.path(), at, e))?;
         at += n as u64;
     }
     Ok(())
@@ -307,7 +347,11 @@ fn verify(
         return Ok(());
     }
     let offset = first_difference(source, dst, chunk)?.unwrap_or(0);
-    Err(CopyError::VerifyFailed { src: source.path().into(), dst: shown_dst.into(), offset })
+    Err(CopyError::VerifyFailed {
+        src: source.path().into(),
+        dst: shown_dst.into(),
+        offset,
+    })
 }
 
 /// The offset of the first chunk where two volumes differ, by direct comparison.
@@ -339,7 +383,11 @@ fn first_difference(a: &BlockVolume, b: &BlockVolume, chunk: ChunkSize) -> Resul
 fn finish(dest: dest::Destination) -> Result<()> {
     if let Some(partial) = &dest.partial {
         rename_no_replace(partial, &dest.path)?;
-        let dir = dest.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let dir = dest
+            .path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         std::fs::File::open(dir)
             .and_then(|d| d.sync_all())
             .map_err(|e| write_error("sync of directory", dir, 0, e))?;

@@ -60,7 +60,9 @@ fn data_pages(src: &[u8], range: Range<usize>, ops: &mut Vec<Op>) {
 
 /// Pushes Write ops for the non-zero pages of `src[range]` and Zero ops for its zero pages.
 fn split_zero_pages(src: &[u8], range: Range<usize>, ops: &mut Vec<Op>) {
-    for_page_runs(src, range, |zero, r| push_merged(ops, if zero { Op::Zero(r) } else { Op::Write(r) }));
+    for_page_runs(src, range, |zero, r| {
+        push_merged(ops, if zero { Op::Zero(r) } else { Op::Write(r) })
+    });
 }
 
 /// Calls `f(is_zero, run)` for each maximal run of pages in `range` that are all zero
@@ -106,12 +108,19 @@ mod tests {
     const P: usize = PAGE_SIZE;
 
     fn page_image(pages: &[u8]) -> Vec<u8> {
-        pages.iter().flat_map(|&b| std::iter::repeat_n(b, P)).collect()
+        pages
+            .iter()
+            .flat_map(|&b| std::iter::repeat_n(b, P))
+            .collect()
     }
 
     fn plan(src: &[u8], dst: DstChunk<'_>) -> Vec<Op> {
         let mut ops = vec![];
-        let src = if is_zero(src) { SrcChunk::Zero(src.len()) } else { SrcChunk::Data(src) };
+        let src = if is_zero(src) {
+            SrcChunk::Zero(src.len())
+        } else {
+            SrcChunk::Data(src)
+        };
         plan_chunk(src, dst, &mut ops);
         ops
     }
@@ -119,7 +128,10 @@ mod tests {
     #[test]
     fn onto_zeros_writes_only_data_pages() {
         let src = page_image(&[1, 1, 0, 0, 2]);
-        assert_eq!(plan(&src, DstChunk::Zeros), vec![Op::Write(0..2 * P), Op::Write(4 * P..5 * P)]);
+        assert_eq!(
+            plan(&src, DstChunk::Zeros),
+            vec![Op::Write(0..2 * P), Op::Write(4 * P..5 * P)]
+        );
         assert!(plan(&page_image(&[0, 0]), DstChunk::Zeros).is_empty());
     }
 
@@ -129,7 +141,11 @@ mod tests {
         let dst = page_image(&[1, 2, 7, 3, 4, 5]);
         assert_eq!(
             plan(&src, DstChunk::Bytes(&dst)),
-            vec![Op::Write(P..2 * P), Op::Zero(2 * P..3 * P), Op::Write(5 * P..6 * P)]
+            vec![
+                Op::Write(P..2 * P),
+                Op::Zero(2 * P..3 * P),
+                Op::Write(5 * P..6 * P)
+            ]
         );
         assert!(plan(&src, DstChunk::Bytes(&src.clone())).is_empty());
     }
@@ -137,7 +153,10 @@ mod tests {
     #[test]
     fn a_zero_chunk_clears_only_a_nonzero_destination() {
         let src = page_image(&[0, 0]);
-        assert_eq!(plan(&src, DstChunk::Bytes(&page_image(&[0, 5]))), vec![Op::Zero(0..2 * P)]);
+        assert_eq!(
+            plan(&src, DstChunk::Bytes(&page_image(&[0, 5]))),
+            vec![Op::Zero(0..2 * P)]
+        );
         assert!(plan(&src, DstChunk::Bytes(&page_image(&[0, 0]))).is_empty());
     }
 
@@ -147,6 +166,9 @@ mod tests {
         src.extend([7u8; 100]);
         let mut dst = page_image(&[1]);
         dst.extend([6u8; 100]);
-        assert_eq!(plan(&src, DstChunk::Bytes(&dst)), vec![Op::Write(P..P + 100)]);
+        assert_eq!(
+            plan(&src, DstChunk::Bytes(&dst)),
+            vec![Op::Write(P..P + 100)]
+        );
     }
 }

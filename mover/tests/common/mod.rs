@@ -62,7 +62,10 @@ pub fn blake3_of(path: &Path, len: u64) -> String {
 /// Size of a file or block device.
 pub fn size_of(path: &Path) -> u64 {
     use std::io::Seek;
-    File::open(path).unwrap().seek(std::io::SeekFrom::End(0)).unwrap()
+    File::open(path)
+        .unwrap()
+        .seek(std::io::SeekFrom::End(0))
+        .unwrap()
 }
 
 /// Bytes actually allocated on disk for a file.
@@ -82,7 +85,11 @@ pub fn mover(state: &Path, args: &[&str]) -> Output {
 
 /// Parses the JSON summary of a successful `mover … --json` run.
 pub fn json_of(out: &Output) -> serde_json::Value {
-    assert!(out.status.success(), "mover failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "mover failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -94,13 +101,19 @@ pub struct LoopDevice {
 
 impl LoopDevice {
     pub fn attach(image: &Path) -> Self {
-        let out = Command::new("losetup").args(["-f", "--show"]).arg(image).output().expect("losetup runs");
+        let out = Command::new("losetup")
+            .args(["-f", "--show"])
+            .arg(image)
+            .output()
+            .expect("losetup runs");
         assert!(
             out.status.success(),
             "cannot attach a loop device (these tests need root and /dev/loop*): {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        LoopDevice { path: PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()) }
+        LoopDevice {
+            path: PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()),
+        }
     }
 
     pub fn as_str(&self) -> &str {
@@ -122,7 +135,12 @@ pub struct Mount {
 impl Mount {
     pub fn new(dev: &Path, dir: &Path) -> Self {
         std::fs::create_dir_all(dir).unwrap();
-        let ok = Command::new("mount").arg(dev).arg(dir).status().unwrap().success();
+        let ok = Command::new("mount")
+            .arg(dev)
+            .arg(dir)
+            .status()
+            .unwrap()
+            .success();
         assert!(ok, "mount {} failed", dev.display());
         Mount { dir: dir.into() }
     }
