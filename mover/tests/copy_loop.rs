@@ -196,4 +196,5 @@ fn unflushed_writes_through_a_loop_device_are_not_mistaken_for_holes() {
     ));
     assert_eq!(j["bytes_written"], 3 * 4096);
     assert_eq!(blake3_of(&dev.path, 32 * MIB), blake3_of(&out, 32 * MIB));
+    drop(writer);
 }
