@@ -181,14 +181,13 @@ fn unflushed_writes_through_a_loop_device_are_not_mistaken_for_holes() {
     let backing = t.path().join("sparse.img");
     make_image(&backing, 32 * MIB, 29, &[]);
     let dev = LoopDevice::attach(&backing);
-    {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::File::options()
-            .write(true)
-            .open(&dev.path)
-            .unwrap();
-        f.write_all_at(&[0xA5; 3 * 4096], 17 * MIB).unwrap(); // no fsync
-    }
+    // Keep the writer open: the kernel flushes a block device on its last close.
+    use std::os::unix::fs::FileExt;
+    let writer = std::fs::File::options()
+        .write(true)
+        .open(&dev.path)
+        .unwrap();
+    writer.write_all_at(&[0xA5; 3 * 4096], 17 * MIB).unwrap(); // no fsync
     let out = t.path().join("out.img");
     let j = json_of(&mover(
         t.path(),
