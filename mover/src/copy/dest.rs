@@ -51,39 +51,16 @@ pub(crate) fn prepare(src: &BlockVolume, dst: &Path, opts: &CopyOptions) -> Resu
     check_not_same(src, dst, &meta)?;
     let mut options = OpenOptions::new();
     options.read(true).write(true);
-    if ft.is_block_device() {
-        if !opts.force {
-            if let Some(mountpoint) = mounted_at(meta.rdev()) {
-                return Err(CopyError::DestinationInUse {
-                    path: dst.into(),
-                    detail: format!("mounted at {mountpoint}"),
-                });
-            }
-            // O_EXCL on a block device fails with EBUSY while anyone holds it
-            // (a mount, device-mapper, md, another exclusive opener).
-            options.custom_flags(libc_o_excl());
-        }
-        if meta.rdev() != 0 && dev_size(dst)? < size {
-            return Err(CopyError::DestinationTooSmall {
+    if ft.is_block_device() && !opts.force {
+        if let Some(mountpoint) = mounted_at(meta.rdev()) {
+            return Err(CopyError::DestinationInUse {
                 path: dst.into(),
-                dst_size: dev_size(dst)?,
-                src_size: size,
-                hint: "use a device at least as large as the source",
+                detail: format!("mounted at {mountpoint}"),
             });
         }
-    } else if meta.len() < size && !opts.grow {
-        return Err(CopyError::DestinationTooSmall {
-            path: dst.into(),
-            dst_size: meta.len(),
-            src_size: size,
-            hint: "pass --grow to extend the image file",
-        });
-    } else if meta.len() > size {
-        return Err(CopyError::DestinationLarger {
-            path: dst.into(),
-            dst_size: meta.len(),
-            src_size: size,
-        });
+        // O_EXCL on a block device fails with EBUSY while anyone holds it
+        // (a mount, device-mapper, md, another exclusive opener).
+        options.custom_flags(rustix::fs::OFlags::EXCL.bits() as i32);
     }
     let mut volume = BlockVolume::open_with(dst, &options).map_err(|e| match e {
         chunker::ChunkerError::Open { cause, .. }
@@ -96,11 +73,34 @@ pub(crate) fn prepare(src: &BlockVolume, dst: &Path, opts: &CopyOptions) -> Resu
         }
         other => other.into(),
     })?;
-    if volume.kind() == VolumeKind::ImageFile && volume.size() < size {
-        volume
-            .set_len(size)
-            .map_err(|e| write_error("growing", dst, 0, e))?;
+    let too_small = |hint| CopyError::DestinationTooSmall {
+        path: dst.into(),
+        dst_size: volume.size(),
+        src_size: size,
+        hint,
+    };
+    match volume.kind() {
+        VolumeKind::BlockDevice if volume.size() < size => {
+            return Err(too_small("use a device at least as large as the source"));
+        }
+        VolumeKind::ImageFile if volume.size() < size && !opts.grow => {
+            return Err(too_small("pass --grow to extend the image file"));
+        }
+        VolumeKind::ImageFile if volume.size() > size => {
+            return Err(CopyError::DestinationLarger {
+                path: dst.into(),
+                dst_size: volume.size(),
+                src_size: size,
+            });
+        }
+        VolumeKind::ImageFile if volume.size() < size => {
+            volume
+                .set_len(size)
+                .map_err(|e| write_error("growing", dst, 0, e))?;
+        }
+        _ => {}
     }
+    // A larger device keeps its bytes past the source's end; only the prefix is copied.
     let volume = if volume.size() > size {
         volume.limited_to(size)
     } else {
@@ -221,14 +221,6 @@ pub(crate) fn mounted_at(rdev: u64) -> Option<String> {
         let mountpoint = fields.nth(1)?;
         (dev == want).then(|| mountpoint.to_string())
     })
-}
-
-fn dev_size(path: &Path) -> Result<u64> {
-    Ok(BlockVolume::open(path)?.size())
-}
-
-fn libc_o_excl() -> i32 {
-    rustix::fs::OFlags::EXCL.bits() as i32
 }
 
 fn bad(path: &Path, why: String) -> CopyError {
