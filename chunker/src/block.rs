@@ -23,16 +23,17 @@ pub enum ChunkKind {
 
 /// A run of whole chunks read from a volume, starting at a chunk boundary.
 ///
-/// Chunks that lie entirely in a hole of the source are not read: they are flagged in
-/// `hole` and their bytes in `buf` are left as they were (callers must not look at them).
+/// Chunks that lie entirely in a hole of the volume, or that the caller did not want,
+/// are not read: they are flagged in `unread` and their bytes in `buf` are stale
+/// (callers must not look at them). An unread chunk the caller wanted is a hole.
 #[derive(Debug, Default)]
 pub struct Window {
     /// Volume offset of the first byte.
     pub offset: u64,
     /// The bytes; `buf.len()` is the window's length.
     pub buf: Vec<u8>,
-    /// One flag per chunk: true when the whole chunk is a hole.
-    pub hole: Vec<bool>,
+    /// One flag per chunk: true when the chunk was not read.
+    pub unread: Vec<bool>,
 }
 
 impl Window {
@@ -53,22 +54,38 @@ pub fn read_window(
     len: usize,
     win: &mut Window,
 ) -> Result<()> {
+    read_window_where(volume, chunk, offset, len, |_| true, win)
+}
+
+/// Like [`read_window`], but reads only the chunks (by index in the window) for which
+/// `wanted` is true.
+pub fn read_window_where(
+    volume: &BlockVolume,
+    chunk: ChunkSize,
+    offset: u64,
+    len: usize,
+    wanted: impl Fn(usize) -> bool,
+    win: &mut Window,
+) -> Result<()> {
     debug_assert_eq!(offset % chunk.get(), 0);
     win.offset = offset;
     win.buf.resize(len, 0);
     let n_chunks = len.div_ceil(chunk.bytes());
-    win.hole.clear();
-    win.hole.resize(n_chunks, false);
-    mark_hole_chunks(volume, chunk, offset, len as u64, &mut win.hole);
-    // Read maximal runs of non-hole chunks with one pread each.
+    win.unread.clear();
+    win.unread.resize(n_chunks, false);
+    mark_hole_chunks(volume, chunk, offset, len as u64, &mut win.unread);
+    for (i, unread) in win.unread.iter_mut().enumerate() {
+        *unread |= !wanted(i);
+    }
+    // Read maximal runs of wanted, non-hole chunks with one pread each.
     let mut i = 0;
     while i < n_chunks {
-        if win.hole[i] {
+        if win.unread[i] {
             i += 1;
             continue;
         }
         let start = i;
-        while i < n_chunks && !win.hole[i] {
+        while i < n_chunks && !win.unread[i] {
             i += 1;
         }
         let s = start * chunk.bytes();
@@ -105,7 +122,7 @@ pub fn hash_chunks(key: &ChunkKey, chunk: ChunkSize, win: &Window) -> Vec<ChunkK
     ranges
         .into_par_iter()
         .enumerate()
-        .map(|(i, r)| classify(key, &win.buf[r], win.hole[i]))
+        .map(|(i, r)| classify(key, &win.buf[r], win.unread[i]))
         .collect()
 }
 
@@ -380,7 +397,7 @@ mod tests {
             read_window(&v, cs, off, len, &mut win).unwrap();
             for (i, r) in win.chunk_ranges(cs).enumerate() {
                 let want = &all[off as usize + r.start..off as usize + r.end];
-                if win.hole[i] {
+                if win.unread[i] {
                     assert!(
                         is_zero(want),
                         "chunk {i} at {off} flagged hole but has data"

@@ -27,7 +27,9 @@ mod size;
 mod volume;
 mod zero;
 
-pub use block::{ChunkKind, VolumeDigest, Window, hash_chunks, hash_volume, read_window};
+pub use block::{
+    ChunkKind, VolumeDigest, Window, hash_chunks, hash_volume, read_window, read_window_where,
+};
 pub use cdc::{CdcChunk, CdcChunker, CdcParams};
 pub use error::{ChunkerError, Result};
 pub use id::{ChunkId, ChunkKey};

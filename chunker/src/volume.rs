@@ -167,6 +167,11 @@ impl BlockVolume {
         &self.file
     }
 
+    /// The open file, giving up the volume.
+    pub fn into_file(self) -> File {
+        self.file
+    }
+
     /// (device, inode) for regular files, or the device number for block devices:
     /// equal identities mean the same storage.
     pub fn identity(&self) -> Result<(u64, u64)> {

@@ -324,3 +324,65 @@ fn killed_in_place_copy_leaves_a_marker_until_finished() {
         "marker removed once complete"
     );
 }
+
+/// The saved index of a destination image lets a delta copy read only changed chunks
+/// from it; any outside write to the image, or damage to the index, makes the next copy
+/// compare in full instead of trusting it.
+#[test]
+fn saved_index_limits_destination_reads_and_is_never_trusted_when_stale() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dst) = (t.path().join("src.img"), t.path().join("dst.img"));
+    let len = 64 * MIB;
+    make_image(&src, len, 30, &[(0, 60 * MIB)]);
+    let copy = || {
+        json_of(&mover(
+            t.path(),
+            &[
+                "copy",
+                src.to_str().unwrap(),
+                dst.to_str().unwrap(),
+                "--json",
+            ],
+        ))
+    };
+    let first = copy();
+    assert_eq!(first["used_saved_index"], false);
+
+    // 40 pages changed inside the first 4 MiB: at most 4 chunks differ.
+    let changed = scribble_pages(&src, 31, 40, 0..4 * MIB);
+    let second = copy();
+    assert_eq!(second["used_saved_index"], true);
+    assert!(second["destination_bytes_read"].as_u64().unwrap() <= 4 * MIB);
+    assert_eq!(second["bytes_written"], changed * PAGE);
+    assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
+
+    // Someone writes to the copy behind mover's back: the index is stale.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    write_zeros(&dst, 50 * MIB, PAGE);
+    let third = copy();
+    assert_eq!(
+        third["used_saved_index"], false,
+        "a modified image must be compared in full"
+    );
+    assert_eq!(
+        third["bytes_written"], PAGE,
+        "the outside write is repaired"
+    );
+    assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
+
+    // A damaged index is refused (its checksum), and the copy is still exact.
+    scribble_pages(&src, 32, 10, 8 * MIB..12 * MIB);
+    let index_dir = t.path().join("index");
+    let idx = std::fs::read_dir(&index_dir)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let mut bytes = std::fs::read(&idx).unwrap();
+    bytes[9 * 32] ^= 0x40; // the entry of chunk 9, inside the changed range
+    std::fs::write(&idx, bytes).unwrap();
+    let fourth = copy();
+    assert_eq!(fourth["used_saved_index"], false);
+    assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
+}

@@ -7,14 +7,16 @@
 //! it: equal pages are read, never rewritten.
 
 mod dest;
+mod index;
 mod marker;
 mod plan;
 
 use crate::error::{CopyError, Result, write_error};
 use chunker::{
-    BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, MerkleBuilder, Window, hash_volume,
-    is_zero, read_ahead, read_window,
+    BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, MerkleBuilder, VolumeKind, Window,
+    hash_volume, is_zero, read_ahead, read_window, read_window_where,
 };
+use index::{Identity, IndexReader, IndexWriter};
 use plan::{DstChunk, Op, SrcChunk, plan_chunk, push_merged};
 use rayon::prelude::*;
 use rustix::fs::FallocateFlags;
@@ -126,12 +128,21 @@ pub struct CopySummary {
     pub root: Option<String>,
     /// This run finished an earlier interrupted copy.
     pub resumed: bool,
+    /// The destination's saved index was valid: only changed chunks were read from it.
+    pub used_saved_index: bool,
 }
 
-/// A source window and, when the destination must be compared, its matching window.
+/// A source window, what is known of its chunks, and the destination bytes to compare.
 #[derive(Default)]
 struct WindowPair {
     src: Window,
+    /// Per chunk: all zeros (or a hole) in the source.
+    zero: Vec<bool>,
+    /// Per chunk, when hashing: its kind with id (empty when not hashing).
+    ids: Vec<ChunkKind>,
+    /// Per chunk: known equal in the destination (from its saved index): nothing to do.
+    same: Vec<bool>,
+    /// The destination's window; `None` when the destination reads as zeros.
     dst: Option<Window>,
 }
 
@@ -152,65 +163,97 @@ pub fn copy_block(
     }
     let chunk = opts.chunk_size;
     let key = ChunkKey::local();
+    let size = source.size();
+
+    // Image files keep a saved index of their chunks, so the next copy onto them reads
+    // only the chunks that changed. Block devices cannot: writes to them leave no trace.
+    let index_path = index::index_path(&opts.state_dir(), &dest.path);
+    let is_image = dest.volume.kind() == VolumeKind::ImageFile;
+    let mut saved = (is_image && !dest.fresh && dest.partial.is_none())
+        .then(|| Identity::of(dest.volume.file()).ok())
+        .flatten()
+        .and_then(|id| IndexReader::open_valid(&index_path, id, chunk, size, &key));
+    let mut new_index = if is_image {
+        IndexWriter::create(index_path.clone())
+            .inspect_err(warn_no_index)
+            .ok()
+    } else {
+        None
+    };
+    let hashing = opts.verify || new_index.is_some() || saved.is_some();
     let mut merkle = opts.verify.then(|| MerkleBuilder::new(key.clone()));
     let mut sum = CopySummary {
         source: src.into(),
         destination: dst.into(),
-        volume_bytes: source.size(),
+        volume_bytes: size,
         chunk_size: chunk.get(),
         resumed: dest.resumed,
+        used_saved_index: saved.is_some(),
         ..Default::default()
     };
     source.advise_sequential();
     dest.volume.advise_sequential();
-    progress.begin("copy", source.size());
+    progress.begin("copy", size);
     let window_len = chunk.bytes().max(8 << 20) as u64;
     let mut next = 0u64;
     read_ahead(
         2,
         |recycled: Option<WindowPair>| {
-            if next >= source.size() {
+            if next >= size {
                 return None;
             }
             let mut pair = recycled.unwrap_or_default();
-            let len = window_len.min(source.size() - next) as usize;
+            let len = window_len.min(size - next) as usize;
             let offset = next;
             next += len as u64;
-            let want_dst = !dest.fresh;
-            let dst_win = pair.dst.get_or_insert_with(Window::default);
-            let (a, b) = rayon::join(
-                || read_window(&source, chunk, offset, len, &mut pair.src),
-                || {
-                    if want_dst {
-                        read_window(&dest.volume, chunk, offset, len, dst_win)
-                    } else {
-                        Ok(())
-                    }
-                },
-            );
-            if !want_dst {
-                pair.dst = None;
-            }
-            Some(a.and(b).map(|()| pair).map_err(CopyError::from))
+            let plan = ReadPlan {
+                source: &source,
+                dest: &dest,
+                chunk,
+                key: &key,
+                hashing,
+            };
+            let r = plan.read(saved.as_mut(), offset, len, &mut pair);
+            Some(r.map(|()| pair))
         },
         |pair: &mut WindowPair| {
-            let planned = plan_window(pair, chunk, &key, opts.verify);
             let mut ops = Vec::new();
-            for (i, (r, (kind, chunk_ops))) in pair.src.chunk_ranges(chunk).zip(planned).enumerate()
-            {
+            for (i, r) in pair.src.chunk_ranges(chunk).enumerate() {
                 let len = r.len() as u64;
-                if !pair.src.hole[i] {
+                if !pair.src.unread[i] {
                     sum.source_bytes_read += len;
                 }
-                if pair.dst.as_ref().is_some_and(|d| !d.hole[i]) {
+                if pair.dst.as_ref().is_some_and(|d| !d.unread[i]) {
                     sum.destination_bytes_read += len;
                 }
-                if kind == ChunkKind::Zero {
+                if pair.zero[i] {
                     sum.zero_bytes_skipped += len;
                 }
-                if let Some(m) = merkle.as_mut() {
-                    m.push(&kind, len);
+                if let Some(kind) = pair.ids.get(i) {
+                    if let Some(m) = merkle.as_mut() {
+                        m.push(kind, len);
+                    }
+                    if let Some(w) = &mut new_index
+                        && let Err(e) = w.push(kind)
+                    {
+                        warn_no_index(&e);
+                        new_index = None;
+                    }
                 }
+                if pair.same[i] {
+                    continue;
+                }
+                let src_chunk = if pair.zero[i] {
+                    SrcChunk::Zero(r.len())
+                } else {
+                    SrcChunk::Data(&pair.src.buf[r.clone()])
+                };
+                let dst_chunk = match &pair.dst {
+                    Some(d) if !d.unread[i] => DstChunk::Bytes(&d.buf[r.clone()]),
+                    _ => DstChunk::Zeros,
+                };
+                let mut chunk_ops = Vec::new();
+                plan_chunk(src_chunk, dst_chunk, &mut chunk_ops);
                 for op in chunk_ops {
                     push_merged(&mut ops, shift(op, r.start));
                 }
@@ -225,53 +268,105 @@ pub fn copy_block(
         .map_err(|e| write_error("sync of", dest.volume.path(), 0, e))?;
 
     if let Some(m) = merkle {
-        let root = m.finish(source.size(), chunk);
+        let root = m.finish(size, chunk);
         verify(&source, &dest.volume, &key, chunk, root, dst, progress)?;
         sum.verified = true;
         sum.root = Some(root.to_hex());
     }
-    finish(dest)?;
+    let final_file = finish(dest)?;
+    if let Some(w) = new_index {
+        // Sealed with the image's identity as it is now, after the final sync and rename.
+        let sealed = Identity::of(&final_file).and_then(|id| w.commit(id, chunk, size, &key));
+        if let Err(e) = sealed {
+            warn_no_index(&e);
+        }
+    }
     sum.duration_secs = started.elapsed().as_secs_f64();
     sum.throughput_bytes_per_sec = sum.volume_bytes as f64 / sum.duration_secs.max(1e-9);
     Ok(sum)
 }
 
-/// Classifies (and with `hash`, hashes) each chunk of a window and plans its ops, in parallel.
-fn plan_window(
-    pair: &WindowPair,
+/// The saved index is an optimisation: failing to write it never fails a copy.
+fn warn_no_index(e: &std::io::Error) {
+    tracing::warn!(
+        "cannot save the destination's chunk index ({e}); the next copy will compare it in full"
+    );
+}
+
+/// How the read-ahead thread fills a [`WindowPair`].
+struct ReadPlan<'a> {
+    source: &'a BlockVolume,
+    dest: &'a dest::Destination,
     chunk: ChunkSize,
-    key: &ChunkKey,
-    hash: bool,
-) -> Vec<(ChunkKind, Vec<Op>)> {
-    let plan_one = |(i, r): (usize, Range<usize>)| {
-        let data = &pair.src.buf[r.clone()];
-        let zero = pair.src.hole[i] || is_zero(data);
-        let kind = match (zero, hash) {
-            (true, _) => ChunkKind::Zero,
-            (false, true) => ChunkKind::Data(key.chunk_id(data)),
-            (false, false) => ChunkKind::Data(ChunkId([0; 32])),
+    key: &'a ChunkKey,
+    hashing: bool,
+}
+
+impl ReadPlan<'_> {
+    /// Reads the source window at `offset`, classifies (and when hashing, hashes) its
+    /// chunks in parallel, and reads the destination chunks that must be compared: none
+    /// for a fresh image, the changed ones when a saved index is valid, else all.
+    fn read(
+        &self,
+        saved: Option<&mut IndexReader>,
+        offset: u64,
+        len: usize,
+        pair: &mut WindowPair,
+    ) -> Result<()> {
+        let (chunk, dest) = (self.chunk, self.dest);
+        let dst_win = pair.dst.get_or_insert_with(Window::default);
+        let read_all_dst = !dest.fresh && saved.is_none();
+        let (a, b) = rayon::join(
+            || read_window(self.source, chunk, offset, len, &mut pair.src),
+            || match read_all_dst {
+                true => read_window(&dest.volume, chunk, offset, len, dst_win),
+                false => Ok(()),
+            },
+        );
+        a?;
+        b?;
+        let src = &pair.src;
+        let classify = |(i, r): (usize, Range<usize>)| {
+            let data = &src.buf[r];
+            let zero = src.unread[i] || is_zero(data);
+            let id = self.hashing.then(|| match zero {
+                true => ChunkKind::Zero,
+                false => ChunkKind::Data(self.key.chunk_id(data)),
+            });
+            (zero, id)
         };
-        let dst = match &pair.dst {
-            Some(d) if !d.hole[i] => DstChunk::Bytes(&d.buf[r.clone()]),
-            _ => DstChunk::Zeros,
+        let ranges = src.chunk_ranges(chunk).enumerate();
+        // Hashing needs every core. Without it, classifying is a zero check per chunk:
+        // run it inline, since idle rayon workers spinning between windows would steal
+        // the CPU that the kernel's writeback and loop-device threads need.
+        let classified: Vec<(bool, Option<ChunkKind>)> = match self.hashing {
+            true => ranges
+                .collect::<Vec<_>>()
+                .into_par_iter()
+                .map(classify)
+                .collect(),
+            false => ranges.map(classify).collect(),
         };
-        let src = if zero {
-            SrcChunk::Zero(r.len())
-        } else {
-            SrcChunk::Data(data)
-        };
-        let mut ops = Vec::new();
-        plan_chunk(src, dst, &mut ops);
-        (kind, ops)
-    };
-    let ranges: Vec<Range<usize>> = pair.src.chunk_ranges(chunk).collect();
-    // Hashing needs every core. Without it, planning is a few memcmps per chunk: run
-    // it inline, since idle rayon workers spinning between windows steal the CPU that
-    // the kernel's writeback and loop-device threads need.
-    if hash {
-        ranges.into_par_iter().enumerate().map(plan_one).collect()
-    } else {
-        ranges.into_iter().enumerate().map(plan_one).collect()
+        pair.zero.clear();
+        pair.ids.clear();
+        for (zero, kind) in &classified {
+            pair.zero.push(*zero);
+            pair.ids.extend(kind);
+        }
+        pair.same.clear();
+        pair.same.resize(classified.len(), false);
+        if let Some(saved) = saved {
+            for (same, kind) in pair.same.iter_mut().zip(&pair.ids) {
+                // An unreadable index entry just means: compare this chunk.
+                *same = saved.next().is_ok_and(|old| old == *kind);
+            }
+            let same = &pair.same;
+            read_window_where(&dest.volume, chunk, offset, len, |i| !same[i], dst_win)?;
+        }
+        if dest.fresh {
+            pair.dst = None;
+        }
+        Ok(())
     }
 }
 
@@ -363,8 +458,8 @@ fn first_difference(a: &BlockVolume, b: &BlockVolume, chunk: ChunkSize) -> Resul
         read_window(a, chunk, off, len, &mut wa)?;
         read_window(b, chunk, off, len, &mut wb)?;
         for (i, r) in wa.chunk_ranges(chunk).enumerate() {
-            let za = wa.hole[i] || is_zero(&wa.buf[r.clone()]);
-            let zb = wb.hole[i] || is_zero(&wb.buf[r.clone()]);
+            let za = wa.unread[i] || is_zero(&wa.buf[r.clone()]);
+            let zb = wb.unread[i] || is_zero(&wb.buf[r.clone()]);
             let equal = match (za, zb) {
                 (true, true) => true,
                 (false, false) => wa.buf[r.clone()] == wb.buf[r.clone()],
@@ -379,8 +474,9 @@ fn first_difference(a: &BlockVolume, b: &BlockVolume, chunk: ChunkSize) -> Resul
     Ok(None)
 }
 
-/// Makes the finished copy visible: renames a new image into place, or clears the marker.
-fn finish(dest: dest::Destination) -> Result<()> {
+/// Makes the finished copy visible (renames a new image into place, or clears the
+/// marker) and returns the destination's open file.
+fn finish(dest: dest::Destination) -> Result<std::fs::File> {
     if let Some(partial) = &dest.partial {
         rename_no_replace(partial, &dest.path)?;
         let dir = dest
@@ -395,7 +491,7 @@ fn finish(dest: dest::Destination) -> Result<()> {
     if let Some(marker) = dest.marker {
         marker.finish()?;
     }
-    Ok(())
+    Ok(dest.volume.into_file())
 }
 
 /// Renames without replacing: if something appeared at `to` during the copy, keep both.
