@@ -17,17 +17,20 @@ The bench builds (and caches in --workdir) three images:
   sparse64.img   a 64 GiB sparse file holding 20 scattered 16 MiB data regions.
 today.img is attached read-only to a loop device, which is the source of every mover run.
 
-Measured (wall clock of each child, copies including a final sync(2), page cache dropped
-before each timed copy), with the targets checked:
+Measured: wall clock of each child, best of 3 for hashing and of 2 for copies, the tools
+taking turns. Copies include a final sync(2) (mover fsyncs) and start with the page cache
+dropped. The targets checked:
   hash        `mover hash --threads N` vs `b3sum --num-threads N` on a page-cached image,
-              N = 1 and N = nproc, best of 3: mover throughput >= 0.90x b3sum's;
+              N = 1 and N = nproc, best of 3: mover throughput >= 0.90x b3sum's
+              (mover also hashes today.img itself, to show what the device costs);
   full copy   `mover copy` vs `cp --sparse=always` (and `dd bs=4M conv=sparse` shown):
               mover time <= 1.10x cp's;
   delta copy  destination holds yesterday's image: `mover copy` vs
               `rsync --inplace --no-whole-file`: mover >= 5x faster, and mover's
               bytes_written <= 1.10x the 4 KiB pages that differ between the images;
-  memory      mover's peak RSS (wait4 ru_maxrss) < 256 MiB on the full copy and on a copy
-              of the 64 GiB sparse image (cp --sparse=always timed for reference).
+  memory      mover's peak RSS < 256 MiB on the full copy and on a copy of the 64 GiB
+              sparse image (cp --sparse=always timed for reference). Peak RSS is the
+              child's own wait4 ru_maxrss; the kernel floors it at the bench's own peak.
 Every copy is checked byte-identical to its source after it is timed (untimed).
 
 Prints a table of figures, ratios and PASS/FAIL, and writes every figure as JSON.
@@ -91,7 +94,9 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         .checked_mul(1 << shift)
         .ok_or_else(|| format!("`{text}` is too large"))?;
     if size < MIN_SIZE {
-        return Err(format!("{text} is too small: the volume needs at least 256M"));
+        return Err(format!(
+            "{text} is too small: the volume needs at least 256M"
+        ));
     }
     if size % 4096 != 0 {
         return Err(format!("{text} is not a multiple of 4 KiB"));

@@ -39,7 +39,8 @@ impl PageDiff {
 
 /// Compares `a` and `b`, which must have the same length.
 pub fn compare(a: &Path, b: &Path) -> Result<PageDiff> {
-    let open = |path: &Path| File::open(path).with_context(|| format!("cannot open {}", path.display()));
+    let open =
+        |path: &Path| File::open(path).with_context(|| format!("cannot open {}", path.display()));
     let (fa, fb) = (open(a)?, open(b)?);
     let len = fa.metadata()?.len();
     let len_b = fb.metadata()?.len();
@@ -94,7 +95,10 @@ fn data_extents(file: &File, len: u64) -> Result<Vec<Range<u64>>> {
         let start = match rustix::fs::seek(file, SeekFrom::Data(offset)) {
             Ok(start) => start,
             Err(rustix::io::Errno::NXIO) => break,
-            Err(rustix::io::Errno::INVAL) if offset == 0 => return Ok(vec![0..len]),
+            Err(rustix::io::Errno::INVAL) if offset == 0 => {
+                extents.push(0..len);
+                break;
+            }
             Err(err) => return Err(err).context("SEEK_DATA failed"),
         };
         let end = rustix::fs::seek(file, SeekFrom::Hole(start)).context("SEEK_HOLE failed")?;

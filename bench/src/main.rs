@@ -84,7 +84,11 @@ fn measure_and_publish(
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let device = LoopDevice::attach_read_only(tools, &images.today)?;
-    note!("source: {} on {}", images.today.display(), device.path().display());
+    note!(
+        "source: {} on {}",
+        images.today.display(),
+        device.path().display()
+    );
     let ctx = Ctx {
         tools,
         mover,
@@ -93,7 +97,8 @@ fn measure_and_publish(
         scratch,
         nproc: std::thread::available_parallelism().map_or(1, usize::from),
     };
-    let results = Results {
+    let load_before = load_average();
+    let mut results = Results {
         bench_version: env!("CARGO_PKG_VERSION"),
         started_unix_secs,
         kernel: kernel_release(),
@@ -110,7 +115,12 @@ fn measure_and_publish(
         full_copy: phases::full_copy(&ctx)?,
         delta_copy: phases::delta_copy(&ctx)?,
         sparse_copy: phases::sparse_copy(&ctx)?,
+        bench_peak_rss_bytes: 0,
+        load_before,
+        load_after: String::new(),
     };
+    results.load_after = load_average();
+    results.bench_peak_rss_bytes = process::own_peak_rss();
     drop(device);
     report::publish(&results, json_path)
 }
@@ -143,6 +153,14 @@ fn ensure_free_space(workdir: &Path, size: u64, reuse: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The 1, 5 and 15 minute load averages from `/proc/loadavg`, or `unknown`.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg").map_or_else(
+        |_| "unknown".to_string(),
+        |s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
+    )
 }
 
 /// The running kernel's release, or `unknown`.

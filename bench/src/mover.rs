@@ -58,8 +58,9 @@ where
     T: DeserializeOwned + VolumeBytes,
 {
     let text = String::from_utf8_lossy(stdout);
-    let value: serde_json::Value = serde_json::from_str(text.trim())
-        .with_context(|| format!("mover --json printed something else than one JSON object: {text:?}"))?;
+    let value: serde_json::Value = serde_json::from_str(text.trim()).with_context(|| {
+        format!("mover --json printed something else than one JSON object: {text:?}")
+    })?;
     let report: T = serde_json::from_value(value.clone())
         .with_context(|| format!("mover's JSON report lacks an expected field: {text}"))?;
     if report.volume_bytes() != volume_bytes {

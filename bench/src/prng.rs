@@ -58,7 +58,10 @@ mod tests {
         a.fill(&mut x);
         b.fill(&mut y);
         assert_eq!(x, y);
-        assert_ne!(SplitMix64::new(7, 2).next_u64(), SplitMix64::new(7, 1).next_u64());
+        assert_ne!(
+            SplitMix64::new(7, 2).next_u64(),
+            SplitMix64::new(7, 1).next_u64()
+        );
     }
 
     #[test]

@@ -104,6 +104,26 @@ pub fn drop_caches() -> Result<()> {
         .context("cannot drop the page cache via /proc/sys/vm/drop_caches")
 }
 
+/// The bench's own peak RSS (`VmHWM`), in bytes, or 0 if unknown.
+///
+/// Every child's `ru_maxrss` starts from it: std spawns with vfork+exec, and at exec the
+/// kernel folds the high-water mark of the mm being left (the bench's) into the child's
+/// figure. A child's peak RSS equal to this floor therefore means "at most this".
+pub fn own_peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
 /// Turns a failed exit into an error carrying the end of the child's stderr.
 fn ensure_success(what: &str, status: ExitStatus, stderr: &[u8]) -> Result<()> {
     if status.success() {
@@ -167,11 +187,22 @@ mod tests {
         // A child touching 64 MiB must report at least that, and a later small child must
         // not inherit the figure (which getrusage(RUSAGE_CHILDREN) would do).
         let mut dd = Command::new("dd");
-        dd.args(["if=/dev/zero", "of=/dev/null", "bs=64M", "count=1", "status=none"]);
+        dd.args([
+            "if=/dev/zero",
+            "of=/dev/null",
+            "bs=64M",
+            "count=1",
+            "status=none",
+        ]);
         let big = run_timed(&mut dd, ThenSync::No).unwrap();
         let small = run_timed(&mut Command::new("true"), ThenSync::No).unwrap();
         assert!(big.max_rss_bytes >= 64 << 20, "{}", big.max_rss_bytes);
         assert!(small.max_rss_bytes < 16 << 20, "{}", small.max_rss_bytes);
+    }
+
+    #[test]
+    fn own_peak_rss_is_known() {
+        assert!(own_peak_rss() > 0);
     }
 
     #[test]
@@ -180,9 +211,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("boom"), "{err}");
-        let err = run_timed(Command::new("sh").args(["-c", "echo bang >&2; exit 4"]), ThenSync::No)
-            .unwrap_err()
-            .to_string();
+        let err = run_timed(
+            Command::new("sh").args(["-c", "echo bang >&2; exit 4"]),
+            ThenSync::No,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("bang"), "{err}");
     }
 }

@@ -32,6 +32,12 @@ pub struct Results {
     pub kernel: String,
     /// CPUs available to the bench.
     pub nproc: usize,
+    /// `/proc/loadavg` before the first timed run (other work on the machine skews times).
+    pub load_before: String,
+    /// `/proc/loadavg` after the last timed run.
+    pub load_after: String,
+    /// The bench's own peak RSS: the floor of every child's peak RSS figure.
+    pub bench_peak_rss_bytes: u64,
     /// The mover binary measured.
     pub mover: PathBuf,
     /// The working directory.
@@ -169,6 +175,7 @@ impl<'a> Summary<'a> {
             rows.push(row(&phase, &hash.b3sum, size, None));
             let check = Check::new(&name, ratio, Rule::AtLeast, HASH_MIN_RATIO, Unit::Ratio);
             rows.push(row(&phase, &hash.mover, size, Some(check)));
+            rows.push(row(&phase, &hash.mover_on_image_file, size, None));
         }
         rows.extend(full_copy_rows(&results.full_copy, size));
         rows.extend(delta_copy_rows(&results.delta_copy, size));
@@ -184,7 +191,9 @@ impl<'a> Summary<'a> {
     /// Every check, row checks first.
     fn checks(&self) -> Vec<Check> {
         let row_checks = self.rows.iter().filter_map(|r| r.check.clone());
-        row_checks.chain(self.other_checks.iter().cloned()).collect()
+        row_checks
+            .chain(self.other_checks.iter().cloned())
+            .collect()
     }
 }
 
@@ -309,9 +318,13 @@ fn render(results: &Results, summary: &Summary) -> String {
         "phase", "tool", "seconds", "MiB/s", "peak RSS", "ratio", "target", "result"
     );
     for row in &summary.rows {
-        let _ = writeln!(out, "{}", render_row(row));
+        let _ = writeln!(out, "{}", render_row(row).trim_end());
     }
-    let _ = writeln!(out, "\n{:<56} {:>12} {:>12} {:>6}", "check", "measured", "target", "result");
+    let _ = writeln!(
+        out,
+        "\n{:<56} {:>12} {:>12} {:>6}",
+        "check", "measured", "target", "result"
+    );
     for check in &summary.other_checks {
         let _ = writeln!(
             out,
@@ -322,6 +335,11 @@ fn render(results: &Results, summary: &Summary) -> String {
             check.verdict()
         );
     }
+    let _ = writeln!(
+        out,
+        "(peak RSS is the child's ru_maxrss, which starts from the bench's own peak, {:.1} MiB)",
+        results.bench_peak_rss_bytes as f64 / MIB
+    );
     let failed = summary.checks().iter().filter(|c| !c.pass).count();
     let _ = match failed {
         0 => writeln!(out, "\nall targets met"),
@@ -336,12 +354,15 @@ fn headline(results: &Results) -> String {
     let diff = &images.diff;
     format!(
         "mover-bench: {:.2} GiB volume ({:.2} GiB allocated), {} CPUs, kernel {}\n\
+         load average before/after the timed runs: {} / {}\n\
          day of changes: {} of {} 4 KiB pages differ ({:.1}% of the volume, {:.1}% of pages \
          holding data)",
         images.size as f64 / (MIB * 1024.0),
         images.today_allocated as f64 / (MIB * 1024.0),
         results.nproc,
         results.kernel,
+        results.load_before,
+        results.load_after,
         diff.differing_pages,
         diff.total_pages,
         percent(diff.differing_pages, diff.total_pages),
@@ -385,7 +406,8 @@ pub fn write_json_file(path: &Path, value: &impl Serialize) -> Result<()> {
     let tmp = PathBuf::from(tmp_name);
     let mut text = serde_json::to_string_pretty(value).context("cannot serialise JSON")?;
     text.push('\n');
-    let mut file = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let mut file =
+        File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     file.write_all(text.as_bytes())
         .and_then(|()| file.sync_all())
         .with_context(|| format!("cannot write {}", tmp.display()))?;

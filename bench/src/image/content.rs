@@ -50,12 +50,10 @@ pub fn db_page(page: &mut [u8], page_no: u64, lsn: u64, rng: &mut SplitMix64) {
             }
         }
     }
-    let checksum = page
-        .chunks_exact(8)
-        .fold(0u64, |acc, word| {
-            let word = u64::from_le_bytes(word.try_into().expect("8-byte chunk"));
-            (acc ^ word).rotate_left(5)
-        });
+    let checksum = page.chunks_exact(8).fold(0u64, |acc, word| {
+        let word = u64::from_le_bytes(word.try_into().expect("8-byte chunk"));
+        (acc ^ word).rotate_left(5)
+    });
     page[24..32].copy_from_slice(&checksum.to_le_bytes());
 }
 
@@ -104,7 +102,11 @@ mod tests {
         assert_eq!(&page[0..8], DB_MAGIC);
         assert_eq!(u64::from_le_bytes(page[8..16].try_into().unwrap()), 42);
         assert_eq!(u64::from_le_bytes(page[16..24].try_into().unwrap()), 7);
-        assert!(page[DB_HEADER + 16..DB_HEADER + DB_ROW].iter().all(|b| ALPHABET.contains(b)));
+        assert!(
+            page[DB_HEADER + 16..DB_HEADER + DB_ROW]
+                .iter()
+                .all(|b| ALPHABET.contains(b))
+        );
         assert!(page[DB_PAGE - 1024..].iter().all(|&b| b == 0));
     }
 

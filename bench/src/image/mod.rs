@@ -247,7 +247,8 @@ impl Layout {
 
     /// Creates the directories the content goes into.
     fn create_dirs(&self) -> Result<()> {
-        let parents = [&self.db, &self.blob, &self.shift].map(|p| p.parent().map(Path::to_path_buf));
+        let parents =
+            [&self.db, &self.blob, &self.shift].map(|p| p.parent().map(Path::to_path_buf));
         for dir in parents.into_iter().flatten().chain([self.files.clone()]) {
             fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
         }

@@ -1,0 +1,249 @@
+//! Copies timed from a dropped page cache: full, delta and sparse, mover against its peers.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use super::{Ctx, Run, RunOutput};
+use crate::diff::{self, PageDiff};
+use crate::image;
+use crate::mover::{self, CopyReport};
+use crate::process::{self, ThenSync, describe, drop_caches, run_timed};
+use crate::progress::note;
+
+/// How many times each copy command runs; the best time counts.
+const COPY_RUNS: usize = 2;
+
+/// The full copy to an empty destination.
+#[derive(Debug, Clone, Serialize)]
+pub struct FullCopy {
+    /// `cp --sparse=always`.
+    pub cp: Run,
+    /// `dd bs=4M conv=sparse`.
+    pub dd: Run,
+    /// `mover copy`.
+    pub mover: Run,
+}
+
+/// The delta copy onto yesterday's image.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeltaCopy {
+    /// Pages differing between yesterday's and today's image.
+    pub changed: PageDiff,
+    /// `rsync --inplace --no-whole-file`.
+    pub rsync: Run,
+    /// `mover copy`.
+    pub mover: Run,
+    /// Bytes mover wrote, from its report.
+    pub mover_bytes_written: u64,
+    /// Bytes mover zeroed, from its report.
+    pub mover_bytes_zeroed: u64,
+    /// Pages mover wrote, from its report.
+    pub mover_pages_written: u64,
+    /// Bytes mover read from the destination, from its report.
+    pub mover_destination_bytes_read: u64,
+}
+
+/// The copy of the 64 GiB sparse image.
+#[derive(Debug, Clone, Serialize)]
+pub struct SparseCopy {
+    /// Logical size.
+    pub size: u64,
+    /// Bytes of data in it.
+    pub data_bytes: u64,
+    /// `cp --sparse=always`, for reference.
+    pub cp: Run,
+    /// `mover copy`.
+    pub mover: Run,
+}
+
+/// Times full copies of the source device into a new file: cp, dd and mover.
+pub fn full_copy(ctx: &Ctx) -> Result<FullCopy> {
+    let (dev, dst) = (ctx.device, &ctx.scratch);
+    let mut cp = Command::new(&ctx.tools.cp);
+    cp.arg("--sparse=always").arg(dev).arg(dst);
+    let mut dd = Command::new(&ctx.tools.dd);
+    dd.arg(format!("if={}", dev.display()))
+        .arg(format!("of={}", dst.display()))
+        .args(["bs=4M", "conv=sparse", "status=none"]);
+    let mut trials = [
+        Trial::new("cp --sparse=always", cp),
+        Trial::new("dd bs=4M conv=sparse", dd),
+        Trial::new("mover copy", mover::copy_command(ctx.mover, dev, dst)),
+    ];
+    race(ctx, "full copy", &mut trials, None, &ctx.images.today)?;
+    let [cp, dd, mover] = trials;
+    Ok(FullCopy {
+        cp: cp.best().0,
+        dd: dd.best().0,
+        mover: mover.best_mover(ctx.images.manifest.size)?.0,
+    })
+}
+
+/// Times copies onto a destination holding yesterday's image: rsync and mover.
+pub fn delta_copy(ctx: &Ctx) -> Result<DeltaCopy> {
+    let (today, yesterday) = (&ctx.images.today, &ctx.images.yesterday);
+    let mut rsync = Command::new(&ctx.tools.rsync);
+    rsync
+        .args(["--inplace", "--no-whole-file"])
+        .arg(today)
+        .arg(&ctx.scratch);
+    let mut trials = [
+        Trial::new("rsync --inplace --no-whole-file", rsync),
+        Trial::new(
+            "mover copy",
+            mover::copy_command(ctx.mover, ctx.device, &ctx.scratch),
+        ),
+    ];
+    race(ctx, "delta copy", &mut trials, Some(yesterday), today)?;
+    let [rsync, mover] = trials;
+    let (mover, report) = mover.best_mover(ctx.images.manifest.size)?;
+    Ok(DeltaCopy {
+        changed: ctx.images.manifest.diff,
+        rsync: rsync.best().0,
+        mover,
+        mover_bytes_written: report.bytes_written,
+        mover_bytes_zeroed: report.bytes_zeroed,
+        mover_pages_written: report.pages_written,
+        mover_destination_bytes_read: report.destination_bytes_read,
+    })
+}
+
+/// Times copies of the 64 GiB sparse image into a new file: cp and mover.
+pub fn sparse_copy(ctx: &Ctx) -> Result<SparseCopy> {
+    let (sparse, manifest) = (&ctx.images.sparse, &ctx.images.manifest);
+    let mut cp = Command::new(&ctx.tools.cp);
+    cp.arg("--sparse=always").arg(sparse).arg(&ctx.scratch);
+    let mut trials = [
+        Trial::new("cp --sparse=always", cp),
+        Trial::new(
+            "mover copy",
+            mover::copy_command(ctx.mover, sparse, &ctx.scratch),
+        ),
+    ];
+    race(ctx, "sparse copy", &mut trials, None, sparse)?;
+    let [cp, mover] = trials;
+    Ok(SparseCopy {
+        size: manifest.sparse_size,
+        data_bytes: image::data_bytes(&manifest.sparse_regions),
+        cp: cp.best().0,
+        mover: mover.best_mover(manifest.sparse_size)?.0,
+    })
+}
+
+/// One copy command and its timed runs.
+struct Trial {
+    /// Short name for the table.
+    tool: &'static str,
+    /// The command.
+    cmd: Command,
+    /// Each run and its stdout.
+    runs: Vec<RunOutput>,
+}
+
+impl Trial {
+    /// A trial of `cmd`, not run yet.
+    fn new(tool: &'static str, cmd: Command) -> Self {
+        Self {
+            tool,
+            cmd,
+            runs: Vec::new(),
+        }
+    }
+
+    /// The fastest run, listing every run's time, and reporting the worst exactness check;
+    /// with its stdout.
+    fn best(self) -> RunOutput {
+        let all_seconds: Vec<f64> = self.runs.iter().map(|(run, _)| run.seconds).collect();
+        let worst_diff = self
+            .runs
+            .iter()
+            .filter_map(|(run, _)| run.differing_pages_after)
+            .max();
+        let (mut best, stdout) = self
+            .runs
+            .into_iter()
+            .min_by(|(a, _), (b, _)| a.seconds.total_cmp(&b.seconds))
+            .expect("every trial runs at least once");
+        best.all_seconds = all_seconds;
+        best.differing_pages_after = worst_diff;
+        (best, stdout)
+    }
+
+    /// [`Trial::best`] for a mover copy of a `volume_bytes` volume, with its report parsed
+    /// and kept in the run.
+    fn best_mover(self, volume_bytes: u64) -> Result<(Run, CopyReport)> {
+        let (mut run, stdout) = self.best();
+        let (report, value) = mover::parse_report::<CopyReport>(&stdout, volume_bytes)?;
+        run.mover_report = Some(value);
+        Ok((run, report))
+    }
+}
+
+/// Runs every trial [`COPY_RUNS`] times, round-robin, each from the same starting point
+/// (see [`time_copy`]).
+fn race(
+    ctx: &Ctx,
+    phase: &str,
+    trials: &mut [Trial],
+    start_from: Option<&Path>,
+    source: &Path,
+) -> Result<()> {
+    for _ in 0..COPY_RUNS {
+        for trial in trials.iter_mut() {
+            let run = time_copy(ctx, phase, trial.tool, &mut trial.cmd, start_from, source)?;
+            trial.runs.push(run);
+        }
+    }
+    Ok(())
+}
+
+/// Times one copy: empties the scratch destination (or makes it a copy of `start_from`),
+/// drops the page cache, runs `cmd` plus a sync, then checks the destination against
+/// `source` (untimed). Returns the run and the command's stdout.
+fn time_copy(
+    ctx: &Ctx,
+    phase: &str,
+    tool: &str,
+    cmd: &mut Command,
+    start_from: Option<&Path>,
+    source: &Path,
+) -> Result<RunOutput> {
+    prepare_destination(ctx, start_from)?;
+    drop_caches()?;
+    note!("{phase}: {tool}");
+    let timed = run_timed(cmd, ThenSync::Yes)?;
+    let (mut run, stdout) = Run::best(tool, describe(cmd), vec![timed]);
+    let diff = diff::compare(source, &ctx.scratch)
+        .with_context(|| format!("cannot check the copy made by {tool}"))?;
+    if diff.differing_pages != 0 {
+        note!(
+            "WARNING: after {tool}, {} pages of {} differ from {}",
+            diff.differing_pages,
+            ctx.scratch.display(),
+            source.display()
+        );
+    }
+    run.differing_pages_after = Some(diff.differing_pages);
+    run.destination_allocated_bytes = Some(std::fs::metadata(&ctx.scratch)?.blocks() * 512);
+    image::remove_if_present(&ctx.scratch)?;
+    Ok((run, stdout))
+}
+
+/// Makes the scratch destination absent, or a sparse copy of `start_from` (untimed).
+fn prepare_destination(ctx: &Ctx, start_from: Option<&Path>) -> Result<()> {
+    image::remove_if_present(&ctx.scratch)?;
+    if let Some(start_from) = start_from {
+        process::run_checked(
+            Command::new(&ctx.tools.cp)
+                .arg("--sparse=always")
+                .arg(start_from)
+                .arg(&ctx.scratch),
+        )
+        .context("cannot prepare the delta destination")?;
+    }
+    Ok(())
+}

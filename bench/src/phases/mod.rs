@@ -1,0 +1,96 @@
+//! The timed runs: hashing, full copy, delta copy and the sparse-image copy, each pitting
+//! mover against its peers in the same run.
+
+mod copy;
+mod hash;
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+pub use copy::{DeltaCopy, FullCopy, SparseCopy, delta_copy, full_copy, sparse_copy};
+pub use hash::{HashResult, hash};
+
+use crate::image::Images;
+use crate::process::Timed;
+use crate::tools::Tools;
+
+/// What the runs need.
+#[derive(Debug)]
+pub struct Ctx<'a> {
+    /// The peers.
+    pub tools: &'a Tools,
+    /// The mover binary.
+    pub mover: &'a Path,
+    /// The images.
+    pub images: &'a Images,
+    /// Loop device attached read-only to today's image: the source of mover's runs.
+    pub device: &'a Path,
+    /// The destination of every copy (a file next to the images, so on the same disk).
+    pub scratch: PathBuf,
+    /// Threads for the multi-threaded hash comparison.
+    pub nproc: usize,
+}
+
+/// A run and what the command printed on stdout.
+type RunOutput = (Run, Vec<u8>);
+
+/// One timed command.
+#[derive(Debug, Clone, Serialize)]
+pub struct Run {
+    /// Short name for the table.
+    pub tool: String,
+    /// The full command line.
+    pub command: String,
+    /// Best wall-clock time, including the trailing sync for copies.
+    pub seconds: f64,
+    /// The part of `seconds` spent in the trailing sync.
+    pub sync_seconds: f64,
+    /// Every run's time, when the command ran more than once.
+    pub all_seconds: Vec<f64>,
+    /// Peak RSS of the command's process (wait4 ru_maxrss).
+    pub max_rss_bytes: u64,
+    /// For copies: bytes the destination occupies on disk afterwards.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub destination_allocated_bytes: Option<u64>,
+    /// For copies: 4 KiB pages of the destination differing from the source afterwards
+    /// (0 means the copy is exact).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub differing_pages_after: Option<u64>,
+    /// For mover: its own `--json` report, verbatim.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mover_report: Option<serde_json::Value>,
+}
+
+impl Run {
+    /// A run from the best of `timings` (which must not be empty), and the stdout of that
+    /// best run.
+    pub(super) fn best(tool: &str, command: String, timings: Vec<Timed>) -> RunOutput {
+        let all_seconds: Vec<f64> = timings.iter().map(|t| t.elapsed.as_secs_f64()).collect();
+        let best = timings
+            .into_iter()
+            .min_by_key(|t| t.elapsed)
+            .expect("at least one timing");
+        let run = Self {
+            tool: tool.to_string(),
+            command,
+            seconds: best.elapsed.as_secs_f64(),
+            sync_seconds: best.sync.as_secs_f64(),
+            all_seconds: if all_seconds.len() > 1 {
+                all_seconds
+            } else {
+                Vec::new()
+            },
+            max_rss_bytes: best.max_rss_bytes,
+            destination_allocated_bytes: None,
+            differing_pages_after: None,
+            mover_report: None,
+        };
+        (run, best.stdout)
+    }
+
+    /// Whether this copy was checked and found exact.
+    pub fn is_exact(&self) -> bool {
+        self.differing_pages_after == Some(0)
+    }
+}
