@@ -1,0 +1,312 @@
+//! Packs: many compressed, encrypted blobs in one object, with an encrypted trailer
+//! indexing them.
+//!
+//! Layout (version 1):
+//! ```text
+//! "MVPK" u32le(1)                         header
+//! blob*                                   nonce(24) || AEAD(flag(1) || payload) ; aad = kind || id
+//! sealed trailer                          nonce(24) || AEAD(u32le version, u32le count, entry*)
+//! u32le(len of sealed trailer) "MVPK"     footer
+//! entry = kind(1) id(32) offset(u32le) length(u32le)
+//! ```
+//! `flag` is 0 for raw bytes and 1 for zstd (used only when it shrinks the blob). A pack
+//! is named by the BLAKE3 of its bytes, so a whole-pack check needs no key.
+
+use crate::{
+    crypto::MasterKey,
+    error::{RepoError, Result},
+};
+use bytes::Bytes;
+use chunker::ChunkId;
+
+const MAGIC: &[u8; 4] = b"MVPK";
+const VERSION: u32 = 1;
+const HEADER_LEN: usize = 8;
+/// Footer: trailer length and magic.
+pub(crate) const FOOTER_LEN: usize = 8;
+const ENTRY_LEN: usize = 41;
+const TRAILER_AAD: &[u8] = b"mover pack trailer v1";
+
+/// What a blob holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum BlobKind {
+    /// A chunk of volume data.
+    Data = 0,
+    /// A piece of a snapshot's chunk list.
+    List = 1,
+}
+
+impl BlobKind {
+    pub(crate) fn from_u8(b: u8) -> Option<Self> {
+        match b {
+            0 => Some(BlobKind::Data),
+            1 => Some(BlobKind::List),
+            _ => None,
+        }
+    }
+}
+
+/// A pack's name: the BLAKE3 of its bytes.
+pub type PackId = [u8; 32];
+
+/// The object key of a pack.
+pub fn pack_key(id: &PackId) -> String {
+    let h = crate::hex(id);
+    format!("packs/{}/{h}", &h[..2])
+}
+
+/// One blob in a pack.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackEntry {
+    /// What it holds.
+    pub kind: BlobKind,
+    /// The keyed BLAKE3 of its plaintext.
+    pub id: ChunkId,
+    /// Byte offset of the sealed blob in the pack.
+    pub offset: u32,
+    /// Length of the sealed blob.
+    pub len: u32,
+}
+
+/// Compresses (when it helps) and encrypts a blob.
+pub(crate) fn seal_blob(key: &MasterKey, kind: BlobKind, id: &ChunkId, plain: &[u8]) -> Vec<u8> {
+    let mut msg = Vec::with_capacity(plain.len() + 1);
+    match zstd::bulk::compress(plain, 3) {
+        Ok(c) if c.len() < plain.len() => {
+            msg.push(1);
+            msg.extend_from_slice(&c);
+        }
+        _ => {
+            msg.push(0);
+            msg.extend_from_slice(plain);
+        }
+    }
+    key.seal(&msg, &blob_aad(kind, id))
+}
+
+fn blob_aad(kind: BlobKind, id: &ChunkId) -> [u8; 33] {
+    let mut aad = [0u8; 33];
+    aad[0] = kind as u8;
+    aad[1..].copy_from_slice(&id.0);
+    aad
+}
+
+/// Decrypts, decompresses and checks a blob: `None` unless its plaintext hashes to `id`.
+pub(crate) fn open_blob(
+    key: &MasterKey,
+    kind: BlobKind,
+    id: &ChunkId,
+    sealed: &[u8],
+) -> Option<Vec<u8>> {
+    let msg = key.open(sealed, &blob_aad(kind, id))?;
+    let plain = match msg.split_first()? {
+        (0, rest) => rest.to_vec(),
+        (1, rest) => zstd::stream::decode_all(rest).ok()?,
+        _ => return None,
+    };
+    (key.chunk_key().chunk_id(&plain) == *id).then_some(plain)
+}
+
+/// A pack being filled.
+#[derive(Debug)]
+pub struct PackBuilder {
+    buf: Vec<u8>,
+    entries: Vec<PackEntry>,
+}
+
+/// A complete pack, ready to upload.
+#[derive(Debug, Clone)]
+pub struct FinishedPack {
+    /// Its name.
+    pub id: PackId,
+    /// Its bytes.
+    pub data: Bytes,
+    /// Its blobs.
+    pub entries: Vec<PackEntry>,
+}
+
+impl Default for PackBuilder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PackBuilder {
+    /// An empty pack.
+    pub fn new() -> Self {
+        let mut buf = Vec::with_capacity(HEADER_LEN);
+        buf.extend_from_slice(MAGIC);
+        buf.extend_from_slice(&VERSION.to_le_bytes());
+        PackBuilder {
+            buf,
+            entries: Vec::new(),
+        }
+    }
+
+    /// Bytes so far.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Whether no blob was added.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Appends a sealed blob (from [`crate::Repository::seal_blob`]).
+    pub fn push(&mut self, kind: BlobKind, id: ChunkId, sealed: &[u8]) {
+        self.entries.push(PackEntry {
+            kind,
+            id,
+            offset: self.buf.len() as u32,
+            len: sealed.len() as u32,
+        });
+        self.buf.extend_from_slice(sealed);
+    }
+
+    pub(crate) fn finish(mut self, key: &MasterKey) -> FinishedPack {
+        let mut t = Vec::with_capacity(8 + self.entries.len() * ENTRY_LEN);
+        t.extend_from_slice(&VERSION.to_le_bytes());
+        t.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
+        for e in &self.entries {
+            encode_entry(e, &mut t);
+        }
+        let sealed = key.seal(&t, TRAILER_AAD);
+        self.buf.extend_from_slice(&sealed);
+        self.buf.extend_from_slice(&(sealed.len() as u32).to_le_bytes());
+        self.buf.extend_from_slice(MAGIC);
+        FinishedPack {
+            id: *blake3::hash(&self.buf).as_bytes(),
+            data: Bytes::from(self.buf),
+            entries: self.entries,
+        }
+    }
+}
+
+pub(crate) fn encode_entry(e: &PackEntry, out: &mut Vec<u8>) {
+    out.push(e.kind as u8);
+    out.extend_from_slice(&e.id.0);
+    out.extend_from_slice(&e.offset.to_le_bytes());
+    out.extend_from_slice(&e.len.to_le_bytes());
+}
+
+pub(crate) fn decode_entry(b: &[u8]) -> Option<PackEntry> {
+    Some(PackEntry {
+        kind: BlobKind::from_u8(b[0])?,
+        id: ChunkId(b[1..33].try_into().ok()?),
+        offset: u32::from_le_bytes(b[33..37].try_into().ok()?),
+        len: u32::from_le_bytes(b[37..41].try_into().ok()?),
+    })
+}
+
+pub(crate) fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// The length of the sealed trailer, from a pack's last [`FOOTER_LEN`] bytes.
+pub(crate) fn trailer_len(key: &str, footer: &[u8], pack_len: u64) -> Result<u32> {
+    let corrupt = |what: &str| RepoError::Corrupt {
+        key: key.into(),
+        offset: pack_len.saturating_sub(FOOTER_LEN as u64),
+        what: what.into(),
+    };
+    if footer.len() != FOOTER_LEN || &footer[4..] != MAGIC {
+        return Err(corrupt("no pack footer (truncated or not a pack)"));
+    }
+    let n = u32_at(footer, 0).unwrap_or(0);
+    if (n as u64) + (HEADER_LEN + FOOTER_LEN) as u64 > pack_len {
+        return Err(corrupt("trailer length points outside the pack"));
+    }
+    Ok(n)
+}
+
+/// Decrypts and parses a pack trailer.
+pub(crate) fn parse_trailer(
+    mkey: &MasterKey,
+    key: &str,
+    sealed: &[u8],
+    offset: u64,
+) -> Result<Vec<PackEntry>> {
+    let corrupt = |what: &str| RepoError::Corrupt {
+        key: key.into(),
+        offset,
+        what: what.into(),
+    };
+    let t = mkey
+        .open(sealed, TRAILER_AAD)
+        .ok_or_else(|| corrupt("pack trailer fails authentication"))?;
+    let version = u32_at(&t, 0).ok_or_else(|| corrupt("short trailer"))?;
+    if version != VERSION {
+        return Err(RepoError::UnsupportedVersion {
+            key: key.into(),
+            found: version,
+            supported: VERSION,
+        });
+    }
+    let count = u32_at(&t, 4).ok_or_else(|| corrupt("short trailer"))? as usize;
+    if t.len() != 8 + count * ENTRY_LEN {
+        return Err(corrupt("trailer length does not match its entry count"));
+    }
+    t[8..]
+        .chunks_exact(ENTRY_LEN)
+        .map(|b| decode_entry(b).ok_or_else(|| corrupt("bad blob kind in trailer")))
+        .collect()
+}
+
+/// Parses a whole pack: its entries from the trailer, checking header and bounds.
+pub(crate) fn parse_pack(mkey: &MasterKey, key: &str, data: &[u8]) -> Result<Vec<PackEntry>> {
+    let len = data.len() as u64;
+    if data.len() < HEADER_LEN + FOOTER_LEN || &data[..4] != MAGIC {
+        return Err(RepoError::Corrupt {
+            key: key.into(),
+            offset: 0,
+            what: "no pack header".into(),
+        });
+    }
+    let n = trailer_len(key, &data[data.len() - FOOTER_LEN..], len)? as usize;
+    let start = data.len() - FOOTER_LEN - n;
+    let entries = parse_trailer(mkey, key, &data[start..data.len() - FOOTER_LEN], start as u64)?;
+    for e in &entries {
+        if (e.offset as usize) < HEADER_LEN || e.offset as usize + e.len as usize > start {
+            return Err(RepoError::Corrupt {
+                key: key.into(),
+                offset: e.offset as u64,
+                what: "trailer entry points outside the blob area".into(),
+            });
+        }
+    }
+    Ok(entries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_round_trip_compressed_and_raw() {
+        let k = MasterKey::from_secret(&[1; 32]);
+        let zeros_ish = vec![7u8; 100_000];
+        let random: Vec<u8> = (0..50_000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        let mut p = PackBuilder::new();
+        for plain in [&zeros_ish, &random] {
+            let id = k.chunk_key().chunk_id(plain);
+            p.push(BlobKind::Data, id, &seal_blob(&k, BlobKind::Data, &id, plain));
+        }
+        let f = p.finish(&k);
+        assert_eq!(f.id, *blake3::hash(&f.data).as_bytes());
+        // The repetitive blob was compressed.
+        assert!(f.entries[0].len < 1000);
+        let entries = parse_pack(&k, "p", &f.data).unwrap();
+        assert_eq!(entries, f.entries);
+        for (e, plain) in entries.iter().zip([&zeros_ish, &random]) {
+            let s = &f.data[e.offset as usize..(e.offset + e.len) as usize];
+            assert_eq!(open_blob(&k, e.kind, &e.id, s).as_ref(), Some(plain));
+            assert!(open_blob(&k, BlobKind::List, &e.id, s).is_none());
+        }
+        let mut bad = f.data.to_vec();
+        bad[entries[1].offset as usize + 100] ^= 0x10;
+        let e = entries[1];
+        assert!(open_blob(&k, e.kind, &e.id, &bad[e.offset as usize..(e.offset + e.len) as usize]).is_none());
+    }
+}
