@@ -1,5 +1,27 @@
-//! gRPC transport between per-node agents (Merkle have/need, streamed chunks,
-//! resumable sessions, mTLS, fencing epochs), per shared/DESIGN.md §5.
+//! gRPC transport between mover agents (shared/DESIGN.md §5).
 //!
-//! Not built yet: this crate is reserved by the workspace layout and is filled in by
-//! the agents issue. It exports nothing, so nothing can depend on it by accident.
+//! - [`proto`]: the protocol, generated from `proto/transfer.proto` (tonic + prost).
+//! - [`auth`]: bearer-token checking for servers and attaching for clients.
+//! - [`tls`]: mutual TLS configuration from PEM files (rustls).
+//! - [`frames`]: packing volume data into frames, zstd-compressed only when it shrinks.
+//! - [`RateLimiter`]: a token bucket for `--bwlimit`.
+//!
+//! The service itself (what an agent does with a session) lives in the `mover` crate;
+//! this crate is the wire and its security.
+
+pub mod auth;
+pub mod frames;
+mod rate;
+pub mod tls;
+
+pub use rate::RateLimiter;
+
+/// The generated protocol types, client and server.
+#[allow(missing_docs, clippy::all)]
+pub mod proto {
+    tonic::include_proto!("mover.transfer.v1");
+}
+
+/// Largest gRPC message either side accepts: a frame of one 8 MiB chunk plus headers,
+/// or a batch of page hashes.
+pub const MAX_MESSAGE: usize = 16 << 20;

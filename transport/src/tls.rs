@@ -1,0 +1,53 @@
+//! Mutual TLS from PEM files: each agent has a certificate and key signed by a CA that
+//! every agent trusts; servers require client certificates from that CA.
+
+use std::path::{Path, PathBuf};
+use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+
+/// Paths of the PEM files for one side of a mutual-TLS connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// This side's certificate chain.
+    pub cert: PathBuf,
+    /// This side's private key.
+    pub key: PathBuf,
+    /// The CA that signs the peers' certificates.
+    pub ca: PathBuf,
+}
+
+/// A TLS file that could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read TLS {what} {path}: {cause}")]
+pub struct TlsError {
+    what: &'static str,
+    path: PathBuf,
+    cause: std::io::Error,
+}
+
+fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|cause| TlsError {
+        what,
+        path: path.into(),
+        cause,
+    })
+}
+
+impl TlsFiles {
+    /// Server side: present our certificate and require clients signed by the CA.
+    pub fn server(&self) -> Result<ServerTlsConfig, TlsError> {
+        let id = Identity::from_pem(read("certificate", &self.cert)?, read("key", &self.key)?);
+        Ok(ServerTlsConfig::new()
+            .identity(id)
+            .client_ca_root(Certificate::from_pem(read("CA", &self.ca)?)))
+    }
+
+    /// Client side: trust only the CA, present our certificate, and expect the server
+    /// to be named `server_name` in its certificate.
+    pub fn client(&self, server_name: &str) -> Result<ClientTlsConfig, TlsError> {
+        let id = Identity::from_pem(read("certificate", &self.cert)?, read("key", &self.key)?);
+        Ok(ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read("CA", &self.ca)?))
+            .identity(id)
+            .domain_name(server_name))
+    }
+}
