@@ -236,6 +236,7 @@ fn delta_copy_rows(delta: &DeltaCopy, size: u64) -> Vec<Row<'_>> {
     );
     vec![
         row("delta copy", &delta.rsync, size, None),
+        row("delta copy", &delta.mover_unindexed, size, None),
         row("delta copy", &delta.mover, size, Some(check)),
     ]
 }
@@ -246,6 +247,7 @@ fn other_checks(results: &Results) -> Vec<Check> {
     let changed = delta.changed.differing_bytes().max(1) as f64;
     let mover_copies = [
         &results.full_copy.mover,
+        &delta.mover_unindexed,
         &delta.mover,
         &results.sparse_copy.mover,
     ];

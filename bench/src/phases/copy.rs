@@ -35,7 +35,10 @@ pub struct DeltaCopy {
     pub changed: PageDiff,
     /// `rsync --inplace --no-whole-file`.
     pub rsync: Run,
-    /// `mover copy`.
+    /// `mover copy` onto a copy made by cp: mover compares the whole destination.
+    pub mover_unindexed: Run,
+    /// `mover copy` onto a copy made by mover, whose saved chunk index spares reading
+    /// unchanged chunks of the destination: the normal case, and the one judged.
     pub mover: Run,
     /// Bytes mover wrote, from its report.
     pub mover_bytes_written: u64,
@@ -91,19 +94,27 @@ pub fn delta_copy(ctx: &Ctx) -> Result<DeltaCopy> {
         .args(["--inplace", "--no-whole-file"])
         .arg(today)
         .arg(&ctx.scratch);
+    let mut indexed = Trial::new(
+        "mover copy, yesterday's copy by mover",
+        mover::copy_command(ctx.mover, ctx.device, &ctx.scratch),
+    );
+    indexed.prepare = Prepare::Mover;
     let mut trials = [
         Trial::new("rsync --inplace --no-whole-file", rsync),
         Trial::new(
-            "mover copy",
+            "mover copy, yesterday's copy by cp",
             mover::copy_command(ctx.mover, ctx.device, &ctx.scratch),
         ),
+        indexed,
     ];
     race(ctx, "delta copy", &mut trials, Some(yesterday), today)?;
-    let [rsync, mover] = trials;
-    let (mover, report) = mover.best_mover(ctx.images.manifest.size)?;
+    let [rsync, cold, indexed] = trials;
+    let (cold, _) = cold.best_mover(ctx.images.manifest.size)?;
+    let (mover, report) = indexed.best_mover(ctx.images.manifest.size)?;
     Ok(DeltaCopy {
         changed: ctx.images.manifest.diff,
         rsync: rsync.best().0,
+        mover_unindexed: cold,
         mover,
         mover_bytes_written: report.bytes_written,
         mover_bytes_zeroed: report.bytes_zeroed,
@@ -140,8 +151,20 @@ struct Trial {
     tool: &'static str,
     /// The command.
     cmd: Command,
+    /// How a delta destination is made before each run.
+    prepare: Prepare,
     /// Each run and its stdout.
     runs: Vec<RunOutput>,
+}
+
+/// Who made yesterday's copy in the delta destination.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Prepare {
+    /// `cp --sparse=always`: mover knows nothing about the destination and reads it all.
+    Cp,
+    /// `mover copy`: as in real use, mover saved the copy's chunk index and reads only
+    /// the chunks that changed.
+    Mover,
 }
 
 impl Trial {
@@ -150,6 +173,7 @@ impl Trial {
         Self {
             tool,
             cmd,
+            prepare: Prepare::Cp,
             runs: Vec::new(),
         }
     }
@@ -194,7 +218,8 @@ fn race(
 ) -> Result<()> {
     for _ in 0..COPY_RUNS {
         for trial in trials.iter_mut() {
-            let run = time_copy(ctx, phase, trial.tool, &mut trial.cmd, start_from, source)?;
+            let start = start_from.map(|p| (p, trial.prepare));
+            let run = time_copy(ctx, phase, trial.tool, &mut trial.cmd, start, source)?;
             trial.runs.push(run);
         }
     }
@@ -209,7 +234,7 @@ fn time_copy(
     phase: &str,
     tool: &str,
     cmd: &mut Command,
-    start_from: Option<&Path>,
+    start_from: Option<(&Path, Prepare)>,
     source: &Path,
 ) -> Result<RunOutput> {
     prepare_destination(ctx, start_from)?;
@@ -233,17 +258,19 @@ fn time_copy(
     Ok((run, stdout))
 }
 
-/// Makes the scratch destination absent, or a sparse copy of `start_from` (untimed).
-fn prepare_destination(ctx: &Ctx, start_from: Option<&Path>) -> Result<()> {
+/// Makes the scratch destination absent, or a sparse copy of `start_from` made by cp or
+/// by mover (untimed).
+fn prepare_destination(ctx: &Ctx, start_from: Option<(&Path, Prepare)>) -> Result<()> {
     image::remove_if_present(&ctx.scratch)?;
-    if let Some(start_from) = start_from {
-        process::run_checked(
-            Command::new(&ctx.tools.cp)
-                .arg("--sparse=always")
-                .arg(start_from)
-                .arg(&ctx.scratch),
-        )
-        .context("cannot prepare the delta destination")?;
-    }
+    let mut cmd = match start_from {
+        None => return Ok(()),
+        Some((from, Prepare::Cp)) => {
+            let mut cp = Command::new(&ctx.tools.cp);
+            cp.arg("--sparse=always").arg(from).arg(&ctx.scratch);
+            cp
+        }
+        Some((from, Prepare::Mover)) => mover::copy_command(ctx.mover, from, &ctx.scratch),
+    };
+    process::run_checked(&mut cmd).context("cannot prepare the delta destination")?;
     Ok(())
 }
