@@ -24,18 +24,21 @@ mod merkle;
 mod pages;
 mod pipeline;
 mod size;
+mod summary;
 mod volume;
 mod zero;
 
 pub use block::{
-    ChunkKind, VolumeDigest, Window, hash_chunks, hash_volume, read_window, read_window_where,
+    ChunkKind, VolumeDigest, Window, hash_chunks, hash_volume, hash_volume_leaves, read_window,
+    read_window_where,
 };
 pub use cdc::{CdcChunk, CdcChunker, CdcParams};
 pub use error::{ChunkerError, Result};
 pub use id::{ChunkId, ChunkKey};
-pub use merkle::MerkleBuilder;
-pub use pages::{PAGE_SIZE, differing_pages};
+pub use merkle::{MerkleBuilder, leaf_hash};
+pub use pages::{PAGE_HASH_LEN, PAGE_SIZE, differing_pages, page_hashes};
 pub use pipeline::read_ahead;
 pub use size::{ChunkSize, parse_size};
+pub use summary::{GROUP_CHUNKS, Summary};
 pub use volume::{BlockVolume, VolumeKind};
 pub use zero::is_zero;

@@ -30,10 +30,11 @@ impl MerkleBuilder {
 
     /// Appends the next chunk; `len` is its length in bytes.
     pub fn push(&mut self, kind: &ChunkKind, len: u64) {
-        let leaf = match kind {
-            ChunkKind::Zero => self.key.tagged_hash(TAG_ZERO_LEAF, &[&len.to_le_bytes()]),
-            ChunkKind::Data(id) => self.key.tagged_hash(TAG_DATA_LEAF, &[&id.0]),
-        };
+        self.push_leaf(leaf_hash(&self.key, kind, len));
+    }
+
+    /// Appends the next chunk by its leaf hash ([`leaf_hash`]).
+    pub fn push_leaf(&mut self, leaf: ChunkId) {
         self.leaves += 1;
         let mut node = (0u32, leaf);
         while let Some(&(h, left)) = self.stack.last() {
@@ -72,6 +73,15 @@ impl MerkleBuilder {
 
     fn node(&self, left: &ChunkId, right: &ChunkId) -> ChunkId {
         self.key.tagged_hash(TAG_NODE, &[&left.0, &right.0])
+    }
+}
+
+/// The Merkle leaf of a chunk: zero chunks by their length, data chunks by id, each
+/// domain-tagged so a leaf can never equal a chunk id or an inner node.
+pub fn leaf_hash(key: &ChunkKey, kind: &ChunkKind, len: u64) -> ChunkId {
+    match kind {
+        ChunkKind::Zero => key.tagged_hash(TAG_ZERO_LEAF, &[&len.to_le_bytes()]),
+        ChunkKind::Data(id) => key.tagged_hash(TAG_DATA_LEAF, &[&id.0]),
     }
 }
 

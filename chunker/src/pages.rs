@@ -4,6 +4,17 @@ use std::ops::Range;
 /// the differing pages are written or shipped.
 pub const PAGE_SIZE: usize = 4096;
 
+/// Bytes of a page hash: 128 bits, ample to tell changed pages apart under a key.
+pub const PAGE_HASH_LEN: usize = 16;
+
+/// One keyed hash per 4 KiB page of `data` (the last page may be short), appended to `out`.
+/// Two sides compare these to ship only the pages that differ inside a changed chunk.
+pub fn page_hashes(key: &crate::ChunkKey, data: &[u8], out: &mut Vec<u8>) {
+    for page in data.chunks(PAGE_SIZE) {
+        out.extend_from_slice(&key.tagged_hash(0x50, &[page]).0[..PAGE_HASH_LEN]);
+    }
+}
+
 /// The byte ranges where `a` and `b` differ, at `page` granularity, adjacent differing
 /// pages merged into one range. Both slices must have the same length; the last page
 /// may be short.
