@@ -31,7 +31,9 @@ pub enum RepoError {
         detail: String,
     },
     /// A retryable backend error persisted past the retry budget.
-    #[error("{source} (gave up after {attempts} attempts over {elapsed_secs:.1}s; check that the storage is reachable and rerun)")]
+    #[error(
+        "{source} (gave up after {attempts} attempts over {elapsed_secs:.1}s; check that the storage is reachable and rerun)"
+    )]
     RetriesExhausted {
         /// The last error.
         source: Box<RepoError>,
@@ -41,7 +43,9 @@ pub enum RepoError {
         elapsed_secs: f64,
     },
     /// No repository at the location.
-    #[error("{location}: no repository here (no config object); create one with `mover repo init {location}`")]
+    #[error(
+        "{location}: no repository here (no config object); create one with `mover repo init {location}`"
+    )]
     NoRepository {
         /// The repository location.
         location: String,
@@ -53,7 +57,9 @@ pub enum RepoError {
         location: String,
     },
     /// The bucket of an S3 location does not exist.
-    #[error("bucket {bucket} does not exist at {endpoint}; create it first (e.g. `aws s3 mb s3://{bucket}`) or fix the bucket name")]
+    #[error(
+        "bucket {bucket} does not exist at {endpoint}; create it first (e.g. `aws s3 mb s3://{bucket}`) or fix the bucket name"
+    )]
     NoBucket {
         /// The bucket.
         bucket: String,
@@ -61,13 +67,17 @@ pub enum RepoError {
         endpoint: String,
     },
     /// No key of the repository opens with the password or key file given.
-    #[error("{location}: the password or key file does not open any key of this repository (wrong password?)")]
+    #[error(
+        "{location}: the password or key file does not open any key of this repository (wrong password?)"
+    )]
     WrongPassword {
         /// The repository location.
         location: String,
     },
     /// No password or key was given.
-    #[error("no password or key given: set MOVER_PASSWORD, or pass --password-file FILE or --key-file FILE")]
+    #[error(
+        "no password or key given: set MOVER_PASSWORD, or pass --password-file FILE or --key-file FILE"
+    )]
     NoPassword,
     /// A key file or password file could not be used.
     #[error("key material {path}: {why}")]
@@ -78,7 +88,9 @@ pub enum RepoError {
         why: String,
     },
     /// A persisted object has a format version this build does not read.
-    #[error("{key}: format version {found} is not supported (this build reads version {supported}); upgrade mover")]
+    #[error(
+        "{key}: format version {found} is not supported (this build reads version {supported}); upgrade mover"
+    )]
     UnsupportedVersion {
         /// The object key.
         key: String,
@@ -88,7 +100,9 @@ pub enum RepoError {
         supported: u32,
     },
     /// An object is damaged: it fails authentication or does not parse.
-    #[error("{key} is damaged at offset {offset}: {what}; run `mover snapshot verify --read-data` to find the affected snapshots")]
+    #[error(
+        "{key} is damaged at offset {offset}: {what}; run `mover snapshot verify --read-data` to find the affected snapshots"
+    )]
     Corrupt {
         /// The object key.
         key: String,
@@ -98,7 +112,9 @@ pub enum RepoError {
         what: String,
     },
     /// A blob the snapshot refers to is not in the index.
-    #[error("blob {id} is not in the repository index (the repository is incomplete; run `mover snapshot verify`)")]
+    #[error(
+        "blob {id} is not in the repository index (the repository is incomplete; run `mover snapshot verify`)"
+    )]
     MissingBlob {
         /// The blob id (hex).
         id: String,
@@ -186,7 +202,9 @@ impl RepoError {
     pub fn is_corruption(&self) -> bool {
         matches!(
             self,
-            RepoError::Corrupt { .. } | RepoError::MissingBlob { .. } | RepoError::VerifyFailed { .. }
+            RepoError::Corrupt { .. }
+                | RepoError::MissingBlob { .. }
+                | RepoError::VerifyFailed { .. }
         )
     }
 

@@ -155,9 +155,9 @@ pub(crate) fn decode_delta(
         offset: 0,
         what: what.into(),
     };
-    let t = key
-        .open(sealed, AAD)
-        .ok_or_else(|| corrupt("index fails authentication (damaged, or from another repository)"))?;
+    let t = key.open(sealed, AAD).ok_or_else(|| {
+        corrupt("index fails authentication (damaged, or from another repository)")
+    })?;
     if t.get(..4) != Some(MAGIC) {
         return Err(corrupt("not an index"));
     }
@@ -181,7 +181,10 @@ pub(crate) fn decode_delta(
         at += 36;
         for _ in 0..n {
             let b = t.get(at..at + 41).ok_or_else(|| corrupt("short index"))?;
-            out.push((pack, decode_entry(b).ok_or_else(|| corrupt("bad blob kind"))?));
+            out.push((
+                pack,
+                decode_entry(b).ok_or_else(|| corrupt("bad blob kind"))?,
+            ));
             at += 41;
         }
     }

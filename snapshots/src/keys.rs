@@ -73,11 +73,19 @@ pub(crate) struct KeyObject {
     pub created: i64,
 }
 
-fn wrapping_key(creds: &Credentials, kdf: &str, salt: &[u8], m: u32, t: u32, p: u32) -> Option<[u8; 32]> {
+fn wrapping_key(
+    creds: &Credentials,
+    kdf: &str,
+    salt: &[u8],
+    m: u32,
+    t: u32,
+    p: u32,
+) -> Option<[u8; 32]> {
     match (creds, kdf) {
         (Credentials::Password(pw), "argon2id") => {
             let params = argon2::Params::new(m, t, p, Some(32)).ok()?;
-            let a = argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params);
+            let a =
+                argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params);
             let mut out = [0u8; 32];
             a.hash_password_into(pw.as_bytes(), salt, &mut out).ok()?;
             Some(out)
@@ -114,7 +122,11 @@ pub(crate) fn new_key_object(creds: &Credentials, secret: &[u8; 32], now: i64) -
 }
 
 /// The master secret, if `creds` open this key object.
-pub(crate) fn open_key_object(name: &str, ko: &KeyObject, creds: &Credentials) -> Result<Option<[u8; 32]>> {
+pub(crate) fn open_key_object(
+    name: &str,
+    ko: &KeyObject,
+    creds: &Credentials,
+) -> Result<Option<[u8; 32]>> {
     if ko.version != KEY_VERSION {
         return Err(RepoError::UnsupportedVersion {
             key: name.into(),

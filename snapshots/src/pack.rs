@@ -174,7 +174,8 @@ impl PackBuilder {
         }
         let sealed = key.seal(&t, TRAILER_AAD);
         self.buf.extend_from_slice(&sealed);
-        self.buf.extend_from_slice(&(sealed.len() as u32).to_le_bytes());
+        self.buf
+            .extend_from_slice(&(sealed.len() as u32).to_le_bytes());
         self.buf.extend_from_slice(MAGIC);
         FinishedPack {
             id: *blake3::hash(&self.buf).as_bytes(),
@@ -266,7 +267,12 @@ pub(crate) fn parse_pack(mkey: &MasterKey, key: &str, data: &[u8]) -> Result<Vec
     }
     let n = trailer_len(key, &data[data.len() - FOOTER_LEN..], len)? as usize;
     let start = data.len() - FOOTER_LEN - n;
-    let entries = parse_trailer(mkey, key, &data[start..data.len() - FOOTER_LEN], start as u64)?;
+    let entries = parse_trailer(
+        mkey,
+        key,
+        &data[start..data.len() - FOOTER_LEN],
+        start as u64,
+    )?;
     for e in &entries {
         if (e.offset as usize) < HEADER_LEN || e.offset as usize + e.len as usize > start {
             return Err(RepoError::Corrupt {
@@ -287,11 +293,17 @@ mod tests {
     fn pack_round_trip_compressed_and_raw() {
         let k = MasterKey::from_secret(&[1; 32]);
         let zeros_ish = vec![7u8; 100_000];
-        let random: Vec<u8> = (0..50_000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        let random: Vec<u8> = (0..50_000u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
         let mut p = PackBuilder::new();
         for plain in [&zeros_ish, &random] {
             let id = k.chunk_key().chunk_id(plain);
-            p.push(BlobKind::Data, id, &seal_blob(&k, BlobKind::Data, &id, plain));
+            p.push(
+                BlobKind::Data,
+                id,
+                &seal_blob(&k, BlobKind::Data, &id, plain),
+            );
         }
         let f = p.finish(&k);
         assert_eq!(f.id, *blake3::hash(&f.data).as_bytes());
@@ -307,6 +319,14 @@ mod tests {
         let mut bad = f.data.to_vec();
         bad[entries[1].offset as usize + 100] ^= 0x10;
         let e = entries[1];
-        assert!(open_blob(&k, e.kind, &e.id, &bad[e.offset as usize..(e.offset + e.len) as usize]).is_none());
+        assert!(
+            open_blob(
+                &k,
+                e.kind,
+                &e.id,
+                &bad[e.offset as usize..(e.offset + e.len) as usize]
+            )
+            .is_none()
+        );
     }
 }

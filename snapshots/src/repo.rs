@@ -231,7 +231,9 @@ impl Repository {
 
     /// Stores a pack.
     pub async fn put_pack(&self, pack: &FinishedPack) -> Result<()> {
-        self.backend.put(&pack_key(&pack.id), pack.data.clone()).await
+        self.backend
+            .put(&pack_key(&pack.id), pack.data.clone())
+            .await
     }
 
     /// Reads a pack's blob entries from its trailer (two ranged GETs).
@@ -266,12 +268,7 @@ impl Repository {
         let marked = crate::prune::marked_packs(self).await?;
         let mut adopted = Vec::new();
         for obj in self.backend.list("packs/").await? {
-            let Some(id) = obj
-                .key
-                .rsplit('/')
-                .next()
-                .and_then(crate::unhex::<32>)
-            else {
+            let Some(id) = obj.key.rsplit('/').next().and_then(crate::unhex::<32>) else {
                 continue;
             };
             if known.contains(&id) || marked.contains(&id) {
@@ -290,9 +287,17 @@ impl Repository {
                 Err(e) => return Err(e),
             }
         }
-        let packs = adopted.iter().map(|(p, _)| *p).collect::<HashSet<_>>().len();
+        let packs = adopted
+            .iter()
+            .map(|(p, _)| *p)
+            .collect::<HashSet<_>>()
+            .len();
         if !adopted.is_empty() {
-            tracing::info!(packs, blobs = adopted.len(), "reusing packs of an interrupted snapshot");
+            tracing::info!(
+                packs,
+                blobs = adopted.len(),
+                "reusing packs of an interrupted snapshot"
+            );
             self.write_index(&adopted).await?;
         }
         Ok(packs)
@@ -335,16 +340,17 @@ impl Repository {
 
     /// Reads one blob.
     pub async fn read_blob(&self, index: &Index, id: &ChunkId) -> Result<Vec<u8>> {
-        let loc = index.get(id).ok_or_else(|| RepoError::MissingBlob { id: id.to_hex() })?;
+        let loc = index
+            .get(id)
+            .ok_or_else(|| RepoError::MissingBlob { id: id.to_hex() })?;
         let mut v = self.read_blobs(&loc.pack, vec![(*id, loc)]).await?;
         Ok(v.pop().map(|(_, b)| b).unwrap_or_default())
     }
 
     /// Reads one chunk-list blob.
     pub async fn read_list(&self, index: &Index, id_hex: &str) -> Result<Vec<ChunkKind>> {
-        let id = crate::unhex::<32>(id_hex).ok_or_else(|| RepoError::MissingBlob {
-            id: id_hex.into(),
-        })?;
+        let id = crate::unhex::<32>(id_hex)
+            .ok_or_else(|| RepoError::MissingBlob { id: id_hex.into() })?;
         let b = self.read_blob(index, &ChunkId(id)).await?;
         decode_list(&format!("chunk list {id_hex}"), &b)
     }
@@ -367,11 +373,14 @@ impl Repository {
     async fn load_snapshot(&self, id: &str) -> Result<Snapshot> {
         let key = format!("snapshots/{id}");
         let b = self.backend.get(&key, None).await?;
-        let plain = self.key.open(&b, SNAPSHOT_AAD).ok_or_else(|| RepoError::Corrupt {
-            key: key.clone(),
-            offset: 0,
-            what: "manifest fails authentication".into(),
-        })?;
+        let plain = self
+            .key
+            .open(&b, SNAPSHOT_AAD)
+            .ok_or_else(|| RepoError::Corrupt {
+                key: key.clone(),
+                offset: 0,
+                what: "manifest fails authentication".into(),
+            })?;
         #[derive(serde::Deserialize)]
         struct V {
             version: u32,

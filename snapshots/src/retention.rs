@@ -88,7 +88,9 @@ pub fn apply(snapshots: &[Snapshot], policy: &KeepPolicy) -> Vec<Decision> {
             ("hourly", policy.hourly, |t| t.div_euclid(3600)),
             ("daily", policy.daily, |t| t.div_euclid(86_400)),
             // ISO weeks start on Monday; 1970-01-01 was a Thursday.
-            ("weekly", policy.weekly, |t| (t.div_euclid(86_400) + 3).div_euclid(7)),
+            ("weekly", policy.weekly, |t| {
+                (t.div_euclid(86_400) + 3).div_euclid(7)
+            }),
             ("monthly", policy.monthly, |t| {
                 let (y, m) = year_month(t.div_euclid(86_400));
                 y * 12 + m as i64
@@ -159,7 +161,12 @@ mod tests {
         let day = 86_400;
         // Three snapshots a day for 5 days.
         let snaps: Vec<_> = (0..15)
-            .map(|i| snap(&format!("{i:02}"), 10 * day + (i / 3) * day + (i % 3) * 3600))
+            .map(|i| {
+                snap(
+                    &format!("{i:02}"),
+                    10 * day + (i / 3) * day + (i % 3) * 3600,
+                )
+            })
             .collect();
         let policy = KeepPolicy {
             last: 2,
@@ -173,7 +180,13 @@ mod tests {
             .collect();
         // Newest two (14, 13), and the newest of the last three days (14, 11, 8).
         assert_eq!(kept, vec!["14", "13", "11", "08"]);
-        let monthly = apply(&snaps, &KeepPolicy { monthly: 5, ..Default::default() });
+        let monthly = apply(
+            &snaps,
+            &KeepPolicy {
+                monthly: 5,
+                ..Default::default()
+            },
+        );
         assert_eq!(monthly.iter().filter(|d| !d.reasons.is_empty()).count(), 1);
     }
 }

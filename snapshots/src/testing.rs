@@ -47,7 +47,10 @@ impl S3Server {
             });
         let deadline = Instant::now() + Duration::from_secs(20);
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "s3s-fs did not start listening on port {port}");
+            assert!(
+                Instant::now() < deadline,
+                "s3s-fs did not start listening on port {port}"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
         S3Server {

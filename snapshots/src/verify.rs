@@ -95,7 +95,9 @@ impl Repository {
         let snaps = match self.snapshots().await {
             Ok(s) => s,
             Err(e) => {
-                report.problems.push(format!("cannot read the snapshots: {e}"));
+                report
+                    .problems
+                    .push(format!("cannot read the snapshots: {e}"));
                 return Ok(report);
             }
         };
@@ -137,7 +139,9 @@ impl Repository {
             let data = match data {
                 Ok(d) => d,
                 Err(e) if e.is_not_found() => {
-                    report.problems.push(format!("pack {key} vanished during verify"));
+                    report
+                        .problems
+                        .push(format!("pack {key} vanished during verify"));
                     bad.extend(blobs.iter().map(|(id, _)| *id));
                     continue;
                 }
@@ -145,9 +149,9 @@ impl Repository {
             };
             report.bytes_read += data.len() as u64;
             if blake3::hash(&data).as_bytes() != &pack {
-                report
-                    .problems
-                    .push(format!("pack {key}: content does not match its name (damaged)"));
+                report.problems.push(format!(
+                    "pack {key}: content does not match its name (damaged)"
+                ));
             }
             if let Err(e) = crate::pack::parse_pack(self.master(), &key, &data) {
                 report.problems.push(format!("pack {key}: {e}"));

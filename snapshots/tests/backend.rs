@@ -48,31 +48,46 @@ async fn conformance(b: Arc<dyn Backend>) {
 
     // Ranged reads: inside, clamped at the end, and a start past the end is an error.
     let big = random_bytes(1, 5 << 20);
-    b.put("packs/ab/abcd", Bytes::from(big.clone())).await.unwrap();
+    b.put("packs/ab/abcd", Bytes::from(big.clone()))
+        .await
+        .unwrap();
     assert_eq!(b.get("packs/ab/abcd", None).await.unwrap(), big);
     let r = b.get("packs/ab/abcd", Some(1000..70_000)).await.unwrap();
     assert_eq!(&r[..], &big[1000..70_000]);
     let n = big.len() as u64;
     let r = b.get("packs/ab/abcd", Some(n - 8..n + 100)).await.unwrap();
     assert_eq!(&r[..], &big[big.len() - 8..]);
-    let e = b.get("packs/ab/abcd", Some(n + 10..n + 20)).await.unwrap_err();
+    let e = b
+        .get("packs/ab/abcd", Some(n + 10..n + 20))
+        .await
+        .unwrap_err();
     assert!(!e.is_not_found() && !e.is_retryable(), "{e}");
 
     // Listing by prefix, nested keys, sizes; no temp files or lookalike prefixes.
-    b.put("packs/cd/cdef", Bytes::from_static(b"12345")).await.unwrap();
+    b.put("packs/cd/cdef", Bytes::from_static(b"12345"))
+        .await
+        .unwrap();
     b.put("packsX", Bytes::from_static(b"x")).await.unwrap();
     b.put("index/0001", Bytes::from_static(b"i")).await.unwrap();
     assert_eq!(
         sorted_keys(&*b, "packs/").await,
         vec![("packs/ab/abcd".into(), n), ("packs/cd/cdef".into(), 5)]
     );
-    assert_eq!(sorted_keys(&*b, "index/").await, vec![("index/0001".into(), 1)]);
+    assert_eq!(
+        sorted_keys(&*b, "index/").await,
+        vec![("index/0001".into(), 1)]
+    );
     assert!(sorted_keys(&*b, "snapshots/").await.is_empty());
     assert_eq!(sorted_keys(&*b, "").await.len(), 6);
 
     // Delete.
     b.delete("packs/cd/cdef").await.unwrap();
-    assert!(b.get("packs/cd/cdef", None).await.unwrap_err().is_not_found());
+    assert!(
+        b.get("packs/cd/cdef", None)
+            .await
+            .unwrap_err()
+            .is_not_found()
+    );
     assert_eq!(sorted_keys(&*b, "packs/").await.len(), 1);
 
     // Concurrent puts of different keys all land.
@@ -80,8 +95,11 @@ async fn conformance(b: Arc<dyn Backend>) {
     for i in 0..16u64 {
         let b = b.clone();
         tasks.spawn(async move {
-            b.put(&format!("snapshots/{i:04}"), Bytes::from(random_bytes(i, 10_000)))
-                .await
+            b.put(
+                &format!("snapshots/{i:04}"),
+                Bytes::from(random_bytes(i, 10_000)),
+            )
+            .await
         });
     }
     while let Some(r) = tasks.join_next().await {
@@ -112,7 +130,11 @@ async fn local_backend_conforms_and_leaves_no_temp_files() {
     conformance(Arc::new(LocalBackend::new(dir.path().join("repo")))).await;
     let mut stray = Vec::new();
     for e in walk(&dir.path().join("repo")) {
-        if e.file_name().unwrap().to_string_lossy().starts_with(".tmp.") {
+        if e.file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with(".tmp.")
+        {
             stray.push(e);
         }
     }
@@ -150,20 +172,26 @@ async fn s3_missing_bucket_wrong_credentials_and_endpoint_are_clear_errors() {
     let b = S3Backend::new(&server.options("nobucket", "")).await;
     let e = b.get("config", None).await.unwrap_err();
     assert!(matches!(e, RepoError::NoBucket { .. }), "{e}");
-    assert!(e.to_string().contains("bucket nobucket does not exist"), "{e}");
+    assert!(
+        e.to_string().contains("bucket nobucket does not exist"),
+        "{e}"
+    );
 
-    server.create_bucket("b");
-    let mut opts = server.options("b", "");
+    server.create_bucket("bkt");
+    let mut opts = server.options("bkt", "");
     opts.secret_access_key = Some("wrong".into());
     let e = S3Backend::new(&opts).await.list("").await.unwrap_err();
     assert!(!e.is_retryable(), "{e}");
     assert!(e.to_string().contains("403"), "{e}");
 
-    let mut opts = server.options("b", "");
+    let mut opts = server.options("bkt", "");
     opts.endpoint = Some("http://127.0.0.1:1".into());
     let e = S3Backend::new(&opts).await.list("").await.unwrap_err();
     assert!(e.is_retryable(), "{e}");
-    assert!(e.to_string().contains("cannot reach http://127.0.0.1:1"), "{e}");
+    assert!(
+        e.to_string().contains("cannot reach http://127.0.0.1:1"),
+        "{e}"
+    );
 }
 
 fn quick_policy(max_elapsed_ms: u64, attempt_timeout_ms: u64) -> RetryPolicy {

@@ -90,7 +90,12 @@ fn create_dirs(root: &Path, dir: &Path) -> std::io::Result<()> {
     }
 }
 
-fn list_dir(root: &Path, dir: &Path, prefix: &str, out: &mut Vec<ObjectInfo>) -> std::io::Result<()> {
+fn list_dir(
+    root: &Path,
+    dir: &Path,
+    prefix: &str,
+    out: &mut Vec<ObjectInfo>,
+) -> std::io::Result<()> {
     let entries = match fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
@@ -133,12 +138,6 @@ impl Backend for LocalBackend {
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
         let prefix = prefix.to_string();
         self.blocking("list", &prefix.clone(), move |root| {
-            if !root.is_dir() {
-                return Err(std::io::Error::new(
-                    ErrorKind::NotFound,
-                    format!("repository directory {} does not exist", root.display()),
-                ));
-            }
             // Start at the deepest directory the prefix names.
             let start = match prefix.rfind('/') {
                 Some(i) => root.join(&prefix[..i]),

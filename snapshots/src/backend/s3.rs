@@ -52,8 +52,8 @@ impl S3Backend {
             .or_else(|| std::env::var("AWS_REGION").ok())
             .or_else(|| std::env::var("AWS_DEFAULT_REGION").ok())
             .unwrap_or_else(|| "us-east-1".into());
-        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest())
-            .region(Region::new(region));
+        let mut loader =
+            aws_config::defaults(aws_config::BehaviorVersion::latest()).region(Region::new(region));
         if let (Some(id), Some(secret)) = (&opts.access_key_id, &opts.secret_access_key) {
             loader = loader.credentials_provider(Credentials::new(id, secret, None, None, "mover"));
         }
@@ -94,6 +94,19 @@ impl S3Backend {
         match self.prefix.is_empty() {
             true => key.into(),
             false => format!("{}/{key}", self.prefix),
+        }
+    }
+
+    /// [`RepoError::NoBucket`] if the bucket does not exist.
+    async fn missing_bucket(&self) -> Option<RepoError> {
+        match self.client.head_bucket().bucket(&self.bucket).send().await {
+            Err(SdkError::ServiceError(se)) if se.raw().status().as_u16() == 404 => {
+                Some(RepoError::NoBucket {
+                    bucket: self.bucket.clone(),
+                    endpoint: self.endpoint.clone(),
+                })
+            }
+            _ => None,
         }
     }
 
@@ -140,20 +153,23 @@ impl S3Backend {
                     _ => "",
                 };
                 backend(
-                    status >= 500 || status == 429 || code == "SlowDown" || code == "RequestTimeout",
+                    status >= 500
+                        || status == 429
+                        || code == "SlowDown"
+                        || code == "RequestTimeout",
                     format!("HTTP {status} {code}: {msg}{hint}"),
                 )
             }
-            SdkError::DispatchFailure(_) | SdkError::TimeoutError(_) | SdkError::ResponseError(_) => {
-                backend(
-                    true,
-                    format!(
-                        "cannot reach {}: {} (check --s3-endpoint / MOVER_S3_ENDPOINT and the network)",
-                        self.endpoint,
-                        DisplayErrorContext(&e)
-                    ),
-                )
-            }
+            SdkError::DispatchFailure(_)
+            | SdkError::TimeoutError(_)
+            | SdkError::ResponseError(_) => backend(
+                true,
+                format!(
+                    "cannot reach {}: {} (check --s3-endpoint / MOVER_S3_ENDPOINT and the network)",
+                    self.endpoint,
+                    DisplayErrorContext(&e)
+                ),
+            ),
             _ => backend(false, DisplayErrorContext(&e).to_string()),
         }
     }
@@ -197,14 +213,23 @@ impl Backend for S3Backend {
 
     async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<Bytes> {
         check_key(&self.location, "get", key)?;
-        let mut req = self.client.get_object().bucket(&self.bucket).key(self.full(key));
+        let mut req = self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(self.full(key));
         if let Some(r) = &range {
             if r.end <= r.start {
                 return Ok(Bytes::new());
             }
             req = req.range(format!("bytes={}-{}", r.start, r.end - 1));
         }
-        let resp = req.send().await.map_err(|e| self.map_err("get", key, e))?;
+        let resp = match req.send().await.map_err(|e| self.map_err("get", key, e)) {
+            Ok(r) => r,
+            // Some servers answer NoSuchKey for a missing bucket: tell the two apart.
+            Err(e) if e.is_not_found() => return Err(self.missing_bucket().await.unwrap_or(e)),
+            Err(e) => return Err(e),
+        };
         let data = resp.body.collect().await.map_err(|e| RepoError::Backend {
             location: self.location.clone(),
             op: "get",
