@@ -12,7 +12,12 @@
 mod copy;
 mod error;
 mod hash;
+mod snapshot;
 
 pub use copy::{CopyOptions, CopySummary, Progress, copy_block};
 pub use error::{CopyError, Result};
 pub use hash::{HashSummary, hash_block};
+pub use snapshot::{
+    CreateOptions as SnapshotCreateOptions, RepoOptions, RestoreOptions, RestoreSummary,
+    create_snapshot, open_repository, restore_snapshot,
+};

@@ -7,6 +7,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use mover::{CopyError, CopyOptions, CopySummary, HashSummary, Progress};
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, sync::Mutex};
 
+#[path = "snapshot/cli.rs"]
+mod snapshot_cli;
+
 /// Exit code for refused input (nothing was written) and usage errors.
 const EXIT_REFUSED: u8 = 2;
 /// Exit code for a copy whose read-back did not match the source.
@@ -74,6 +77,12 @@ enum Command {
         #[command(flatten)]
         output: OutputArgs,
     },
+    /// Manage snapshot repositories (a directory or an S3 bucket).
+    #[command(subcommand)]
+    Repo(snapshot_cli::RepoCommand),
+    /// Snapshots of block volumes: create, list, restore, diff, verify, forget, prune.
+    #[command(subcommand)]
+    Snapshot(snapshot_cli::SnapshotCommand),
 }
 
 /// How results are shown.
@@ -111,7 +120,7 @@ fn exit_code(err: &anyhow::Error) -> u8 {
         Some(CopyError::VerifyFailed { .. }) => EXIT_VERIFY_FAILED,
         Some(e) if e.is_refusal() => EXIT_REFUSED,
         _ if err.downcast_ref::<Unsupported>().is_some() => EXIT_REFUSED,
-        _ => 1,
+        _ => snapshot_cli::exit_code(err),
     }
 }
 
@@ -153,6 +162,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             bar.done();
             print_hash(&summary, output.json)
         }
+        Command::Repo(cmd) => snapshot_cli::run_repo(cmd),
+        Command::Snapshot(cmd) => snapshot_cli::run_snapshot(cmd),
     }
 }
 

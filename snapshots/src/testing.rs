@@ -32,7 +32,8 @@ impl S3Server {
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
-        let child = Command::new("s3s-fs")
+        std::fs::create_dir_all(root).expect("create the S3 server's root directory");
+        let mut child = Command::new("s3s-fs")
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
             .arg(root)

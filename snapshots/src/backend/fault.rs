@@ -69,9 +69,11 @@ impl FaultBackend {
         self.state().queue.extend(faults);
     }
 
-    /// Sets (or clears) a fault for every call once the queue is empty.
+    /// Drops the queued faults and sets (or clears) a fault for every call.
     pub fn set_always(&self, fault: Option<Fault>) {
-        self.state().always = fault;
+        let mut s = self.state();
+        s.queue.clear();
+        s.always = fault;
     }
 
     /// The operations seen so far.

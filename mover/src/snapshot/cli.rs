@@ -1,0 +1,525 @@
+//! The `mover repo` and `mover snapshot` subcommands (part of the binary: argument
+//! parsing and printing; the work is in `mover::snapshot` and the `snapshots` crate).
+
+use anyhow::Context;
+use mover::{RepoOptions, RestoreOptions, RestoreSummary, SnapshotCreateOptions};
+use snapshots::{Content, InitOptions, RepoError, Repository, Snapshot, retention::KeepPolicy};
+use std::path::PathBuf;
+
+/// `mover repo …`
+#[derive(clap::Subcommand)]
+pub enum RepoCommand {
+    /// Create a snapshot repository in a directory or an S3 bucket.
+    #[command(long_about = "Create a snapshot repository.\n\n\
+        REPO is a directory (created if missing) or s3://BUCKET[/PREFIX] (the bucket must \
+        exist; endpoint by --s3-endpoint or MOVER_S3_ENDPOINT, credentials from \
+        AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the usual AWS chain).\n\n\
+        The data is encrypted with a random master key, wrapped by the password \
+        (MOVER_PASSWORD or --password-file, stretched with argon2id) or by a raw key \
+        file (--key-file). Losing it loses the repository.\n\n\
+        Examples:\n  \
+        MOVER_PASSWORD=… mover repo init /mnt/backup/repo\n  \
+        mover repo init s3://dr-bucket/cluster-a --s3-endpoint http://minio:9000 --key-file /etc/mover/key")]
+    Init {
+        /// The repository: a directory or s3://BUCKET[/PREFIX].
+        repo: String,
+        /// Chunk size for block volumes: a power of two from 64K to 8M.
+        #[arg(long, value_name = "SIZE", default_value_t = chunker::ChunkSize::DEFAULT)]
+        chunk_size: chunker::ChunkSize,
+        #[command(flatten)]
+        opts: RepoOptions,
+    },
+}
+
+/// `mover snapshot …`
+#[derive(clap::Subcommand)]
+pub enum SnapshotCommand {
+    /// Take a snapshot of a block volume (device or image file); only new chunks are uploaded.
+    #[command(
+        long_about = "Take a snapshot of a block volume (device or image file).\n\n\
+        The volume is read and hashed in full; only chunks the repository does not hold \
+        yet are compressed, encrypted and uploaded, so every snapshot after the first is \
+        incremental. Zero regions and holes are not stored. An interrupted run leaves no \
+        snapshot; the next run reuses the packs it had uploaded.\n\n\
+        Example: mover snapshot create /mnt/backup/repo /dev/vg0/data --tag nightly"
+    )]
+    Create {
+        /// The repository.
+        repo: String,
+        /// The volume: a block device or an image file.
+        volume: PathBuf,
+        #[command(flatten)]
+        create: SnapshotCreateOptions,
+        #[command(flatten)]
+        opts: RepoOptions,
+        /// Print the new snapshot as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List snapshots, oldest first.
+    List {
+        /// The repository.
+        repo: String,
+        #[command(flatten)]
+        opts: RepoOptions,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Restore a snapshot to an image file or block device (only differing chunks are written).
+    #[command(long_about = "Restore a snapshot to DST.\n\n\
+        A new DST image is written sparse under a hidden temp name and renamed into place \
+        when complete. An existing DST (an older copy, or a block device) is read and \
+        compared first: only chunks that differ are fetched and written, zero chunks are \
+        punched as holes. Every chunk is authenticated and checked against its id before \
+        it is written; damaged repository data stops the restore with an error.\n\n\
+        SNAPSHOT is an id, a unique prefix of at least 4 hex digits, or `latest`.")]
+    Restore {
+        /// The repository.
+        repo: String,
+        /// Snapshot id, unique id prefix, or `latest`.
+        snapshot: String,
+        /// Destination image file or block device.
+        dst: PathBuf,
+        #[command(flatten)]
+        restore: RestoreOptions,
+        #[command(flatten)]
+        opts: RepoOptions,
+        /// Print the summary as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the byte ranges that differ between two snapshots.
+    Diff {
+        /// The repository.
+        repo: String,
+        /// The older snapshot.
+        snap1: String,
+        /// The newer snapshot.
+        snap2: String,
+        #[command(flatten)]
+        opts: RepoOptions,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check the repository: structure, and with --read-data every stored byte.
+    Verify {
+        /// The repository.
+        repo: String,
+        /// Download and check every blob of every pack.
+        #[arg(long)]
+        read_data: bool,
+        #[command(flatten)]
+        opts: RepoOptions,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Forget snapshots by a retention policy (their data goes at the next prune).
+    #[command(long_about = "Forget snapshots by a retention policy, per volume.\n\n\
+        Kept: the newest N (--keep-last), and the newest snapshot of each of the last N \
+        hours/days/weeks/months (UTC) that have snapshots. The newest snapshot of every \
+        volume is always kept. Storage is freed by `mover snapshot prune`.")]
+    Forget {
+        /// The repository.
+        repo: String,
+        /// Keep the newest N snapshots.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        keep_last: u32,
+        /// Keep the newest snapshot of each of the last N hours.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        keep_hourly: u32,
+        /// Keep the newest snapshot of each of the last N days.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        keep_daily: u32,
+        /// Keep the newest snapshot of each of the last N weeks.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        keep_weekly: u32,
+        /// Keep the newest snapshot of each of the last N months.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        keep_monthly: u32,
+        /// Only print what would be forgotten.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        opts: RepoOptions,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove data no snapshot needs (two-phase, safe alongside running snapshots).
+    #[command(long_about = "Remove packs that no snapshot needs.\n\n\
+        Lock-free and two-phase: a run deletes the packs an earlier run marked unused at \
+        least --grace seconds ago (after checking again that no snapshot uses them), then \
+        marks what is unused now. Snapshots running meanwhile never dedup against marked \
+        packs, so they never lose data; the grace period must exceed the longest snapshot \
+        run. --grace 0 deletes at once: only when nothing else writes to the repository.")]
+    Prune {
+        /// The repository.
+        repo: String,
+        /// Seconds a pack stays marked before it is deleted.
+        #[arg(long, value_name = "SECS", default_value_t = 3600)]
+        grace: u64,
+        #[command(flatten)]
+        opts: RepoOptions,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// Runs `mover repo …`.
+pub fn run_repo(cmd: RepoCommand) -> anyhow::Result<()> {
+    let RepoCommand::Init {
+        repo,
+        chunk_size,
+        opts,
+    } = cmd;
+    runtime()?.block_on(async {
+        let creds = opts.credentials()?;
+        let backend = opts.backend(&repo).await?;
+        let r = Repository::init(
+            backend,
+            &creds,
+            &InitOptions {
+                chunk_size,
+                ..Default::default()
+            },
+        )
+        .await
+        .with_context(|| format!("repo init {repo}"))?;
+        println!("created repository {} at {}", r.config().id, r.location());
+        Ok(())
+    })
+}
+
+/// Runs `mover snapshot …`.
+pub fn run_snapshot(cmd: SnapshotCommand) -> anyhow::Result<()> {
+    runtime()?.block_on(run_snapshot_async(cmd))
+}
+
+async fn run_snapshot_async(cmd: SnapshotCommand) -> anyhow::Result<()> {
+    match cmd {
+        SnapshotCommand::Create {
+            repo,
+            volume,
+            create,
+            opts,
+            json,
+        } => {
+            let r = mover::open_repository(&repo, &opts).await?;
+            let snap = mover::create_snapshot(r, &volume, &create)
+                .await
+                .with_context(|| format!("snapshot create {} {}", repo, volume.display()))?;
+            if json {
+                println!("{}", snapshot_json(&snap));
+            } else {
+                let s = &snap.manifest.summary;
+                println!("snapshot {} saved ({})", snap.short_id(), snap.id);
+                println!(
+                    "  {} data in {} chunks ({} zero chunks skipped); new: {} chunks, {} ({} stored in {} packs); {:.2}s",
+                    human(s.data_bytes),
+                    s.data_chunks,
+                    s.zero_chunks,
+                    s.new_chunks,
+                    human(s.new_bytes),
+                    human(s.stored_bytes),
+                    s.packs,
+                    s.duration_secs
+                );
+            }
+        }
+        SnapshotCommand::List { repo, opts, json } => {
+            let r = mover::open_repository(&repo, &opts).await?;
+            let snaps = r.snapshots().await.context("snapshot list")?;
+            if json {
+                let v: Vec<_> = snaps.iter().map(snapshot_json).collect();
+                println!("[{}]", v.join(","));
+            } else {
+                println!(
+                    "{:<8}  {:<19}  {:>10}  {:<12}  volume",
+                    "id", "time (UTC)", "size", "tags"
+                );
+                for s in &snaps {
+                    let Content::Block { size, .. } = &s.manifest.content;
+                    println!(
+                        "{:<8}  {:<19}  {:>10}  {:<12}  {}",
+                        s.short_id(),
+                        snapshots::retention::format_time(s.manifest.time),
+                        human(*size),
+                        s.manifest.tags.join(","),
+                        s.manifest.volume
+                    );
+                }
+                println!("{} snapshot(s)", snaps.len());
+            }
+        }
+        SnapshotCommand::Restore {
+            repo,
+            snapshot,
+            dst,
+            restore,
+            opts,
+            json,
+        } => {
+            let r = mover::open_repository(&repo, &opts).await?;
+            let s = mover::restore_snapshot(r, &snapshot, &dst, &restore)
+                .await
+                .with_context(|| format!("snapshot restore {snapshot} -> {}", dst.display()))?;
+            print_restore(&s, json)?;
+        }
+        SnapshotCommand::Diff {
+            repo,
+            snap1,
+            snap2,
+            opts,
+            json,
+        } => {
+            let r = mover::open_repository(&repo, &opts).await?;
+            let a = r.find_snapshot(&snap1).await?;
+            let b = r.find_snapshot(&snap2).await?;
+            let index = r.load_index().await?;
+            let ranges = r.diff(&index, &a, &b).await.context("snapshot diff")?;
+            let total: u64 = ranges.iter().map(|x| x.end - x.start).sum();
+            if json {
+                let v: Vec<_> = ranges.iter().map(|x| [x.start, x.end]).collect();
+                println!(
+                    "{}",
+                    serde_json::json!({"from": a.id, "to": b.id, "changed_bytes": total, "ranges": v})
+                );
+            } else {
+                for x in &ranges {
+                    println!("{}..{}  ({})", x.start, x.end, human(x.end - x.start));
+                }
+                println!(
+                    "{} -> {}: {} changed in {} range(s)",
+                    a.short_id(),
+                    b.short_id(),
+                    human(total),
+                    ranges.len()
+                );
+            }
+        }
+        SnapshotCommand::Verify {
+            repo,
+            read_data,
+            opts,
+            json,
+        } => {
+            let r = mover::open_repository(&repo, &opts).await?;
+            let rep = r.verify(read_data).await.context("snapshot verify")?;
+            if json {
+                println!("{}", serde_json::to_string(&rep)?);
+            } else {
+                for p in &rep.problems {
+                    println!("problem: {p}");
+                }
+                for d in &rep.damaged {
+                    let ranges: Vec<String> = d
+                        .ranges
+                        .iter()
+                        .map(|x| format!("{}..{}", x.start, x.end))
+                        .collect();
+                    println!(
+                        "damaged: snapshot {} ({}): bytes {}",
+                        d.id,
+                        d.volume,
+                        ranges.join(", ")
+                    );
+                }
+                println!(
+                    "checked {} snapshot(s), {} pack(s){}: {}",
+                    rep.snapshots,
+                    rep.packs,
+                    if read_data {
+                        format!(
+                            ", {} blobs ({} read)",
+                            rep.blobs_read,
+                            human(rep.bytes_read)
+                        )
+                    } else {
+                        String::new()
+                    },
+                    if rep.problems.is_empty() {
+                        "no problems"
+                    } else {
+                        "PROBLEMS FOUND"
+                    }
+                );
+            }
+            if !rep.problems.is_empty() {
+                return Err(RepoError::VerifyFailed {
+                    problems: rep.problems.len(),
+                }
+                .into());
+            }
+        }
+        SnapshotCommand::Forget {
+            repo,
+            keep_last,
+            keep_hourly,
+            keep_daily,
+            keep_weekly,
+            keep_monthly,
+            dry_run,
+            opts,
+            json,
+        } => {
+            let policy = KeepPolicy {
+                last: keep_last,
+                hourly: keep_hourly,
+                daily: keep_daily,
+                weekly: keep_weekly,
+                monthly: keep_monthly,
+            };
+            if policy.is_empty() {
+                return Err(RepoError::Refused {
+                    what: "snapshot forget".into(),
+                    why: "no --keep-* rule given; refusing to forget all but the newest snapshot of each volume".into(),
+                }
+                .into());
+            }
+            let r = mover::open_repository(&repo, &opts).await?;
+            let snaps = r.snapshots().await?;
+            let decisions = snapshots::retention::apply(&snaps, &policy);
+            let mut forgotten = Vec::new();
+            for d in &decisions {
+                if d.reasons.is_empty() {
+                    if !dry_run {
+                        r.delete_snapshot(&d.snapshot.id).await?;
+                    }
+                    forgotten.push(d.snapshot.id.clone());
+                }
+                if !json {
+                    println!(
+                        "{} {}  {}  {}",
+                        if d.reasons.is_empty() {
+                            "forget"
+                        } else {
+                            "keep  "
+                        },
+                        d.snapshot.short_id(),
+                        snapshots::retention::format_time(d.snapshot.manifest.time),
+                        d.reasons.join(",")
+                    );
+                }
+            }
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({"forgotten": forgotten, "dry_run": dry_run})
+                );
+            } else {
+                println!(
+                    "{} {} snapshot(s); run `mover snapshot prune` to free their space",
+                    if dry_run { "would forget" } else { "forgot" },
+                    forgotten.len()
+                );
+            }
+        }
+        SnapshotCommand::Prune {
+            repo,
+            grace,
+            opts,
+            json,
+        } => {
+            let r = mover::open_repository(&repo, &opts).await?;
+            let rep = r.prune(grace).await.context("snapshot prune")?;
+            if json {
+                println!("{}", serde_json::to_string(&rep)?);
+            } else {
+                println!(
+                    "deleted {} pack(s) ({}); marked {} unused pack(s) for deletion after {grace}s; {} kept after re-check; {} mark(s) pending; {} partly used pack(s) hold {} unused (not repacked)",
+                    rep.deleted_packs,
+                    human(rep.deleted_bytes),
+                    rep.marked_packs,
+                    rep.kept_after_recheck,
+                    rep.pending_marks,
+                    rep.partly_used_packs,
+                    human(rep.partly_used_waste_bytes)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn snapshot_json(s: &Snapshot) -> String {
+    let Content::Block {
+        size, chunk_size, ..
+    } = &s.manifest.content;
+    serde_json::json!({
+        "id": s.id,
+        "time": s.manifest.time,
+        "hostname": s.manifest.hostname,
+        "volume": s.manifest.volume,
+        "tags": s.manifest.tags,
+        "parent": s.manifest.parent,
+        "kind": "block",
+        "size": size,
+        "chunk_size": chunk_size,
+        "summary": s.manifest.summary,
+    })
+    .to_string()
+}
+
+fn print_restore(s: &RestoreSummary, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(s)?);
+        return Ok(());
+    }
+    println!(
+        "restored {} -> {}: {} in {:.2}s{}",
+        &s.snapshot[..8],
+        s.destination.display(),
+        human(s.volume_bytes),
+        s.duration_secs,
+        if s.delta {
+            " (onto an existing copy)"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "  fetched {} chunks, wrote {}, zeroed {}, {} chunks already equal, {} of zeros left as holes",
+        s.chunks_fetched,
+        human(s.bytes_written),
+        human(s.bytes_zeroed),
+        s.chunks_unchanged,
+        human(s.zero_bytes)
+    );
+    Ok(())
+}
+
+/// Exit code for an error: 2 refused input, 3 verification failed or damaged data,
+/// 1 otherwise.
+pub fn exit_code(err: &anyhow::Error) -> u8 {
+    match err.downcast_ref::<RepoError>() {
+        Some(e) if e.is_corruption() => 3,
+        Some(e) if e.is_refusal() => 2,
+        _ => 1,
+    }
+}
+
+/// Bytes in binary units.
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    match unit {
+        0 => format!("{bytes} B"),
+        _ => format!("{v:.2} {}", UNITS[unit]),
+    }
+}

@@ -1,0 +1,19 @@
+//! Snapshots of block volumes into a repository (local directory or S3), and restores.
+//!
+//! `create` reads the volume in windows on a blocking thread (read-ahead, parallel
+//! hashing), seals only the chunks the repository's index lacks (in parallel), and hands
+//! full packs over a bounded channel to the async uploader: memory stays a few packs
+//! and windows whatever the volume size. A previous snapshot of the volume is found
+//! automatically; dedup against the whole index makes every snapshot incremental.
+//! `restore` fetches the chunks a destination lacks with parallel ranged GETs (one per
+//! run of nearby blobs in a pack), writes them out of order with `pwrite`, and leaves
+//! zero chunks as holes; an existing older copy is compared chunk by chunk first and
+//! only differing chunks are fetched and written.
+
+mod create;
+mod options;
+mod restore;
+
+pub use create::{CreateOptions, create_snapshot};
+pub use options::{RepoOptions, open_repository};
+pub use restore::{RestoreOptions, RestoreSummary, restore_snapshot};
