@@ -134,6 +134,15 @@ impl BlockVolume {
         self
     }
 
+    /// [`BlockVolume::limited_to`] `size` if the volume is larger, else unchanged.
+    pub fn limited_to_at_most(self, size: u64) -> Self {
+        if self.size > size {
+            self.limited_to(size)
+        } else {
+            self
+        }
+    }
+
     /// Resizes an image file (sparse growth or truncation) and records the new size.
     pub fn set_len(&mut self, size: u64) -> std::io::Result<()> {
         if self.kind == VolumeKind::BlockDevice {

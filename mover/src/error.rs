@@ -94,6 +94,16 @@ pub enum CopyError {
         /// First differing byte offset found (chunk-aligned).
         offset: u64,
     },
+    /// A peer agent refused or failed a call, or could not be reached.
+    #[error("agent {url}: {code}: {message}{}", remote_hint(code))]
+    Remote {
+        /// The agent URL (or the file involved).
+        url: String,
+        /// What kind of failure ("unavailable", "unauthenticated", "refused", ...).
+        code: String,
+        /// The agent's or the transport's message.
+        message: String,
+    },
     /// The state directory (interrupted-copy markers) could not be used.
     #[error(
         "state directory {path}: {cause} (set --state-dir or MOVER_STATE_DIR to a writable directory)"
@@ -111,6 +121,7 @@ impl CopyError {
     pub fn is_retryable(&self) -> bool {
         match self {
             CopyError::Volume(e) => e.is_retryable(),
+            CopyError::Remote { code, .. } => matches!(code.as_str(), "unavailable" | "timeout"),
             CopyError::Write { cause, .. } => matches!(
                 cause.kind(),
                 std::io::ErrorKind::Interrupted | std::io::ErrorKind::TimedOut
@@ -131,7 +142,18 @@ impl CopyError {
         ) || matches!(
             self,
             CopyError::Volume(ChunkerError::Open { .. } | ChunkerError::NotABlockVolume { .. })
-        )
+        ) || matches!(self, CopyError::Remote { code, .. }
+                if !matches!(code.as_str(), "unavailable" | "timeout" | "error" | "protocol"))
+    }
+}
+
+/// What to do about a remote failure of kind `code`.
+fn remote_hint(code: &str) -> &'static str {
+    match code {
+        "unauthenticated" => " (check --token-file / MOVER_TOKEN, or the TLS certificates)",
+        "unavailable" => " (is the agent running and reachable? rerunning continues the transfer)",
+        "tls" => " (check --tls-ca, --tls-cert and --tls-key)",
+        _ => "",
     }
 }
 

@@ -27,12 +27,34 @@ pub(crate) struct Destination {
     pub resumed: bool,
 }
 
-/// Opens (or creates) `dst` for a copy of `src`, refusing anything unsafe first.
-pub(crate) fn prepare(src: &BlockVolume, dst: &Path, opts: &CopyOptions) -> Result<Destination> {
-    let size = src.size();
+/// Where the data comes from, for the destination's checks.
+pub(crate) struct Origin<'a> {
+    /// Bytes to be copied.
+    pub size: u64,
+    /// A local source volume (checked not to be the destination), or `None` for data
+    /// arriving over the network.
+    pub volume: Option<&'a BlockVolume>,
+    /// How to name the source in the in-progress marker.
+    pub name: &'a Path,
+}
+
+impl<'a> Origin<'a> {
+    /// A local source volume.
+    pub fn local(volume: &'a BlockVolume) -> Self {
+        Origin {
+            size: volume.size(),
+            volume: Some(volume),
+            name: volume.path(),
+        }
+    }
+}
+
+/// Opens (or creates) `dst` for a copy from `src`, refusing anything unsafe first.
+pub(crate) fn prepare(src: Origin<'_>, dst: &Path, opts: &CopyOptions) -> Result<Destination> {
+    let size = src.size;
     let meta = match fs::metadata(dst) {
         Ok(m) => m,
-        Err(e) if e.kind() == ErrorKind::NotFound => return create_new(src, dst),
+        Err(e) if e.kind() == ErrorKind::NotFound => return create_new(size, dst),
         Err(source) => return Err(bad(dst, format!("cannot inspect it: {source}"))),
     };
     let ft = meta.file_type();
@@ -48,7 +70,9 @@ pub(crate) fn prepare(src: &BlockVolume, dst: &Path, opts: &CopyOptions) -> Resu
             "is neither a block device nor an image file".into(),
         ));
     }
-    check_not_same(src, dst, &meta)?;
+    if let Some(volume) = src.volume {
+        check_not_same(volume, dst, &meta)?;
+    }
     let mut options = OpenOptions::new();
     options.read(true).write(true);
     if ft.is_block_device() && !opts.force {
@@ -106,7 +130,7 @@ pub(crate) fn prepare(src: &BlockVolume, dst: &Path, opts: &CopyOptions) -> Resu
     } else {
         volume
     };
-    let (marker, resumed) = Marker::begin(&opts.state_dir(), dst, src.path())?;
+    let (marker, resumed) = Marker::begin(&opts.state_dir(), dst, src.name)?;
     Ok(Destination {
         volume,
         path: dst.into(),
@@ -119,7 +143,7 @@ pub(crate) fn prepare(src: &BlockVolume, dst: &Path, opts: &CopyOptions) -> Resu
 
 /// A new image file: written under a hidden temp name in the same directory and renamed
 /// into place only once complete, so a crash never leaves a file that looks like a copy.
-fn create_new(src: &BlockVolume, dst: &Path) -> Result<Destination> {
+fn create_new(size: u64, dst: &Path) -> Result<Destination> {
     let name = dst
         .file_name()
         .ok_or_else(|| bad(dst, "has no file name".into()))?;
@@ -147,9 +171,9 @@ fn create_new(src: &BlockVolume, dst: &Path) -> Result<Destination> {
         }
         Err(e) => return Err(e.into()),
     };
-    if volume.size() != src.size() {
+    if volume.size() != size {
         volume
-            .set_len(src.size())
+            .set_len(size)
             .map_err(|e| write_error("sizing", &partial, 0, e))?;
     }
     Ok(Destination {

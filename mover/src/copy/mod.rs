@@ -8,6 +8,8 @@
 
 mod dest;
 mod index;
+
+pub(crate) use dest::{Destination, Origin, prepare as prepare_destination};
 mod marker;
 mod plan;
 
@@ -130,6 +132,8 @@ pub struct CopySummary {
     pub resumed: bool,
     /// The destination's saved index was valid: only changed chunks were read from it.
     pub used_saved_index: bool,
+    /// Bytes of volume data on the network (compressed), for copies to or from an agent.
+    pub wire_bytes: u64,
 }
 
 /// A source window, what is known of its chunks, and the destination bytes to compare.
@@ -157,7 +161,7 @@ pub fn copy_block(
     let started = Instant::now();
     let source = BlockVolume::open(src)?;
     warn_if_source_mounted(&source);
-    let dest = dest::prepare(&source, dst, opts)?;
+    let dest = dest::prepare(dest::Origin::local(&source), dst, opts)?;
     if dest.resumed {
         tracing::info!(destination = %dst.display(), "finishing an interrupted copy: equal pages are kept");
     }
@@ -273,7 +277,7 @@ pub fn copy_block(
         sum.verified = true;
         sum.root = Some(root.to_hex());
     }
-    let final_file = finish(dest)?;
+    let final_file = finish_destination(dest)?;
     if let Some(w) = new_index {
         // Sealed with the image's identity as it is now, after the final sync and rename.
         let sealed = Identity::of(&final_file).and_then(|id| w.commit(id, chunk, size, &key));
@@ -390,7 +394,12 @@ fn apply_ops(dst: &BlockVolume, src: &Window, ops: &[Op], sum: &mut CopySummary)
                 sum.pages_written += r.len().div_ceil(chunker::PAGE_SIZE) as u64;
             }
             Op::Zero(r) => {
-                zero_range(dst, src.offset + r.start as u64, r.len() as u64)?;
+                zero_range(
+                    dst.file(),
+                    dst.path(),
+                    src.offset + r.start as u64,
+                    r.len() as u64,
+                )?;
                 sum.bytes_zeroed += r.len() as u64;
             }
         }
@@ -400,25 +409,24 @@ fn apply_ops(dst: &BlockVolume, src: &Window, ops: &[Op], sum: &mut CopySummary)
 
 /// Makes a range read as zeros: a punched hole where the file system or device can
 /// (loop devices pass it to their backing file), else explicit zeros.
-fn zero_range(dst: &BlockVolume, offset: u64, len: u64) -> Result<()> {
+pub(crate) fn zero_range(file: &std::fs::File, path: &Path, offset: u64, len: u64) -> Result<()> {
     use rustix::io::Errno;
     for flags in [
         FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
         FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE,
     ] {
-        match rustix::fs::fallocate(dst.file(), flags, offset, len) {
+        match rustix::fs::fallocate(file, flags, offset, len) {
             Ok(()) => return Ok(()),
             Err(Errno::OPNOTSUPP | Errno::INVAL | Errno::NODEV | Errno::NOTTY) => continue,
-            Err(e) => return Err(write_error("zeroing of", dst.path(), offset, e.into())),
+            Err(e) => return Err(write_error("zeroing of", path, offset, e.into())),
         }
     }
     let zeros = vec![0u8; len.min(1 << 20) as usize];
     let mut at = offset;
     while at < offset + len {
         let n = zeros.len().min((offset + len - at) as usize);
-        dst.file()
-            .write_all_at(&zeros[..n], at)
-            .map_err(|e| write_error("write to", dst.path(), at, e))?;
+        file.write_all_at(&zeros[..n], at)
+            .map_err(|e| write_error("write to", path, at, e))?;
         at += n as u64;
     }
     Ok(())
@@ -476,7 +484,7 @@ fn first_difference(a: &BlockVolume, b: &BlockVolume, chunk: ChunkSize) -> Resul
 
 /// Makes the finished copy visible (renames a new image into place, or clears the
 /// marker) and returns the destination's open file.
-fn finish(dest: dest::Destination) -> Result<std::fs::File> {
+pub(crate) fn finish_destination(dest: dest::Destination) -> Result<std::fs::File> {
     if let Some(partial) = &dest.partial {
         rename_no_replace(partial, &dest.path)?;
         let dir = dest

@@ -1,0 +1,170 @@
+//! `agent.toml`: what an agent listens on, how peers authenticate, and what it exports.
+
+use serde::Deserialize;
+use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf};
+
+/// The agent's configuration file.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    /// gRPC address, e.g. "0.0.0.0:7070".
+    pub listen: SocketAddr,
+    /// Address of the HTTP endpoint serving /metrics and /healthz, e.g. "127.0.0.1:9470".
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Where fencing epochs and copy markers are kept.
+    #[serde(default = "default_state_dir")]
+    pub state_dir: PathBuf,
+    /// A file holding the bearer token peers must present.
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// Mutual TLS: this agent's certificate and key, and the CA that signs its peers'.
+    #[serde(default)]
+    pub tls: Option<TlsConfig>,
+    /// Volumes peers may read or write, by name. Nothing else is reachable.
+    #[serde(default)]
+    pub exports: BTreeMap<String, Export>,
+}
+
+/// PEM files for mutual TLS.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// Certificate chain.
+    pub cert: PathBuf,
+    /// Private key.
+    pub key: PathBuf,
+    /// CA certificate that signs the peers' certificates.
+    pub ca: PathBuf,
+}
+
+/// One exported volume.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Export {
+    /// A block device or image file (created on first write if missing).
+    pub path: PathBuf,
+    /// Peers may read but never write it.
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+fn default_state_dir() -> PathBuf {
+    PathBuf::from("/var/lib/mover")
+}
+
+/// Why a configuration is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read agent config {path}: {cause}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        cause: std::io::Error,
+    },
+    /// The file is not valid.
+    #[error("agent config {path} is invalid: {why}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+impl AgentConfig {
+    /// Reads and checks a configuration file.
+    pub fn load(path: &std::path::Path) -> Result<AgentConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
+            path: path.into(),
+            cause,
+        })?;
+        let invalid = |why: String| ConfigError::Invalid {
+            path: path.into(),
+            why,
+        };
+        let config: AgentConfig = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        if config.token_file.is_none() && config.tls.is_none() {
+            return Err(invalid(
+                "neither token_file nor [tls] is set: an agent never serves volumes to unauthenticated peers".into(),
+            ));
+        }
+        if config.exports.is_empty() {
+            return Err(invalid(
+                "no [exports.NAME] sections: the agent would serve nothing".into(),
+            ));
+        }
+        for (name, export) in &config.exports {
+            if name.is_empty() || name.contains('/') {
+                return Err(invalid(format!(
+                    "export name {name:?} must be non-empty and contain no '/'"
+                )));
+            }
+            if !export.path.is_absolute() {
+                return Err(invalid(format!(
+                    "export {name}: path {} must be absolute",
+                    export.path.display()
+                )));
+            }
+        }
+        Ok(config)
+    }
+
+    /// The bearer token, read from `token_file` (surrounding whitespace trimmed).
+    pub fn token(&self) -> Result<Option<String>, ConfigError> {
+        let Some(path) = &self.token_file else {
+            return Ok(None);
+        };
+        let t = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
+            path: path.clone(),
+            cause,
+        })?;
+        let t = t.trim().to_string();
+        if t.is_empty() {
+            return Err(ConfigError::Invalid {
+                path: path.clone(),
+                why: "the token file is empty".into(),
+            });
+        }
+        Ok(Some(t))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<AgentConfig, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("agent.toml");
+        std::fs::write(&p, text).unwrap();
+        AgentConfig::load(&p).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn accepts_a_full_config_and_refuses_unsafe_ones() {
+        let ok = load(
+            r#"listen = "127.0.0.1:7070"
+               token_file = "/etc/mover/token"
+               [exports.data]
+               path = "/dev/loop3"
+               [exports.golden]
+               path = "/srv/golden.img"
+               read_only = true"#,
+        )
+        .unwrap();
+        assert_eq!(ok.exports.len(), 2);
+        assert!(ok.exports["golden"].read_only && !ok.exports["data"].read_only);
+
+        let e = load("listen = \"127.0.0.1:1\"\n[exports.a]\npath = \"/x\"").unwrap_err();
+        assert!(e.contains("unauthenticated"), "{e}");
+        let e =
+            load("listen = \"127.0.0.1:1\"\ntoken_file = \"/t\"\n[exports.a]\npath = \"x.img\"")
+                .unwrap_err();
+        assert!(e.contains("absolute"), "{e}");
+        let e = load("listen = \"127.0.0.1:1\"\ntoken_file = \"/t\"\nexprots = 1").unwrap_err();
+        assert!(e.contains("unknown field"), "{e}");
+    }
+}

@@ -1,0 +1,118 @@
+//! `mover agent`: serves exported volumes to peers over gRPC (push into them, pull from
+//! them), with mTLS and/or a bearer token, fencing epochs, and /metrics + /healthz on a
+//! separate HTTP port.
+
+mod config;
+mod fencing;
+mod metrics;
+mod service;
+
+pub use config::{AgentConfig, ConfigError, Export, TlsConfig};
+pub use fencing::{EpochStore, StaleEpoch};
+pub use metrics::Metrics;
+pub(crate) use service::frames_for_chunk;
+pub use service::{AgentService, relationship_key};
+
+use std::{future::Future, sync::Arc};
+use tokio::net::TcpListener;
+use tonic::service::interceptor::InterceptedService;
+use transport::{
+    MAX_MESSAGE, auth::RequireToken, proto::transfer_server::TransferServer, tls::TlsFiles,
+};
+
+/// Why the agent could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The configuration is unusable.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// TLS files could not be loaded.
+    #[error(transparent)]
+    Tls(#[from] transport::tls::TlsError),
+    /// The server failed.
+    #[error("agent server: {0}")]
+    Serve(String),
+    /// The state directory is unusable.
+    #[error("agent state directory {path}: {cause}")]
+    State {
+        /// The directory.
+        path: std::path::PathBuf,
+        /// The OS error.
+        cause: std::io::Error,
+    },
+}
+
+/// Serves `config`'s exports on `listener` (and metrics on `metrics_listener`) until
+/// `shutdown` resolves; in-flight calls are allowed to finish.
+pub async fn serve(
+    config: AgentConfig,
+    listener: TcpListener,
+    metrics_listener: Option<TcpListener>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), AgentError> {
+    let token = config.token()?;
+    let metrics = Arc::new(Metrics::default());
+    let service = AgentService::new(
+        config.exports.clone(),
+        config.state_dir.clone(),
+        metrics.clone(),
+    )
+    .map_err(|cause| AgentError::State {
+        path: config.state_dir.clone(),
+        cause,
+    })?;
+    let server = TransferServer::new(service)
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE);
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &config.tls {
+        let files = TlsFiles {
+            cert: tls.cert.clone(),
+            key: tls.key.clone(),
+            ca: tls.ca.clone(),
+        };
+        builder = builder
+            .tls_config(files.server()?)
+            .map_err(|e| AgentError::Serve(e.to_string()))?;
+    }
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    if let Some(l) = metrics_listener {
+        let mut stop = stop_rx.clone();
+        tokio::spawn(serve_metrics(l, metrics, async move {
+            let _ = stop.changed().await;
+        }));
+    }
+    tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), exports = config.exports.len(), tls = config.tls.is_some(), "agent serving");
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let result = builder
+        .add_service(InterceptedService::new(server, RequireToken::new(token)))
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+        .map_err(|e| AgentError::Serve(e.to_string()));
+    let _ = stop_tx.send(true);
+    result
+}
+
+/// /metrics (Prometheus text) and /healthz on their own port.
+async fn serve_metrics(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
+    use axum::{Router, routing::get};
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let m = metrics.clone();
+                async move { m.render() }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }));
+    if let Err(e) = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+    {
+        tracing::error!("metrics server failed: {e}");
+    }
+}

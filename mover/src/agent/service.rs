@@ -1,0 +1,486 @@
+//! The Transfer service: sessions on exported volumes.
+
+use super::{
+    config::Export,
+    fencing::{EpochStore, StaleEpochOrIo},
+    metrics::Metrics,
+};
+use crate::copy::{
+    CopyOptions, Destination, Origin, finish_destination, prepare_destination, zero_range,
+};
+use chunker::{
+    BlockVolume, ChunkKey, ChunkSize, PAGE_HASH_LEN, PAGE_SIZE, Summary, is_zero, page_hashes,
+};
+use std::{
+    collections::{BTreeMap, HashMap},
+    os::unix::fs::FileExt,
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+};
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status, Streaming};
+use transport::{
+    frames::{self, Content},
+    proto::{self, Access, transfer_server::Transfer},
+};
+
+/// Bytes written between two fsyncs of a destination: what may have to be re-sent after
+/// a crash of the receiving machine (a killed process loses nothing: its writes are in
+/// the page cache).
+const SYNC_EVERY: u64 = 256 << 20;
+
+/// The key under which a relationship's chunks are hashed on both sides.
+pub fn relationship_key(relationship: &str) -> ChunkKey {
+    ChunkKey::from_bytes(blake3::derive_key(
+        "mover 2026 relationship chunk key v1",
+        relationship.as_bytes(),
+    ))
+}
+
+/// An agent's Transfer service.
+pub struct AgentService {
+    exports: BTreeMap<String, Export>,
+    state_dir: PathBuf,
+    epochs: EpochStore,
+    metrics: Arc<Metrics>,
+    sessions: Mutex<HashMap<String, Arc<Session>>>,
+    next_id: AtomicU64,
+}
+
+/// One open session.
+struct Session {
+    export: String,
+    relationship: String,
+    chunk: ChunkSize,
+    size: u64,
+    key: ChunkKey,
+    summary: Summary,
+    /// For reading (READ) or writing (WRITE, through a duplicate of the destination's fd).
+    file: std::fs::File,
+    path: PathBuf,
+    /// WRITE sessions: the destination, made visible on Finish.
+    dest: Mutex<Option<Destination>>,
+    unsynced: AtomicU64,
+}
+
+impl AgentService {
+    /// A service for `exports`, keeping state under `state_dir`.
+    pub fn new(
+        exports: BTreeMap<String, Export>,
+        state_dir: PathBuf,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<Self> {
+        Ok(AgentService {
+            exports,
+            epochs: EpochStore::new(&state_dir)?,
+            state_dir,
+            metrics,
+            sessions: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    fn refuse(&self, status: Status) -> Status {
+        self.metrics.refusals.fetch_add(1, Relaxed);
+        status
+    }
+
+    fn session(&self, id: &str) -> Result<Arc<Session>, Status> {
+        self.sessions.lock().expect("sessions lock").get(id).cloned().ok_or_else(|| {
+            Status::not_found(format!("no open session {id:?}: it finished, was replaced by a newer one, or the agent restarted; open a new one"))
+        })
+    }
+
+    fn check_epoch(&self, relationship: &str, epoch: u64) -> Result<(), Status> {
+        match self.epochs.admit(relationship, epoch) {
+            Ok(()) => Ok(()),
+            Err(StaleEpochOrIo::Stale(e)) => {
+                self.metrics.stale_epoch_refusals.fetch_add(1, Relaxed);
+                Err(Status::failed_precondition(e.to_string()))
+            }
+            Err(e @ StaleEpochOrIo::Io(_)) => Err(Status::internal(e.to_string())),
+        }
+    }
+
+    fn close_sessions_on(&self, export: &str) {
+        let mut sessions = self.sessions.lock().expect("sessions lock");
+        let before = sessions.len();
+        sessions.retain(|_, s| s.export != export);
+        let closed = (before - sessions.len()) as u64;
+        self.metrics.sessions_active.fetch_sub(closed, Relaxed);
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> Status {
+    Status::internal(e.to_string())
+}
+
+/// Runs blocking volume I/O without stalling the async workers.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
+}
+
+#[tonic::async_trait]
+impl Transfer for AgentService {
+    async fn open(
+        &self,
+        req: Request<proto::OpenRequest>,
+    ) -> Result<Response<proto::OpenResponse>, Status> {
+        let peer = req
+            .remote_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|| "a peer".into());
+        let r = req.into_inner();
+        let export = self.exports.get(&r.volume).ok_or_else(|| {
+            self.refuse(Status::not_found(format!(
+                "volume {:?} is not exported by this agent (exports: {})",
+                r.volume,
+                self.exports.keys().cloned().collect::<Vec<_>>().join(", ")
+            )))
+        })?;
+        let chunk = ChunkSize::new(r.chunk_size)
+            .map_err(|e| self.refuse(Status::invalid_argument(e.to_string())))?;
+        if r.relationship.is_empty() {
+            return Err(self.refuse(Status::invalid_argument("a relationship id is required")));
+        }
+        let access = Access::try_from(r.access).unwrap_or(Access::Unspecified);
+        let key = relationship_key(&r.relationship);
+        let (file, size, dest) = match access {
+            Access::Read => {
+                let v = blocking(|| BlockVolume::open(&export.path)).map_err(internal)?;
+                let size = v.size();
+                (v.into_file(), size, None)
+            }
+            Access::Write => {
+                if export.read_only {
+                    return Err(self.refuse(Status::permission_denied(format!(
+                        "volume {:?} is exported read-only; it can be a source, never a destination",
+                        r.volume
+                    ))));
+                }
+                self.check_epoch(&r.relationship, r.epoch)?;
+                // One writer per export: a newer session takes over from an abandoned one.
+                self.close_sessions_on(&r.volume);
+                let opts = CopyOptions {
+                    state_dir: Some(self.state_dir.clone()),
+                    ..Default::default()
+                };
+                let origin_name = PathBuf::from(format!("agent session from {peer}"));
+                let origin = Origin {
+                    size: r.source_size,
+                    volume: None,
+                    name: &origin_name,
+                };
+                let dest = blocking(|| prepare_destination(origin, &export.path, &opts))
+                    .map_err(|e| self.refuse(Status::failed_precondition(e.to_string())))?;
+                let file = dest.volume.file().try_clone().map_err(internal)?;
+                (file, r.source_size, Some(dest))
+            }
+            Access::Unspecified => {
+                return Err(self.refuse(Status::invalid_argument("access must be READ or WRITE")));
+            }
+        };
+        let summary = {
+            let v = match &dest {
+                Some(d) => blocking(|| BlockVolume::open(d.volume.path())),
+                None => blocking(|| BlockVolume::open(&export.path)),
+            }
+            .map_err(internal)?;
+            let v = if v.size() > size {
+                v.limited_to(size)
+            } else {
+                v
+            };
+            blocking(|| Summary::of_volume(&v, &key, chunk, |_| {})).map_err(internal)?
+        };
+        let id = format!("{}-{}", r.volume, self.next_id.fetch_add(1, Relaxed));
+        let response = proto::OpenResponse {
+            session: id.clone(),
+            size,
+            chunks: summary.leaves.len() as u64,
+            root: summary.root.0.to_vec().into(),
+            group: chunker::GROUP_CHUNKS as u32,
+        };
+        let session = Session {
+            export: r.volume.clone(),
+            relationship: r.relationship,
+            chunk,
+            size,
+            key,
+            summary,
+            file,
+            path: export.path.clone(),
+            dest: Mutex::new(dest),
+            unsynced: AtomicU64::new(0),
+        };
+        self.sessions
+            .lock()
+            .expect("sessions lock")
+            .insert(id, Arc::new(session));
+        self.metrics.sessions_opened.fetch_add(1, Relaxed);
+        self.metrics.sessions_active.fetch_add(1, Relaxed);
+        Ok(Response::new(response))
+    }
+
+    async fn tree(
+        &self,
+        req: Request<proto::TreeRequest>,
+    ) -> Result<Response<proto::TreeResponse>, Status> {
+        let r = req.into_inner();
+        let s = self.session(&r.session)?;
+        let level = match r.level {
+            0 => &s.summary.leaves,
+            1 => &s.summary.groups,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "tree level must be 0 (chunks) or 1 (groups)",
+                ));
+            }
+        };
+        let first = r.first as usize;
+        let end = first.saturating_add(r.count as usize).min(level.len());
+        let hashes: Vec<u8> = level
+            .get(first..end)
+            .unwrap_or_default()
+            .iter()
+            .flat_map(|h| h.0)
+            .collect();
+        Ok(Response::new(proto::TreeResponse {
+            hashes: hashes.into(),
+        }))
+    }
+
+    async fn pages(
+        &self,
+        req: Request<proto::PagesRequest>,
+    ) -> Result<Response<proto::PagesResponse>, Status> {
+        let r = req.into_inner();
+        let s = self.session(&r.session)?;
+        let mut out =
+            Vec::with_capacity(r.chunks.len() * s.chunk.bytes() / PAGE_SIZE * PAGE_HASH_LEN);
+        let mut buf = vec![0u8; s.chunk.bytes()];
+        for c in r.chunks {
+            let (off, len) = chunk_range(&s, c)?;
+            blocking(|| s.file.read_exact_at(&mut buf[..len], off)).map_err(internal)?;
+            page_hashes(&s.key, &buf[..len], &mut out);
+        }
+        Ok(Response::new(proto::PagesResponse { hashes: out.into() }))
+    }
+
+    async fn write(
+        &self,
+        req: Request<Streaming<proto::WriteFrame>>,
+    ) -> Result<Response<proto::WriteAck>, Status> {
+        let mut stream = req.into_inner();
+        let mut applied = 0u64;
+        let mut session: Option<Arc<Session>> = None;
+        while let Some(frame) = stream.next().await {
+            let frame = frame?;
+            let s = match &session {
+                Some(s) => s.clone(),
+                None => {
+                    let s = self.session(&frame.session)?;
+                    if s.dest.lock().expect("dest lock").is_none() {
+                        return Err(self.refuse(Status::failed_precondition(
+                            "this session was opened for reading",
+                        )));
+                    }
+                    session.insert(s).clone()
+                }
+            };
+            // Checked on every frame: a newer primary may have raised the epoch meanwhile.
+            self.check_epoch(&s.relationship, frame.epoch)?;
+            let data = frame
+                .frame
+                .ok_or_else(|| Status::invalid_argument("write frame without data"))?;
+            let content = frames::content(&data).map_err(Status::invalid_argument)?;
+            if data
+                .offset
+                .checked_add(data.len)
+                .is_none_or(|end| end > s.size)
+            {
+                return Err(self.refuse(Status::out_of_range(format!(
+                    "write of {} bytes at offset {} is past the end of the volume ({} bytes)",
+                    data.len, data.offset, s.size
+                ))));
+            }
+            blocking(|| match content {
+                Content::Bytes(b) => s.file.write_all_at(&b, data.offset).map_err(internal),
+                Content::Zeros(n) => zero_range(&s.file, &s.path, data.offset, n).map_err(internal),
+            })?;
+            applied += data.len;
+            self.metrics.bytes_received.fetch_add(data.len, Relaxed);
+            if s.unsynced.fetch_add(data.len, Relaxed) + data.len >= SYNC_EVERY {
+                s.unsynced.store(0, Relaxed);
+                blocking(|| s.file.sync_data()).map_err(internal)?;
+            }
+        }
+        // The stream ended cleanly: make what it wrote durable before acknowledging.
+        if let Some(s) = session {
+            blocking(|| s.file.sync_data()).map_err(internal)?;
+        }
+        Ok(Response::new(proto::WriteAck {
+            bytes_applied: applied,
+        }))
+    }
+
+    type ReadStream = tokio_stream::wrappers::ReceiverStream<Result<proto::DataFrame, Status>>;
+
+    async fn read(
+        &self,
+        req: Request<proto::ReadRequest>,
+    ) -> Result<Response<Self::ReadStream>, Status> {
+        let r = req.into_inner();
+        let s = self.session(&r.session)?;
+        let pages_per_chunk = s.chunk.bytes() / PAGE_SIZE;
+        if !r.page_hashes.is_empty()
+            && r.page_hashes.len() != r.chunks.len() * pages_per_chunk * PAGE_HASH_LEN
+        {
+            // The last chunk may be short: accept any length that covers whole page hashes.
+            if r.page_hashes.len() % PAGE_HASH_LEN != 0 {
+                return Err(Status::invalid_argument(
+                    "page hashes must be whole 16-byte hashes",
+                ));
+            }
+        }
+        for &c in &r.chunks {
+            chunk_range(&s, c)?;
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let metrics = self.metrics.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut buf = vec![0u8; s.chunk.bytes()];
+            let mut theirs = &r.page_hashes[..];
+            for c in r.chunks {
+                let (off, len) = chunk_range(&s, c).expect("checked above");
+                if let Err(e) = s.file.read_exact_at(&mut buf[..len], off) {
+                    let _ = tx.blocking_send(Err(internal(e)));
+                    return;
+                }
+                let n_pages = len.div_ceil(PAGE_SIZE);
+                let (their_pages, rest) =
+                    theirs.split_at((n_pages * PAGE_HASH_LEN).min(theirs.len()));
+                theirs = rest;
+                for f in frames_for_chunk(&s.key, &buf[..len], off, their_pages) {
+                    metrics.bytes_sent.fetch_add(f.len, Relaxed);
+                    if tx.blocking_send(Ok(f)).is_err() {
+                        return; // the caller went away
+                    }
+                }
+            }
+        });
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
+            rx,
+        )))
+    }
+
+    async fn finish(
+        &self,
+        req: Request<proto::FinishRequest>,
+    ) -> Result<Response<proto::FinishResponse>, Status> {
+        let r = req.into_inner();
+        let s = self.session(&r.session)?;
+        let dest = s.dest.lock().expect("dest lock").take();
+        let mut root = s.summary.root;
+        if let Some(dest) = dest {
+            blocking(|| dest.volume.file().sync_all()).map_err(internal)?;
+            if r.verify {
+                let _ =
+                    rustix::fs::fadvise(dest.volume.file(), 0, None, rustix::fs::Advice::DontNeed);
+                let v = blocking(|| BlockVolume::open(dest.volume.path())).map_err(internal)?;
+                let v = if v.size() > s.size {
+                    v.limited_to(s.size)
+                } else {
+                    v
+                };
+                root = blocking(|| chunker::hash_volume(&v, &s.key, s.chunk, |_| {}))
+                    .map_err(internal)?
+                    .root;
+            }
+            blocking(|| finish_destination(dest)).map_err(internal)?;
+        }
+        if self
+            .sessions
+            .lock()
+            .expect("sessions lock")
+            .remove(&r.session)
+            .is_some()
+        {
+            self.metrics.sessions_active.fetch_sub(1, Relaxed);
+        }
+        Ok(Response::new(proto::FinishResponse {
+            root: root.0.to_vec().into(),
+        }))
+    }
+}
+
+/// Byte range of chunk `c` in the session's volume.
+fn chunk_range(s: &Session, c: u64) -> Result<(u64, usize), Status> {
+    let off = c
+        .checked_mul(s.chunk.get())
+        .filter(|&o| o < s.size)
+        .ok_or_else(|| {
+            Status::out_of_range(format!(
+                "chunk {c} is past the end of the volume ({} bytes)",
+                s.size
+            ))
+        })?;
+    Ok((off, (s.size - off).min(s.chunk.get()) as usize))
+}
+
+/// The frames that turn a holder of `their_pages` (page hashes, or empty for zeros) into
+/// `data` at `offset`: differing pages, merged into runs; zero runs as zero frames.
+pub(crate) fn frames_for_chunk(
+    key: &ChunkKey,
+    data: &[u8],
+    offset: u64,
+    their_pages: &[u8],
+) -> Vec<proto::DataFrame> {
+    let mut mine = Vec::new();
+    if !their_pages.is_empty() {
+        page_hashes(key, data, &mut mine);
+    }
+    let mut frames = Vec::new();
+    let mut run: Option<(bool, usize, usize)> = None; // (zero, start, end)
+    let flush = |run: (bool, usize, usize), frames: &mut Vec<proto::DataFrame>| {
+        let (zero, s, e) = run;
+        if zero {
+            frames.push(frames::zero_frame(offset + s as u64, (e - s) as u64));
+        } else {
+            frames.push(frames::data_frame(offset + s as u64, &data[s..e]));
+        }
+    };
+    for (i, page) in data.chunks(PAGE_SIZE).enumerate() {
+        let h = i * PAGE_HASH_LEN..(i + 1) * PAGE_HASH_LEN;
+        let differs = their_pages.is_empty() || their_pages.get(h.clone()) != mine.get(h);
+        let zero = is_zero(page);
+        // Onto zeros (no hashes), zero pages need nothing.
+        let wanted = if their_pages.is_empty() {
+            !zero
+        } else {
+            differs
+        };
+        let (s, e) = (i * PAGE_SIZE, i * PAGE_SIZE + page.len());
+        match (&mut run, wanted) {
+            (Some((z, _, end)), true) if *z == zero && *end == s => *end = e,
+            (_, true) => {
+                if let Some(r) = run.take() {
+                    flush(r, &mut frames);
+                }
+                run = Some((zero, s, e));
+            }
+            (_, false) => {
+                if let Some(r) = run.take() {
+                    flush(r, &mut frames);
+                }
+            }
+        }
+    }
+    if let Some(r) = run {
+        flush(r, &mut frames);
+    }
+    frames
+}

@@ -1,0 +1,403 @@
+//! Copies to and from a peer agent: `mover copy SRC agent://host:port/NAME` (push) and
+//! `mover copy agent://host:port/NAME DST` (pull).
+//!
+//! Both sides hash their volume into a Merkle summary; the client compares group hashes,
+//! then the chunk leaves of differing groups, then the 4 KiB page hashes of differing
+//! chunks, and ships only the pages that differ, over several parallel gRPC streams.
+//! A transfer cut short (a dropped connection, either side killed) is resumed by the
+//! client's retry or a rerun: the comparison finds what is still missing, so at most the
+//! data in flight at the cut is sent again.
+
+mod pull;
+mod push;
+
+pub use pull::pull;
+pub use push::push;
+
+use crate::error::CopyError;
+use chunker::{
+    BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, Window, hash_chunks, leaf_hash,
+    read_window,
+};
+use std::{path::PathBuf, time::Duration};
+use tonic::{service::interceptor::InterceptedService, transport::Channel};
+use transport::{
+    MAX_MESSAGE, auth::AttachToken, proto::transfer_client::TransferClient, tls::TlsFiles,
+};
+
+/// A volume exported by an agent: `agent://host:port/NAME`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentUrl {
+    /// Host name or address.
+    pub host: String,
+    /// gRPC port.
+    pub port: u16,
+    /// Export name.
+    pub volume: String,
+}
+
+impl AgentUrl {
+    /// Parses `agent://host:port/NAME`; `None` if `s` is not an agent URL at all.
+    pub fn parse(s: &str) -> Option<Result<AgentUrl, CopyError>> {
+        let rest = s.strip_prefix("agent://")?;
+        let bad = |why: &str| CopyError::BadDestination {
+            path: s.into(),
+            why: format!("{why}; expected agent://HOST:PORT/VOLUME"),
+        };
+        let parsed = (|| {
+            let (authority, volume) = rest.split_once('/').ok_or_else(|| bad("no volume name"))?;
+            let (host, port) = authority.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+            let port = port.parse().map_err(|_| bad("the port is not a number"))?;
+            if host.is_empty() || volume.is_empty() || volume.contains('/') {
+                return Err(bad(
+                    "empty host or volume name, or a '/' in the volume name",
+                ));
+            }
+            Ok(AgentUrl {
+                host: host.trim_matches(['[', ']']).into(),
+                port,
+                volume: volume.into(),
+            })
+        })();
+        Some(parsed)
+    }
+}
+
+impl std::fmt::Display for AgentUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "agent://{}:{}/{}", self.host, self.port, self.volume)
+    }
+}
+
+/// How to reach and talk to an agent.
+#[derive(Clone, Debug, clap::Args)]
+#[command(next_help_heading = "Agent endpoints (agent://HOST:PORT/VOLUME)")]
+pub struct RemoteOptions {
+    /// File holding the agent's bearer token [env: MOVER_TOKEN_FILE; or the token itself in MOVER_TOKEN].
+    #[arg(long, value_name = "FILE", env = "MOVER_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// CA certificate (PEM) that signs the agent's certificate; enables mutual TLS
+    /// together with --tls-cert and --tls-key.
+    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<PathBuf>,
+    /// This client's certificate (PEM), signed by a CA the agent trusts.
+    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// This client's private key (PEM).
+    #[arg(long, value_name = "FILE", env = "MOVER_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// Name the agent's certificate must carry [default: the host in the URL].
+    #[arg(long, value_name = "NAME")]
+    pub tls_server_name: Option<String>,
+    /// Replication relationship id: fencing epochs and chunk keys are per relationship
+    /// [default: copy/VOLUME].
+    #[arg(long, value_name = "ID")]
+    pub relationship: Option<String>,
+    /// Fencing epoch of this writer; the agent refuses epochs lower than the highest seen.
+    #[arg(long, default_value_t = 1)]
+    pub epoch: u64,
+    /// Parallel data streams.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub streams: u32,
+    /// Bandwidth limit in bytes per second on the wire, e.g. 100M [default: none].
+    #[arg(long, value_name = "RATE", value_parser = parse_rate)]
+    pub bwlimit: Option<u64>,
+    /// Attempts on a dropped connection or an unavailable agent, with backoff; each
+    /// attempt continues where the last one stopped.
+    #[arg(long, default_value_t = 5)]
+    pub retries: u32,
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            token_file: None,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_server_name: None,
+            relationship: None,
+            epoch: 1,
+            streams: 4,
+            bwlimit: None,
+            retries: 5,
+        }
+    }
+}
+
+fn parse_rate(s: &str) -> Result<u64, String> {
+    chunker::parse_size(s.trim_end_matches("/s")).map_err(|e| e.to_string())
+}
+
+/// A connected client with the token attached.
+pub(crate) type Client = TransferClient<InterceptedService<Channel, AttachToken>>;
+
+impl RemoteOptions {
+    fn relationship_for(&self, url: &AgentUrl) -> String {
+        self.relationship
+            .clone()
+            .unwrap_or_else(|| format!("copy/{}", url.volume))
+    }
+
+    fn token(&self) -> Result<Option<String>, CopyError> {
+        if let Some(path) = &self.token_file {
+            let t = std::fs::read_to_string(path).map_err(|e| CopyError::Remote {
+                url: path.display().to_string(),
+                code: "token".into(),
+                message: format!("cannot read the token file: {e}"),
+            })?;
+            return Ok(Some(t.trim().to_string()));
+        }
+        Ok(std::env::var("MOVER_TOKEN")
+            .ok()
+            .map(|t| t.trim().to_string()))
+    }
+
+    /// Connects to the agent at `url`.
+    pub(crate) async fn connect(&self, url: &AgentUrl) -> Result<Client, CopyError> {
+        let remote = |code: &str, message: String| CopyError::Remote {
+            url: url.to_string(),
+            code: code.into(),
+            message,
+        };
+        let tls = match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+            (Some(ca), Some(cert), Some(key)) => {
+                let files = TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    ca: ca.clone(),
+                };
+                let name = self.tls_server_name.as_deref().unwrap_or(&url.host);
+                Some(
+                    files
+                        .client(name)
+                        .map_err(|e| remote("tls", e.to_string()))?,
+                )
+            }
+            _ => None,
+        };
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Channel::from_shared(format!("{scheme}://{}:{}", url.host, url.port))
+            .map_err(|e| remote("url", e.to_string()))?
+            .connect_timeout(Duration::from_secs(10))
+            .tcp_nodelay(true)
+            .initial_stream_window_size(Some(8 << 20))
+            .initial_connection_window_size(Some(32 << 20));
+        if let Some(tls) = tls {
+            endpoint = endpoint
+                .tls_config(tls)
+                .map_err(|e| remote("tls", e.to_string()))?;
+        }
+        let channel = endpoint.connect().await.map_err(|e| {
+            remote(
+                "unavailable",
+                format!("cannot connect: {}", error_chain(&e)),
+            )
+        })?;
+        let auth = AttachToken::new(self.token()?.as_deref())
+            .map_err(|s| remote("token", s.message().into()))?;
+        Ok(TransferClient::with_interceptor(channel, auth)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE))
+    }
+}
+
+/// The whole chain of an error's sources, for transport errors that hide the cause.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s += &format!(": {c}");
+        cur = c.source();
+    }
+    s
+}
+
+/// Maps a gRPC status from `url` to a [`CopyError`] that says what to do.
+pub(crate) fn status_error(url: &AgentUrl, s: tonic::Status) -> CopyError {
+    use tonic::Code;
+    let code = match s.code() {
+        Code::Unauthenticated => "unauthenticated",
+        Code::PermissionDenied => "permission denied",
+        Code::NotFound => "not found",
+        Code::FailedPrecondition => "refused",
+        Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Aborted => "unavailable",
+        Code::DeadlineExceeded => "timeout",
+        Code::InvalidArgument | Code::OutOfRange => "bad request",
+        _ => "error",
+    };
+    let mut message = s.message().to_string();
+    if let Some(src) = std::error::Error::source(&s) {
+        message += &format!(" ({})", error_chain(src));
+    }
+    CopyError::Remote {
+        url: url.to_string(),
+        code: code.into(),
+        message,
+    }
+}
+
+/// Runs `attempt` up to `retries` times while it fails with a retryable error, backing
+/// off 0.5 s, 1 s, 2 s … (at most 10 s) between attempts.
+pub(crate) async fn with_retries<T, F, Fut>(retries: u32, mut attempt: F) -> Result<T, CopyError>
+where
+    F: FnMut(u32) -> Fut,
+    Fut: std::future::Future<Output = Result<T, CopyError>>,
+{
+    let mut delay = Duration::from_millis(500);
+    for n in 1.. {
+        match attempt(n).await {
+            Err(e) if e.is_retryable() && n < retries.max(1) => {
+                tracing::warn!("attempt {n} failed: {e}; retrying in {delay:?}");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(10));
+            }
+            other => return other,
+        }
+    }
+    unreachable!("the loop returns")
+}
+
+/// One group of a local volume as read: its bytes, its chunks' kinds and Merkle leaves.
+pub(crate) type Group = (Window, Vec<ChunkKind>, Vec<ChunkId>);
+
+/// Reads a local volume group by group (GROUP_CHUNKS chunks) on a blocking thread,
+/// hashing each chunk into its Merkle leaf; windows arrive in order on the returned
+/// channel, a few ahead of the consumer.
+pub(crate) fn read_groups(
+    volume: std::sync::Arc<BlockVolume>,
+    chunk: ChunkSize,
+    key: ChunkKey,
+    size: u64,
+) -> tokio::sync::mpsc::Receiver<Result<Group, CopyError>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(3);
+    std::thread::spawn(move || {
+        volume.advise_sequential();
+        let group_len = chunk.get() * chunker::GROUP_CHUNKS as u64;
+        let mut offset = 0;
+        while offset < size {
+            let len = group_len.min(size - offset) as usize;
+            let mut win = Window::default();
+            let item = read_window(&volume, chunk, offset, len, &mut win)
+                .map_err(CopyError::from)
+                .map(|()| {
+                    let kinds = hash_chunks(&key, chunk, &win);
+                    let leaves = kinds
+                        .iter()
+                        .zip(win.chunk_ranges(chunk))
+                        .map(|(k, r)| leaf_hash(&key, k, r.len() as u64))
+                        .collect();
+                    (win, kinds, leaves)
+                });
+            let failed = item.is_err();
+            if tx.blocking_send(item).is_err() || failed {
+                return;
+            }
+            offset += len as u64;
+        }
+    });
+    rx
+}
+
+/// Group hashes of the remote summary, fetched in batches as the pass reaches them.
+pub(crate) struct RemoteGroups {
+    session: String,
+    first: u64,
+    hashes: Vec<ChunkId>,
+}
+
+const GROUP_BATCH: u32 = 4096;
+
+impl RemoteGroups {
+    pub(crate) fn new(session: String) -> Self {
+        RemoteGroups {
+            session,
+            first: 0,
+            hashes: Vec::new(),
+        }
+    }
+
+    /// The remote hash of group `g`.
+    pub(crate) async fn get(
+        &mut self,
+        client: &mut Client,
+        url: &AgentUrl,
+        g: u64,
+    ) -> Result<ChunkId, CopyError> {
+        if g < self.first || g >= self.first + self.hashes.len() as u64 {
+            self.hashes = tree(client, url, &self.session, 1, g, GROUP_BATCH).await?;
+            self.first = g;
+        }
+        self.hashes
+            .get((g - self.first) as usize)
+            .copied()
+            .ok_or_else(|| CopyError::Remote {
+                url: url.to_string(),
+                code: "protocol".into(),
+                message: format!(
+                    "the agent has no group {g}: do both sides agree on the volume size?"
+                ),
+            })
+    }
+}
+
+/// Node hashes of the remote summary at `level`.
+pub(crate) async fn tree(
+    client: &mut Client,
+    url: &AgentUrl,
+    session: &str,
+    level: u32,
+    first: u64,
+    count: u32,
+) -> Result<Vec<ChunkId>, CopyError> {
+    let r = client
+        .tree(transport::proto::TreeRequest {
+            session: session.into(),
+            level,
+            first,
+            count,
+        })
+        .await
+        .map_err(|s| status_error(url, s))?
+        .into_inner();
+    Ok(r.hashes
+        .chunks_exact(32)
+        .map(|c| ChunkId(c.try_into().expect("32 bytes")))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_agent_urls() {
+        assert_eq!(
+            AgentUrl::parse("agent://node-b:7070/pvc-data")
+                .unwrap()
+                .unwrap(),
+            AgentUrl {
+                host: "node-b".into(),
+                port: 7070,
+                volume: "pvc-data".into()
+            }
+        );
+        assert_eq!(
+            AgentUrl::parse("agent://[::1]:7070/v")
+                .unwrap()
+                .unwrap()
+                .host,
+            "::1"
+        );
+        assert!(AgentUrl::parse("/dev/sda").is_none());
+        for bad in [
+            "agent://host/v",
+            "agent://host:x/v",
+            "agent://host:1/",
+            "agent://host:1",
+            "agent://:1/v",
+        ] {
+            assert!(AgentUrl::parse(bad).unwrap().is_err(), "{bad}");
+        }
+    }
+}
