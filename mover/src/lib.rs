@@ -7,11 +7,14 @@
 //!
 //! Built so far: [`copy_block`], the one-shot copy of a block volume (block device or
 //! image file) onto another, writing only the 4 KiB pages that differ and keeping holes
-//! as holes; and [`hash_block`], a volume's chunk digest.
+//! as holes; [`hash_block`], a volume's chunk digest; [`agent`], the per-node agent
+//! serving exported volumes over gRPC; and [`remote`], copies to and from an agent.
 
+pub mod agent;
 mod copy;
 mod error;
 mod hash;
+pub mod remote;
 mod snapshot;
 
 pub use copy::{CopyOptions, CopySummary, Progress, copy_block};

@@ -57,7 +57,16 @@ enum Command {
         #[command(flatten)]
         options: CopyOptions,
         #[command(flatten)]
+        remote: mover::remote::RemoteOptions,
+        #[command(flatten)]
         output: OutputArgs,
+    },
+    /// Run the per-node agent: serve exported volumes to peers over gRPC.
+    #[command(long_about = "Run the per-node agent. It serves the volumes its config         exports (and nothing else) to peers: `mover copy SRC agent://HOST:PORT/NAME` pushes         into an export, `mover copy agent://HOST:PORT/NAME DST` pulls from one. Peers         authenticate with mutual TLS and/or a bearer token; writes carry a fencing epoch.         /metrics and /healthz are served on metrics_listen. Stops gracefully on SIGINT or         SIGTERM.\n\nExample agent.toml:\n          listen = \"0.0.0.0:7070\"\n          metrics_listen = \"0.0.0.0:9470\"\n          token_file = \"/etc/mover/token\"\n          [tls]\n  cert = \"/etc/mover/agent.crt\"\n  key = \"/etc/mover/agent.key\"\n  ca = \"/etc/mover/ca.crt\"\n          [exports.pvc-data]\n  path = \"/dev/vg0/pvc-data\"\n          [exports.golden]\n  path = \"/srv/golden.img\"\n  read_only = true")]
+    Agent {
+        /// The agent's TOML configuration.
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
     },
     /// Print a block volume's chunk digest (Merkle root over keyed BLAKE3 chunk ids).
     #[command(
@@ -127,7 +136,7 @@ fn exit_code(err: &anyhow::Error) -> u8 {
 /// An endpoint kind this build does not handle yet.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "{0}: remote endpoints (agent://, s3://, repo://) are not supported by this build yet; use a local device or image path"
+    "{0}: not supported by this build; copy endpoints are local devices, image files, or agent://HOST:PORT/VOLUME"
 )]
 struct Unsupported(String);
 
@@ -137,19 +146,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             src,
             dst,
             options,
+            remote,
             output,
         } => {
-            for p in [&src, &dst] {
-                if p.to_string_lossy().contains("://") {
-                    return Err(Unsupported(p.display().to_string()).into());
-                }
-            }
             let bar = Bar::new(&output);
-            let summary = mover::copy_block(&src, &dst, &options, &bar)
+            let summary = copy(&src, &dst, &options, &remote, &bar)
                 .with_context(|| format!("copy {} -> {}", src.display(), dst.display()))?;
             bar.done();
             print_copy(&summary, output.json)
         }
+        Command::Agent { config } => run_agent(&config),
         Command::Hash {
             volume,
             chunk_size,
@@ -165,6 +171,64 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Repo(cmd) => snapshot_cli::run_repo(cmd),
         Command::Snapshot(cmd) => snapshot_cli::run_snapshot(cmd),
     }
+}
+
+/// Dispatches a copy by the kinds of its endpoints: local, or to/from an agent.
+fn copy(
+    src: &std::path::Path,
+    dst: &std::path::Path,
+    options: &CopyOptions,
+    remote: &mover::remote::RemoteOptions,
+    bar: &Bar,
+) -> anyhow::Result<CopySummary> {
+    use mover::remote::AgentUrl;
+    let url = |p: &std::path::Path| AgentUrl::parse(&p.to_string_lossy()).transpose();
+    let (from, to) = (url(src)?, url(dst)?);
+    for p in [src, dst] {
+        let s = p.to_string_lossy();
+        if s.contains("://") && !s.starts_with("agent://") {
+            return Err(Unsupported(s.into_owned()).into());
+        }
+    }
+    let runtime = || tokio::runtime::Runtime::new().context("cannot start the async runtime");
+    Ok(match (from, to) {
+        (None, None) => mover::copy_block(src, dst, options, bar)?,
+        (None, Some(to)) => runtime()?.block_on(mover::remote::push(src, &to, options, remote, bar))?,
+        (Some(from), None) => runtime()?.block_on(mover::remote::pull(&from, dst, options, remote, bar))?,
+        (Some(_), Some(_)) => {
+            anyhow::bail!(Unsupported("agent-to-agent copies: run the copy on one of the two nodes".into()))
+        }
+    })
+}
+
+/// `mover agent`: serves until SIGINT or SIGTERM.
+fn run_agent(config_path: &std::path::Path) -> anyhow::Result<()> {
+    let config = mover::agent::AgentConfig::load(config_path)?;
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", config.listen))?;
+        let metrics = match config.metrics_listen {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen for metrics on {addr}"))?,
+            ),
+            None => None,
+        };
+        let shutdown = async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .expect("SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {},
+                _ = term.recv() => {},
+            }
+            tracing::info!("shutting down: finishing calls in flight");
+        };
+        mover::agent::serve(config, listener, metrics, shutdown).await?;
+        Ok(())
+    })
 }
 
 fn print_copy(s: &CopySummary, json: bool) -> anyhow::Result<()> {
