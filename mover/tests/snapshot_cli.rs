@@ -248,7 +248,8 @@ fn s3_commands_end_to_end_and_s3_errors() {
         .arg(&img)));
     // Change 2 MiB and snapshot again.
     let f = fs::OpenOptions::new().write(true).open(&img).unwrap();
-    f.write_all_at(&[1u8; 2 << 20], 5 * MIB).unwrap();
+    f.write_all_at(&[1u8; 1 << 20], 5 * MIB).unwrap();
+    f.write_all_at(&[2u8; 1 << 20], 6 * MIB).unwrap();
     let mut c = mover();
     s3(&mut c);
     let b = json(&ok(c
