@@ -32,9 +32,17 @@ fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
     })
 }
 
+/// Selects rustls' ring crypto for the process. Other dependencies (the S3 client) bring
+/// aws-lc-rs too, and rustls refuses to guess between two providers.
+fn install_crypto_provider() {
+    // Fails only if a provider is already installed, which is just as good.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 impl TlsFiles {
     /// Server side: present our certificate and require clients signed by the CA.
     pub fn server(&self) -> Result<ServerTlsConfig, TlsError> {
+        install_crypto_provider();
         let id = Identity::from_pem(read("certificate", &self.cert)?, read("key", &self.key)?);
         Ok(ServerTlsConfig::new()
             .identity(id)
@@ -44,6 +52,7 @@ impl TlsFiles {
     /// Client side: trust only the CA, present our certificate, and expect the server
     /// to be named `server_name` in its certificate.
     pub fn client(&self, server_name: &str) -> Result<ClientTlsConfig, TlsError> {
+        install_crypto_provider();
         let id = Identity::from_pem(read("certificate", &self.cert)?, read("key", &self.key)?);
         Ok(ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(read("CA", &self.ca)?))

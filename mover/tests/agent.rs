@@ -1,0 +1,481 @@
+//! Copies to and from a real `mover agent` process over gRPC on 127.0.0.1: deltas,
+//! refusals, mutual TLS, kill -9 of either side, and a connection cut mid-transfer.
+
+mod common;
+
+use common::*;
+use std::{
+    io::{Read, Write},
+    net::{TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command},
+    time::{Duration, Instant},
+};
+
+const TOKEN: &str = "t0ken-for-tests";
+
+/// A `mover agent` child process, killed on drop.
+struct Agent {
+    child: Child,
+    port: u16,
+    config: PathBuf,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Agent {
+    /// Starts an agent exporting `exports` (name, path, read_only) with token auth and,
+    /// if given, mutual TLS from `tls` (cert, key, ca).
+    fn start(
+        dir: &Path,
+        exports: &[(&str, &Path, bool)],
+        tls: Option<(&Path, &Path, &Path)>,
+    ) -> Agent {
+        let port = free_port();
+        std::fs::write(dir.join("token"), TOKEN).unwrap();
+        let mut cfg = format!(
+            "listen = \"127.0.0.1:{port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\n",
+            dir.join("agent-state").display(),
+            dir.join("token").display()
+        );
+        if let Some((cert, key, ca)) = tls {
+            cfg += &format!(
+                "[tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n",
+                cert.display(),
+                key.display(),
+                ca.display()
+            );
+        }
+        for (name, path, ro) in exports {
+            cfg += &format!(
+                "[exports.{name}]\npath = \"{}\"\nread_only = {ro}\n",
+                path.display()
+            );
+        }
+        let config = dir.join(format!("agent-{port}.toml"));
+        std::fs::write(&config, cfg).unwrap();
+        Agent::spawn(config, port)
+    }
+
+    fn spawn(config: PathBuf, port: u16) -> Agent {
+        let child = Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(["agent", "--config", config.to_str().unwrap()])
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "agent did not start listening");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Agent {
+            child,
+            port,
+            config,
+        }
+    }
+
+    /// kill -9, then start again on the same port and config.
+    fn kill_and_restart(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+        let fresh = Agent::spawn(self.config.clone(), self.port);
+        let old = std::mem::replace(self, fresh);
+        std::mem::forget(old); // already dead
+    }
+
+    fn url(&self, volume: &str) -> String {
+        format!("agent://127.0.0.1:{}/{volume}", self.port)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `mover copy` with the test token.
+fn copy(state: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_mover"))
+        .arg("copy")
+        .args(args)
+        .args(["--json", "--no-progress"])
+        .env("MOVER_STATE_DIR", state)
+        .env("MOVER_TOKEN", TOKEN)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn push_and_pull_ship_only_differing_pages() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src.img");
+    let remote = t.path().join("remote.img");
+    let len = 48 * MIB;
+    make_image(&src, len, 40, &[(MIB, 20 * MIB), (40 * MIB, 64 * 1024)]);
+    let agent = Agent::start(t.path(), &[("vol", &remote, false)], None);
+    let s = src.to_str().unwrap();
+
+    let j = json_of(&copy(t.path(), &[s, &agent.url("vol"), "--verify"]));
+    assert_eq!(blake3_of(&src, len), blake3_of(&remote, len));
+    assert_eq!(
+        j["bytes_written"],
+        20 * MIB + 64 * 1024,
+        "only data is shipped, not zeros"
+    );
+    assert!(j["wire_bytes"].as_u64().unwrap() <= 20 * MIB + 64 * 1024 + 4096);
+    assert_eq!(j["verified"], true);
+
+    // A delta push: 300 scattered pages changed, one chunk cleared.
+    let changed = scribble_pages(&src, 41, 300, MIB..20 * MIB);
+    write_zeros(&src, 40 * MIB, 64 * 1024);
+    let j = json_of(&copy(t.path(), &[s, &agent.url("vol"), "--verify"]));
+    assert_eq!(blake3_of(&src, len), blake3_of(&remote, len));
+    assert_eq!(
+        j["bytes_written"],
+        changed * PAGE,
+        "exactly the changed pages"
+    );
+    assert_eq!(j["bytes_zeroed"], 64 * 1024);
+    assert!(j["wire_bytes"].as_u64().unwrap() <= changed * PAGE + 64 * 1024);
+
+    // Pull into a new image, then a delta pull after local damage.
+    let local = t.path().join("local.img");
+    let l = local.to_str().unwrap();
+    json_of(&copy(t.path(), &[&agent.url("vol"), l, "--verify"]));
+    assert_eq!(blake3_of(&src, len), blake3_of(&local, len));
+    let damaged = scribble_pages(&local, 42, 50, 0..len);
+    let j = json_of(&copy(t.path(), &[&agent.url("vol"), l, "--verify"]));
+    assert_eq!(blake3_of(&src, len), blake3_of(&local, len));
+    assert!(
+        j["bytes_written"].as_u64().unwrap() + j["bytes_zeroed"].as_u64().unwrap()
+            <= damaged * PAGE
+    );
+}
+
+#[test]
+fn refusals_name_the_problem_and_write_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src.img");
+    make_image(&src, 8 * MIB, 43, &[(0, 8 * MIB)]);
+    let golden = t.path().join("golden.img");
+    make_image(&golden, 8 * MIB, 44, &[(0, 8 * MIB)]);
+    let target = t.path().join("target.img");
+    let agent = Agent::start(
+        t.path(),
+        &[("golden", &golden, true), ("target", &target, false)],
+        None,
+    );
+    let s = src.to_str().unwrap();
+    let golden_hash = blake3_of(&golden, 8 * MIB);
+    let refused = |out: std::process::Output, expect: &str| {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(expect), "wanted {expect:?} in {err}");
+    };
+
+    let wrong_token = Command::new(env!("CARGO_BIN_EXE_mover"))
+        .args(["copy", s, &agent.url("target"), "--no-progress"])
+        .env("MOVER_TOKEN", "not-the-token")
+        .output()
+        .unwrap();
+    refused(wrong_token, "unauthenticated");
+    refused(copy(t.path(), &[s, &agent.url("secret")]), "not exported");
+    refused(copy(t.path(), &[s, &agent.url("golden")]), "read-only");
+    assert_eq!(blake3_of(&golden, 8 * MIB), golden_hash);
+    assert!(!target.exists());
+
+    // Fencing: after epoch 5 wrote, epoch 3 is refused; 5 and 6 are admitted.
+    json_of(&copy(
+        t.path(),
+        &[
+            s,
+            &agent.url("target"),
+            "--epoch",
+            "5",
+            "--relationship",
+            "r1",
+        ],
+    ));
+    refused(
+        copy(
+            t.path(),
+            &[
+                s,
+                &agent.url("target"),
+                "--epoch",
+                "3",
+                "--relationship",
+                "r1",
+            ],
+        ),
+        "stale epoch 3",
+    );
+    json_of(&copy(
+        t.path(),
+        &[
+            s,
+            &agent.url("target"),
+            "--epoch",
+            "6",
+            "--relationship",
+            "r1",
+        ],
+    ));
+    // The highest epoch survives an agent restart.
+    let mut agent = agent;
+    agent.kill_and_restart();
+    refused(
+        copy(
+            t.path(),
+            &[
+                s,
+                &agent.url("target"),
+                "--epoch",
+                "5",
+                "--relationship",
+                "r1",
+            ],
+        ),
+        "epoch 6 has been seen",
+    );
+}
+
+/// Writes a CA and two leaf certificates (server for 127.0.0.1/localhost, client) as PEM
+/// files; returns (ca, server cert, server key, client cert, client key).
+fn make_pki(dir: &Path, name: &str) -> [PathBuf; 5] {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf = |sans: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(sans)
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
+    let (client_cert, client_key) = leaf(vec!["client".into()]);
+    let files = [
+        "ca.pem",
+        "server.pem",
+        "server.key",
+        "client.pem",
+        "client.key",
+    ]
+    .map(|f| dir.join(format!("{name}-{f}")));
+    for (path, body) in files.iter().zip([
+        ca_cert.pem(),
+        server_cert,
+        server_key,
+        client_cert,
+        client_key,
+    ]) {
+        std::fs::write(path, body).unwrap();
+    }
+    files
+}
+
+#[test]
+fn mutual_tls_admits_only_clients_of_the_trusted_ca() {
+    let t = tempfile::tempdir().unwrap();
+    let [ca, server_cert, server_key, client_cert, client_key] = make_pki(t.path(), "good");
+    let [_, _, _, rogue_cert, rogue_key] = make_pki(t.path(), "rogue");
+    let src = t.path().join("src.img");
+    make_image(&src, 8 * MIB, 45, &[(0, 3 * MIB)]);
+    let dst = t.path().join("dst.img");
+    let agent = Agent::start(
+        t.path(),
+        &[("vol", &dst, false)],
+        Some((&server_cert, &server_key, &ca)),
+    );
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let with_certs = |cert: &PathBuf, key: &PathBuf| {
+        let args = [
+            "--tls-ca",
+            &p(&ca),
+            "--tls-cert",
+            &p(cert),
+            "--tls-key",
+            &p(key),
+            "--tls-server-name",
+            "localhost",
+            "--retries",
+            "1",
+        ];
+        let mut all = vec![src.to_str().unwrap().to_string(), agent.url("vol")];
+        all.extend(args.iter().map(|s| s.to_string()));
+        let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+        copy(t.path(), &refs)
+    };
+    let ok = with_certs(&client_cert, &client_key);
+    json_of(&ok);
+    assert_eq!(blake3_of(&src, 8 * MIB), blake3_of(&dst, 8 * MIB));
+
+    let rogue = with_certs(&rogue_cert, &rogue_key);
+    assert!(
+        !rogue.status.success(),
+        "a client certificate from another CA must be refused"
+    );
+    let plain = copy(
+        t.path(),
+        &[src.to_str().unwrap(), &agent.url("vol"), "--retries", "1"],
+    );
+    assert!(
+        !plain.status.success(),
+        "a client without TLS must be refused"
+    );
+}
+
+/// Starts a push of a large image, lets a good part arrive, then calls `interrupt`.
+fn push_in_background(t: &Path, src: &Path, url: &str, retries: &str) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_mover"))
+        .args([
+            "copy",
+            src.to_str().unwrap(),
+            url,
+            "--json",
+            "--no-progress",
+            "--retries",
+            retries,
+        ])
+        .env("MOVER_STATE_DIR", t)
+        .env("MOVER_TOKEN", TOKEN)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_until_written(child: &mut Child, dst: &Path, bytes: u64) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !(dst.exists() && allocated(dst) >= bytes) {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "transfer finished before it could be interrupted"
+        );
+        assert!(Instant::now() < deadline, "transfer made no progress");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn partial_of(dst: &Path) -> PathBuf {
+    dst.with_file_name(format!(
+        ".{}.mover-partial",
+        dst.file_name().unwrap().to_string_lossy()
+    ))
+}
+
+#[test]
+fn killed_receiver_or_sender_resumes_without_resending_what_arrived() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src.img");
+    let dst = t.path().join("dst.img");
+    let len = 384 * MIB;
+    make_image(&src, len, 46, &[(0, len)]);
+    let mut agent = Agent::start(t.path(), &[("vol", &dst, false)], None);
+
+    // kill -9 of the receiving agent.
+    let mut push = push_in_background(t.path(), &src, &agent.url("vol"), "1");
+    wait_until_written(&mut push, &partial_of(&dst), 64 * MIB);
+    agent.kill_and_restart();
+    assert!(
+        !push.wait().unwrap().success(),
+        "the push must fail when its agent dies"
+    );
+    let arrived = allocated(&partial_of(&dst));
+
+    // kill -9 of the sender, on the resumed transfer.
+    let mut push = push_in_background(t.path(), &src, &agent.url("vol"), "1");
+    wait_until_written(&mut push, &partial_of(&dst), arrived + 64 * MIB);
+    push.kill().unwrap();
+    push.wait().unwrap();
+    assert!(
+        !dst.exists(),
+        "an unfinished transfer never appears under the final name"
+    );
+    let arrived = allocated(&partial_of(&dst));
+    assert!(arrived < len);
+
+    let j = json_of(&copy(
+        t.path(),
+        &[src.to_str().unwrap(), &agent.url("vol"), "--verify"],
+    ));
+    assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
+    let resent = j["bytes_written"].as_u64().unwrap();
+    assert!(
+        resent <= len - arrived + 16 * MIB,
+        "re-sent {resent} bytes though {arrived} had arrived"
+    );
+}
+
+/// A TCP proxy that forwards to `to` and cuts both directions once `cut_after` bytes
+/// went client → server on the first connection; later connections pass untouched.
+fn cutting_proxy(to: u16, cut_after: u64) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for (n, conn) in listener.incoming().enumerate() {
+            let Ok(client) = conn else { return };
+            let server = TcpStream::connect(("127.0.0.1", to)).unwrap();
+            let limit = if n == 0 { cut_after } else { u64::MAX };
+            let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            std::thread::spawn(move || pump(client, server, limit));
+            std::thread::spawn(move || pump(s2, c2, u64::MAX));
+        }
+    });
+    port
+}
+
+fn pump(mut from: TcpStream, mut to: TcpStream, limit: u64) {
+    let mut buf = vec![0u8; 1 << 16];
+    let mut total = 0u64;
+    while let Ok(n) = from.read(&mut buf) {
+        if n == 0 || to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+        total += n as u64;
+        if total >= limit {
+            break;
+        }
+    }
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+#[test]
+fn a_cut_connection_is_retried_and_continues() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src.img");
+    let dst = t.path().join("dst.img");
+    let len = 128 * MIB;
+    make_image(&src, len, 47, &[(0, len)]);
+    let agent = Agent::start(t.path(), &[("vol", &dst, false)], None);
+    let proxy = cutting_proxy(agent.port, 48 * MIB);
+    let url = format!("agent://127.0.0.1:{proxy}/vol");
+    let j = json_of(&copy(
+        t.path(),
+        &[src.to_str().unwrap(), &url, "--verify", "--retries", "5"],
+    ));
+    assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
+    // The summary is the last attempt's: it sent only what had not arrived before the cut.
+    let last = j["bytes_written"].as_u64().unwrap();
+    assert!(
+        last < len - 32 * MIB,
+        "the retry re-sent {last} of {len} bytes"
+    );
+}
