@@ -479,3 +479,22 @@ fn a_cut_connection_is_retried_and_continues() {
         "the retry re-sent {last} of {len} bytes"
     );
 }
+
+#[test]
+fn bwlimit_caps_the_rate_on_the_wire() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src.img");
+    let dst = t.path().join("dst.img");
+    make_image(&src, 24 * MIB, 48, &[(0, 24 * MIB)]);
+    let agent = Agent::start(t.path(), &[("vol", &dst, false)], None);
+    let started = Instant::now();
+    let j = json_of(&copy(
+        t.path(),
+        &[src.to_str().unwrap(), &agent.url("vol"), "--bwlimit", "8M"],
+    ));
+    let took = started.elapsed().as_secs_f64();
+    assert_eq!(blake3_of(&src, 24 * MIB), blake3_of(&dst, 24 * MIB));
+    // 24 MiB of incompressible data at 8 MiB/s with an 8 MiB burst: at least 2 s.
+    assert_eq!(j["wire_bytes"], 24 * MIB);
+    assert!(took >= 1.9, "24 MiB at --bwlimit 8M took only {took:.2}s");
+}
