@@ -2,6 +2,7 @@
 //! (random or already-compressed data costs no CPU on the receiving side).
 
 use crate::proto::{DataFrame, data_frame::Payload};
+use chunker::{ChunkKey, PAGE_HASH_LEN, PAGE_SIZE, is_zero, page_hashes};
 use tonic::codegen::Bytes;
 
 /// zstd level for frames: fast enough to keep up with a network link on one core.
@@ -59,6 +60,60 @@ pub fn content(frame: &DataFrame) -> Result<Content, String> {
         Some(Payload::Data(_)) => Err(format!("frame at offset {}: length mismatch", frame.offset)),
         None => Err(format!("frame at offset {} has no payload", frame.offset)),
     }
+}
+
+/// The frames that turn a holder of `their_pages` (page hashes, or empty for zeros) into
+/// `data` at `offset`: differing pages, merged into runs; zero runs as zero frames.
+pub fn chunk_frames(
+    key: &ChunkKey,
+    data: &[u8],
+    offset: u64,
+    their_pages: &[u8],
+) -> Vec<DataFrame> {
+    let mut mine = Vec::new();
+    if !their_pages.is_empty() {
+        page_hashes(key, data, &mut mine);
+    }
+    let mut frames = Vec::new();
+    let mut run: Option<(bool, usize, usize)> = None; // (zero, start, end)
+    let flush = |run: (bool, usize, usize), frames: &mut Vec<DataFrame>| {
+        let (zero, s, e) = run;
+        if zero {
+            frames.push(zero_frame(offset + s as u64, (e - s) as u64));
+        } else {
+            frames.push(data_frame(offset + s as u64, &data[s..e]));
+        }
+    };
+    for (i, page) in data.chunks(PAGE_SIZE).enumerate() {
+        let h = i * PAGE_HASH_LEN..(i + 1) * PAGE_HASH_LEN;
+        let differs = their_pages.is_empty() || their_pages.get(h.clone()) != mine.get(h);
+        let zero = is_zero(page);
+        // Onto zeros (no hashes), zero pages need nothing.
+        let wanted = if their_pages.is_empty() {
+            !zero
+        } else {
+            differs
+        };
+        let (s, e) = (i * PAGE_SIZE, i * PAGE_SIZE + page.len());
+        match (&mut run, wanted) {
+            (Some((z, _, end)), true) if *z == zero && *end == s => *end = e,
+            (_, true) => {
+                if let Some(r) = run.take() {
+                    flush(r, &mut frames);
+                }
+                run = Some((zero, s, e));
+            }
+            (_, false) => {
+                if let Some(r) = run.take() {
+                    flush(r, &mut frames);
+                }
+            }
+        }
+    }
+    if let Some(r) = run {
+        flush(r, &mut frames);
+    }
+    frames
 }
 
 /// Bytes this frame occupies on the wire (payload only).

@@ -22,6 +22,14 @@ pub mod proto {
     tonic::include_proto!("mover.transfer.v1");
 }
 
+/// The key under which a relationship's chunks and pages are hashed on both sides.
+pub fn relationship_key(relationship: &str) -> chunker::ChunkKey {
+    chunker::ChunkKey::from_bytes(blake3::derive_key(
+        "mover 2026 relationship chunk key v1",
+        relationship.as_bytes(),
+    ))
+}
+
 /// Largest gRPC message either side accepts: a frame of one 8 MiB chunk plus headers,
 /// or a batch of page hashes.
 pub const MAX_MESSAGE: usize = 16 << 20;

@@ -10,8 +10,7 @@ mod service;
 pub use config::{AgentConfig, ConfigError, Export, TlsConfig};
 pub use fencing::{EpochStore, StaleEpoch};
 pub use metrics::Metrics;
-pub(crate) use service::frames_for_chunk;
-pub use service::{AgentService, relationship_key};
+pub use service::AgentService;
 
 use std::{future::Future, sync::Arc};
 use tokio::net::TcpListener;

@@ -8,9 +8,7 @@ use super::{
 use crate::copy::{
     CopyOptions, Destination, Origin, finish_destination, prepare_destination, zero_range,
 };
-use chunker::{
-    BlockVolume, ChunkKey, ChunkSize, PAGE_HASH_LEN, PAGE_SIZE, Summary, is_zero, page_hashes,
-};
+use chunker::{BlockVolume, ChunkKey, ChunkSize, PAGE_HASH_LEN, PAGE_SIZE, Summary, page_hashes};
 use std::{
     collections::{BTreeMap, HashMap},
     os::unix::fs::FileExt,
@@ -31,14 +29,6 @@ use transport::{
 /// a crash of the receiving machine (a killed process loses nothing: its writes are in
 /// the page cache).
 const SYNC_EVERY: u64 = 256 << 20;
-
-/// The key under which a relationship's chunks are hashed on both sides.
-pub fn relationship_key(relationship: &str) -> ChunkKey {
-    ChunkKey::from_bytes(blake3::derive_key(
-        "mover 2026 relationship chunk key v1",
-        relationship.as_bytes(),
-    ))
-}
 
 /// An agent's Transfer service.
 pub struct AgentService {
@@ -147,7 +137,7 @@ impl Transfer for AgentService {
             return Err(self.refuse(Status::invalid_argument("a relationship id is required")));
         }
         let access = Access::try_from(r.access).unwrap_or(Access::Unspecified);
-        let key = relationship_key(&r.relationship);
+        let key = transport::relationship_key(&r.relationship);
         let (file, size, dest) = match access {
             Access::Read => {
                 let v = blocking(|| BlockVolume::open(&export.path)).map_err(internal)?;
@@ -335,16 +325,10 @@ impl Transfer for AgentService {
     ) -> Result<Response<Self::ReadStream>, Status> {
         let r = req.into_inner();
         let s = self.session(&r.session)?;
-        let pages_per_chunk = s.chunk.bytes() / PAGE_SIZE;
-        if !r.page_hashes.is_empty()
-            && r.page_hashes.len() != r.chunks.len() * pages_per_chunk * PAGE_HASH_LEN
-        {
-            // The last chunk may be short: accept any length that covers whole page hashes.
-            if r.page_hashes.len() % PAGE_HASH_LEN != 0 {
-                return Err(Status::invalid_argument(
-                    "page hashes must be whole 16-byte hashes",
-                ));
-            }
+        if r.page_hashes.len() % PAGE_HASH_LEN != 0 {
+            return Err(Status::invalid_argument(
+                "page hashes must be whole 16-byte hashes",
+            ));
         }
         for &c in &r.chunks {
             chunk_range(&s, c)?;
@@ -364,7 +348,7 @@ impl Transfer for AgentService {
                 let (their_pages, rest) =
                     theirs.split_at((n_pages * PAGE_HASH_LEN).min(theirs.len()));
                 theirs = rest;
-                for f in frames_for_chunk(&s.key, &buf[..len], off, their_pages) {
+                for f in frames::chunk_frames(&s.key, &buf[..len], off, their_pages) {
                     metrics.bytes_sent.fetch_add(f.len, Relaxed);
                     if tx.blocking_send(Ok(f)).is_err() {
                         return; // the caller went away
@@ -429,58 +413,4 @@ fn chunk_range(s: &Session, c: u64) -> Result<(u64, usize), Status> {
             ))
         })?;
     Ok((off, (s.size - off).min(s.chunk.get()) as usize))
-}
-
-/// The frames that turn a holder of `their_pages` (page hashes, or empty for zeros) into
-/// `data` at `offset`: differing pages, merged into runs; zero runs as zero frames.
-pub(crate) fn frames_for_chunk(
-    key: &ChunkKey,
-    data: &[u8],
-    offset: u64,
-    their_pages: &[u8],
-) -> Vec<proto::DataFrame> {
-    let mut mine = Vec::new();
-    if !their_pages.is_empty() {
-        page_hashes(key, data, &mut mine);
-    }
-    let mut frames = Vec::new();
-    let mut run: Option<(bool, usize, usize)> = None; // (zero, start, end)
-    let flush = |run: (bool, usize, usize), frames: &mut Vec<proto::DataFrame>| {
-        let (zero, s, e) = run;
-        if zero {
-            frames.push(frames::zero_frame(offset + s as u64, (e - s) as u64));
-        } else {
-            frames.push(frames::data_frame(offset + s as u64, &data[s..e]));
-        }
-    };
-    for (i, page) in data.chunks(PAGE_SIZE).enumerate() {
-        let h = i * PAGE_HASH_LEN..(i + 1) * PAGE_HASH_LEN;
-        let differs = their_pages.is_empty() || their_pages.get(h.clone()) != mine.get(h);
-        let zero = is_zero(page);
-        // Onto zeros (no hashes), zero pages need nothing.
-        let wanted = if their_pages.is_empty() {
-            !zero
-        } else {
-            differs
-        };
-        let (s, e) = (i * PAGE_SIZE, i * PAGE_SIZE + page.len());
-        match (&mut run, wanted) {
-            (Some((z, _, end)), true) if *z == zero && *end == s => *end = e,
-            (_, true) => {
-                if let Some(r) = run.take() {
-                    flush(r, &mut frames);
-                }
-                run = Some((zero, s, e));
-            }
-            (_, false) => {
-                if let Some(r) = run.take() {
-                    flush(r, &mut frames);
-                }
-            }
-        }
-    }
-    if let Some(r) = run {
-        flush(r, &mut frames);
-    }
-    frames
 }

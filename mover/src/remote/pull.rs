@@ -4,7 +4,6 @@ use super::{
     AgentUrl, Client, RemoteGroups, RemoteOptions, read_groups, status_error, tree, with_retries,
 };
 use crate::{
-    agent::relationship_key,
     copy::{
         CopyOptions, CopySummary, Origin, Progress, finish_destination, prepare_destination,
         zero_range,
@@ -47,7 +46,7 @@ async fn attempt(
 ) -> Result<CopySummary> {
     let mut client = remote.connect(url).await?;
     let relationship = remote.relationship_for(url);
-    let key = relationship_key(&relationship);
+    let key = transport::relationship_key(&relationship);
     let chunk = copy.chunk_size;
     let open = client
         .open(proto::OpenRequest {

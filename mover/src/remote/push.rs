@@ -4,7 +4,6 @@ use super::{
     AgentUrl, Client, RemoteGroups, RemoteOptions, read_groups, status_error, tree, with_retries,
 };
 use crate::{
-    agent::{frames_for_chunk, relationship_key},
     copy::{CopyOptions, CopySummary, Progress},
     error::{CopyError, Result},
 };
@@ -61,7 +60,7 @@ async fn attempt(
 ) -> Result<CopySummary> {
     let mut client = remote.connect(url).await?;
     let relationship = remote.relationship_for(url);
-    let key = relationship_key(&relationship);
+    let key = transport::relationship_key(&relationship);
     let chunk = copy.chunk_size;
     let size = source.size();
     let open = client
@@ -246,7 +245,7 @@ async fn group_frames(
         let mut frames = Vec::new();
         for &i in &onto_zeros {
             let r = data[i].1.clone();
-            frames.extend(frames_for_chunk(
+            frames.extend(frames::chunk_frames(
                 &key,
                 &buf[r.clone()],
                 offset + r.start as u64,
@@ -259,7 +258,7 @@ async fn group_frames(
             let n = r.len().div_ceil(PAGE_SIZE) * PAGE_HASH_LEN;
             let (mine, rest) = pages.split_at(n.min(pages.len()));
             pages = rest;
-            frames.extend(frames_for_chunk(
+            frames.extend(frames::chunk_frames(
                 &key,
                 &buf[r.clone()],
                 offset + r.start as u64,
