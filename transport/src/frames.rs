@@ -156,6 +156,39 @@ mod tests {
     }
 
     #[test]
+    fn chunk_frames_carry_only_differing_pages() {
+        let key = ChunkKey::local();
+        let page = |b: u8| vec![b; PAGE_SIZE];
+        let theirs: Vec<u8> = [page(1), page(2), page(3), page(4)].concat();
+        let mine: Vec<u8> = [page(1), page(9), page(0), page(4)].concat();
+        let mut their_hashes = Vec::new();
+        page_hashes(&key, &theirs, &mut their_hashes);
+        let f = chunk_frames(&key, &mine, 1 << 20, &their_hashes);
+        // Page 1 changed (data), page 2 cleared (a zero run); pages 0 and 3 are equal.
+        assert_eq!(f.len(), 2);
+        assert_eq!(
+            (f[0].offset, f[0].len),
+            ((1 << 20) + PAGE_SIZE as u64, PAGE_SIZE as u64)
+        );
+        assert!(matches!(content(&f[0]).unwrap(), Content::Bytes(b) if b[..] == page(9)[..]));
+        assert_eq!(
+            (f[1].offset, f[1].len),
+            ((1 << 20) + 2 * PAGE_SIZE as u64, PAGE_SIZE as u64)
+        );
+        assert!(matches!(f[1].payload, Some(Payload::Zeros(_))));
+
+        // Onto zeros (no hashes): every non-zero page, adjacent ones merged; zero pages skipped.
+        let f = chunk_frames(&key, &mine, 0, &[]);
+        assert_eq!(
+            f.iter().map(|f| (f.offset, f.len)).collect::<Vec<_>>(),
+            vec![
+                (0, 2 * PAGE_SIZE as u64),
+                (3 * PAGE_SIZE as u64, PAGE_SIZE as u64)
+            ]
+        );
+    }
+
+    #[test]
     fn rejects_inconsistent_frames() {
         let mut f = data_frame(0, &[1, 2, 3]);
         f.len = 4;
