@@ -18,6 +18,7 @@ const TOKEN: &str = "t0ken-for-tests";
 struct Agent {
     child: Child,
     port: u16,
+    metrics_port: u16,
     config: PathBuf,
 }
 
@@ -37,10 +38,10 @@ impl Agent {
         exports: &[(&str, &Path, bool)],
         tls: Option<(&Path, &Path, &Path)>,
     ) -> Agent {
-        let port = free_port();
+        let (port, metrics_port) = (free_port(), free_port());
         std::fs::write(dir.join("token"), TOKEN).unwrap();
         let mut cfg = format!(
-            "listen = \"127.0.0.1:{port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\n",
+            "listen = \"127.0.0.1:{port}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\n",
             dir.join("agent-state").display(),
             dir.join("token").display()
         );
@@ -60,10 +61,10 @@ impl Agent {
         }
         let config = dir.join(format!("agent-{port}.toml"));
         std::fs::write(&config, cfg).unwrap();
-        Agent::spawn(config, port)
+        Agent::spawn(config, port, metrics_port)
     }
 
-    fn spawn(config: PathBuf, port: u16) -> Agent {
+    fn spawn(config: PathBuf, port: u16, metrics_port: u16) -> Agent {
         let child = Command::new(env!("CARGO_BIN_EXE_mover"))
             .args(["agent", "--config", config.to_str().unwrap()])
             .env("RUST_LOG", "warn")
@@ -77,15 +78,32 @@ impl Agent {
         Agent {
             child,
             port,
+            metrics_port,
             config,
         }
+    }
+
+    /// GET `path` from the agent's metrics port; returns the body.
+    fn http_get(&self, path: &str) -> String {
+        let mut s = TcpStream::connect(("127.0.0.1", self.metrics_port)).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        out.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default()
     }
 
     /// kill -9, then start again on the same port and config.
     fn kill_and_restart(&mut self) {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
-        let fresh = Agent::spawn(self.config.clone(), self.port);
+        let fresh = Agent::spawn(self.config.clone(), self.port, self.metrics_port);
         let old = std::mem::replace(self, fresh);
         std::mem::forget(old); // already dead
     }
@@ -231,6 +249,20 @@ fn refusals_name_the_problem_and_write_nothing() {
             "r1",
         ],
     ));
+    assert_eq!(agent.http_get("/healthz"), "ok\n");
+    let metrics = agent.http_get("/metrics");
+    assert!(
+        metrics.contains("mover_agent_stale_epoch_refusals_total 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("mover_agent_refusals_total 2\n"),
+        "unexported, read-only: {metrics}"
+    );
+    assert!(
+        metrics.contains(&format!("mover_agent_received_bytes_total {}\n", 8 * MIB)),
+        "{metrics}"
+    );
     // The highest epoch survives an agent restart.
     let mut agent = agent;
     agent.kill_and_restart();
