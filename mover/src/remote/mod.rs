@@ -202,6 +202,50 @@ impl RemoteOptions {
     }
 }
 
+/// An open session on an agent's export.
+pub(crate) struct Session {
+    pub client: Client,
+    pub key: ChunkKey,
+    pub open: transport::proto::OpenResponse,
+}
+
+/// Connects to `url` and opens a session for `access`; `source_size` is the size of the
+/// data a WRITE session will receive.
+pub(crate) async fn open_session(
+    url: &AgentUrl,
+    remote: &RemoteOptions,
+    access: transport::proto::Access,
+    chunk: ChunkSize,
+    source_size: u64,
+) -> Result<Session, CopyError> {
+    let mut client = remote.connect(url).await?;
+    let relationship = remote.relationship_for(url);
+    let key = transport::relationship_key(&relationship);
+    let open = client
+        .open(transport::proto::OpenRequest {
+            volume: url.volume.clone(),
+            relationship,
+            epoch: remote.epoch,
+            access: access as i32,
+            chunk_size: chunk.get(),
+            source_size,
+        })
+        .await
+        .map_err(|s| status_error(url, s))?
+        .into_inner();
+    Ok(Session { client, key, open })
+}
+
+/// Stamps a finished transfer's wall time and throughput.
+pub(crate) fn timed(
+    mut sum: crate::CopySummary,
+    started: std::time::Instant,
+) -> crate::CopySummary {
+    sum.duration_secs = started.elapsed().as_secs_f64();
+    sum.throughput_bytes_per_sec = sum.volume_bytes as f64 / sum.duration_secs.max(1e-9);
+    sum
+}
+
 /// The whole chain of an error's sources, for transport errors that hide the cause.
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();

@@ -1,7 +1,8 @@
 //! Pull: an agent's export into a local volume.
 
 use super::{
-    AgentUrl, Client, RemoteGroups, RemoteOptions, read_groups, status_error, tree, with_retries,
+    AgentUrl, Client, RemoteGroups, RemoteOptions, Session, open_session, read_groups,
+    status_error, timed, tree, with_retries,
 };
 use crate::{
     copy::{
@@ -28,13 +29,11 @@ pub async fn pull(
     progress: &dyn Progress,
 ) -> Result<CopySummary> {
     let started = Instant::now();
-    let mut sum = with_retries(remote.retries, |_| {
+    let sum = with_retries(remote.retries, |_| {
         attempt(url, dst, copy, remote, progress)
     })
     .await?;
-    sum.duration_secs = started.elapsed().as_secs_f64();
-    sum.throughput_bytes_per_sec = sum.volume_bytes as f64 / sum.duration_secs.max(1e-9);
-    Ok(sum)
+    Ok(timed(sum, started))
 }
 
 async fn attempt(
@@ -44,22 +43,12 @@ async fn attempt(
     remote: &RemoteOptions,
     progress: &dyn Progress,
 ) -> Result<CopySummary> {
-    let mut client = remote.connect(url).await?;
-    let relationship = remote.relationship_for(url);
-    let key = transport::relationship_key(&relationship);
     let chunk = copy.chunk_size;
-    let open = client
-        .open(proto::OpenRequest {
-            volume: url.volume.clone(),
-            relationship,
-            epoch: remote.epoch,
-            access: Access::Read as i32,
-            chunk_size: chunk.get(),
-            source_size: 0,
-        })
-        .await
-        .map_err(|s| status_error(url, s))?
-        .into_inner();
+    let Session {
+        mut client,
+        key,
+        open,
+    } = open_session(url, remote, Access::Read, chunk, 0).await?;
     let size = open.size;
     let shown = std::path::PathBuf::from(url.to_string());
     let (dst_owned, copy_owned) = (dst.to_path_buf(), copy.clone());

@@ -1,7 +1,8 @@
 //! Push: a local source volume into an agent's export.
 
 use super::{
-    AgentUrl, Client, RemoteGroups, RemoteOptions, read_groups, status_error, tree, with_retries,
+    AgentUrl, Client, RemoteGroups, RemoteOptions, Session, open_session, read_groups,
+    status_error, timed, tree, with_retries,
 };
 use crate::{
     copy::{CopyOptions, CopySummary, Progress},
@@ -37,9 +38,7 @@ pub async fn push(
     })
     .await?;
     sum.source = src.into();
-    sum.duration_secs = started.elapsed().as_secs_f64();
-    sum.throughput_bytes_per_sec = sum.volume_bytes as f64 / sum.duration_secs.max(1e-9);
-    Ok(sum)
+    Ok(timed(sum, started))
 }
 
 /// Totals kept by the write streams.
@@ -58,23 +57,13 @@ async fn attempt(
     remote: &RemoteOptions,
     progress: &dyn Progress,
 ) -> Result<CopySummary> {
-    let mut client = remote.connect(url).await?;
-    let relationship = remote.relationship_for(url);
-    let key = transport::relationship_key(&relationship);
     let chunk = copy.chunk_size;
     let size = source.size();
-    let open = client
-        .open(proto::OpenRequest {
-            volume: url.volume.clone(),
-            relationship: relationship.clone(),
-            epoch: remote.epoch,
-            access: Access::Write as i32,
-            chunk_size: chunk.get(),
-            source_size: size,
-        })
-        .await
-        .map_err(|s| status_error(url, s))?
-        .into_inner();
+    let Session {
+        mut client,
+        key,
+        open,
+    } = open_session(url, remote, Access::Write, chunk, size).await?;
     let session = open.session.clone();
 
     // Data streams: each takes frames from a bounded channel, so a slow link slows the
