@@ -1,17 +1,19 @@
 //! One-shot copy of a block volume onto another, writing only what differs.
 //!
-//! The source is read in windows by a read-ahead thread (the destination's matching
-//! window too, unless it is a new sparse file); each window's chunks are classified,
-//! compared page by page and planned in parallel ([`plan`]); the writer applies the
-//! merged writes and hole punches in order. An interrupted copy is finished by rerunning
-//! it: equal pages are read, never rewritten.
+//! The source is read in windows by a read-ahead thread, which also classifies (and,
+//! when a saved index is kept or `--verify` asked, hashes) its chunks in parallel and
+//! reads the destination chunks that must be compared: none for a new sparse image, only
+//! the changed ones when the destination's saved index ([`index`]) is valid, else all.
+//! The writer plans each chunk page by page ([`plan`]) and applies the merged writes and
+//! hole punches in order. An interrupted copy is finished by rerunning it: equal pages
+//! are read, never rewritten.
 
 mod dest;
 mod index;
-
-pub(crate) use dest::{Destination, Origin, prepare as prepare_destination};
 mod marker;
 mod plan;
+
+pub(crate) use dest::{Destination, Origin, prepare as prepare_destination};
 
 use crate::error::{CopyError, Result, write_error};
 use chunker::{
@@ -48,7 +50,8 @@ pub struct CopyOptions {
     /// This corrupts a mounted filesystem: only for devices you know are idle.
     #[arg(long)]
     pub force: bool,
-    /// Where markers of unfinished in-place copies are kept
+    /// Where markers of unfinished in-place copies and the saved chunk indexes of
+    /// destination images are kept
     /// [default: /var/lib/mover as root, else $XDG_STATE_HOME/mover].
     #[arg(long, value_name = "DIR", env = "MOVER_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
