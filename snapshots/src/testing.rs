@@ -52,6 +52,9 @@ impl S3Server {
                 Instant::now() < deadline,
                 "s3s-fs did not start listening on port {port}"
             );
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("s3s-fs exited at start ({status}); is port {port} taken?");
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
         S3Server {

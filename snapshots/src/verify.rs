@@ -267,7 +267,7 @@ impl Repository {
         } = &b.manifest.content;
         let max = (*sa).max(*sb);
         if ca != cb {
-            return Ok(vec![0..max]);
+            return Ok(std::iter::once(0..max).collect());
         }
         let mut out: Vec<Range<u64>> = Vec::new();
         let mut push = |r: Range<u64>| match out.last_mut() {

@@ -155,20 +155,18 @@ impl Backend for LocalBackend {
         let k = key.to_string();
         let location = self.location();
         let r = range.clone();
-        let out = self
-            .blocking("get", key, move |root| {
-                let file = File::open(root.join(&k))?;
-                let len = file.metadata()?.len();
-                let r = r.unwrap_or(0..len);
-                if (r.start >= len && !(r.start == 0 && len == 0)) || r.end < r.start {
-                    return Ok(Err(range_error(&location, &k, &r, len)));
-                }
-                let mut buf = vec![0u8; (r.end.min(len) - r.start) as usize];
-                file.read_exact_at(&mut buf, r.start)?;
-                Ok(Ok(Bytes::from(buf)))
-            })
-            .await?;
-        out
+        self.blocking("get", key, move |root| {
+            let file = File::open(root.join(&k))?;
+            let len = file.metadata()?.len();
+            let r = r.unwrap_or(0..len);
+            if (r.start >= len && !(r.start == 0 && len == 0)) || r.end < r.start {
+                return Ok(Err(range_error(&location, &k, &r, len)));
+            }
+            let mut buf = vec![0u8; (r.end.min(len) - r.start) as usize];
+            file.read_exact_at(&mut buf, r.start)?;
+            Ok(Ok(Bytes::from(buf)))
+        })
+        .await?
     }
 
     async fn put(&self, key: &str, data: Bytes) -> Result<()> {
