@@ -17,6 +17,10 @@ fn mover() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_mover"));
     c.env("MOVER_PASSWORD", "pw-for-tests")
         .env("RUST_LOG", "warn")
+        .env(
+            "MOVER_CACHE_DIR",
+            std::env::temp_dir().join("mover-snapshot-cli-test-cache"),
+        )
         .env_remove("MOVER_S3_ENDPOINT")
         .env_remove("MOVER_KEY_FILE")
         .env_remove("MOVER_PASSWORD_FILE");

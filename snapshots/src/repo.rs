@@ -55,6 +55,8 @@ pub struct Repository {
     backend: Arc<dyn Backend>,
     config: Config,
     key: MasterKey,
+    /// Local copies of the (immutable) index objects, `<dir>/<repo id>/index/<name>`.
+    cache: Option<std::path::PathBuf>,
 }
 
 impl Repository {
@@ -90,6 +92,7 @@ impl Repository {
             backend,
             config,
             key: MasterKey::from_secret(&secret),
+            cache: None,
         })
     }
 
@@ -137,6 +140,7 @@ impl Repository {
                     backend,
                     config,
                     key: MasterKey::from_secret(&secret),
+                    cache: None,
                 });
             }
         }
@@ -197,19 +201,48 @@ impl Repository {
         })
     }
 
-    /// Loads every index delta (one LIST, one GET each).
+    /// Keeps local copies of index objects under `dir` (they are immutable and named
+    /// by their hash, so a copy is checked by hashing it): later runs then need one LIST
+    /// and no GETs for the index. `None` turns the cache off.
+    pub fn with_cache_dir(mut self, dir: Option<std::path::PathBuf>) -> Self {
+        self.cache = dir.map(|d| d.join(&self.config.id).join("index"));
+        self
+    }
+
+    /// Loads every index delta: one LIST, and one GET for each not in the local cache.
     pub async fn load_index(&self) -> Result<Index> {
+        // An index object can vanish between LIST and GET when a prune compacts the
+        // index; the compacted one is then listed by a second attempt.
+        let mut attempt = 0;
+        loop {
+            match self.load_index_once().await {
+                Err(e) if e.is_not_found() && attempt < 3 => attempt += 1,
+                r => return r,
+            }
+        }
+    }
+
+    async fn load_index_once(&self) -> Result<Index> {
         let mut index = Index::default();
         let objs = self.backend.list("index/").await?;
         let mut tasks = JoinSet::new();
         let sem = Arc::new(tokio::sync::Semaphore::new(8));
+        let listed: HashSet<String> = objs.iter().map(|o| o.key.clone()).collect();
         for obj in objs {
             let backend = self.backend.clone();
             let sem = sem.clone();
+            let cache = self.cache.clone();
             tasks.spawn(async move {
+                let name = obj.key.trim_start_matches("index/").to_string();
+                if let Some(b) = cache.as_ref().and_then(|c| read_cached(c, &name)) {
+                    return Ok::<_, RepoError>((obj.key, b));
+                }
                 let _permit = sem.acquire_owned().await;
                 let b = backend.get(&obj.key, None).await?;
-                Ok::<_, RepoError>((obj.key, b))
+                if let Some(c) = &cache {
+                    write_cached(c, &name, &b);
+                }
+                Ok((obj.key, b))
             });
         }
         while let Some(r) = tasks.join_next().await {
@@ -218,6 +251,17 @@ impl Repository {
                 index.insert(&pack, &e);
             }
             index.files.push(name);
+        }
+        // Forget cached objects the repository no longer has (compacted by prune).
+        if let Some(c) = &self.cache
+            && let Ok(dir) = std::fs::read_dir(c)
+        {
+            for e in dir.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if !n.starts_with('.') && !listed.contains(&format!("index/{n}")) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
         }
         Ok(index)
     }
@@ -461,6 +505,23 @@ impl Repository {
 
     pub(crate) fn master(&self) -> &MasterKey {
         &self.key
+    }
+}
+
+/// A cached index object, if present and intact (its name is the BLAKE3 of its bytes).
+fn read_cached(dir: &std::path::Path, name: &str) -> Option<Bytes> {
+    let b = std::fs::read(dir.join(name)).ok()?;
+    (crate::hex(blake3::hash(&b).as_bytes()) == name).then(|| Bytes::from(b))
+}
+
+/// Caches an index object; failures only cost a GET next time.
+fn write_cached(dir: &std::path::Path, name: &str, data: &[u8]) {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let r = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&tmp, data))
+        .and_then(|()| std::fs::rename(&tmp, dir.join(name)));
+    if let Err(e) = r {
+        tracing::debug!(dir = %dir.display(), error = %e, "cannot cache an index object");
     }
 }
 

@@ -215,3 +215,39 @@ async fn prune_is_two_phase_and_rechecks_before_deleting() {
     let Content::Block { lists, .. } = &keep.manifest.content;
     assert_eq!(repo.read_list(&index, &lists[0]).await.unwrap().len(), 2);
 }
+
+#[tokio::test]
+async fn index_cache_replaces_gets_and_follows_compaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let fault = Arc::new(snapshots::FaultBackend::new(Arc::new(MemoryBackend::new())));
+    let b: Arc<dyn Backend> = fault.clone();
+    let repo = Repository::init(b.clone(), &pw("p"), &InitOptions::default())
+        .await
+        .unwrap();
+    let repo = Arc::new(repo.with_cache_dir(Some(dir.path().to_path_buf())));
+    let old = store(&repo, "v", &[chunk(1)], 1).await;
+    store(&repo, "v", &[chunk(2)], 1).await;
+    let first = repo.load_index().await.unwrap();
+    let gets = fault.counts().get;
+    let second = repo.load_index().await.unwrap();
+    assert_eq!(fault.counts().get, gets, "the cached index needs no GET");
+    assert_eq!(first.len(), second.len());
+    assert_eq!(second.len(), 4);
+    // A damaged cache file is not trusted.
+    let cached: Vec<_> = std::fs::read_dir(dir.path().join(&repo.config().id).join("index"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(cached.len(), 2);
+    std::fs::write(&cached[0], b"garbage").unwrap();
+    assert_eq!(repo.load_index().await.unwrap().len(), 4);
+    assert_eq!(fault.counts().get, gets + 1);
+    // After a prune compacts the index, stale cache entries go.
+    repo.delete_snapshot(&old.id).await.unwrap();
+    repo.prune(0).await.unwrap();
+    assert_eq!(repo.load_index().await.unwrap().len(), 2);
+    let left = std::fs::read_dir(dir.path().join(&repo.config().id).join("index"))
+        .unwrap()
+        .count();
+    assert_eq!(left, 1);
+}

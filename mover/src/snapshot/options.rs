@@ -42,6 +42,13 @@ pub struct RepoOptions {
         default_value_t = 120
     )]
     pub retry_max_secs: u64,
+    /// Where copies of the repository index are kept between runs [default:
+    /// /var/cache/mover as root, else $XDG_CACHE_HOME/mover].
+    #[arg(long, value_name = "DIR", env = "MOVER_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Do not cache the repository index locally (read it from the repository each run).
+    #[arg(long)]
+    pub no_cache: bool,
 }
 
 impl RepoOptions {
@@ -88,6 +95,23 @@ impl RepoOptions {
         )))
     }
 
+    /// The index cache directory in effect, `None` with `--no-cache`.
+    pub fn cache_dir(&self) -> Option<PathBuf> {
+        if self.no_cache {
+            return None;
+        }
+        if let Some(d) = &self.cache_dir {
+            return Some(d.clone());
+        }
+        if rustix::process::geteuid().is_root() {
+            return Some(PathBuf::from("/var/cache/mover"));
+        }
+        let base = std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+        Some(base.join("mover"))
+    }
+
     /// The credentials: a key file, a password file, or MOVER_PASSWORD.
     pub fn credentials(&self) -> Result<Credentials, RepoError> {
         if let Some(path) = &self.key_file {
@@ -131,5 +155,6 @@ impl RepoOptions {
 pub async fn open_repository(repo: &str, opts: &RepoOptions) -> Result<Arc<Repository>, RepoError> {
     let creds = opts.credentials()?;
     let backend = opts.backend(repo).await?;
-    Ok(Arc::new(Repository::open(backend, &creds).await?))
+    let repo = Repository::open(backend, &creds).await?;
+    Ok(Arc::new(repo.with_cache_dir(opts.cache_dir())))
 }
