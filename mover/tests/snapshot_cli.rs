@@ -1,6 +1,9 @@
 //! The `mover repo` / `mover snapshot` commands as a user runs them: kill -9 during a
 //! snapshot, clear errors for bad input, and the whole command set on S3.
 
+mod common;
+
+use common::{LoopDevice, Mount};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use snapshots::testing::{ACCESS_KEY, S3Server, SECRET_KEY};
 use std::{
@@ -315,5 +318,88 @@ fn s3_commands_end_to_end_and_s3_errors() {
     assert!(
         e.contains("cannot reach http://127.0.0.1:9") && e.contains("gave up after"),
         "{e}"
+    );
+}
+
+#[test]
+fn block_devices_snapshot_and_delta_restore_and_a_mounted_destination_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    ok(mover().args(["repo", "init"]).arg(&repo));
+    let (src_img, dst_img) = (dir.path().join("src.img"), dir.path().join("dst.img"));
+    random_image(&src_img, 32, 21);
+    fs::File::create(&dst_img)
+        .unwrap()
+        .set_len(32 * MIB)
+        .unwrap();
+    let (src, dst) = (LoopDevice::attach(&src_img), LoopDevice::attach(&dst_img));
+    let dev_b3 = |p: &Path| blake3::hash(&fs::read(p).unwrap());
+
+    ok(mover()
+        .args(["snapshot", "create", "--name", "vol"])
+        .arg(&repo)
+        .arg(&src.path));
+    let r = json(&ok(mover()
+        .args(["snapshot", "restore", "--json"])
+        .arg(&repo)
+        .arg("latest")
+        .arg(&dst.path)));
+    assert_eq!(r["chunks_fetched"], 32);
+    assert_eq!(dev_b3(&dst.path), dev_b3(&src.path));
+
+    // One chunk changes on the source device: the next snapshot uploads it alone, and
+    // the delta restore onto the device fetches and writes it alone.
+    let f = fs::OpenOptions::new().write(true).open(&src.path).unwrap();
+    f.write_all_at(&[0xa5; 4096], 7 * MIB + 4096).unwrap();
+    f.sync_all().unwrap();
+    let s = json(&ok(mover()
+        .args(["snapshot", "create", "--json", "--name", "vol"])
+        .arg(&repo)
+        .arg(&src.path)));
+    assert_eq!(s["summary"]["new_chunks"], 1);
+    let r = json(&ok(mover()
+        .args(["snapshot", "restore", "--json"])
+        .arg(&repo)
+        .arg("latest")
+        .arg(&dst.path)));
+    assert_eq!(r["chunks_fetched"], 1);
+    assert_eq!(r["chunks_unchanged"], 31);
+    assert_eq!(dev_b3(&dst.path), dev_b3(&src.path));
+
+    // A mounted destination device is refused, and nothing is written to it.
+    let fs_img = dir.path().join("fs.img");
+    fs::File::create(&fs_img)
+        .unwrap()
+        .set_len(32 * MIB)
+        .unwrap();
+    let mkfs = Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&fs_img)
+        .status()
+        .unwrap();
+    assert!(mkfs.success());
+    let fs_dev = LoopDevice::attach(&fs_img);
+    let mount = Mount::new(&fs_dev.path, &dir.path().join("mnt"));
+    let e = fails(
+        mover()
+            .args(["snapshot", "restore"])
+            .arg(&repo)
+            .arg("latest")
+            .arg(&fs_dev.path),
+        2,
+    );
+    assert!(e.contains("mounted or in use"), "{e}");
+    drop(mount);
+    // The refusal comes from opening the device exclusively, before any write: the file
+    // system is still intact (mounting it changed its superblock, so no hash compare).
+    let fsck = Command::new("e2fsck")
+        .args(["-n", "-f"])
+        .arg(&fs_img)
+        .output()
+        .unwrap();
+    assert!(
+        fsck.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fsck.stdout)
     );
 }
