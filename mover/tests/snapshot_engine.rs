@@ -281,3 +281,32 @@ async fn concurrent_creates_and_prune_lose_nothing() {
     }
     assert!(repo.verify(true).await.unwrap().problems.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interrupted_restore_is_finished_by_rerunning_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = init(Arc::new(LocalBackend::new(dir.path().join("repo")))).await;
+    let img = dir.path().join("vol.img");
+    make_image(&img, 12, 8);
+    let s = create_snapshot(repo.clone(), &img, &SnapshotCreateOptions::default())
+        .await
+        .unwrap();
+    // What an interrupted restore leaves: the hidden temp file, partly written, with
+    // garbage where a zero chunk belongs and no file at the destination's name.
+    let out = dir.path().join("out.img");
+    let partial = dir.path().join(".out.img.mover-partial");
+    fs::copy(&img, &partial).unwrap();
+    change_chunks(&partial, &[1, 3, 8, 11], 9);
+    let r = restore_snapshot(repo.clone(), &s.id, &out, &RestoreOptions::default())
+        .await
+        .unwrap();
+    assert!(r.delta, "the partial file is compared, not rewritten");
+    assert_eq!(r.chunks_fetched, 2, "chunks 1 and 11 hold data");
+    assert_eq!(
+        r.bytes_zeroed,
+        2 * MIB,
+        "chunks 3 and 8 are zero in the snapshot"
+    );
+    assert_eq!(b3(&out), b3(&img));
+    assert!(!partial.exists());
+}
