@@ -31,13 +31,26 @@ dropped. The targets checked:
   memory      mover's peak RSS < 256 MiB on the full copy and on a copy of the 64 GiB
               sparse image (cp --sparse=always timed for reference). Peak RSS is the
               child's own wait4 ru_maxrss; the kernel floors it at the bench's own peak.
+  agent       (unless --skip-agent) copies over 127.0.0.1 through `mover agent` (started
+              by the bench, bearer token) against `rsync --daemon`, both writing into
+              WORKDIR/agent:
+              full: `mover copy DEVICE agent://127.0.0.1:PORT/full` into an absent export
+              file: time <= 1.25x the full copy's local cp time, and rsync to the daemon
+              (absent destination) / mover >= 1.5x; the same copy to a second agent
+              requiring mutual TLS (certificates made with openssl): throughput >= 0.85x
+              the plain copy's;
+              delta: destination holds yesterday's image (cp, untimed): rsync
+              --inplace --no-whole-file / mover >= 5x, and mover's wire_bytes < rsync's
+              \"Total bytes sent\".
+              The CPU column shows the client's CPU seconds and, after a +, the server's.
 Every copy is checked byte-identical to its source after it is timed (untimed).
 
 Prints a table of figures, ratios and PASS/FAIL, and writes every figure as JSON.
 Exit status: 0 all targets met, 2 some target missed, 1 error.
 
 Needs root (loop devices, mount, drop_caches), cp, dd, rsync, b3sum, mkfs.ext4, losetup,
-mount, and about 3x --size of free space in --workdir. Takes ~10 minutes at 4G.
+mount, openssl (unless --skip-agent), and about 3x --size of free space in --workdir.
+Takes ~10 minutes at 4G, plus ~5 for the agent phase.
 If interrupted, the next run unmounts and detaches what the previous one left behind.";
 
 /// Benchmark `mover` against cp, dd, rsync and b3sum on loop devices.
@@ -67,6 +80,10 @@ pub struct Args {
     /// Reuse the images cached in WORKDIR by an earlier run with `--keep`.
     #[arg(long)]
     pub skip_build: bool,
+
+    /// Skip the copies over the network (mover's agent against an rsync daemon).
+    #[arg(long)]
+    pub skip_agent: bool,
 }
 
 /// Smallest volume that holds the ext4 metadata plus every kind of content.

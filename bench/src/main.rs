@@ -1,10 +1,12 @@
 //! `mover-bench`: builds a realistic volume, attaches it to a loop device, and times
-//! `mover hash` and `mover copy` (full and delta) against b3sum, cp, dd and rsync in the
-//! same run, printing a table of ratios and writing every figure as JSON.
+//! `mover hash` and `mover copy` (full and delta, locally and through mover's agent over
+//! 127.0.0.1) against b3sum, cp, dd, rsync and an rsync daemon in the same run, printing a
+//! table of ratios and writing every figure as JSON.
 //!
 //! Run `mover-bench --help` for what is measured and which targets are checked.
 
 mod cli;
+mod daemon;
 mod diff;
 mod guard;
 mod image;
@@ -14,6 +16,7 @@ mod prng;
 mod process;
 mod progress;
 mod report;
+mod tls;
 mod tools;
 
 use std::path::{Path, PathBuf};
@@ -50,7 +53,7 @@ fn main() -> ExitCode {
 /// Runs the whole bench; returns whether every target was met.
 fn run(args: &Args) -> Result<bool> {
     tools::ensure_root()?;
-    let tools = Tools::find()?;
+    let tools = Tools::find(!args.skip_agent)?;
     let mover = tools::resolve_mover(args.mover.as_deref())?;
     let workdir = prepare_workdir(&args.workdir)?;
     let cache = CachePaths::new(&workdir);
@@ -63,7 +66,17 @@ fn run(args: &Args) -> Result<bool> {
 
     let images = image::prepare(&tools, &cache, args.size, args.skip_build)?;
     let scratch = workdir.join("destination.img");
-    let outcome = measure_and_publish(&tools, &mover, &images, scratch.clone(), &json_path);
+    let outcome = measure_and_publish(
+        &tools,
+        &mover,
+        &images,
+        Places {
+            workdir: &workdir,
+            scratch: scratch.clone(),
+            json: &json_path,
+        },
+        !args.skip_agent,
+    );
     image::remove_if_present(&scratch)?;
     if !args.keep {
         note!("removing the images (pass --keep to reuse them with --skip-build)");
@@ -72,13 +85,24 @@ fn run(args: &Args) -> Result<bool> {
     outcome
 }
 
-/// Attaches today's image to a loop device, runs every phase, and publishes the results.
+/// Where the phases work and the results go.
+struct Places<'a> {
+    /// The working directory.
+    workdir: &'a Path,
+    /// The local copies' destination.
+    scratch: PathBuf,
+    /// The JSON results.
+    json: &'a Path,
+}
+
+/// Attaches today's image to a loop device, runs every phase (the agent phase if
+/// `agent_phase`), and publishes the results.
 fn measure_and_publish(
     tools: &Tools,
     mover: &Path,
     images: &image::Images,
-    scratch: PathBuf,
-    json_path: &Path,
+    places: Places,
+    agent_phase: bool,
 ) -> Result<bool> {
     let started_unix_secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -94,10 +118,20 @@ fn measure_and_publish(
         mover,
         images,
         device: device.path(),
-        scratch,
+        scratch: places.scratch,
+        workdir: places.workdir,
         nproc: std::thread::available_parallelism().map_or(1, usize::from),
     };
     let load_before = load_average();
+    let hash = phases::hash(&ctx)?;
+    let full_copy = phases::full_copy(&ctx)?;
+    let delta_copy = phases::delta_copy(&ctx)?;
+    let sparse_copy = phases::sparse_copy(&ctx)?;
+    let agent = if agent_phase {
+        Some(phases::agent_copy(&ctx)?)
+    } else {
+        None
+    };
     let mut results = Results {
         bench_version: env!("CARGO_PKG_VERSION"),
         started_unix_secs,
@@ -111,10 +145,11 @@ fn measure_and_publish(
             .unwrap_or_default(),
         source_device: device.path().to_path_buf(),
         images: images.manifest.clone(),
-        hash: phases::hash(&ctx)?,
-        full_copy: phases::full_copy(&ctx)?,
-        delta_copy: phases::delta_copy(&ctx)?,
-        sparse_copy: phases::sparse_copy(&ctx)?,
+        hash,
+        full_copy,
+        delta_copy,
+        sparse_copy,
+        agent,
         bench_peak_rss_bytes: 0,
         load_before,
         load_after: String::new(),
@@ -122,7 +157,7 @@ fn measure_and_publish(
     results.load_after = load_average();
     results.bench_peak_rss_bytes = process::own_peak_rss();
     drop(device);
-    report::publish(&results, json_path)
+    report::publish(&results, places.json)
 }
 
 /// Creates the working directory and returns its canonical path (mount points are matched

@@ -7,6 +7,8 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
+use crate::tls::{self, TlsFiles};
+
 /// The fields of `mover copy --json` the bench uses (the whole object is kept verbatim in
 /// the results).
 #[derive(Debug, Clone, Deserialize)]
@@ -21,6 +23,9 @@ pub struct CopyReport {
     pub bytes_zeroed: u64,
     /// Pages written to the destination.
     pub pages_written: u64,
+    /// Copies to or from an agent: bytes of volume data (compressed frames) on the network.
+    #[serde(default)]
+    pub wire_bytes: u64,
 }
 
 /// The fields of `mover hash --json` the bench uses.
@@ -39,6 +44,42 @@ pub fn copy_command(mover: &Path, source: &Path, destination: &Path) -> Command 
         .arg(source)
         .arg(destination)
         .args(["--json", "--no-progress"]);
+    cmd
+}
+
+/// How `mover copy` authenticates to an agent.
+#[derive(Debug, Clone, Copy)]
+pub struct AgentAuth<'a> {
+    /// File holding the bearer token.
+    pub token_file: &'a Path,
+    /// Mutual TLS, when the agent serves it.
+    pub tls: Option<&'a TlsFiles>,
+}
+
+/// `mover copy SRC agent://127.0.0.1:PORT/EXPORT --json --no-progress` with the token file
+/// and, for mutual TLS, the CA, the client's certificate and key, and the server name.
+pub fn agent_copy_command(
+    mover: &Path,
+    source: &Path,
+    port: u16,
+    export: &str,
+    auth: AgentAuth,
+) -> Command {
+    let mut cmd = copy_command(
+        mover,
+        source,
+        Path::new(&format!("agent://127.0.0.1:{port}/{export}")),
+    );
+    cmd.arg("--token-file").arg(auth.token_file);
+    if let Some(tls) = auth.tls {
+        cmd.arg("--tls-ca")
+            .arg(&tls.ca)
+            .arg("--tls-cert")
+            .arg(&tls.client_cert)
+            .arg("--tls-key")
+            .arg(&tls.client_key)
+            .args(["--tls-server-name", tls::SERVER_NAME]);
+    }
     cmd
 }
 
@@ -98,12 +139,13 @@ mod tests {
         "chunk_size": 1048576, "source_bytes_read": 8192, "destination_bytes_read": 0,
         "bytes_written": 4096, "bytes_zeroed": 0, "zero_bytes_skipped": 4096,
         "pages_written": 1, "duration_secs": 0.5, "throughput_bytes_per_sec": 16384.0,
-        "verified": false, "root": "ab"}"#;
+        "verified": false, "root": "ab", "wire_bytes": 1234}"#;
 
     #[test]
     fn parses_copy_reports_and_keeps_every_field() {
         let (report, value) = parse_report::<CopyReport>(COPY.as_bytes(), 8192).unwrap();
         assert_eq!(report.bytes_written, 4096);
+        assert_eq!(report.wire_bytes, 1234);
         assert_eq!(value["root"], "ab");
     }
 

@@ -18,6 +18,8 @@ pub struct Timed {
     pub sync: Duration,
     /// The child's peak resident set size (`ru_maxrss`), in bytes.
     pub max_rss_bytes: u64,
+    /// CPU time (user + system) of the child and the descendants it waited for.
+    pub cpu: Duration,
     /// Everything the child wrote on stdout.
     pub stdout: Vec<u8>,
 }
@@ -71,8 +73,8 @@ pub fn run_timed(cmd: &mut Command, then_sync: ThenSync) -> Result<Timed> {
         .take()
         .context("child stdout is not piped")?
         .read_to_end(&mut stdout);
-    let (status, max_rss_bytes) =
-        wait_with_peak_rss(child.id()).with_context(|| format!("cannot wait for `{what}`"))?;
+    let (status, usage) =
+        wait_with_usage(child.id()).with_context(|| format!("cannot wait for `{what}`"))?;
     let ran = start.elapsed();
     let stderr = stderr_reader.join().unwrap_or_default();
     read.with_context(|| format!("cannot read the output of `{what}`"))?;
@@ -84,7 +86,8 @@ pub fn run_timed(cmd: &mut Command, then_sync: ThenSync) -> Result<Timed> {
     Ok(Timed {
         elapsed: ran + sync,
         sync,
-        max_rss_bytes,
+        max_rss_bytes: usage.max_rss_bytes,
+        cpu: usage.cpu,
         stdout,
     })
 }
@@ -124,6 +127,30 @@ pub fn own_peak_rss() -> u64 {
         .map_or(0, |kib| kib * 1024)
 }
 
+/// CPU time (user + system) used so far by the live process `pid`, its threads, and the
+/// children it has reaped, from `/proc/PID/stat`; `None` if unknown.
+pub fn process_cpu(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces: fields are counted after its `)`.
+    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 2..)?.split(' ').collect();
+    // utime, stime, cutime and cstime are fields 14 to 17 (1-based), 12 to 15 here.
+    let ticks: u64 = fields
+        .get(11..15)?
+        .iter()
+        .map(|f| f.parse::<u64>().ok())
+        .sum::<Option<u64>>()?;
+    let per_sec = clock_ticks_per_second()?;
+    Some(Duration::from_secs_f64(ticks as f64 / per_sec as f64))
+}
+
+/// The unit of `/proc/PID/stat` times (`sysconf(_SC_CLK_TCK)`).
+#[allow(unsafe_code)] // See the SAFETY comment.
+fn clock_ticks_per_second() -> Option<u64> {
+    // SAFETY: sysconf takes an integer and reads no memory of ours.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    u64::try_from(ticks).ok().filter(|&t| t > 0)
+}
+
 /// Turns a failed exit into an error carrying the end of the child's stderr.
 fn ensure_success(what: &str, status: ExitStatus, stderr: &[u8]) -> Result<()> {
     if status.success() {
@@ -142,13 +169,22 @@ fn read_all(mut reader: impl Read) -> Vec<u8> {
     buf
 }
 
-/// Reaps the child `pid` and returns its exit status and peak RSS in bytes.
+/// What `wait4(2)` says a reaped child used.
+#[derive(Debug, Clone, Copy)]
+struct Usage {
+    /// Peak resident set size, in bytes.
+    max_rss_bytes: u64,
+    /// User plus system CPU time.
+    cpu: Duration,
+}
+
+/// Reaps the child `pid` and returns its exit status, peak RSS and CPU time.
 ///
 /// `std::process::Child::wait` throws the child's `rusage` away, and
 /// `getrusage(RUSAGE_CHILDREN)` reports the maximum over *every* child reaped so far (an
 /// earlier `cp` or `rsync` would mask mover's figure), so this calls `wait4(2)` directly.
 #[allow(unsafe_code)] // The one FFI call the bench needs; see the SAFETY comments.
-fn wait_with_peak_rss(pid: u32) -> io::Result<(ExitStatus, u64)> {
+fn wait_with_usage(pid: u32) -> io::Result<(ExitStatus, Usage)> {
     let pid = libc::pid_t::try_from(pid).map_err(io::Error::other)?;
     let mut status: libc::c_int = 0;
     // SAFETY: `rusage` is a C struct of integers, for which all-zero bytes are a valid value.
@@ -167,7 +203,18 @@ fn wait_with_peak_rss(pid: u32) -> io::Result<(ExitStatus, u64)> {
     }
     // Linux reports ru_maxrss in KiB.
     let max_rss_kib = u64::try_from(usage.ru_maxrss).unwrap_or(0);
-    Ok((ExitStatus::from_raw(status), max_rss_kib * 1024))
+    let usage = Usage {
+        max_rss_bytes: max_rss_kib * 1024,
+        cpu: timeval(usage.ru_utime) + timeval(usage.ru_stime),
+    };
+    Ok((ExitStatus::from_raw(status), usage))
+}
+
+/// A `timeval` as a duration (negative fields, which the kernel never reports, count as 0).
+fn timeval(tv: libc::timeval) -> Duration {
+    let secs = u64::try_from(tv.tv_sec).unwrap_or(0);
+    let micros = u32::try_from(tv.tv_usec).unwrap_or(0);
+    Duration::from_secs(secs) + Duration::from_micros(u64::from(micros))
 }
 
 #[cfg(test)]
@@ -180,6 +227,7 @@ mod tests {
         assert_eq!(timed.stdout, b"hi\n");
         assert!(timed.max_rss_bytes > 0);
         assert_eq!(timed.sync, Duration::ZERO);
+        assert!(timed.cpu < Duration::from_secs(1), "{:?}", timed.cpu);
     }
 
     #[test]
@@ -198,6 +246,18 @@ mod tests {
         let small = run_timed(&mut Command::new("true"), ThenSync::No).unwrap();
         assert!(big.max_rss_bytes >= 64 << 20, "{}", big.max_rss_bytes);
         assert!(small.max_rss_bytes < 16 << 20, "{}", small.max_rss_bytes);
+    }
+
+    #[test]
+    fn cpu_time_is_counted() {
+        let busy = "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done";
+        let timed = run_timed(Command::new("sh").args(["-c", busy]), ThenSync::No).unwrap();
+        assert!(timed.cpu >= Duration::from_millis(50), "{:?}", timed.cpu);
+        assert!(timed.cpu <= timed.elapsed + Duration::from_millis(20));
+        // The reaped child's time is folded into ours (cutime), to clock-tick precision.
+        let own = process_cpu(std::process::id()).unwrap();
+        assert!(own + Duration::from_millis(20) >= timed.cpu, "{own:?}");
+        assert!(process_cpu(u32::MAX).is_none());
     }
 
     #[test]

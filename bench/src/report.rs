@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use crate::image::Manifest;
-use crate::phases::{DeltaCopy, FullCopy, HashResult, Run, SparseCopy};
+use crate::phases::{AgentCopy, DeltaCopy, FullCopy, HashResult, Run, SparseCopy};
 
 /// Targets mover must meet.
 const HASH_MIN_RATIO: f64 = 0.90;
@@ -17,6 +17,10 @@ const FULL_COPY_MAX_RATIO: f64 = 1.10;
 const DELTA_MIN_SPEEDUP: f64 = 5.0;
 const DELTA_MAX_WRITE_RATIO: f64 = 1.10;
 const MAX_RSS_MIB: f64 = 256.0;
+const AGENT_FULL_MAX_RATIO: f64 = 1.25;
+const AGENT_FULL_MIN_SPEEDUP: f64 = 1.5;
+const AGENT_DELTA_MIN_SPEEDUP: f64 = 5.0;
+const AGENT_TLS_MIN_RATIO: f64 = 0.85;
 
 /// Bytes per MiB.
 const MIB: f64 = 1024.0 * 1024.0;
@@ -54,6 +58,9 @@ pub struct Results {
     pub delta_copy: DeltaCopy,
     /// The sparse 64 GiB copy.
     pub sparse_copy: SparseCopy,
+    /// The copies over 127.0.0.1 through mover's agent and an rsync daemon (absent with
+    /// --skip-agent).
+    pub agent: Option<AgentCopy>,
 }
 
 /// How a measured figure is compared with its limit.
@@ -151,6 +158,8 @@ struct Row<'a> {
     phase: String,
     /// The timed command.
     run: &'a Run,
+    /// The tool's name for the table [default: the run's].
+    tool: String,
     /// Logical bytes processed, for the MiB/s column.
     bytes: u64,
     /// The target this row is judged by, if any.
@@ -182,6 +191,9 @@ impl<'a> Summary<'a> {
         let sparse = &results.sparse_copy;
         rows.push(row("sparse 64G", &sparse.cp, sparse.size, None));
         rows.push(row("sparse 64G", &sparse.mover, sparse.size, None));
+        if let Some(agent) = &results.agent {
+            rows.extend(agent_rows(agent, &results.full_copy.cp, size));
+        }
         Self {
             rows,
             other_checks: other_checks(results),
@@ -202,6 +214,7 @@ fn row<'a>(phase: &str, run: &'a Run, bytes: u64, check: Option<Check>) -> Row<'
     Row {
         phase: phase.to_string(),
         run,
+        tool: run.tool.clone(),
         bytes,
         check,
     }
@@ -241,18 +254,80 @@ fn delta_copy_rows(delta: &DeltaCopy, size: u64) -> Vec<Row<'_>> {
     ]
 }
 
+/// Rows of the copies over the network: local cp for reference, rsync to its daemon, and
+/// mover to the agent judged against cp and, with mutual TLS, against itself without;
+/// then the delta copies, mover judged by its speed-up over rsync.
+fn agent_rows<'a>(agent: &'a AgentCopy, local_cp: &'a Run, size: u64) -> Vec<Row<'a>> {
+    let (full, delta) = (&agent.full, &agent.delta);
+    let vs_cp = Check::new(
+        "agent full copy: mover time / local cp --sparse=always time",
+        full.mover.seconds / local_cp.seconds,
+        Rule::AtMost,
+        AGENT_FULL_MAX_RATIO,
+        Unit::Ratio,
+    );
+    let tls = Check::new(
+        "agent full copy: mutual TLS throughput / plain throughput",
+        full.mover.seconds / full.mover_tls.seconds,
+        Rule::AtLeast,
+        AGENT_TLS_MIN_RATIO,
+        Unit::Ratio,
+    );
+    let speedup = Check::new(
+        "agent delta copy: rsync daemon time / mover time",
+        delta.rsync.seconds / delta.mover.seconds,
+        Rule::AtLeast,
+        AGENT_DELTA_MIN_SPEEDUP,
+        Unit::Ratio,
+    );
+    let mut cp = row("agent full", local_cp, size, None);
+    cp.tool = "cp --sparse=always, local".to_string();
+    vec![
+        cp,
+        row("agent full", &full.rsync, size, None),
+        row("agent full", &full.mover, size, Some(vs_cp)),
+        row("agent full", &full.mover_tls, size, Some(tls)),
+        row("agent delta", &delta.rsync, size, None),
+        row("agent delta", &delta.mover, size, Some(speedup)),
+    ]
+}
+
+/// Checks of the copies over the network not shown on a row: mover's speed-up over the
+/// rsync daemon on the full copy, and the bytes each put on the wire for the delta.
+fn agent_checks(agent: &AgentCopy) -> Vec<Check> {
+    vec![
+        Check::new(
+            "agent full copy: rsync daemon time / mover time",
+            agent.full.rsync.seconds / agent.full.mover.seconds,
+            Rule::AtLeast,
+            AGENT_FULL_MIN_SPEEDUP,
+            Unit::Ratio,
+        ),
+        Check::new(
+            "agent delta copy: mover wire bytes vs rsync bytes sent",
+            agent.delta.mover_wire_bytes as f64 / MIB,
+            Rule::Below,
+            agent.delta.rsync_bytes_sent as f64 / MIB,
+            Unit::Mib,
+        ),
+    ]
+}
+
 /// Checks not tied to a timing: bytes written, memory, exactness of mover's copies.
 fn other_checks(results: &Results) -> Vec<Check> {
     let delta = &results.delta_copy;
     let changed = delta.changed.differing_bytes().max(1) as f64;
-    let mover_copies = [
+    let mut mover_copies = vec![
         &results.full_copy.mover,
         &delta.mover_unindexed,
         &delta.mover,
         &results.sparse_copy.mover,
     ];
+    if let Some(agent) = &results.agent {
+        mover_copies.extend([&agent.full.mover, &agent.full.mover_tls, &agent.delta.mover]);
+    }
     let inexact = mover_copies.iter().filter(|run| !run.is_exact()).count();
-    vec![
+    let mut checks = vec![
         Check::new(
             "delta copy: mover bytes written / changed 4 KiB pages",
             delta.mover_bytes_written as f64 / changed,
@@ -281,7 +356,11 @@ fn other_checks(results: &Results) -> Vec<Check> {
             0.0,
             Unit::Count,
         ),
-    ]
+    ];
+    if let Some(agent) = &results.agent {
+        checks.extend(agent_checks(agent));
+    }
+    checks
 }
 
 /// The JSON document: the results, every check, and the overall verdict.
@@ -316,8 +395,8 @@ fn render(results: &Results, summary: &Summary) -> String {
     let _ = writeln!(out, "\n{}", headline(results));
     let _ = writeln!(
         out,
-        "\n{:<12} {:<34} {:>9} {:>10} {:>10} {:>7} {:>9} {:>6}",
-        "phase", "tool", "seconds", "MiB/s", "peak RSS", "ratio", "target", "result"
+        "\n{:<12} {:<34} {:>9} {:>10} {:>10} {:>11} {:>7} {:>9} {:>6}",
+        "phase", "tool", "seconds", "MiB/s", "peak RSS", "CPU s", "ratio", "target", "result"
     );
     for row in &summary.rows {
         let _ = writeln!(out, "{}", render_row(row).trim_end());
@@ -342,12 +421,36 @@ fn render(results: &Results, summary: &Summary) -> String {
         "(peak RSS is the child's ru_maxrss, which starts from the bench's own peak, {:.1} MiB)",
         results.bench_peak_rss_bytes as f64 / MIB
     );
+    if let Some(agent) = &results.agent {
+        out += &agent_notes(agent);
+    }
     let failed = summary.checks().iter().filter(|c| !c.pass).count();
     let _ = match failed {
         0 => writeln!(out, "\nall targets met"),
         n => writeln!(out, "\n{n} target(s) missed"),
     };
     out
+}
+
+/// What the agent phase put on the wire and what the servers cost.
+fn agent_notes(agent: &AgentCopy) -> String {
+    let (full, delta) = (&agent.full, &agent.delta);
+    let mib = |bytes: u64| bytes as f64 / MIB;
+    format!(
+        "agent phase, over 127.0.0.1 (CPU s: the client's + the server's):\n  \
+         on the wire, full copy: mover {:.1} MiB (with mutual TLS {:.1} MiB), rsync sent \
+         {:.1} MiB\n  \
+         on the wire, delta copy: mover {:.1} MiB, rsync sent {:.1} MiB and received {:.1} MiB\n  \
+         agent peak RSS: {:.1} MiB, with mutual TLS {:.1} MiB\n",
+        mib(full.mover_wire_bytes),
+        mib(full.mover_tls_wire_bytes),
+        mib(full.rsync_bytes_sent),
+        mib(delta.mover_wire_bytes),
+        mib(delta.rsync_bytes_sent),
+        mib(delta.rsync_bytes_received),
+        mib(agent.agent_peak_rss_bytes),
+        mib(agent.agent_tls_peak_rss_bytes),
+    )
 }
 
 /// The line describing the volume and the machine.
@@ -384,17 +487,22 @@ fn render_row(row: &Row) -> String {
         Some(check) => (check.measured_text(), check.target_text(), check.verdict()),
         None => (String::new(), String::new(), ""),
     };
-    let mut tool = run.tool.clone();
+    let mut tool = row.tool.clone();
     if run.differing_pages_after.is_some_and(|pages| pages != 0) {
         tool.push_str(" (INEXACT)");
     }
+    let cpu = match run.server_cpu_seconds {
+        Some(server) => format!("{:.1}+{server:.1}", run.cpu_seconds),
+        None => format!("{:.1}", run.cpu_seconds),
+    };
     format!(
-        "{:<12} {:<34} {:>9.3} {:>10.1} {:>10} {:>7} {:>9} {:>6}",
+        "{:<12} {:<34} {:>9.3} {:>10.1} {:>10} {:>11} {:>7} {:>9} {:>6}",
         row.phase,
         tool,
         run.seconds,
         row.bytes as f64 / MIB / run.seconds,
         format!("{:.1} MiB", run.max_rss_bytes as f64 / MIB),
+        cpu,
         ratio,
         target,
         verdict

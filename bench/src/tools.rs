@@ -24,14 +24,18 @@ pub struct Tools {
     pub mount: PathBuf,
     /// `umount`.
     pub umount: PathBuf,
+    /// `openssl` (makes the agent phase's TLS certificates); looked for only when that
+    /// phase runs.
+    pub openssl: Option<PathBuf>,
 }
 
 /// Directories searched after `$PATH`, since `sudo` or cron may leave the sbins out.
 const EXTRA_DIRS: [&str; 4] = ["/usr/local/sbin", "/usr/sbin", "/sbin", "/usr/bin"];
 
 impl Tools {
-    /// Finds every program, or fails naming each missing one and its Debian/Ubuntu package.
-    pub fn find() -> Result<Self> {
+    /// Finds every program (`openssl` only if `agent_phase`), or fails naming each missing
+    /// one and its Debian/Ubuntu package.
+    pub fn find(agent_phase: bool) -> Result<Self> {
         let mut missing = Vec::new();
         let mut find = |name: &str, package: &str| {
             find_program(name).unwrap_or_else(|| {
@@ -48,6 +52,7 @@ impl Tools {
             losetup: find("losetup", "mount"),
             mount: find("mount", "mount"),
             umount: find("umount", "mount"),
+            openssl: agent_phase.then(|| find("openssl", "openssl")),
         };
         if !missing.is_empty() {
             bail!("missing required programs: {}", missing.join(", "));

@@ -1,7 +1,7 @@
 //! Copies timed from a dropped page cache: full, delta and sparse, mover against its peers.
 
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result};
@@ -146,20 +146,24 @@ pub fn sparse_copy(ctx: &Ctx) -> Result<SparseCopy> {
 }
 
 /// One copy command and its timed runs.
-struct Trial {
+pub(super) struct Trial {
     /// Short name for the table.
     tool: &'static str,
     /// The command.
     cmd: Command,
     /// How a delta destination is made before each run.
-    prepare: Prepare,
+    pub(super) prepare: Prepare,
+    /// Where the command writes [default: the scratch destination].
+    pub(super) destination: Option<PathBuf>,
+    /// The server receiving the copy, whose CPU time each run also records.
+    pub(super) server_pid: Option<u32>,
     /// Each run and its stdout.
     runs: Vec<RunOutput>,
 }
 
 /// Who made yesterday's copy in the delta destination.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Prepare {
+pub(super) enum Prepare {
     /// `cp --sparse=always`: mover knows nothing about the destination and reads it all.
     Cp,
     /// `mover copy`: as in real use, mover saved the copy's chunk index and reads only
@@ -169,18 +173,25 @@ enum Prepare {
 
 impl Trial {
     /// A trial of `cmd`, not run yet.
-    fn new(tool: &'static str, cmd: Command) -> Self {
+    pub(super) fn new(tool: &'static str, cmd: Command) -> Self {
         Self {
             tool,
             cmd,
             prepare: Prepare::Cp,
+            destination: None,
+            server_pid: None,
             runs: Vec::new(),
         }
     }
 
+    /// Where this trial's command writes.
+    fn destination<'a>(&'a self, ctx: &'a Ctx) -> &'a Path {
+        self.destination.as_deref().unwrap_or(&ctx.scratch)
+    }
+
     /// The fastest run, listing every run's time, and reporting the worst exactness check;
     /// with its stdout.
-    fn best(self) -> RunOutput {
+    pub(super) fn best(self) -> RunOutput {
         let all_seconds: Vec<f64> = self.runs.iter().map(|(run, _)| run.seconds).collect();
         let worst_diff = self
             .runs
@@ -199,7 +210,7 @@ impl Trial {
 
     /// [`Trial::best`] for a mover copy of a `volume_bytes` volume, with its report parsed
     /// and kept in the run.
-    fn best_mover(self, volume_bytes: u64) -> Result<(Run, CopyReport)> {
+    pub(super) fn best_mover(self, volume_bytes: u64) -> Result<(Run, CopyReport)> {
         let (mut run, stdout) = self.best();
         let (report, value) = mover::parse_report::<CopyReport>(&stdout, volume_bytes)?;
         run.mover_report = Some(value);
@@ -209,7 +220,7 @@ impl Trial {
 
 /// Runs every trial [`COPY_RUNS`] times, round-robin, each from the same starting point
 /// (see [`time_copy`]).
-fn race(
+pub(super) fn race(
     ctx: &Ctx,
     phase: &str,
     trials: &mut [Trial],
@@ -218,58 +229,62 @@ fn race(
 ) -> Result<()> {
     for _ in 0..COPY_RUNS {
         for trial in trials.iter_mut() {
-            let start = start_from.map(|p| (p, trial.prepare));
-            let run = time_copy(ctx, phase, trial.tool, &mut trial.cmd, start, source)?;
+            let run = time_copy(ctx, phase, trial, start_from, source)?;
             trial.runs.push(run);
         }
     }
     Ok(())
 }
 
-/// Times one copy: empties the scratch destination (or makes it a copy of `start_from`),
-/// drops the page cache, runs `cmd` plus a sync, then checks the destination against
-/// `source` (untimed). Returns the run and the command's stdout.
+/// Times one run of `trial`: empties its destination (or makes it a copy of
+/// `start_from`), drops the page cache, runs the command plus a sync, then checks the
+/// destination against `source` (untimed). Returns the run and the command's stdout.
 fn time_copy(
     ctx: &Ctx,
     phase: &str,
-    tool: &str,
-    cmd: &mut Command,
-    start_from: Option<(&Path, Prepare)>,
+    trial: &mut Trial,
+    start_from: Option<&Path>,
     source: &Path,
 ) -> Result<RunOutput> {
-    prepare_destination(ctx, start_from)?;
+    let (tool, dst) = (trial.tool, trial.destination(ctx).to_path_buf());
+    prepare_destination(ctx, &dst, start_from.map(|p| (p, trial.prepare)))?;
     drop_caches()?;
     note!("{phase}: {tool}");
-    let timed = run_timed(cmd, ThenSync::Yes)?;
-    let (mut run, stdout) = Run::best(tool, describe(cmd), vec![timed]);
-    let diff = diff::compare(source, &ctx.scratch)
+    let server_cpu_before = trial.server_pid.and_then(process::process_cpu);
+    let timed = run_timed(&mut trial.cmd, ThenSync::Yes)?;
+    let server_cpu = trial.server_pid.and_then(process::process_cpu);
+    let (mut run, stdout) = Run::best(tool, describe(&trial.cmd), vec![timed]);
+    if let (Some(before), Some(after)) = (server_cpu_before, server_cpu) {
+        run.server_cpu_seconds = Some(after.saturating_sub(before).as_secs_f64());
+    }
+    let diff = diff::compare(source, &dst)
         .with_context(|| format!("cannot check the copy made by {tool}"))?;
     if diff.differing_pages != 0 {
         note!(
             "WARNING: after {tool}, {} pages of {} differ from {}",
             diff.differing_pages,
-            ctx.scratch.display(),
+            dst.display(),
             source.display()
         );
     }
     run.differing_pages_after = Some(diff.differing_pages);
-    run.destination_allocated_bytes = Some(std::fs::metadata(&ctx.scratch)?.blocks() * 512);
-    image::remove_if_present(&ctx.scratch)?;
+    run.destination_allocated_bytes = Some(std::fs::metadata(&dst)?.blocks() * 512);
+    image::remove_if_present(&dst)?;
     Ok((run, stdout))
 }
 
-/// Makes the scratch destination absent, or a sparse copy of `start_from` made by cp or
-/// by mover (untimed).
-fn prepare_destination(ctx: &Ctx, start_from: Option<(&Path, Prepare)>) -> Result<()> {
-    image::remove_if_present(&ctx.scratch)?;
+/// Makes the destination `dst` absent, or a sparse copy of `start_from` made by cp or by
+/// mover (untimed).
+fn prepare_destination(ctx: &Ctx, dst: &Path, start_from: Option<(&Path, Prepare)>) -> Result<()> {
+    image::remove_if_present(dst)?;
     let mut cmd = match start_from {
         None => return Ok(()),
         Some((from, Prepare::Cp)) => {
             let mut cp = Command::new(&ctx.tools.cp);
-            cp.arg("--sparse=always").arg(from).arg(&ctx.scratch);
+            cp.arg("--sparse=always").arg(from).arg(dst);
             cp
         }
-        Some((from, Prepare::Mover)) => mover::copy_command(ctx.mover, from, &ctx.scratch),
+        Some((from, Prepare::Mover)) => mover::copy_command(ctx.mover, from, dst),
     };
     process::run_checked(&mut cmd).context("cannot prepare the delta destination")?;
     Ok(())

@@ -1,6 +1,7 @@
-//! The timed runs: hashing, full copy, delta copy and the sparse-image copy, each pitting
-//! mover against its peers in the same run.
+//! The timed runs: hashing, full copy, delta copy, the sparse-image copy and copies over
+//! the network through mover's agent, each pitting mover against its peers in the same run.
 
+mod agent;
 mod copy;
 mod hash;
 
@@ -8,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+pub use agent::{AgentCopy, agent_copy};
 pub use copy::{DeltaCopy, FullCopy, SparseCopy, delta_copy, full_copy, sparse_copy};
 pub use hash::{HashResult, hash};
 
@@ -26,8 +28,10 @@ pub struct Ctx<'a> {
     pub images: &'a Images,
     /// Loop device attached read-only to today's image: the source of mover's runs.
     pub device: &'a Path,
-    /// The destination of every copy (a file next to the images, so on the same disk).
+    /// The destination of every local copy (a file next to the images, so on the same disk).
     pub scratch: PathBuf,
+    /// The working directory (the agent phase keeps its servers' files in a subdirectory).
+    pub workdir: &'a Path,
     /// Threads for the multi-threaded hash comparison.
     pub nproc: usize,
 }
@@ -50,6 +54,13 @@ pub struct Run {
     pub all_seconds: Vec<f64>,
     /// Peak RSS of the command's process (wait4 ru_maxrss).
     pub max_rss_bytes: u64,
+    /// CPU time (user + system) of the command and the children it waited for, in the
+    /// best run.
+    pub cpu_seconds: f64,
+    /// For copies to a server (agent, rsync daemon): the CPU time the server used during
+    /// the best run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_cpu_seconds: Option<f64>,
     /// For copies: bytes the destination occupies on disk afterwards.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub destination_allocated_bytes: Option<u64>,
@@ -82,6 +93,8 @@ impl Run {
                 Vec::new()
             },
             max_rss_bytes: best.max_rss_bytes,
+            cpu_seconds: best.cpu.as_secs_f64(),
+            server_cpu_seconds: None,
             destination_allocated_bytes: None,
             differing_pages_after: None,
             mover_report: None,
