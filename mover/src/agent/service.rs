@@ -348,7 +348,8 @@ impl Transfer for AgentService {
                 let (their_pages, rest) =
                     theirs.split_at((n_pages * PAGE_HASH_LEN).min(theirs.len()));
                 theirs = rest;
-                for f in frames::chunk_frames(&s.key, &buf[..len], off, their_pages) {
+                let data = tonic::codegen::Bytes::copy_from_slice(&buf[..len]);
+                for f in frames::chunk_frames(&s.key, &data, off, their_pages) {
                     metrics.bytes_sent.fetch_add(f.len, Relaxed);
                     if tx.blocking_send(Ok(f)).is_err() {
                         return; // the caller went away

@@ -16,7 +16,7 @@ pub use push::push;
 
 use crate::error::CopyError;
 use chunker::{
-    BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, Window, hash_chunks, leaf_hash,
+    BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, Window, hash_chunks, is_zero, leaf_hash,
     read_window,
 };
 use std::{path::PathBuf, time::Duration};
@@ -302,17 +302,50 @@ where
     unreachable!("the loop returns")
 }
 
-/// One group of a local volume as read: its bytes, its chunks' kinds and Merkle leaves.
-pub(crate) type Group = (Window, Vec<ChunkKind>, Vec<ChunkId>);
+/// One group of a local volume as read.
+pub(crate) struct Group {
+    /// Its bytes.
+    pub win: Window,
+    /// Per chunk: zeros or a hole.
+    pub zero: Vec<bool>,
+    /// Per chunk: its Merkle leaf, if hashed.
+    pub leaves: Option<Vec<ChunkId>>,
+}
+
+impl Group {
+    /// Hashes the group's chunks into their Merkle leaves (zero chunks cost nothing).
+    pub(crate) fn hash(&mut self, key: &ChunkKey, chunk: ChunkSize) -> &[ChunkId] {
+        let (win, key) = (&self.win, key);
+        self.leaves.get_or_insert_with(|| {
+            let kinds = hash_chunks(key, chunk, win);
+            kinds
+                .iter()
+                .zip(win.chunk_ranges(chunk))
+                .map(|(k, r)| leaf_hash(key, k, r.len() as u64))
+                .collect()
+        })
+    }
+
+    /// The group hash the agent reports for this group when it holds only zeros.
+    pub(crate) fn zero_group_hash(&self, key: &ChunkKey, chunk: ChunkSize) -> ChunkId {
+        let zeros: Vec<ChunkId> = self
+            .win
+            .chunk_ranges(chunk)
+            .map(|r| leaf_hash(key, &ChunkKind::Zero, r.len() as u64))
+            .collect();
+        chunker::Summary::group_hash(key, &zeros)
+    }
+}
 
 /// Reads a local volume group by group (GROUP_CHUNKS chunks) on a blocking thread,
-/// hashing each chunk into its Merkle leaf; windows arrive in order on the returned
-/// channel, a few ahead of the consumer.
+/// finding zero chunks and, with `hash`, hashing every chunk into its Merkle leaf;
+/// groups arrive in order on the returned channel, a few ahead of the consumer.
 pub(crate) fn read_groups(
     volume: std::sync::Arc<BlockVolume>,
     chunk: ChunkSize,
     key: ChunkKey,
     size: u64,
+    hash: bool,
 ) -> tokio::sync::mpsc::Receiver<Result<Group, CopyError>> {
     let (tx, rx) = tokio::sync::mpsc::channel(3);
     std::thread::spawn(move || {
@@ -325,13 +358,20 @@ pub(crate) fn read_groups(
             let item = read_window(&volume, chunk, offset, len, &mut win)
                 .map_err(CopyError::from)
                 .map(|()| {
-                    let kinds = hash_chunks(&key, chunk, &win);
-                    let leaves = kinds
-                        .iter()
-                        .zip(win.chunk_ranges(chunk))
-                        .map(|(k, r)| leaf_hash(&key, k, r.len() as u64))
+                    let zero = win
+                        .chunk_ranges(chunk)
+                        .enumerate()
+                        .map(|(i, r)| win.unread[i] || is_zero(&win.buf[r]))
                         .collect();
-                    (win, kinds, leaves)
+                    let mut group = Group {
+                        win,
+                        zero,
+                        leaves: None,
+                    };
+                    if hash {
+                        group.hash(&key, chunk);
+                    }
+                    group
                 });
             let failed = item.is_err();
             if tx.blocking_send(item).is_err() || failed {

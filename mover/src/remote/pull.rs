@@ -11,7 +11,7 @@ use crate::{
     },
     error::{CopyError, Result, write_error},
 };
-use chunker::{BlockVolume, ChunkKind, GROUP_CHUNKS, PAGE_SIZE, Window, page_hashes};
+use chunker::{BlockVolume, GROUP_CHUNKS, PAGE_SIZE, Window, page_hashes};
 use std::{os::unix::fs::FileExt, path::Path, sync::Arc, time::Instant};
 use tokio_stream::StreamExt;
 use transport::{
@@ -77,11 +77,12 @@ async fn attempt(
         ..Default::default()
     };
     let mut groups = RemoteGroups::new(open.session.clone());
-    let mut reader = read_groups(local.clone(), chunk, key.clone(), size);
+    let mut reader = read_groups(local.clone(), chunk, key.clone(), size, true);
     progress.begin("pull", size);
     let mut g = 0u64;
     while let Some(item) = reader.recv().await {
-        let (win, kinds, leaves) = item?;
+        let super::Group { win, zero, leaves } = item?;
+        let leaves = leaves.expect("read_groups hashes when asked to");
         for (i, r) in win.chunk_ranges(chunk).enumerate() {
             if !win.unread[i] {
                 sum.destination_bytes_read += r.len() as u64;
@@ -95,7 +96,7 @@ async fn attempt(
                 &key,
                 g,
                 &win,
-                &kinds,
+                &zero,
                 &leaves,
                 chunk,
                 &local,
@@ -145,7 +146,7 @@ async fn fetch_group(
     key: &chunker::ChunkKey,
     g: u64,
     win: &Window,
-    kinds: &[ChunkKind],
+    zero: &[bool],
     leaves: &[chunker::ChunkId],
     chunk: chunker::ChunkSize,
     local: &BlockVolume,
@@ -160,7 +161,7 @@ async fn fetch_group(
         if theirs.get(i) == Some(&leaves[i]) {
             continue;
         }
-        if kinds[i] == ChunkKind::Zero {
+        if zero[i] {
             onto_zeros.push(first + i as u64);
         } else {
             onto_data.push(first + i as u64);

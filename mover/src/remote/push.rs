@@ -12,7 +12,14 @@ use chunker::{
     BlockVolume, ChunkId, ChunkKind, GROUP_CHUNKS, MerkleBuilder, PAGE_HASH_LEN, PAGE_SIZE,
     leaf_hash,
 };
-use std::{path::Path, sync::Arc, time::Instant};
+use std::{
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+    time::Instant,
+};
 use tokio::sync::mpsc;
 use transport::{
     RateLimiter, frames,
@@ -41,13 +48,90 @@ pub async fn push(
     Ok(timed(sum, started))
 }
 
-/// Totals kept by the write streams.
+/// Totals of what was handed to the write streams.
 #[derive(Default)]
 struct Sent {
-    wire: u64,
-    written: u64,
-    zeroed: u64,
-    pages: u64,
+    wire: AtomicU64,
+    written: AtomicU64,
+    zeroed: AtomicU64,
+    pages: AtomicU64,
+}
+
+/// The result of a finished group task, or of its panic.
+fn joined(r: Option<std::result::Result<Result<()>, tokio::task::JoinError>>) -> Result<()> {
+    match r {
+        None | Some(Ok(Ok(()))) => Ok(()),
+        Some(Ok(Err(e))) => Err(e),
+        Some(Err(join)) => Err(CopyError::Remote {
+            url: String::new(),
+            code: "error".into(),
+            message: format!("a transfer task failed: {join}"),
+        }),
+    }
+}
+
+/// What a group task needs to compare one group with the agent's and ship the difference.
+struct Ship {
+    client: Client,
+    url: AgentUrl,
+    session: String,
+    key: chunker::ChunkKey,
+    epoch: u64,
+    tx: mpsc::Sender<proto::WriteFrame>,
+    limiter: Option<Arc<RateLimiter>>,
+    sent: Arc<Sent>,
+}
+
+impl Ship {
+    /// Builds group `g`'s frames and queues them on its stream. A closed stream is not
+    /// an error here: the stream's own error is collected when it ends.
+    async fn group(
+        mut self,
+        g: u64,
+        win: chunker::Window,
+        leaves: Option<Vec<ChunkId>>,
+        chunk: chunker::ChunkSize,
+    ) -> Result<()> {
+        let (client, url, key) = (&mut self.client, &self.url, &self.key);
+        let frames = group_frames(
+            client,
+            url,
+            &self.session,
+            key,
+            g,
+            win,
+            leaves.as_deref(),
+            chunk,
+        )
+        .await?;
+        for f in frames {
+            let wire = frames::wire_len(&f);
+            if let Some(l) = &self.limiter {
+                l.take(wire).await;
+            }
+            self.sent.wire.fetch_add(wire, Relaxed);
+            match &f.payload {
+                Some(Payload::Zeros(n)) => {
+                    self.sent.zeroed.fetch_add(*n, Relaxed);
+                }
+                _ => {
+                    self.sent.written.fetch_add(f.len, Relaxed);
+                    self.sent
+                        .pages
+                        .fetch_add(f.len.div_ceil(PAGE_SIZE as u64), Relaxed);
+                }
+            }
+            let frame = proto::WriteFrame {
+                session: self.session.clone(),
+                epoch: self.epoch,
+                frame: Some(f),
+            };
+            if self.tx.send(frame).await.is_err() {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
 }
 
 async fn attempt(
@@ -59,11 +143,16 @@ async fn attempt(
 ) -> Result<CopySummary> {
     let chunk = copy.chunk_size;
     let size = source.size();
+    let t0 = Instant::now();
     let Session {
         mut client,
         key,
         open,
     } = open_session(url, remote, Access::Write, chunk, size).await?;
+    tracing::debug!(
+        secs = t0.elapsed().as_secs_f64(),
+        "session open: the agent hashed its copy"
+    );
     let session = open.session.clone();
 
     // Data streams: each takes frames from a bounded channel, so a slow link slows the
@@ -82,9 +171,12 @@ async fn attempt(
     }
 
     let mut groups = RemoteGroups::new(session.clone());
-    let mut reader = read_groups(source.clone(), chunk, key.clone(), size);
+    // Chunks are hashed only where the agent holds data: onto zeros (a new volume),
+    // knowing which of our chunks are zero is enough, unless --verify needs our root.
+    let mut reader = read_groups(source.clone(), chunk, key.clone(), size, copy.verify);
     let mut merkle = MerkleBuilder::new(key.clone());
-    let mut sent = Sent::default();
+    let sent = Arc::new(Sent::default());
+    let mut inflight = tokio::task::JoinSet::new();
     let mut sum = CopySummary {
         destination: url.to_string().into(),
         volume_bytes: size,
@@ -95,51 +187,56 @@ async fn attempt(
     let mut g = 0u64;
     let pass: Result<()> = async {
         while let Some(item) = reader.recv().await {
-            let (win, kinds, leaves) = item?;
-            leaves.iter().for_each(|l| merkle.push_leaf(*l));
-            for (i, r) in win.chunk_ranges(chunk).enumerate() {
-                if !win.unread[i] {
+            let mut group = item?;
+            for (i, r) in group.win.chunk_ranges(chunk).enumerate() {
+                if !group.win.unread[i] {
                     sum.source_bytes_read += r.len() as u64;
                 }
-                if kinds[i] == ChunkKind::Zero {
+                if group.zero[i] {
                     sum.zero_bytes_skipped += r.len() as u64;
                 }
             }
-            let done = win.offset + win.buf.len() as u64;
-            let local_group = chunker::Summary::group_hash(&key, &leaves);
-            if local_group != groups.get(&mut client, url, g).await? {
-                let frames =
-                    group_frames(&mut client, url, &session, &key, g, win, &leaves, chunk).await?;
-                let tx = &senders[(g % senders.len() as u64) as usize];
-                for f in frames {
-                    let wire = frames::wire_len(&f);
-                    if let Some(l) = &limiter {
-                        l.take(wire).await;
-                    }
-                    sent.wire += wire;
-                    match &f.payload {
-                        Some(Payload::Zeros(n)) => sent.zeroed += n,
-                        _ => {
-                            sent.written += f.len;
-                            sent.pages += f.len.div_ceil(PAGE_SIZE as u64);
-                        }
-                    }
-                    let frame = proto::WriteFrame {
-                        session: session.clone(),
-                        epoch: remote.epoch,
-                        frame: Some(f),
-                    };
-                    if tx.send(frame).await.is_err() {
-                        return Ok(()); // the stream failed: its error is collected below
-                    }
+            let done = group.win.offset + group.win.buf.len() as u64;
+            let theirs = groups.get(&mut client, url, g).await?;
+            let onto_zeros = theirs == group.zero_group_hash(&key, chunk);
+            let differs = if onto_zeros && group.leaves.is_none() {
+                !group.zero.iter().all(|z| *z)
+            } else {
+                let chunk_key = key.clone();
+                let leaves = tokio::task::block_in_place(|| group.hash(&chunk_key, chunk).to_vec());
+                leaves.iter().for_each(|l| merkle.push_leaf(*l));
+                chunker::Summary::group_hash(&key, &leaves) != theirs
+            };
+            if differs {
+                // Groups are compared and framed concurrently (one in flight per
+                // stream), so round trips and compression overlap the reading.
+                while inflight.len() >= senders.len() {
+                    joined(inflight.join_next().await)?;
                 }
+                let ship = Ship {
+                    client: client.clone(),
+                    url: url.clone(),
+                    session: session.clone(),
+                    key: key.clone(),
+                    epoch: remote.epoch,
+                    tx: senders[(g % senders.len() as u64) as usize].clone(),
+                    limiter: limiter.clone(),
+                    sent: sent.clone(),
+                };
+                let leaves = group.leaves.filter(|_| !onto_zeros);
+                inflight.spawn(ship.group(g, group.win, leaves, chunk));
             }
             g += 1;
             progress.update(done);
         }
+        while !inflight.is_empty() {
+            joined(inflight.join_next().await)?;
+        }
         Ok(())
     }
     .await;
+    inflight.abort_all();
+    tracing::debug!(secs = t0.elapsed().as_secs_f64(), "source pass done");
     drop(senders);
     // A failed stream explains a failed pass better than the pass's own error.
     for s in streams {
@@ -176,10 +273,10 @@ async fn attempt(
         sum.verified = true;
         sum.root = Some(root.to_hex());
     }
-    sum.bytes_written = sent.written;
-    sum.bytes_zeroed = sent.zeroed;
-    sum.pages_written = sent.pages;
-    sum.wire_bytes = sent.wire;
+    sum.bytes_written = sent.written.load(Relaxed);
+    sum.bytes_zeroed = sent.zeroed.load(Relaxed);
+    sum.pages_written = sent.pages.load(Relaxed);
+    sum.wire_bytes = sent.wire.load(Relaxed);
     Ok(sum)
 }
 
@@ -193,15 +290,23 @@ async fn group_frames(
     key: &chunker::ChunkKey,
     g: u64,
     win: chunker::Window,
-    leaves: &[ChunkId],
+    leaves: Option<&[ChunkId]>,
     chunk: chunker::ChunkSize,
 ) -> Result<Vec<proto::DataFrame>> {
     let first = g * GROUP_CHUNKS as u64;
-    let theirs = tree(client, url, session, 0, first, leaves.len() as u32).await?;
     let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
     let mut onto_zeros = Vec::new();
     let mut onto_data = Vec::new();
+    // Without leaves, the agent's group is all zeros: every chunk goes onto zeros.
+    let theirs = match leaves {
+        Some(l) => tree(client, url, session, 0, first, l.len() as u32).await?,
+        None => Vec::new(),
+    };
     for (i, r) in ranges.iter().enumerate() {
+        let Some(leaves) = leaves else {
+            onto_zeros.push(i);
+            continue;
+        };
         let their = theirs.get(i).copied();
         if their == Some(leaves[i]) {
             continue;
@@ -228,7 +333,7 @@ async fn group_frames(
     };
     let key = key.clone();
     let data: Vec<(usize, std::ops::Range<usize>)> = ranges.into_iter().enumerate().collect();
-    let (buf, offset) = (win.buf, win.offset);
+    let (buf, offset) = (tonic::codegen::Bytes::from(win.buf), win.offset);
     // Page hashing and compression are CPU work: keep them off the async workers.
     let frames = tokio::task::spawn_blocking(move || {
         let mut frames = Vec::new();
@@ -236,7 +341,7 @@ async fn group_frames(
             let r = data[i].1.clone();
             frames.extend(frames::chunk_frames(
                 &key,
-                &buf[r.clone()],
+                &buf.slice(r.clone()),
                 offset + r.start as u64,
                 &[],
             ));
@@ -249,7 +354,7 @@ async fn group_frames(
             pages = rest;
             frames.extend(frames::chunk_frames(
                 &key,
-                &buf[r.clone()],
+                &buf.slice(r.clone()),
                 offset + r.start as u64,
                 mine,
             ));
