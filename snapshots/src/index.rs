@@ -45,6 +45,9 @@ pub struct Index {
     packs: Vec<PackId>,
     pack_slot: HashMap<PackId, u32>,
     blobs: HashMap<ChunkId, Slot>,
+    /// Further locations of blobs stored in more than one pack (after a repack, or
+    /// when two snapshots uploaded the same new chunk at once).
+    dups: Vec<(ChunkId, Slot)>,
     /// The index objects loaded, by key.
     pub(crate) files: Vec<String>,
 }
@@ -56,12 +59,37 @@ impl Index {
             self.packs.push(*pack);
             (self.packs.len() - 1) as u32
         });
-        self.blobs.entry(e.id).or_insert(Slot {
+        let new = Slot {
             pack: slot,
             kind: e.kind,
             offset: e.offset,
             len: e.len,
-        });
+        };
+        match self.blobs.entry(e.id) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(new);
+            }
+            std::collections::hash_map::Entry::Occupied(o) => {
+                if o.get().pack != slot {
+                    self.dups.push((e.id, new));
+                }
+            }
+        }
+    }
+
+    fn loc(&self, s: &Slot) -> BlobLoc {
+        BlobLoc {
+            pack: self.packs[s.pack as usize],
+            kind: s.kind,
+            offset: s.offset,
+            len: s.len,
+        }
+    }
+
+    /// Every location of every blob, including the further copies of blobs stored twice.
+    pub fn all_locations(&self) -> impl Iterator<Item = (ChunkId, BlobLoc)> + '_ {
+        self.iter()
+            .chain(self.dups.iter().map(|(id, s)| (*id, self.loc(s))))
     }
 
     /// Where the blob is, if indexed.
@@ -93,6 +121,7 @@ impl Index {
     pub fn packs(&self) -> HashSet<PackId> {
         self.blobs
             .values()
+            .chain(self.dups.iter().map(|(_, s)| s))
             .map(|s| self.packs[s.pack as usize])
             .collect()
     }
@@ -112,13 +141,26 @@ impl Index {
         })
     }
 
-    /// Drops every blob stored in one of `packs` (packs being pruned).
+    /// Drops every location in one of `packs` (packs being pruned); a blob with a copy
+    /// elsewhere keeps that one.
     pub fn remove_packs(&mut self, packs: &HashSet<PackId>) {
         let gone: HashSet<u32> = packs
             .iter()
             .filter_map(|p| self.pack_slot.get(p).copied())
             .collect();
         self.blobs.retain(|_, s| !gone.contains(&s.pack));
+        self.dups.retain(|(_, s)| !gone.contains(&s.pack));
+        for (id, s) in std::mem::take(&mut self.dups) {
+            match self.blobs.entry(id) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(s);
+                }
+                std::collections::hash_map::Entry::Occupied(o) if o.get().pack != s.pack => {
+                    self.dups.push((id, s));
+                }
+                _ => {}
+            }
+        }
     }
 }
 

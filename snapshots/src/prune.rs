@@ -3,10 +3,14 @@
 //! 1. **Mark**: packs with no blob referenced by any snapshot (including packs no index
 //!    names, left by interrupted snapshots) are listed in a mark object
 //!    `prune/<id>` (JSON, `"version": 1`, with the time of marking).
+//!    Packs that are mostly unused (at least half their bytes) are **repacked** first:
+//!    their used blobs are checked and copied into new packs (indexed as usual), and the
+//!    old packs are marked too.
 //! 2. **Sweep**, once a mark is older than the grace period: snapshots and index are
 //!    read again and a marked pack that is still unreferenced is deleted: first a
 //!    compacted index without it is written and the old index objects removed, then
-//!    the pack. A pack that became referenced meanwhile is kept.
+//!    the pack. A marked pack is kept if it holds the only copy of a blob some snapshot
+//!    uses (it became referenced meanwhile).
 //!
 //! No lock is taken. A concurrent `snapshot create` never dedups against marked packs
 //! ([`Repository::load_dedup_index`]) and never adopts them, so it uploads those
@@ -47,9 +51,14 @@ pub struct PruneReport {
     pub kept_after_recheck: usize,
     /// Marks still waiting for their grace period.
     pub pending_marks: usize,
-    /// Packs partly used: kept whole (repacking them is not implemented yet).
+    /// Mostly unused packs whose used blobs were copied into new packs (the old packs
+    /// are marked).
+    pub repacked_packs: usize,
+    /// Bytes of used blobs copied by repacking.
+    pub repacked_bytes: u64,
+    /// Packs partly used but not enough to repack: kept whole.
     pub partly_used_packs: usize,
-    /// Unreferenced bytes inside partly used packs.
+    /// Unreferenced bytes inside those packs.
     pub partly_used_waste_bytes: u64,
 }
 
@@ -132,8 +141,9 @@ impl Repository {
         let index = self.load_index().await?;
         let used = self.referenced_blobs(&index).await?;
         let already = marked_packs(self).await?;
+        // Per pack: whether it holds a used blob, and its unused bytes.
         let mut pack_used: HashMap<PackId, (bool, u64)> = HashMap::new();
-        for (id, loc) in index.iter() {
+        for (id, loc) in index.all_locations() {
             let e = pack_used.entry(loc.pack).or_default();
             if used.contains(&id) {
                 e.0 = true;
@@ -142,20 +152,26 @@ impl Repository {
             }
         }
         let mut packs = Vec::new();
+        let mut repack: Vec<PackId> = Vec::new();
         for obj in self.backend().list("packs/").await? {
             let Some(id) = obj.key.rsplit('/').next().and_then(crate::unhex::<32>) else {
                 continue;
             };
             match pack_used.get(&id) {
+                _ if already.contains(&id) => {}
+                Some((true, waste)) if *waste * 2 >= obj.size => repack.push(id),
                 Some((true, waste)) => {
                     if *waste > 0 {
                         report.partly_used_packs += 1;
                         report.partly_used_waste_bytes += waste;
                     }
                 }
-                _ if already.contains(&id) => {}
                 _ => packs.push(crate::hex(&id)),
             }
+        }
+        if !repack.is_empty() {
+            self.repack(&index, &used, &repack, report).await?;
+            packs.extend(repack.iter().map(|p| crate::hex(p)));
         }
         if packs.is_empty() {
             return Ok(());
@@ -171,6 +187,50 @@ impl Repository {
         self.backend().put(&name, b.into()).await
     }
 
+    /// Copies the used blobs of `packs` (checked on the way) into new packs.
+    async fn repack(
+        &self,
+        index: &Index,
+        used: &HashSet<ChunkId>,
+        packs: &[PackId],
+        report: &mut PruneReport,
+    ) -> Result<()> {
+        let set: HashSet<PackId> = packs.iter().copied().collect();
+        let mut by_pack: HashMap<PackId, Vec<(ChunkId, crate::BlobLoc)>> = HashMap::new();
+        let mut copied = HashSet::new();
+        for (id, loc) in index.all_locations() {
+            if set.contains(&loc.pack) && used.contains(&id) {
+                by_pack.entry(loc.pack).or_default().push((id, loc));
+            }
+        }
+        let mut uploader = crate::Uploader::new(std::sync::Arc::new(self.clone_handle()), 2);
+        let mut pack = crate::PackBuilder::new();
+        for (p, blobs) in by_pack {
+            let kinds: HashMap<ChunkId, crate::BlobKind> =
+                blobs.iter().map(|(id, l)| (*id, l.kind)).collect();
+            for (id, plain) in self.read_blobs(&p, blobs).await? {
+                if !copied.insert(id) {
+                    continue;
+                }
+                let kind = kinds[&id];
+                let sealed = self.seal_blob(kind, &id, &plain);
+                report.repacked_bytes += sealed.len() as u64;
+                pack.push(kind, id, &sealed);
+                if pack.len() >= self.pack_size() {
+                    uploader
+                        .add(self.finish_pack(std::mem::take(&mut pack)))
+                        .await?;
+                }
+            }
+            report.repacked_packs += 1;
+        }
+        if !pack.is_empty() {
+            uploader.add(self.finish_pack(pack)).await?;
+        }
+        uploader.finish().await?;
+        Ok(())
+    }
+
     async fn sweep(&self, grace_secs: u64, report: &mut PruneReport) -> Result<()> {
         let now = now_unix();
         let due: Vec<(String, Mark)> = read_marks(self)
@@ -184,19 +244,23 @@ impl Repository {
         // Re-check against the repository as it is now.
         let index = self.load_index().await?;
         let used = self.referenced_blobs(&index).await?;
-        let mut live_packs = HashSet::new();
-        for (id, loc) in index.iter() {
-            if used.contains(&id) {
-                live_packs.insert(loc.pack);
-            }
-        }
         let mut doomed = HashSet::new();
         for (_, m) in &due {
-            for p in m.packs.iter().filter_map(|p| crate::unhex::<32>(p)) {
-                if live_packs.contains(&p) {
-                    report.kept_after_recheck += 1;
-                } else {
-                    doomed.insert(p);
+            doomed.extend(m.packs.iter().filter_map(|p| crate::unhex::<32>(p)));
+        }
+        // A used blob whose every copy is in a doomed pack keeps those packs.
+        let mut copies: HashMap<ChunkId, Vec<PackId>> = HashMap::new();
+        for (id, loc) in index.all_locations() {
+            if used.contains(&id) {
+                copies.entry(id).or_default().push(loc.pack);
+            }
+        }
+        for packs in copies.values() {
+            if packs.iter().all(|p| doomed.contains(p)) {
+                for p in packs {
+                    if doomed.remove(p) {
+                        report.kept_after_recheck += 1;
+                    }
                 }
             }
         }
@@ -211,7 +275,7 @@ impl Repository {
         if doomed.iter().any(|p| indexed.contains(p)) {
             // Compact: one new index without the doomed packs, then drop the old ones.
             let keep: Vec<(PackId, PackEntry)> = index
-                .iter()
+                .all_locations()
                 .filter(|(_, loc)| !doomed.contains(&loc.pack))
                 .map(|(id, loc)| {
                     (

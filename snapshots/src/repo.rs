@@ -503,6 +503,16 @@ impl Repository {
         self.backend.delete(&format!("snapshots/{id}")).await
     }
 
+    /// Another handle on the same repository (for tasks that need an owned one).
+    pub(crate) fn clone_handle(&self) -> Repository {
+        Repository {
+            backend: self.backend.clone(),
+            config: self.config.clone(),
+            key: self.key.clone(),
+            cache: self.cache.clone(),
+        }
+    }
+
     pub(crate) fn master(&self) -> &MasterKey {
         &self.key
     }

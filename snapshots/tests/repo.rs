@@ -251,3 +251,38 @@ async fn index_cache_replaces_gets_and_follows_compaction() {
         .count();
     assert_eq!(left, 1);
 }
+
+#[tokio::test]
+async fn prune_repacks_mostly_unused_packs() {
+    let b: Arc<dyn Backend> = Arc::new(MemoryBackend::new());
+    let repo = Arc::new(
+        Repository::init(b.clone(), &pw("p"), &InitOptions::default())
+            .await
+            .unwrap(),
+    );
+    let chunks: Vec<Vec<u8>> = (1..=4).map(chunk).collect();
+    let old = store(&repo, "v", &chunks, 4).await;
+    let keep = store(&repo, "v", &chunks[..1], 1).await;
+    repo.delete_snapshot(&old.id).await.unwrap();
+    let r = repo.prune(0).await.unwrap();
+    // The data pack is 3/4 unused: chunk 1 moves to a new pack, the old one goes, and
+    // so does the old snapshot's list pack.
+    assert_eq!(r.repacked_packs, 1, "{r:?}");
+    assert_eq!(r.deleted_packs, 2, "{r:?}");
+    assert_eq!(r.kept_after_recheck, 0, "{r:?}");
+    let index = repo.load_index().await.unwrap();
+    assert_eq!(index.len(), 2, "chunk 1 and keep's list");
+    let id = repo.chunk_key().chunk_id(&chunks[0]);
+    assert_eq!(repo.read_blob(&index, &id).await.unwrap(), chunks[0]);
+    let rep = repo.verify(true).await.unwrap();
+    assert!(rep.problems.is_empty(), "{:?}", rep.problems);
+    let Content::Block { lists, .. } = &keep.manifest.content;
+    assert_eq!(repo.read_list(&index, &lists[0]).await.unwrap().len(), 1);
+    // Nothing left to do.
+    let r = repo.prune(0).await.unwrap();
+    assert_eq!(
+        (r.marked_packs, r.deleted_packs, r.repacked_packs),
+        (0, 0, 0),
+        "{r:?}"
+    );
+}

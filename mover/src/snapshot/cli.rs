@@ -437,9 +437,11 @@ async fn run_snapshot_async(cmd: SnapshotCommand) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string(&rep)?);
             } else {
                 println!(
-                    "deleted {} pack(s) ({}); marked {} unused pack(s) for deletion after {grace}s; {} kept after re-check; {} mark(s) pending; {} partly used pack(s) hold {} unused (not repacked)",
+                    "deleted {} pack(s) ({}); repacked {} mostly unused pack(s) ({} copied); marked {} pack(s) for deletion after {grace}s; {} kept after re-check; {} mark(s) pending; {} partly used pack(s) hold {} unused",
                     rep.deleted_packs,
                     human(rep.deleted_bytes),
+                    rep.repacked_packs,
+                    human(rep.repacked_bytes),
                     rep.marked_packs,
                     rep.kept_after_recheck,
                     rep.pending_marks,
