@@ -265,8 +265,10 @@ impl Transfer for AgentService {
         req: Request<Streaming<proto::WriteFrame>>,
     ) -> Result<Response<proto::WriteAck>, Status> {
         let mut stream = req.into_inner();
-        let mut applied = 0u64;
         let mut session: Option<Arc<Session>> = None;
+        // Decompression and writes run on a thread of this stream's own, so the async
+        // workers only move bytes off the network.
+        let mut writer: Option<(tokio::sync::mpsc::Sender<proto::DataFrame>, StreamWriter)> = None;
         while let Some(frame) = stream.next().await {
             let frame = frame?;
             let s = match &session {
@@ -286,7 +288,6 @@ impl Transfer for AgentService {
             let data = frame
                 .frame
                 .ok_or_else(|| Status::invalid_argument("write frame without data"))?;
-            let content = frames::content(&data).map_err(Status::invalid_argument)?;
             if data
                 .offset
                 .checked_add(data.len)
@@ -297,21 +298,19 @@ impl Transfer for AgentService {
                     data.len, data.offset, s.size
                 ))));
             }
-            blocking(|| match content {
-                Content::Bytes(b) => s.file.write_all_at(&b, data.offset).map_err(internal),
-                Content::Zeros(n) => zero_range(&s.file, &s.path, data.offset, n).map_err(internal),
-            })?;
-            applied += data.len;
-            self.metrics.bytes_received.fetch_add(data.len, Relaxed);
-            if s.unsynced.fetch_add(data.len, Relaxed) + data.len >= SYNC_EVERY {
-                s.unsynced.store(0, Relaxed);
-                blocking(|| s.file.sync_data()).map_err(internal)?;
+            let (tx, _) =
+                writer.get_or_insert_with(|| StreamWriter::start(s.clone(), self.metrics.clone()));
+            if tx.send(data).await.is_err() {
+                break; // the writer failed: its error is returned below
             }
         }
-        // The stream ended cleanly: make what it wrote durable before acknowledging.
-        if let Some(s) = session {
-            blocking(|| s.file.sync_data()).map_err(internal)?;
-        }
+        let applied = match writer {
+            Some((tx, w)) => {
+                drop(tx);
+                w.finish().await?
+            }
+            None => 0,
+        };
         Ok(Response::new(proto::WriteAck {
             bytes_applied: applied,
         }))
@@ -399,6 +398,47 @@ impl Transfer for AgentService {
         Ok(Response::new(proto::FinishResponse {
             root: root.0.to_vec().into(),
         }))
+    }
+}
+
+/// The thread that applies one Write stream's frames to the destination.
+struct StreamWriter(std::thread::JoinHandle<Result<u64, Status>>);
+
+impl StreamWriter {
+    fn start(
+        s: Arc<Session>,
+        metrics: Arc<Metrics>,
+    ) -> (tokio::sync::mpsc::Sender<proto::DataFrame>, StreamWriter) {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<proto::DataFrame>(8);
+        let thread = std::thread::spawn(move || {
+            let mut applied = 0u64;
+            while let Some(data) = rx.blocking_recv() {
+                match frames::content(&data).map_err(Status::invalid_argument)? {
+                    Content::Bytes(b) => s.file.write_all_at(&b, data.offset).map_err(internal)?,
+                    Content::Zeros(n) => {
+                        zero_range(&s.file, &s.path, data.offset, n).map_err(internal)?
+                    }
+                }
+                applied += data.len;
+                metrics.bytes_received.fetch_add(data.len, Relaxed);
+                if s.unsynced.fetch_add(data.len, Relaxed) + data.len >= SYNC_EVERY {
+                    s.unsynced.store(0, Relaxed);
+                    s.file.sync_data().map_err(internal)?;
+                }
+            }
+            // The stream ended: make what it wrote durable before acknowledging.
+            s.file.sync_data().map_err(internal)?;
+            Ok(applied)
+        });
+        (tx, StreamWriter(thread))
+    }
+
+    /// Waits for the writer; its result is the stream's.
+    async fn finish(self) -> Result<u64, Status> {
+        tokio::task::spawn_blocking(move || self.0.join())
+            .await
+            .map_err(internal)?
+            .map_err(|_| Status::internal("the stream writer panicked"))?
     }
 }
 
