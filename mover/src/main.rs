@@ -62,7 +62,9 @@ enum Command {
         output: OutputArgs,
     },
     /// Run the per-node agent: serve exported volumes to peers over gRPC.
-    #[command(long_about = "Run the per-node agent. It serves the volumes its config         exports (and nothing else) to peers: `mover copy SRC agent://HOST:PORT/NAME` pushes         into an export, `mover copy agent://HOST:PORT/NAME DST` pulls from one. Peers         authenticate with mutual TLS and/or a bearer token; writes carry a fencing epoch.         /metrics and /healthz are served on metrics_listen. Stops gracefully on SIGINT or         SIGTERM.\n\nExample agent.toml:\n          listen = \"0.0.0.0:7070\"\n          metrics_listen = \"0.0.0.0:9470\"\n          token_file = \"/etc/mover/token\"\n          [tls]\n  cert = \"/etc/mover/agent.crt\"\n  key = \"/etc/mover/agent.key\"\n  ca = \"/etc/mover/ca.crt\"\n          [exports.pvc-data]\n  path = \"/dev/vg0/pvc-data\"\n          [exports.golden]\n  path = \"/srv/golden.img\"\n  read_only = true")]
+    #[command(
+        long_about = "Run the per-node agent. It serves the volumes its config         exports (and nothing else) to peers: `mover copy SRC agent://HOST:PORT/NAME` pushes         into an export, `mover copy agent://HOST:PORT/NAME DST` pulls from one. Peers         authenticate with mutual TLS and/or a bearer token; writes carry a fencing epoch.         /metrics and /healthz are served on metrics_listen. Stops gracefully on SIGINT or         SIGTERM.\n\nExample agent.toml:\n          listen = \"0.0.0.0:7070\"\n          metrics_listen = \"0.0.0.0:9470\"\n          token_file = \"/etc/mover/token\"\n          [tls]\n  cert = \"/etc/mover/agent.crt\"\n  key = \"/etc/mover/agent.key\"\n  ca = \"/etc/mover/ca.crt\"\n          [exports.pvc-data]\n  path = \"/dev/vg0/pvc-data\"\n          [exports.golden]\n  path = \"/srv/golden.img\"\n  read_only = true"
+    )]
     Agent {
         /// The agent's TOML configuration.
         #[arg(long, value_name = "FILE")]
@@ -193,10 +195,16 @@ fn copy(
     let runtime = || tokio::runtime::Runtime::new().context("cannot start the async runtime");
     Ok(match (from, to) {
         (None, None) => mover::copy_block(src, dst, options, bar)?,
-        (None, Some(to)) => runtime()?.block_on(mover::remote::push(src, &to, options, remote, bar))?,
-        (Some(from), None) => runtime()?.block_on(mover::remote::pull(&from, dst, options, remote, bar))?,
+        (None, Some(to)) => {
+            runtime()?.block_on(mover::remote::push(src, &to, options, remote, bar))?
+        }
+        (Some(from), None) => {
+            runtime()?.block_on(mover::remote::pull(&from, dst, options, remote, bar))?
+        }
         (Some(_), Some(_)) => {
-            anyhow::bail!(Unsupported("agent-to-agent copies: run the copy on one of the two nodes".into()))
+            anyhow::bail!(Unsupported(
+                "agent-to-agent copies: run the copy on one of the two nodes".into()
+            ))
         }
     })
 }
@@ -218,8 +226,9 @@ fn run_agent(config_path: &std::path::Path) -> anyhow::Result<()> {
             None => None,
         };
         let shutdown = async {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                .expect("SIGTERM handler");
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("SIGTERM handler");
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {},
                 _ = term.recv() => {},
