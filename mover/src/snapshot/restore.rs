@@ -1,14 +1,15 @@
 //! `snapshot restore`: a snapshot onto a new image file, an older copy, or a device.
 
-use chunker::{BlockVolume, ChunkId, ChunkKind, VolumeKind, Window, hash_chunks, read_window};
-use rustix::fs::FallocateFlags;
+use crate::{
+    CopyError,
+    copy::{CopyOptions, Destination, Origin, finish_destination, prepare_destination, zero_range},
+};
+use chunker::{ChunkId, ChunkKind, Window, hash_chunks, read_window};
 use serde::Serialize;
 use snapshots::{BlobLoc, CHUNKS_PER_LIST, Content, PackId, RepoError, Repository};
 use std::{
     collections::HashMap,
-    fs::{self, OpenOptions},
-    io::ErrorKind,
-    os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt},
+    os::unix::fs::FileExt,
     path::{Path, PathBuf},
     sync::Arc,
     time::Instant,
@@ -60,21 +61,6 @@ pub struct RestoreSummary {
     pub duration_secs: f64,
 }
 
-struct Dest {
-    volume: BlockVolume,
-    path: PathBuf,
-    partial: Option<PathBuf>,
-    /// Newly created: reads as zeros, nothing to compare.
-    fresh: bool,
-}
-
-fn refused(path: &Path, why: impl Into<String>) -> RepoError {
-    RepoError::Refused {
-        what: format!("destination {}", path.display()),
-        why: why.into(),
-    }
-}
-
 fn io(what: &'static str, path: &Path, offset: u64, cause: std::io::Error) -> RepoError {
     RepoError::Io {
         what,
@@ -84,109 +70,41 @@ fn io(what: &'static str, path: &Path, offset: u64, cause: std::io::Error) -> Re
     }
 }
 
-/// Opens or creates the destination (new images under a hidden temp name).
-fn prepare(dst: &Path, size: u64, force: bool) -> Result<Dest, RepoError> {
-    let mut options = OpenOptions::new();
-    options.read(true).write(true);
-    let meta = match fs::metadata(dst) {
-        Ok(m) => m,
-        Err(e) if e.kind() == ErrorKind::NotFound => {
-            let name = dst
-                .file_name()
-                .ok_or_else(|| refused(dst, "has no file name"))?;
-            let parent = match dst.parent() {
-                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-                _ => PathBuf::from("."),
-            };
-            if !parent.is_dir() {
-                return Err(refused(
-                    dst,
-                    format!(
-                        "its directory {} does not exist; create it first",
-                        parent.display()
-                    ),
-                ));
-            }
-            let partial = parent.join(format!(".{}.mover-partial", name.to_string_lossy()));
-            let fresh = !partial.exists();
-            if fresh {
-                options.create_new(true);
-            }
-            let mut volume = BlockVolume::open_with(&partial, &options)?;
-            if volume.size() != size {
-                volume
-                    .set_len(size)
-                    .map_err(|e| io("sizing", &partial, 0, e))?;
-            }
-            return Ok(Dest {
-                volume,
-                path: dst.into(),
-                partial: Some(partial),
-                fresh,
-            });
-        }
-        Err(e) => return Err(refused(dst, format!("cannot inspect it: {e}"))),
+/// A copy-engine error as a repository error: refusals stay refusals (exit code 2).
+fn from_copy(e: CopyError) -> RepoError {
+    if e.is_refusal() {
+        return RepoError::Refused {
+            what: "restore".into(),
+            why: e.to_string(),
+        };
+    }
+    RepoError::Io {
+        what: "restore to",
+        path: PathBuf::new(),
+        offset: 0,
+        cause: std::io::Error::other(e.to_string()),
+    }
+}
+
+/// Opens or creates the destination with the same checks and temp-name scheme as
+/// `mover copy` (an existing image smaller than the snapshot is grown).
+fn prepare(dst: &Path, size: u64, force: bool, snapshot: &str) -> Result<Destination, RepoError> {
+    let opts = CopyOptions {
+        force,
+        grow: true,
+        ..Default::default()
     };
-    let ft = meta.file_type();
-    if ft.is_dir() {
-        return Err(refused(
-            dst,
-            "is a directory; name the image file to create inside it",
-        ));
-    }
-    if !ft.is_file() && !ft.is_block_device() {
-        return Err(refused(dst, "is neither a block device nor an image file"));
-    }
-    if ft.is_block_device() && !force {
-        // O_EXCL on a block device fails with EBUSY while it is mounted or held.
-        options.custom_flags(rustix::fs::OFlags::EXCL.bits() as i32);
-    }
-    let mut volume = BlockVolume::open_with(dst, &options).map_err(|e| match e {
-        chunker::ChunkerError::Open { cause, .. }
-            if cause.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error()) =>
-        {
-            refused(
-                dst,
-                "is mounted or in use; writing under a mounted filesystem corrupts it. Unmount it, or pass --force if you are sure",
-            )
-        }
-        other => other.into(),
-    })?;
-    match volume.kind() {
-        VolumeKind::BlockDevice if volume.size() < size => {
-            return Err(refused(
-                dst,
-                format!(
-                    "is smaller than the snapshot ({} < {size} bytes)",
-                    volume.size()
-                ),
-            ));
-        }
-        VolumeKind::ImageFile if volume.size() > size => {
-            return Err(refused(
-                dst,
-                format!(
-                    "is larger than the snapshot ({} > {size} bytes) and would keep stale bytes past its end; truncate it (truncate -s {size}) or remove it",
-                    volume.size()
-                ),
-            ));
-        }
-        VolumeKind::ImageFile if volume.size() < size => {
-            volume.set_len(size).map_err(|e| io("growing", dst, 0, e))?;
-        }
-        _ => {}
-    }
-    let volume = if volume.size() > size {
-        volume.limited_to(size)
-    } else {
-        volume
-    };
-    Ok(Dest {
-        volume,
-        path: dst.into(),
-        partial: None,
-        fresh: false,
-    })
+    let name = PathBuf::from(format!("snapshot {snapshot}"));
+    prepare_destination(
+        Origin {
+            size,
+            volume: None,
+            name: &name,
+        },
+        dst,
+        &opts,
+    )
+    .map_err(from_copy)
 }
 
 /// Chunks per planning window.
@@ -217,7 +135,7 @@ pub async fn restore_snapshot(
     }
     let chunk = chunker::ChunkSize::new(cs).map_err(RepoError::from)?;
     let index = Arc::new(repo.load_index().await?);
-    let dest = Arc::new(prepare(dst, size, opts.force)?);
+    let dest = Arc::new(prepare(dst, size, opts.force, &snap.id.to_string())?);
     let mut sum = RestoreSummary {
         snapshot: snap.id.clone(),
         destination: dst.into(),
@@ -265,7 +183,8 @@ pub async fn restore_snapshot(
                 match k {
                     ChunkKind::Zero if dest.fresh => sum.zero_bytes += len,
                     ChunkKind::Zero => {
-                        zero_range(&dest.volume, off, len)?;
+                        zero_range(dest.volume.file(), dest.volume.path(), off, len)
+                            .map_err(from_copy)?;
                         sum.bytes_zeroed += len;
                     }
                     ChunkKind::Data(id) => {
@@ -341,26 +260,7 @@ pub async fn restore_snapshot(
         .file()
         .sync_all()
         .map_err(|e| io("sync of", &dest.path, 0, e))?;
-    if let Some(partial) = &dest.partial {
-        if dest.path.exists() {
-            return Err(refused(
-                &dest.path,
-                format!(
-                    "was created by someone else during the restore; the restored image is kept at {}",
-                    partial.display()
-                ),
-            ));
-        }
-        fs::rename(partial, &dest.path).map_err(|e| io("rename onto", &dest.path, 0, e))?;
-        let dir = dest
-            .path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| io("sync of directory", dir, 0, e))?;
-    }
+    finish_destination(dest).map_err(from_copy)?;
     sum.duration_secs = started.elapsed().as_secs_f64();
     Ok(sum)
 }
@@ -370,25 +270,4 @@ fn join(e: tokio::task::JoinError) -> RepoError {
         what: "restore task".into(),
         why: format!("failed: {e}"),
     }
-}
-
-/// Makes a range read as zeros: a punched hole where possible, else written zeros.
-/// (The same policy as `mover copy`'s; kept here until copy's destination helpers are
-/// shared with the snapshot engine.)
-fn zero_range(dst: &BlockVolume, offset: u64, len: u64) -> Result<(), RepoError> {
-    use rustix::io::Errno;
-    for flags in [
-        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-        FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE,
-    ] {
-        match rustix::fs::fallocate(dst.file(), flags, offset, len) {
-            Ok(()) => return Ok(()),
-            Err(Errno::OPNOTSUPP | Errno::INVAL | Errno::NODEV | Errno::NOTTY) => continue,
-            Err(e) => return Err(io("zeroing of", dst.path(), offset, e.into())),
-        }
-    }
-    let zeros = vec![0u8; len as usize];
-    dst.file()
-        .write_all_at(&zeros, offset)
-        .map_err(|e| io("write to", dst.path(), offset, e))
 }
