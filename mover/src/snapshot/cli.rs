@@ -1,6 +1,7 @@
 //! The `mover repo` and `mover snapshot` subcommands (part of the binary: argument
 //! parsing and printing; the work is in `mover::snapshot` and the `snapshots` crate).
 
+use super::human;
 use anyhow::Context;
 use mover::{RepoOptions, RestoreOptions, RestoreSummary, SnapshotCreateOptions};
 use snapshots::{Content, InitOptions, RepoError, Repository, Snapshot, retention::KeepPolicy};
@@ -508,20 +509,5 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
         Some(e) if e.is_corruption() => 3,
         Some(e) if e.is_refusal() => 2,
         _ => 1,
-    }
-}
-
-/// Bytes in binary units.
-fn human(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = bytes as f64;
-    let mut unit = 0;
-    while v >= 1024.0 && unit < UNITS.len() - 1 {
-        v /= 1024.0;
-        unit += 1;
-    }
-    match unit {
-        0 => format!("{bytes} B"),
-        _ => format!("{v:.2} {}", UNITS[unit]),
     }
 }
