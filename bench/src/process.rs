@@ -143,6 +143,18 @@ pub fn process_cpu(pid: u32) -> Option<Duration> {
     Some(Duration::from_secs_f64(ticks as f64 / per_sec as f64))
 }
 
+/// Bytes the live process `pid` (with its threads and the children it has reaped) made
+/// the kernel fetch from storage so far (`read_bytes` of `/proc/PID/io`: page-cache hits
+/// do not count); `None` if unknown.
+pub fn process_read_bytes(pid: u32) -> Option<u64> {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+    io.lines()
+        .find_map(|line| line.strip_prefix("read_bytes:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// The unit of `/proc/PID/stat` times (`sysconf(_SC_CLK_TCK)`).
 #[allow(unsafe_code)] // See the SAFETY comment.
 fn clock_ticks_per_second() -> Option<u64> {
@@ -258,6 +270,8 @@ mod tests {
         let own = process_cpu(std::process::id()).unwrap();
         assert!(own + Duration::from_millis(20) >= timed.cpu, "{own:?}");
         assert!(process_cpu(u32::MAX).is_none());
+        assert!(process_read_bytes(std::process::id()).is_some());
+        assert!(process_read_bytes(u32::MAX).is_none());
     }
 
     #[test]

@@ -441,6 +441,7 @@ fn agent_notes(agent: &AgentCopy) -> String {
          on the wire, full copy: mover {:.1} MiB (with mutual TLS {:.1} MiB), rsync sent \
          {:.1} MiB\n  \
          on the wire, delta copy: mover {:.1} MiB, rsync sent {:.1} MiB and received {:.1} MiB\n  \
+         read from disk by the server, delta copy: agent {:.1} MiB, rsync daemon {:.1} MiB\n  \
          agent peak RSS: {:.1} MiB, with mutual TLS {:.1} MiB\n",
         mib(full.mover_wire_bytes),
         mib(full.mover_tls_wire_bytes),
@@ -448,6 +449,8 @@ fn agent_notes(agent: &AgentCopy) -> String {
         mib(delta.mover_wire_bytes),
         mib(delta.rsync_bytes_sent),
         mib(delta.rsync_bytes_received),
+        mib(delta.mover.server_read_bytes.unwrap_or(0)),
+        mib(delta.rsync.server_read_bytes.unwrap_or(0)),
         mib(agent.agent_peak_rss_bytes),
         mib(agent.agent_tls_peak_rss_bytes),
     )

@@ -250,12 +250,18 @@ fn time_copy(
     prepare_destination(ctx, &dst, start_from.map(|p| (p, trial.prepare)))?;
     drop_caches()?;
     note!("{phase}: {tool}");
-    let server_cpu_before = trial.server_pid.and_then(process::process_cpu);
+    let server = trial.server_pid;
+    let server_before =
+        server.map(|pid| (process::process_cpu(pid), process::process_read_bytes(pid)));
     let timed = run_timed(&mut trial.cmd, ThenSync::Yes)?;
-    let server_cpu = trial.server_pid.and_then(process::process_cpu);
+    let server_after =
+        server.map(|pid| (process::process_cpu(pid), process::process_read_bytes(pid)));
     let (mut run, stdout) = Run::best(tool, describe(&trial.cmd), vec![timed]);
-    if let (Some(before), Some(after)) = (server_cpu_before, server_cpu) {
-        run.server_cpu_seconds = Some(after.saturating_sub(before).as_secs_f64());
+    if let (Some((cpu0, read0)), Some((cpu1, read1))) = (server_before, server_after) {
+        run.server_cpu_seconds = cpu0
+            .zip(cpu1)
+            .map(|(a, b)| b.saturating_sub(a).as_secs_f64());
+        run.server_read_bytes = read0.zip(read1).map(|(a, b)| b.saturating_sub(a));
     }
     let diff = diff::compare(source, &dst)
         .with_context(|| format!("cannot check the copy made by {tool}"))?;

@@ -61,6 +61,10 @@ pub struct Run {
     /// the best run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_cpu_seconds: Option<f64>,
+    /// For copies to a server: the bytes the server read from storage during the best
+    /// run (its `/proc/PID/io` read_bytes; page-cache hits do not count).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_read_bytes: Option<u64>,
     /// For copies: bytes the destination occupies on disk afterwards.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub destination_allocated_bytes: Option<u64>,
@@ -95,6 +99,7 @@ impl Run {
             max_rss_bytes: best.max_rss_bytes,
             cpu_seconds: best.cpu.as_secs_f64(),
             server_cpu_seconds: None,
+            server_read_bytes: None,
             destination_allocated_bytes: None,
             differing_pages_after: None,
             mover_report: None,
