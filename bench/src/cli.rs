@@ -43,14 +43,23 @@ dropped. The targets checked:
               --inplace --no-whole-file / mover >= 5x, and mover's wire_bytes < rsync's
               \"Total bytes sent\".
               The CPU column shows the client's CPU seconds and, after a +, the server's.
+  snapshot    (unless --skip-snapshot) `mover snapshot` against `restic` 0.14+, each into a
+              fresh local-directory repository in WORKDIR/snapshot, backing up the same file
+              (yesterday's image, then today's copied over it, untimed), best of 2 rounds
+              (1 if the first takes over 90 s):
+              first snapshot: restic time / mover time >= 2x, and mover's repository
+              <= restic's on disk; incremental snapshot: restic / mover >= 3x; restore of
+              the latest snapshot to a new file (+ sync): restic / mover >= 2x, each restored
+              image checked byte-identical to today's. --only-snapshot runs this phase alone.
 Every copy is checked byte-identical to its source after it is timed (untimed).
 
 Prints a table of figures, ratios and PASS/FAIL, and writes every figure as JSON.
 Exit status: 0 all targets met, 2 some target missed, 1 error.
 
 Needs root (loop devices, mount, drop_caches), cp, dd, rsync, b3sum, mkfs.ext4, losetup,
-mount, openssl (unless --skip-agent), and about 3x --size of free space in --workdir.
-Takes ~10 minutes at 4G, plus ~5 for the agent phase.
+mount, openssl (unless --skip-agent), restic (unless --skip-snapshot), and about 3x --size
+of free space in --workdir (the snapshot phase needs another ~2x while it runs).
+Takes ~10 minutes at 4G, plus ~5 for the agent phase and ~3 for the snapshots.
 If interrupted, the next run unmounts and detaches what the previous one left behind.";
 
 /// Benchmark `mover` against cp, dd, rsync and b3sum on loop devices.
@@ -84,6 +93,14 @@ pub struct Args {
     /// Skip the copies over the network (mover's agent against an rsync daemon).
     #[arg(long)]
     pub skip_agent: bool,
+
+    /// Skip the snapshots (mover snapshot against restic).
+    #[arg(long, conflicts_with = "only_snapshot")]
+    pub skip_snapshot: bool,
+
+    /// Run only the snapshot phase (no hashing, no copies, no agent).
+    #[arg(long)]
+    pub only_snapshot: bool,
 }
 
 /// Smallest volume that holds the ext4 metadata plus every kind of content.

@@ -53,7 +53,12 @@ fn main() -> ExitCode {
 /// Runs the whole bench; returns whether every target was met.
 fn run(args: &Args) -> Result<bool> {
     tools::ensure_root()?;
-    let tools = Tools::find(!args.skip_agent)?;
+    let chosen = Phases {
+        copies: !args.only_snapshot,
+        agent: !args.skip_agent && !args.only_snapshot,
+        snapshot: !args.skip_snapshot,
+    };
+    let tools = Tools::find(chosen.agent, chosen.snapshot)?;
     let mover = tools::resolve_mover(args.mover.as_deref())?;
     let workdir = prepare_workdir(&args.workdir)?;
     let cache = CachePaths::new(&workdir);
@@ -75,7 +80,7 @@ fn run(args: &Args) -> Result<bool> {
             scratch: scratch.clone(),
             json: &json_path,
         },
-        !args.skip_agent,
+        chosen,
     );
     image::remove_if_present(&scratch)?;
     if !args.keep {
@@ -95,14 +100,25 @@ struct Places<'a> {
     json: &'a Path,
 }
 
-/// Attaches today's image to a loop device, runs every phase (the agent phase if
-/// `agent_phase`), and publishes the results.
+/// Which phases run.
+#[derive(Debug, Clone, Copy)]
+struct Phases {
+    /// Hashing, the local copies and the sparse copy.
+    copies: bool,
+    /// The copies through mover's agent.
+    agent: bool,
+    /// The snapshots against restic.
+    snapshot: bool,
+}
+
+/// Attaches today's image to a loop device, runs the chosen phases, and publishes the
+/// results.
 fn measure_and_publish(
     tools: &Tools,
     mover: &Path,
     images: &image::Images,
     places: Places,
-    agent_phase: bool,
+    chosen: Phases,
 ) -> Result<bool> {
     let started_unix_secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -123,12 +139,23 @@ fn measure_and_publish(
         nproc: std::thread::available_parallelism().map_or(1, usize::from),
     };
     let load_before = load_average();
-    let hash = phases::hash(&ctx)?;
-    let full_copy = phases::full_copy(&ctx)?;
-    let delta_copy = phases::delta_copy(&ctx)?;
-    let sparse_copy = phases::sparse_copy(&ctx)?;
-    let agent = if agent_phase {
+    let (hash, full_copy, delta_copy, sparse_copy) = if chosen.copies {
+        (
+            phases::hash(&ctx)?,
+            Some(phases::full_copy(&ctx)?),
+            Some(phases::delta_copy(&ctx)?),
+            Some(phases::sparse_copy(&ctx)?),
+        )
+    } else {
+        (Vec::new(), None, None, None)
+    };
+    let agent = if chosen.agent {
         Some(phases::agent_copy(&ctx)?)
+    } else {
+        None
+    };
+    let snapshot = if chosen.snapshot {
+        Some(phases::snapshot(&ctx)?)
     } else {
         None
     };
@@ -150,6 +177,7 @@ fn measure_and_publish(
         delta_copy,
         sparse_copy,
         agent,
+        snapshot,
         bench_peak_rss_bytes: 0,
         load_before,
         load_after: String::new(),

@@ -9,7 +9,9 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use crate::image::Manifest;
-use crate::phases::{AgentCopy, DeltaCopy, FullCopy, HashResult, Run, SparseCopy};
+use crate::phases::{
+    AgentCopy, DeltaCopy, FullCopy, HashResult, Run, SnapshotPhase, SnapshotStep, SparseCopy,
+};
 
 /// Targets mover must meet.
 const HASH_MIN_RATIO: f64 = 0.90;
@@ -21,6 +23,9 @@ const AGENT_FULL_MAX_RATIO: f64 = 1.25;
 const AGENT_FULL_MIN_SPEEDUP: f64 = 1.5;
 const AGENT_DELTA_MIN_SPEEDUP: f64 = 5.0;
 const AGENT_TLS_MIN_RATIO: f64 = 0.85;
+const SNAPSHOT_FIRST_MIN_SPEEDUP: f64 = 2.0;
+const SNAPSHOT_INCREMENTAL_MIN_SPEEDUP: f64 = 3.0;
+const SNAPSHOT_RESTORE_MIN_SPEEDUP: f64 = 2.0;
 
 /// Bytes per MiB.
 const MIB: f64 = 1024.0 * 1024.0;
@@ -50,17 +55,19 @@ pub struct Results {
     pub source_device: PathBuf,
     /// How the images were built and what they hold.
     pub images: Manifest,
-    /// Hashing, per thread count.
+    /// Hashing, per thread count (empty with --only-snapshot).
     pub hash: Vec<HashResult>,
-    /// The full copy.
-    pub full_copy: FullCopy,
-    /// The delta copy.
-    pub delta_copy: DeltaCopy,
-    /// The sparse 64 GiB copy.
-    pub sparse_copy: SparseCopy,
+    /// The full copy (absent with --only-snapshot).
+    pub full_copy: Option<FullCopy>,
+    /// The delta copy (absent with --only-snapshot).
+    pub delta_copy: Option<DeltaCopy>,
+    /// The sparse 64 GiB copy (absent with --only-snapshot).
+    pub sparse_copy: Option<SparseCopy>,
     /// The copies over 127.0.0.1 through mover's agent and an rsync daemon (absent with
     /// --skip-agent).
     pub agent: Option<AgentCopy>,
+    /// The snapshots against restic (absent with --skip-snapshot).
+    pub snapshot: Option<SnapshotPhase>,
 }
 
 /// How a measured figure is compared with its limit.
@@ -186,13 +193,21 @@ impl<'a> Summary<'a> {
             rows.push(row(&phase, &hash.mover, size, Some(check)));
             rows.push(row(&phase, &hash.mover_on_image_file, size, None));
         }
-        rows.extend(full_copy_rows(&results.full_copy, size));
-        rows.extend(delta_copy_rows(&results.delta_copy, size));
-        let sparse = &results.sparse_copy;
-        rows.push(row("sparse 64G", &sparse.cp, sparse.size, None));
-        rows.push(row("sparse 64G", &sparse.mover, sparse.size, None));
-        if let Some(agent) = &results.agent {
-            rows.extend(agent_rows(agent, &results.full_copy.cp, size));
+        if let Some(full) = &results.full_copy {
+            rows.extend(full_copy_rows(full, size));
+        }
+        if let Some(delta) = &results.delta_copy {
+            rows.extend(delta_copy_rows(delta, size));
+        }
+        if let Some(sparse) = &results.sparse_copy {
+            rows.push(row("sparse 64G", &sparse.cp, sparse.size, None));
+            rows.push(row("sparse 64G", &sparse.mover, sparse.size, None));
+        }
+        if let (Some(agent), Some(full)) = (&results.agent, &results.full_copy) {
+            rows.extend(agent_rows(agent, &full.cp, size));
+        }
+        if let Some(snapshot) = &results.snapshot {
+            rows.extend(snapshot_rows(snapshot, size));
         }
         Self {
             rows,
@@ -313,52 +328,104 @@ fn agent_checks(agent: &AgentCopy) -> Vec<Check> {
     ]
 }
 
-/// Checks not tied to a timing: bytes written, memory, exactness of mover's copies.
-fn other_checks(results: &Results) -> Vec<Check> {
-    let delta = &results.delta_copy;
-    let changed = delta.changed.differing_bytes().max(1) as f64;
-    let mut mover_copies = vec![
-        &results.full_copy.mover,
-        &delta.mover_unindexed,
-        &delta.mover,
-        &results.sparse_copy.mover,
+/// Rows of the snapshots: restic, and mover judged by its speed-up over restic, for the
+/// first snapshot, the incremental one and the restore.
+fn snapshot_rows(snapshot: &SnapshotPhase, size: u64) -> Vec<Row<'_>> {
+    let steps: [(&str, &SnapshotStep, f64); 3] = [
+        ("snap first", &snapshot.first, SNAPSHOT_FIRST_MIN_SPEEDUP),
+        (
+            "snap incr",
+            &snapshot.incremental,
+            SNAPSHOT_INCREMENTAL_MIN_SPEEDUP,
+        ),
+        (
+            "snap restore",
+            &snapshot.restore,
+            SNAPSHOT_RESTORE_MIN_SPEEDUP,
+        ),
     ];
-    if let Some(agent) = &results.agent {
-        mover_copies.extend([&agent.full.mover, &agent.full.mover_tls, &agent.delta.mover]);
+    let mut rows = Vec::new();
+    for (phase, step, limit) in steps {
+        let check = Check::new(
+            &format!("{phase}: restic time / mover time"),
+            step.restic.seconds / step.mover.seconds,
+            Rule::AtLeast,
+            limit,
+            Unit::Ratio,
+        );
+        rows.push(row(phase, &step.restic, size, None));
+        rows.push(row(phase, &step.mover, size, Some(check)));
     }
-    let inexact = mover_copies.iter().filter(|run| !run.is_exact()).count();
-    let mut checks = vec![
-        Check::new(
+    rows
+}
+
+/// Checks of the snapshots not shown on a row: the repositories' size after the first
+/// snapshot.
+fn snapshot_checks(snapshot: &SnapshotPhase) -> Vec<Check> {
+    vec![Check::new(
+        "snapshot: mover repository vs restic's, first snapshot",
+        snapshot.first.mover_repo_bytes as f64 / MIB,
+        Rule::AtMost,
+        snapshot.first.restic_repo_bytes as f64 / MIB,
+        Unit::Mib,
+    )]
+}
+
+/// Checks not tied to a timing: bytes written, memory, exactness of mover's copies and
+/// restores.
+fn other_checks(results: &Results) -> Vec<Check> {
+    let mut checks = Vec::new();
+    let mut mover_copies = Vec::new();
+    if let Some(delta) = &results.delta_copy {
+        let changed = delta.changed.differing_bytes().max(1) as f64;
+        checks.push(Check::new(
             "delta copy: mover bytes written / changed 4 KiB pages",
             delta.mover_bytes_written as f64 / changed,
             Rule::AtMost,
             DELTA_MAX_WRITE_RATIO,
             Unit::Ratio,
-        ),
-        Check::new(
+        ));
+        mover_copies.extend([&delta.mover_unindexed, &delta.mover]);
+    }
+    if let Some(full) = &results.full_copy {
+        checks.push(Check::new(
             "peak RSS of mover, full copy",
-            results.full_copy.mover.max_rss_bytes as f64 / MIB,
+            full.mover.max_rss_bytes as f64 / MIB,
             Rule::Below,
             MAX_RSS_MIB,
             Unit::Mib,
-        ),
-        Check::new(
+        ));
+        mover_copies.push(&full.mover);
+    }
+    if let Some(sparse) = &results.sparse_copy {
+        checks.push(Check::new(
             "peak RSS of mover, 64 GiB sparse copy",
-            results.sparse_copy.mover.max_rss_bytes as f64 / MIB,
+            sparse.mover.max_rss_bytes as f64 / MIB,
             Rule::Below,
             MAX_RSS_MIB,
             Unit::Mib,
-        ),
-        Check::new(
-            "mover copies differing from their source",
-            inexact as f64,
-            Rule::AtMost,
-            0.0,
-            Unit::Count,
-        ),
-    ];
+        ));
+        mover_copies.push(&sparse.mover);
+    }
+    if let Some(agent) = &results.agent {
+        mover_copies.extend([&agent.full.mover, &agent.full.mover_tls, &agent.delta.mover]);
+    }
+    if let Some(snapshot) = &results.snapshot {
+        mover_copies.push(&snapshot.restore.mover);
+    }
+    let inexact = mover_copies.iter().filter(|run| !run.is_exact()).count();
+    checks.push(Check::new(
+        "mover copies and restores differing from their source",
+        inexact as f64,
+        Rule::AtMost,
+        0.0,
+        Unit::Count,
+    ));
     if let Some(agent) = &results.agent {
         checks.extend(agent_checks(agent));
+    }
+    if let Some(snapshot) = &results.snapshot {
+        checks.extend(snapshot_checks(snapshot));
     }
     checks
 }
@@ -424,6 +491,9 @@ fn render(results: &Results, summary: &Summary) -> String {
     if let Some(agent) = &results.agent {
         out += &agent_notes(agent);
     }
+    if let Some(snapshot) = &results.snapshot {
+        out += &snapshot_notes(snapshot);
+    }
     let failed = summary.checks().iter().filter(|c| !c.pass).count();
     let _ = match failed {
         0 => writeln!(out, "\nall targets met"),
@@ -453,6 +523,23 @@ fn agent_notes(agent: &AgentCopy) -> String {
         mib(delta.rsync.server_read_bytes.unwrap_or(0)),
         mib(agent.agent_peak_rss_bytes),
         mib(agent.agent_tls_peak_rss_bytes),
+    )
+}
+
+/// The repositories' size after each snapshot.
+fn snapshot_notes(snapshot: &SnapshotPhase) -> String {
+    let mib = |bytes: u64| bytes as f64 / MIB;
+    let (first, incr) = (&snapshot.first, &snapshot.incremental);
+    format!(
+        "snapshot phase, local-directory repositories on the workdir's disk:\n  \
+         repository after the first snapshot: mover {:.1} MiB, restic {:.1} MiB\n  \
+         added by the incremental snapshot: mover {:.1} MiB, restic {:.1} MiB\n",
+        mib(first.mover_repo_bytes),
+        mib(first.restic_repo_bytes),
+        mib(incr.mover_repo_bytes.saturating_sub(first.mover_repo_bytes)),
+        mib(incr
+            .restic_repo_bytes
+            .saturating_sub(first.restic_repo_bytes)),
     )
 }
 

@@ -27,15 +27,17 @@ pub struct Tools {
     /// `openssl` (makes the agent phase's TLS certificates); looked for only when that
     /// phase runs.
     pub openssl: Option<PathBuf>,
+    /// `restic` (peer: snapshots); looked for only when the snapshot phase runs.
+    pub restic: Option<PathBuf>,
 }
 
 /// Directories searched after `$PATH`, since `sudo` or cron may leave the sbins out.
 const EXTRA_DIRS: [&str; 4] = ["/usr/local/sbin", "/usr/sbin", "/sbin", "/usr/bin"];
 
 impl Tools {
-    /// Finds every program (`openssl` only if `agent_phase`), or fails naming each missing
-    /// one and its Debian/Ubuntu package.
-    pub fn find(agent_phase: bool) -> Result<Self> {
+    /// Finds every program (`openssl` only if `agent_phase`, `restic` only if
+    /// `snapshot_phase`), or fails naming each missing one and its Debian/Ubuntu package.
+    pub fn find(agent_phase: bool, snapshot_phase: bool) -> Result<Self> {
         let mut missing = Vec::new();
         let mut find = |name: &str, package: &str| {
             find_program(name).unwrap_or_else(|| {
@@ -53,6 +55,7 @@ impl Tools {
             mount: find("mount", "mount"),
             umount: find("umount", "mount"),
             openssl: agent_phase.then(|| find("openssl", "openssl")),
+            restic: snapshot_phase.then(|| find("restic", "restic")),
         };
         if !missing.is_empty() {
             bail!("missing required programs: {}", missing.join(", "));

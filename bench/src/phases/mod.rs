@@ -4,6 +4,7 @@
 mod agent;
 mod copy;
 mod hash;
+mod snapshot;
 
 use std::path::{Path, PathBuf};
 
@@ -12,6 +13,7 @@ use serde::Serialize;
 pub use agent::{AgentCopy, agent_copy};
 pub use copy::{DeltaCopy, FullCopy, SparseCopy, delta_copy, full_copy, sparse_copy};
 pub use hash::{HashResult, hash};
+pub use snapshot::{SnapshotPhase, SnapshotStep, snapshot};
 
 use crate::image::Images;
 use crate::process::Timed;
