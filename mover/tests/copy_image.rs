@@ -149,7 +149,8 @@ fn refusals_write_nothing_and_exit_2() {
         ],
         "does not exist",
     );
-    check(&["copy", s, "agent://node-b:7070/vol"], "not supported");
+    check(&["copy", s, "s3://bucket/volume"], "not supported");
+    check(&["copy", s, "agent://node-b/vol"], "no port");
     check(
         &[
             "copy",
