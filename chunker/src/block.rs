@@ -202,6 +202,21 @@ fn hash_read(
     digest: &mut DigestBuilder,
     mut progress: impl FnMut(u64),
 ) -> Result<()> {
+    for_each_window(volume, chunk, |win: &mut Window| {
+        let kinds = hash_chunks(digest.key, chunk, win);
+        digest.push_all(&kinds, win.chunk_ranges(chunk).map(|r| r.len() as u64));
+        progress(win.offset + win.buf.len() as u64);
+        Ok(())
+    })
+}
+
+/// Reads the whole volume in windows of whole chunks (holes not read), in order, on a
+/// read-ahead thread, calling `consume` for each; memory stays at a few windows.
+pub fn for_each_window<E: From<ChunkerError> + Send>(
+    volume: &BlockVolume,
+    chunk: ChunkSize,
+    consume: impl FnMut(&mut Window) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
     volume.advise_sequential();
     let size = volume.size();
     let wlen = window_len(chunk) as u64;
@@ -216,14 +231,9 @@ fn hash_read(
             let len = wlen.min(size - next) as usize;
             let r = read_window(volume, chunk, next, len, &mut win).map(|()| win);
             next += len as u64;
-            Some(r)
+            Some(r.map_err(E::from))
         },
-        |win: &mut Window| {
-            let kinds = hash_chunks(digest.key, chunk, win);
-            digest.push_all(&kinds, win.chunk_ranges(chunk).map(|r| r.len() as u64));
-            progress(win.offset + win.buf.len() as u64);
-            Ok(())
-        },
+        consume,
     )
 }
 

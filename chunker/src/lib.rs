@@ -29,8 +29,8 @@ mod volume;
 mod zero;
 
 pub use block::{
-    ChunkKind, VolumeDigest, Window, hash_chunks, hash_volume, hash_volume_leaves, read_window,
-    read_window_where,
+    ChunkKind, VolumeDigest, Window, for_each_window, hash_chunks, hash_volume, hash_volume_leaves,
+    read_window, read_window_where,
 };
 pub use cdc::{CdcChunk, CdcChunker, CdcParams};
 pub use error::{ChunkerError, Result};

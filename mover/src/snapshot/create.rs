@@ -1,6 +1,6 @@
 //! `snapshot create`: a block volume into the repository, uploading only new chunks.
 
-use chunker::{BlockVolume, ChunkKind, Window, hash_chunks, read_ahead, read_window};
+use chunker::{BlockVolume, ChunkKind, Window, for_each_window, hash_chunks};
 use rayon::prelude::*;
 use snapshots::{
     BlobKind, CHUNKS_PER_LIST, Content, FinishedPack, Index, MANIFEST_VERSION, Manifest,
@@ -163,59 +163,43 @@ fn produce(
         }
         Ok(())
     };
-    vol.advise_sequential();
-    let window_len = chunk.bytes().max(8 << 20) as u64;
-    let mut next = 0u64;
-    read_ahead(
-        2,
-        |recycled: Option<Window>| {
-            if next >= size {
-                return None;
-            }
-            let mut win = recycled.unwrap_or_default();
-            let len = window_len.min(size - next) as usize;
-            let r = read_window(&vol, chunk, next, len, &mut win).map(|()| win);
-            next += len as u64;
-            Some(r.map_err(RepoError::from))
-        },
-        |win: &mut Window| {
-            let kinds = hash_chunks(key, chunk, win);
-            let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
-            let mut new = Vec::new();
-            for (i, k) in kinds.iter().enumerate() {
-                match k {
-                    ChunkKind::Zero => sum.zero_chunks += 1,
-                    ChunkKind::Data(id) => {
-                        sum.data_chunks += 1;
-                        sum.data_bytes += ranges[i].len() as u64;
-                        if !index.contains(id) && seen.insert(*id) {
-                            new.push((i, *id));
-                        }
+    for_each_window::<RepoError>(&vol, chunk, |win: &mut Window| {
+        let kinds = hash_chunks(key, chunk, win);
+        let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
+        let mut new = Vec::new();
+        for (i, k) in kinds.iter().enumerate() {
+            match k {
+                ChunkKind::Zero => sum.zero_chunks += 1,
+                ChunkKind::Data(id) => {
+                    sum.data_chunks += 1;
+                    sum.data_bytes += ranges[i].len() as u64;
+                    if !index.contains(id) && seen.insert(*id) {
+                        new.push((i, *id));
                     }
                 }
             }
-            let sealed: Vec<Vec<u8>> = new
-                .par_iter()
-                .map(|(i, id)| repo.seal_blob(BlobKind::Data, id, &win.buf[ranges[*i].clone()]))
-                .collect();
-            for ((i, id), s) in new.iter().zip(sealed) {
-                data_pack.push(BlobKind::Data, *id, &s);
-                sum.new_chunks += 1;
-                sum.new_bytes += ranges[*i].len() as u64;
-                if data_pack.len() >= pack_size {
-                    send(std::mem::take(&mut data_pack))?;
-                }
+        }
+        let sealed: Vec<Vec<u8>> = new
+            .par_iter()
+            .map(|(i, id)| repo.seal_blob(BlobKind::Data, id, &win.buf[ranges[*i].clone()]))
+            .collect();
+        for ((i, id), s) in new.iter().zip(sealed) {
+            data_pack.push(BlobKind::Data, *id, &s);
+            sum.new_chunks += 1;
+            sum.new_bytes += ranges[*i].len() as u64;
+            if data_pack.len() >= pack_size {
+                send(std::mem::take(&mut data_pack))?;
             }
-            for k in kinds {
-                kinds_acc.push(k);
-                if kinds_acc.len() == CHUNKS_PER_LIST as usize {
-                    flush_list(&kinds_acc, &mut list_pack, &mut seen)?;
-                    kinds_acc.clear();
-                }
+        }
+        for k in kinds {
+            kinds_acc.push(k);
+            if kinds_acc.len() == CHUNKS_PER_LIST as usize {
+                flush_list(&kinds_acc, &mut list_pack, &mut seen)?;
+                kinds_acc.clear();
             }
-            Ok(())
-        },
-    )?;
+        }
+        Ok(())
+    })?;
     if !kinds_acc.is_empty() {
         flush_list(&kinds_acc, &mut list_pack, &mut seen)?;
     }
