@@ -42,7 +42,7 @@ pub use manifest::{
 };
 pub use pack::{BlobKind, FinishedPack, PackBuilder, PackEntry, PackId, pack_key};
 pub use prune::PruneReport;
-pub use repo::{InitOptions, Repository, Uploader, now_unix};
+pub use repo::{InitOptions, Repository, Uploader, now_unix, now_unix_nanos};
 pub use verify::{DamagedSnapshot, VerifyReport};
 
 /// Lowercase hex of bytes.

@@ -28,6 +28,10 @@ pub struct Manifest {
     pub version: u32,
     /// When the snapshot was taken (Unix seconds, UTC).
     pub time: i64,
+    /// Nanoseconds within that second: orders snapshots taken in the same second, so
+    /// `latest` is never a coin toss. Absent (0) in manifests written before it existed.
+    #[serde(default)]
+    pub time_nanos: u32,
     /// The host that took it.
     pub hostname: String,
     /// The volume's name (by default its path): snapshots of one volume share it.

@@ -41,6 +41,15 @@ impl Default for InitOptions {
     }
 }
 
+/// Now, as seconds since the Unix epoch and nanoseconds within that second (read once,
+/// so the two agree).
+pub fn now_unix_nanos() -> (i64, u32) {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| (d.as_secs() as i64, d.subsec_nanos()))
+        .unwrap_or((0, 0))
+}
+
 /// Seconds since the Unix epoch.
 pub fn now_unix() -> i64 {
     SystemTime::now()
@@ -410,7 +419,10 @@ impl Repository {
                 Err(e) => return Err(e),
             }
         }
-        out.sort_by(|a, b| (a.manifest.time, &a.id).cmp(&(b.manifest.time, &b.id)));
+        out.sort_by(|a, b| {
+            let key = |s: &Snapshot| (s.manifest.time, s.manifest.time_nanos);
+            (key(a), &a.id).cmp(&(key(b), &b.id))
+        });
         Ok(out)
     }
 

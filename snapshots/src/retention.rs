@@ -134,6 +134,7 @@ mod tests {
             manifest: Manifest {
                 version: MANIFEST_VERSION,
                 time,
+                time_nanos: 0,
                 hostname: "h".into(),
                 volume: "v".into(),
                 tags: vec![],

@@ -48,9 +48,11 @@ async fn store(
     );
     up.add(repo.finish_pack(pack)).await.unwrap();
     up.finish().await.unwrap();
+    let (time, time_nanos) = snapshots::now_unix_nanos();
     repo.save_snapshot(Manifest {
         version: MANIFEST_VERSION,
-        time: snapshots::now_unix(),
+        time,
+        time_nanos,
         hostname: "test".into(),
         volume: volume.into(),
         tags: vec![],
@@ -141,6 +143,29 @@ async fn objects_carry_versions_and_a_newer_config_is_refused() {
     assert!(
         matches!(e, RepoError::UnsupportedVersion { found: 2, .. }),
         "{e}"
+    );
+}
+
+/// Regression: snapshots taken within the same second (as a quick create after a create)
+/// used to tie on their whole-second time, so `latest` could be the older one.
+#[tokio::test]
+async fn latest_is_the_newest_even_within_one_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let b: Arc<dyn Backend> = Arc::new(LocalBackend::new(dir.path()));
+    let repo = Arc::new(
+        Repository::init(b, &pw("p"), &InitOptions::default())
+            .await
+            .unwrap(),
+    );
+    for n in 0..6u8 {
+        store(&repo, &format!("v{n}"), &[chunk(n + 1)], 1).await;
+    }
+    let all = repo.snapshots().await.unwrap();
+    let order: Vec<&str> = all.iter().map(|s| s.manifest.volume.as_str()).collect();
+    assert_eq!(order, ["v0", "v1", "v2", "v3", "v4", "v5"]);
+    assert_eq!(
+        repo.find_snapshot("latest").await.unwrap().manifest.volume,
+        "v5"
     );
 }
 

@@ -93,9 +93,11 @@ pub async fn create_snapshot(
     produced.sum.packs = packs;
     produced.sum.stored_bytes = bytes;
     produced.sum.duration_secs = started.elapsed().as_secs_f64();
+    let (time, time_nanos) = snapshots::now_unix_nanos();
     let manifest = Manifest {
         version: MANIFEST_VERSION,
-        time: snapshots::now_unix(),
+        time,
+        time_nanos,
         hostname: hostname(),
         volume: name,
         tags: opts.tags.clone(),
