@@ -387,3 +387,25 @@ fn saved_index_limits_destination_reads_and_is_never_trusted_when_stale() {
     assert_eq!(fourth["used_saved_index"], false);
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
 }
+
+/// Regression: the index of a new image was saved under its name as given (relative),
+/// and looked up by its absolute name next time, so relative paths never used it.
+#[test]
+fn saved_index_is_found_with_relative_paths() {
+    let t = tempfile::tempdir().unwrap();
+    make_image(&t.path().join("src.img"), 16 * MIB, 33, &[(0, 16 * MIB)]);
+    let copy = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(["copy", "src.img", "dst.img", "--json", "--no-progress"])
+            .current_dir(t.path())
+            .env("MOVER_STATE_DIR", t.path().join("state"))
+            .output()
+            .unwrap();
+        json_of(&out)
+    };
+    assert_eq!(copy()["used_saved_index"], false);
+    scribble_pages(&t.path().join("src.img"), 34, 3, 0..MIB);
+    let second = copy();
+    assert_eq!(second["used_saved_index"], true);
+    assert_eq!(second["destination_bytes_read"], MIB);
+}

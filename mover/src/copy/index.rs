@@ -47,7 +47,18 @@ impl Identity {
 
 /// Where the index for `dst` lives in the state directory.
 pub(crate) fn index_path(state_dir: &Path, dst: &Path) -> PathBuf {
-    let abs = fs::canonicalize(dst).unwrap_or_else(|_| dst.to_path_buf());
+    // The same absolute name whether or not the image exists yet (a new image is named
+    // before it is created), and whatever the working directory.
+    let abs = fs::canonicalize(dst).unwrap_or_else(|_| {
+        let parent = dst
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        match (fs::canonicalize(parent), dst.file_name()) {
+            (Ok(dir), Some(name)) => dir.join(name),
+            _ => dst.to_path_buf(),
+        }
+    });
     let name = blake3::hash(abs.as_os_str().as_encoded_bytes()).to_hex();
     state_dir.join("index").join(format!("{}.idx", &name[..32]))
 }
