@@ -179,11 +179,7 @@ impl Transfer for AgentService {
                 None => blocking(|| BlockVolume::open(&export.path)),
             }
             .map_err(internal)?;
-            let v = if v.size() > size {
-                v.limited_to(size)
-            } else {
-                v
-            };
+            let v = v.limited_to_at_most(size);
             blocking(|| Summary::of_volume(&v, &key, chunk, |_| {})).map_err(internal)?
         };
         let id = format!("{}-{}", r.volume, self.next_id.fetch_add(1, Relaxed));
@@ -375,11 +371,7 @@ impl Transfer for AgentService {
                 let _ =
                     rustix::fs::fadvise(dest.volume.file(), 0, None, rustix::fs::Advice::DontNeed);
                 let v = blocking(|| BlockVolume::open(dest.volume.path())).map_err(internal)?;
-                let v = if v.size() > s.size {
-                    v.limited_to(s.size)
-                } else {
-                    v
-                };
+                let v = v.limited_to_at_most(s.size);
                 root = blocking(|| chunker::hash_volume(&v, &s.key, s.chunk, |_| {}))
                     .map_err(internal)?
                     .root;

@@ -125,11 +125,7 @@ pub(crate) fn prepare(src: Origin<'_>, dst: &Path, opts: &CopyOptions) -> Result
         _ => {}
     }
     // A larger device keeps its bytes past the source's end; only the prefix is copied.
-    let volume = if volume.size() > size {
-        volume.limited_to(size)
-    } else {
-        volume
-    };
+    let volume = volume.limited_to_at_most(size);
     let (marker, resumed) = Marker::begin(&opts.state_dir(), dst, src.name)?;
     Ok(Destination {
         volume,
