@@ -6,7 +6,8 @@ use super::{
     metrics::Metrics,
 };
 use crate::copy::{
-    CopyOptions, Destination, Origin, finish_destination, prepare_destination, zero_range,
+    CopyOptions, Destination, Origin, finish_destination, prepare_destination, read_back_root,
+    zero_range,
 };
 use chunker::{BlockVolume, ChunkKey, ChunkSize, PAGE_HASH_LEN, PAGE_SIZE, Summary, page_hashes};
 use std::{
@@ -368,13 +369,9 @@ impl Transfer for AgentService {
         if let Some(dest) = dest {
             blocking(|| dest.volume.file().sync_all()).map_err(internal)?;
             if r.verify {
-                let _ =
-                    rustix::fs::fadvise(dest.volume.file(), 0, None, rustix::fs::Advice::DontNeed);
                 let v = blocking(|| BlockVolume::open(dest.volume.path())).map_err(internal)?;
                 let v = v.limited_to_at_most(s.size);
-                root = blocking(|| chunker::hash_volume(&v, &s.key, s.chunk, |_| {}))
-                    .map_err(internal)?
-                    .root;
+                root = blocking(|| read_back_root(&v, &s.key, s.chunk, &())).map_err(internal)?;
             }
             blocking(|| finish_destination(dest)).map_err(internal)?;
         }

@@ -445,11 +445,7 @@ fn verify(
     shown_dst: &Path,
     progress: &dyn Progress,
 ) -> Result<()> {
-    // Drop the pages just written from the cache so the check reads the disk, not memory.
-    let _ = rustix::fs::fadvise(dst.file(), 0, None, rustix::fs::Advice::DontNeed);
-    progress.begin("verify", dst.size());
-    let digest = hash_volume(dst, key, chunk, |done| progress.update(done))?;
-    if digest.root == src_root {
+    if read_back_root(dst, key, chunk, progress)? == src_root {
         return Ok(());
     }
     let offset = first_difference(source, dst, chunk)?.unwrap_or(0);
@@ -458,6 +454,19 @@ fn verify(
         dst: shown_dst.into(),
         offset,
     })
+}
+
+/// The Merkle root of a volume just written, read back from disk: its pages are dropped
+/// from the cache first, so the check reads the disk, not memory.
+pub(crate) fn read_back_root(
+    volume: &BlockVolume,
+    key: &ChunkKey,
+    chunk: ChunkSize,
+    progress: &dyn Progress,
+) -> Result<ChunkId> {
+    let _ = rustix::fs::fadvise(volume.file(), 0, None, rustix::fs::Advice::DontNeed);
+    progress.begin("verify", volume.size());
+    Ok(hash_volume(volume, key, chunk, |done| progress.update(done))?.root)
 }
 
 /// The offset of the first chunk where two volumes differ, by direct comparison.

@@ -7,7 +7,7 @@ use super::{
 use crate::{
     copy::{
         CopyOptions, CopySummary, Origin, Progress, finish_destination, prepare_destination,
-        zero_range,
+        read_back_root, zero_range,
     },
     error::{CopyError, Result, write_error},
 };
@@ -120,9 +120,8 @@ async fn attempt(
         .into_inner()
         .root;
     if copy.verify {
-        let _ = rustix::fs::fadvise(file, 0, None, rustix::fs::Advice::DontNeed);
         let v = BlockVolume::open(dest.volume.path())?.limited_to_at_most(size);
-        let mine = chunker::hash_volume(&v, &key, chunk, |d| progress.update(d))?.root;
+        let mine = read_back_root(&v, &key, chunk, progress)?;
         if mine.0[..] != remote_root[..] {
             return Err(CopyError::VerifyFailed {
                 src: url.to_string().into(),
