@@ -104,6 +104,16 @@ pub enum CopyError {
         /// The agent's or the transport's message.
         message: String,
     },
+    /// A file tree's top directory could not be read, created or finished.
+    #[error("{what} {path}: {cause}")]
+    Tree {
+        /// The directory.
+        path: PathBuf,
+        /// What was being done ("cannot open the source", ...).
+        what: &'static str,
+        /// The OS error.
+        cause: std::io::Error,
+    },
     /// The state directory (interrupted-copy markers) could not be used.
     #[error(
         "state directory {path}: {cause} (set --state-dir or MOVER_STATE_DIR to a writable directory)"

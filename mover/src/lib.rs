@@ -16,6 +16,7 @@ mod error;
 mod hash;
 pub mod remote;
 mod snapshot;
+mod tree;
 
 pub use copy::{CopyOptions, CopySummary, Progress, copy_block};
 pub use error::{CopyError, Result};
@@ -24,3 +25,4 @@ pub use snapshot::{
     CreateOptions as SnapshotCreateOptions, RepoOptions, RestoreOptions, RestoreSummary,
     create_snapshot, open_repository, restore_snapshot,
 };
+pub use tree::{TreeOptions, TreeSummary, copy_tree};

@@ -4,7 +4,7 @@
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use mover::{CopyError, CopyOptions, CopySummary, HashSummary, Progress};
+use mover::{CopyError, CopyOptions, CopySummary, HashSummary, Progress, TreeSummary};
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, sync::Mutex};
 
 #[path = "snapshot/cli.rs"]
@@ -56,6 +56,8 @@ enum Command {
         dst: PathBuf,
         #[command(flatten)]
         options: CopyOptions,
+        #[command(flatten)]
+        tree: mover::TreeOptions,
         #[command(flatten)]
         remote: mover::remote::RemoteOptions,
         #[command(flatten)]
@@ -148,12 +150,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             src,
             dst,
             options,
+            tree,
             remote,
             output,
         } => {
             let bar = Bar::new(&output);
-            let summary = copy(&src, &dst, &options, &remote, &bar)
-                .with_context(|| format!("copy {} -> {}", src.display(), dst.display()))?;
+            let context = || format!("copy {} -> {}", src.display(), dst.display());
+            if std::fs::metadata(&src).is_ok_and(|m| m.is_dir()) {
+                if options.verify {
+                    anyhow::bail!(Unsupported("--verify of file trees".into()));
+                }
+                let summary = mover::copy_tree(&src, &dst, &tree, &bar).with_context(context)?;
+                bar.done();
+                return print_tree(&summary, output.json);
+            }
+            let summary = copy(&src, &dst, &options, &remote, &bar).with_context(context)?;
             bar.done();
             print_copy(&summary, output.json)
         }
@@ -269,6 +280,61 @@ fn print_copy(s: &CopySummary, json: bool) -> anyhow::Result<()> {
     );
     if let Some(root) = &s.root {
         println!("  verified: destination read back equals source (root {root})");
+    }
+    Ok(())
+}
+
+/// Prints a tree copy's summary; an incomplete copy is an error (exit 1) after it.
+fn print_tree(s: &TreeSummary, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(s)?);
+    } else {
+        println!(
+            "copied tree {} -> {}: {} files ({}), {} dirs, {} symlinks, {} hard links, {} special in {:.2}s{}",
+            s.source.display(),
+            s.destination.display(),
+            s.files,
+            human(s.source_bytes),
+            s.dirs,
+            s.symlinks,
+            s.hard_links,
+            s.specials,
+            s.duration_secs,
+            if s.resumed {
+                ", finishing an interrupted copy"
+            } else {
+                ""
+            }
+        );
+        println!(
+            "  {} entries written whole, {} files patched, {} unchanged, {} with new metadata, {} deleted; \
+             wrote {} of file data, reused {} from older copies",
+            s.entries_copied,
+            s.files_patched,
+            s.entries_unchanged,
+            s.metadata_updated,
+            s.entries_deleted,
+            human(s.bytes_written),
+            human(s.bytes_reused),
+        );
+        for w in &s.warnings {
+            eprintln!("mover: warning: {w}");
+        }
+        for e in &s.errors {
+            eprintln!("mover: {e}");
+        }
+    }
+    if !s.is_complete() {
+        anyhow::bail!(
+            "{} entries could not be copied (first errors above); fix them and rerun: \
+             what is already copied is not copied again{}",
+            s.failed,
+            if s.destination.exists() {
+                ""
+            } else {
+                "; until then the copy stays hidden under .NAME.mover-partial"
+            }
+        );
     }
     Ok(())
 }

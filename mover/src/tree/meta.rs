@@ -1,0 +1,287 @@
+//! What a tree entry is besides its content: kind, mode, owner, times, xattrs (POSIX ACLs
+//! are the `system.posix_acl_*` xattrs), and how to read and apply them.
+
+use rustix::fs::{self, AtFlags, FileType, Mode, Timespec, Timestamps};
+use std::{
+    ffi::{OsStr, OsString},
+    io,
+    os::{
+        fd::{AsFd, AsRawFd, BorrowedFd},
+        unix::ffi::OsStrExt,
+    },
+    path::{Path, PathBuf},
+};
+
+/// The kinds of entries a tree holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Kind {
+    File,
+    Dir,
+    Symlink,
+    CharDevice,
+    BlockDevice,
+    Fifo,
+    Socket,
+}
+
+impl Kind {
+    fn of(file_type: FileType) -> Kind {
+        match file_type {
+            FileType::Directory => Kind::Dir,
+            FileType::Symlink => Kind::Symlink,
+            FileType::CharacterDevice => Kind::CharDevice,
+            FileType::BlockDevice => Kind::BlockDevice,
+            FileType::Fifo => Kind::Fifo,
+            FileType::Socket => Kind::Socket,
+            _ => Kind::File,
+        }
+    }
+
+    /// The file type to give `mknodat` for a special file.
+    pub(crate) fn file_type(self) -> FileType {
+        match self {
+            Kind::CharDevice => FileType::CharacterDevice,
+            Kind::BlockDevice => FileType::BlockDevice,
+            Kind::Fifo => FileType::Fifo,
+            Kind::Socket => FileType::Socket,
+            Kind::Dir => FileType::Directory,
+            Kind::Symlink => FileType::Symlink,
+            Kind::File => FileType::RegularFile,
+        }
+    }
+}
+
+/// One entry's `lstat`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Meta {
+    pub kind: Kind,
+    /// Permission bits with set-uid, set-gid and sticky (07777).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    /// Bytes allocated (st_blocks × 512): less than `size` means the file has holes.
+    pub allocated: u64,
+    pub mtime: (i64, u32),
+    pub ctime: (i64, u32),
+    pub rdev: u64,
+    pub dev: u64,
+    pub ino: u64,
+    pub nlink: u64,
+}
+
+impl Meta {
+    pub(crate) fn from_stat(st: &fs::Stat) -> Meta {
+        Meta {
+            kind: Kind::of(FileType::from_raw_mode(st.st_mode)),
+            mode: st.st_mode & 0o7777,
+            uid: st.st_uid,
+            gid: st.st_gid,
+            size: st.st_size as u64,
+            allocated: st.st_blocks as u64 * 512,
+            mtime: (st.st_mtime, st.st_mtime_nsec as u32),
+            ctime: (st.st_ctime, st.st_ctime_nsec as u32),
+            rdev: st.st_rdev,
+            dev: st.st_dev,
+            ino: st.st_ino,
+            nlink: st.st_nlink,
+        }
+    }
+
+    /// `lstat` of `name` in the directory `dir`.
+    pub(crate) fn at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Meta> {
+        Ok(Meta::from_stat(&fs::statat(
+            dir,
+            name,
+            AtFlags::SYMLINK_NOFOLLOW,
+        )?))
+    }
+
+    /// `fstat` of an open file.
+    pub(crate) fn of_fd(fd: BorrowedFd<'_>) -> io::Result<Meta> {
+        Ok(Meta::from_stat(&fs::fstat(fd)?))
+    }
+
+    /// Whether a file's content may have changed between two looks at it.
+    pub(crate) fn content_changed(&self, later: &Meta) -> bool {
+        self.size != later.size || self.mtime != later.mtime || self.ctime != later.ctime
+    }
+}
+
+/// An entry's extended attributes, sorted by name.
+pub(crate) type Xattrs = Vec<(OsString, Vec<u8>)>;
+
+/// Where xattr calls reach an entry: by path (they have no `*at` form), shortened through
+/// the directory's descriptor when the full path would exceed PATH_MAX.
+pub(crate) fn xattr_path(dir_path: &Path, dir: BorrowedFd<'_>, name: &OsStr) -> PathBuf {
+    let full = dir_path.join(name);
+    if full.as_os_str().len() < 4000 {
+        full
+    } else {
+        PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd())).join(name)
+    }
+}
+
+/// Reads the xattrs of `path` without following a symlink.
+pub(crate) fn read_xattrs(path: &Path) -> io::Result<Xattrs> {
+    let mut names = [0u8; 4096];
+    let len = match fs::llistxattr(path, &mut names[..]) {
+        Ok(len) => len,
+        Err(rustix::io::Errno::RANGE) => return read_xattrs_large(path),
+        Err(e) if unsupported(e) => 0,
+        Err(e) => return Err(e.into()),
+    };
+    let mut out = Vec::new();
+    for name in names[..len].split(|b| *b == 0).filter(|n| !n.is_empty()) {
+        let name = OsStr::from_bytes(name);
+        out.push((name.to_os_string(), get_xattr(path, name)?));
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn read_xattrs_large(path: &Path) -> io::Result<Xattrs> {
+    let size = fs::llistxattr(path, &mut [0u8; 0][..])?;
+    let mut names = vec![0u8; size];
+    let len = fs::llistxattr(path, &mut names[..])?;
+    let mut out = Vec::new();
+    for name in names[..len].split(|b| *b == 0).filter(|n| !n.is_empty()) {
+        let name = OsStr::from_bytes(name);
+        out.push((name.to_os_string(), get_xattr(path, name)?));
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn get_xattr(path: &Path, name: &OsStr) -> io::Result<Vec<u8>> {
+    let mut buf = [0u8; 1024];
+    match fs::lgetxattr(path, name, &mut buf[..]) {
+        Ok(len) => Ok(buf[..len].to_vec()),
+        Err(rustix::io::Errno::RANGE) => {
+            let size = fs::lgetxattr(path, name, &mut [0u8; 0][..])?;
+            let mut big = vec![0u8; size];
+            let len = fs::lgetxattr(path, name, &mut big[..])?;
+            big.truncate(len);
+            Ok(big)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// A filesystem (or an entry kind, such as a symlink for `user.*`) without xattrs.
+fn unsupported(e: rustix::io::Errno) -> bool {
+    e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOTSUP
+}
+
+/// Makes the xattrs of `path` equal to `want`, given what it has now.
+pub(crate) fn apply_xattrs(path: &Path, want: &Xattrs, have: &Xattrs) -> io::Result<()> {
+    for (name, value) in want {
+        let same = have.iter().any(|(n, v)| n == name && v == value);
+        if !same {
+            fs::lsetxattr(path, name, value, fs::XattrFlags::empty()).map_err(|e| {
+                if unsupported(e) {
+                    io::Error::new(
+                        io::ErrorKind::Unsupported,
+                        format!(
+                            "the destination filesystem does not support the extended \
+                             attribute {} (copy with --no-xattrs to drop xattrs and ACLs)",
+                            name.to_string_lossy()
+                        ),
+                    )
+                } else {
+                    e.into()
+                }
+            })?;
+        }
+    }
+    for (name, _) in have {
+        if !want.iter().any(|(n, _)| n == name) {
+            fs::lremovexattr(path, name)?;
+        }
+    }
+    Ok(())
+}
+
+/// What `apply` should set: ownership only when the process may (root).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Preserve {
+    pub owners: bool,
+    pub xattrs: bool,
+}
+
+/// Gives the entry `name` in `dir` the metadata of `src`, changing only what differs from
+/// `have` (None: a new entry, set everything). The order matters: chown clears set-uid
+/// bits and file capabilities, so it comes first; times come last.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn apply(
+    dir: BorrowedFd<'_>,
+    dir_path: &Path,
+    name: &OsStr,
+    src: &Meta,
+    src_xattrs: &Xattrs,
+    have: Option<(&Meta, &Xattrs)>,
+    preserve: Preserve,
+) -> io::Result<bool> {
+    let mut changed = false;
+    let owner_differs = have.is_none_or(|(m, _)| (m.uid, m.gid) != (src.uid, src.gid));
+    if preserve.owners && owner_differs {
+        fs::chownat(
+            dir,
+            name,
+            Some(fs::Uid::from_raw(src.uid)),
+            Some(fs::Gid::from_raw(src.gid)),
+            AtFlags::SYMLINK_NOFOLLOW,
+        )?;
+        changed = true;
+    }
+    if preserve.xattrs {
+        let empty = Xattrs::new();
+        let have_x = have.map_or(&empty, |(_, x)| x);
+        if src_xattrs != have_x {
+            apply_xattrs(&xattr_path(dir_path, dir, name), src_xattrs, have_x)?;
+            changed = true;
+        }
+    }
+    // After chown (clears set-uid) or an ACL change (sets the group bits), mode is redone.
+    if src.kind != Kind::Symlink && (changed || have.is_none_or(|(m, _)| m.mode != src.mode)) {
+        fs::chmodat(dir, name, Mode::from_raw_mode(src.mode), AtFlags::empty())?;
+        changed = true;
+    }
+    if have.is_none_or(|(m, _)| m.mtime != src.mtime) {
+        set_mtime(dir, name, src.mtime)?;
+        changed = true;
+    }
+    Ok(changed)
+}
+
+/// Sets the modification time of `name` (not following a symlink); atime is left alone.
+pub(crate) fn set_mtime(dir: BorrowedFd<'_>, name: &OsStr, mtime: (i64, u32)) -> io::Result<()> {
+    let times = Timestamps {
+        last_access: Timespec {
+            tv_sec: 0,
+            tv_nsec: fs::UTIME_OMIT,
+        },
+        last_modification: Timespec {
+            tv_sec: mtime.0,
+            tv_nsec: mtime.1 as _,
+        },
+    };
+    fs::utimensat(dir, name, &times, AtFlags::SYMLINK_NOFOLLOW)?;
+    Ok(())
+}
+
+/// Whether this process can give files away (chown to any uid/gid).
+pub(crate) fn can_chown() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+/// Opens a directory entry without following symlinks.
+pub(crate) fn open_dir_at(dir: impl AsFd, name: &OsStr) -> io::Result<std::os::fd::OwnedFd> {
+    Ok(fs::openat(
+        dir,
+        name,
+        fs::OFlags::RDONLY | fs::OFlags::DIRECTORY | fs::OFlags::NOFOLLOW | fs::OFlags::CLOEXEC,
+        Mode::empty(),
+    )?)
+}

@@ -1,0 +1,350 @@
+//! File-tree volumes: `mover copy DIR DIR`, as faithful as `rsync -aHAXS --numeric-ids`.
+//!
+//! A new destination is built whole under a hidden `.NAME.mover-partial` directory and
+//! renamed into place when complete, so nobody sees a half-copied tree and no file needs
+//! a temp name of its own. An existing destination is updated in place: unchanged files
+//! (same size and mtime, or same content with `--checksum`) are left alone, changed ones
+//! are rebuilt under a temp name (large ones from the chunks the old version already
+//! holds) and renamed over the old, so no reader ever sees a half-written file.
+
+mod content;
+mod meta;
+mod sync;
+
+use crate::{CopyError, Progress, Result};
+use rustix::fs::{self, RenameFlags};
+use serde::Serialize;
+use std::{
+    ffi::OsString,
+    os::fd::AsFd,
+    path::{Path, PathBuf},
+    sync::atomic::Ordering::Relaxed,
+    time::Instant,
+};
+use sync::{DirPair, Rules, Syncer};
+
+/// Options of `mover copy` for file trees.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct TreeOptions {
+    /// File trees: delete destination entries that are not in the source (off by
+    /// default: a one-shot copy never removes what it did not write).
+    #[arg(long)]
+    pub delete: bool,
+    /// File trees: compare files by content (BLAKE3 of both sides) instead of by size
+    /// and modification time.
+    #[arg(long)]
+    pub checksum: bool,
+    /// File trees: do not copy extended attributes and POSIX ACLs (for destination
+    /// filesystems without xattr support).
+    #[arg(long)]
+    pub no_xattrs: bool,
+    /// File trees: threads walking and copying [default: 4 per core, at most 16].
+    #[arg(long, value_name = "N")]
+    pub tree_threads: Option<usize>,
+}
+
+/// What a tree copy did, for people and (as JSON) for programs.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct TreeSummary {
+    /// Source directory.
+    pub source: PathBuf,
+    /// Destination directory.
+    pub destination: PathBuf,
+    /// Regular files in the source (each multiply-linked file once).
+    pub files: u64,
+    /// Directories in the source, the top one not counted.
+    pub dirs: u64,
+    /// Symbolic links.
+    pub symlinks: u64,
+    /// Device nodes, FIFOs and sockets.
+    pub specials: u64,
+    /// Extra names of multiply-linked files (made as hard links).
+    pub hard_links: u64,
+    /// Files and other entries written whole.
+    pub entries_copied: u64,
+    /// Large files rebuilt from the chunks their older copy already held.
+    pub files_patched: u64,
+    /// Entries left as they were.
+    pub entries_unchanged: u64,
+    /// Entries whose content was equal but whose metadata was updated.
+    pub metadata_updated: u64,
+    /// Destination entries deleted (with --delete, or left over from an interrupted copy).
+    pub entries_deleted: u64,
+    /// Bytes in the source's regular files.
+    pub source_bytes: u64,
+    /// Bytes of file data written from the source.
+    pub bytes_written: u64,
+    /// Bytes taken from older copies of patched files instead (shared where the
+    /// filesystem has reflinks, copied in the kernel elsewhere).
+    pub bytes_reused: u64,
+    /// Files that kept changing while read: copied as read, picked up by the next run.
+    pub changed_while_read: u64,
+    /// Entries that could not be copied (see `errors`); the copy is incomplete.
+    pub failed: u64,
+    /// The first error messages.
+    pub errors: Vec<String>,
+    /// Warnings (files changing while read).
+    pub warnings: Vec<String>,
+    /// This run finished an earlier interrupted copy into a new destination.
+    pub resumed: bool,
+    /// Wall time in seconds.
+    pub duration_secs: f64,
+}
+
+impl TreeSummary {
+    /// Whether every entry was copied.
+    pub fn is_complete(&self) -> bool {
+        self.failed == 0
+    }
+}
+
+/// Copies the tree `src` onto `dst` (which becomes a copy of `src`, like
+/// `rsync -a SRC/ DST/`). See the module documentation for how.
+pub fn copy_tree(
+    src: &Path,
+    dst: &Path,
+    options: &TreeOptions,
+    progress: &dyn Progress,
+) -> Result<TreeSummary> {
+    let started = Instant::now();
+    let tree_err = |path: &Path, what: &'static str| {
+        let path = path.to_path_buf();
+        move |cause| CopyError::Tree { path, what, cause }
+    };
+    let src_abs = std::fs::canonicalize(src).map_err(tree_err(src, "cannot open the source"))?;
+    let dest = Destination::prepare(dst, &src_abs)?;
+    let rules = Rules {
+        delete: options.delete,
+        checksum: options.checksum,
+        hidden: dest.hidden,
+        preserve: meta::Preserve {
+            owners: meta::can_chown(),
+            xattrs: !options.no_xattrs,
+        },
+    };
+    let syncer = Syncer::new(rules, progress);
+    let root = DirPair {
+        src: meta::open_dir_at(rustix::fs::CWD, src_abs.as_os_str())
+            .map_err(tree_err(&src_abs, "cannot open the source"))?,
+        dst: meta::open_dir_at(rustix::fs::CWD, dest.work.as_os_str())
+            .map_err(tree_err(&dest.work, "cannot open the destination"))?,
+        src_path: src_abs.clone(),
+        dst_path: dest.work.clone(),
+        rel: PathBuf::new(),
+    };
+    let threads = options.tree_threads.unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores * 4).min(16)
+    });
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        // Waiting tasks run others on their stack: deep trees need room.
+        .stack_size(32 << 20)
+        .thread_name(|i| format!("mover-tree-{i}"))
+        .build()
+        .map_err(|e| CopyError::Tree {
+            path: src_abs.clone(),
+            what: "cannot start threads",
+            cause: std::io::Error::other(e),
+        })?;
+    progress.begin("copy", 0);
+    pool.install(|| syncer.sync_dir(&root));
+    syncer.link_deferred(&src_abs, &dest.work);
+    dest.finish(&root, &syncer, &src_abs, rules.preserve)?;
+
+    let s = &syncer.stats;
+    let (errors, warnings) = syncer.messages();
+    Ok(TreeSummary {
+        source: src.to_path_buf(),
+        destination: dst.to_path_buf(),
+        files: s.files.load(Relaxed),
+        dirs: s.dirs.load(Relaxed),
+        symlinks: s.symlinks.load(Relaxed),
+        specials: s.specials.load(Relaxed),
+        hard_links: s.hard_links.load(Relaxed),
+        entries_copied: s.copied.load(Relaxed),
+        files_patched: s.patched.load(Relaxed),
+        entries_unchanged: s.unchanged.load(Relaxed),
+        metadata_updated: s.metadata_updated.load(Relaxed),
+        entries_deleted: s.deleted.load(Relaxed),
+        source_bytes: s.source_bytes.load(Relaxed),
+        bytes_written: s.new_bytes.load(Relaxed),
+        bytes_reused: s.reused_bytes.load(Relaxed),
+        changed_while_read: s.changed_while_read.load(Relaxed),
+        failed: s.errors.load(Relaxed),
+        errors,
+        warnings,
+        resumed: dest.resumed,
+        duration_secs: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// Where the copy is written and how it is finished.
+struct Destination {
+    /// The directory written into: DST itself, or the hidden partial copy.
+    work: PathBuf,
+    /// DST's parent, and DST's name in it.
+    parent: PathBuf,
+    name: OsString,
+    /// Writing a hidden partial copy, renamed to DST at the end.
+    hidden: bool,
+    /// The partial copy was there already, from an interrupted run.
+    resumed: bool,
+}
+
+impl Destination {
+    fn prepare(dst: &Path, src_abs: &Path) -> Result<Destination> {
+        let bad = |why: String| CopyError::BadDestination {
+            path: dst.to_path_buf(),
+            why,
+        };
+        let (parent, name, exists) = match std::fs::symlink_metadata(dst) {
+            Ok(m) if m.is_dir() => {
+                let abs = std::fs::canonicalize(dst).map_err(|e| bad(e.to_string()))?;
+                let parent = abs.parent().unwrap_or(Path::new("/")).to_path_buf();
+                let name = abs
+                    .file_name()
+                    .map(|n| n.to_os_string())
+                    .unwrap_or_default();
+                (parent, name, true)
+            }
+            Ok(_) => {
+                return Err(bad(
+                    "exists and is not a directory; a file tree is copied into a directory \
+                     (remove it, or choose another path)"
+                        .into(),
+                ));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let parent = match dst.parent() {
+                    Some(p) if !p.as_os_str().is_empty() => p,
+                    _ => Path::new("."),
+                };
+                let parent = std::fs::canonicalize(parent).map_err(|e| {
+                    bad(format!(
+                        "its parent directory {} cannot be used ({e}); create it first",
+                        parent.display()
+                    ))
+                })?;
+                let name = dst.file_name().map(|n| n.to_os_string()).ok_or_else(|| {
+                    bad("names no directory to create; give a path such as backup/data".into())
+                })?;
+                (parent, name, false)
+            }
+            Err(e) => return Err(bad(e.to_string())),
+        };
+        let target = parent.join(&name);
+        if target.starts_with(src_abs) || src_abs.starts_with(&target) {
+            return Err(CopyError::SameVolume {
+                src: src_abs.to_path_buf(),
+                dst: dst.to_path_buf(),
+                detail: " (one tree contains the other)".into(),
+            });
+        }
+        if exists {
+            return Ok(Destination {
+                work: target,
+                parent,
+                name,
+                hidden: false,
+                resumed: false,
+            });
+        }
+        let mut partial = OsString::from(".");
+        partial.push(&name);
+        partial.push(".mover-partial");
+        let work = parent.join(&partial);
+        let resumed = match std::fs::create_dir(&work) {
+            Ok(()) => false,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && work.is_dir() => true,
+            Err(e) => {
+                return Err(CopyError::Tree {
+                    path: work,
+                    what: "cannot create the partial copy",
+                    cause: e,
+                });
+            }
+        };
+        if resumed {
+            tracing::info!("finishing the interrupted copy in {}", work.display());
+        }
+        Ok(Destination {
+            work,
+            parent,
+            name,
+            hidden: true,
+            resumed,
+        })
+    }
+
+    /// Gives the top directory its metadata, makes everything durable, and renames a
+    /// hidden copy into place (only if every entry was copied).
+    fn finish(
+        &self,
+        root: &DirPair,
+        syncer: &Syncer<'_>,
+        src_abs: &Path,
+        preserve: meta::Preserve,
+    ) -> Result<()> {
+        let err = |what: &'static str| {
+            let path = self.work.clone();
+            move |cause| CopyError::Tree { path, what, cause }
+        };
+        let src_meta = meta::Meta::of_fd(root.src.as_fd()).map_err(err("cannot stat"))?;
+        let parent = meta::open_dir_at(rustix::fs::CWD, self.parent.as_os_str())
+            .map_err(err("cannot open the parent of"))?;
+        let work_name = self.work.file_name().unwrap_or_default();
+        let src_x = if preserve.xattrs {
+            meta::read_xattrs(src_abs).map_err(err("cannot read xattrs of the source of"))?
+        } else {
+            Vec::new()
+        };
+        let have = meta::Meta::of_fd(root.dst.as_fd()).map_err(err("cannot stat"))?;
+        let have_x = if preserve.xattrs {
+            meta::read_xattrs(&self.work).map_err(err("cannot read xattrs of"))?
+        } else {
+            Vec::new()
+        };
+        meta::apply(
+            parent.as_fd(),
+            &self.parent,
+            work_name,
+            &src_meta,
+            &src_x,
+            Some((&have, &have_x)),
+            preserve,
+        )
+        .map_err(err("cannot set the metadata of"))?;
+        fs::syncfs(&root.dst)
+            .map_err(std::io::Error::from)
+            .map_err(err("cannot flush"))?;
+        if !self.hidden {
+            return Ok(());
+        }
+        if syncer.stats.errors.load(Relaxed) > 0 {
+            tracing::warn!(
+                "the copy is incomplete and stays hidden in {}; fix the errors and rerun",
+                self.work.display()
+            );
+            return Ok(());
+        }
+        fs::renameat_with(
+            &parent,
+            work_name,
+            &parent,
+            &self.name,
+            RenameFlags::NOREPLACE,
+        )
+        .map_err(|e| CopyError::BadDestination {
+            path: self.parent.join(&self.name),
+            why: format!(
+                "appeared while the copy was made ({e}); the copy is complete in {}",
+                self.work.display()
+            ),
+        })?;
+        fs::fsync(&parent)
+            .map_err(std::io::Error::from)
+            .map_err(err("cannot flush the parent of"))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,599 @@
+//! The walk that makes a destination directory equal to a source directory.
+//!
+//! Each directory pair is listed once on each side and compared by name; its entries
+//! are brought up to date in batches on the rayon pool, and each subdirectory is its own
+//! task, so memory grows with the directories in progress, not with the tree. A
+//! directory's own metadata (mode, times) is set after its children are done.
+
+use super::{
+    content::{self, PATCH_MIN, Written},
+    meta::{self, Kind, Meta, Preserve, Xattrs},
+};
+use crate::Progress;
+use rustix::fs::{self, AtFlags, Mode, OFlags};
+use std::{
+    collections::{HashMap, HashSet, hash_map::Entry},
+    ffi::{OsStr, OsString},
+    fs::File,
+    io,
+    os::{
+        fd::{AsFd, BorrowedFd, OwnedFd},
+        unix::ffi::OsStrExt,
+    },
+    path::{Path, PathBuf},
+    sync::{
+        Mutex,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+};
+
+/// Non-directory entries handled per task: enough to amortise scheduling, small enough
+/// to spread one wide directory over every thread.
+const BATCH: usize = 32;
+/// Error messages kept for the summary (all are counted and logged).
+const KEPT_ERRORS: usize = 20;
+/// Times a file that changes while it is read is read again.
+const RETRIES: u32 = 2;
+
+/// The choices that shape a walk.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Rules {
+    /// Delete destination entries the source does not have.
+    pub delete: bool,
+    /// Compare file contents, not size and mtime.
+    pub checksum: bool,
+    /// The destination is a hidden partial copy: entries are written under their own
+    /// names (nobody sees them until the whole tree is renamed into place) and anything
+    /// the source lacks is left over from an earlier attempt, so it is deleted.
+    pub hidden: bool,
+    /// What metadata to carry.
+    pub preserve: Preserve,
+}
+
+/// Counters of a walk, shared by its threads.
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    pub files: AtomicU64,
+    pub dirs: AtomicU64,
+    pub symlinks: AtomicU64,
+    pub specials: AtomicU64,
+    pub hard_links: AtomicU64,
+    pub copied: AtomicU64,
+    pub patched: AtomicU64,
+    pub unchanged: AtomicU64,
+    pub metadata_updated: AtomicU64,
+    pub deleted: AtomicU64,
+    pub source_bytes: AtomicU64,
+    pub new_bytes: AtomicU64,
+    pub reused_bytes: AtomicU64,
+    pub changed_while_read: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+/// A hard link to make once the walk is over, when the first link's file is complete.
+struct Deferred {
+    /// This link, relative to the tree root.
+    rel: PathBuf,
+    /// The link the file was copied under.
+    primary: PathBuf,
+}
+
+/// The open pair of directories being synced.
+pub(crate) struct DirPair {
+    pub src: OwnedFd,
+    pub dst: OwnedFd,
+    pub src_path: PathBuf,
+    pub dst_path: PathBuf,
+    /// Relative to the tree roots.
+    pub rel: PathBuf,
+}
+
+/// One walk's shared state.
+pub(crate) struct Syncer<'a> {
+    rules: Rules,
+    pub stats: Stats,
+    /// Source (dev, ino) of files with several links → the first link seen.
+    links: Mutex<HashMap<(u64, u64), PathBuf>>,
+    deferred: Mutex<Vec<Deferred>>,
+    errors: Mutex<Vec<String>>,
+    warnings: Mutex<Vec<String>>,
+    progress: &'a dyn Progress,
+}
+
+/// An entry as listed.
+struct Listed {
+    name: OsString,
+    meta: Meta,
+}
+
+impl<'a> Syncer<'a> {
+    pub(crate) fn new(rules: Rules, progress: &'a dyn Progress) -> Self {
+        Syncer {
+            rules,
+            stats: Stats::default(),
+            links: Mutex::default(),
+            deferred: Mutex::default(),
+            errors: Mutex::default(),
+            warnings: Mutex::default(),
+            progress,
+        }
+    }
+
+    /// The first errors and all warnings, for the summary.
+    pub(crate) fn messages(&self) -> (Vec<String>, Vec<String>) {
+        (
+            self.errors.lock().expect("errors lock").clone(),
+            self.warnings.lock().expect("warnings lock").clone(),
+        )
+    }
+
+    fn fail(&self, path: &Path, what: &str, err: io::Error) {
+        let message = format!("{}: {what}: {err}", path.display());
+        tracing::error!("{message}");
+        self.stats.errors.fetch_add(1, Relaxed);
+        let mut kept = self.errors.lock().expect("errors lock");
+        if kept.len() < KEPT_ERRORS {
+            kept.push(message);
+        }
+    }
+
+    fn warn(&self, message: String) {
+        tracing::warn!("{message}");
+        let mut kept = self.warnings.lock().expect("warnings lock");
+        if kept.len() < KEPT_ERRORS {
+            kept.push(message);
+        }
+    }
+
+    /// Makes `pair.dst` hold what `pair.src` holds, recursively.
+    pub(crate) fn sync_dir(&self, pair: &DirPair) {
+        let src = match list(pair.src.as_fd()) {
+            Ok(v) => v,
+            Err(e) => return self.fail(&pair.src_path, "cannot list the source directory", e),
+        };
+        let dst: HashMap<OsString, Meta> = match list(pair.dst.as_fd()) {
+            Ok(v) => v.into_iter().map(|l| (l.name, l.meta)).collect(),
+            Err(e) => return self.fail(&pair.dst_path, "cannot list the destination", e),
+        };
+        let wanted: HashSet<&OsStr> = src.iter().map(|l| l.name.as_os_str()).collect();
+        for (name, have) in &dst {
+            let ours = is_temp_name(name);
+            if !wanted.contains(name.as_os_str())
+                && (self.rules.delete || self.rules.hidden || ours)
+            {
+                match remove_entry(pair.dst.as_fd(), name, have.kind) {
+                    Ok(()) if !ours => _ = self.stats.deleted.fetch_add(1, Relaxed),
+                    Ok(()) => {}
+                    Err(e) => self.fail(&pair.dst_path.join(name), "cannot delete", e),
+                }
+            }
+        }
+        let (dirs, others): (Vec<&Listed>, Vec<&Listed>) =
+            src.iter().partition(|l| l.meta.kind == Kind::Dir);
+        rayon::scope(|s| {
+            for batch in others.chunks(BATCH) {
+                let dst = &dst;
+                s.spawn(move |_| {
+                    for entry in batch {
+                        let path = || pair.src_path.join(&entry.name);
+                        if let Err(e) = self.sync_entry(pair, entry, dst.get(&entry.name)) {
+                            self.fail(&path(), "not copied", e);
+                        }
+                    }
+                });
+            }
+            for entry in dirs {
+                let have = dst.get(&entry.name).copied();
+                s.spawn(move |_| {
+                    if let Err(e) = self.sync_subdir(pair, entry, have) {
+                        self.fail(&pair.src_path.join(&entry.name), "not copied", e);
+                    }
+                });
+            }
+        });
+    }
+
+    fn sync_subdir(&self, pair: &DirPair, entry: &Listed, have: Option<Meta>) -> io::Result<()> {
+        self.stats.dirs.fetch_add(1, Relaxed);
+        let name = entry.name.as_os_str();
+        let have = self.clear_for(pair, name, have, Kind::Dir)?;
+        if have.is_none() {
+            fs::mkdirat(pair.dst.as_fd(), name, Mode::from_raw_mode(0o700))?;
+        }
+        let child = DirPair {
+            src: meta::open_dir_at(&pair.src, name)?,
+            dst: meta::open_dir_at(&pair.dst, name)?,
+            src_path: pair.src_path.join(name),
+            dst_path: pair.dst_path.join(name),
+            rel: pair.rel.join(name),
+        };
+        self.sync_dir(&child);
+        // Its children changed its times: compare with what it is now.
+        let now = Meta::of_fd(child.dst.as_fd())?;
+        let (src_x, dst_x) = self.xattrs(pair, name, have.is_some())?;
+        self.apply(pair, name, &entry.meta, &src_x, Some((&now, &dst_x)))?;
+        Ok(())
+    }
+
+    /// Makes room for a `kind` entry at `name`: an entry of another kind there is removed
+    /// (only with --delete when it is a directory). Returns what stays.
+    fn clear_for(
+        &self,
+        pair: &DirPair,
+        name: &OsStr,
+        have: Option<Meta>,
+        kind: Kind,
+    ) -> io::Result<Option<Meta>> {
+        match have {
+            Some(h) if h.kind != kind && h.kind == Kind::Dir => {
+                if !(self.rules.delete || self.rules.hidden) {
+                    return Err(io::Error::other(format!(
+                        "the destination has a directory where the source has a {kind:?}; \
+                         rerun with --delete to replace it"
+                    )));
+                }
+                remove_entry(pair.dst.as_fd(), name, Kind::Dir)?;
+                self.stats.deleted.fetch_add(1, Relaxed);
+                Ok(None)
+            }
+            Some(h) if h.kind != kind && kind == Kind::Dir => {
+                fs::unlinkat(pair.dst.as_fd(), name, AtFlags::empty())?;
+                Ok(None)
+            }
+            other => Ok(other),
+        }
+    }
+
+    fn sync_entry(&self, pair: &DirPair, entry: &Listed, have: Option<&Meta>) -> io::Result<()> {
+        let kind = entry.meta.kind;
+        let have = self.clear_for(pair, &entry.name, have.copied(), kind)?;
+        // An entry of another kind is replaced by the rename below.
+        let have = have.filter(|h| h.kind == kind);
+        match kind {
+            Kind::File => self.sync_file(pair, entry, have),
+            Kind::Symlink => self.sync_symlink(pair, entry, have),
+            _ => self.sync_special(pair, entry, have),
+        }
+    }
+
+    fn sync_file(&self, pair: &DirPair, entry: &Listed, have: Option<Meta>) -> io::Result<()> {
+        let (name, m) = (entry.name.as_os_str(), &entry.meta);
+        if m.nlink > 1 {
+            let rel = pair.rel.join(name);
+            match self.links.lock().expect("links lock").entry((m.dev, m.ino)) {
+                Entry::Occupied(first) => {
+                    self.deferred.lock().expect("deferred lock").push(Deferred {
+                        rel,
+                        primary: first.get().clone(),
+                    });
+                    return Ok(());
+                }
+                Entry::Vacant(slot) => _ = slot.insert(rel),
+            }
+        }
+        self.stats.files.fetch_add(1, Relaxed);
+        self.stats.source_bytes.fetch_add(m.size, Relaxed);
+        if let Some(h) = have
+            && h.size == m.size
+            && h.mtime == m.mtime
+            && (!self.rules.checksum || self.same_content(pair, name)?)
+        {
+            let (src_x, dst_x) = self.xattrs(pair, name, true)?;
+            self.settle(self.apply(pair, name, m, &src_x, Some((&h, &dst_x)))?);
+            return Ok(());
+        }
+        let src = open_file(pair.src.as_fd(), name)?;
+        let (target, direct) = self.target(pair, name, have.is_some())?;
+        let dst: File = fs::openat(
+            pair.dst.as_fd(),
+            &target,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )?
+        .into();
+        let old = match have {
+            Some(h) if h.size > 0 && m.size >= PATCH_MIN => {
+                Some(open_file(pair.dst.as_fd(), name)?)
+            }
+            _ => None,
+        };
+        let mut seen = Meta::of_fd(src.as_fd())?;
+        let mut attempt = 0;
+        let written = loop {
+            let result = match &old {
+                Some(old) => content::patch(&src, old, &dst, seen.size),
+                None => content::copy_whole(&src, &dst, seen.size, seen.allocated < seen.size),
+            };
+            let after = Meta::of_fd(src.as_fd())?;
+            let changed = seen.content_changed(&after);
+            match result {
+                Ok(w) if !changed => break w,
+                Err(e) if !changed && e.kind() != io::ErrorKind::UnexpectedEof => {
+                    return Err(e);
+                }
+                _ if attempt < RETRIES => {
+                    attempt += 1;
+                    seen = after;
+                    dst.set_len(0)?;
+                }
+                Ok(w) => {
+                    // Copied as read, with the mtime from before the read: the next run
+                    // sees the source's newer mtime and copies it again.
+                    self.stats.changed_while_read.fetch_add(1, Relaxed);
+                    self.warn(format!(
+                        "{}: changed while being read; copied as read (rerun to pick up the change)",
+                        pair.src_path.join(name).display()
+                    ));
+                    break w;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let src_x = self.src_xattrs(pair, name)?;
+        // The metadata seen when the content was read (the listing may be older).
+        self.apply(pair, &target, &seen, &src_x, None)?;
+        drop(dst);
+        if !direct {
+            fs::renameat(pair.dst.as_fd(), &target, pair.dst.as_fd(), name)?;
+        }
+        let counter = if old.is_some() {
+            &self.stats.patched
+        } else {
+            &self.stats.copied
+        };
+        counter.fetch_add(1, Relaxed);
+        self.record(written);
+        Ok(())
+    }
+
+    fn record(&self, w: Written) {
+        let before = self.stats.new_bytes.fetch_add(w.new_bytes, Relaxed);
+        self.stats.reused_bytes.fetch_add(w.reused_bytes, Relaxed);
+        let done = before + w.new_bytes;
+        // Redraw about every 8 MiB: a lock per small file would serialise the threads.
+        if (before >> 23) != (done >> 23) {
+            self.progress.update(done);
+        }
+    }
+
+    fn settle(&self, metadata_changed: bool) {
+        let counter = if metadata_changed {
+            &self.stats.metadata_updated
+        } else {
+            &self.stats.unchanged
+        };
+        counter.fetch_add(1, Relaxed);
+    }
+
+    fn sync_symlink(&self, pair: &DirPair, entry: &Listed, have: Option<Meta>) -> io::Result<()> {
+        self.stats.symlinks.fetch_add(1, Relaxed);
+        let name = entry.name.as_os_str();
+        let target = fs::readlinkat(pair.src.as_fd(), name, Vec::new())?;
+        if let Some(h) = have
+            && fs::readlinkat(pair.dst.as_fd(), name, Vec::new())? == target
+        {
+            let (src_x, dst_x) = self.xattrs(pair, name, true)?;
+            self.settle(self.apply(pair, name, &entry.meta, &src_x, Some((&h, &dst_x)))?);
+            return Ok(());
+        }
+        let (tmp, direct) = self.target(pair, name, have.is_some())?;
+        fs::symlinkat(target.as_c_str(), pair.dst.as_fd(), &tmp)?;
+        self.finish_new(pair, name, &tmp, direct, &entry.meta)
+    }
+
+    fn sync_special(&self, pair: &DirPair, entry: &Listed, have: Option<Meta>) -> io::Result<()> {
+        self.stats.specials.fetch_add(1, Relaxed);
+        let (name, m) = (entry.name.as_os_str(), &entry.meta);
+        if let Some(h) = have
+            && h.rdev == m.rdev
+        {
+            let (src_x, dst_x) = self.xattrs(pair, name, true)?;
+            self.settle(self.apply(pair, name, m, &src_x, Some((&h, &dst_x)))?);
+            return Ok(());
+        }
+        let (tmp, direct) = self.target(pair, name, have.is_some())?;
+        fs::mknodat(
+            pair.dst.as_fd(),
+            &tmp,
+            m.kind.file_type(),
+            Mode::from_raw_mode(0o600),
+            m.rdev,
+        )?;
+        self.finish_new(pair, name, &tmp, direct, m)
+    }
+
+    /// Gives a just-made entry its metadata and renames it into place.
+    fn finish_new(
+        &self,
+        pair: &DirPair,
+        name: &OsStr,
+        made: &OsStr,
+        direct: bool,
+        m: &Meta,
+    ) -> io::Result<()> {
+        let src_x = self.src_xattrs(pair, name)?;
+        self.apply(pair, made, m, &src_x, None)?;
+        if !direct {
+            fs::renameat(pair.dst.as_fd(), made, pair.dst.as_fd(), name)?;
+        }
+        self.stats.copied.fetch_add(1, Relaxed);
+        Ok(())
+    }
+
+    /// Where a new version of `name` is made: under its own name in a hidden tree where
+    /// nothing is there yet, else under a temp name renamed over it when complete.
+    fn target(&self, pair: &DirPair, name: &OsStr, exists: bool) -> io::Result<(OsString, bool)> {
+        if self.rules.hidden && !exists {
+            return Ok((name.to_os_string(), true));
+        }
+        let tmp = temp_name(name);
+        match fs::unlinkat(pair.dst.as_fd(), &tmp, AtFlags::empty()) {
+            Ok(()) | Err(rustix::io::Errno::NOENT) => Ok((tmp, false)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn apply(
+        &self,
+        pair: &DirPair,
+        name: &OsStr,
+        m: &Meta,
+        src_x: &Xattrs,
+        have: Option<(&Meta, &Xattrs)>,
+    ) -> io::Result<bool> {
+        meta::apply(
+            pair.dst.as_fd(),
+            &pair.dst_path,
+            name,
+            m,
+            src_x,
+            have,
+            self.rules.preserve,
+        )
+    }
+
+    fn src_xattrs(&self, pair: &DirPair, name: &OsStr) -> io::Result<Xattrs> {
+        if !self.rules.preserve.xattrs {
+            return Ok(Xattrs::new());
+        }
+        meta::read_xattrs(&meta::xattr_path(&pair.src_path, pair.src.as_fd(), name))
+    }
+
+    /// The xattrs of `name` on both sides (the destination's only if it `exists`).
+    fn xattrs(&self, pair: &DirPair, name: &OsStr, exists: bool) -> io::Result<(Xattrs, Xattrs)> {
+        if !self.rules.preserve.xattrs {
+            return Ok((Xattrs::new(), Xattrs::new()));
+        }
+        let dst = if exists {
+            meta::read_xattrs(&meta::xattr_path(&pair.dst_path, pair.dst.as_fd(), name))?
+        } else {
+            Xattrs::new()
+        };
+        Ok((self.src_xattrs(pair, name)?, dst))
+    }
+
+    fn same_content(&self, pair: &DirPair, name: &OsStr) -> io::Result<bool> {
+        content::same_content(
+            &open_file(pair.src.as_fd(), name)?,
+            &open_file(pair.dst.as_fd(), name)?,
+        )
+    }
+
+    /// Makes the hard links found during the walk, now that every first link is
+    /// complete. A link that is already right is left alone.
+    pub(crate) fn link_deferred(&self, src_root: &Path, dst_root: &Path) {
+        let deferred = std::mem::take(&mut *self.deferred.lock().expect("deferred lock"));
+        for d in deferred {
+            self.stats.hard_links.fetch_add(1, Relaxed);
+            if let Err(e) = self.link_one(src_root, dst_root, &d) {
+                self.fail(&src_root.join(&d.rel), "hard link not made", e);
+            }
+        }
+    }
+
+    fn link_one(&self, src_root: &Path, dst_root: &Path, d: &Deferred) -> io::Result<()> {
+        let (path, primary) = (dst_root.join(&d.rel), dst_root.join(&d.primary));
+        let first = std::fs::symlink_metadata(&primary)?;
+        let parent = path.parent().unwrap_or(dst_root);
+        let name = path.file_name().unwrap_or_default();
+        let dir: OwnedFd = File::open(parent)?.into();
+        let have = match Meta::at(dir.as_fd(), name) {
+            Ok(h) => Some(h),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e),
+        };
+        use std::os::unix::fs::MetadataExt;
+        if let Some(h) = have
+            && (h.dev, h.ino) == (first.dev(), first.ino())
+        {
+            return Ok(());
+        }
+        let have = match have {
+            Some(h) if h.kind == Kind::Dir => {
+                if !(self.rules.delete || self.rules.hidden) {
+                    return Err(io::Error::other(
+                        "the destination has a directory where the source has a hard link; \
+                         rerun with --delete to replace it",
+                    ));
+                }
+                remove_entry(dir.as_fd(), name, Kind::Dir)?;
+                None
+            }
+            other => other,
+        };
+        if have.is_none() {
+            fs::linkat(&dir, &primary, &dir, name, AtFlags::empty())?;
+        } else {
+            let tmp = temp_name(name);
+            _ = fs::unlinkat(&dir, &tmp, AtFlags::empty());
+            fs::linkat(&dir, &primary, &dir, &tmp, AtFlags::empty())?;
+            fs::renameat(&dir, &tmp, &dir, name)?;
+        }
+        // The new name changed the directory's mtime: give it back the source's.
+        let src_dir =
+            std::fs::symlink_metadata(src_root.join(d.rel.parent().unwrap_or(Path::new(""))))?;
+        meta::set_mtime(
+            dir.as_fd(),
+            OsStr::new("."),
+            (src_dir.mtime(), src_dir.mtime_nsec() as u32),
+        )?;
+        Ok(())
+    }
+}
+
+/// Lists a directory's entries with their `lstat`, skipping entries that vanish meanwhile.
+fn list(dir: BorrowedFd<'_>) -> io::Result<Vec<Listed>> {
+    let mut out = Vec::new();
+    for entry in fs::Dir::read_from(dir)? {
+        let entry = entry?;
+        let name = OsStr::from_bytes(entry.file_name().to_bytes());
+        if name == "." || name == ".." {
+            continue;
+        }
+        match Meta::at(dir, name) {
+            Ok(meta) => out.push(Listed {
+                name: name.to_os_string(),
+                meta,
+            }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+fn open_file(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<File> {
+    Ok(fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?
+    .into())
+}
+
+/// Removes an entry, a directory with everything in it.
+pub(crate) fn remove_entry(dir: BorrowedFd<'_>, name: &OsStr, kind: Kind) -> io::Result<()> {
+    if kind == Kind::Dir {
+        let fd = meta::open_dir_at(dir, name)?;
+        for child in list(fd.as_fd())? {
+            remove_entry(fd.as_fd(), &child.name, child.meta.kind)?;
+        }
+        fs::unlinkat(dir, name, AtFlags::REMOVEDIR)?;
+    } else {
+        fs::unlinkat(dir, name, AtFlags::empty())?;
+    }
+    Ok(())
+}
+
+/// The temp name a new version of `name` is written under: short whatever `name` is, and
+/// recognisable, so a crash's leftovers are cleaned up by the next run.
+fn temp_name(name: &OsStr) -> OsString {
+    let hash = blake3::hash(name.as_bytes());
+    format!(".mover-{}.tmp", &hash.to_hex()[..16]).into()
+}
+
+fn is_temp_name(name: &OsStr) -> bool {
+    let b = name.as_bytes();
+    b.len() == 27 && b.starts_with(b".mover-") && b.ends_with(b".tmp")
+}
