@@ -320,13 +320,10 @@ fn print_tree(s: &TreeSummary, json: bool) -> anyhow::Result<()> {
         for w in &s.warnings {
             eprintln!("mover: warning: {w}");
         }
-        for e in &s.errors {
-            eprintln!("mover: {e}");
-        }
     }
     if !s.is_complete() {
         anyhow::bail!(
-            "{} entries could not be copied (first errors above); fix them and rerun: \
+            "{} entries could not be copied (errors above); fix them and rerun: \
              what is already copied is not copied again{}",
             s.failed,
             if s.destination.exists() {

@@ -142,7 +142,7 @@ pub(crate) fn read_xattrs(path: &Path) -> io::Result<Xattrs> {
 }
 
 fn read_xattrs_large(path: &Path) -> io::Result<Xattrs> {
-    let size = fs::llistxattr(path, &mut [0u8; 0][..])?;
+    let size = fs::llistxattr_query(path)?;
     let mut names = vec![0u8; size];
     let len = fs::llistxattr(path, &mut names[..])?;
     let mut out = Vec::new();
@@ -159,7 +159,7 @@ fn get_xattr(path: &Path, name: &OsStr) -> io::Result<Vec<u8>> {
     match fs::lgetxattr(path, name, &mut buf[..]) {
         Ok(len) => Ok(buf[..len].to_vec()),
         Err(rustix::io::Errno::RANGE) => {
-            let size = fs::lgetxattr(path, name, &mut [0u8; 0][..])?;
+            let size = fs::lgetxattr_query(path, name)?;
             let mut big = vec![0u8; size];
             let len = fs::lgetxattr(path, name, &mut big[..])?;
             big.truncate(len);

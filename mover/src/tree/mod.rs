@@ -68,7 +68,8 @@ pub struct TreeSummary {
     pub entries_unchanged: u64,
     /// Entries whose content was equal but whose metadata was updated.
     pub metadata_updated: u64,
-    /// Destination entries deleted (with --delete, or left over from an interrupted copy).
+    /// Destination entries deleted (with --delete, or left over from an interrupted copy),
+    /// the contents of deleted directories and entries replaced by another kind included.
     pub entries_deleted: u64,
     /// Bytes in the source's regular files.
     pub source_bytes: u64,

@@ -162,8 +162,8 @@ impl<'a> Syncer<'a> {
                 && (self.rules.delete || self.rules.hidden || ours)
             {
                 match remove_entry(pair.dst.as_fd(), name, have.kind) {
-                    Ok(()) if !ours => _ = self.stats.deleted.fetch_add(1, Relaxed),
-                    Ok(()) => {}
+                    Ok(n) if !ours => _ = self.stats.deleted.fetch_add(n, Relaxed),
+                    Ok(_) => {}
                     Err(e) => self.fail(&pair.dst_path.join(name), "cannot delete", e),
                 }
             }
@@ -232,12 +232,13 @@ impl<'a> Syncer<'a> {
                          rerun with --delete to replace it"
                     )));
                 }
-                remove_entry(pair.dst.as_fd(), name, Kind::Dir)?;
-                self.stats.deleted.fetch_add(1, Relaxed);
+                let n = remove_entry(pair.dst.as_fd(), name, Kind::Dir)?;
+                self.stats.deleted.fetch_add(n, Relaxed);
                 Ok(None)
             }
             Some(h) if h.kind != kind && kind == Kind::Dir => {
                 fs::unlinkat(pair.dst.as_fd(), name, AtFlags::empty())?;
+                self.stats.deleted.fetch_add(1, Relaxed);
                 Ok(None)
             }
             other => Ok(other),
@@ -516,7 +517,8 @@ impl<'a> Syncer<'a> {
                          rerun with --delete to replace it",
                     ));
                 }
-                remove_entry(dir.as_fd(), name, Kind::Dir)?;
+                let n = remove_entry(dir.as_fd(), name, Kind::Dir)?;
+                self.stats.deleted.fetch_add(n, Relaxed);
                 None
             }
             other => other,
@@ -572,18 +574,19 @@ fn open_file(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<File> {
     .into())
 }
 
-/// Removes an entry, a directory with everything in it.
-pub(crate) fn remove_entry(dir: BorrowedFd<'_>, name: &OsStr, kind: Kind) -> io::Result<()> {
+/// Removes an entry, a directory with everything in it; returns how many entries went.
+pub(crate) fn remove_entry(dir: BorrowedFd<'_>, name: &OsStr, kind: Kind) -> io::Result<u64> {
+    let mut removed = 1;
     if kind == Kind::Dir {
         let fd = meta::open_dir_at(dir, name)?;
         for child in list(fd.as_fd())? {
-            remove_entry(fd.as_fd(), &child.name, child.meta.kind)?;
+            removed += remove_entry(fd.as_fd(), &child.name, child.meta.kind)?;
         }
         fs::unlinkat(dir, name, AtFlags::REMOVEDIR)?;
     } else {
         fs::unlinkat(dir, name, AtFlags::empty())?;
     }
-    Ok(())
+    Ok(removed)
 }
 
 /// The temp name a new version of `name` is written under: short whatever `name` is, and

@@ -1,0 +1,546 @@
+//! `mover copy DIR DIR`: every kind of entry and its metadata, reruns that write
+//! nothing, deltas that write only what changed, interruption, and refusals.
+//!
+//! Trees are compared by a manifest this file builds on its own (std + raw xattr
+//! calls), not by the engine's code: (path, type, mode, uid, gid, mtime, size, xattrs,
+//! symlink target, device number, hard-link group, content hash).
+
+mod common;
+
+use common::MIB;
+use rand::{RngCore, SeedableRng, rngs::StdRng};
+use rustix::fs::{self as rfs, AtFlags, Mode};
+use std::{
+    collections::{BTreeMap, HashMap},
+    ffi::{OsStr, OsString},
+    fs,
+    os::unix::{
+        ffi::OsStrExt,
+        fs::{MetadataExt, PermissionsExt},
+    },
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+fn random(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    StdRng::seed_from_u64(seed).fill_bytes(&mut v);
+    v
+}
+
+fn set_mtime(path: &Path, secs: i64, nanos: u32) {
+    let times = rfs::Timestamps {
+        last_access: rfs::Timespec {
+            tv_sec: secs,
+            tv_nsec: 0,
+        },
+        last_modification: rfs::Timespec {
+            tv_sec: secs,
+            tv_nsec: nanos as _,
+        },
+    };
+    rfs::utimensat(rfs::CWD, path, &times, AtFlags::SYMLINK_NOFOLLOW).unwrap();
+}
+
+fn set_xattr(path: &Path, name: &str, value: &[u8]) {
+    rfs::lsetxattr(path, name, value, rfs::XattrFlags::empty()).unwrap();
+}
+
+/// A POSIX access ACL in the kernel's xattr format: owner rw, user 1234 r, group r,
+/// mask r, other none.
+fn acl() -> Vec<u8> {
+    let mut v = 2u32.to_le_bytes().to_vec();
+    for (tag, perm, id) in [
+        (0x01u16, 6u16, u32::MAX),
+        (0x02, 4, 1234),
+        (0x04, 4, u32::MAX),
+        (0x10, 4, u32::MAX),
+        (0x20, 0, u32::MAX),
+    ] {
+        v.extend_from_slice(&tag.to_le_bytes());
+        v.extend_from_slice(&perm.to_le_bytes());
+        v.extend_from_slice(&id.to_le_bytes());
+    }
+    v
+}
+
+/// Builds a tree with every kind of entry mover copies.
+fn make_tree(root: &Path, seed: u64) {
+    fs::create_dir_all(root.join("docs/deep/er")).unwrap();
+    fs::create_dir_all(root.join("empty")).unwrap();
+    for i in 0..200u64 {
+        let dir = root.join(format!("small/{:02}", i % 10));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(
+            dir.join(format!("f{i}.txt")),
+            random(seed + i, (i * 37 % 5000) as usize),
+        )
+        .unwrap();
+    }
+    fs::write(root.join("docs/big.bin"), random(seed, 8 * MIB as usize)).unwrap();
+    // Sparse: 4 KiB of data at 3 MiB in a 16 MiB file.
+    let sparse = fs::File::create(root.join("sparse.img")).unwrap();
+    sparse.set_len(16 * MIB).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&sparse, &random(seed + 1, 4096), 3 * MIB).unwrap();
+    fs::write(root.join("docs/deep/er/note"), b"hello").unwrap();
+    fs::hard_link(root.join("docs/deep/er/note"), root.join("note-link")).unwrap();
+    fs::hard_link(
+        root.join("docs/deep/er/note"),
+        root.join("small/00/note-too"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("../docs/big.bin", root.join("empty/../docs/rel-link")).unwrap();
+    std::os::unix::fs::symlink("/nowhere/at/all", root.join("dangling")).unwrap();
+    rfs::mknodat(
+        rfs::CWD,
+        root.join("fifo"),
+        rfs::FileType::Fifo,
+        Mode::from_raw_mode(0o640),
+        0,
+    )
+    .unwrap();
+    let _socket = std::os::unix::net::UnixListener::bind(root.join("socket")).unwrap();
+    if is_root() {
+        rfs::mknodat(
+            rfs::CWD,
+            root.join("null-dev"),
+            rfs::FileType::CharacterDevice,
+            Mode::from_raw_mode(0o666),
+            rfs::makedev(1, 3),
+        )
+        .unwrap();
+        std::os::unix::fs::chown(root.join("docs"), Some(1234), Some(5678)).unwrap();
+        std::os::unix::fs::lchown(root.join("dangling"), Some(42), Some(43)).unwrap();
+    }
+    let weird = root.join(OsStr::from_bytes(b"caf\xe9 \n name"));
+    fs::write(&weird, b"not utf-8").unwrap();
+    fs::set_permissions(&weird, fs::Permissions::from_mode(0o4751)).unwrap();
+    set_xattr(&root.join("docs/big.bin"), "user.origin", b"camera 7");
+    set_xattr(&root.join("docs"), "user.project", b"");
+    set_xattr(
+        &root.join("docs/deep/er/note"),
+        "user.k",
+        &random(seed, 3000),
+    );
+    set_xattr(
+        &root.join("docs/big.bin"),
+        "system.posix_acl_access",
+        &acl(),
+    );
+    fs::set_permissions(root.join("empty"), fs::Permissions::from_mode(0o1777)).unwrap();
+    set_mtime(&root.join("dangling"), 1_000_000_000, 5);
+    set_mtime(&root.join("docs/deep"), 1_234_567_890, 123_456_789);
+    set_mtime(&root.join("docs/big.bin"), 1_600_000_000, 999_999_999);
+}
+
+/// (path → description) of everything under `root`, the root's own metadata included.
+fn manifest(root: &Path) -> BTreeMap<Vec<u8>, String> {
+    let mut links: HashMap<u64, Vec<Vec<u8>>> = HashMap::new();
+    let mut entries = Vec::new();
+    walk(root, root, &mut entries);
+    for (rel, m) in &entries {
+        if !m.is_dir() && m.nlink() > 1 {
+            links.entry(m.ino()).or_default().push(rel.clone());
+        }
+    }
+    let mut out = BTreeMap::new();
+    for (rel, m) in entries {
+        let path = root.join(OsStr::from_bytes(&rel));
+        let ft = m.file_type();
+        let mut line = format!(
+            "type={:o} mode={:o} uid={} gid={} size={} xattrs={}",
+            m.mode() & 0o170000,
+            m.mode() & 0o7777,
+            m.uid(),
+            m.gid(),
+            if ft.is_dir() { 0 } else { m.size() },
+            // Names and a digest of the values: readable when a test fails.
+            xattrs(&path)
+                .iter()
+                .map(|(n, v)| format!("{}:{}", n.to_string_lossy(), blake3::hash(v)))
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+        // A directory's mtime is compared except at the root (the copy sets it last).
+        line += &format!(" mtime={}.{}", m.mtime(), m.mtime_nsec());
+        if ft.is_symlink() {
+            line += &format!(" target={:?}", fs::read_link(&path).unwrap());
+        } else if ft.is_file() {
+            line += &format!(" blake3={}", blake3::hash(&fs::read(&path).unwrap()));
+        } else if !ft.is_dir() {
+            line += &format!(" rdev={}", m.rdev());
+        }
+        if let Some(group) = links.get(&m.ino()).filter(|_| !ft.is_dir()) {
+            let mut group = group.clone();
+            group.sort();
+            let group: Vec<_> = group.iter().map(|p| String::from_utf8_lossy(p)).collect();
+            line += &format!(" links={group:?}");
+        }
+        out.insert(rel, line);
+    }
+    out
+}
+
+fn walk(root: &Path, dir: &Path, out: &mut Vec<(Vec<u8>, fs::Metadata)>) {
+    let rel = dir
+        .strip_prefix(root)
+        .unwrap()
+        .as_os_str()
+        .as_bytes()
+        .to_vec();
+    out.push((rel, fs::symlink_metadata(dir).unwrap()));
+    for e in fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        let m = fs::symlink_metadata(e.path()).unwrap();
+        if m.is_dir() {
+            walk(root, &e.path(), out);
+        } else {
+            let rel = e
+                .path()
+                .strip_prefix(root)
+                .unwrap()
+                .as_os_str()
+                .as_bytes()
+                .to_vec();
+            out.push((rel, m));
+        }
+    }
+}
+
+fn xattrs(path: &Path) -> Vec<(OsString, Vec<u8>)> {
+    let mut names = vec![0u8; 65536];
+    let n = rfs::llistxattr(path, &mut names[..]).unwrap_or(0);
+    let mut out: Vec<_> = names[..n]
+        .split(|b| *b == 0)
+        .filter(|n| !n.is_empty())
+        .map(|name| {
+            let mut value = vec![0u8; 65536];
+            let len = rfs::lgetxattr(path, OsStr::from_bytes(name), &mut value[..]).unwrap();
+            value.truncate(len);
+            (OsStr::from_bytes(name).to_os_string(), value)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// ctime of every entry: any write, chmod, chown or xattr change moves it.
+fn ctimes(root: &Path) -> BTreeMap<Vec<u8>, (i64, i64)> {
+    let mut entries = Vec::new();
+    walk(root, root, &mut entries);
+    entries
+        .into_iter()
+        .map(|(rel, m)| (rel, (m.ctime(), m.ctime_nsec())))
+        .collect()
+}
+
+fn assert_same_tree(src: &Path, dst: &Path) {
+    let (a, b) = (manifest(src), manifest(dst));
+    for (path, line) in &a {
+        assert_eq!(
+            Some(line),
+            b.get(path),
+            "entry {:?} differs",
+            String::from_utf8_lossy(path)
+        );
+    }
+    assert_eq!(a.len(), b.len(), "the destination has extra entries");
+}
+
+fn copy(src: &Path, dst: &Path, delete: bool) -> mover::TreeSummary {
+    let options = mover::TreeOptions {
+        delete,
+        ..Default::default()
+    };
+    let s = mover::copy_tree(src, dst, &options, &()).unwrap();
+    assert!(s.is_complete(), "errors: {:?}", s.errors);
+    s
+}
+
+#[test]
+fn copies_every_kind_of_entry_with_its_metadata() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dst) = (t.path().join("src"), t.path().join("dst"));
+    make_tree(&src, 1);
+    let s = copy(&src, &dst, false);
+    assert_same_tree(&src, &dst);
+    assert_eq!(s.files, 200 + 4, "small files, big, sparse, note, weird");
+    assert_eq!(s.hard_links, 2);
+    assert_eq!(s.symlinks, 2);
+    assert_eq!(s.specials, if is_root() { 3 } else { 2 });
+    assert!(!t.path().join(".dst.mover-partial").exists());
+    let sparse = fs::metadata(dst.join("sparse.img")).unwrap();
+    assert!(
+        sparse.blocks() * 512 <= 64 * 1024,
+        "holes stay holes: {} bytes allocated",
+        sparse.blocks() * 512
+    );
+}
+
+#[test]
+fn rerun_changes_nothing_and_writes_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dst) = (t.path().join("src"), t.path().join("dst"));
+    make_tree(&src, 2);
+    copy(&src, &dst, true);
+    let before = ctimes(&dst);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let s = copy(&src, &dst, true);
+    assert_eq!(
+        (
+            s.bytes_written,
+            s.entries_copied,
+            s.metadata_updated,
+            s.entries_deleted
+        ),
+        (0, 0, 0, 0)
+    );
+    assert_eq!(
+        ctimes(&dst),
+        before,
+        "nothing in the destination was touched"
+    );
+    assert_same_tree(&src, &dst);
+}
+
+#[test]
+fn delta_after_edits_writes_only_what_changed() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dst) = (t.path().join("src"), t.path().join("dst"));
+    make_tree(&src, 3);
+    copy(&src, &dst, true);
+    let before = ctimes(&dst);
+    // Insert 100 bytes in the middle of the 8 MiB file: CDC re-synchronises after it.
+    let big = src.join("docs/big.bin");
+    let mut data = fs::read(&big).unwrap();
+    data.splice(4 * MIB as usize..4 * MIB as usize, random(9, 100));
+    fs::write(&big, &data).unwrap();
+    fs::write(src.join("small/03/f3.txt"), b"edited").unwrap();
+    fs::set_permissions(
+        src.join("small/04/f4.txt"),
+        fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    set_xattr(&src.join("small/05/f5.txt"), "user.tag", b"new");
+    fs::remove_file(src.join("small/06/f6.txt")).unwrap();
+    fs::remove_dir_all(src.join("small/07")).unwrap();
+    fs::write(src.join("docs/new.txt"), b"brand new").unwrap();
+    // A file replaced by a directory and a directory replaced by a symlink.
+    fs::remove_file(src.join("small/08/f8.txt")).unwrap();
+    fs::create_dir(src.join("small/08/f8.txt")).unwrap();
+    fs::remove_dir(src.join("empty")).unwrap();
+    std::os::unix::fs::symlink("docs", src.join("empty")).unwrap();
+
+    let s = copy(&src, &dst, true);
+    assert_same_tree(&src, &dst);
+    assert_eq!(s.files_patched, 1, "the big file is patched");
+    assert!(
+        s.bytes_reused >= 4 * MIB,
+        "most of the big file comes from its old copy: {}",
+        s.bytes_reused
+    );
+    // The insert touches one or two CDC chunks (at most 4 MiB each).
+    assert!(
+        s.bytes_written <= 100 + 6 + 9 + 8 * MIB - s.bytes_reused,
+        "wrote {} bytes",
+        s.bytes_written
+    );
+    assert!(s.bytes_written < 5 * MIB, "wrote {}", s.bytes_written);
+    assert_eq!(s.metadata_updated, 2, "f4 mode and f5 xattr");
+    // 20 files in small/07, the dir itself, f6, f8 (a file), empty (a dir).
+    assert_eq!(s.entries_deleted, 20 + 1 + 1 + 1 + 1);
+    // Entries the edits did not touch keep their ctime: nothing was rewritten.
+    let after = ctimes(&dst);
+    let untouched = ["small/01/f1.txt", "small/09/f19.txt", "sparse.img", "fifo"];
+    for p in untouched {
+        let k = p.as_bytes().to_vec();
+        assert_eq!(before[&k], after[&k], "{p} was touched");
+    }
+}
+
+#[test]
+fn extraneous_entries_stay_without_delete_and_go_with_it() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dst) = (t.path().join("src"), t.path().join("dst"));
+    make_tree(&src, 4);
+    copy(&src, &dst, false);
+    fs::write(dst.join("mine.txt"), b"keep me").unwrap();
+    fs::create_dir(dst.join("docs/my-dir")).unwrap();
+    let s = copy(&src, &dst, false);
+    assert_eq!(s.entries_deleted, 0);
+    assert_eq!(fs::read(dst.join("mine.txt")).unwrap(), b"keep me");
+    let s = copy(&src, &dst, true);
+    assert_eq!(s.entries_deleted, 2);
+    assert_same_tree(&src, &dst);
+}
+
+#[test]
+fn a_directory_in_the_way_is_replaced_only_with_delete() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dst) = (t.path().join("src"), t.path().join("dst"));
+    fs::create_dir_all(&src).unwrap();
+    fs::write(src.join("x"), b"file").unwrap();
+    fs::create_dir_all(dst.join("x/inner")).unwrap();
+    let options = mover::TreeOptions::default();
+    let s = mover::copy_tree(&src, &dst, &options, &()).unwrap();
+    assert!(!s.is_complete());
+    assert!(s.errors[0].contains("--delete"), "{:?}", s.errors);
+    assert!(
+        dst.join("x/inner").is_dir(),
+        "nothing destroyed without --delete"
+    );
+    copy(&src, &dst, true);
+    assert_eq!(fs::read(dst.join("x")).unwrap(), b"file");
+}
+
+#[test]
+fn interrupted_new_copy_stays_hidden_and_the_rerun_finishes_it() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dst) = (t.path().join("src"), t.path().join("dst"));
+    make_tree(&src, 5);
+    for i in 0..5_000 {
+        let dir = src.join(format!("many/{}", i % 50));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join(i.to_string()), i.to_string()).unwrap();
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mover"))
+        .args(["copy", "--tree-threads", "1"])
+        .arg(&src)
+        .arg(&dst)
+        .env("RUST_LOG", "error")
+        .spawn()
+        .unwrap();
+    let partial = t.path().join(".dst.mover-partial");
+    let started = std::time::Instant::now();
+    while fs::read_dir(partial.join("many")).map_or(0, |d| d.count()) < 5 {
+        assert!(started.elapsed().as_secs() < 60, "the copy never started");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert!(
+        !dst.exists(),
+        "a half-made copy is never visible under its name"
+    );
+    // The rerun finishes the hidden copy, whatever state the kill left it in.
+    let s = copy(&src, &dst, false);
+    assert!(s.resumed);
+    assert!(!partial.exists());
+    assert_same_tree(&src, &dst);
+}
+
+#[test]
+fn paths_longer_than_path_max_are_copied() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dst) = (t.path().join("src"), t.path().join("dst"));
+    fs::create_dir(&src).unwrap();
+    let name = "d".repeat(250);
+    // 20 levels of 250-byte names: about 5 KiB, beyond PATH_MAX (4096).
+    let mut dir = rfs::open(&src, rfs::OFlags::DIRECTORY, Mode::empty()).unwrap();
+    for _ in 0..20 {
+        rfs::mkdirat(&dir, name.as_str(), Mode::from_raw_mode(0o755)).unwrap();
+        dir = rfs::openat(&dir, name.as_str(), rfs::OFlags::DIRECTORY, Mode::empty()).unwrap();
+    }
+    let leaf = rfs::openat(
+        &dir,
+        "leaf",
+        rfs::OFlags::CREATE | rfs::OFlags::WRONLY,
+        Mode::from_raw_mode(0o640),
+    )
+    .unwrap();
+    rustix::io::write(&leaf, b"deep").unwrap();
+    rfs::fsetxattr(&leaf, "user.deep", b"yes", rfs::XattrFlags::empty()).unwrap();
+    copy(&src, &dst, false);
+    let mut dir = rfs::open(&dst, rfs::OFlags::DIRECTORY, Mode::empty()).unwrap();
+    for _ in 0..20 {
+        dir = rfs::openat(&dir, name.as_str(), rfs::OFlags::DIRECTORY, Mode::empty()).unwrap();
+    }
+    let leaf = rfs::openat(&dir, "leaf", rfs::OFlags::RDONLY, Mode::empty()).unwrap();
+    let mut buf = [0u8; 16];
+    let n = rustix::io::read(&leaf, &mut buf[..]).unwrap();
+    assert_eq!(&buf[..n], b"deep");
+    let mut value = [0u8; 8];
+    let n = rfs::fgetxattr(&leaf, "user.deep", &mut value[..]).unwrap();
+    assert_eq!(&value[..n], b"yes");
+    assert_eq!(rfs::fstat(&leaf).unwrap().st_mode & 0o7777, 0o640);
+}
+
+fn mover_cli(args: &[&OsStr]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_mover"))
+        .args(args)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn refusals_say_what_and_write_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    fs::create_dir_all(src.join("sub")).unwrap();
+    fs::write(t.path().join("file"), b"x").unwrap();
+    let cases: [(PathBuf, &str); 4] = [
+        (t.path().join("file"), "is not a directory"),
+        (src.join("sub/copy"), "one tree contains the other"),
+        (t.path().join("no/such/parent/dst"), "create it first"),
+        (src.clone(), "one tree contains the other"),
+    ];
+    for (dst, message) in cases {
+        let out = mover_cli(&["copy".as_ref(), src.as_os_str(), dst.as_os_str()]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{}: {stderr}", dst.display());
+        assert!(stderr.contains(message), "{}: {stderr}", dst.display());
+    }
+    assert!(!src.join("sub/copy").exists());
+    assert_eq!(fs::read(t.path().join("file")).unwrap(), b"x");
+}
+
+#[test]
+fn a_destination_without_xattr_support_fails_clearly_unless_told_to_drop_them() {
+    if !is_root() {
+        return; // needs a ramfs mount
+    }
+    let t = tempfile::tempdir().unwrap();
+    let (src, mnt) = (t.path().join("src"), t.path().join("ramfs"));
+    fs::create_dir_all(&src).unwrap();
+    fs::create_dir_all(&mnt).unwrap();
+    fs::write(src.join("tagged"), b"data").unwrap();
+    set_xattr(&src.join("tagged"), "user.tag", b"v");
+    rustix::mount::mount(
+        "none",
+        &mnt,
+        "ramfs",
+        rustix::mount::MountFlags::empty(),
+        None,
+    )
+    .unwrap();
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            _ = rustix::mount::unmount(self.0, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+    let _unmount = Unmount(&mnt);
+    let dst = mnt.join("dst");
+    let out = mover_cli(&["copy".as_ref(), src.as_os_str(), dst.as_os_str()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--no-xattrs"), "{stderr}");
+    assert!(!dst.exists(), "an incomplete copy stays hidden");
+    let out = mover_cli(&[
+        "copy".as_ref(),
+        "--no-xattrs".as_ref(),
+        src.as_os_str(),
+        dst.as_os_str(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(fs::read(dst.join("tagged")).unwrap(), b"data");
+}
