@@ -1,0 +1,327 @@
+//! `mover-bench-tree`: file-tree copies, `mover copy DIR DIR` against `rsync -aHAX`, in one
+//! run on the same tree: the initial copy, a rerun with nothing changed, and a delta after
+//! a day of edits. Run `mover-bench-tree --help` for what is built and checked.
+
+#[allow(dead_code)] // the bench's process helpers, shared with mover-bench
+#[path = "../process.rs"]
+mod process;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use process::{ThenSync, drop_caches, run_checked, run_timed};
+use serde::Serialize;
+use std::{
+    fs,
+    io::Write,
+    os::unix::fs::symlink,
+    path::{Path, PathBuf},
+    process::{Command, ExitCode},
+};
+
+const LONG_ABOUT: &str = "\
+Benchmarks `mover copy DIR DIR` against `rsync -aHAX` on a tree of many small files plus a
+few large ones, built once (and kept) in WORKDIR/src:
+  --files small files of 0-8 KiB in directories of 1000, 4 large files of 256 MiB,
+  a symlink and a hard link per directory, a user xattr on every 100th file.
+Three steps, each timed for both tools from a dropped page cache to a final sync(2):
+  initial   into an absent destination: rsync / mover >= 2x;
+  no-change the same command again: rsync / mover >= 5x;
+  delta     after edits (2% of the small files rewritten, 1% deleted, 1000 added, 1 MiB
+            inserted in the middle of two large files), with --delete: rsync / mover >= 3x.
+After each step mover's copy is checked identical to the source by
+`rsync -aHAXnc --delete -i` (untimed; any itemized line is a failure).
+Peak memory (wait4 ru_maxrss) is reported for each run.
+Exit status: 0 all targets met, 2 some target missed, 1 error. Needs root and rsync.";
+
+/// Benchmark `mover copy` of file trees against rsync.
+#[derive(Debug, Parser)]
+#[command(name = "mover-bench-tree", version, about, long_about = LONG_ABOUT)]
+struct Args {
+    /// Directory for the source tree and the copies.
+    #[arg(long, default_value = "/var/tmp/mover-bench-tree")]
+    workdir: PathBuf,
+    /// Number of small files in the source tree.
+    #[arg(long, default_value_t = 200_000)]
+    files: u64,
+    /// Size of each of the 4 large files, in MiB.
+    #[arg(long, default_value_t = 256)]
+    large_mib: u64,
+    /// The mover binary [default: `mover` next to this executable].
+    #[arg(long)]
+    mover: Option<PathBuf>,
+}
+
+/// One step, timed for both tools.
+#[derive(Debug, Serialize)]
+struct Step {
+    name: &'static str,
+    rsync_seconds: f64,
+    mover_seconds: f64,
+    rsync_max_rss_bytes: u64,
+    mover_max_rss_bytes: u64,
+    rsync_cpu_seconds: f64,
+    mover_cpu_seconds: f64,
+    /// rsync time / mover time.
+    speedup: f64,
+    target: f64,
+    pass: bool,
+    mover_report: serde_json::Value,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(2),
+        Err(e) => {
+            eprintln!("mover-bench-tree: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<bool> {
+    if !rustix::process::geteuid().is_root() {
+        bail!("run as root (drop_caches, ownership)");
+    }
+    let mover = match &args.mover {
+        Some(m) => m.clone(),
+        None => std::env::current_exe()?.with_file_name("mover"),
+    };
+    fs::create_dir_all(&args.workdir)?;
+    let src = args.workdir.join("src");
+    build_tree(&src, args.files, args.large_mib)?;
+    let (to_rsync, to_mover) = (
+        args.workdir.join("rsync-dst"),
+        args.workdir.join("mover-dst"),
+    );
+    for d in [&to_rsync, &to_mover] {
+        if d.exists() {
+            fs::remove_dir_all(d)?;
+        }
+    }
+    let mut steps = Vec::new();
+    steps.push(step(
+        "initial", 2.0, &mover, &src, &to_rsync, &to_mover, false,
+    )?);
+    steps.push(step(
+        "no-change",
+        5.0,
+        &mover,
+        &src,
+        &to_rsync,
+        &to_mover,
+        false,
+    )?);
+    edit_tree(&src, args.files, args.large_mib)?;
+    steps.push(step(
+        "delta", 3.0, &mover, &src, &to_rsync, &to_mover, true,
+    )?);
+
+    println!("\nstep        rsync -aHAX      mover     speedup  target  peak RSS rsync / mover");
+    for s in &steps {
+        println!(
+            "{:<10} {:>9.2}s {:>9.2}s {:>9.2}x {:>6.1}x  {:>6.1} / {:.1} MiB  {}",
+            s.name,
+            s.rsync_seconds,
+            s.mover_seconds,
+            s.speedup,
+            s.target,
+            s.rsync_max_rss_bytes as f64 / 1048576.0,
+            s.mover_max_rss_bytes as f64 / 1048576.0,
+            if s.pass { "PASS" } else { "FAIL" }
+        );
+    }
+    let json = args.workdir.join("results.json");
+    fs::write(&json, serde_json::to_vec_pretty(&steps)?)?;
+    println!("results: {}", json.display());
+    Ok(steps.iter().all(|s| s.pass))
+}
+
+/// Times rsync then mover on the same step, checks mover's copy, and compares.
+fn step(
+    name: &'static str,
+    target: f64,
+    mover: &Path,
+    src: &Path,
+    to_rsync: &Path,
+    to_mover: &Path,
+    delete: bool,
+) -> Result<Step> {
+    eprintln!("== {name}: rsync");
+    drop_caches()?;
+    let mut rsync = Command::new("rsync");
+    rsync.arg("-aHAX");
+    if delete {
+        rsync.arg("--delete");
+    }
+    rsync.arg(format!("{}/", src.display()));
+    rsync.arg(format!("{}/", to_rsync.display()));
+    let r = run_timed(&mut rsync, ThenSync::Yes)?;
+    eprintln!("== {name}: mover");
+    drop_caches()?;
+    let mut cmd = Command::new(mover);
+    cmd.args(["copy", "--json", "--no-progress"]);
+    if delete {
+        cmd.arg("--delete");
+    }
+    cmd.arg(src).arg(to_mover);
+    let m = run_timed(&mut cmd, ThenSync::Yes)?;
+    let report: serde_json::Value = serde_json::from_slice(&m.stdout).unwrap_or_default();
+    check_identical(src, to_mover)?;
+    let speedup = r.elapsed.as_secs_f64() / m.elapsed.as_secs_f64();
+    Ok(Step {
+        name,
+        rsync_seconds: r.elapsed.as_secs_f64(),
+        mover_seconds: m.elapsed.as_secs_f64(),
+        rsync_max_rss_bytes: r.max_rss_bytes,
+        mover_max_rss_bytes: m.max_rss_bytes,
+        rsync_cpu_seconds: r.cpu.as_secs_f64(),
+        mover_cpu_seconds: m.cpu.as_secs_f64(),
+        speedup,
+        target,
+        pass: speedup >= target,
+        mover_report: report,
+    })
+}
+
+/// rsync's own comparison, by content, of the source and mover's copy: no line means equal.
+fn check_identical(src: &Path, copy: &Path) -> Result<()> {
+    let out = run_checked(
+        Command::new("rsync")
+            .arg("-aHAXnc")
+            .arg("--delete")
+            .arg("--itemize-changes")
+            .arg(format!("{}/", src.display()))
+            .arg(format!("{}/", copy.display())),
+    )?;
+    let listing = String::from_utf8_lossy(&out);
+    let differing: Vec<&str> = listing.lines().filter(|l| !l.trim().is_empty()).collect();
+    if !differing.is_empty() {
+        bail!(
+            "mover's copy differs from the source in {} entries, e.g.:\n{}",
+            differing.len(),
+            differing[..differing.len().min(10)].join("\n")
+        );
+    }
+    Ok(())
+}
+
+/// A small deterministic generator (xorshift64*): the same tree on every machine.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn fill(&mut self, buf: &mut [u8]) {
+        for chunk in buf.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+    }
+}
+
+fn small_path(root: &Path, i: u64) -> PathBuf {
+    root.join(format!(
+        "d{:03}/s{:02}/f{i}.dat",
+        i / 10_000,
+        (i / 1000) % 10
+    ))
+}
+
+/// Builds the source tree unless a complete one with the same parameters is there.
+fn build_tree(root: &Path, files: u64, large_mib: u64) -> Result<()> {
+    let marker = root.with_extension("built");
+    let params = format!("files={files} large_mib={large_mib} v1\n");
+    if fs::read_to_string(&marker).is_ok_and(|m| m == params) {
+        eprintln!("reusing the source tree in {}", root.display());
+        return Ok(());
+    }
+    if root.exists() {
+        fs::remove_dir_all(root)?;
+    }
+    eprintln!(
+        "building {files} small files and 4 large ones in {}",
+        root.display()
+    );
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut buf = vec![0u8; 8192];
+    for i in 0..files {
+        let path = small_path(root, i);
+        if i % 1000 == 0 {
+            let dir = path.parent().context("parent")?;
+            fs::create_dir_all(dir)?;
+            symlink(format!("f{i}.dat"), dir.join("latest"))?;
+        }
+        let len = (rng.next() % 8192) as usize;
+        rng.fill(&mut buf[..len]);
+        fs::write(&path, &buf[..len])?;
+        if i % 1000 == 1 {
+            fs::hard_link(&path, path.with_extension("link"))?;
+        }
+        if i % 100 == 0 {
+            rustix::fs::setxattr(
+                &path,
+                "user.origin",
+                b"bench",
+                rustix::fs::XattrFlags::empty(),
+            )?;
+        }
+    }
+    let mut big = vec![0u8; 1 << 20];
+    for n in 0..4 {
+        let path = root.join(format!("large-{n}.bin"));
+        let mut f = std::io::BufWriter::new(fs::File::create(&path)?);
+        for _ in 0..large_mib {
+            rng.fill(&mut big);
+            f.write_all(&big)?;
+        }
+    }
+    fs::write(&marker, params)?;
+    Ok(())
+}
+
+/// A day of edits: 2% of the small files rewritten, 1% deleted, 1000 added, and 1 MiB
+/// inserted in the middle of two large files. Marks the tree for rebuilding next time.
+fn edit_tree(root: &Path, files: u64, large_mib: u64) -> Result<()> {
+    fs::remove_file(root.with_extension("built"))?;
+    eprintln!("editing the source tree");
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut buf = vec![0u8; 8192];
+    for i in (0..files).step_by(50) {
+        let len = (rng.next() % 8192) as usize;
+        rng.fill(&mut buf[..len]);
+        fs::write(small_path(root, i + 7), &buf[..len])?;
+    }
+    for i in (0..files).step_by(100) {
+        _ = fs::remove_file(small_path(root, i + 13));
+    }
+    for i in 0..1000 {
+        let path = small_path(root, i * (files / 1000)).with_file_name(format!("new{i}.dat"));
+        fs::write(path, format!("new file {i}"))?;
+    }
+    for n in 0..2 {
+        // Streamed through a new file: the bench's own memory is every child's RSS floor.
+        let path = root.join(format!("large-{n}.bin"));
+        let edited = path.with_extension("edited");
+        let mut from = std::io::BufReader::new(fs::File::open(&path)?);
+        let mut to = std::io::BufWriter::new(fs::File::create(&edited)?);
+        std::io::copy(
+            &mut std::io::Read::take(&mut from, (large_mib / 2) << 20),
+            &mut to,
+        )?;
+        let mut insert = vec![0u8; 1 << 20];
+        rng.fill(&mut insert);
+        to.write_all(&insert)?;
+        std::io::copy(&mut from, &mut to)?;
+        to.flush()?;
+        drop(to);
+        fs::rename(&edited, &path)?;
+    }
+    Ok(())
+}
