@@ -94,6 +94,20 @@ pub enum CopyError {
         /// First differing byte offset found (chunk-aligned).
         offset: u64,
     },
+    /// A tree's second pass (`--verify`) found entries that differ from the source.
+    #[error(
+        "verification failed: {differing} entries of {dst} differed from {src} after the copy \
+         (a file changing meanwhile, or a storage fault); they were copied again: rerun with \
+         --verify to confirm"
+    )]
+    TreeVerifyFailed {
+        /// Source directory.
+        src: PathBuf,
+        /// Destination directory.
+        dst: PathBuf,
+        /// Entries found different (and repaired).
+        differing: u64,
+    },
     /// A peer agent refused or failed a call, or could not be reached.
     #[error("agent {url}: {code}: {message}{}", remote_hint(code))]
     Remote {

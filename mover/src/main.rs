@@ -31,28 +31,39 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Copy a block volume (device or image file) onto another, writing only what differs.
+    /// Copy a block volume or a file tree onto another, writing only what differs.
     #[command(
         long_about = "Copy a block volume (a block device such as /dev/loop0 or an \
-        image file) onto another.\n\n\
-        If DST does not exist, a sparse image file is created (under a hidden temp name, \
-        renamed into place when complete). If DST already holds an older copy, it is read \
-        and compared, and only the 4 KiB pages that differ are written. Zero regions and \
-        holes of SRC stay holes in DST (punched, not written as zeros).\n\n\
+        image file) or a file tree (a directory) onto another.\n\n\
+        Block volumes: if DST does not exist, a sparse image file is created (under a hidden \
+        temp name, renamed into place when complete). If DST already holds an older copy, it \
+        is read and compared, and only the 4 KiB pages that differ are written. Zero regions \
+        and holes of SRC stay holes in DST (punched, not written as zeros).\n\n\
+        File trees (SRC is a directory): DST becomes a copy of SRC's contents, like \
+        `rsync -aHAXS --numeric-ids SRC/ DST/`: regular files (holes kept), directories, \
+        symlinks, hard links, device nodes, FIFOs and sockets, with mode, numeric owner \
+        (as root), mtime (ns), xattrs and POSIX ACLs. A new DST is built under \
+        .DST.mover-partial and renamed into place when complete. Onto an existing DST, \
+        files with the same size and mtime are skipped (--checksum compares content), \
+        changed files are rebuilt under a temp name and renamed over the old (large ones \
+        from the chunks the old copy already holds), and entries SRC lacks are kept \
+        unless --delete. Entries that cannot be copied are listed; the exit status is then 1.\n\n\
         An interrupted copy (Ctrl-C, kill -9, power loss) is finished by running the same \
         command again: what is already equal is read, not rewritten.\n\n\
         Refused, with nothing written: a missing SRC, a DST smaller than SRC (see --grow), \
-        SRC and DST being the same storage, a DST block device that is mounted or in use \
-        (see --force).\n\n\
+        SRC and DST being the same storage (or one tree inside the other), a DST block device \
+        that is mounted or in use (see --force), a tree onto a DST that is not a directory.\n\n\
         Examples:\n  \
         mover copy /dev/vg0/data /dev/sdb            # device to device\n  \
         mover copy /dev/loop0 backup.img --verify    # device to a new sparse image\n  \
-        mover copy today.img yesterday.img --json    # delta onto an older copy"
+        mover copy today.img yesterday.img --json    # delta onto an older copy\n  \
+        mover copy /srv/data /mnt/backup/data --delete  # tree, mirrored"
     )]
     Copy {
-        /// Source volume: a block device or an image file.
+        /// Source: a block device, an image file, a directory, or agent://HOST:PORT/NAME.
         src: PathBuf,
-        /// Destination: a block device, an existing image file, or a new image file path.
+        /// Destination: a block device, an image file (existing or new), a directory
+        /// (existing or new) for a tree, or agent://HOST:PORT/NAME.
         dst: PathBuf,
         #[command(flatten)]
         options: CopyOptions,
@@ -130,7 +141,9 @@ fn main() -> ExitCode {
 /// The one place where errors become exit codes.
 fn exit_code(err: &anyhow::Error) -> u8 {
     match err.downcast_ref::<CopyError>() {
-        Some(CopyError::VerifyFailed { .. }) => EXIT_VERIFY_FAILED,
+        Some(CopyError::VerifyFailed { .. } | CopyError::TreeVerifyFailed { .. }) => {
+            EXIT_VERIFY_FAILED
+        }
         Some(e) if e.is_refusal() => EXIT_REFUSED,
         _ if err.downcast_ref::<Unsupported>().is_some() => EXIT_REFUSED,
         _ => snapshot_cli::exit_code(err),
@@ -157,9 +170,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let bar = Bar::new(&output);
             let context = || format!("copy {} -> {}", src.display(), dst.display());
             if std::fs::metadata(&src).is_ok_and(|m| m.is_dir()) {
-                if options.verify {
-                    anyhow::bail!(Unsupported("--verify of file trees".into()));
+                if dst.to_string_lossy().contains("://") {
+                    anyhow::bail!(Unsupported(format!(
+                        "{}: file trees to or from an agent are not built yet (copy trees \
+                         between local directories)",
+                        dst.display()
+                    )));
                 }
+                let tree = mover::TreeOptions {
+                    verify: options.verify,
+                    ..tree
+                };
                 let summary = mover::copy_tree(&src, &dst, &tree, &bar).with_context(context)?;
                 bar.done();
                 return print_tree(&summary, output.json);
@@ -393,13 +414,20 @@ impl Progress for Bar {
         if let Some(bar) = &self.0 {
             let mut bar = bar.lock().expect("progress bar lock");
             bar.finish_and_clear();
+            // A total of 0 means unknown (a tree is copied as it is walked): no bar, no eta.
+            let template = if total == 0 {
+                "{prefix:>7} {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}"
+            } else {
+                "{prefix:>7} [{bar:40}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}"
+            };
             *bar = ProgressBar::new(total).with_style(
-                ProgressStyle::with_template(
-                    "{prefix:>7} [{bar:40}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
-                )
-                .expect("valid template")
-                .progress_chars("=> "),
+                ProgressStyle::with_template(template)
+                    .expect("valid template")
+                    .progress_chars("=> "),
             );
+            if total == 0 {
+                bar.enable_steady_tick(std::time::Duration::from_millis(200));
+            }
             bar.set_prefix(phase);
         }
     }

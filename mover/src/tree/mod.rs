@@ -41,6 +41,71 @@ pub struct TreeOptions {
     /// File trees: threads walking and copying [default: 4 per core, at most 16].
     #[arg(long, value_name = "N")]
     pub tree_threads: Option<usize>,
+    /// After copying, compare every entry again, file contents by BLAKE3 read back from
+    /// the destination (set from `--verify`).
+    #[arg(skip)]
+    pub verify: bool,
+}
+
+/// Walks `src_abs` into `work` on `pool`, then makes the deferred hard links.
+fn pass(
+    pool: &rayon::ThreadPool,
+    syncer: &Syncer<'_>,
+    src_abs: &Path,
+    work: &Path,
+) -> Result<DirPair> {
+    let open = |path: &Path, what| {
+        meta::open_dir_at(rustix::fs::CWD, path.as_os_str()).map_err(|cause| CopyError::Tree {
+            path: path.to_path_buf(),
+            what,
+            cause,
+        })
+    };
+    let root = DirPair {
+        src: open(src_abs, "cannot open the source")?,
+        dst: open(work, "cannot open the destination")?,
+        src_path: src_abs.to_path_buf(),
+        dst_path: work.to_path_buf(),
+        rel: PathBuf::new(),
+    };
+    pool.install(|| syncer.sync_dir(&root));
+    syncer.link_deferred(src_abs, work);
+    Ok(root)
+}
+
+/// The second pass of `--verify`: the same walk comparing contents, which must find the
+/// copy complete. Whatever it finds different is repaired, and reported as a failure.
+fn verify(
+    pool: &rayon::ThreadPool,
+    src_abs: &Path,
+    dst: &Path,
+    rules: Rules,
+    progress: &dyn Progress,
+) -> Result<()> {
+    progress.begin("verify", 0);
+    let dest = Destination::prepare(dst, src_abs)?;
+    let rules = Rules {
+        checksum: true,
+        hidden: false,
+        delete: rules.delete,
+        ..rules
+    };
+    let syncer = Syncer::new(rules, progress);
+    pass(pool, &syncer, src_abs, &dest.work)?;
+    let s = &syncer.stats;
+    let differing = s.copied.load(Relaxed)
+        + s.patched.load(Relaxed)
+        + s.metadata_updated.load(Relaxed)
+        + s.deleted.load(Relaxed)
+        + s.errors.load(Relaxed);
+    if differing > 0 {
+        return Err(CopyError::TreeVerifyFailed {
+            src: src_abs.to_path_buf(),
+            dst: dst.to_path_buf(),
+            differing,
+        });
+    }
+    Ok(())
 }
 
 /// What a tree copy did, for people and (as JSON) for programs.
@@ -88,6 +153,9 @@ pub struct TreeSummary {
     pub warnings: Vec<String>,
     /// This run finished an earlier interrupted copy into a new destination.
     pub resumed: bool,
+    /// A second pass compared every entry, file contents read back from the destination
+    /// by BLAKE3, and found nothing to change.
+    pub verified: bool,
     /// Wall time in seconds.
     pub duration_secs: f64,
 }
@@ -123,16 +191,6 @@ pub fn copy_tree(
             xattrs: !options.no_xattrs,
         },
     };
-    let syncer = Syncer::new(rules, progress);
-    let root = DirPair {
-        src: meta::open_dir_at(rustix::fs::CWD, src_abs.as_os_str())
-            .map_err(tree_err(&src_abs, "cannot open the source"))?,
-        dst: meta::open_dir_at(rustix::fs::CWD, dest.work.as_os_str())
-            .map_err(tree_err(&dest.work, "cannot open the destination"))?,
-        src_path: src_abs.clone(),
-        dst_path: dest.work.clone(),
-        rel: PathBuf::new(),
-    };
     let threads = options.tree_threads.unwrap_or_else(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         (cores * 4).min(16)
@@ -149,10 +207,13 @@ pub fn copy_tree(
             cause: std::io::Error::other(e),
         })?;
     progress.begin("copy", 0);
-    pool.install(|| syncer.sync_dir(&root));
-    syncer.link_deferred(&src_abs, &dest.work);
+    let syncer = Syncer::new(rules, progress);
+    let root = pass(&pool, &syncer, &src_abs, &dest.work)?;
     dest.finish(&root, &syncer, &src_abs, rules.preserve)?;
-
+    let verified = options.verify && syncer.stats.errors.load(Relaxed) == 0;
+    if verified {
+        verify(&pool, &src_abs, dst, rules, progress)?;
+    }
     let s = &syncer.stats;
     let (errors, warnings) = syncer.messages();
     Ok(TreeSummary {
@@ -176,6 +237,7 @@ pub fn copy_tree(
         errors,
         warnings,
         resumed: dest.resumed,
+        verified,
         duration_secs: started.elapsed().as_secs_f64(),
     })
 }
