@@ -573,3 +573,20 @@ fn verify_reads_contents_back_and_catches_silent_corruption() {
     assert!(s.verified);
     assert_same_tree(&src, &dst);
 }
+
+#[test]
+fn resuming_over_an_entry_of_another_kind_replaces_it() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dst) = (t.path().join("src"), t.path().join("dst"));
+    fs::create_dir_all(&src).unwrap();
+    fs::write(src.join("x"), b"a file now").unwrap();
+    std::os::unix::fs::symlink("elsewhere", src.join("y")).unwrap();
+    // An earlier attempt left a symlink where x goes and a file where y goes.
+    let partial = t.path().join(".dst.mover-partial");
+    fs::create_dir_all(&partial).unwrap();
+    std::os::unix::fs::symlink("stale", partial.join("x")).unwrap();
+    fs::write(partial.join("y"), b"stale").unwrap();
+    let s = copy(&src, &dst, false);
+    assert!(s.resumed);
+    assert_same_tree(&src, &dst);
+}

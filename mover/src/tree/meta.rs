@@ -178,28 +178,20 @@ fn listxattrat_len(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<usize> {
 
 /// Reads the xattrs of `path` without following a symlink.
 pub(crate) fn read_xattrs(path: &Path) -> io::Result<Xattrs> {
-    let mut names = [0u8; 4096];
-    let len = match fs::llistxattr(path, &mut names[..]) {
-        Ok(len) => len,
-        Err(rustix::io::Errno::RANGE) => return read_xattrs_large(path),
-        Err(e) if unsupported(e) => 0,
+    let mut small = [0u8; 4096];
+    let mut large = Vec::new();
+    let names = match fs::llistxattr(path, &mut small[..]) {
+        Ok(len) => &small[..len],
+        Err(rustix::io::Errno::RANGE) => {
+            large.resize(fs::llistxattr_query(path)?, 0);
+            let len = fs::llistxattr(path, &mut large[..])?;
+            &large[..len]
+        }
+        Err(e) if unsupported(e) => &[][..],
         Err(e) => return Err(e.into()),
     };
     let mut out = Vec::new();
-    for name in names[..len].split(|b| *b == 0).filter(|n| !n.is_empty()) {
-        let name = OsStr::from_bytes(name);
-        out.push((name.to_os_string(), get_xattr(path, name)?));
-    }
-    out.sort();
-    Ok(out)
-}
-
-fn read_xattrs_large(path: &Path) -> io::Result<Xattrs> {
-    let size = fs::llistxattr_query(path)?;
-    let mut names = vec![0u8; size];
-    let len = fs::llistxattr(path, &mut names[..])?;
-    let mut out = Vec::new();
-    for name in names[..len].split(|b| *b == 0).filter(|n| !n.is_empty()) {
+    for name in names.split(|b| *b == 0).filter(|n| !n.is_empty()) {
         let name = OsStr::from_bytes(name);
         out.push((name.to_os_string(), get_xattr(path, name)?));
     }

@@ -261,7 +261,8 @@ impl Destination {
             path: dst.to_path_buf(),
             why,
         };
-        let (parent, name, exists) = match std::fs::symlink_metadata(dst) {
+        // A symlink to a directory is followed, as the user named it.
+        let (parent, name, exists) = match std::fs::metadata(dst) {
             Ok(m) if m.is_dir() => {
                 let abs = std::fs::canonicalize(dst).map_err(|e| bad(e.to_string()))?;
                 let parent = abs.parent().unwrap_or(Path::new("/")).to_path_buf();

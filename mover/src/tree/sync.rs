@@ -100,6 +100,16 @@ pub(crate) struct Syncer<'a> {
     progress: &'a dyn Progress,
 }
 
+/// What the destination holds where an entry goes.
+#[derive(Clone, Copy)]
+struct Slot {
+    /// An entry of the same kind, to compare with.
+    have: Option<Meta>,
+    /// Whether anything is there (so a new entry is made under a temp name and renamed
+    /// over it).
+    occupied: bool,
+}
+
 /// An entry as listed.
 struct Listed {
     name: OsString,
@@ -250,18 +260,21 @@ impl<'a> Syncer<'a> {
 
     fn sync_entry(&self, pair: &DirPair, entry: &Listed, have: Option<&Meta>) -> io::Result<()> {
         let kind = entry.meta.kind;
-        let have = self.clear_for(pair, &entry.name, have.copied(), kind)?;
-        // An entry of another kind is replaced by the rename below.
-        let have = have.filter(|h| h.kind == kind);
+        let there = self.clear_for(pair, &entry.name, have.copied(), kind)?;
+        // An entry of another kind is replaced by the rename that puts the new one there.
+        let slot = Slot {
+            have: there.filter(|h| h.kind == kind),
+            occupied: there.is_some(),
+        };
         match kind {
-            Kind::File => self.sync_file(pair, entry, have),
-            Kind::Symlink => self.sync_symlink(pair, entry, have),
-            _ => self.sync_special(pair, entry, have),
+            Kind::File => self.sync_file(pair, entry, slot),
+            Kind::Symlink => self.sync_symlink(pair, entry, slot),
+            _ => self.sync_special(pair, entry, slot),
         }
     }
 
-    fn sync_file(&self, pair: &DirPair, entry: &Listed, have: Option<Meta>) -> io::Result<()> {
-        let (name, m) = (entry.name.as_os_str(), &entry.meta);
+    fn sync_file(&self, pair: &DirPair, entry: &Listed, slot: Slot) -> io::Result<()> {
+        let (name, m, have) = (entry.name.as_os_str(), &entry.meta, slot.have);
         if m.nlink > 1 {
             let rel = pair.rel.join(name);
             match self.links.lock().expect("links lock").entry((m.dev, m.ino)) {
@@ -287,7 +300,7 @@ impl<'a> Syncer<'a> {
             return Ok(());
         }
         let src = open_file(pair.src.as_fd(), name)?;
-        let (target, direct) = self.target(pair, name, have.is_some())?;
+        let (target, direct) = self.target(pair, name, slot.occupied)?;
         let dst: File = fs::openat(
             pair.dst.as_fd(),
             &target,
@@ -369,9 +382,9 @@ impl<'a> Syncer<'a> {
         counter.fetch_add(1, Relaxed);
     }
 
-    fn sync_symlink(&self, pair: &DirPair, entry: &Listed, have: Option<Meta>) -> io::Result<()> {
+    fn sync_symlink(&self, pair: &DirPair, entry: &Listed, slot: Slot) -> io::Result<()> {
         self.stats.symlinks.fetch_add(1, Relaxed);
-        let name = entry.name.as_os_str();
+        let (name, have) = (entry.name.as_os_str(), slot.have);
         let target = fs::readlinkat(pair.src.as_fd(), name, Vec::new())?;
         if let Some(h) = have
             && fs::readlinkat(pair.dst.as_fd(), name, Vec::new())? == target
@@ -380,14 +393,14 @@ impl<'a> Syncer<'a> {
             self.settle(self.apply(pair, name, &entry.meta, &src_x, Some((&h, &dst_x)))?);
             return Ok(());
         }
-        let (tmp, direct) = self.target(pair, name, have.is_some())?;
+        let (tmp, direct) = self.target(pair, name, slot.occupied)?;
         fs::symlinkat(target.as_c_str(), pair.dst.as_fd(), &tmp)?;
         self.finish_new(pair, name, &tmp, direct, &entry.meta)
     }
 
-    fn sync_special(&self, pair: &DirPair, entry: &Listed, have: Option<Meta>) -> io::Result<()> {
+    fn sync_special(&self, pair: &DirPair, entry: &Listed, slot: Slot) -> io::Result<()> {
         self.stats.specials.fetch_add(1, Relaxed);
-        let (name, m) = (entry.name.as_os_str(), &entry.meta);
+        let (name, m, have) = (entry.name.as_os_str(), &entry.meta, slot.have);
         if let Some(h) = have
             && h.rdev == m.rdev
         {
@@ -395,7 +408,7 @@ impl<'a> Syncer<'a> {
             self.settle(self.apply(pair, name, m, &src_x, Some((&h, &dst_x)))?);
             return Ok(());
         }
-        let (tmp, direct) = self.target(pair, name, have.is_some())?;
+        let (tmp, direct) = self.target(pair, name, slot.occupied)?;
         fs::mknodat(
             pair.dst.as_fd(),
             &tmp,
