@@ -381,33 +381,46 @@ pub(crate) fn read_groups(
         volume.advise_sequential();
         let group_len = chunk.get() * chunker::GROUP_CHUNKS as u64;
         let mut offset = 0;
-        while offset < size {
-            let len = group_len.min(size - offset) as usize;
-            let mut win = Window::default();
-            let item = read_window(&volume, chunk, offset, len, &mut win)
-                .map_err(CopyError::from)
-                .map(|()| {
-                    let zero = win
-                        .chunk_ranges(chunk)
-                        .enumerate()
-                        .map(|(i, r)| win.unread[i] || is_zero(&win.buf[r]))
-                        .collect();
-                    let mut group = Group {
-                        win,
-                        zero,
-                        leaves: None,
-                        kinds: Vec::new(),
-                    };
-                    if hash {
-                        group.hash(&key, chunk);
-                    }
-                    group
-                });
-            let failed = item.is_err();
-            if tx.blocking_send(item).is_err() || failed {
-                return;
-            }
-            offset += len as u64;
+        // Reads run a group ahead on a helper thread, so the disk works while this one
+        // finds zeros and hashes.
+        let r = chunker::read_ahead(
+            1,
+            |_| {
+                if offset >= size {
+                    return None;
+                }
+                let len = group_len.min(size - offset) as usize;
+                let mut win = Window::default();
+                let r = read_window(&volume, chunk, offset, len, &mut win).map(|()| win);
+                offset += len as u64;
+                Some(r.map_err(CopyError::from))
+            },
+            |win: &mut Window| {
+                let win = std::mem::take(win);
+                let zero = win
+                    .chunk_ranges(chunk)
+                    .enumerate()
+                    .map(|(i, r)| win.unread[i] || is_zero(&win.buf[r]))
+                    .collect();
+                let mut group = Group {
+                    win,
+                    zero,
+                    leaves: None,
+                    kinds: Vec::new(),
+                };
+                if hash {
+                    group.hash(&key, chunk);
+                }
+                // The consumer went away: stop reading (its own error explains why).
+                tx.blocking_send(Ok(group)).map_err(|_| CopyError::Remote {
+                    url: String::new(),
+                    code: "cancelled".into(),
+                    message: "the transfer stopped".into(),
+                })
+            },
+        );
+        if let Err(e) = r {
+            let _ = tx.blocking_send(Err(e));
         }
     });
     rx
