@@ -35,11 +35,14 @@ dropped. The targets checked:
               by the bench, bearer token) against `rsync --daemon`, both writing into
               WORKDIR/agent:
               full: `mover copy DEVICE agent://127.0.0.1:PORT/full` into an absent export
-              file: time <= 1.25x the full copy's local cp time, and rsync to the daemon
+              file: time <= 1.25x a local `cp --sparse=always DEVICE` (timed in the same
+              race, onto the same disk), and rsync to the daemon
               (absent destination) / mover >= 1.5x; the same copy to a second agent
               requiring mutual TLS (certificates made with openssl): throughput >= 0.85x
               the plain copy's;
-              delta: destination holds yesterday's image (cp, untimed): rsync
+              delta: destination holds yesterday's image, copied in untimed by cp
+              (for rsync, and for mover shown only) or pushed by mover through the agent
+              (judged, as in repeated replication: the agent kept its chunk index): rsync
               --inplace --no-whole-file / mover >= 5x, and mover's wire_bytes < rsync's
               \"Total bytes sent\".
               The CPU column shows the client's CPU seconds and, after a +, the server's.
@@ -51,6 +54,7 @@ dropped. The targets checked:
               <= restic's on disk; incremental snapshot: restic / mover >= 3x; restore of
               the latest snapshot to a new file (+ sync): restic / mover >= 2x, each restored
               image checked byte-identical to today's. --only-snapshot runs this phase alone.
+              --only-agent runs the agent phase alone.
 Every copy is checked byte-identical to its source after it is timed (untimed).
 
 Prints a table of figures, ratios and PASS/FAIL, and writes every figure as JSON.
@@ -101,6 +105,11 @@ pub struct Args {
     /// Run only the snapshot phase (no hashing, no copies, no agent).
     #[arg(long)]
     pub only_snapshot: bool,
+
+    /// Run only the agent phase (no hashing, no local copies, no snapshots); its local
+    /// cp reference is timed within the phase either way.
+    #[arg(long, conflicts_with_all = ["only_snapshot", "skip_agent"])]
+    pub only_agent: bool,
 }
 
 /// Smallest volume that holds the ext4 metadata plus every kind of content.

@@ -54,9 +54,9 @@ fn main() -> ExitCode {
 fn run(args: &Args) -> Result<bool> {
     tools::ensure_root()?;
     let chosen = Phases {
-        copies: !args.only_snapshot,
+        copies: !args.only_snapshot && !args.only_agent,
         agent: !args.skip_agent && !args.only_snapshot,
-        snapshot: !args.skip_snapshot,
+        snapshot: !args.skip_snapshot && !args.only_agent,
     };
     let tools = Tools::find(chosen.agent, chosen.snapshot)?;
     let mover = tools::resolve_mover(args.mover.as_deref())?;

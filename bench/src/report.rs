@@ -203,8 +203,8 @@ impl<'a> Summary<'a> {
             rows.push(row("sparse 64G", &sparse.cp, sparse.size, None));
             rows.push(row("sparse 64G", &sparse.mover, sparse.size, None));
         }
-        if let (Some(agent), Some(full)) = (&results.agent, &results.full_copy) {
-            rows.extend(agent_rows(agent, &full.cp, size));
+        if let Some(agent) = &results.agent {
+            rows.extend(agent_rows(agent, size));
         }
         if let Some(snapshot) = &results.snapshot {
             rows.extend(snapshot_rows(snapshot, size));
@@ -272,8 +272,9 @@ fn delta_copy_rows(delta: &DeltaCopy, size: u64) -> Vec<Row<'_>> {
 /// Rows of the copies over the network: local cp for reference, rsync to its daemon, and
 /// mover to the agent judged against cp and, with mutual TLS, against itself without;
 /// then the delta copies, mover judged by its speed-up over rsync.
-fn agent_rows<'a>(agent: &'a AgentCopy, local_cp: &'a Run, size: u64) -> Vec<Row<'a>> {
+fn agent_rows(agent: &AgentCopy, size: u64) -> Vec<Row<'_>> {
     let (full, delta) = (&agent.full, &agent.delta);
+    let local_cp = &full.cp;
     let vs_cp = Check::new(
         "agent full copy: mover time / local cp --sparse=always time",
         full.mover.seconds / local_cp.seconds,
@@ -295,14 +296,13 @@ fn agent_rows<'a>(agent: &'a AgentCopy, local_cp: &'a Run, size: u64) -> Vec<Row
         AGENT_DELTA_MIN_SPEEDUP,
         Unit::Ratio,
     );
-    let mut cp = row("agent full", local_cp, size, None);
-    cp.tool = "cp --sparse=always, local".to_string();
     vec![
-        cp,
+        row("agent full", local_cp, size, None),
         row("agent full", &full.rsync, size, None),
         row("agent full", &full.mover, size, Some(vs_cp)),
         row("agent full", &full.mover_tls, size, Some(tls)),
         row("agent delta", &delta.rsync, size, None),
+        row("agent delta", &delta.mover_unindexed, size, None),
         row("agent delta", &delta.mover, size, Some(speedup)),
     ]
 }
@@ -408,7 +408,12 @@ fn other_checks(results: &Results) -> Vec<Check> {
         mover_copies.push(&sparse.mover);
     }
     if let Some(agent) = &results.agent {
-        mover_copies.extend([&agent.full.mover, &agent.full.mover_tls, &agent.delta.mover]);
+        mover_copies.extend([
+            &agent.full.mover,
+            &agent.full.mover_tls,
+            &agent.delta.mover_unindexed,
+            &agent.delta.mover,
+        ]);
     }
     if let Some(snapshot) = &results.snapshot {
         mover_copies.push(&snapshot.restore.mover);
@@ -511,7 +516,8 @@ fn agent_notes(agent: &AgentCopy) -> String {
          on the wire, full copy: mover {:.1} MiB (with mutual TLS {:.1} MiB), rsync sent \
          {:.1} MiB\n  \
          on the wire, delta copy: mover {:.1} MiB, rsync sent {:.1} MiB and received {:.1} MiB\n  \
-         read from disk by the server, delta copy: agent {:.1} MiB, rsync daemon {:.1} MiB\n  \
+         read from disk by the server, delta copy: agent {:.1} MiB (yesterday by cp: \
+         {:.1} MiB), rsync daemon {:.1} MiB\n  \
          agent peak RSS: {:.1} MiB, with mutual TLS {:.1} MiB\n",
         mib(full.mover_wire_bytes),
         mib(full.mover_tls_wire_bytes),
@@ -520,6 +526,7 @@ fn agent_notes(agent: &AgentCopy) -> String {
         mib(delta.rsync_bytes_sent),
         mib(delta.rsync_bytes_received),
         mib(delta.mover.server_read_bytes.unwrap_or(0)),
+        mib(delta.mover_unindexed.server_read_bytes.unwrap_or(0)),
         mib(delta.rsync.server_read_bytes.unwrap_or(0)),
         mib(agent.agent_peak_rss_bytes),
         mib(agent.agent_tls_peak_rss_bytes),

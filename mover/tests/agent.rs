@@ -530,3 +530,143 @@ fn bwlimit_caps_the_rate_on_the_wire() {
     assert_eq!(j["wire_bytes"], 24 * MIB);
     assert!(took >= 1.9, "24 MiB at --bwlimit 8M took only {took:.2}s");
 }
+
+/// The agent's count of sessions summarised from a saved chunk index.
+fn indexed_opens(agent: &Agent) -> u64 {
+    let metrics = agent.http_get("/metrics");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("mover_agent_indexed_opens_total "))
+        .expect("the metric is exported")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_changed() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src.img");
+    let dst = t.path().join("dst.img");
+    let len = 40 * MIB;
+    make_image(&src, len, 50, &[(0, 30 * MIB)]);
+    let agent = Agent::start(t.path(), &[("vol", &dst, false)], None);
+    let s = src.to_str().unwrap();
+
+    // A new image: nothing to read, and the pushed ids become its index.
+    json_of(&copy(t.path(), &[s, &agent.url("vol")]));
+    assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
+    assert_eq!(indexed_opens(&agent), 0);
+
+    // Untouched since: the next push is compared against the index, not a read.
+    let changed = scribble_pages(&src, 51, 200, 0..30 * MIB);
+    let j = json_of(&copy(t.path(), &[s, &agent.url("vol"), "--verify"]));
+    assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
+    assert_eq!(
+        j["bytes_written"],
+        changed * PAGE,
+        "exactly the changed pages"
+    );
+    assert_eq!(indexed_opens(&agent), 1);
+
+    // Changed behind the agent's back: the index no longer describes it, so the agent
+    // hashes it again, and the damage is repaired.
+    let damaged = scribble_pages(&dst, 52, 30, 0..len);
+    let j = json_of(&copy(t.path(), &[s, &agent.url("vol"), "--verify"]));
+    assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
+    assert_eq!(indexed_opens(&agent), 1, "a stale index is not used");
+    assert!(
+        j["bytes_written"].as_u64().unwrap() + j["bytes_zeroed"].as_u64().unwrap()
+            <= damaged * PAGE
+    );
+    assert!(j["bytes_written"].as_u64().unwrap() > 0);
+
+    // A push cut short leaves no index behind (it is dropped when a writer opens the
+    // volume), so the next push compares the volume in full.
+    let j = json_of(&copy(t.path(), &[s, &agent.url("vol")]));
+    assert_eq!(j["bytes_written"], 0);
+    assert_eq!(indexed_opens(&agent), 2);
+    make_image(&src, len, 53, &[(0, 30 * MIB)]);
+    let mut push = Command::new(env!("CARGO_BIN_EXE_mover"))
+        .args([
+            "copy",
+            s,
+            &agent.url("vol"),
+            "--no-progress",
+            "--bwlimit",
+            "4M",
+        ])
+        .env("MOVER_STATE_DIR", t.path())
+        .env("MOVER_TOKEN", TOKEN)
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        push.try_wait().unwrap().is_none(),
+        "the push must still be running"
+    );
+    push.kill().unwrap();
+    push.wait().unwrap();
+    let before = indexed_opens(&agent);
+    let j = json_of(&copy(t.path(), &[s, &agent.url("vol"), "--verify"]));
+    assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
+    assert_eq!(j["verified"], true);
+    assert_eq!(
+        indexed_opens(&agent),
+        before,
+        "no index survives an interrupted push"
+    );
+}
+
+#[test]
+fn compress_never_sends_raw_and_always_compresses() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src.img");
+    let len = 16 * MIB;
+    // Compressible data: text.
+    let text = b"mover moves volume data between agents. ".repeat((12 * MIB / 41) as usize);
+    let f = std::fs::File::create(&src).unwrap();
+    f.set_len(len).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &text, 0).unwrap();
+    let written = text.len() as u64;
+    let (raw, zstd) = (t.path().join("raw.img"), t.path().join("zstd.img"));
+    let agent = Agent::start(
+        t.path(),
+        &[("raw", &raw, false), ("zstd", &zstd, false)],
+        None,
+    );
+    let s = src.to_str().unwrap();
+
+    let j = json_of(&copy(
+        t.path(),
+        &[s, &agent.url("raw"), "--compress", "never"],
+    ));
+    assert_eq!(blake3_of(&src, len), blake3_of(&raw, len));
+    assert_eq!(
+        j["wire_bytes"].as_u64().unwrap(),
+        written.div_ceil(PAGE) * PAGE
+    );
+    let j = json_of(&copy(
+        t.path(),
+        &[s, &agent.url("zstd"), "--compress", "always"],
+    ));
+    assert_eq!(blake3_of(&src, len), blake3_of(&zstd, len));
+    assert!(j["wire_bytes"].as_u64().unwrap() < written / 10, "{j}");
+
+    // Pulled back: raw unless asked otherwise, the same bytes either way.
+    let back = t.path().join("back.img");
+    let b = back.to_str().unwrap();
+    let j = json_of(&copy(
+        t.path(),
+        &[&agent.url("zstd"), b, "--verify", "--compress", "never"],
+    ));
+    assert_eq!(blake3_of(&src, len), blake3_of(&back, len));
+    assert!(j["wire_bytes"].as_u64().unwrap() >= written);
+    std::fs::remove_file(&back).unwrap();
+    let j = json_of(&copy(
+        t.path(),
+        &[&agent.url("zstd"), b, "--verify", "--compress", "always"],
+    ));
+    assert_eq!(blake3_of(&src, len), blake3_of(&back, len));
+    assert!(j["wire_bytes"].as_u64().unwrap() < written / 10, "{j}");
+}

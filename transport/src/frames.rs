@@ -1,5 +1,5 @@
-//! Volume data in frames: compressed with zstd when that saves at least 1/8, else raw
-//! (random or already-compressed data costs no CPU on the receiving side).
+//! Volume data in frames: compressed with zstd when asked and that saves at least 1/8,
+//! else raw (random or already-compressed data costs no CPU on the receiving side).
 
 use crate::proto::{DataFrame, data_frame::Payload};
 use chunker::{ChunkKey, PAGE_HASH_LEN, PAGE_SIZE, is_zero, page_hashes};
@@ -18,8 +18,16 @@ pub fn data_frame(offset: u64, data: &[u8]) -> DataFrame {
 
 /// [`data_frame`] of shared bytes: sent raw, they are not copied.
 pub fn data_frame_of(offset: u64, data: Bytes) -> DataFrame {
+    frame_of(offset, data, true)
+}
+
+/// A frame of `data` at `offset`, compressed if `compress` and it pays, else raw (and
+/// then not copied).
+pub fn frame_of(offset: u64, data: Bytes, compress: bool) -> DataFrame {
     let len = data.len() as u64;
-    let payload = match worth_compressing(&data).then(|| zstd::bulk::compress(&data, LEVEL)) {
+    let compressed =
+        (compress && worth_compressing(&data)).then(|| zstd::bulk::compress(&data, LEVEL));
+    let payload = match compressed {
         Some(Ok(z)) if z.len() < data.len() - data.len() / 8 => Payload::Zstd(Bytes::from(z)),
         _ => Payload::Data(data),
     };
@@ -81,12 +89,14 @@ pub fn content(frame: &DataFrame) -> Result<Content, String> {
 }
 
 /// The frames that turn a holder of `their_pages` (page hashes, or empty for zeros) into
-/// `data` at `offset`: differing pages, merged into runs; zero runs as zero frames.
+/// `data` at `offset`: differing pages, merged into runs; zero runs as zero frames. Data
+/// runs are compressed where that pays if `compress`, else sent raw.
 pub fn chunk_frames(
     key: &ChunkKey,
     data: &Bytes,
     offset: u64,
     their_pages: &[u8],
+    compress: bool,
 ) -> Vec<DataFrame> {
     let mut mine = Vec::new();
     if !their_pages.is_empty() {
@@ -99,7 +109,7 @@ pub fn chunk_frames(
         if zero {
             frames.push(zero_frame(offset + s as u64, (e - s) as u64));
         } else {
-            frames.push(data_frame_of(offset + s as u64, data.slice(s..e)));
+            frames.push(frame_of(offset + s as u64, data.slice(s..e), compress));
         }
     };
     for (i, page) in data.chunks(PAGE_SIZE).enumerate() {
@@ -182,7 +192,7 @@ mod tests {
         let mut their_hashes = Vec::new();
         page_hashes(&key, &theirs, &mut their_hashes);
         let mine = Bytes::from(mine);
-        let f = chunk_frames(&key, &mine, 1 << 20, &their_hashes);
+        let f = chunk_frames(&key, &mine, 1 << 20, &their_hashes, true);
         // Page 1 changed (data), page 2 cleared (a zero run); pages 0 and 3 are equal.
         assert_eq!(f.len(), 2);
         assert_eq!(
@@ -197,7 +207,7 @@ mod tests {
         assert!(matches!(f[1].payload, Some(Payload::Zeros(_))));
 
         // Onto zeros (no hashes): every non-zero page, adjacent ones merged; zero pages skipped.
-        let f = chunk_frames(&key, &mine, 0, &[]);
+        let f = chunk_frames(&key, &mine, 0, &[], true);
         assert_eq!(
             f.iter().map(|f| (f.offset, f.len)).collect::<Vec<_>>(),
             vec![
@@ -205,6 +215,21 @@ mod tests {
                 (3 * PAGE_SIZE as u64, PAGE_SIZE as u64)
             ]
         );
+    }
+
+    #[test]
+    fn frames_not_to_be_compressed_go_raw() {
+        let key = ChunkKey::local();
+        let text = Bytes::from(b"mover ".repeat(10_000));
+        for compress in [true, false] {
+            let f = chunk_frames(&key, &text, 0, &[], compress);
+            assert_eq!(f.len(), 1);
+            assert_eq!(matches!(f[0].payload, Some(Payload::Zstd(_))), compress);
+            let Content::Bytes(b) = content(&f[0]).unwrap() else {
+                panic!()
+            };
+            assert_eq!(b, text);
+        }
     }
 
     #[test]

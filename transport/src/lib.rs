@@ -30,6 +30,18 @@ pub fn relationship_key(relationship: &str) -> chunker::ChunkKey {
     ))
 }
 
+/// HTTP/2 flow-control window of each stream, on both sides: the receiver grants this
+/// much before the sender must wait for a window update. hyper's default (1 MiB for the
+/// whole connection on a server) makes four pushing streams take turns.
+pub const STREAM_WINDOW: u32 = 8 << 20;
+
+/// HTTP/2 flow-control window of a whole connection, on both sides.
+pub const CONNECTION_WINDOW: u32 = 32 << 20;
+
+/// Largest HTTP/2 frame a side accepts: a whole 1 MiB data frame in one HTTP/2 frame
+/// instead of 64 frames of the 16 KiB default.
+pub const MAX_FRAME: u32 = (1 << 20) + 1024;
+
 /// Largest gRPC message either side accepts: a frame of one 8 MiB chunk plus headers,
 /// or a batch of page hashes.
 pub const MAX_MESSAGE: usize = 16 << 20;

@@ -38,6 +38,9 @@ pub struct AgentCopy {
 /// Full copies into an absent destination.
 #[derive(Debug, Clone, Serialize)]
 pub struct AgentFull {
+    /// `cp --sparse=always DEVICE WORKDIR/agent/exports/cp.img`: the local reference,
+    /// timed in the same race onto the same disk.
+    pub cp: Run,
     /// `rsync --stats today.img rsync://127.0.0.1:PORT/bench/dst.img`.
     pub rsync: Run,
     /// rsync's "Total bytes sent".
@@ -63,7 +66,12 @@ pub struct AgentDelta {
     pub rsync_bytes_sent: u64,
     /// rsync's "Total bytes received" (the destination's block checksums, mostly).
     pub rsync_bytes_received: u64,
-    /// `mover copy DEVICE agent://127.0.0.1:PORT/delta`, bearer token, no TLS.
+    /// `mover copy DEVICE agent://127.0.0.1:PORT/delta` onto yesterday's image copied in
+    /// by cp: the agent knows nothing about it and hashes all of it.
+    pub mover_unindexed: Run,
+    /// The same onto yesterday's image pushed by mover through the agent (untimed), as
+    /// in repeated replication: the agent compares against the chunk index it saved
+    /// then instead of reading the destination. The case judged, as for the local delta.
     pub mover: Run,
     /// Volume bytes mover put on the network (compressed frames), from its report.
     pub mover_wire_bytes: u64,
@@ -90,20 +98,28 @@ pub fn agent_copy(ctx: &Ctx) -> Result<AgentCopy> {
     })
 }
 
-/// Times full copies into absent destinations: rsync to its daemon, mover to the agent
-/// without and with mutual TLS.
+/// Times full copies into absent destinations: cp locally (the reference), rsync to its
+/// daemon, mover to the agent without and with mutual TLS.
 fn full(ctx: &Ctx, servers: &Servers) -> Result<AgentFull> {
+    let mut cp = Command::new(&ctx.tools.cp);
+    let cp_destination = servers.destinations.exports.join("cp.img");
+    cp.arg("--sparse=always")
+        .arg(ctx.device)
+        .arg(&cp_destination);
+    let mut cp = Trial::new("cp --sparse=always, local", cp);
+    cp.destination = Some(cp_destination);
     let rsync = servers.rsync_trial(ctx, "rsync to rsync daemon", &[]);
     let plain = servers.mover_trial(ctx, "mover copy to agent", Export::Full);
     let tls = servers.mover_trial(ctx, "mover copy to agent, mutual TLS", Export::FullTls);
-    let mut trials = [rsync, plain, tls];
+    let mut trials = [cp, rsync, plain, tls];
     race(ctx, "agent full copy", &mut trials, None, &ctx.images.today)?;
-    let [rsync, plain, tls] = trials;
+    let [cp, rsync, plain, tls] = trials;
     let volume = ctx.images.manifest.size;
     let (rsync, stdout) = rsync.best();
     let (mover, report) = plain.best_mover(volume)?;
     let (mover_tls, tls_report) = tls.best_mover(volume)?;
     Ok(AgentFull {
+        cp: cp.best().0,
         rsync,
         rsync_bytes_sent: rsync_stat(&stdout, "Total bytes sent")?,
         mover,
@@ -121,8 +137,14 @@ fn delta(ctx: &Ctx, servers: &Servers) -> Result<AgentDelta> {
         "rsync --inplace --no-whole-file",
         &["--inplace", "--no-whole-file"],
     );
-    let mover = servers.mover_trial(ctx, "mover copy to agent", Export::Delta);
-    let mut trials = [rsync, mover];
+    let cold = servers.mover_trial(ctx, "mover copy to agent, yesterday by cp", Export::Delta);
+    let mut indexed = servers.mover_trial(
+        ctx,
+        "mover copy to agent, yesterday by mover",
+        Export::Delta,
+    );
+    indexed.prepare_with = Some(servers.push_command(ctx, &ctx.images.yesterday, Export::Delta));
+    let mut trials = [rsync, cold, indexed];
     let yesterday = Some(ctx.images.yesterday.as_path());
     race(
         ctx,
@@ -131,14 +153,16 @@ fn delta(ctx: &Ctx, servers: &Servers) -> Result<AgentDelta> {
         yesterday,
         &ctx.images.today,
     )?;
-    let [rsync, mover] = trials;
+    let [rsync, cold, mover] = trials;
     let (rsync, stdout) = rsync.best();
+    let (mover_unindexed, _) = cold.best_mover(ctx.images.manifest.size)?;
     let (mover, report) = mover.best_mover(ctx.images.manifest.size)?;
     Ok(AgentDelta {
         changed: ctx.images.manifest.diff,
         rsync,
         rsync_bytes_sent: rsync_stat(&stdout, "Total bytes sent")?,
         rsync_bytes_received: rsync_stat(&stdout, "Total bytes received")?,
+        mover_unindexed,
         mover,
         mover_wire_bytes: report.wire_bytes,
         mover_bytes_written: report.bytes_written,
@@ -292,6 +316,20 @@ impl Servers {
             tls,
             destinations,
         })
+    }
+
+    /// `mover copy SOURCE agent://…/EXPORT`.
+    fn push_command(&self, ctx: &Ctx, source: &Path, export: Export) -> Command {
+        let (port, name, tls) = match export {
+            Export::Full => (self.agent_port, "full", None),
+            Export::Delta => (self.agent_port, "delta", None),
+            Export::FullTls => (self.agent_tls_port, "full", Some(&self.tls)),
+        };
+        let auth = AgentAuth {
+            token_file: &self.token_file,
+            tls,
+        };
+        agent_copy_command(ctx.mover, source, port, name, auth)
     }
 
     /// A trial of `mover copy` from the source device into `export`.

@@ -157,6 +157,9 @@ pub(super) struct Trial {
     pub(super) destination: Option<PathBuf>,
     /// The server receiving the copy, whose CPU time each run also records.
     pub(super) server_pid: Option<u32>,
+    /// For a delta destination: the command that writes yesterday's image into it
+    /// instead of [`Trial::prepare`]'s (e.g. a push through mover's agent).
+    pub(super) prepare_with: Option<Command>,
     /// Each run and its stdout.
     runs: Vec<RunOutput>,
 }
@@ -180,6 +183,7 @@ impl Trial {
             prepare: Prepare::Cp,
             destination: None,
             server_pid: None,
+            prepare_with: None,
             runs: Vec::new(),
         }
     }
@@ -247,7 +251,13 @@ fn time_copy(
     source: &Path,
 ) -> Result<RunOutput> {
     let (tool, dst) = (trial.tool, trial.destination(ctx).to_path_buf());
-    prepare_destination(ctx, &dst, start_from.map(|p| (p, trial.prepare)))?;
+    match (&mut trial.prepare_with, start_from) {
+        (Some(cmd), Some(_)) => {
+            image::remove_if_present(&dst)?;
+            process::run_checked(cmd).context("cannot prepare the delta destination")?;
+        }
+        _ => prepare_destination(ctx, &dst, start_from.map(|p| (p, trial.prepare)))?,
+    }
     drop_caches()?;
     note!("{phase}: {tool}");
     let server = trial.server_pid;

@@ -17,12 +17,14 @@ pub struct Metrics {
     pub stale_epoch_refusals: AtomicU64,
     /// Calls refused for other reasons (unknown export, read-only, bad request).
     pub refusals: AtomicU64,
+    /// Sessions whose volume summary came from a saved chunk index, without a read.
+    pub indexed_opens: AtomicU64,
 }
 
 impl Metrics {
     /// Prometheus text exposition of all counters.
     pub fn render(&self) -> String {
-        let rows: [(&str, &str, &str, &AtomicU64); 6] = [
+        let rows: [(&str, &str, &str, &AtomicU64); 7] = [
             (
                 "mover_agent_sessions_opened_total",
                 "counter",
@@ -58,6 +60,12 @@ impl Metrics {
                 "counter",
                 "Calls refused: unknown export, read-only, bad request.",
                 &self.refusals,
+            ),
+            (
+                "mover_agent_indexed_opens_total",
+                "counter",
+                "Sessions whose volume summary came from a saved chunk index, without reading the volume.",
+                &self.indexed_opens,
             ),
         ];
         let mut out = String::new();

@@ -4,6 +4,7 @@
 
 mod config;
 mod fencing;
+mod live;
 mod metrics;
 mod service;
 
@@ -63,7 +64,11 @@ pub async fn serve(
     let server = TransferServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .initial_stream_window_size(transport::STREAM_WINDOW)
+        .initial_connection_window_size(transport::CONNECTION_WINDOW)
+        .max_frame_size(transport::MAX_FRAME);
     if let Some(tls) = &config.tls {
         let files = TlsFiles {
             cert: tls.cert.clone(),

@@ -3,13 +3,18 @@
 use super::{
     config::Export,
     fencing::{EpochStore, StaleEpochOrIo},
+    live::LiveSummary,
     metrics::Metrics,
 };
 use crate::copy::{
-    CopyOptions, Destination, Origin, finish_destination, prepare_destination, read_back_root,
-    zero_range,
+    CopyOptions, Destination, Origin, finish_destination,
+    index::{self, Identity, IndexReader, IndexWriter},
+    prepare_destination, read_back_root, zero_range,
 };
-use chunker::{BlockVolume, ChunkKey, ChunkSize, PAGE_HASH_LEN, PAGE_SIZE, Summary, page_hashes};
+use chunker::{
+    BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, PAGE_HASH_LEN, PAGE_SIZE, VolumeKind,
+    page_hashes,
+};
 use std::{
     collections::{BTreeMap, HashMap},
     os::unix::fs::FileExt,
@@ -48,13 +53,15 @@ struct Session {
     chunk: ChunkSize,
     size: u64,
     key: ChunkKey,
-    summary: Summary,
+    summary: Arc<LiveSummary>,
     /// For reading (READ) or writing (WRITE, through a duplicate of the destination's fd).
     file: std::fs::File,
     path: PathBuf,
     /// WRITE sessions: the destination, made visible on Finish.
     dest: Mutex<Option<Destination>>,
-    unsynced: AtomicU64,
+    /// WRITE sessions: the one thread that applies every stream's frames, started by
+    /// the first Write.
+    writer: Mutex<Option<SessionWriter>>,
 }
 
 impl AgentService {
@@ -174,21 +181,17 @@ impl Transfer for AgentService {
                 return Err(self.refuse(Status::invalid_argument("access must be READ or WRITE")));
             }
         };
-        let summary = {
-            let v = match &dest {
-                Some(d) => blocking(|| BlockVolume::open(d.volume.path())),
-                None => blocking(|| BlockVolume::open(&export.path)),
-            }
-            .map_err(internal)?;
-            let v = v.limited_to_at_most(size);
-            blocking(|| Summary::of_volume(&v, &key, chunk, |_| {})).map_err(internal)?
-        };
+        let summary = blocking(|| self.summary_of(export, dest.as_ref(), &key, chunk, size))?;
         let id = format!("{}-{}", r.volume, self.next_id.fetch_add(1, Relaxed));
         let response = proto::OpenResponse {
             session: id.clone(),
             size,
-            chunks: summary.leaves.len() as u64,
-            root: summary.root.0.to_vec().into(),
+            chunks: summary.chunks(),
+            root: summary
+                .root_now()
+                .map(|r| r.0.to_vec())
+                .unwrap_or_default()
+                .into(),
             group: chunker::GROUP_CHUNKS as u32,
         };
         let session = Session {
@@ -201,7 +204,7 @@ impl Transfer for AgentService {
             file,
             path: export.path.clone(),
             dest: Mutex::new(dest),
-            unsynced: AtomicU64::new(0),
+            writer: Mutex::new(None),
         };
         self.sessions
             .lock()
@@ -218,23 +221,18 @@ impl Transfer for AgentService {
     ) -> Result<Response<proto::TreeResponse>, Status> {
         let r = req.into_inner();
         let s = self.session(&r.session)?;
+        // Waits while the background hashing has not reached what is asked.
         let level = match r.level {
-            0 => &s.summary.leaves,
-            1 => &s.summary.groups,
+            0 => s.summary.leaves(r.first, r.count).await,
+            1 => s.summary.groups(r.first, r.count).await,
             _ => {
                 return Err(Status::invalid_argument(
                     "tree level must be 0 (chunks) or 1 (groups)",
                 ));
             }
-        };
-        let first = r.first as usize;
-        let end = first.saturating_add(r.count as usize).min(level.len());
-        let hashes: Vec<u8> = level
-            .get(first..end)
-            .unwrap_or_default()
-            .iter()
-            .flat_map(|h| h.0)
-            .collect();
+        }
+        .map_err(Status::internal)?;
+        let hashes: Vec<u8> = level.iter().flat_map(|h| h.0).collect();
         Ok(Response::new(proto::TreeResponse {
             hashes: hashes.into(),
         }))
@@ -263,9 +261,11 @@ impl Transfer for AgentService {
     ) -> Result<Response<proto::WriteAck>, Status> {
         let mut stream = req.into_inner();
         let mut session: Option<Arc<Session>> = None;
-        // Decompression and writes run on a thread of this stream's own, so the async
-        // workers only move bytes off the network.
-        let mut writer: Option<(tokio::sync::mpsc::Sender<proto::DataFrame>, StreamWriter)> = None;
+        // Frames go to the session's writer thread, so the async workers only move bytes
+        // off the network and one thread writes the file (parallel buffered writes to one
+        // file contend for its inode lock).
+        let mut writer: Option<tokio::sync::mpsc::Sender<Job>> = None;
+        let mut sent = 0u64;
         while let Some(frame) = stream.next().await {
             let frame = frame?;
             let s = match &session {
@@ -295,21 +295,35 @@ impl Transfer for AgentService {
                     data.len, data.offset, s.size
                 ))));
             }
-            let (tx, _) =
-                writer.get_or_insert_with(|| StreamWriter::start(s.clone(), self.metrics.clone()));
-            if tx.send(data).await.is_err() {
-                break; // the writer failed: its error is returned below
+            let tx = match &writer {
+                Some(tx) => tx,
+                None => {
+                    let mut w = s.writer.lock().expect("writer lock");
+                    if w.is_none() {
+                        *w =
+                            Some(SessionWriter::start(&s, self.metrics.clone()).map_err(internal)?);
+                    }
+                    writer.insert(w.as_ref().expect("just started").tx.clone())
+                }
+            };
+            sent += data.len;
+            if tx.send(Job::Frame(data)).await.is_err() {
+                return Err(Status::internal("the session's writer stopped"));
             }
         }
-        let applied = match writer {
-            Some((tx, w)) => {
-                drop(tx);
-                w.finish().await?
+        // The stream ended: what it sent is durable once the writer has applied and
+        // synced everything queued before this.
+        if let Some(tx) = writer {
+            let (done, applied) = tokio::sync::oneshot::channel();
+            if tx.send(Job::Flush(done)).await.is_err() {
+                return Err(Status::internal("the session's writer stopped"));
             }
-            None => 0,
-        };
+            applied
+                .await
+                .map_err(|_| Status::internal("the session's writer stopped"))??;
+        }
         Ok(Response::new(proto::WriteAck {
-            bytes_applied: applied,
+            bytes_applied: sent,
         }))
     }
 
@@ -345,7 +359,7 @@ impl Transfer for AgentService {
                     theirs.split_at((n_pages * PAGE_HASH_LEN).min(theirs.len()));
                 theirs = rest;
                 let data = tonic::codegen::Bytes::copy_from_slice(&buf[..len]);
-                for f in frames::chunk_frames(&s.key, &data, off, their_pages) {
+                for f in frames::chunk_frames(&s.key, &data, off, their_pages, !r.raw) {
                     metrics.bytes_sent.fetch_add(f.len, Relaxed);
                     if tx.blocking_send(Ok(f)).is_err() {
                         return; // the caller went away
@@ -365,15 +379,38 @@ impl Transfer for AgentService {
         let r = req.into_inner();
         let s = self.session(&r.session)?;
         let dest = s.dest.lock().expect("dest lock").take();
-        let mut root = s.summary.root;
+        let mut root = s.summary.root().await.map_err(Status::internal)?;
         if let Some(dest) = dest {
             blocking(|| dest.volume.file().sync_all()).map_err(internal)?;
+            // The writer's chunk ids of what it wrote: saved as the destination's index.
+            let mut ids = (!r.chunk_ids.is_empty()).then_some(&r.chunk_ids[..]);
+            if ids.is_some_and(|b| b.len() as u64 != s.summary.chunks() * 32) {
+                return Err(Status::invalid_argument(format!(
+                    "{} bytes of chunk ids for {} chunks",
+                    r.chunk_ids.len(),
+                    s.summary.chunks()
+                )));
+            }
             if r.verify {
                 let v = blocking(|| BlockVolume::open(dest.volume.path())).map_err(internal)?;
                 let v = v.limited_to_at_most(s.size);
                 root = blocking(|| read_back_root(&v, &s.key, s.chunk, &())).map_err(internal)?;
+                // Ids that do not add up to what was read back are not saved.
+                let of_ids =
+                    ids.map(|b| LiveSummary::of_kinds(s.key.clone(), s.chunk, s.size, kinds(b)));
+                if of_ids.is_some_and(|o| o.root_now() != Some(root)) {
+                    tracing::warn!(export = %s.export, "the writer's chunk ids do not match the data read back; no index saved");
+                    ids = None;
+                }
             }
-            blocking(|| finish_destination(dest)).map_err(internal)?;
+            let is_image = dest.volume.kind() == VolumeKind::ImageFile;
+            let file = blocking(|| finish_destination(dest)).map_err(internal)?;
+            if let Some(ids) = ids.filter(|_| is_image) {
+                let saved = blocking(|| self.save_index(&s, &file, ids));
+                if let Err(e) = saved {
+                    tracing::warn!(export = %s.export, "cannot save the chunk index ({e}); the next session hashes the volume");
+                }
+            }
         }
         if self
             .sessions
@@ -390,44 +427,158 @@ impl Transfer for AgentService {
     }
 }
 
-/// The thread that applies one Write stream's frames to the destination.
-struct StreamWriter(std::thread::JoinHandle<Result<u64, Status>>);
-
-impl StreamWriter {
-    fn start(
-        s: Arc<Session>,
-        metrics: Arc<Metrics>,
-    ) -> (tokio::sync::mpsc::Sender<proto::DataFrame>, StreamWriter) {
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<proto::DataFrame>(8);
-        let thread = std::thread::spawn(move || {
-            let mut applied = 0u64;
-            while let Some(data) = rx.blocking_recv() {
-                match frames::content(&data).map_err(Status::invalid_argument)? {
-                    Content::Bytes(b) => s.file.write_all_at(&b, data.offset).map_err(internal)?,
-                    Content::Zeros(n) => {
-                        zero_range(&s.file, &s.path, data.offset, n).map_err(internal)?
+impl AgentService {
+    /// The summary of the volume a session opens: known at once for a new image or from a
+    /// valid saved index, else hashed in the background.
+    fn summary_of(
+        &self,
+        export: &Export,
+        dest: Option<&Destination>,
+        key: &ChunkKey,
+        chunk: ChunkSize,
+        size: u64,
+    ) -> Result<Arc<LiveSummary>, Status> {
+        if dest.is_some_and(|d| d.fresh) {
+            return Ok(LiveSummary::of_zeros(key.clone(), chunk, size));
+        }
+        let volume = match dest {
+            Some(d) => BlockVolume::open(d.volume.path()),
+            None => BlockVolume::open(&export.path),
+        }
+        .map_err(internal)?
+        .limited_to_at_most(size);
+        let index_path = index::index_path(&self.state_dir, &export.path);
+        let in_place = dest.is_none_or(|d| d.partial.is_none());
+        if volume.kind() == VolumeKind::ImageFile && in_place {
+            let saved = Identity::of(volume.file())
+                .ok()
+                .and_then(|id| IndexReader::open_valid(&index_path, id, chunk, size, key));
+            if let Some(mut saved) = saved {
+                let n = size.div_ceil(chunk.get());
+                let kinds: std::io::Result<Vec<ChunkKind>> = (0..n).map(|_| saved.next()).collect();
+                if let Ok(kinds) = kinds {
+                    self.metrics.indexed_opens.fetch_add(1, Relaxed);
+                    if dest.is_some() {
+                        // The volume is about to change: the index will not describe it.
+                        remove_index(&index_path)?;
                     }
-                }
-                applied += data.len;
-                metrics.bytes_received.fetch_add(data.len, Relaxed);
-                if s.unsynced.fetch_add(data.len, Relaxed) + data.len >= SYNC_EVERY {
-                    s.unsynced.store(0, Relaxed);
-                    s.file.sync_data().map_err(internal)?;
+                    return Ok(LiveSummary::of_kinds(key.clone(), chunk, size, kinds));
                 }
             }
-            // The stream ended: make what it wrote durable before acknowledging.
-            s.file.sync_data().map_err(internal)?;
-            Ok(applied)
-        });
-        (tx, StreamWriter(thread))
+        }
+        if dest.is_some() {
+            remove_index(&index_path)?;
+        }
+        Ok(LiveSummary::hash_in_background(volume, key.clone(), chunk))
     }
 
-    /// Waits for the writer; its result is the stream's.
-    async fn finish(self) -> Result<u64, Status> {
-        tokio::task::spawn_blocking(move || self.0.join())
-            .await
-            .map_err(internal)?
-            .map_err(|_| Status::internal("the stream writer panicked"))?
+    /// Saves `ids` (32 bytes per chunk, zeros for a zero chunk) as the index of the
+    /// session's export, sealed with the identity of `file` as it is now.
+    fn save_index(&self, s: &Session, file: &std::fs::File, ids: &[u8]) -> std::io::Result<()> {
+        let mut w = IndexWriter::create(index::index_path(&self.state_dir, &s.path))?;
+        for k in kinds(ids) {
+            w.push(&k)?;
+        }
+        w.commit(Identity::of(file)?, s.chunk, s.size, &s.key)
+    }
+}
+
+/// Chunk kinds from their wire form: 32 bytes each, all zeros for a zero chunk.
+fn kinds(ids: &[u8]) -> impl Iterator<Item = ChunkKind> + '_ {
+    ids.chunks_exact(32).map(|b| {
+        if b.iter().all(|&x| x == 0) {
+            ChunkKind::Zero
+        } else {
+            ChunkKind::Data(ChunkId(b.try_into().expect("32 bytes")))
+        }
+    })
+}
+
+/// Removes a saved index that is about to go stale.
+fn remove_index(path: &std::path::Path) -> Result<(), Status> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(internal(format!(
+            "cannot remove the stale chunk index {}: {e}",
+            path.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// What a Write stream hands the session's writer.
+enum Job {
+    /// Apply this frame.
+    Frame(proto::DataFrame),
+    /// Make everything applied so far durable, then answer (a stream's end).
+    Flush(tokio::sync::oneshot::Sender<Result<(), Status>>),
+}
+
+/// The thread that applies a WRITE session's frames, from all its streams, in arrival
+/// order; a second thread makes them durable every [`SYNC_EVERY`] bytes without holding
+/// up the writes.
+struct SessionWriter {
+    tx: tokio::sync::mpsc::Sender<Job>,
+}
+
+impl SessionWriter {
+    fn start(s: &Session, metrics: Arc<Metrics>) -> std::io::Result<SessionWriter> {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Job>(16);
+        let (file, path) = (s.file.try_clone()?, s.path.clone());
+        let sync_file = s.file.try_clone()?;
+        let (kick, kicks) = std::sync::mpsc::sync_channel::<()>(1);
+        let sync_failed: Arc<Mutex<Option<String>>> = Arc::default();
+        let failed = sync_failed.clone();
+        std::thread::spawn(move || {
+            while kicks.recv().is_ok() {
+                if let Err(e) = sync_file.sync_data() {
+                    *failed.lock().expect("sync error lock") = Some(e.to_string());
+                }
+            }
+        });
+        std::thread::spawn(move || {
+            let mut unsynced = 0u64;
+            // The first failure fails every later flush: the stream that hit it, and any
+            // other, learn that their data may not have been applied.
+            let mut failure: Option<Status> = None;
+            while let Some(job) = rx.blocking_recv() {
+                match job {
+                    Job::Frame(data) if failure.is_none() => {
+                        let applied = match frames::content(&data) {
+                            Err(e) => Err(Status::invalid_argument(e)),
+                            Ok(Content::Bytes(b)) => {
+                                file.write_all_at(&b, data.offset).map_err(internal)
+                            }
+                            Ok(Content::Zeros(n)) => {
+                                zero_range(&file, &path, data.offset, n).map_err(internal)
+                            }
+                        };
+                        if let Err(e) = applied {
+                            failure = Some(e);
+                            continue;
+                        }
+                        metrics.bytes_received.fetch_add(data.len, Relaxed);
+                        unsynced += data.len;
+                        if unsynced >= SYNC_EVERY {
+                            unsynced = 0;
+                            let _ = kick.try_send(()); // a sync under way covers this too
+                        }
+                    }
+                    Job::Frame(_) => {}
+                    Job::Flush(done) => {
+                        let r = match (
+                            &failure,
+                            sync_failed.lock().expect("sync error lock").clone(),
+                        ) {
+                            (Some(f), _) => Err(f.clone()),
+                            (None, Some(e)) => Err(Status::internal(e)),
+                            (None, None) => file.sync_data().map_err(internal),
+                        };
+                        let _ = done.send(r);
+                    }
+                }
+            }
+        });
+        Ok(SessionWriter { tx })
     }
 }
 

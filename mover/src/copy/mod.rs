@@ -9,7 +9,7 @@
 //! are read, never rewritten.
 
 mod dest;
-mod index;
+pub(crate) mod index;
 mod marker;
 mod plan;
 

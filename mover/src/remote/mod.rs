@@ -106,6 +106,32 @@ pub struct RemoteOptions {
     /// attempt continues where the last one stopped.
     #[arg(long, default_value_t = 5)]
     pub retries: u32,
+    /// zstd on the wire: auto compresses changed pages (deltas onto older data) always,
+    /// and whole chunks onto zeros (a new destination) only while a push finds the link
+    /// to be the bottleneck (its data streams back up): on a fast link, compressing
+    /// costs more time than it saves. never; always. Only data that a sample shows
+    /// shrinking is compressed.
+    #[arg(long, value_enum, default_value_t = Compress::Auto)]
+    pub compress: Compress,
+}
+
+/// When volume data is compressed on the wire (see [`RemoteOptions::compress`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Compress {
+    /// Page deltas always; whole chunks onto zeros only while the link is the bottleneck.
+    #[default]
+    Auto,
+    /// Never: every frame raw.
+    Never,
+    /// Always, where a sample shows it pays.
+    Always,
+}
+
+impl Compress {
+    /// Whether data shipped onto older data (page deltas) is compressed.
+    pub(crate) fn deltas(self) -> bool {
+        self != Compress::Never
+    }
 }
 
 impl Default for RemoteOptions {
@@ -121,6 +147,7 @@ impl Default for RemoteOptions {
             streams: 4,
             bwlimit: None,
             retries: 5,
+            compress: Compress::Auto,
         }
     }
 }
@@ -181,8 +208,8 @@ impl RemoteOptions {
             .map_err(|e| remote("url", e.to_string()))?
             .connect_timeout(Duration::from_secs(10))
             .tcp_nodelay(true)
-            .initial_stream_window_size(Some(8 << 20))
-            .initial_connection_window_size(Some(32 << 20));
+            .initial_stream_window_size(transport::STREAM_WINDOW)
+            .initial_connection_window_size(transport::CONNECTION_WINDOW);
         if let Some(tls) = tls {
             endpoint = endpoint
                 .tls_config(tls)
@@ -310,14 +337,16 @@ pub(crate) struct Group {
     pub zero: Vec<bool>,
     /// Per chunk: its Merkle leaf, if hashed.
     pub leaves: Option<Vec<ChunkId>>,
+    /// Per chunk: its kind, if hashed.
+    pub kinds: Vec<ChunkKind>,
 }
 
 impl Group {
     /// Hashes the group's chunks into their Merkle leaves (zero chunks cost nothing).
     pub(crate) fn hash(&mut self, key: &ChunkKey, chunk: ChunkSize) -> &[ChunkId] {
-        let (win, key) = (&self.win, key);
+        let (win, key, kinds) = (&self.win, key, &mut self.kinds);
         self.leaves.get_or_insert_with(|| {
-            let kinds = hash_chunks(key, chunk, win);
+            *kinds = hash_chunks(key, chunk, win);
             kinds
                 .iter()
                 .zip(win.chunk_ranges(chunk))
@@ -352,32 +381,46 @@ pub(crate) fn read_groups(
         volume.advise_sequential();
         let group_len = chunk.get() * chunker::GROUP_CHUNKS as u64;
         let mut offset = 0;
-        while offset < size {
-            let len = group_len.min(size - offset) as usize;
-            let mut win = Window::default();
-            let item = read_window(&volume, chunk, offset, len, &mut win)
-                .map_err(CopyError::from)
-                .map(|()| {
-                    let zero = win
-                        .chunk_ranges(chunk)
-                        .enumerate()
-                        .map(|(i, r)| win.unread[i] || is_zero(&win.buf[r]))
-                        .collect();
-                    let mut group = Group {
-                        win,
-                        zero,
-                        leaves: None,
-                    };
-                    if hash {
-                        group.hash(&key, chunk);
-                    }
-                    group
-                });
-            let failed = item.is_err();
-            if tx.blocking_send(item).is_err() || failed {
-                return;
-            }
-            offset += len as u64;
+        // Reads run a group ahead on a helper thread, so the disk works while this one
+        // finds zeros and hashes.
+        let r = chunker::read_ahead(
+            1,
+            |_| {
+                if offset >= size {
+                    return None;
+                }
+                let len = group_len.min(size - offset) as usize;
+                let mut win = Window::default();
+                let r = read_window(&volume, chunk, offset, len, &mut win).map(|()| win);
+                offset += len as u64;
+                Some(r.map_err(CopyError::from))
+            },
+            |win: &mut Window| {
+                let win = std::mem::take(win);
+                let zero = win
+                    .chunk_ranges(chunk)
+                    .enumerate()
+                    .map(|(i, r)| win.unread[i] || is_zero(&win.buf[r]))
+                    .collect();
+                let mut group = Group {
+                    win,
+                    zero,
+                    leaves: None,
+                    kinds: Vec::new(),
+                };
+                if hash {
+                    group.hash(&key, chunk);
+                }
+                // The consumer went away: stop reading (its own error explains why).
+                tx.blocking_send(Ok(group)).map_err(|_| CopyError::Remote {
+                    url: String::new(),
+                    code: "cancelled".into(),
+                    message: "the transfer stopped".into(),
+                })
+            },
+        );
+        if let Err(e) = r {
+            let _ = tx.blocking_send(Err(e));
         }
     });
     rx

@@ -1,7 +1,7 @@
 //! Pull: an agent's export into a local volume.
 
 use super::{
-    AgentUrl, Client, RemoteGroups, RemoteOptions, Session, open_session, read_groups,
+    AgentUrl, Client, Compress, RemoteGroups, RemoteOptions, Session, open_session, read_groups,
     status_error, timed, tree, with_retries,
 };
 use crate::{
@@ -81,7 +81,9 @@ async fn attempt(
     progress.begin("pull", size);
     let mut g = 0u64;
     while let Some(item) = reader.recv().await {
-        let super::Group { win, zero, leaves } = item?;
+        let super::Group {
+            win, zero, leaves, ..
+        } = item?;
         let leaves = leaves.expect("read_groups hashes when asked to");
         for (i, r) in win.chunk_ranges(chunk).enumerate() {
             if !win.unread[i] {
@@ -100,6 +102,7 @@ async fn attempt(
                 &leaves,
                 chunk,
                 &local,
+                remote.compress,
                 &mut sum,
             )
             .await?;
@@ -114,6 +117,7 @@ async fn attempt(
         .finish(proto::FinishRequest {
             session: open.session.clone(),
             verify: false,
+            chunk_ids: Default::default(),
         })
         .await
         .map_err(|s| status_error(url, s))?
@@ -149,6 +153,7 @@ async fn fetch_group(
     leaves: &[chunker::ChunkId],
     chunk: chunker::ChunkSize,
     local: &BlockVolume,
+    compress: Compress,
     sum: &mut CopySummary,
 ) -> Result<()> {
     let first = g * GROUP_CHUNKS as u64;
@@ -167,7 +172,14 @@ async fn fetch_group(
             page_hashes(key, &win.buf[r], &mut my_pages);
         }
     }
-    for (chunks, pages) in [(onto_zeros, Vec::new()), (onto_data, my_pages)] {
+    // Whole chunks come raw unless compression was asked for (a pull cannot see
+    // whether the link is the bottleneck); page deltas come compressed unless refused.
+    let raw_whole = compress != Compress::Always;
+    let raw_deltas = !compress.deltas();
+    for (chunks, pages, raw) in [
+        (onto_zeros, Vec::new(), raw_whole),
+        (onto_data, my_pages, raw_deltas),
+    ] {
         if chunks.is_empty() {
             continue;
         }
@@ -176,6 +188,7 @@ async fn fetch_group(
                 session: session.into(),
                 chunks,
                 page_hashes: pages.into(),
+                raw,
             })
             .await
             .map_err(|s| status_error(url, s))?

@@ -1,7 +1,7 @@
 //! Push: a local source volume into an agent's export.
 
 use super::{
-    AgentUrl, Client, RemoteGroups, RemoteOptions, Session, open_session, read_groups,
+    AgentUrl, Client, Compress, RemoteGroups, RemoteOptions, Session, open_session, read_groups,
     status_error, timed, tree, with_retries,
 };
 use crate::{
@@ -80,6 +80,24 @@ struct Ship {
     tx: mpsc::Sender<proto::WriteFrame>,
     limiter: Option<Arc<RateLimiter>>,
     sent: Arc<Sent>,
+    compress: Compress,
+    backlog: Arc<Backlog>,
+}
+
+/// Whether the link is the bottleneck: a moving share of the frames that found their
+/// stream's queue full.
+#[derive(Default)]
+struct Backlog(std::sync::Mutex<f32>);
+
+impl Backlog {
+    fn record(&self, full: bool) {
+        let mut share = self.0.lock().expect("backlog lock");
+        *share = *share * 0.97 + if full { 0.03 } else { 0.0 };
+    }
+
+    fn link_bound(&self) -> bool {
+        *self.0.lock().expect("backlog lock") > 0.5
+    }
 }
 
 impl Ship {
@@ -93,6 +111,14 @@ impl Ship {
         chunk: chunker::ChunkSize,
     ) -> Result<()> {
         let (client, url, key) = (&mut self.client, &self.url, &self.key);
+        let compress = Compression {
+            whole: match self.compress {
+                Compress::Always => true,
+                Compress::Never => false,
+                Compress::Auto => self.backlog.link_bound(),
+            },
+            deltas: self.compress.deltas(),
+        };
         let frames = group_frames(
             client,
             url,
@@ -102,6 +128,7 @@ impl Ship {
             win,
             leaves.as_deref(),
             chunk,
+            compress,
         )
         .await?;
         for f in frames {
@@ -126,6 +153,7 @@ impl Ship {
                 epoch: self.epoch,
                 frame: Some(f),
             };
+            self.backlog.record(self.tx.capacity() == 0);
             if self.tx.send(frame).await.is_err() {
                 return Ok(());
             }
@@ -171,11 +199,14 @@ async fn attempt(
     }
 
     let mut groups = RemoteGroups::new(session.clone());
-    // Chunks are hashed only where the agent holds data: onto zeros (a new volume),
-    // knowing which of our chunks are zero is enough, unless --verify needs our root.
-    let mut reader = read_groups(source.clone(), chunk, key.clone(), size, copy.verify);
+    // Every chunk is hashed (on the reader thread, ahead of the comparison), also onto
+    // zeros: the ids go to the agent with Finish, which saves them as the volume's index
+    // so that the next push need not read the destination to compare.
+    let mut reader = read_groups(source.clone(), chunk, key.clone(), size, true);
+    let mut ids = Vec::with_capacity(size.div_ceil(chunk.get()) as usize * 32);
     let mut merkle = MerkleBuilder::new(key.clone());
     let sent = Arc::new(Sent::default());
+    let backlog = Arc::new(Backlog::default());
     let mut inflight = tokio::task::JoinSet::new();
     let mut sum = CopySummary {
         destination: url.to_string().into(),
@@ -197,6 +228,12 @@ async fn attempt(
                 }
             }
             let done = group.win.offset + group.win.buf.len() as u64;
+            for k in &group.kinds {
+                ids.extend_from_slice(match k {
+                    ChunkKind::Zero => &[0; 32],
+                    ChunkKind::Data(id) => &id.0,
+                });
+            }
             let theirs = groups.get(&mut client, url, g).await?;
             let onto_zeros = theirs == group.zero_group_hash(&key, chunk);
             let differs = if onto_zeros && group.leaves.is_none() {
@@ -222,6 +259,8 @@ async fn attempt(
                     tx: senders[(g % senders.len() as u64) as usize].clone(),
                     limiter: limiter.clone(),
                     sent: sent.clone(),
+                    compress: remote.compress,
+                    backlog: backlog.clone(),
                 };
                 let leaves = group.leaves.filter(|_| !onto_zeros);
                 inflight.spawn(ship.group(g, group.win, leaves, chunk));
@@ -254,10 +293,16 @@ async fn attempt(
     }
     pass?;
     let root = merkle.finish(size, chunk);
+    // Ids that would not fit a message are not sent: the agent then keeps no index.
+    if ids.len() as u64 != size.div_ceil(chunk.get()) * 32 || ids.len() > transport::MAX_MESSAGE / 2
+    {
+        ids = Vec::new();
+    }
     let fin = client
         .finish(proto::FinishRequest {
             session,
             verify: copy.verify,
+            chunk_ids: ids.into(),
         })
         .await
         .map_err(|s| status_error(url, s))?
@@ -280,6 +325,15 @@ async fn attempt(
     Ok(sum)
 }
 
+/// Which frames of a group are compressed (where a sample shows it pays).
+#[derive(Clone, Copy)]
+struct Compression {
+    /// Whole chunks onto zeros.
+    whole: bool,
+    /// Changed pages onto older data.
+    deltas: bool,
+}
+
 /// Frames that bring the remote copy of group `g` up to date: the remote leaves tell
 /// which chunks differ, the remote page hashes which of their pages.
 #[allow(clippy::too_many_arguments)]
@@ -292,6 +346,7 @@ async fn group_frames(
     win: chunker::Window,
     leaves: Option<&[ChunkId]>,
     chunk: chunker::ChunkSize,
+    compress: Compression,
 ) -> Result<Vec<proto::DataFrame>> {
     let first = g * GROUP_CHUNKS as u64;
     let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
@@ -344,6 +399,7 @@ async fn group_frames(
                 &buf.slice(r.clone()),
                 offset + r.start as u64,
                 &[],
+                compress.whole,
             ));
         }
         let mut pages = &their_pages[..];
@@ -357,6 +413,12 @@ async fn group_frames(
                 &buf.slice(r.clone()),
                 offset + r.start as u64,
                 mine,
+                // No page hashes: the agent holds zeros there, the whole chunk goes.
+                if mine.is_empty() {
+                    compress.whole
+                } else {
+                    compress.deltas
+                },
             ));
         }
         frames
