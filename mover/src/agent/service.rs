@@ -62,6 +62,9 @@ struct Session {
     /// WRITE sessions: the one thread that applies every stream's frames, started by
     /// the first Write.
     writer: Mutex<Option<SessionWriter>>,
+    /// Set when a newer session on the export replaces this one: its writer drops the
+    /// frames still queued instead of writing under the new session's feet.
+    superseded: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl AgentService {
@@ -106,7 +109,13 @@ impl AgentService {
     fn close_sessions_on(&self, export: &str) {
         let mut sessions = self.sessions.lock().expect("sessions lock");
         let before = sessions.len();
-        sessions.retain(|_, s| s.export != export);
+        sessions.retain(|_, s| {
+            let keep = s.export != export;
+            if !keep {
+                s.superseded.store(true, Relaxed);
+            }
+            keep
+        });
         let closed = (before - sessions.len()) as u64;
         self.metrics.sessions_active.fetch_sub(closed, Relaxed);
     }
@@ -205,6 +214,7 @@ impl Transfer for AgentService {
             path: export.path.clone(),
             dest: Mutex::new(dest),
             writer: Mutex::new(None),
+            superseded: Arc::default(),
         };
         self.sessions
             .lock()
@@ -528,6 +538,7 @@ impl SessionWriter {
         let (kick, kicks) = std::sync::mpsc::sync_channel::<()>(1);
         let sync_failed: Arc<Mutex<Option<String>>> = Arc::default();
         let failed = sync_failed.clone();
+        let superseded = s.superseded.clone();
         std::thread::spawn(move || {
             while kicks.recv().is_ok() {
                 if let Err(e) = sync_file.sync_data() {
@@ -541,6 +552,12 @@ impl SessionWriter {
             // other, learn that their data may not have been applied.
             let mut failure: Option<Status> = None;
             while let Some(job) = rx.blocking_recv() {
+                if failure.is_none() && superseded.load(Relaxed) {
+                    failure = Some(Status::aborted(
+                        "this session was replaced by a newer one on the same volume; its \
+                         remaining writes were dropped",
+                    ));
+                }
                 match job {
                     Job::Frame(data) if failure.is_none() => {
                         let applied = match frames::content(&data) {
