@@ -44,11 +44,12 @@ pub(crate) fn copy_whole(src: &File, dst: &File, size: u64, sparse: bool) -> io:
             written += hole - data;
             pos = hole;
         }
+        // A trailing hole: the length is set, not written.
+        dst.set_len(size)?;
     } else {
         copy_range(src, 0, dst, 0, size)?;
         written = size;
     }
-    dst.set_len(size)?;
     Ok(Written {
         new_bytes: written,
         reused_bytes: 0,

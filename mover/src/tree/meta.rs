@@ -300,9 +300,32 @@ pub(crate) fn apply(
     Ok(changed)
 }
 
-/// Sets the modification time of `name` (not following a symlink); atime is left alone.
-pub(crate) fn set_mtime(dir: BorrowedFd<'_>, name: &OsStr, mtime: (i64, u32)) -> io::Result<()> {
-    let times = Timestamps {
+/// Gives a file this run just created (open as `file`, reachable for xattr calls at
+/// `path`) the metadata of `src`: through the descriptor, so no name is looked up again.
+pub(crate) fn apply_new_file(
+    file: &std::fs::File,
+    path: &Path,
+    src: &Meta,
+    src_xattrs: &Xattrs,
+    preserve: Preserve,
+) -> io::Result<()> {
+    if preserve.owners {
+        fs::fchown(
+            file,
+            Some(fs::Uid::from_raw(src.uid)),
+            Some(fs::Gid::from_raw(src.gid)),
+        )?;
+    }
+    if preserve.xattrs && !src_xattrs.is_empty() {
+        apply_xattrs(path, src_xattrs, &Xattrs::new())?;
+    }
+    fs::fchmod(file, Mode::from_raw_mode(src.mode))?;
+    fs::futimens(file, &mtime_only(src.mtime))?;
+    Ok(())
+}
+
+fn mtime_only(mtime: (i64, u32)) -> Timestamps {
+    Timestamps {
         last_access: Timespec {
             tv_sec: 0,
             tv_nsec: fs::UTIME_OMIT,
@@ -311,8 +334,12 @@ pub(crate) fn set_mtime(dir: BorrowedFd<'_>, name: &OsStr, mtime: (i64, u32)) ->
             tv_sec: mtime.0,
             tv_nsec: mtime.1 as _,
         },
-    };
-    fs::utimensat(dir, name, &times, AtFlags::SYMLINK_NOFOLLOW)?;
+    }
+}
+
+/// Sets the modification time of `name` (not following a symlink); atime is left alone.
+pub(crate) fn set_mtime(dir: BorrowedFd<'_>, name: &OsStr, mtime: (i64, u32)) -> io::Result<()> {
+    fs::utimensat(dir, name, &mtime_only(mtime), AtFlags::SYMLINK_NOFOLLOW)?;
     Ok(())
 }
 

@@ -314,7 +314,8 @@ impl<'a> Syncer<'a> {
             }
             _ => None,
         };
-        let mut seen = Meta::of_fd(src.as_fd())?;
+        // The listing's lstat is the baseline: a change since then shows as a difference.
+        let mut seen = *m;
         let mut attempt = 0;
         let written = loop {
             let result = match &old {
@@ -348,7 +349,8 @@ impl<'a> Syncer<'a> {
         };
         let src_x = self.src_xattrs(pair, name)?;
         // The metadata seen when the content was read (the listing may be older).
-        self.apply(pair, &target, &seen, &src_x, None)?;
+        let xattr_path = meta::xattr_path(&pair.dst_path, pair.dst.as_fd(), &target);
+        meta::apply_new_file(&dst, &xattr_path, &seen, &src_x, self.rules.preserve)?;
         drop(dst);
         if !direct {
             fs::renameat(pair.dst.as_fd(), &target, pair.dst.as_fd(), name)?;
