@@ -2,20 +2,23 @@
 //!
 //! Persisted as immutable deltas `index/<blake3 of the object>`, each sealed
 //! (`nonce || AEAD(plaintext)`) with plaintext
-//! `"MVIX" u32le(version 1) u32le(packs) { pack_id(32) u32le(n) entry*n }*`, entries
-//! as in pack trailers. Loaded whole into memory (about 80 bytes per blob) so dedup
-//! questions never touch the backend.
+//! `"MVIX" u32le(version) u32le(packs) { pack_id(32) u32le(n) entry*n }*`, entries
+//! as in pack trailers (version 1, or 2 when a delta entry with its base is present).
+//! Loaded whole into memory (about 80 bytes per blob) so dedup questions never touch the
+//! backend.
 
 use crate::{
     crypto::MasterKey,
     error::{RepoError, Result},
-    pack::{BlobKind, PackEntry, PackId, decode_entry, encode_entry, u32_at},
+    pack::{
+        BlobKind, ENTRIES_V1, ENTRIES_V2, PackEntry, PackId, decode_entry, encode_entry,
+        entries_version, u32_at,
+    },
 };
 use chunker::ChunkId;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 const MAGIC: &[u8; 4] = b"MVIX";
-const VERSION: u32 = 1;
 const AAD: &[u8] = b"mover index v1";
 
 /// Where a blob is stored.
@@ -29,7 +32,12 @@ pub struct BlobLoc {
     pub offset: u32,
     /// Length of the sealed blob.
     pub len: u32,
+    /// For a delta blob, the data blob it applies to.
+    pub base: Option<ChunkId>,
 }
+
+/// `Slot::base` of a blob that is not a delta.
+const NO_BASE: u32 = u32::MAX;
 
 #[derive(Clone, Copy, Debug)]
 struct Slot {
@@ -37,6 +45,8 @@ struct Slot {
     kind: BlobKind,
     offset: u32,
     len: u32,
+    /// Index into `Index::bases`, or [`NO_BASE`].
+    base: u32,
 }
 
 /// All blobs of the repository, in memory.
@@ -48,6 +58,8 @@ pub struct Index {
     /// Further locations of blobs stored in more than one pack (after a repack, or
     /// when two snapshots uploaded the same new chunk at once).
     dups: Vec<(ChunkId, Slot)>,
+    /// Bases of delta blobs (few: kept apart so a slot stays small).
+    bases: Vec<ChunkId>,
     /// The index objects loaded, by key.
     pub(crate) files: Vec<String>,
 }
@@ -59,11 +71,19 @@ impl Index {
             self.packs.push(*pack);
             (self.packs.len() - 1) as u32
         });
+        let base = match e.base {
+            Some(b) => {
+                self.bases.push(b);
+                (self.bases.len() - 1) as u32
+            }
+            None => NO_BASE,
+        };
         let new = Slot {
             pack: slot,
             kind: e.kind,
             offset: e.offset,
             len: e.len,
+            base,
         };
         match self.blobs.entry(e.id) {
             std::collections::hash_map::Entry::Vacant(v) => {
@@ -83,6 +103,7 @@ impl Index {
             kind: s.kind,
             offset: s.offset,
             len: s.len,
+            base: (s.base != NO_BASE).then(|| self.bases[s.base as usize]),
         }
     }
 
@@ -94,12 +115,7 @@ impl Index {
 
     /// Where the blob is, if indexed.
     pub fn get(&self, id: &ChunkId) -> Option<BlobLoc> {
-        self.blobs.get(id).map(|s| BlobLoc {
-            pack: self.packs[s.pack as usize],
-            kind: s.kind,
-            offset: s.offset,
-            len: s.len,
-        })
+        self.blobs.get(id).map(|s| self.loc(s))
     }
 
     /// Whether the blob is indexed.
@@ -128,21 +144,11 @@ impl Index {
 
     /// Every blob with its location.
     pub fn iter(&self) -> impl Iterator<Item = (ChunkId, BlobLoc)> + '_ {
-        self.blobs.iter().map(|(id, s)| {
-            (
-                *id,
-                BlobLoc {
-                    pack: self.packs[s.pack as usize],
-                    kind: s.kind,
-                    offset: s.offset,
-                    len: s.len,
-                },
-            )
-        })
+        self.blobs.iter().map(|(id, s)| (*id, self.loc(s)))
     }
 
     /// Drops every location in one of `packs` (packs being pruned); a blob with a copy
-    /// elsewhere keeps that one.
+    /// elsewhere keeps that one. A delta whose base has no location left is dropped too.
     pub fn remove_packs(&mut self, packs: &HashSet<PackId>) {
         let gone: HashSet<u32> = packs
             .iter()
@@ -161,6 +167,21 @@ impl Index {
                 _ => {}
             }
         }
+        let orphan = |s: &Slot, blobs: &HashMap<ChunkId, Slot>| {
+            s.base != NO_BASE && !blobs.contains_key(&self.bases[s.base as usize])
+        };
+        let orphans: Vec<ChunkId> = (self.blobs.iter())
+            .filter(|(_, s)| orphan(s, &self.blobs))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in orphans {
+            self.blobs.remove(&id);
+        }
+        let dups = std::mem::take(&mut self.dups);
+        self.dups = dups
+            .into_iter()
+            .filter(|(_, s)| !orphan(s, &self.blobs))
+            .collect();
     }
 }
 
@@ -172,7 +193,7 @@ pub(crate) fn encode_delta(key: &MasterKey, entries: &[(PackId, PackEntry)]) -> 
     }
     let mut t = Vec::with_capacity(12 + entries.len() * 41 + by_pack.len() * 36);
     t.extend_from_slice(MAGIC);
-    t.extend_from_slice(&VERSION.to_le_bytes());
+    t.extend_from_slice(&entries_version(entries.iter().map(|(_, e)| e)).to_le_bytes());
     t.extend_from_slice(&(by_pack.len() as u32).to_le_bytes());
     for (p, es) in &by_pack {
         t.extend_from_slice(p);
@@ -204,11 +225,11 @@ pub(crate) fn decode_delta(
         return Err(corrupt("not an index"));
     }
     let version = u32_at(&t, 4).ok_or_else(|| corrupt("short index"))?;
-    if version != VERSION {
+    if !(ENTRIES_V1..=ENTRIES_V2).contains(&version) {
         return Err(RepoError::UnsupportedVersion {
             key: name.into(),
             found: version,
-            supported: VERSION,
+            supported: ENTRIES_V2,
         });
     }
     let npacks = u32_at(&t, 8).ok_or_else(|| corrupt("short index"))?;
@@ -222,12 +243,11 @@ pub(crate) fn decode_delta(
         let n = u32_at(&t, at + 32).ok_or_else(|| corrupt("short index"))? as usize;
         at += 36;
         for _ in 0..n {
-            let b = t.get(at..at + 41).ok_or_else(|| corrupt("short index"))?;
-            out.push((
-                pack,
-                decode_entry(b).ok_or_else(|| corrupt("bad blob kind"))?,
-            ));
-            at += 41;
+            let b = t.get(at..).ok_or_else(|| corrupt("short index"))?;
+            let (e, len) =
+                decode_entry(b, version).ok_or_else(|| corrupt("bad or short index entry"))?;
+            out.push((pack, e));
+            at += len;
         }
     }
     if at != t.len() {

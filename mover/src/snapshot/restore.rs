@@ -178,6 +178,7 @@ pub async fn restore_snapshot(
             sum.chunks_unchanged += wk.len() as u64 - want.len() as u64;
             let mut by_pack: HashMap<PackId, Vec<(ChunkId, BlobLoc)>> = HashMap::new();
             let mut at: HashMap<ChunkId, Vec<u64>> = HashMap::new();
+            let mut deltas: Vec<(ChunkId, BlobLoc, BlobLoc)> = Vec::new();
             for (off, k) in want {
                 let len = cs.min(size - off);
                 match k {
@@ -190,16 +191,62 @@ pub async fn restore_snapshot(
                     ChunkKind::Data(id) => {
                         let offs = at.entry(id).or_default();
                         if offs.is_empty() {
-                            let loc = index.get(&id).ok_or_else(|| RepoError::MissingBlob {
+                            let missing = |id: ChunkId| RepoError::MissingBlob {
                                 id: format!("{} (volume bytes {off}..{})", id.to_hex(), off + len),
-                            })?;
-                            by_pack.entry(loc.pack).or_default().push((id, loc));
+                            };
+                            let loc = index.get(&id).ok_or_else(|| missing(id))?;
+                            match loc.base {
+                                None => by_pack.entry(loc.pack).or_default().push((id, loc)),
+                                Some(b) => {
+                                    let bloc = index.get(&b).ok_or_else(|| missing(b))?;
+                                    deltas.push((id, loc, bloc));
+                                }
+                            }
                         }
                         offs.push(off);
                     }
                 }
             }
             let at = Arc::new(at);
+            // A delta chunk: its delta and its base, rebuilt and checked, then written.
+            for (id, loc, bloc) in deltas {
+                let permit = sem
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .map_err(|e| RepoError::Refused {
+                        what: "restore".into(),
+                        why: e.to_string(),
+                    })?;
+                while let Some(r) = tasks.try_join_next() {
+                    let (n, b) = r.map_err(join)??;
+                    sum.chunks_fetched += n;
+                    sum.bytes_written += b;
+                }
+                let (repo, dest, at) = (repo.clone(), dest.clone(), at.clone());
+                tasks.spawn(async move {
+                    let _permit = permit;
+                    let base = loc.base.expect("a delta has a base");
+                    let delta = repo.read_sealed(&loc.pack, vec![(id, loc)]).await?;
+                    let based = repo.read_sealed(&bloc.pack, vec![(base, bloc)]).await?;
+                    tokio::task::spawn_blocking(move || {
+                        let plain = repo.open_blob(&id, &loc, &delta[0].2)?;
+                        let base_plain = repo.open_blob(&base, &bloc, &based[0].2)?;
+                        let data = repo.rebuild_chunk(&id, &base_plain, &plain)?;
+                        let mut n = 0;
+                        for off in at.get(&id).into_iter().flatten() {
+                            dest.volume
+                                .file()
+                                .write_all_at(&data, *off)
+                                .map_err(|e| io("write to", &dest.path, *off, e))?;
+                            n += 1;
+                        }
+                        Ok((n, n * data.len() as u64))
+                    })
+                    .await
+                    .map_err(join)?
+                });
+            }
             for (pack, blobs) in by_pack {
                 let permit = sem
                     .clone()
