@@ -353,7 +353,11 @@ async fn scattered_page_writes_store_only_the_pages() {
     let sum = &s2.manifest.summary;
     assert_eq!(sum.new_chunks, touched.len() as u64);
     assert_eq!(sum.delta_chunks, touched.len() as u64, "{sum:?}");
-    assert_eq!(sum.delta_bytes, (K * 8192) as u64, "two 4 KiB pages per write");
+    assert_eq!(
+        sum.delta_bytes,
+        (K * 8192) as u64,
+        "two 4 KiB pages per write"
+    );
     // What was written, plus per chunk a seal and a bitmap, plus the list pack and
     // pack trailers: far below one chunk per write.
     let bound = (K * 8192) as u64 + touched.len() as u64 * 200 + 8192;

@@ -255,3 +255,48 @@ pub(crate) fn decode_delta(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delta_bases_round_trip_and_orphans_are_dropped() {
+        let key = MasterKey::from_secret(&[5; 32]);
+        let (p1, p2) = ([1u8; 32], [2u8; 32]);
+        let e = |id: u8, base: Option<u8>| PackEntry {
+            kind: match base {
+                Some(_) => BlobKind::Delta,
+                None => BlobKind::Data,
+            },
+            id: ChunkId([id; 32]),
+            offset: 8 + id as u32,
+            len: 100,
+            base: base.map(|b| ChunkId([b; 32])),
+        };
+        let entries = vec![(p1, e(10, None)), (p2, e(11, Some(10))), (p2, e(12, None))];
+        let (name, sealed) = encode_delta(&key, &entries);
+        let back = decode_delta(&key, &name, &sealed).unwrap();
+        assert_eq!(back.len(), 3);
+        for x in &entries {
+            assert!(back.contains(x), "{x:?}");
+        }
+        let mut index = Index::default();
+        for (p, e) in &back {
+            index.insert(p, e);
+        }
+        assert_eq!(
+            index.get(&ChunkId([11; 32])).unwrap().base,
+            Some(ChunkId([10; 32]))
+        );
+        assert_eq!(index.get(&ChunkId([10; 32])).unwrap().base, None);
+        // Without its base's pack, a delta is unusable: gone from the index.
+        index.remove_packs(&[p1].into_iter().collect());
+        assert!(!index.contains(&ChunkId([11; 32])));
+        assert!(index.contains(&ChunkId([12; 32])));
+        // Without deltas the delta is written as version 1 (readable by older builds).
+        let (_, sealed) = encode_delta(&key, &entries[..1]);
+        let plain = key.open(&sealed, AAD).unwrap();
+        assert_eq!(u32_at(&plain, 4), Some(ENTRIES_V1));
+    }
+}

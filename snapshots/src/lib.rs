@@ -33,12 +33,12 @@ pub mod retention;
 pub mod testing;
 mod verify;
 
-/// The byte buffer blobs are read into ([`Repository::read_sealed`]).
-pub use bytes::Bytes;
 pub use backend::{
     Backend, Fault, FaultBackend, LocalBackend, MemoryBackend, ObjectInfo, OpCounts, RetryBackend,
     RetryPolicy, S3Backend, S3Options,
 };
+/// The byte buffer blobs are read into ([`Repository::read_sealed`]).
+pub use bytes::Bytes;
 pub use delta::{DELTA_MAX_SHARE, DELTA_PAGE, delta_base, make_delta};
 pub use error::{RepoError, Result};
 pub use index::{BlobLoc, Index};

@@ -221,8 +221,10 @@ impl Repository {
         let mut uploader = crate::Uploader::new(std::sync::Arc::new(self.clone_handle()), 2);
         let mut pack = crate::PackBuilder::new();
         for (p, blobs) in by_pack {
-            let kinds: HashMap<ChunkId, (crate::BlobKind, Option<ChunkId>)> =
-                blobs.iter().map(|(id, l)| (*id, (l.kind, l.base))).collect();
+            let kinds: HashMap<ChunkId, (crate::BlobKind, Option<ChunkId>)> = blobs
+                .iter()
+                .map(|(id, l)| (*id, (l.kind, l.base)))
+                .collect();
             for (id, plain) in self.read_blobs(&p, blobs).await? {
                 if !copied.insert(id) {
                     continue;

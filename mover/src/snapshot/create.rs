@@ -7,8 +7,8 @@
 //! they wrote. The parent's chunk list is streamed one list blob at a time.
 
 use chunker::{BlockVolume, ChunkKind, Window, for_each_window, hash_chunks};
-use rayon::prelude::*;
 use chunker::{ChunkId, ChunkSize};
+use rayon::prelude::*;
 use snapshots::{
     BlobKind, BlobLoc, Bytes, CHUNKS_PER_LIST, Content, DELTA_PAGE, FinishedPack, Index,
     MANIFEST_VERSION, Manifest, PackBuilder, PackId, RepoError, Repository, Snapshot,
@@ -145,7 +145,7 @@ fn hostname() -> String {
 /// The blocking side: reads and hashes windows, seals new chunks into packs, builds the
 /// chunk list, and sends full packs to the uploader.
 fn produce(
-    repo: &Repository,
+    repo: &Arc<Repository>,
     index: &Index,
     vol: BlockVolume,
     mut parent: Option<ParentChunks>,
@@ -317,9 +317,10 @@ impl ParentChunks {
     }
 }
 
-/// Fetches the sealed blobs of the distinct bases (grouped by pack, ranged reads).
+/// Fetches the sealed blobs of the distinct bases: ranged reads grouped by pack, the
+/// packs' reads concurrently.
 fn fetch_bases(
-    repo: &Repository,
+    repo: &Arc<Repository>,
     rt: &tokio::runtime::Handle,
     bases: &[Option<(ChunkId, BlobLoc)>],
 ) -> Result<HashMap<ChunkId, (BlobLoc, Bytes)>, RepoError> {
@@ -330,13 +331,25 @@ fn fetch_bases(
             by_pack.entry(loc.pack).or_default().push((*id, *loc));
         }
     }
-    let mut out = HashMap::new();
-    for (pack, blobs) in by_pack {
-        for (id, loc, sealed) in rt.block_on(repo.read_sealed(&pack, blobs))? {
-            out.insert(id, (loc, sealed));
-        }
+    if by_pack.is_empty() {
+        return Ok(HashMap::new());
     }
-    Ok(out)
+    rt.block_on(async {
+        let mut reads = tokio::task::JoinSet::new();
+        for (pack, blobs) in by_pack {
+            let repo = repo.clone();
+            reads.spawn(async move { repo.read_sealed(&pack, blobs).await });
+        }
+        let mut out = HashMap::new();
+        while let Some(r) = reads.join_next().await {
+            let got = r.map_err(|e| RepoError::Refused {
+                what: "snapshot base read".into(),
+                why: format!("failed: {e}"),
+            })??;
+            out.extend(got.into_iter().map(|(id, loc, sealed)| (id, (loc, sealed))));
+        }
+        Ok(out)
+    })
 }
 
 /// Seals a new chunk: as a delta of `base` (its sealed blob) when few pages differ,

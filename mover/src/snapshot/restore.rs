@@ -109,6 +109,21 @@ fn prepare(dst: &Path, size: u64, force: bool, snapshot: &str) -> Result<Destina
 
 /// Chunks per planning window.
 const WINDOW_CHUNKS: usize = 64;
+/// Blobs of one pack fetched, opened and written by one task: with `--reads` tasks in
+/// flight this bounds the restore's memory (about 2 x 8 MiB per task at 1 MiB chunks).
+const READ_GROUP: usize = 8;
+
+/// A corrupt blob stops the restore before anything of it is written; says so.
+fn stopped(e: RepoError) -> RepoError {
+    match e {
+        RepoError::Corrupt { key, offset, what } => RepoError::Corrupt {
+            key,
+            offset,
+            what: format!("{what}; the restore stopped, nothing corrupt was written"),
+        },
+        e => e,
+    }
+}
 
 /// Restores snapshot `snap` (an id, id prefix or `latest`) from `repo` to `dst`.
 pub async fn restore_snapshot(
@@ -227,12 +242,16 @@ pub async fn restore_snapshot(
                 tasks.spawn(async move {
                     let _permit = permit;
                     let base = loc.base.expect("a delta has a base");
-                    let delta = repo.read_sealed(&loc.pack, vec![(id, loc)]).await?;
-                    let based = repo.read_sealed(&bloc.pack, vec![(base, bloc)]).await?;
+                    let delta = repo.read_sealed(&loc.pack, vec![(id, loc)]).await;
+                    let based = repo.read_sealed(&bloc.pack, vec![(base, bloc)]).await;
+                    let (delta, based) = (delta.map_err(stopped)?, based.map_err(stopped)?);
                     tokio::task::spawn_blocking(move || {
-                        let plain = repo.open_blob(&id, &loc, &delta[0].2)?;
-                        let base_plain = repo.open_blob(&base, &bloc, &based[0].2)?;
-                        let data = repo.rebuild_chunk(&id, &base_plain, &plain)?;
+                        let plain = repo.open_blob(&id, &loc, &delta[0].2).map_err(stopped)?;
+                        let base_plain =
+                            repo.open_blob(&base, &bloc, &based[0].2).map_err(stopped)?;
+                        let data = repo
+                            .rebuild_chunk(&id, &base_plain, &plain)
+                            .map_err(stopped)?;
                         let mut n = 0;
                         for off in at.get(&id).into_iter().flatten() {
                             dest.volume
@@ -247,50 +266,46 @@ pub async fn restore_snapshot(
                     .map_err(join)?
                 });
             }
-            for (pack, blobs) in by_pack {
-                let permit = sem
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .map_err(|e| RepoError::Refused {
-                        what: "restore".into(),
-                        why: e.to_string(),
-                    })?;
-                while let Some(r) = tasks.try_join_next() {
-                    let (n, b) = r.map_err(join)??;
-                    sum.chunks_fetched += n;
-                    sum.bytes_written += b;
-                }
-                let (repo, dest, at) = (repo.clone(), dest.clone(), at.clone());
-                tasks.spawn(async move {
-                    let _permit = permit;
-                    let blobs = repo.read_blobs(&pack, blobs).await.map_err(|e| match e {
-                        RepoError::Corrupt { key, offset, what } => RepoError::Corrupt {
-                            key,
-                            offset,
-                            what: format!(
-                                "{what}; the restore stopped, nothing corrupt was written"
-                            ),
-                        },
-                        e => e,
-                    })?;
-                    tokio::task::spawn_blocking(move || {
-                        let (mut n, mut bytes) = (0, 0);
-                        for (id, data) in blobs {
-                            for off in at.get(&id).into_iter().flatten() {
-                                dest.volume
-                                    .file()
-                                    .write_all_at(&data, *off)
-                                    .map_err(|e| io("write to", &dest.path, *off, e))?;
-                                n += 1;
-                                bytes += data.len() as u64;
+            for (pack, mut blobs) in by_pack {
+                blobs.sort_by_key(|(_, l)| l.offset);
+                for group in blobs.chunks(READ_GROUP) {
+                    let permit =
+                        sem.clone()
+                            .acquire_owned()
+                            .await
+                            .map_err(|e| RepoError::Refused {
+                                what: "restore".into(),
+                                why: e.to_string(),
+                            })?;
+                    while let Some(r) = tasks.try_join_next() {
+                        let (n, b) = r.map_err(join)??;
+                        sum.chunks_fetched += n;
+                        sum.bytes_written += b;
+                    }
+                    let (repo, dest, at) = (repo.clone(), dest.clone(), at.clone());
+                    let group = group.to_vec();
+                    tasks.spawn(async move {
+                        let _permit = permit;
+                        let sealed = repo.read_sealed(&pack, group).await.map_err(stopped)?;
+                        tokio::task::spawn_blocking(move || {
+                            let (mut n, mut bytes) = (0, 0);
+                            for (id, loc, sealed) in sealed {
+                                let data = repo.open_blob(&id, &loc, &sealed).map_err(stopped)?;
+                                for off in at.get(&id).into_iter().flatten() {
+                                    dest.volume
+                                        .file()
+                                        .write_all_at(&data, *off)
+                                        .map_err(|e| io("write to", &dest.path, *off, e))?;
+                                    n += 1;
+                                    bytes += data.len() as u64;
+                                }
                             }
-                        }
-                        Ok((n, bytes))
-                    })
-                    .await
-                    .map_err(join)?
-                });
+                            Ok((n, bytes))
+                        })
+                        .await
+                        .map_err(join)?
+                    });
+                }
             }
         }
     }
