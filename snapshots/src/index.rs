@@ -167,8 +167,15 @@ impl Index {
                 _ => {}
             }
         }
+        self.drop_orphan_deltas();
+    }
+
+    /// Drops every delta whose base has no location (its chunk cannot be rebuilt, so it
+    /// must not count as stored).
+    pub fn drop_orphan_deltas(&mut self) {
+        let bases = &self.bases;
         let orphan = |s: &Slot, blobs: &HashMap<ChunkId, Slot>| {
-            s.base != NO_BASE && !blobs.contains_key(&self.bases[s.base as usize])
+            s.base != NO_BASE && !blobs.contains_key(&bases[s.base as usize])
         };
         let orphans: Vec<ChunkId> = (self.blobs.iter())
             .filter(|(_, s)| orphan(s, &self.blobs))
@@ -177,11 +184,19 @@ impl Index {
         for id in orphans {
             self.blobs.remove(&id);
         }
-        let dups = std::mem::take(&mut self.dups);
-        self.dups = dups
-            .into_iter()
-            .filter(|(_, s)| !orphan(s, &self.blobs))
-            .collect();
+        // Further copies: orphans go; a usable copy of a blob that lost its location
+        // takes its place.
+        for (id, s) in std::mem::take(&mut self.dups) {
+            if orphan(&s, &self.blobs) {
+                continue;
+            }
+            match self.blobs.entry(id) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(s);
+                }
+                std::collections::hash_map::Entry::Occupied(_) => self.dups.push((id, s)),
+            }
+        }
     }
 }
 
@@ -290,10 +305,18 @@ mod tests {
             Some(ChunkId([10; 32]))
         );
         assert_eq!(index.get(&ChunkId([10; 32])).unwrap().base, None);
-        // Without its base's pack, a delta is unusable: gone from the index.
+        // A whole copy of chunk 11 in a third pack (say, stored again by a --no-deltas run).
+        let p3 = [3u8; 32];
+        index.insert(&p3, &e(11, None));
+        // Without its base's pack, a delta is unusable: its whole copy takes its place.
         index.remove_packs(&[p1].into_iter().collect());
-        assert!(!index.contains(&ChunkId([11; 32])));
+        assert!(!index.contains(&ChunkId([10; 32])));
+        let loc = index.get(&ChunkId([11; 32])).unwrap();
+        assert_eq!((loc.pack, loc.base), (p3, None));
         assert!(index.contains(&ChunkId([12; 32])));
+        // Without any whole copy, the delta is gone.
+        index.remove_packs(&[p3].into_iter().collect());
+        assert!(!index.contains(&ChunkId([11; 32])));
         // Without deltas the delta is written as version 1 (readable by older builds).
         let (_, sealed) = encode_delta(&key, &entries[..1]);
         let plain = key.open(&sealed, AAD).unwrap();

@@ -348,6 +348,9 @@ impl Repository {
             .map(|(p, _)| *p)
             .collect::<HashSet<_>>()
             .len();
+        // A delta adopted from an interrupted run whose base was pruned meanwhile
+        // cannot rebuild its chunk: it must not be deduplicated against.
+        index.drop_orphan_deltas();
         if !adopted.is_empty() {
             tracing::info!(
                 packs,

@@ -6,8 +6,7 @@
 //! delta of those pages (shared/DESIGN.md §3), so scattered small writes cost about what
 //! they wrote. The parent's chunk list is streamed one list blob at a time.
 
-use chunker::{BlockVolume, ChunkKind, Window, for_each_window, hash_chunks};
-use chunker::{ChunkId, ChunkSize};
+use chunker::{BlockVolume, ChunkId, ChunkKind, ChunkSize, Window, for_each_window, hash_chunks};
 use rayon::prelude::*;
 use snapshots::{
     BlobKind, BlobLoc, Bytes, CHUNKS_PER_LIST, Content, DELTA_PAGE, FinishedPack, Index,
@@ -214,7 +213,7 @@ fn produce(
             })
             .collect();
         let fetched = fetch_bases(repo, rt, &bases)?;
-        let sealed: Vec<(Vec<u8>, Option<(ChunkId, usize)>)> = new
+        let sealed: Vec<Sealed> = new
             .par_iter()
             .zip(&bases)
             .map(|((i, id), base)| {
@@ -352,6 +351,9 @@ fn fetch_bases(
     })
 }
 
+/// A sealed new chunk and, if it is a delta, its base and number of differing pages.
+type Sealed = (Vec<u8>, Option<(ChunkId, usize)>);
+
 /// Seals a new chunk: as a delta of `base` (its sealed blob) when few pages differ,
 /// else whole. Returns the sealed blob and, for a delta, its base and differing pages.
 /// A base that does not open is only logged: the chunk is then stored whole.
@@ -360,7 +362,7 @@ fn seal_new(
     id: &ChunkId,
     plain: &[u8],
     base: Option<(ChunkId, &(BlobLoc, Bytes))>,
-) -> (Vec<u8>, Option<(ChunkId, usize)>) {
+) -> Sealed {
     if let Some((bid, (loc, sealed))) = base {
         let opened = repo.open_blob(&bid, loc, sealed).inspect_err(|e| {
             tracing::warn!(base = %bid.to_hex(), error = %e, "cannot read a base chunk: storing the chunk whole");
