@@ -90,7 +90,7 @@ const SAMPLE: usize = 4096;
 const SAMPLES: usize = 16;
 
 /// Whether compressing `plain` is worth trying: small blobs always; larger ones when one
-/// of [`SAMPLES`] samples spread over it shrinks by at least 1/32. Random or already
+/// of [`SAMPLES`] samples spread over it shrinks at all (a random sample never does). Random or already
 /// compressed data (a large part of most volumes) then costs almost no CPU; a blob
 /// whose compressible part all samples miss is stored raw, a small loss.
 fn worth_compressing(plain: &[u8]) -> bool {
@@ -101,8 +101,7 @@ fn worth_compressing(plain: &[u8]) -> bool {
     (0..SAMPLES).any(|i| {
         let at = i * step;
         let sample = &plain[at..(at + SAMPLE).min(plain.len())];
-        zstd::bulk::compress(sample, ZSTD_LEVEL)
-            .is_ok_and(|z| z.len() < sample.len() - sample.len() / 32)
+        zstd::bulk::compress(sample, ZSTD_LEVEL).is_ok_and(|z| z.len() < sample.len())
     })
 }
 

@@ -6,7 +6,7 @@ use crate::{
 };
 use chunker::{ChunkId, ChunkKind, Window, hash_chunks, read_window};
 use serde::Serialize;
-use snapshots::{BlobLoc, CHUNKS_PER_LIST, Content, PackId, RepoError, Repository};
+use snapshots::{BlobLoc, Bytes, CHUNKS_PER_LIST, Content, PackId, RepoError, Repository};
 use std::{
     collections::HashMap,
     os::unix::fs::FileExt,
@@ -223,8 +223,9 @@ pub async fn restore_snapshot(
                 }
             }
             let at = Arc::new(at);
-            // A delta chunk: its delta and its base, rebuilt and checked, then written.
-            for (id, loc, bloc) in deltas {
+            // Delta chunks, a group at a time: the deltas and their bases fetched with
+            // merged ranged reads per pack, each chunk rebuilt and checked, then written.
+            for group in deltas.chunks(READ_GROUP) {
                 let permit = sem
                     .clone()
                     .acquire_owned()
@@ -239,28 +240,49 @@ pub async fn restore_snapshot(
                     sum.bytes_written += b;
                 }
                 let (repo, dest, at) = (repo.clone(), dest.clone(), at.clone());
+                let group = group.to_vec();
                 tasks.spawn(async move {
                     let _permit = permit;
-                    let base = loc.base.expect("a delta has a base");
-                    let delta = repo.read_sealed(&loc.pack, vec![(id, loc)]).await;
-                    let based = repo.read_sealed(&bloc.pack, vec![(base, bloc)]).await;
-                    let (delta, based) = (delta.map_err(stopped)?, based.map_err(stopped)?);
-                    tokio::task::spawn_blocking(move || {
-                        let plain = repo.open_blob(&id, &loc, &delta[0].2).map_err(stopped)?;
-                        let base_plain =
-                            repo.open_blob(&base, &bloc, &based[0].2).map_err(stopped)?;
-                        let data = repo
-                            .rebuild_chunk(&id, &base_plain, &plain)
-                            .map_err(stopped)?;
-                        let mut n = 0;
-                        for off in at.get(&id).into_iter().flatten() {
-                            dest.volume
-                                .file()
-                                .write_all_at(&data, *off)
-                                .map_err(|e| io("write to", &dest.path, *off, e))?;
-                            n += 1;
+                    let mut need: HashMap<PackId, Vec<(ChunkId, BlobLoc)>> = HashMap::new();
+                    let mut asked = std::collections::HashSet::new();
+                    for (id, loc, bloc) in &group {
+                        let base = loc.base.expect("a delta has a base");
+                        for (i, l) in [(*id, *loc), (base, *bloc)] {
+                            if asked.insert((i, l.pack, l.offset)) {
+                                need.entry(l.pack).or_default().push((i, l));
+                            }
                         }
-                        Ok((n, n * data.len() as u64))
+                    }
+                    let mut got: HashMap<(ChunkId, PackId, u32), Bytes> = HashMap::new();
+                    for (pack, blobs) in need {
+                        for (i, l, b) in repo.read_sealed(&pack, blobs).await.map_err(stopped)? {
+                            got.insert((i, l.pack, l.offset), b);
+                        }
+                    }
+                    tokio::task::spawn_blocking(move || {
+                        let (mut n, mut bytes) = (0, 0);
+                        for (id, loc, bloc) in group {
+                            let base = loc.base.expect("a delta has a base");
+                            let sealed = |i: ChunkId, l: &BlobLoc| &got[&(i, l.pack, l.offset)];
+                            let plain = repo.open_blob(&id, &loc, sealed(id, &loc));
+                            let base_plain = repo.open_blob(&base, &bloc, sealed(base, &bloc));
+                            let data = repo
+                                .rebuild_chunk(
+                                    &id,
+                                    &base_plain.map_err(stopped)?,
+                                    &plain.map_err(stopped)?,
+                                )
+                                .map_err(stopped)?;
+                            for off in at.get(&id).into_iter().flatten() {
+                                dest.volume
+                                    .file()
+                                    .write_all_at(&data, *off)
+                                    .map_err(|e| io("write to", &dest.path, *off, e))?;
+                                n += 1;
+                                bytes += data.len() as u64;
+                            }
+                        }
+                        Ok((n, bytes))
                     })
                     .await
                     .map_err(join)?
