@@ -132,6 +132,22 @@ fn blob_aad(kind: BlobKind, id: &ChunkId) -> [u8; 33] {
     aad
 }
 
+/// Decrypts and decompresses a blob, without hashing it: for a delta's base, whose
+/// rebuilt chunk is checked against its own id (the AEAD still binds kind and id).
+pub(crate) fn open_blob_unhashed(
+    key: &MasterKey,
+    kind: BlobKind,
+    id: &ChunkId,
+    sealed: &[u8],
+) -> Option<Vec<u8>> {
+    let msg = key.open(sealed, &blob_aad(kind, id))?;
+    match msg.split_first()? {
+        (0, rest) => Some(rest.to_vec()),
+        (1, rest) => zstd::stream::decode_all(rest).ok(),
+        _ => None,
+    }
+}
+
 /// Decrypts, decompresses and checks a blob: `None` unless its plaintext hashes to `id`.
 /// A delta blob is only authenticated (bound to its kind and id): it is checked when
 /// the chunk is rebuilt from it ([`crate::Repository::rebuild_chunk`]).
@@ -141,12 +157,7 @@ pub(crate) fn open_blob(
     id: &ChunkId,
     sealed: &[u8],
 ) -> Option<Vec<u8>> {
-    let msg = key.open(sealed, &blob_aad(kind, id))?;
-    let plain = match msg.split_first()? {
-        (0, rest) => rest.to_vec(),
-        (1, rest) => zstd::stream::decode_all(rest).ok()?,
-        _ => return None,
-    };
+    let plain = open_blob_unhashed(key, kind, id, sealed)?;
     (kind == BlobKind::Delta || key.chunk_key().chunk_id(&plain) == *id).then_some(plain)
 }
 

@@ -364,7 +364,7 @@ fn seal_new(
     base: Option<(ChunkId, &(BlobLoc, Bytes))>,
 ) -> Sealed {
     if let Some((bid, (loc, sealed))) = base {
-        let opened = repo.open_blob(&bid, loc, sealed).inspect_err(|e| {
+        let opened = repo.open_base(&bid, loc, sealed).inspect_err(|e| {
             tracing::warn!(base = %bid.to_hex(), error = %e, "cannot read a base chunk: storing the chunk whole");
         });
         if let Ok(base_plain) = opened

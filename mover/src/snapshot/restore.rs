@@ -265,7 +265,7 @@ pub async fn restore_snapshot(
                             let base = loc.base.expect("a delta has a base");
                             let sealed = |i: ChunkId, l: &BlobLoc| &got[&(i, l.pack, l.offset)];
                             let plain = repo.open_blob(&id, &loc, sealed(id, &loc));
-                            let base_plain = repo.open_blob(&base, &bloc, sealed(base, &bloc));
+                            let base_plain = repo.open_base(&base, &bloc, sealed(base, &bloc));
                             let data = repo
                                 .rebuild_chunk(
                                     &id,
