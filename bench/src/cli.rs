@@ -51,7 +51,8 @@ dropped. The targets checked:
               (yesterday's image, then today's copied over it, untimed), best of 2 rounds
               (1 if the first takes over 90 s):
               first snapshot: restic time / mover time >= 2x, and mover's repository
-              <= restic's on disk; incremental snapshot: restic / mover >= 3x; restore of
+              <= restic's on disk; incremental snapshot: restic / mover >= 3x, and the bytes
+              it adds to mover's repository <= those it adds to restic's; restore of
               the latest snapshot to a new file (+ sync): restic / mover >= 2x, each restored
               image checked byte-identical to today's. --only-snapshot runs this phase alone.
               --only-agent runs the agent phase alone.

@@ -360,15 +360,27 @@ fn snapshot_rows(snapshot: &SnapshotPhase, size: u64) -> Vec<Row<'_>> {
 }
 
 /// Checks of the snapshots not shown on a row: the repositories' size after the first
-/// snapshot.
+/// snapshot, and what the incremental snapshot added to each.
 fn snapshot_checks(snapshot: &SnapshotPhase) -> Vec<Check> {
-    vec![Check::new(
-        "snapshot: mover repository vs restic's, first snapshot",
-        snapshot.first.mover_repo_bytes as f64 / MIB,
-        Rule::AtMost,
-        snapshot.first.restic_repo_bytes as f64 / MIB,
-        Unit::Mib,
-    )]
+    let (first, incr) = (&snapshot.first, &snapshot.incremental);
+    vec![
+        Check::new(
+            "snapshot: mover repository vs restic's, first snapshot",
+            first.mover_repo_bytes as f64 / MIB,
+            Rule::AtMost,
+            first.restic_repo_bytes as f64 / MIB,
+            Unit::Mib,
+        ),
+        Check::new(
+            "snapshot: bytes the incremental added, mover vs restic",
+            incr.mover_repo_bytes.saturating_sub(first.mover_repo_bytes) as f64 / MIB,
+            Rule::AtMost,
+            incr.restic_repo_bytes
+                .saturating_sub(first.restic_repo_bytes) as f64
+                / MIB,
+            Unit::Mib,
+        ),
+    ]
 }
 
 /// Checks not tied to a timing: bytes written, memory, exactness of mover's copies and

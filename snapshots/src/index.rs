@@ -2,20 +2,23 @@
 //!
 //! Persisted as immutable deltas `index/<blake3 of the object>`, each sealed
 //! (`nonce || AEAD(plaintext)`) with plaintext
-//! `"MVIX" u32le(version 1) u32le(packs) { pack_id(32) u32le(n) entry*n }*`, entries
-//! as in pack trailers. Loaded whole into memory (about 80 bytes per blob) so dedup
-//! questions never touch the backend.
+//! `"MVIX" u32le(version) u32le(packs) { pack_id(32) u32le(n) entry*n }*`, entries
+//! as in pack trailers (version 1, or 2 when a delta entry with its base is present).
+//! Loaded whole into memory (about 80 bytes per blob) so dedup questions never touch the
+//! backend.
 
 use crate::{
     crypto::MasterKey,
     error::{RepoError, Result},
-    pack::{BlobKind, PackEntry, PackId, decode_entry, encode_entry, u32_at},
+    pack::{
+        BlobKind, ENTRIES_V1, ENTRIES_V2, PackEntry, PackId, decode_entry, encode_entry,
+        entries_version, u32_at,
+    },
 };
 use chunker::ChunkId;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 const MAGIC: &[u8; 4] = b"MVIX";
-const VERSION: u32 = 1;
 const AAD: &[u8] = b"mover index v1";
 
 /// Where a blob is stored.
@@ -29,7 +32,12 @@ pub struct BlobLoc {
     pub offset: u32,
     /// Length of the sealed blob.
     pub len: u32,
+    /// For a delta blob, the data blob it applies to.
+    pub base: Option<ChunkId>,
 }
+
+/// `Slot::base` of a blob that is not a delta.
+const NO_BASE: u32 = u32::MAX;
 
 #[derive(Clone, Copy, Debug)]
 struct Slot {
@@ -37,6 +45,8 @@ struct Slot {
     kind: BlobKind,
     offset: u32,
     len: u32,
+    /// Index into `Index::bases`, or [`NO_BASE`].
+    base: u32,
 }
 
 /// All blobs of the repository, in memory.
@@ -48,6 +58,8 @@ pub struct Index {
     /// Further locations of blobs stored in more than one pack (after a repack, or
     /// when two snapshots uploaded the same new chunk at once).
     dups: Vec<(ChunkId, Slot)>,
+    /// Bases of delta blobs (few: kept apart so a slot stays small).
+    bases: Vec<ChunkId>,
     /// The index objects loaded, by key.
     pub(crate) files: Vec<String>,
 }
@@ -59,11 +71,19 @@ impl Index {
             self.packs.push(*pack);
             (self.packs.len() - 1) as u32
         });
+        let base = match e.base {
+            Some(b) => {
+                self.bases.push(b);
+                (self.bases.len() - 1) as u32
+            }
+            None => NO_BASE,
+        };
         let new = Slot {
             pack: slot,
             kind: e.kind,
             offset: e.offset,
             len: e.len,
+            base,
         };
         match self.blobs.entry(e.id) {
             std::collections::hash_map::Entry::Vacant(v) => {
@@ -83,6 +103,7 @@ impl Index {
             kind: s.kind,
             offset: s.offset,
             len: s.len,
+            base: (s.base != NO_BASE).then(|| self.bases[s.base as usize]),
         }
     }
 
@@ -94,12 +115,7 @@ impl Index {
 
     /// Where the blob is, if indexed.
     pub fn get(&self, id: &ChunkId) -> Option<BlobLoc> {
-        self.blobs.get(id).map(|s| BlobLoc {
-            pack: self.packs[s.pack as usize],
-            kind: s.kind,
-            offset: s.offset,
-            len: s.len,
-        })
+        self.blobs.get(id).map(|s| self.loc(s))
     }
 
     /// Whether the blob is indexed.
@@ -128,21 +144,11 @@ impl Index {
 
     /// Every blob with its location.
     pub fn iter(&self) -> impl Iterator<Item = (ChunkId, BlobLoc)> + '_ {
-        self.blobs.iter().map(|(id, s)| {
-            (
-                *id,
-                BlobLoc {
-                    pack: self.packs[s.pack as usize],
-                    kind: s.kind,
-                    offset: s.offset,
-                    len: s.len,
-                },
-            )
-        })
+        self.blobs.iter().map(|(id, s)| (*id, self.loc(s)))
     }
 
     /// Drops every location in one of `packs` (packs being pruned); a blob with a copy
-    /// elsewhere keeps that one.
+    /// elsewhere keeps that one. A delta whose base has no location left is dropped too.
     pub fn remove_packs(&mut self, packs: &HashSet<PackId>) {
         let gone: HashSet<u32> = packs
             .iter()
@@ -161,6 +167,36 @@ impl Index {
                 _ => {}
             }
         }
+        self.drop_orphan_deltas();
+    }
+
+    /// Drops every delta whose base has no location (its chunk cannot be rebuilt, so it
+    /// must not count as stored).
+    pub fn drop_orphan_deltas(&mut self) {
+        let bases = &self.bases;
+        let orphan = |s: &Slot, blobs: &HashMap<ChunkId, Slot>| {
+            s.base != NO_BASE && !blobs.contains_key(&bases[s.base as usize])
+        };
+        let orphans: Vec<ChunkId> = (self.blobs.iter())
+            .filter(|(_, s)| orphan(s, &self.blobs))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in orphans {
+            self.blobs.remove(&id);
+        }
+        // Further copies: orphans go; a usable copy of a blob that lost its location
+        // takes its place.
+        for (id, s) in std::mem::take(&mut self.dups) {
+            if orphan(&s, &self.blobs) {
+                continue;
+            }
+            match self.blobs.entry(id) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(s);
+                }
+                std::collections::hash_map::Entry::Occupied(_) => self.dups.push((id, s)),
+            }
+        }
     }
 }
 
@@ -172,7 +208,7 @@ pub(crate) fn encode_delta(key: &MasterKey, entries: &[(PackId, PackEntry)]) -> 
     }
     let mut t = Vec::with_capacity(12 + entries.len() * 41 + by_pack.len() * 36);
     t.extend_from_slice(MAGIC);
-    t.extend_from_slice(&VERSION.to_le_bytes());
+    t.extend_from_slice(&entries_version(entries.iter().map(|(_, e)| e)).to_le_bytes());
     t.extend_from_slice(&(by_pack.len() as u32).to_le_bytes());
     for (p, es) in &by_pack {
         t.extend_from_slice(p);
@@ -204,11 +240,11 @@ pub(crate) fn decode_delta(
         return Err(corrupt("not an index"));
     }
     let version = u32_at(&t, 4).ok_or_else(|| corrupt("short index"))?;
-    if version != VERSION {
+    if !(ENTRIES_V1..=ENTRIES_V2).contains(&version) {
         return Err(RepoError::UnsupportedVersion {
             key: name.into(),
             found: version,
-            supported: VERSION,
+            supported: ENTRIES_V2,
         });
     }
     let npacks = u32_at(&t, 8).ok_or_else(|| corrupt("short index"))?;
@@ -222,16 +258,68 @@ pub(crate) fn decode_delta(
         let n = u32_at(&t, at + 32).ok_or_else(|| corrupt("short index"))? as usize;
         at += 36;
         for _ in 0..n {
-            let b = t.get(at..at + 41).ok_or_else(|| corrupt("short index"))?;
-            out.push((
-                pack,
-                decode_entry(b).ok_or_else(|| corrupt("bad blob kind"))?,
-            ));
-            at += 41;
+            let b = t.get(at..).ok_or_else(|| corrupt("short index"))?;
+            let (e, len) =
+                decode_entry(b, version).ok_or_else(|| corrupt("bad or short index entry"))?;
+            out.push((pack, e));
+            at += len;
         }
     }
     if at != t.len() {
         return Err(corrupt("trailing bytes in index"));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delta_bases_round_trip_and_orphans_are_dropped() {
+        let key = MasterKey::from_secret(&[5; 32]);
+        let (p1, p2) = ([1u8; 32], [2u8; 32]);
+        let e = |id: u8, base: Option<u8>| PackEntry {
+            kind: match base {
+                Some(_) => BlobKind::Delta,
+                None => BlobKind::Data,
+            },
+            id: ChunkId([id; 32]),
+            offset: 8 + id as u32,
+            len: 100,
+            base: base.map(|b| ChunkId([b; 32])),
+        };
+        let entries = vec![(p1, e(10, None)), (p2, e(11, Some(10))), (p2, e(12, None))];
+        let (name, sealed) = encode_delta(&key, &entries);
+        let back = decode_delta(&key, &name, &sealed).unwrap();
+        assert_eq!(back.len(), 3);
+        for x in &entries {
+            assert!(back.contains(x), "{x:?}");
+        }
+        let mut index = Index::default();
+        for (p, e) in &back {
+            index.insert(p, e);
+        }
+        assert_eq!(
+            index.get(&ChunkId([11; 32])).unwrap().base,
+            Some(ChunkId([10; 32]))
+        );
+        assert_eq!(index.get(&ChunkId([10; 32])).unwrap().base, None);
+        // A whole copy of chunk 11 in a third pack (say, stored again by a --no-deltas run).
+        let p3 = [3u8; 32];
+        index.insert(&p3, &e(11, None));
+        // Without its base's pack, a delta is unusable: its whole copy takes its place.
+        index.remove_packs(&[p1].into_iter().collect());
+        assert!(!index.contains(&ChunkId([10; 32])));
+        let loc = index.get(&ChunkId([11; 32])).unwrap();
+        assert_eq!((loc.pack, loc.base), (p3, None));
+        assert!(index.contains(&ChunkId([12; 32])));
+        // Without any whole copy, the delta is gone.
+        index.remove_packs(&[p3].into_iter().collect());
+        assert!(!index.contains(&ChunkId([11; 32])));
+        // Without deltas the delta is written as version 1 (readable by older builds).
+        let (_, sealed) = encode_delta(&key, &entries[..1]);
+        let plain = key.open(&sealed, AAD).unwrap();
+        assert_eq!(u32_at(&plain, 4), Some(ENTRIES_V1));
+    }
 }

@@ -13,11 +13,15 @@
 //!   list blobs), `prune/<id>` (prune marks).
 //! - Write order is packs → index → snapshot; the snapshot write is the commit point.
 //!   Dedup is answered from the in-memory [`Index`], never by per-chunk requests.
+//! - Sub-chunk deltas ([`make_delta`]): a chunk that differs from its parent's in few
+//!   4 KiB pages is stored as those pages on top of the parent's chunk (a
+//!   [`BlobKind::Delta`] blob whose index entry names its base).
 //! - [`Repository::verify`], [`Repository::diff`], [`Repository::prune`] (two-phase,
 //!   lock-free) and [`retention`] (the `forget` rules).
 
 mod backend;
 mod crypto;
+mod delta;
 mod error;
 mod index;
 mod keys;
@@ -33,6 +37,9 @@ pub use backend::{
     Backend, Fault, FaultBackend, LocalBackend, MemoryBackend, ObjectInfo, OpCounts, RetryBackend,
     RetryPolicy, S3Backend, S3Options,
 };
+/// The byte buffer blobs are read into ([`Repository::read_sealed`]).
+pub use bytes::Bytes;
+pub use delta::{DELTA_MAX_SHARE, DELTA_PAGE, delta_base, make_delta};
 pub use error::{RepoError, Result};
 pub use index::{BlobLoc, Index};
 pub use keys::{Config, Credentials, REPO_VERSION};

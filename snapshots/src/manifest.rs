@@ -78,6 +78,13 @@ pub struct SnapshotSummary {
     pub new_chunks: u64,
     /// Plaintext bytes of the new chunks.
     pub new_bytes: u64,
+    /// New chunks stored as a delta on the parent snapshot's chunk at the same place
+    /// (included in `new_chunks`).
+    #[serde(default)]
+    pub delta_chunks: u64,
+    /// Plaintext bytes of the pages those deltas hold.
+    #[serde(default)]
+    pub delta_bytes: u64,
     /// Bytes uploaded in packs (compressed, encrypted, with trailers).
     pub stored_bytes: u64,
     /// Packs uploaded.

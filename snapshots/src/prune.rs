@@ -105,7 +105,8 @@ impl Repository {
         Ok(index)
     }
 
-    /// Every blob id some snapshot needs: its list blobs and their data chunks.
+    /// Every blob id some snapshot needs: its list blobs, their data chunks, and the
+    /// bases of those stored as deltas.
     pub async fn referenced_blobs(&self, index: &Index) -> Result<HashSet<ChunkId>> {
         let mut used = HashSet::new();
         for snap in self.snapshots().await? {
@@ -120,6 +121,20 @@ impl Repository {
                     }
                 }
             }
+        }
+        // Bases of every location of a used delta (any copy may be the one read). A base
+        // is a data blob, but should a copy of it be a delta too, its base counts as well.
+        loop {
+            let bases: Vec<ChunkId> = index
+                .all_locations()
+                .filter(|(id, _)| used.contains(id))
+                .filter_map(|(_, loc)| loc.base)
+                .filter(|b| !used.contains(b))
+                .collect();
+            if bases.is_empty() {
+                break;
+            }
+            used.extend(bases);
         }
         Ok(used)
     }
@@ -206,16 +221,18 @@ impl Repository {
         let mut uploader = crate::Uploader::new(std::sync::Arc::new(self.clone_handle()), 2);
         let mut pack = crate::PackBuilder::new();
         for (p, blobs) in by_pack {
-            let kinds: HashMap<ChunkId, crate::BlobKind> =
-                blobs.iter().map(|(id, l)| (*id, l.kind)).collect();
+            let kinds: HashMap<ChunkId, (crate::BlobKind, Option<ChunkId>)> = blobs
+                .iter()
+                .map(|(id, l)| (*id, (l.kind, l.base)))
+                .collect();
             for (id, plain) in self.read_blobs(&p, blobs).await? {
                 if !copied.insert(id) {
                     continue;
                 }
-                let kind = kinds[&id];
+                let (kind, base) = kinds[&id];
                 let sealed = self.seal_blob(kind, &id, &plain);
                 report.repacked_bytes += sealed.len() as u64;
-                pack.push(kind, id, &sealed);
+                pack.push_entry(kind, id, base, &sealed);
                 if pack.len() >= self.pack_size() {
                     uploader
                         .add(self.finish_pack(std::mem::take(&mut pack)))
@@ -285,6 +302,7 @@ impl Repository {
                             id,
                             offset: loc.offset,
                             len: loc.len,
+                            base: loc.base,
                         },
                     )
                 })

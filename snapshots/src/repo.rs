@@ -22,6 +22,9 @@ use std::{
 use tokio::task::JoinSet;
 
 const SNAPSHOT_AAD: &[u8] = b"mover snapshot v1";
+/// Longest ranged GET [`Repository::read_sealed`] makes of merged adjacent blobs (a
+/// single larger blob is still read whole): bounds a reader's memory per request.
+const MAX_MERGED_READ: u64 = 4 << 20;
 
 /// Options of `repo init`.
 #[derive(Clone, Debug)]
@@ -210,6 +213,19 @@ impl Repository {
         })
     }
 
+    /// Decrypts a delta's base blob without hashing it: the chunk rebuilt from it is
+    /// checked against its own id by [`Repository::rebuild_chunk`], which is enough (and
+    /// saves hashing every base twice).
+    pub fn open_base(&self, id: &ChunkId, loc: &BlobLoc, sealed: &[u8]) -> Result<Vec<u8>> {
+        crate::pack::open_blob_unhashed(&self.key, loc.kind, id, sealed).ok_or_else(|| {
+            RepoError::Corrupt {
+                key: pack_key(&loc.pack),
+                offset: loc.offset as u64,
+                what: format!("base blob {} fails authentication", id.to_hex()),
+            }
+        })
+    }
+
     /// Keeps local copies of index objects under `dir` (they are immutable and named
     /// by their hash, so a copy is checked by hashing it): later runs then need one LIST
     /// and no GETs for the index. `None` turns the cache off.
@@ -345,6 +361,9 @@ impl Repository {
             .map(|(p, _)| *p)
             .collect::<HashSet<_>>()
             .len();
+        // A delta adopted from an interrupted run whose base was pruned meanwhile
+        // cannot rebuild its chunk: it must not be deduplicated against.
+        index.drop_orphan_deltas();
         if !adopted.is_empty() {
             tracing::info!(
                 packs,
@@ -361,8 +380,23 @@ impl Repository {
     pub async fn read_blobs(
         &self,
         pack: &PackId,
-        mut blobs: Vec<(ChunkId, BlobLoc)>,
+        blobs: Vec<(ChunkId, BlobLoc)>,
     ) -> Result<Vec<(ChunkId, Vec<u8>)>> {
+        self.read_sealed(pack, blobs)
+            .await?
+            .into_iter()
+            .map(|(id, loc, sealed)| Ok((id, self.open_blob(&id, &loc, &sealed)?)))
+            .collect()
+    }
+
+    /// Fetches sealed blobs of one pack with ranged GETs (adjacent blobs merged into one
+    /// request when the gap is under 1 MiB), without opening them: the caller opens them
+    /// with [`Repository::open_blob`], on as many threads as it likes.
+    pub async fn read_sealed(
+        &self,
+        pack: &PackId,
+        mut blobs: Vec<(ChunkId, BlobLoc)>,
+    ) -> Result<Vec<(ChunkId, BlobLoc, Bytes)>> {
         blobs.sort_by_key(|(_, l)| l.offset);
         let key = pack_key(pack);
         let mut out = Vec::with_capacity(blobs.len());
@@ -371,7 +405,10 @@ impl Repository {
             let start = blobs[i].1.offset as u64;
             let mut end = start + blobs[i].1.len as u64;
             let mut j = i + 1;
-            while j < blobs.len() && (blobs[j].1.offset as u64) <= end + (1 << 20) {
+            while j < blobs.len()
+                && (blobs[j].1.offset as u64) <= end + (1 << 20)
+                && end - start < MAX_MERGED_READ
+            {
                 end = end.max(blobs[j].1.offset as u64 + blobs[j].1.len as u64);
                 j += 1;
             }
@@ -379,16 +416,30 @@ impl Repository {
             for (id, loc) in &blobs[i..j] {
                 let s = (loc.offset as u64 - start) as usize;
                 let e = s + loc.len as usize;
-                let sealed = data.get(s..e).ok_or_else(|| RepoError::Corrupt {
-                    key: key.clone(),
-                    offset: loc.offset as u64,
-                    what: "pack is shorter than its index says".into(),
-                })?;
-                out.push((*id, self.open_blob(id, loc, sealed)?));
+                if data.len() < e {
+                    return Err(RepoError::Corrupt {
+                        key: key.clone(),
+                        offset: loc.offset as u64,
+                        what: "pack is shorter than its index says".into(),
+                    });
+                }
+                out.push((*id, *loc, data.slice(s..e)));
             }
             i = j;
         }
         Ok(out)
+    }
+
+    /// Rebuilds chunk `id` from its delta blob's plaintext and its base's plaintext, and
+    /// checks the result against `id`.
+    pub fn rebuild_chunk(&self, id: &ChunkId, base: &[u8], delta: &[u8]) -> Result<Vec<u8>> {
+        crate::delta::apply_delta(self.chunk_key(), id, base, delta).map_err(|why| {
+            RepoError::Corrupt {
+                key: format!("delta blob {}", id.to_hex()),
+                offset: 0,
+                what: why,
+            }
+        })
     }
 
     /// Reads one blob.
@@ -398,6 +449,22 @@ impl Repository {
             .ok_or_else(|| RepoError::MissingBlob { id: id.to_hex() })?;
         let mut v = self.read_blobs(&loc.pack, vec![(*id, loc)]).await?;
         Ok(v.pop().map(|(_, b)| b).unwrap_or_default())
+    }
+
+    /// Reads one data chunk's plaintext, rebuilding it from its base when it is stored
+    /// as a delta (checked against its id either way).
+    pub async fn read_chunk(&self, index: &Index, id: &ChunkId) -> Result<Vec<u8>> {
+        let loc = index
+            .get(id)
+            .ok_or_else(|| RepoError::MissingBlob { id: id.to_hex() })?;
+        let plain = self.read_blob(index, id).await?;
+        match loc.base {
+            None => Ok(plain),
+            Some(base) => {
+                let b = self.read_blob(index, &base).await?;
+                self.rebuild_chunk(id, &b, &plain)
+            }
+        }
     }
 
     /// Reads one chunk-list blob.

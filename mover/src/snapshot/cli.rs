@@ -40,7 +40,9 @@ pub enum SnapshotCommand {
         long_about = "Take a snapshot of a block volume (device or image file).\n\n\
         The volume is read and hashed in full; only chunks the repository does not hold \
         yet are compressed, encrypted and uploaded, so every snapshot after the first is \
-        incremental. Zero regions and holes are not stored. An interrupted run leaves no \
+        incremental. A changed chunk that differs from the previous snapshot's chunk at the \
+        same place in at most half of its 4 KiB pages is stored as those pages only \
+        (--no-deltas turns this off). Zero regions and holes are not stored. An interrupted run leaves no \
         snapshot; the next run reuses the packs it had uploaded.\n\n\
         Example: mover snapshot create /mnt/backup/repo /dev/vg0/data --tag nightly"
     )]
@@ -226,12 +228,14 @@ async fn run_snapshot_async(cmd: SnapshotCommand) -> anyhow::Result<()> {
                 let s = &snap.manifest.summary;
                 println!("snapshot {} saved ({})", snap.short_id(), snap.id);
                 println!(
-                    "  {} data in {} chunks ({} zero chunks skipped); new: {} chunks, {} ({} stored in {} packs); {:.2}s",
+                    "  {} data in {} chunks ({} zero chunks skipped); new: {} chunks, {} ({} as deltas of {} changed pages), {} stored in {} packs; {:.2}s",
                     human(s.data_bytes),
                     s.data_chunks,
                     s.zero_chunks,
                     s.new_chunks,
                     human(s.new_bytes),
+                    s.delta_chunks,
+                    human(s.delta_bytes),
                     human(s.stored_bytes),
                     s.packs,
                     s.duration_secs

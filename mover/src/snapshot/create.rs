@@ -1,12 +1,24 @@
 //! `snapshot create`: a block volume into the repository, uploading only new chunks.
+//!
+//! A new chunk whose place held a data chunk in the parent snapshot (the previous one of
+//! the same volume) is compared page by page with that chunk (or with its base, when
+//! the parent's chunk is itself a delta): if few 4 KiB pages differ it is stored as a
+//! delta of those pages (shared/DESIGN.md §3), so scattered small writes cost about what
+//! they wrote. The parent's chunk list is streamed one list blob at a time.
 
-use chunker::{BlockVolume, ChunkKind, Window, for_each_window, hash_chunks};
+use chunker::{BlockVolume, ChunkId, ChunkKind, ChunkSize, Window, for_each_window, hash_chunks};
 use rayon::prelude::*;
 use snapshots::{
-    BlobKind, CHUNKS_PER_LIST, Content, FinishedPack, Index, MANIFEST_VERSION, Manifest,
-    PackBuilder, RepoError, Repository, Snapshot, SnapshotSummary, Uploader, encode_list, hex,
+    BlobKind, BlobLoc, Bytes, CHUNKS_PER_LIST, Content, DELTA_PAGE, FinishedPack, Index,
+    MANIFEST_VERSION, Manifest, PackBuilder, PackId, RepoError, Repository, Snapshot,
+    SnapshotSummary, Uploader, encode_list, hex, make_delta,
 };
-use std::{collections::HashSet, path::Path, sync::Arc, time::Instant};
+use std::{
+    collections::{HashMap, HashSet},
+    path::Path,
+    sync::Arc,
+    time::Instant,
+};
 use tokio::sync::mpsc;
 
 /// Options of `mover snapshot create`.
@@ -22,6 +34,9 @@ pub struct CreateOptions {
     /// Pack uploads in flight at once.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub uploads: usize,
+    /// Store every changed chunk whole, never as a delta of the parent snapshot's chunk.
+    #[arg(long)]
+    pub no_deltas: bool,
 }
 
 impl Default for CreateOptions {
@@ -30,6 +45,7 @@ impl Default for CreateOptions {
             tags: Vec::new(),
             name: None,
             uploads: 4,
+            no_deltas: false,
         }
     }
 }
@@ -58,19 +74,23 @@ pub async fn create_snapshot(
     };
     let mut index = repo.load_dedup_index().await?;
     repo.adopt_unindexed_packs(&mut index).await?;
-    let parent = repo
+    let parent_snap = repo
         .snapshots()
         .await?
         .into_iter()
-        .rfind(|s| s.manifest.volume == name)
-        .map(|s| s.id);
+        .rfind(|s| s.manifest.volume == name);
+    let parent = parent_snap.as_ref().map(|s| s.id.clone());
     tracing::info!(volume = %name, parent = ?parent, indexed_blobs = index.len(), "snapshot: reading the volume");
+    let parent_chunks = parent_snap
+        .filter(|_| !opts.no_deltas)
+        .and_then(|s| ParentChunks::new(&s.manifest.content, repo.chunk_size()));
 
     let (tx, mut rx) = mpsc::channel::<FinishedPack>(2);
     let index = Arc::new(index);
     let producer = {
         let (repo, index) = (repo.clone(), index.clone());
-        tokio::task::spawn_blocking(move || produce(&repo, &index, vol, tx))
+        let rt = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || produce(&repo, &index, vol, parent_chunks, &rt, tx))
     };
     let mut uploader = Uploader::new(repo.clone(), opts.uploads);
     let mut upload_err = None;
@@ -124,9 +144,11 @@ fn hostname() -> String {
 /// The blocking side: reads and hashes windows, seals new chunks into packs, builds the
 /// chunk list, and sends full packs to the uploader.
 fn produce(
-    repo: &Repository,
+    repo: &Arc<Repository>,
     index: &Index,
     vol: BlockVolume,
+    mut parent: Option<ParentChunks>,
+    rt: &tokio::runtime::Handle,
     tx: mpsc::Sender<FinishedPack>,
 ) -> Result<Produced, RepoError> {
     let chunk = repo.chunk_size();
@@ -181,12 +203,34 @@ fn produce(
                 }
             }
         }
-        let sealed: Vec<Vec<u8>> = new
-            .par_iter()
-            .map(|(i, id)| repo.seal_blob(BlobKind::Data, id, &win.buf[ranges[*i].clone()]))
+        // The base each new chunk may be a delta of, and those bases' sealed blobs.
+        let first = win.offset / chunk.get();
+        let bases: Vec<Option<(ChunkId, BlobLoc)>> = new
+            .iter()
+            .map(|(i, _)| {
+                let p = parent.as_mut()?;
+                p.base_at(repo, index, rt, first + *i as u64)
+            })
             .collect();
-        for ((i, id), s) in new.iter().zip(sealed) {
-            data_pack.push(BlobKind::Data, *id, &s);
+        let fetched = fetch_bases(repo, rt, &bases)?;
+        let sealed: Vec<Sealed> = new
+            .par_iter()
+            .zip(&bases)
+            .map(|((i, id), base)| {
+                let plain = &win.buf[ranges[*i].clone()];
+                let base = base.and_then(|(bid, _)| Some((bid, fetched.get(&bid)?)));
+                seal_new(repo, id, plain, base)
+            })
+            .collect();
+        for ((i, id), (s, delta)) in new.iter().zip(sealed) {
+            match delta {
+                Some((base, pages)) => {
+                    data_pack.push_delta(*id, base, &s);
+                    sum.delta_chunks += 1;
+                    sum.delta_bytes += (pages * DELTA_PAGE) as u64;
+                }
+                None => data_pack.push(BlobKind::Data, *id, &s),
+            }
             sum.new_chunks += 1;
             sum.new_bytes += ranges[*i].len() as u64;
             if data_pack.len() >= pack_size {
@@ -212,4 +256,125 @@ fn produce(
         send(list_pack)?;
     }
     Ok(Produced { lists, sum, size })
+}
+
+/// The parent snapshot's chunk list, read one list blob at a time as the volume is.
+struct ParentChunks {
+    lists: Vec<String>,
+    per_list: u64,
+    /// The list blob loaded, and its chunks.
+    loaded: Option<(usize, Vec<ChunkKind>)>,
+}
+
+impl ParentChunks {
+    /// The parent's chunks, if they are comparable (same chunk size).
+    fn new(content: &Content, chunk: ChunkSize) -> Option<Self> {
+        let Content::Block {
+            chunk_size,
+            chunks_per_list,
+            lists,
+            ..
+        } = content;
+        (*chunk_size == chunk.get() && *chunks_per_list > 0).then(|| ParentChunks {
+            lists: lists.clone(),
+            per_list: *chunks_per_list,
+            loaded: None,
+        })
+    }
+
+    /// The data blob that chunk `n` of the new snapshot may be stored as a delta of:
+    /// the parent's chunk at the same place, or its base if that one is a delta itself.
+    /// A parent list that cannot be read turns deltas off for its range (with a warning).
+    fn base_at(
+        &mut self,
+        repo: &Repository,
+        index: &Index,
+        rt: &tokio::runtime::Handle,
+        n: u64,
+    ) -> Option<(ChunkId, BlobLoc)> {
+        let li = (n / self.per_list) as usize;
+        if self.loaded.as_ref().is_none_or(|(l, _)| *l != li) {
+            let list = self.lists.get(li)?;
+            let kinds = rt.block_on(repo.read_list(index, list)).unwrap_or_else(|e| {
+                tracing::warn!(list = %list, error = %e, "cannot read the parent's chunk list: no deltas for its chunks");
+                Vec::new()
+            });
+            self.loaded = Some((li, kinds));
+        }
+        let (_, kinds) = self.loaded.as_ref()?;
+        let ChunkKind::Data(pid) = kinds.get((n % self.per_list) as usize)? else {
+            return None;
+        };
+        let loc = index.get(pid)?;
+        let base = match (loc.kind, loc.base) {
+            (BlobKind::Data, None) => *pid,
+            (BlobKind::Delta, Some(b)) => b,
+            _ => return None,
+        };
+        let bloc = index.get(&base)?;
+        (bloc.kind == BlobKind::Data && bloc.base.is_none()).then_some((base, bloc))
+    }
+}
+
+/// Fetches the sealed blobs of the distinct bases: ranged reads grouped by pack, the
+/// packs' reads concurrently.
+fn fetch_bases(
+    repo: &Arc<Repository>,
+    rt: &tokio::runtime::Handle,
+    bases: &[Option<(ChunkId, BlobLoc)>],
+) -> Result<HashMap<ChunkId, (BlobLoc, Bytes)>, RepoError> {
+    let mut by_pack: HashMap<PackId, Vec<(ChunkId, BlobLoc)>> = HashMap::new();
+    let mut seen = HashSet::new();
+    for (id, loc) in bases.iter().flatten() {
+        if seen.insert(*id) {
+            by_pack.entry(loc.pack).or_default().push((*id, *loc));
+        }
+    }
+    if by_pack.is_empty() {
+        return Ok(HashMap::new());
+    }
+    rt.block_on(async {
+        let mut reads = tokio::task::JoinSet::new();
+        for (pack, blobs) in by_pack {
+            let repo = repo.clone();
+            reads.spawn(async move { repo.read_sealed(&pack, blobs).await });
+        }
+        let mut out = HashMap::new();
+        while let Some(r) = reads.join_next().await {
+            let got = r.map_err(|e| RepoError::Refused {
+                what: "snapshot base read".into(),
+                why: format!("failed: {e}"),
+            })??;
+            out.extend(got.into_iter().map(|(id, loc, sealed)| (id, (loc, sealed))));
+        }
+        Ok(out)
+    })
+}
+
+/// A sealed new chunk and, if it is a delta, its base and number of differing pages.
+type Sealed = (Vec<u8>, Option<(ChunkId, usize)>);
+
+/// Seals a new chunk: as a delta of `base` (its sealed blob) when few pages differ,
+/// else whole. Returns the sealed blob and, for a delta, its base and differing pages.
+/// A base that does not open is only logged: the chunk is then stored whole.
+fn seal_new(
+    repo: &Repository,
+    id: &ChunkId,
+    plain: &[u8],
+    base: Option<(ChunkId, &(BlobLoc, Bytes))>,
+) -> Sealed {
+    if let Some((bid, (loc, sealed))) = base {
+        let opened = repo.open_base(&bid, loc, sealed).inspect_err(|e| {
+            tracing::warn!(base = %bid.to_hex(), error = %e, "cannot read a base chunk: storing the chunk whole");
+        });
+        if let Ok(base_plain) = opened
+            && let Some((delta, pages)) = make_delta(&bid, &base_plain, plain)
+        {
+            return (
+                repo.seal_blob(BlobKind::Delta, id, &delta),
+                Some((bid, pages)),
+            );
+        }
+    }
+    (repo.seal_blob(BlobKind::Data, id, plain), None)
 }

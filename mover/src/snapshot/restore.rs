@@ -6,7 +6,7 @@ use crate::{
 };
 use chunker::{ChunkId, ChunkKind, Window, hash_chunks, read_window};
 use serde::Serialize;
-use snapshots::{BlobLoc, CHUNKS_PER_LIST, Content, PackId, RepoError, Repository};
+use snapshots::{BlobLoc, Bytes, CHUNKS_PER_LIST, Content, PackId, RepoError, Repository};
 use std::{
     collections::HashMap,
     os::unix::fs::FileExt,
@@ -109,6 +109,21 @@ fn prepare(dst: &Path, size: u64, force: bool, snapshot: &str) -> Result<Destina
 
 /// Chunks per planning window.
 const WINDOW_CHUNKS: usize = 64;
+/// Blobs of one pack fetched, opened and written by one task: with `--reads` tasks in
+/// flight this bounds the restore's memory (about 2 x 8 MiB per task at 1 MiB chunks).
+const READ_GROUP: usize = 8;
+
+/// A corrupt blob stops the restore before anything of it is written; says so.
+fn stopped(e: RepoError) -> RepoError {
+    match e {
+        RepoError::Corrupt { key, offset, what } => RepoError::Corrupt {
+            key,
+            offset,
+            what: format!("{what}; the restore stopped, nothing corrupt was written"),
+        },
+        e => e,
+    }
+}
 
 /// Restores snapshot `snap` (an id, id prefix or `latest`) from `repo` to `dst`.
 pub async fn restore_snapshot(
@@ -178,6 +193,7 @@ pub async fn restore_snapshot(
             sum.chunks_unchanged += wk.len() as u64 - want.len() as u64;
             let mut by_pack: HashMap<PackId, Vec<(ChunkId, BlobLoc)>> = HashMap::new();
             let mut at: HashMap<ChunkId, Vec<u64>> = HashMap::new();
+            let mut deltas: Vec<(ChunkId, BlobLoc, BlobLoc)> = Vec::new();
             for (off, k) in want {
                 let len = cs.min(size - off);
                 match k {
@@ -190,17 +206,26 @@ pub async fn restore_snapshot(
                     ChunkKind::Data(id) => {
                         let offs = at.entry(id).or_default();
                         if offs.is_empty() {
-                            let loc = index.get(&id).ok_or_else(|| RepoError::MissingBlob {
+                            let missing = |id: ChunkId| RepoError::MissingBlob {
                                 id: format!("{} (volume bytes {off}..{})", id.to_hex(), off + len),
-                            })?;
-                            by_pack.entry(loc.pack).or_default().push((id, loc));
+                            };
+                            let loc = index.get(&id).ok_or_else(|| missing(id))?;
+                            match loc.base {
+                                None => by_pack.entry(loc.pack).or_default().push((id, loc)),
+                                Some(b) => {
+                                    let bloc = index.get(&b).ok_or_else(|| missing(b))?;
+                                    deltas.push((id, loc, bloc));
+                                }
+                            }
                         }
                         offs.push(off);
                     }
                 }
             }
             let at = Arc::new(at);
-            for (pack, blobs) in by_pack {
+            // Delta chunks, a group at a time: the deltas and their bases fetched with
+            // merged ranged reads per pack, each chunk rebuilt and checked, then written.
+            for group in deltas.chunks(READ_GROUP) {
                 let permit = sem
                     .clone()
                     .acquire_owned()
@@ -215,21 +240,39 @@ pub async fn restore_snapshot(
                     sum.bytes_written += b;
                 }
                 let (repo, dest, at) = (repo.clone(), dest.clone(), at.clone());
+                let group = group.to_vec();
                 tasks.spawn(async move {
                     let _permit = permit;
-                    let blobs = repo.read_blobs(&pack, blobs).await.map_err(|e| match e {
-                        RepoError::Corrupt { key, offset, what } => RepoError::Corrupt {
-                            key,
-                            offset,
-                            what: format!(
-                                "{what}; the restore stopped, nothing corrupt was written"
-                            ),
-                        },
-                        e => e,
-                    })?;
+                    let mut need: HashMap<PackId, Vec<(ChunkId, BlobLoc)>> = HashMap::new();
+                    let mut asked = std::collections::HashSet::new();
+                    for (id, loc, bloc) in &group {
+                        let base = loc.base.expect("a delta has a base");
+                        for (i, l) in [(*id, *loc), (base, *bloc)] {
+                            if asked.insert((i, l.pack, l.offset)) {
+                                need.entry(l.pack).or_default().push((i, l));
+                            }
+                        }
+                    }
+                    let mut got: HashMap<(ChunkId, PackId, u32), Bytes> = HashMap::new();
+                    for (pack, blobs) in need {
+                        for (i, l, b) in repo.read_sealed(&pack, blobs).await.map_err(stopped)? {
+                            got.insert((i, l.pack, l.offset), b);
+                        }
+                    }
                     tokio::task::spawn_blocking(move || {
                         let (mut n, mut bytes) = (0, 0);
-                        for (id, data) in blobs {
+                        for (id, loc, bloc) in group {
+                            let base = loc.base.expect("a delta has a base");
+                            let sealed = |i: ChunkId, l: &BlobLoc| &got[&(i, l.pack, l.offset)];
+                            let plain = repo.open_blob(&id, &loc, sealed(id, &loc));
+                            let base_plain = repo.open_base(&base, &bloc, sealed(base, &bloc));
+                            let data = repo
+                                .rebuild_chunk(
+                                    &id,
+                                    &base_plain.map_err(stopped)?,
+                                    &plain.map_err(stopped)?,
+                                )
+                                .map_err(stopped)?;
                             for off in at.get(&id).into_iter().flatten() {
                                 dest.volume
                                     .file()
@@ -244,6 +287,47 @@ pub async fn restore_snapshot(
                     .await
                     .map_err(join)?
                 });
+            }
+            for (pack, mut blobs) in by_pack {
+                blobs.sort_by_key(|(_, l)| l.offset);
+                for group in blobs.chunks(READ_GROUP) {
+                    let permit =
+                        sem.clone()
+                            .acquire_owned()
+                            .await
+                            .map_err(|e| RepoError::Refused {
+                                what: "restore".into(),
+                                why: e.to_string(),
+                            })?;
+                    while let Some(r) = tasks.try_join_next() {
+                        let (n, b) = r.map_err(join)??;
+                        sum.chunks_fetched += n;
+                        sum.bytes_written += b;
+                    }
+                    let (repo, dest, at) = (repo.clone(), dest.clone(), at.clone());
+                    let group = group.to_vec();
+                    tasks.spawn(async move {
+                        let _permit = permit;
+                        let sealed = repo.read_sealed(&pack, group).await.map_err(stopped)?;
+                        tokio::task::spawn_blocking(move || {
+                            let (mut n, mut bytes) = (0, 0);
+                            for (id, loc, sealed) in sealed {
+                                let data = repo.open_blob(&id, &loc, &sealed).map_err(stopped)?;
+                                for off in at.get(&id).into_iter().flatten() {
+                                    dest.volume
+                                        .file()
+                                        .write_all_at(&data, *off)
+                                        .map_err(|e| io("write to", &dest.path, *off, e))?;
+                                    n += 1;
+                                    bytes += data.len() as u64;
+                                }
+                            }
+                            Ok((n, bytes))
+                        })
+                        .await
+                        .map_err(join)?
+                    });
+                }
             }
         }
     }
