@@ -226,19 +226,7 @@ pub async fn restore_snapshot(
             // Delta chunks, a group at a time: the deltas and their bases fetched with
             // merged ranged reads per pack, each chunk rebuilt and checked, then written.
             for group in deltas.chunks(READ_GROUP) {
-                let permit = sem
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .map_err(|e| RepoError::Refused {
-                        what: "restore".into(),
-                        why: e.to_string(),
-                    })?;
-                while let Some(r) = tasks.try_join_next() {
-                    let (n, b) = r.map_err(join)??;
-                    sum.chunks_fetched += n;
-                    sum.bytes_written += b;
-                }
+                let permit = next_slot(&sem, &mut tasks, &mut sum).await?;
                 let (repo, dest, at) = (repo.clone(), dest.clone(), at.clone());
                 let group = group.to_vec();
                 tasks.spawn(async move {
@@ -291,19 +279,7 @@ pub async fn restore_snapshot(
             for (pack, mut blobs) in by_pack {
                 blobs.sort_by_key(|(_, l)| l.offset);
                 for group in blobs.chunks(READ_GROUP) {
-                    let permit =
-                        sem.clone()
-                            .acquire_owned()
-                            .await
-                            .map_err(|e| RepoError::Refused {
-                                what: "restore".into(),
-                                why: e.to_string(),
-                            })?;
-                    while let Some(r) = tasks.try_join_next() {
-                        let (n, b) = r.map_err(join)??;
-                        sum.chunks_fetched += n;
-                        sum.bytes_written += b;
-                    }
+                    let permit = next_slot(&sem, &mut tasks, &mut sum).await?;
                     let (repo, dest, at) = (repo.clone(), dest.clone(), at.clone());
                     let group = group.to_vec();
                     tasks.spawn(async move {
@@ -347,6 +323,28 @@ pub async fn restore_snapshot(
     finish_destination(dest).map_err(from_copy)?;
     sum.duration_secs = started.elapsed().as_secs_f64();
     Ok(sum)
+}
+
+/// Waits for a free read slot, counting the reads that finished meanwhile.
+async fn next_slot(
+    sem: &Arc<Semaphore>,
+    tasks: &mut JoinSet<Result<(u64, u64), RepoError>>,
+    sum: &mut RestoreSummary,
+) -> Result<tokio::sync::OwnedSemaphorePermit, RepoError> {
+    let permit = sem
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|e| RepoError::Refused {
+            what: "restore".into(),
+            why: e.to_string(),
+        })?;
+    while let Some(r) = tasks.try_join_next() {
+        let (n, b) = r.map_err(join)??;
+        sum.chunks_fetched += n;
+        sum.bytes_written += b;
+    }
+    Ok(permit)
 }
 
 fn join(e: tokio::task::JoinError) -> RepoError {
