@@ -132,6 +132,9 @@ fn blob_aad(kind: BlobKind, id: &ChunkId) -> [u8; 33] {
     aad
 }
 
+/// More than any blob's plaintext (chunks are at most 8 MiB).
+const MAX_BLOB_PLAIN: u64 = 16 << 20;
+
 /// Decrypts and decompresses a blob, without hashing it: for a delta's base, whose
 /// rebuilt chunk is checked against its own id (the AEAD still binds kind and id).
 pub(crate) fn open_blob_unhashed(
@@ -140,10 +143,21 @@ pub(crate) fn open_blob_unhashed(
     id: &ChunkId,
     sealed: &[u8],
 ) -> Option<Vec<u8>> {
-    let msg = key.open(sealed, &blob_aad(kind, id))?;
+    let mut msg = key.open(sealed, &blob_aad(kind, id))?;
     match msg.split_first()? {
-        (0, rest) => Some(rest.to_vec()),
-        (1, rest) => zstd::stream::decode_all(rest).ok(),
+        (0, _) => {
+            msg.remove(0); // in place: no second buffer
+            Some(msg)
+        }
+        (1, rest) => {
+            // One exact-size buffer: the frame records its size (bulk::compress writes it).
+            // A size beyond any chunk is damage, never an allocation.
+            let size = zstd::zstd_safe::get_frame_content_size(rest).ok()??;
+            if size > MAX_BLOB_PLAIN {
+                return None;
+            }
+            zstd::bulk::decompress(rest, size as usize).ok()
+        }
         _ => None,
     }
 }
