@@ -261,14 +261,8 @@ pub async fn restore_snapshot(
                                     &plain.map_err(stopped)?,
                                 )
                                 .map_err(stopped)?;
-                            for off in at.get(&id).into_iter().flatten() {
-                                dest.volume
-                                    .file()
-                                    .write_all_at(&data, *off)
-                                    .map_err(|e| io("write to", &dest.path, *off, e))?;
-                                n += 1;
-                                bytes += data.len() as u64;
-                            }
+                            let (k, b) = write_at_each(&dest, at.get(&id), &data)?;
+                            (n, bytes) = (n + k, bytes + b);
                         }
                         Ok((n, bytes))
                     })
@@ -289,14 +283,8 @@ pub async fn restore_snapshot(
                             let (mut n, mut bytes) = (0, 0);
                             for (id, loc, sealed) in sealed {
                                 let data = repo.open_blob(&id, &loc, &sealed).map_err(stopped)?;
-                                for off in at.get(&id).into_iter().flatten() {
-                                    dest.volume
-                                        .file()
-                                        .write_all_at(&data, *off)
-                                        .map_err(|e| io("write to", &dest.path, *off, e))?;
-                                    n += 1;
-                                    bytes += data.len() as u64;
-                                }
+                                let (k, b) = write_at_each(&dest, at.get(&id), &data)?;
+                                (n, bytes) = (n + k, bytes + b);
                             }
                             Ok((n, bytes))
                         })
@@ -323,6 +311,24 @@ pub async fn restore_snapshot(
     finish_destination(dest).map_err(from_copy)?;
     sum.duration_secs = started.elapsed().as_secs_f64();
     Ok(sum)
+}
+
+/// Writes a restored chunk at each offset where the snapshot holds it; returns the
+/// chunks and bytes written.
+fn write_at_each(
+    dest: &Destination,
+    offsets: Option<&Vec<u64>>,
+    data: &[u8],
+) -> Result<(u64, u64), RepoError> {
+    let mut n = 0;
+    for off in offsets.into_iter().flatten() {
+        dest.volume
+            .file()
+            .write_all_at(data, *off)
+            .map_err(|e| io("write to", &dest.path, *off, e))?;
+        n += 1;
+    }
+    Ok((n, n * data.len() as u64))
 }
 
 /// Waits for a free read slot, counting the reads that finished meanwhile.
