@@ -145,12 +145,10 @@ fn tree_chunker() -> CdcChunker {
     CdcChunker::new(ChunkKey::local(), CdcParams::default()).expect("default CDC parameters")
 }
 
-/// Whether two open files hold the same bytes (`--checksum`). `b`, the destination, is
-/// dropped from the page cache first where it is clean, so it is read from storage.
+/// Whether two open files of equal length hold the same bytes (`--checksum`). `b`, the
+/// destination, is dropped from the page cache first where it is clean, so it is read
+/// from storage.
 pub(crate) fn same_content(a: &File, b: &File) -> io::Result<bool> {
-    if a.metadata()?.len() != b.metadata()?.len() {
-        return Ok(false);
-    }
     _ = fs::fadvise(b, 0, None, fs::Advice::DontNeed);
     let (mut a, mut b) = (
         BufReader::with_capacity(1 << 20, a),

@@ -47,6 +47,19 @@ pub struct TreeOptions {
     pub verify: bool,
 }
 
+/// Makes an OS error on the tree's top-level `path` a [`CopyError::Tree`].
+fn tree_error<E: Into<std::io::Error>>(
+    path: &Path,
+    what: &'static str,
+) -> impl FnOnce(E) -> CopyError {
+    let path = path.to_path_buf();
+    move |cause| CopyError::Tree {
+        path,
+        what,
+        cause: cause.into(),
+    }
+}
+
 /// Walks `src_abs` into `work` on `pool`, then makes the deferred hard links.
 fn pass(
     pool: &rayon::ThreadPool,
@@ -55,11 +68,7 @@ fn pass(
     work: &Path,
 ) -> Result<DirPair> {
     let open = |path: &Path, what| {
-        meta::open_dir_at(rustix::fs::CWD, path.as_os_str()).map_err(|cause| CopyError::Tree {
-            path: path.to_path_buf(),
-            what,
-            cause,
-        })
+        meta::open_dir_at(rustix::fs::CWD, path.as_os_str()).map_err(tree_error(path, what))
     };
     let root = DirPair {
         src: open(src_abs, "cannot open the source")?,
@@ -176,11 +185,7 @@ pub fn copy_tree(
     progress: &dyn Progress,
 ) -> Result<TreeSummary> {
     let started = Instant::now();
-    let tree_err = |path: &Path, what: &'static str| {
-        let path = path.to_path_buf();
-        move |cause| CopyError::Tree { path, what, cause }
-    };
-    let src_abs = std::fs::canonicalize(src).map_err(tree_err(src, "cannot open the source"))?;
+    let src_abs = std::fs::canonicalize(src).map_err(tree_error(src, "cannot open the source"))?;
     let dest = Destination::prepare(dst, &src_abs)?;
     let rules = Rules {
         delete: options.delete,
@@ -201,11 +206,8 @@ pub fn copy_tree(
         .stack_size(32 << 20)
         .thread_name(|i| format!("mover-tree-{i}"))
         .build()
-        .map_err(|e| CopyError::Tree {
-            path: src_abs.clone(),
-            what: "cannot start threads",
-            cause: std::io::Error::other(e),
-        })?;
+        .map_err(std::io::Error::other)
+        .map_err(tree_error(&src_abs, "cannot start threads"))?;
     progress.begin("copy", 0);
     let syncer = Syncer::new(rules, progress);
     let root = pass(&pool, &syncer, &src_abs, &dest.work)?;
@@ -321,13 +323,7 @@ impl Destination {
         let resumed = match std::fs::create_dir(&work) {
             Ok(()) => false,
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && work.is_dir() => true,
-            Err(e) => {
-                return Err(CopyError::Tree {
-                    path: work,
-                    what: "cannot create the partial copy",
-                    cause: e,
-                });
-            }
+            Err(e) => return Err(tree_error(&work, "cannot create the partial copy")(e)),
         };
         if resumed {
             tracing::info!("finishing the interrupted copy in {}", work.display());
@@ -350,10 +346,7 @@ impl Destination {
         src_abs: &Path,
         preserve: meta::Preserve,
     ) -> Result<()> {
-        let err = |what: &'static str| {
-            let path = self.work.clone();
-            move |cause| CopyError::Tree { path, what, cause }
-        };
+        let err = |what| tree_error(&self.work, what);
         let src_meta = meta::Meta::of_fd(root.src.as_fd()).map_err(err("cannot stat"))?;
         let parent = meta::open_dir_at(rustix::fs::CWD, self.parent.as_os_str())
             .map_err(err("cannot open the parent of"))?;
@@ -379,9 +372,7 @@ impl Destination {
             preserve,
         )
         .map_err(err("cannot set the metadata of"))?;
-        fs::syncfs(&root.dst)
-            .map_err(std::io::Error::from)
-            .map_err(err("cannot flush"))?;
+        fs::syncfs(&root.dst).map_err(tree_error(&self.work, "cannot flush"))?;
         if !self.hidden {
             return Ok(());
         }
@@ -406,9 +397,7 @@ impl Destination {
                 self.work.display()
             ),
         })?;
-        fs::fsync(&parent)
-            .map_err(std::io::Error::from)
-            .map_err(err("cannot flush the parent of"))?;
+        fs::fsync(&parent).map_err(tree_error(&self.work, "cannot flush the parent of"))?;
         Ok(())
     }
 }

@@ -188,9 +188,8 @@ impl<'a> Syncer<'a> {
                 let dst = &dst;
                 s.spawn(move |_| {
                     for entry in batch {
-                        let path = || pair.src_path.join(&entry.name);
                         if let Err(e) = self.sync_entry(pair, entry, dst.get(&entry.name)) {
-                            self.fail(&path(), "not copied", e);
+                            self.fail(&pair.src_path.join(&entry.name), "not copied", e);
                         }
                     }
                 });
@@ -300,7 +299,7 @@ impl<'a> Syncer<'a> {
             return Ok(());
         }
         let src = open_file(pair.src.as_fd(), name)?;
-        let (target, direct) = self.target(pair, name, slot.occupied)?;
+        let (target, direct) = self.target(name, slot.occupied);
         let dst: File = fs::openat(
             pair.dst.as_fd(),
             &target,
@@ -395,7 +394,7 @@ impl<'a> Syncer<'a> {
             self.settle(self.apply(pair, name, &entry.meta, &src_x, Some((&h, &dst_x)))?);
             return Ok(());
         }
-        let (tmp, direct) = self.target(pair, name, slot.occupied)?;
+        let (tmp, direct) = self.target(name, slot.occupied);
         fs::symlinkat(target.as_c_str(), pair.dst.as_fd(), &tmp)?;
         self.finish_new(pair, name, &tmp, direct, &entry.meta)
     }
@@ -410,7 +409,7 @@ impl<'a> Syncer<'a> {
             self.settle(self.apply(pair, name, m, &src_x, Some((&h, &dst_x)))?);
             return Ok(());
         }
-        let (tmp, direct) = self.target(pair, name, slot.occupied)?;
+        let (tmp, direct) = self.target(name, slot.occupied);
         fs::mknodat(
             pair.dst.as_fd(),
             &tmp,
@@ -440,15 +439,13 @@ impl<'a> Syncer<'a> {
     }
 
     /// Where a new version of `name` is made: under its own name in a hidden tree where
-    /// nothing is there yet, else under a temp name renamed over it when complete.
-    fn target(&self, pair: &DirPair, name: &OsStr, exists: bool) -> io::Result<(OsString, bool)> {
+    /// nothing is there yet, else under a temp name renamed over it when complete. (A
+    /// crash's leftover temp was already removed when the directory was listed.)
+    fn target(&self, name: &OsStr, exists: bool) -> (OsString, bool) {
         if self.rules.hidden && !exists {
-            return Ok((name.to_os_string(), true));
-        }
-        let tmp = temp_name(name);
-        match fs::unlinkat(pair.dst.as_fd(), &tmp, AtFlags::empty()) {
-            Ok(()) | Err(rustix::io::Errno::NOENT) => Ok((tmp, false)),
-            Err(e) => Err(e.into()),
+            (name.to_os_string(), true)
+        } else {
+            (temp_name(name), false)
         }
     }
 
@@ -545,7 +542,6 @@ impl<'a> Syncer<'a> {
             fs::linkat(&dir, &primary, &dir, name, AtFlags::empty())?;
         } else {
             let tmp = temp_name(name);
-            _ = fs::unlinkat(&dir, &tmp, AtFlags::empty());
             fs::linkat(&dir, &primary, &dir, &tmp, AtFlags::empty())?;
             fs::renameat(&dir, &tmp, &dir, name)?;
         }
