@@ -18,6 +18,7 @@
 
 mod block;
 mod cdc;
+pub mod direct;
 mod error;
 mod id;
 mod merkle;

@@ -1,4 +1,7 @@
-use crate::error::{ChunkerError, Result};
+use crate::{
+    direct::DirectFile,
+    error::{ChunkerError, Result},
+};
 use rustix::fs::SeekFrom;
 use std::{
     fs::{File, OpenOptions},
@@ -24,6 +27,8 @@ pub struct BlockVolume {
     kind: VolumeKind,
     size: u64,
     holes: HoleMap,
+    /// Large reads bypass the page cache through this (see [`crate::direct`]).
+    direct: DirectFile,
 }
 
 /// Where the volume's holes can be learned.
@@ -115,6 +120,7 @@ impl BlockVolume {
             VolumeKind::BlockDevice => HoleMap::for_device(&file, meta.rdev()),
         };
         Ok(BlockVolume {
+            direct: DirectFile::reopen(&file, false),
             file,
             path: path.to_path_buf(),
             kind,
@@ -196,7 +202,15 @@ impl BlockVolume {
 
     /// Reads exactly `buf.len()` bytes at `offset`; a short read means the volume shrank.
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let mut done = 0;
+        let read_error = |at, cause| ChunkerError::Read {
+            path: self.path.clone(),
+            offset: at,
+            cause,
+        };
+        let mut done = self
+            .direct
+            .read_at(buf, offset)
+            .map_err(|e| read_error(offset, e))?;
         while done < buf.len() {
             let at = offset + done as u64;
             match self.file.read_at(&mut buf[done..], at) {
@@ -209,13 +223,7 @@ impl BlockVolume {
                 }
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(cause) => {
-                    return Err(ChunkerError::Read {
-                        path: self.path.clone(),
-                        offset: at,
-                        cause,
-                    });
-                }
+                Err(cause) => return Err(read_error(at, cause)),
             }
         }
         Ok(())

@@ -142,13 +142,11 @@ pub(crate) fn open_blob_unhashed(
     kind: BlobKind,
     id: &ChunkId,
     sealed: &[u8],
-) -> Option<Vec<u8>> {
-    let mut msg = key.open(sealed, &blob_aad(kind, id))?;
+) -> Option<Bytes> {
+    let msg = key.open(sealed, &blob_aad(kind, id))?;
     match msg.split_first()? {
-        (0, _) => {
-            msg.remove(0); // in place: no second buffer
-            Some(msg)
-        }
+        // The plaintext after the flag byte, in place: no second buffer, no shift.
+        (0, _) => Some(Bytes::from(msg).slice(1..)),
         (1, rest) => {
             // One exact-size buffer: the frame records its size (bulk::compress writes it).
             // A size beyond any chunk is damage, never an allocation.
@@ -156,7 +154,9 @@ pub(crate) fn open_blob_unhashed(
             if size > MAX_BLOB_PLAIN {
                 return None;
             }
-            zstd::bulk::decompress(rest, size as usize).ok()
+            zstd::bulk::decompress(rest, size as usize)
+                .ok()
+                .map(Bytes::from)
         }
         _ => None,
     }
@@ -170,7 +170,7 @@ pub(crate) fn open_blob(
     kind: BlobKind,
     id: &ChunkId,
     sealed: &[u8],
-) -> Option<Vec<u8>> {
+) -> Option<Bytes> {
     let plain = open_blob_unhashed(key, kind, id, sealed)?;
     (kind == BlobKind::Delta || key.chunk_key().chunk_id(&plain) == *id).then_some(plain)
 }
@@ -427,7 +427,7 @@ mod tests {
         assert_eq!(entries, f.entries);
         for (e, plain) in entries.iter().zip([&zeros_ish, &random]) {
             let s = &f.data[e.offset as usize..(e.offset + e.len) as usize];
-            assert_eq!(open_blob(&k, e.kind, &e.id, s).as_ref(), Some(plain));
+            assert_eq!(open_blob(&k, e.kind, &e.id, s).as_deref(), Some(&plain[..]));
             assert!(open_blob(&k, BlobKind::List, &e.id, s).is_none());
         }
         let mut bad = f.data.to_vec();
@@ -499,7 +499,7 @@ mod tests {
         // A delta blob opens without an id check (its chunk is checked when rebuilt).
         let e = entries[1];
         let s = &v2.data[e.offset as usize..(e.offset + e.len) as usize];
-        assert_eq!(open_blob(&k, BlobKind::Delta, &did, s).unwrap(), b"delta");
+        assert_eq!(open_blob(&k, BlobKind::Delta, &did, s).unwrap(), &b"delta"[..]);
         assert!(open_blob(&k, BlobKind::Data, &did, s).is_none());
     }
 }

@@ -201,7 +201,7 @@ impl Repository {
     }
 
     /// Decrypts and checks one sealed blob.
-    pub fn open_blob(&self, id: &ChunkId, loc: &BlobLoc, sealed: &[u8]) -> Result<Vec<u8>> {
+    pub fn open_blob(&self, id: &ChunkId, loc: &BlobLoc, sealed: &[u8]) -> Result<Bytes> {
         open_blob(&self.key, loc.kind, id, sealed).ok_or_else(|| RepoError::Corrupt {
             key: pack_key(&loc.pack),
             offset: loc.offset as u64,
@@ -216,7 +216,7 @@ impl Repository {
     /// Decrypts a delta's base blob without hashing it: the chunk rebuilt from it is
     /// checked against its own id by [`Repository::rebuild_chunk`], which is enough (and
     /// saves hashing every base twice).
-    pub fn open_base(&self, id: &ChunkId, loc: &BlobLoc, sealed: &[u8]) -> Result<Vec<u8>> {
+    pub fn open_base(&self, id: &ChunkId, loc: &BlobLoc, sealed: &[u8]) -> Result<Bytes> {
         crate::pack::open_blob_unhashed(&self.key, loc.kind, id, sealed).ok_or_else(|| {
             RepoError::Corrupt {
                 key: pack_key(&loc.pack),
@@ -381,7 +381,7 @@ impl Repository {
         &self,
         pack: &PackId,
         blobs: Vec<(ChunkId, BlobLoc)>,
-    ) -> Result<Vec<(ChunkId, Vec<u8>)>> {
+    ) -> Result<Vec<(ChunkId, Bytes)>> {
         self.read_sealed(pack, blobs)
             .await?
             .into_iter()
@@ -443,7 +443,7 @@ impl Repository {
     }
 
     /// Reads one blob.
-    pub async fn read_blob(&self, index: &Index, id: &ChunkId) -> Result<Vec<u8>> {
+    pub async fn read_blob(&self, index: &Index, id: &ChunkId) -> Result<Bytes> {
         let loc = index
             .get(id)
             .ok_or_else(|| RepoError::MissingBlob { id: id.to_hex() })?;
@@ -453,7 +453,7 @@ impl Repository {
 
     /// Reads one data chunk's plaintext, rebuilding it from its base when it is stored
     /// as a delta (checked against its id either way).
-    pub async fn read_chunk(&self, index: &Index, id: &ChunkId) -> Result<Vec<u8>> {
+    pub async fn read_chunk(&self, index: &Index, id: &ChunkId) -> Result<Bytes> {
         let loc = index
             .get(id)
             .ok_or_else(|| RepoError::MissingBlob { id: id.to_hex() })?;
@@ -462,7 +462,7 @@ impl Repository {
             None => Ok(plain),
             Some(base) => {
                 let b = self.read_blob(index, &base).await?;
-                self.rebuild_chunk(id, &b, &plain)
+                self.rebuild_chunk(id, &b, &plain).map(Bytes::from)
             }
         }
     }

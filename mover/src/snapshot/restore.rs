@@ -4,14 +4,13 @@ use crate::{
     CopyError,
     copy::{CopyOptions, Destination, Origin, finish_destination, prepare_destination, zero_range},
 };
-use chunker::{ChunkId, ChunkKind, Window, hash_chunks, read_window};
+use chunker::{ChunkId, ChunkKind, Window, direct::DirectWriter, hash_chunks, read_window};
 use serde::Serialize;
 use snapshots::{BlobLoc, Bytes, CHUNKS_PER_LIST, Content, PackId, RepoError, Repository};
 use std::{
     collections::HashMap,
-    os::unix::fs::FileExt,
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{Arc, Mutex},
     time::Instant,
 };
 use tokio::{sync::Semaphore, task::JoinSet};
@@ -159,6 +158,11 @@ pub async fn restore_snapshot(
         ..Default::default()
     };
     let sem = Arc::new(Semaphore::new(opts.reads.max(1)));
+    let out = Arc::new(Output {
+        writer: DirectWriter::new(dest.volume.file()).map_err(|e| io("open of", dst, 0, e))?,
+        turn: Mutex::new(()),
+        path: dest.path.clone(),
+    });
     let mut tasks: JoinSet<Result<(u64, u64), RepoError>> = JoinSet::new();
     for (li, list) in lists.iter().enumerate() {
         let kinds = repo.read_list(&index, list).await?;
@@ -227,7 +231,7 @@ pub async fn restore_snapshot(
             // merged ranged reads per pack, each chunk rebuilt and checked, then written.
             for group in deltas.chunks(READ_GROUP) {
                 let permit = next_slot(&sem, &mut tasks, &mut sum).await?;
-                let (repo, dest, at) = (repo.clone(), dest.clone(), at.clone());
+                let (repo, out, at) = (repo.clone(), out.clone(), at.clone());
                 let group = group.to_vec();
                 tasks.spawn(async move {
                     let _permit = permit;
@@ -261,7 +265,7 @@ pub async fn restore_snapshot(
                                     &plain.map_err(stopped)?,
                                 )
                                 .map_err(stopped)?;
-                            let (k, b) = write_at_each(&dest, at.get(&id), &data)?;
+                            let (k, b) = out.write_at_each(at.get(&id), &data)?;
                             (n, bytes) = (n + k, bytes + b);
                         }
                         Ok((n, bytes))
@@ -274,7 +278,7 @@ pub async fn restore_snapshot(
                 blobs.sort_by_key(|(_, l)| l.offset);
                 for group in blobs.chunks(READ_GROUP) {
                     let permit = next_slot(&sem, &mut tasks, &mut sum).await?;
-                    let (repo, dest, at) = (repo.clone(), dest.clone(), at.clone());
+                    let (repo, out, at) = (repo.clone(), out.clone(), at.clone());
                     let group = group.to_vec();
                     tasks.spawn(async move {
                         let _permit = permit;
@@ -283,7 +287,7 @@ pub async fn restore_snapshot(
                             let (mut n, mut bytes) = (0, 0);
                             for (id, loc, sealed) in sealed {
                                 let data = repo.open_blob(&id, &loc, &sealed).map_err(stopped)?;
-                                let (k, b) = write_at_each(&dest, at.get(&id), &data)?;
+                                let (k, b) = out.write_at_each(at.get(&id), &data)?;
                                 (n, bytes) = (n + k, bytes + b);
                             }
                             Ok((n, bytes))
@@ -313,22 +317,37 @@ pub async fn restore_snapshot(
     Ok(sum)
 }
 
-/// Writes a restored chunk at each offset where the snapshot holds it; returns the
-/// chunks and bytes written.
-fn write_at_each(
-    dest: &Destination,
-    offsets: Option<&Vec<u64>>,
-    data: &[u8],
-) -> Result<(u64, u64), RepoError> {
-    let mut n = 0;
-    for off in offsets.into_iter().flatten() {
-        dest.volume
-            .file()
-            .write_all_at(data, *off)
-            .map_err(|e| io("write to", &dest.path, *off, e))?;
-        n += 1;
+/// The destination's data writes, shared by the read tasks.
+struct Output {
+    writer: DirectWriter,
+    /// Taken around buffered writes only (see [`Output::write_at_each`]).
+    turn: Mutex<()>,
+    path: PathBuf,
+}
+
+impl Output {
+    /// Writes a restored chunk at each offset where the snapshot holds it; returns the
+    /// chunks and bytes written.
+    fn write_at_each(
+        &self,
+        offsets: Option<&Vec<u64>>,
+        data: &[u8],
+    ) -> Result<(u64, u64), RepoError> {
+        // Large writes bypass the page cache, in parallel. Where they cannot, one buffered
+        // write at a time: parallel buffered writes to one file contend for its inode
+        // lock, and the kernel spins on it (measured: more system time than all the
+        // decryption). Opening blobs stays parallel either way.
+        let _turn =
+            (!self.writer.is_direct()).then(|| self.turn.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut n = 0;
+        for off in offsets.into_iter().flatten() {
+            self.writer
+                .write_all_at(data, *off)
+                .map_err(|e| io("write to", &self.path, *off, e))?;
+            n += 1;
+        }
+        Ok((n, n * data.len() as u64))
     }
-    Ok((n, n * data.len() as u64))
 }
 
 /// Waits for a free read slot, counting the reads that finished meanwhile.

@@ -6,9 +6,10 @@
 use super::{Backend, ObjectInfo, check_key, range_error};
 use crate::error::{RepoError, Result};
 use bytes::Bytes;
+use chunker::direct::DirectWriter;
 use std::{
     fs::{self, File},
-    io::{ErrorKind, Write},
+    io::ErrorKind,
     ops::Range,
     os::unix::fs::FileExt,
     path::{Path, PathBuf},
@@ -181,8 +182,9 @@ impl Backend for LocalBackend {
             let name = path.file_name().unwrap_or_default().to_string_lossy();
             let tmp = dir.join(format!(".tmp.{name}.{}", crate::hex(&nonce)));
             let write = || -> std::io::Result<()> {
-                let mut f = File::create_new(&tmp)?;
-                f.write_all(&data)?;
+                let f = File::create_new(&tmp)?;
+                // Packs are written once and read rarely: past the page cache.
+                DirectWriter::new(&f)?.write_all_at(&data, 0)?;
                 f.sync_all()?;
                 fs::rename(&tmp, &path)?;
                 sync_dir(&dir)

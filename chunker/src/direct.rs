@@ -1,0 +1,266 @@
+//! Bulk reads and writes that bypass the page cache.
+//!
+//! A copy, snapshot or restore touches each byte once, so caching it only costs: the
+//! kernel copies every byte through freshly allocated cache pages. Measured on the
+//! bench VM, writing 3.3 GB with `dd` took 4.9 s of system time buffered and 0.4 s with
+//! `oflag=direct`, and cold buffered reads cost the mover a sixth of its CPU. In a pod
+//! those pages are also charged to the mover's memory cgroup and push the workload's own
+//! cache out. So large aligned transfers go through a second descriptor of the same file
+//! opened with `O_DIRECT`, via a per-thread aligned buffer; small transfers (page
+//! deltas) and unaligned tails stay buffered, where the kernel batches them. Where a file
+//! system refuses `O_DIRECT`, everything is buffered. Durability is unchanged: writers
+//! still `fsync` before they report success (`O_DIRECT` does not flush device caches),
+//! and the kernel writes back any dirty cached pages of a range before a direct read.
+
+use rustix::fs::FallocateFlags;
+use std::{
+    cell::RefCell,
+    fs::{File, OpenOptions},
+    io,
+    os::{
+        fd::AsRawFd,
+        unix::fs::{FileExt, OpenOptionsExt},
+    },
+    sync::atomic::{AtomicBool, Ordering::Relaxed},
+};
+
+/// Offset, length and memory alignment that `O_DIRECT` accepts on Linux file systems and
+/// block devices (logical blocks are 512 B or 4 KiB).
+pub const ALIGN: usize = 4096;
+/// Transfers below this go through the page cache: a direct transfer waits for the
+/// device, which only pays when it is large.
+const DIRECT_MIN: usize = 128 << 10;
+/// The largest piece moved through the aligned buffer at once: a whole read window, so
+/// the device sees deep requests.
+const PIECE: usize = 8 << 20;
+
+thread_local! {
+    /// Each thread's aligned bounce buffer, grown to the largest piece it has moved.
+    static BOUNCE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// An `O_DIRECT` twin of an open file, or nothing where the file system has no direct I/O.
+#[derive(Debug)]
+pub struct DirectFile {
+    file: Option<File>,
+    /// Cleared for good when the file system refuses a direct transfer.
+    usable: AtomicBool,
+    /// A regular file: blocks are allocated before a direct write into them.
+    preallocate: bool,
+}
+
+impl DirectFile {
+    /// Reopens `file` (the same inode, through `/proc/self/fd`) with `O_DIRECT`, for
+    /// reading, or for writing too when `write` is set.
+    pub fn reopen(file: &File, write: bool) -> DirectFile {
+        if !enabled() {
+            return DirectFile::none();
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(write)
+            .custom_flags(libc::O_DIRECT)
+            .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .ok();
+        DirectFile {
+            usable: AtomicBool::new(file.is_some()),
+            preallocate: file
+                .as_ref()
+                .and_then(|f| f.metadata().ok())
+                .is_some_and(|m| m.is_file()),
+            file,
+        }
+    }
+
+    /// No direct I/O: every transfer is left to the caller's buffered path.
+    pub fn none() -> DirectFile {
+        DirectFile {
+            file: None,
+            usable: AtomicBool::new(false),
+            preallocate: false,
+        }
+    }
+
+    /// The file, when a transfer of `len` bytes at `offset` should go direct.
+    fn eligible(&self, offset: u64, len: usize) -> Option<&File> {
+        let file = self.file.as_ref()?;
+        let fits = offset % ALIGN as u64 == 0 && len >= DIRECT_MIN;
+        (fits && self.usable.load(Relaxed)).then_some(file)
+    }
+
+    /// Reads the aligned head of `buf` at `offset` directly; returns how many bytes it
+    /// read (0 when the transfer is not eligible, fewer at the end of the file). The
+    /// caller reads the rest its usual way.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let body = buf.len() / ALIGN * ALIGN;
+        let Some(file) = self.eligible(offset, body) else {
+            return Ok(0);
+        };
+        let mut done = 0;
+        while done < body {
+            let want = (body - done).min(PIECE);
+            let got = with_bounce(want, |bounce| {
+                let n = file.read_at(bounce, offset + done as u64)?;
+                buf[done..done + n].copy_from_slice(&bounce[..n]);
+                Ok(n)
+            });
+            match got {
+                Ok(0) => break,
+                Ok(n) => {
+                    done += n;
+                    if n < want {
+                        break; // the end of the file: the caller sees the short read
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return self.refused(e).map(|()| done),
+            }
+        }
+        Ok(done)
+    }
+
+    /// Writes the aligned head of `data` at `offset` directly; returns how many bytes it
+    /// wrote (0 when the transfer is not eligible). The caller writes the rest.
+    pub fn write_at(&self, data: &[u8], offset: u64) -> io::Result<usize> {
+        let body = data.len() / ALIGN * ALIGN;
+        let Some(file) = self.eligible(offset, body) else {
+            return Ok(0);
+        };
+        if self.preallocate {
+            // Allocating direct writes hold the inode lock exclusively while they wait for
+            // the device, so parallel writers would queue one at a time. Into blocks
+            // allocated beforehand (unwritten, reading as zeros) they run side by side.
+            let _ = rustix::fs::fallocate(file, FallocateFlags::empty(), offset, body as u64);
+        }
+        let mut done = 0;
+        while done < body {
+            let piece = &data[done..(done + PIECE).min(body)];
+            let wrote = with_bounce(piece.len(), |bounce| {
+                bounce.copy_from_slice(piece);
+                file.write_all_at(bounce, offset + done as u64)
+            });
+            match wrote {
+                Ok(()) => done += piece.len(),
+                Err(e) => return self.refused(e).map(|()| done),
+            }
+        }
+        Ok(done)
+    }
+
+    /// `EINVAL` means the file system takes `O_DIRECT` opens but not these transfers:
+    /// stop trying, and let the caller finish buffered. Anything else is a real error.
+    fn refused(&self, e: io::Error) -> io::Result<()> {
+        match e.raw_os_error() {
+            Some(libc::EINVAL) => {
+                self.usable.store(false, Relaxed);
+                Ok(())
+            }
+            _ => Err(e),
+        }
+    }
+}
+
+/// Direct I/O is on unless `MOVER_DIRECT_IO` is `0` or `off` (an escape hatch for file
+/// systems that accept `O_DIRECT` but handle it badly).
+fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("MOVER_DIRECT_IO").as_deref(),
+            Ok("0" | "off" | "false" | "no")
+        )
+    })
+}
+
+/// Runs `f` on the first `len` bytes of this thread's aligned buffer.
+fn with_bounce<T>(len: usize, f: impl FnOnce(&mut [u8]) -> io::Result<T>) -> io::Result<T> {
+    BOUNCE.with_borrow_mut(|bounce| {
+        if bounce.len() < len + ALIGN {
+            *bounce = vec![0; len.max(2 << 20) + ALIGN];
+        }
+        let start = bounce.as_ptr().align_offset(ALIGN);
+        f(&mut bounce[start..start + len])
+    })
+}
+
+/// Writes to one destination file, large aligned pieces with `O_DIRECT`.
+#[derive(Debug)]
+pub struct DirectWriter {
+    buffered: File,
+    direct: DirectFile,
+}
+
+impl DirectWriter {
+    /// A writer for `file` (see [`DirectFile::reopen`]).
+    pub fn new(file: &File) -> io::Result<DirectWriter> {
+        Ok(DirectWriter {
+            buffered: file.try_clone()?,
+            direct: DirectFile::reopen(file, true),
+        })
+    }
+
+    /// Writes all of `data` at `offset`.
+    pub fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        let done = self.direct.write_at(data, offset)?;
+        self.buffered
+            .write_all_at(&data[done..], offset + done as u64)
+    }
+
+    /// Whether large writes bypass the page cache.
+    pub fn is_direct(&self) -> bool {
+        self.direct.usable.load(Relaxed)
+    }
+
+    /// The file, for everything but data writes (hole punching, syncs).
+    pub fn file(&self) -> &File {
+        &self.buffered
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pattern(n: usize, seed: u8) -> Vec<u8> {
+        (0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
+    }
+
+    #[test]
+    fn large_small_and_unaligned_writes_and_reads_all_land() {
+        // On the repository's own disk: /tmp may be a tmpfs without O_DIRECT.
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let path = dir.path().join("img");
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .unwrap();
+        file.set_len((16 << 20) + 1000).unwrap();
+        let w = DirectWriter::new(&file).unwrap();
+        // Direct with an unaligned tail, small, unaligned offset, a piece boundary.
+        let writes = [
+            (0u64, pattern((5 << 20) + 100, 1)),
+            (6 << 20, pattern(4096, 2)),
+            ((7 << 20) + 3, pattern(1 << 20, 3)),
+            (9 << 20, pattern((7 << 20) + 1000, 4)),
+        ];
+        for (off, data) in &writes {
+            w.write_all_at(data, *off).unwrap();
+        }
+        let direct = DirectFile::reopen(&file, false);
+        for (off, data) in &writes {
+            let mut back = vec![0u8; data.len()];
+            let n = direct.read_at(&mut back, *off).unwrap();
+            file.read_exact_at(&mut back[n..], off + n as u64).unwrap();
+            assert!(back == *data, "bytes at {off} differ");
+        }
+        // A direct read that runs into the end of the file stops there.
+        let mut tail = vec![0u8; 2 << 20];
+        let n = direct.read_at(&mut tail, 15 << 20).unwrap();
+        assert!(n <= (1 << 20) + 1000, "{n}");
+        assert_eq!(tail[..1000], writes[3].1[(6 << 20)..(6 << 20) + 1000]);
+        // The direct path was taken on this file system (else the test proves little).
+        assert!(direct.usable.load(Relaxed) && w.direct.usable.load(Relaxed));
+    }
+}
