@@ -13,7 +13,7 @@ use crate::copy::{
 };
 use chunker::{
     BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, PAGE_HASH_LEN, PAGE_SIZE, VolumeKind,
-    page_hashes,
+    direct::DirectWriter, page_hashes,
 };
 use std::{
     collections::{BTreeMap, HashMap},
@@ -533,7 +533,7 @@ struct SessionWriter {
 impl SessionWriter {
     fn start(s: &Session, metrics: Arc<Metrics>) -> std::io::Result<SessionWriter> {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Job>(16);
-        let (file, path) = (s.file.try_clone()?, s.path.clone());
+        let (file, path) = (DirectWriter::new(&s.file)?, s.path.clone());
         let sync_file = s.file.try_clone()?;
         let (kick, kicks) = std::sync::mpsc::sync_channel::<()>(1);
         let sync_failed: Arc<Mutex<Option<String>>> = Arc::default();
@@ -566,7 +566,7 @@ impl SessionWriter {
                                 file.write_all_at(&b, data.offset).map_err(internal)
                             }
                             Ok(Content::Zeros(n)) => {
-                                zero_range(&file, &path, data.offset, n).map_err(internal)
+                                zero_range(file.file(), &path, data.offset, n).map_err(internal)
                             }
                         };
                         if let Err(e) = applied {
@@ -588,7 +588,7 @@ impl SessionWriter {
                         ) {
                             (Some(f), _) => Err(f.clone()),
                             (None, Some(e)) => Err(Status::internal(e)),
-                            (None, None) => file.sync_data().map_err(internal),
+                            (None, None) => file.file().sync_data().map_err(internal),
                         };
                         let _ = done.send(r);
                     }

@@ -18,6 +18,7 @@ pub(crate) use dest::{Destination, Origin, prepare as prepare_destination};
 use crate::error::{CopyError, Result, write_error};
 use chunker::{
     BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, MerkleBuilder, VolumeKind, Window,
+    direct::DirectWriter,
     hash_volume, is_zero, read_ahead, read_window, read_window_where,
 };
 use index::{Identity, IndexReader, IndexWriter};
@@ -200,6 +201,8 @@ pub fn copy_block(
     };
     source.advise_sequential();
     dest.volume.advise_sequential();
+    let writer = DirectWriter::new(dest.volume.file())
+        .map_err(|e| write_error("open of", dest.volume.path(), 0, e))?;
     progress.begin("copy", size);
     let window_len = chunk.bytes().max(8 << 20) as u64;
     let mut next = 0u64;
@@ -265,7 +268,7 @@ pub fn copy_block(
                     push_merged(&mut ops, shift(op, r.start));
                 }
             }
-            apply_ops(&dest.volume, &pair.src, &ops, &mut sum)?;
+            apply_ops(&writer, dest.volume.path(), &pair.src, &ops, &mut sum)?;
             progress.update(pair.src.offset + pair.src.buf.len() as u64);
             Ok(())
         },
@@ -385,21 +388,26 @@ fn shift(op: Op, by: usize) -> Op {
 }
 
 /// Applies a window's ops to the destination, in order.
-fn apply_ops(dst: &BlockVolume, src: &Window, ops: &[Op], sum: &mut CopySummary) -> Result<()> {
+fn apply_ops(
+    dst: &DirectWriter,
+    path: &Path,
+    src: &Window,
+    ops: &[Op],
+    sum: &mut CopySummary,
+) -> Result<()> {
     for op in ops {
         match op {
             Op::Write(r) => {
                 let at = src.offset + r.start as u64;
-                dst.file()
-                    .write_all_at(&src.buf[r.clone()], at)
-                    .map_err(|e| write_error("write to", dst.path(), at, e))?;
+                dst.write_all_at(&src.buf[r.clone()], at)
+                    .map_err(|e| write_error("write to", path, at, e))?;
                 sum.bytes_written += r.len() as u64;
                 sum.pages_written += r.len().div_ceil(chunker::PAGE_SIZE) as u64;
             }
             Op::Zero(r) => {
                 zero_range(
                     dst.file(),
-                    dst.path(),
+                    path,
                     src.offset + r.start as u64,
                     r.len() as u64,
                 )?;

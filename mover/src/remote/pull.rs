@@ -11,8 +11,8 @@ use crate::{
     },
     error::{CopyError, Result, write_error},
 };
-use chunker::{BlockVolume, GROUP_CHUNKS, PAGE_SIZE, Window, page_hashes};
-use std::{os::unix::fs::FileExt, path::Path, sync::Arc, time::Instant};
+use chunker::{BlockVolume, GROUP_CHUNKS, PAGE_SIZE, Window, direct::DirectWriter, page_hashes};
+use std::{path::Path, sync::Arc, time::Instant};
 use tokio_stream::StreamExt;
 use transport::{
     frames::{self, Content},
@@ -68,6 +68,8 @@ async fn attempt(
     // A second handle on the destination, for the reader thread and the writes.
     let rw = std::fs::OpenOptions::new().read(true).write(true).clone();
     let local = Arc::new(BlockVolume::open_with(dest.volume.path(), &rw)?.limited_to_at_most(size));
+    let writer = DirectWriter::new(local.file())
+        .map_err(|e| write_error("open of", local.path(), 0, e))?;
     let mut sum = CopySummary {
         source: url.to_string().into(),
         destination: dst.into(),
@@ -102,6 +104,7 @@ async fn attempt(
                 &leaves,
                 chunk,
                 &local,
+                &writer,
                 remote.compress,
                 &mut sum,
             )
@@ -153,6 +156,7 @@ async fn fetch_group(
     leaves: &[chunker::ChunkId],
     chunk: chunker::ChunkSize,
     local: &BlockVolume,
+    writer: &DirectWriter,
     compress: Compress,
     sum: &mut CopySummary,
 ) -> Result<()> {
@@ -214,8 +218,7 @@ async fn fetch_group(
             }
             match content {
                 Content::Bytes(b) => {
-                    local
-                        .file()
+                    writer
                         .write_all_at(&b, frame.offset)
                         .map_err(|e| write_error("write to", local.path(), frame.offset, e))?;
                     sum.bytes_written += b.len() as u64;
