@@ -12,7 +12,6 @@
 //! still `fsync` before they report success (`O_DIRECT` does not flush device caches),
 //! and the kernel writes back any dirty cached pages of a range before a direct read.
 
-use rustix::fs::FallocateFlags;
 use std::{
     cell::RefCell,
     fs::{File, OpenOptions},
@@ -45,8 +44,6 @@ pub struct DirectFile {
     file: Option<File>,
     /// Cleared for good when the file system refuses a direct transfer.
     usable: AtomicBool,
-    /// A regular file: blocks are allocated before a direct write into them.
-    preallocate: bool,
 }
 
 impl DirectFile {
@@ -64,10 +61,6 @@ impl DirectFile {
             .ok();
         DirectFile {
             usable: AtomicBool::new(file.is_some()),
-            preallocate: file
-                .as_ref()
-                .and_then(|f| f.metadata().ok())
-                .is_some_and(|m| m.is_file()),
             file,
         }
     }
@@ -77,7 +70,6 @@ impl DirectFile {
         DirectFile {
             file: None,
             usable: AtomicBool::new(false),
-            preallocate: false,
         }
     }
 
@@ -126,12 +118,6 @@ impl DirectFile {
         let Some(file) = self.eligible(offset, body) else {
             return Ok(0);
         };
-        if self.preallocate {
-            // Allocating direct writes hold the inode lock exclusively while they wait for
-            // the device, so parallel writers would queue one at a time. Into blocks
-            // allocated beforehand (unwritten, reading as zeros) they run side by side.
-            let _ = rustix::fs::fallocate(file, FallocateFlags::empty(), offset, body as u64);
-        }
         let mut done = 0;
         while done < body {
             let piece = &data[done..(done + PIECE).min(body)];
