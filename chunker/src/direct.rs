@@ -114,19 +114,36 @@ impl DirectFile {
     /// Writes the aligned head of `data` at `offset` directly; returns how many bytes it
     /// wrote (0 when the transfer is not eligible). The caller writes the rest.
     pub fn write_at(&self, data: &[u8], offset: u64) -> io::Result<usize> {
-        let body = data.len() / ALIGN * ALIGN;
+        self.write_parts_at(&[data], offset)
+    }
+
+    /// [`DirectFile::write_at`] of the concatenation of `parts`, without concatenating
+    /// them first: adjacent chunks go to the device as one large request.
+    pub fn write_parts_at(&self, parts: &[&[u8]], offset: u64) -> io::Result<usize> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let body = total / ALIGN * ALIGN;
         let Some(file) = self.eligible(offset, body) else {
             return Ok(0);
         };
+        let (mut part, mut at) = (0, 0);
         let mut done = 0;
         while done < body {
-            let piece = &data[done..(done + PIECE).min(body)];
-            let wrote = with_bounce(piece.len(), |bounce| {
-                bounce.copy_from_slice(piece);
+            let len = (body - done).min(PIECE);
+            let wrote = with_bounce(len, |bounce| {
+                let mut filled = 0;
+                while filled < len {
+                    let src = &parts[part][at..];
+                    let n = src.len().min(len - filled);
+                    bounce[filled..filled + n].copy_from_slice(&src[..n]);
+                    (filled, at) = (filled + n, at + n);
+                    if at == parts[part].len() {
+                        (part, at) = (part + 1, 0);
+                    }
+                }
                 file.write_all_at(bounce, offset + done as u64)
             });
             match wrote {
-                Ok(()) => done += piece.len(),
+                Ok(()) => done += len,
                 Err(e) => return self.refused(e).map(|()| done),
             }
         }
@@ -187,9 +204,20 @@ impl DirectWriter {
 
     /// Writes all of `data` at `offset`.
     pub fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
-        let done = self.direct.write_at(data, offset)?;
-        self.buffered
-            .write_all_at(&data[done..], offset + done as u64)
+        self.write_all_parts_at(&[data], offset)
+    }
+
+    /// Writes the concatenation of `parts` at `offset`.
+    pub fn write_all_parts_at(&self, parts: &[&[u8]], offset: u64) -> io::Result<()> {
+        let mut skip = self.direct.write_parts_at(parts, offset)?;
+        let mut at = offset + skip as u64;
+        for part in parts {
+            let rest = &part[skip.min(part.len())..];
+            skip -= skip.min(part.len());
+            self.buffered.write_all_at(rest, at)?;
+            at += rest.len() as u64;
+        }
+        Ok(())
     }
 
     /// Whether large writes bypass the page cache.
@@ -222,7 +250,7 @@ mod tests {
             .create_new(true)
             .open(&path)
             .unwrap();
-        file.set_len((16 << 20) + 1000).unwrap();
+        file.set_len((32 << 20) + 1000).unwrap();
         let w = DirectWriter::new(&file).unwrap();
         // Direct with an unaligned tail, small, unaligned offset, a piece boundary.
         let writes = [
@@ -231,6 +259,22 @@ mod tests {
             ((7 << 20) + 3, pattern(1 << 20, 3)),
             (9 << 20, pattern((7 << 20) + 1000, 4)),
         ];
+        for (off, data) in &writes {
+            w.write_all_at(data, *off).unwrap();
+        }
+        // Parts of odd sizes, written as one run past a piece boundary.
+        let parts = [
+            pattern(3 << 20, 5),
+            pattern(5000, 6),
+            pattern((6 << 20) - 5000, 7),
+        ];
+        let run: Vec<u8> = parts.concat();
+        let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+        w.write_all_parts_at(&refs, 1 << 20).unwrap();
+        let mut back = vec![0u8; run.len()];
+        file.read_exact_at(&mut back, 1 << 20).unwrap();
+        assert!(back == run, "the run of parts differs");
+        let writes = writes.map(|(off, data)| (off + (16 << 20), data));
         for (off, data) in &writes {
             w.write_all_at(data, *off).unwrap();
         }
@@ -243,7 +287,7 @@ mod tests {
         }
         // A direct read that runs into the end of the file stops there.
         let mut tail = vec![0u8; 2 << 20];
-        let n = direct.read_at(&mut tail, 15 << 20).unwrap();
+        let n = direct.read_at(&mut tail, 31 << 20).unwrap();
         assert!(n <= (1 << 20) + 1000, "{n}");
         assert_eq!(tail[..1000], writes[3].1[(6 << 20)..(6 << 20) + 1000]);
         // The direct path was taken on this file system (else the test proves little).

@@ -499,7 +499,10 @@ mod tests {
         // A delta blob opens without an id check (its chunk is checked when rebuilt).
         let e = entries[1];
         let s = &v2.data[e.offset as usize..(e.offset + e.len) as usize];
-        assert_eq!(open_blob(&k, BlobKind::Delta, &did, s).unwrap(), &b"delta"[..]);
+        assert_eq!(
+            open_blob(&k, BlobKind::Delta, &did, s).unwrap(),
+            &b"delta"[..]
+        );
         assert!(open_blob(&k, BlobKind::Data, &did, s).is_none());
     }
 }

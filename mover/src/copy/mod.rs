@@ -18,8 +18,7 @@ pub(crate) use dest::{Destination, Origin, prepare as prepare_destination};
 use crate::error::{CopyError, Result, write_error};
 use chunker::{
     BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, MerkleBuilder, VolumeKind, Window,
-    direct::DirectWriter,
-    hash_volume, is_zero, read_ahead, read_window, read_window_where,
+    direct::DirectWriter, hash_volume, is_zero, read_ahead, read_window, read_window_where,
 };
 use index::{Identity, IndexReader, IndexWriter};
 use plan::{DstChunk, Op, SrcChunk, plan_chunk, push_merged};

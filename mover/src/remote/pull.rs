@@ -68,8 +68,8 @@ async fn attempt(
     // A second handle on the destination, for the reader thread and the writes.
     let rw = std::fs::OpenOptions::new().read(true).write(true).clone();
     let local = Arc::new(BlockVolume::open_with(dest.volume.path(), &rw)?.limited_to_at_most(size));
-    let writer = DirectWriter::new(local.file())
-        .map_err(|e| write_error("open of", local.path(), 0, e))?;
+    let writer =
+        DirectWriter::new(local.file()).map_err(|e| write_error("open of", local.path(), 0, e))?;
     let mut sum = CopySummary {
         source: url.to_string().into(),
         destination: dst.into(),

@@ -284,13 +284,17 @@ pub async fn restore_snapshot(
                         let _permit = permit;
                         let sealed = repo.read_sealed(&pack, group).await.map_err(stopped)?;
                         tokio::task::spawn_blocking(move || {
-                            let (mut n, mut bytes) = (0, 0);
+                            let mut opened = Vec::with_capacity(sealed.len());
                             for (id, loc, sealed) in sealed {
                                 let data = repo.open_blob(&id, &loc, &sealed).map_err(stopped)?;
-                                let (k, b) = out.write_at_each(at.get(&id), &data)?;
-                                (n, bytes) = (n + k, bytes + b);
+                                opened.extend(
+                                    at.get(&id)
+                                        .into_iter()
+                                        .flatten()
+                                        .map(|o| (*o, data.clone())),
+                                );
                             }
-                            Ok((n, bytes))
+                            out.write_runs(opened)
                         })
                         .await
                         .map_err(join)?
@@ -320,7 +324,7 @@ pub async fn restore_snapshot(
 /// The destination's data writes, shared by the read tasks.
 struct Output {
     writer: DirectWriter,
-    /// Taken around buffered writes only (see [`Output::write_at_each`]).
+    /// Taken around buffered writes only (see [`Output::buffered_turn`]).
     turn: Mutex<()>,
     path: PathBuf,
 }
@@ -333,12 +337,7 @@ impl Output {
         offsets: Option<&Vec<u64>>,
         data: &[u8],
     ) -> Result<(u64, u64), RepoError> {
-        // Large writes bypass the page cache, in parallel. Where they cannot, one buffered
-        // write at a time: parallel buffered writes to one file contend for its inode
-        // lock, and the kernel spins on it (measured: more system time than all the
-        // decryption). Opening blobs stays parallel either way.
-        let _turn =
-            (!self.writer.is_direct()).then(|| self.turn.lock().unwrap_or_else(|e| e.into_inner()));
+        let _turn = self.buffered_turn();
         let mut n = 0;
         for off in offsets.into_iter().flatten() {
             self.writer
@@ -347,6 +346,35 @@ impl Output {
             n += 1;
         }
         Ok((n, n * data.len() as u64))
+    }
+
+    /// Writes restored chunks (offset, data), chunks that follow each other on the
+    /// volume as one request; returns the chunks and bytes written.
+    fn write_runs(&self, mut chunks: Vec<(u64, Bytes)>) -> Result<(u64, u64), RepoError> {
+        chunks.sort_by_key(|(o, _)| *o);
+        let _turn = self.buffered_turn();
+        let (mut i, mut bytes) = (0, 0);
+        while i < chunks.len() {
+            let (start, mut end, mut j) = (chunks[i].0, chunks[i].0, i);
+            while j < chunks.len() && chunks[j].0 == end {
+                end += chunks[j].1.len() as u64;
+                j += 1;
+            }
+            let parts: Vec<&[u8]> = chunks[i..j].iter().map(|(_, d)| &d[..]).collect();
+            self.writer
+                .write_all_parts_at(&parts, start)
+                .map_err(|e| io("write to", &self.path, start, e))?;
+            (i, bytes) = (j, bytes + end - start);
+        }
+        Ok((chunks.len() as u64, bytes))
+    }
+
+    /// Large writes bypass the page cache, in parallel. Where they cannot, one buffered
+    /// write at a time: parallel buffered writes to one file contend for its inode lock,
+    /// and the kernel spins on it (measured: more system time than all the decryption).
+    /// Opening blobs stays parallel either way.
+    fn buffered_turn(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        (!self.writer.is_direct()).then(|| self.turn.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
