@@ -289,7 +289,18 @@ fn killed_in_place_copy_leaves_a_marker_until_finished() {
         .unwrap();
     let markers = state.join("copies");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while std::fs::read_dir(&markers).map(|d| d.count()).unwrap_or(0) == 0 {
+    // The marker is written as a temp file, synced and renamed: wait for the final name
+    // (a slow disk can take longer over the sync than the test sleeps below).
+    let json_markers = || {
+        std::fs::read_dir(&markers).map_or(0, |d| {
+            d.filter(|e| {
+                e.as_ref()
+                    .is_ok_and(|e| e.path().extension().is_some_and(|x| x == "json"))
+            })
+            .count()
+        })
+    };
+    while json_markers() == 0 {
         assert!(
             child.try_wait().unwrap().is_none(),
             "copy finished before it could be killed"
