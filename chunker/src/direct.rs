@@ -111,14 +111,10 @@ impl DirectFile {
         Ok(done)
     }
 
-    /// Writes the aligned head of `data` at `offset` directly; returns how many bytes it
-    /// wrote (0 when the transfer is not eligible). The caller writes the rest.
-    pub fn write_at(&self, data: &[u8], offset: u64) -> io::Result<usize> {
-        self.write_parts_at(&[data], offset)
-    }
-
-    /// [`DirectFile::write_at`] of the concatenation of `parts`, without concatenating
-    /// them first: adjacent chunks go to the device as one large request.
+    /// Writes the aligned head of the concatenation of `parts` at `offset` directly,
+    /// without concatenating them first (adjacent chunks go to the device as one large
+    /// request); returns how many bytes it wrote (0 when the transfer is not eligible).
+    /// The caller writes the rest.
     pub fn write_parts_at(&self, parts: &[&[u8]], offset: u64) -> io::Result<usize> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let body = total / ALIGN * ALIGN;

@@ -252,7 +252,7 @@ pub async fn restore_snapshot(
                         }
                     }
                     tokio::task::spawn_blocking(move || {
-                        let (mut n, mut bytes) = (0, 0);
+                        let mut rebuilt = Vec::with_capacity(group.len());
                         for (id, loc, bloc) in group {
                             let base = loc.base.expect("a delta has a base");
                             let sealed = |i: ChunkId, l: &BlobLoc| &got[&(i, l.pack, l.offset)];
@@ -265,10 +265,9 @@ pub async fn restore_snapshot(
                                     &plain.map_err(stopped)?,
                                 )
                                 .map_err(stopped)?;
-                            let (k, b) = out.write_at_each(at.get(&id), &data)?;
-                            (n, bytes) = (n + k, bytes + b);
+                            rebuilt.extend(placed(&at, &id, Bytes::from(data)));
                         }
-                        Ok((n, bytes))
+                        out.write_runs(rebuilt)
                     })
                     .await
                     .map_err(join)?
@@ -287,12 +286,7 @@ pub async fn restore_snapshot(
                             let mut opened = Vec::with_capacity(sealed.len());
                             for (id, loc, sealed) in sealed {
                                 let data = repo.open_blob(&id, &loc, &sealed).map_err(stopped)?;
-                                opened.extend(
-                                    at.get(&id)
-                                        .into_iter()
-                                        .flatten()
-                                        .map(|o| (*o, data.clone())),
-                                );
+                                opened.extend(placed(&at, &id, data));
                             }
                             out.write_runs(opened)
                         })
@@ -321,6 +315,16 @@ pub async fn restore_snapshot(
     Ok(sum)
 }
 
+/// A restored chunk at each offset where the snapshot holds it.
+fn placed(
+    at: &HashMap<ChunkId, Vec<u64>>,
+    id: &ChunkId,
+    data: Bytes,
+) -> impl Iterator<Item = (u64, Bytes)> {
+    let offsets = at.get(id).cloned().unwrap_or_default();
+    offsets.into_iter().map(move |o| (o, data.clone()))
+}
+
 /// The destination's data writes, shared by the read tasks.
 struct Output {
     writer: DirectWriter,
@@ -330,24 +334,6 @@ struct Output {
 }
 
 impl Output {
-    /// Writes a restored chunk at each offset where the snapshot holds it; returns the
-    /// chunks and bytes written.
-    fn write_at_each(
-        &self,
-        offsets: Option<&Vec<u64>>,
-        data: &[u8],
-    ) -> Result<(u64, u64), RepoError> {
-        let _turn = self.buffered_turn();
-        let mut n = 0;
-        for off in offsets.into_iter().flatten() {
-            self.writer
-                .write_all_at(data, *off)
-                .map_err(|e| io("write to", &self.path, *off, e))?;
-            n += 1;
-        }
-        Ok((n, n * data.len() as u64))
-    }
-
     /// Writes restored chunks (offset, data), chunks that follow each other on the
     /// volume as one request; returns the chunks and bytes written.
     fn write_runs(&self, mut chunks: Vec<(u64, Bytes)>) -> Result<(u64, u64), RepoError> {
