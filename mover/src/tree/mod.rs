@@ -9,6 +9,7 @@
 
 mod content;
 mod meta;
+mod source;
 mod sync;
 
 use crate::{CopyError, Progress, Result};
@@ -21,6 +22,7 @@ use std::{
     sync::atomic::Ordering::Relaxed,
     time::Instant,
 };
+use source::{LocalSource, TreeSource};
 use sync::{DirPair, Rules, Syncer};
 
 /// Options of `mover copy` for file trees.
@@ -60,47 +62,48 @@ fn tree_error<E: Into<std::io::Error>>(
     }
 }
 
-/// Walks `src_abs` into `work` on `pool`, then makes the deferred hard links.
-fn pass(
+/// Walks the source into `work` on `pool`, then makes the deferred hard links.
+fn pass<S: TreeSource>(
     pool: &rayon::ThreadPool,
-    syncer: &Syncer<'_>,
-    src_abs: &Path,
+    syncer: &Syncer<'_, S>,
+    source: &S,
     work: &Path,
-) -> Result<DirPair> {
-    let open = |path: &Path, what| {
-        meta::open_dir_at(rustix::fs::CWD, path.as_os_str()).map_err(tree_error(path, what))
-    };
+) -> Result<DirPair<S::Dir>> {
+    let src_path = source.root_path();
     let root = DirPair {
-        src: open(src_abs, "cannot open the source")?,
-        dst: open(work, "cannot open the destination")?,
-        src_path: src_abs.to_path_buf(),
+        src: source
+            .open_root()
+            .map_err(tree_error(src_path, "cannot open the source"))?,
+        dst: meta::open_dir_at(rustix::fs::CWD, work.as_os_str())
+            .map_err(tree_error(work, "cannot open the destination"))?,
+        src_path: src_path.to_path_buf(),
         dst_path: work.to_path_buf(),
         rel: PathBuf::new(),
     };
     pool.install(|| syncer.sync_dir(&root));
-    syncer.link_deferred(src_abs, work);
+    syncer.link_deferred(work);
     Ok(root)
 }
 
 /// The second pass of `--verify`: the same walk comparing contents, which must find the
 /// copy complete. Whatever it finds different is repaired, and reported as a failure.
-fn verify(
+fn verify<S: TreeSource>(
     pool: &rayon::ThreadPool,
-    src_abs: &Path,
+    source: &S,
     dst: &Path,
     rules: Rules,
     progress: &dyn Progress,
 ) -> Result<()> {
     progress.begin("verify", 0);
-    let dest = Destination::prepare(dst, src_abs)?;
+    let dest = Destination::prepare(dst, None)?;
     let rules = Rules {
         checksum: true,
         hidden: false,
         delete: rules.delete,
         ..rules
     };
-    let syncer = Syncer::new(rules, progress);
-    pass(pool, &syncer, src_abs, &dest.work)?;
+    let syncer = Syncer::new(source, rules, progress);
+    pass(pool, &syncer, source, &dest.work)?;
     let s = &syncer.stats;
     let differing = s.copied.load(Relaxed)
         + s.patched.load(Relaxed)
@@ -109,7 +112,7 @@ fn verify(
         + s.errors.load(Relaxed);
     if differing > 0 {
         return Err(CopyError::TreeVerifyFailed {
-            src: src_abs.to_path_buf(),
+            src: source.root_path().to_path_buf(),
             dst: dst.to_path_buf(),
             differing,
         });
@@ -184,9 +187,24 @@ pub fn copy_tree(
     options: &TreeOptions,
     progress: &dyn Progress,
 ) -> Result<TreeSummary> {
-    let started = Instant::now();
     let src_abs = std::fs::canonicalize(src).map_err(tree_error(src, "cannot open the source"))?;
-    let dest = Destination::prepare(dst, &src_abs)?;
+    let dest = Destination::prepare(dst, Some(&src_abs))?;
+    let source = LocalSource::new(src_abs);
+    let mut summary = copy_tree_from(&source, dest, dst, options, progress)?;
+    summary.source = src.to_path_buf();
+    Ok(summary)
+}
+
+/// Copies the tree `source` onto `dst`, prepared as `dest`: the walk behind every tree
+/// copy, local or with a peer agent on either side.
+pub(crate) fn copy_tree_from<S: TreeSource>(
+    source: &S,
+    dest: Destination,
+    dst: &Path,
+    options: &TreeOptions,
+    progress: &dyn Progress,
+) -> Result<TreeSummary> {
+    let started = Instant::now();
     let rules = Rules {
         delete: options.delete,
         checksum: options.checksum,
@@ -207,19 +225,19 @@ pub fn copy_tree(
         .thread_name(|i| format!("mover-tree-{i}"))
         .build()
         .map_err(std::io::Error::other)
-        .map_err(tree_error(&src_abs, "cannot start threads"))?;
+        .map_err(tree_error(source.root_path(), "cannot start threads"))?;
     progress.begin("copy", 0);
-    let syncer = Syncer::new(rules, progress);
-    let root = pass(&pool, &syncer, &src_abs, &dest.work)?;
-    dest.finish(&root, &syncer, &src_abs, rules.preserve)?;
+    let syncer = Syncer::new(source, rules, progress);
+    let root = pass(&pool, &syncer, source, &dest.work)?;
+    dest.finish(&root, &syncer, source, rules.preserve)?;
     let verified = options.verify && syncer.stats.errors.load(Relaxed) == 0;
     if verified {
-        verify(&pool, &src_abs, dst, rules, progress)?;
+        verify(&pool, source, dst, rules, progress)?;
     }
     let s = &syncer.stats;
     let (errors, warnings) = syncer.messages();
     Ok(TreeSummary {
-        source: src.to_path_buf(),
+        source: source.root_path().to_path_buf(),
         destination: dst.to_path_buf(),
         files: s.files.load(Relaxed),
         dirs: s.dirs.load(Relaxed),
@@ -245,7 +263,7 @@ pub fn copy_tree(
 }
 
 /// Where the copy is written and how it is finished.
-struct Destination {
+pub(crate) struct Destination {
     /// The directory written into: DST itself, or the hidden partial copy.
     work: PathBuf,
     /// DST's parent, and DST's name in it.
@@ -258,7 +276,9 @@ struct Destination {
 }
 
 impl Destination {
-    fn prepare(dst: &Path, src_abs: &Path) -> Result<Destination> {
+    /// Checks `dst` and makes or finds where the copy is written. `src_abs`, a local
+    /// source, must neither contain nor be inside it.
+    pub(crate) fn prepare(dst: &Path, src_abs: Option<&Path>) -> Result<Destination> {
         let bad = |why: String| CopyError::BadDestination {
             path: dst.to_path_buf(),
             why,
@@ -300,7 +320,9 @@ impl Destination {
             Err(e) => return Err(bad(e.to_string())),
         };
         let target = parent.join(&name);
-        if target.starts_with(src_abs) || src_abs.starts_with(&target) {
+        if let Some(src_abs) = src_abs
+            && (target.starts_with(src_abs) || src_abs.starts_with(&target))
+        {
             return Err(CopyError::SameVolume {
                 src: src_abs.to_path_buf(),
                 dst: dst.to_path_buf(),
@@ -339,23 +361,20 @@ impl Destination {
 
     /// Gives the top directory its metadata, makes everything durable, and renames a
     /// hidden copy into place (only if every entry was copied).
-    fn finish(
+    fn finish<S: TreeSource>(
         &self,
-        root: &DirPair,
-        syncer: &Syncer<'_>,
-        src_abs: &Path,
+        root: &DirPair<S::Dir>,
+        syncer: &Syncer<'_, S>,
+        source: &S,
         preserve: meta::Preserve,
     ) -> Result<()> {
         let err = |what| tree_error(&self.work, what);
-        let src_meta = meta::Meta::of_fd(root.src.as_fd()).map_err(err("cannot stat"))?;
+        let (src_meta, src_x) = source
+            .stat_dir(Path::new(""), preserve.xattrs)
+            .map_err(tree_error(source.root_path(), "cannot stat the source"))?;
         let parent = meta::open_dir_at(rustix::fs::CWD, self.parent.as_os_str())
             .map_err(err("cannot open the parent of"))?;
         let work_name = self.work.file_name().unwrap_or_default();
-        let src_x = if preserve.xattrs {
-            meta::read_xattrs(src_abs).map_err(err("cannot read xattrs of the source of"))?
-        } else {
-            Vec::new()
-        };
         let have = meta::Meta::of_fd(root.dst.as_fd()).map_err(err("cannot stat"))?;
         let have_x = if preserve.xattrs {
             meta::read_xattrs(&self.work).map_err(err("cannot read xattrs of"))?

@@ -6,8 +6,9 @@
 //! directory's own metadata (mode, times) is set after its children are done.
 
 use super::{
-    content::{self, PATCH_MIN, Written},
+    content::{PATCH_MIN, Written},
     meta::{self, Kind, Meta, Preserve, Xattrs},
+    source::{Listed, TreeSource},
 };
 use crate::Progress;
 use rustix::fs::{self, AtFlags, Mode, OFlags};
@@ -79,8 +80,8 @@ struct Deferred {
 }
 
 /// The open pair of directories being synced.
-pub(crate) struct DirPair {
-    pub src: OwnedFd,
+pub(crate) struct DirPair<D> {
+    pub src: D,
     pub dst: OwnedFd,
     pub src_path: PathBuf,
     pub dst_path: PathBuf,
@@ -89,7 +90,8 @@ pub(crate) struct DirPair {
 }
 
 /// One walk's shared state.
-pub(crate) struct Syncer<'a> {
+pub(crate) struct Syncer<'a, S: TreeSource> {
+    source: &'a S,
     rules: Rules,
     pub stats: Stats,
     /// Source (dev, ino) of files with several links → the first link seen.
@@ -110,15 +112,10 @@ struct Slot {
     occupied: bool,
 }
 
-/// An entry as listed.
-struct Listed {
-    name: OsString,
-    meta: Meta,
-}
-
-impl<'a> Syncer<'a> {
-    pub(crate) fn new(rules: Rules, progress: &'a dyn Progress) -> Self {
+impl<'a, S: TreeSource> Syncer<'a, S> {
+    pub(crate) fn new(source: &'a S, rules: Rules, progress: &'a dyn Progress) -> Self {
         Syncer {
+            source,
             rules,
             stats: Stats::default(),
             links: Mutex::default(),
@@ -156,13 +153,16 @@ impl<'a> Syncer<'a> {
     }
 
     /// Makes `pair.dst` hold what `pair.src` holds, recursively.
-    pub(crate) fn sync_dir(&self, pair: &DirPair) {
-        let src = match list(pair.src.as_fd()) {
+    pub(crate) fn sync_dir(&self, pair: &DirPair<S::Dir>) {
+        if self.source.broken() {
+            return;
+        }
+        let src = match self.source.list(&pair.src, self.rules.preserve.xattrs) {
             Ok(v) => v,
             Err(e) => return self.fail(&pair.src_path, "cannot list the source directory", e),
         };
         let dst: HashMap<OsString, Meta> = match list(pair.dst.as_fd()) {
-            Ok(v) => v.into_iter().map(|l| (l.name, l.meta)).collect(),
+            Ok(v) => v.into_iter().collect(),
             Err(e) => return self.fail(&pair.dst_path, "cannot list the destination", e),
         };
         let wanted: HashSet<&OsStr> = src.iter().map(|l| l.name.as_os_str()).collect();
@@ -205,7 +205,12 @@ impl<'a> Syncer<'a> {
         });
     }
 
-    fn sync_subdir(&self, pair: &DirPair, entry: &Listed, have: Option<Meta>) -> io::Result<()> {
+    fn sync_subdir(
+        &self,
+        pair: &DirPair<S::Dir>,
+        entry: &Listed,
+        have: Option<Meta>,
+    ) -> io::Result<()> {
         self.stats.dirs.fetch_add(1, Relaxed);
         let name = entry.name.as_os_str();
         let have = self.clear_for(pair, name, have, Kind::Dir)?;
@@ -213,7 +218,7 @@ impl<'a> Syncer<'a> {
             fs::mkdirat(pair.dst.as_fd(), name, Mode::from_raw_mode(0o700))?;
         }
         let child = DirPair {
-            src: meta::open_dir_at(&pair.src, name)?,
+            src: self.source.open_dir(&pair.src, name)?,
             dst: meta::open_dir_at(&pair.dst, name)?,
             src_path: pair.src_path.join(name),
             dst_path: pair.dst_path.join(name),
@@ -222,8 +227,8 @@ impl<'a> Syncer<'a> {
         self.sync_dir(&child);
         // Its children changed its times: compare with what it is now.
         let now = Meta::of_fd(child.dst.as_fd())?;
-        let (src_x, dst_x) = self.xattrs(pair, name, have.is_some())?;
-        self.apply(pair, name, &entry.meta, &src_x, Some((&now, &dst_x)))?;
+        let dst_x = self.dst_xattrs(pair, name, have.is_some())?;
+        self.apply(pair, name, &entry.meta, &entry.xattrs, Some((&now, &dst_x)))?;
         Ok(())
     }
 
@@ -231,7 +236,7 @@ impl<'a> Syncer<'a> {
     /// (only with --delete when it is a directory). Returns what stays.
     fn clear_for(
         &self,
-        pair: &DirPair,
+        pair: &DirPair<S::Dir>,
         name: &OsStr,
         have: Option<Meta>,
         kind: Kind,
@@ -257,7 +262,12 @@ impl<'a> Syncer<'a> {
         }
     }
 
-    fn sync_entry(&self, pair: &DirPair, entry: &Listed, have: Option<&Meta>) -> io::Result<()> {
+    fn sync_entry(
+        &self,
+        pair: &DirPair<S::Dir>,
+        entry: &Listed,
+        have: Option<&Meta>,
+    ) -> io::Result<()> {
         let kind = entry.meta.kind;
         let there = self.clear_for(pair, &entry.name, have.copied(), kind)?;
         // An entry of another kind is replaced by the rename that puts the new one there.
@@ -272,7 +282,7 @@ impl<'a> Syncer<'a> {
         }
     }
 
-    fn sync_file(&self, pair: &DirPair, entry: &Listed, slot: Slot) -> io::Result<()> {
+    fn sync_file(&self, pair: &DirPair<S::Dir>, entry: &Listed, slot: Slot) -> io::Result<()> {
         let (name, m, have) = (entry.name.as_os_str(), &entry.meta, slot.have);
         if m.nlink > 1 {
             let rel = pair.rel.join(name);
@@ -294,11 +304,11 @@ impl<'a> Syncer<'a> {
             && h.mtime == m.mtime
             && (!self.rules.checksum || self.same_content(pair, name)?)
         {
-            let (src_x, dst_x) = self.xattrs(pair, name, true)?;
-            self.settle(self.apply(pair, name, m, &src_x, Some((&h, &dst_x)))?);
+            let dst_x = self.dst_xattrs(pair, name, true)?;
+            self.settle(self.apply(pair, name, m, &entry.xattrs, Some((&h, &dst_x)))?);
             return Ok(());
         }
-        let src = open_file(pair.src.as_fd(), name)?;
+        let src = self.source.open_file(&pair.src, name)?;
         let (target, direct) = self.target(name, slot.occupied);
         let dst: File = fs::openat(
             pair.dst.as_fd(),
@@ -318,10 +328,13 @@ impl<'a> Syncer<'a> {
         let mut attempt = 0;
         let written = loop {
             let result = match &old {
-                Some(old) => content::patch(&src, old, &dst, seen.size),
-                None => content::copy_whole(&src, &dst, seen.size, seen.allocated < seen.size),
+                Some(old) => self.source.patch(&src, old, &dst, seen.size),
+                None => {
+                    let sparse = seen.allocated < seen.size;
+                    self.source.copy_whole(&src, &dst, seen.size, sparse)
+                }
             };
-            let after = Meta::of_fd(src.as_fd())?;
+            let after = self.source.stat(&src)?;
             let changed = seen.content_changed(&after);
             match result {
                 Ok(w) if !changed => break w,
@@ -346,10 +359,9 @@ impl<'a> Syncer<'a> {
                 Err(e) => return Err(e),
             }
         };
-        let src_x = self.src_xattrs(pair, name)?;
         // The metadata seen when the content was read (the listing may be older).
         let xattr_path = meta::xattr_path(&pair.dst_path, pair.dst.as_fd(), &target);
-        meta::apply_new_file(&dst, &xattr_path, &seen, &src_x, self.rules.preserve)?;
+        meta::apply_new_file(&dst, &xattr_path, &seen, &entry.xattrs, self.rules.preserve)?;
         drop(dst);
         if !direct {
             fs::renameat(pair.dst.as_fd(), &target, pair.dst.as_fd(), name)?;
@@ -383,30 +395,40 @@ impl<'a> Syncer<'a> {
         counter.fetch_add(1, Relaxed);
     }
 
-    fn sync_symlink(&self, pair: &DirPair, entry: &Listed, slot: Slot) -> io::Result<()> {
+    fn sync_symlink(
+        &self,
+        pair: &DirPair<S::Dir>,
+        entry: &Listed,
+        slot: Slot,
+    ) -> io::Result<()> {
         self.stats.symlinks.fetch_add(1, Relaxed);
         let (name, have) = (entry.name.as_os_str(), slot.have);
-        let target = fs::readlinkat(pair.src.as_fd(), name, Vec::new())?;
+        let target = OsStr::from_bytes(&entry.link);
         if let Some(h) = have
-            && fs::readlinkat(pair.dst.as_fd(), name, Vec::new())? == target
+            && fs::readlinkat(pair.dst.as_fd(), name, Vec::new())?.as_bytes() == entry.link
         {
-            let (src_x, dst_x) = self.xattrs(pair, name, true)?;
-            self.settle(self.apply(pair, name, &entry.meta, &src_x, Some((&h, &dst_x)))?);
+            let dst_x = self.dst_xattrs(pair, name, true)?;
+            self.settle(self.apply(pair, name, &entry.meta, &entry.xattrs, Some((&h, &dst_x)))?);
             return Ok(());
         }
         let (tmp, direct) = self.target(name, slot.occupied);
-        fs::symlinkat(target.as_c_str(), pair.dst.as_fd(), &tmp)?;
-        self.finish_new(pair, name, &tmp, direct, &entry.meta)
+        fs::symlinkat(target, pair.dst.as_fd(), &tmp)?;
+        self.finish_new(pair, entry, &tmp, direct)
     }
 
-    fn sync_special(&self, pair: &DirPair, entry: &Listed, slot: Slot) -> io::Result<()> {
+    fn sync_special(
+        &self,
+        pair: &DirPair<S::Dir>,
+        entry: &Listed,
+        slot: Slot,
+    ) -> io::Result<()> {
         self.stats.specials.fetch_add(1, Relaxed);
         let (name, m, have) = (entry.name.as_os_str(), &entry.meta, slot.have);
         if let Some(h) = have
             && h.rdev == m.rdev
         {
-            let (src_x, dst_x) = self.xattrs(pair, name, true)?;
-            self.settle(self.apply(pair, name, m, &src_x, Some((&h, &dst_x)))?);
+            let dst_x = self.dst_xattrs(pair, name, true)?;
+            self.settle(self.apply(pair, name, m, &entry.xattrs, Some((&h, &dst_x)))?);
             return Ok(());
         }
         let (tmp, direct) = self.target(name, slot.occupied);
@@ -417,22 +439,20 @@ impl<'a> Syncer<'a> {
             Mode::from_raw_mode(0o600),
             m.rdev,
         )?;
-        self.finish_new(pair, name, &tmp, direct, m)
+        self.finish_new(pair, entry, &tmp, direct)
     }
 
     /// Gives a just-made entry its metadata and renames it into place.
     fn finish_new(
         &self,
-        pair: &DirPair,
-        name: &OsStr,
+        pair: &DirPair<S::Dir>,
+        entry: &Listed,
         made: &OsStr,
         direct: bool,
-        m: &Meta,
     ) -> io::Result<()> {
-        let src_x = self.src_xattrs(pair, name)?;
-        self.apply(pair, made, m, &src_x, None)?;
+        self.apply(pair, made, &entry.meta, &entry.xattrs, None)?;
         if !direct {
-            fs::renameat(pair.dst.as_fd(), made, pair.dst.as_fd(), name)?;
+            fs::renameat(pair.dst.as_fd(), made, pair.dst.as_fd(), &entry.name)?;
         }
         self.stats.copied.fetch_add(1, Relaxed);
         Ok(())
@@ -451,7 +471,7 @@ impl<'a> Syncer<'a> {
 
     fn apply(
         &self,
-        pair: &DirPair,
+        pair: &DirPair<S::Dir>,
         name: &OsStr,
         m: &Meta,
         src_x: &Xattrs,
@@ -468,46 +488,35 @@ impl<'a> Syncer<'a> {
         )
     }
 
-    fn src_xattrs(&self, pair: &DirPair, name: &OsStr) -> io::Result<Xattrs> {
-        if !self.rules.preserve.xattrs {
+    /// The destination's xattrs of `name` (none if it does not exist or they are not
+    /// carried).
+    fn dst_xattrs(&self, pair: &DirPair<S::Dir>, name: &OsStr, exists: bool) -> io::Result<Xattrs> {
+        if !self.rules.preserve.xattrs || !exists {
             return Ok(Xattrs::new());
         }
-        meta::read_xattrs_at(pair.src.as_fd(), &pair.src_path, name)
+        meta::read_xattrs_at(pair.dst.as_fd(), &pair.dst_path, name)
     }
 
-    /// The xattrs of `name` on both sides (the destination's only if it `exists`).
-    fn xattrs(&self, pair: &DirPair, name: &OsStr, exists: bool) -> io::Result<(Xattrs, Xattrs)> {
-        if !self.rules.preserve.xattrs {
-            return Ok((Xattrs::new(), Xattrs::new()));
-        }
-        let dst = if exists {
-            meta::read_xattrs_at(pair.dst.as_fd(), &pair.dst_path, name)?
-        } else {
-            Xattrs::new()
-        };
-        Ok((self.src_xattrs(pair, name)?, dst))
-    }
-
-    fn same_content(&self, pair: &DirPair, name: &OsStr) -> io::Result<bool> {
-        content::same_content(
-            &open_file(pair.src.as_fd(), name)?,
-            &open_file(pair.dst.as_fd(), name)?,
-        )
+    fn same_content(&self, pair: &DirPair<S::Dir>, name: &OsStr) -> io::Result<bool> {
+        let src = self.source.open_file(&pair.src, name)?;
+        self.source
+            .same_content(&src, &open_file(pair.dst.as_fd(), name)?)
     }
 
     /// Makes the hard links found during the walk, now that every first link is
     /// complete. A link that is already right is left alone.
-    pub(crate) fn link_deferred(&self, src_root: &Path, dst_root: &Path) {
+    pub(crate) fn link_deferred(&self, dst_root: &Path) {
         let deferred = std::mem::take(&mut *self.deferred.lock().expect("deferred lock"));
         for d in deferred {
             self.stats.hard_links.fetch_add(1, Relaxed);
-            if let Err(e) = self.link_one(src_root, dst_root, &d) {
-                self.fail(&src_root.join(&d.rel), "hard link not made", e);
+            if let Err(e) = self.link_one(dst_root, &d) {
+                let path = self.source.root_path().join(&d.rel);
+                self.fail(&path, "hard link not made", e);
             }
         }
     }
 
-    fn link_one(&self, src_root: &Path, dst_root: &Path, d: &Deferred) -> io::Result<()> {
+    fn link_one(&self, dst_root: &Path, d: &Deferred) -> io::Result<()> {
         let (path, primary) = (dst_root.join(&d.rel), dst_root.join(&d.primary));
         let first = std::fs::symlink_metadata(&primary)?;
         let parent = path.parent().unwrap_or(dst_root);
@@ -546,13 +555,10 @@ impl<'a> Syncer<'a> {
             fs::renameat(&dir, &tmp, &dir, name)?;
         }
         // The new name changed the directory's mtime: give it back the source's.
-        let src_dir =
-            std::fs::symlink_metadata(src_root.join(d.rel.parent().unwrap_or(Path::new(""))))?;
-        meta::set_mtime(
-            dir.as_fd(),
-            OsStr::new("."),
-            (src_dir.mtime(), src_dir.mtime_nsec() as u32),
-        )?;
+        let (src_dir, _) = self
+            .source
+            .stat_dir(d.rel.parent().unwrap_or(Path::new("")), false)?;
+        meta::set_mtime(dir.as_fd(), OsStr::new("."), src_dir.mtime)?;
         Ok(())
     }
 }
@@ -561,7 +567,7 @@ impl<'a> Syncer<'a> {
 ///
 /// Entries are stat'ed in inode order, not readdir's hash order: on a cold cache that
 /// reads the inode table in one pass instead of seeking across it for every entry.
-fn list(dir: BorrowedFd<'_>) -> io::Result<Vec<Listed>> {
+pub(crate) fn list(dir: BorrowedFd<'_>) -> io::Result<Vec<(OsString, Meta)>> {
     let mut names = Vec::new();
     for entry in fs::Dir::read_from(dir)? {
         let entry = entry?;
@@ -574,7 +580,7 @@ fn list(dir: BorrowedFd<'_>) -> io::Result<Vec<Listed>> {
     let mut out = Vec::with_capacity(names.len());
     for (_, name) in names {
         match Meta::at(dir, &name) {
-            Ok(meta) => out.push(Listed { name, meta }),
+            Ok(meta) => out.push((name, meta)),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }
@@ -582,7 +588,7 @@ fn list(dir: BorrowedFd<'_>) -> io::Result<Vec<Listed>> {
     Ok(out)
 }
 
-fn open_file(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<File> {
+pub(crate) fn open_file(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<File> {
     Ok(fs::openat(
         dir,
         name,
@@ -597,8 +603,8 @@ pub(crate) fn remove_entry(dir: BorrowedFd<'_>, name: &OsStr, kind: Kind) -> io:
     let mut removed = 1;
     if kind == Kind::Dir {
         let fd = meta::open_dir_at(dir, name)?;
-        for child in list(fd.as_fd())? {
-            removed += remove_entry(fd.as_fd(), &child.name, child.meta.kind)?;
+        for (name, meta) in list(fd.as_fd())? {
+            removed += remove_entry(fd.as_fd(), &name, meta.kind)?;
         }
         fs::unlinkat(dir, name, AtFlags::REMOVEDIR)?;
     } else {

@@ -1,0 +1,163 @@
+//! Where a tree copy reads from: a local directory, or a peer across the network
+//! ([`super::remote`]). The walk in [`super::sync`] only ever asks a source for listings,
+//! directory metadata and file contents, so one walk serves local copies, pushes into an
+//! agent (the agent walks, the client is its source) and pulls from one.
+
+use super::{
+    content::{self, Written},
+    meta::{self, Kind, Meta, Xattrs},
+    sync::{list, open_file},
+};
+use std::{
+    ffi::OsStr,
+    fs::File,
+    io,
+    os::fd::{AsFd, OwnedFd},
+    path::{Path, PathBuf},
+};
+
+/// A source entry as listed: its `lstat`, and what the walk needs besides content.
+#[derive(Clone, Debug)]
+pub(crate) struct Listed {
+    pub name: std::ffi::OsString,
+    pub meta: Meta,
+    /// A symlink's target (empty for other kinds).
+    pub link: Vec<u8>,
+    /// Extended attributes and ACLs (empty unless asked for).
+    pub xattrs: Xattrs,
+}
+
+/// A tree to copy from.
+pub(crate) trait TreeSource: Sync {
+    /// An open directory of the tree.
+    type Dir: Send + Sync;
+    /// An open regular file of the tree.
+    type File: Send + Sync;
+
+    /// Where the tree is, for messages.
+    fn root_path(&self) -> &Path;
+    fn open_root(&self) -> io::Result<Self::Dir>;
+    fn open_dir(&self, parent: &Self::Dir, name: &OsStr) -> io::Result<Self::Dir>;
+    /// The entries of `dir` (symlink targets included; xattrs if `xattrs`).
+    fn list(&self, dir: &Self::Dir, xattrs: bool) -> io::Result<Vec<Listed>>;
+    /// The metadata (and xattrs if asked) of the directory at `rel` (empty: the root).
+    fn stat_dir(&self, rel: &Path, xattrs: bool) -> io::Result<(Meta, Xattrs)>;
+    fn open_file(&self, dir: &Self::Dir, name: &OsStr) -> io::Result<Self::File>;
+    /// Copies the file (`size` bytes as listed) into the empty `dst`, holes kept.
+    fn copy_whole(&self, f: &Self::File, dst: &File, size: u64, sparse: bool)
+    -> io::Result<Written>;
+    /// Writes the file into the empty `dst`, taking what `old` already holds from `old`.
+    fn patch(&self, f: &Self::File, old: &File, dst: &File, size: u64) -> io::Result<Written>;
+    /// The file's metadata now (after a read: did it change meanwhile?).
+    fn stat(&self, f: &Self::File) -> io::Result<Meta>;
+    /// Whether the file holds the same bytes as `other`.
+    fn same_content(&self, f: &Self::File, other: &File) -> io::Result<bool>;
+    /// The source is gone for good (its connection dropped): the walk stops early.
+    fn broken(&self) -> bool {
+        false
+    }
+}
+
+/// A directory on this machine.
+pub(crate) struct LocalSource {
+    root: PathBuf,
+}
+
+/// An open directory of a [`LocalSource`], with its path (xattr calls need one).
+pub(crate) struct LocalDir {
+    fd: OwnedFd,
+    path: PathBuf,
+}
+
+impl LocalSource {
+    /// The tree at `root` (an absolute path).
+    pub(crate) fn new(root: PathBuf) -> Self {
+        LocalSource { root }
+    }
+}
+
+impl TreeSource for LocalSource {
+    type Dir = LocalDir;
+    type File = File;
+
+    fn root_path(&self) -> &Path {
+        &self.root
+    }
+
+    fn open_root(&self) -> io::Result<LocalDir> {
+        Ok(LocalDir {
+            fd: meta::open_dir_at(rustix::fs::CWD, self.root.as_os_str())?,
+            path: self.root.clone(),
+        })
+    }
+
+    fn open_dir(&self, parent: &LocalDir, name: &OsStr) -> io::Result<LocalDir> {
+        Ok(LocalDir {
+            fd: meta::open_dir_at(&parent.fd, name)?,
+            path: parent.path.join(name),
+        })
+    }
+
+    fn list(&self, dir: &LocalDir, xattrs: bool) -> io::Result<Vec<Listed>> {
+        let mut out = Vec::new();
+        for (name, meta) in list(dir.fd.as_fd())? {
+            let link = if meta.kind == Kind::Symlink {
+                match rustix::fs::readlinkat(&dir.fd, &name, Vec::new()) {
+                    Ok(t) => t.into_bytes(),
+                    Err(rustix::io::Errno::NOENT) => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            } else {
+                Vec::new()
+            };
+            let xattrs = if xattrs {
+                match meta::read_xattrs_at(dir.fd.as_fd(), &dir.path, &name) {
+                    Ok(x) => x,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(e),
+                }
+            } else {
+                Xattrs::new()
+            };
+            out.push(Listed {
+                name,
+                meta,
+                link,
+                xattrs,
+            });
+        }
+        Ok(out)
+    }
+
+    fn stat_dir(&self, rel: &Path, xattrs: bool) -> io::Result<(Meta, Xattrs)> {
+        let path = self.root.join(rel);
+        let fd = meta::open_dir_at(rustix::fs::CWD, path.as_os_str())?;
+        let m = Meta::of_fd(fd.as_fd())?;
+        let x = if xattrs {
+            meta::read_xattrs(&path)?
+        } else {
+            Xattrs::new()
+        };
+        Ok((m, x))
+    }
+
+    fn open_file(&self, dir: &LocalDir, name: &OsStr) -> io::Result<File> {
+        open_file(dir.fd.as_fd(), name)
+    }
+
+    fn copy_whole(&self, f: &File, dst: &File, size: u64, sparse: bool) -> io::Result<Written> {
+        content::copy_whole(f, dst, size, sparse)
+    }
+
+    fn patch(&self, f: &File, old: &File, dst: &File, size: u64) -> io::Result<Written> {
+        content::patch(f, old, dst, size)
+    }
+
+    fn stat(&self, f: &File) -> io::Result<Meta> {
+        Meta::of_fd(f.as_fd())
+    }
+
+    fn same_content(&self, f: &File, other: &File) -> io::Result<bool> {
+        content::same_content(f, other)
+    }
+}
