@@ -5,6 +5,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use mover::{CopyError, CopyOptions, CopySummary, HashSummary, Progress, TreeSummary};
+use mover::remote::AgentUrl;
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, sync::Mutex};
 
 #[path = "snapshot/cli.rs"]
@@ -169,19 +170,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let bar = Bar::new(&output);
             let context = || format!("copy {} -> {}", src.display(), dst.display());
-            if std::fs::metadata(&src).is_ok_and(|m| m.is_dir()) {
-                if dst.to_string_lossy().contains("://") {
-                    anyhow::bail!(Unsupported(format!(
-                        "{}: file trees to or from an agent are not built yet (copy trees \
-                         between local directories)",
-                        dst.display()
-                    )));
-                }
-                let tree = mover::TreeOptions {
-                    verify: options.verify,
-                    ..tree
-                };
-                let summary = mover::copy_tree(&src, &dst, &tree, &bar).with_context(context)?;
+            let url = |p: &std::path::Path| AgentUrl::parse(&p.to_string_lossy()).transpose();
+            let (from, to) = (url(&src)?, url(&dst)?);
+            let tree = mover::TreeOptions {
+                verify: options.verify,
+                ..tree
+            };
+            let summary = if std::fs::metadata(&src).is_ok_and(|m| m.is_dir()) {
+                Some(match &to {
+                    Some(to) => mover::remote::push_tree(&src, to, &tree, &remote),
+                    None if dst.to_string_lossy().contains("://") => {
+                        anyhow::bail!(Unsupported(dst.display().to_string()))
+                    }
+                    None => mover::copy_tree(&src, &dst, &tree, &bar),
+                })
+            } else if let (Some(from), None) = (&from, &to)
+                && mover::remote::is_tree(from, &remote).with_context(context)?
+            {
+                Some(mover::remote::pull_tree(from, &dst, &tree, &remote, &bar))
+            } else {
+                None
+            };
+            if let Some(summary) = summary {
+                let summary = summary.with_context(context)?;
                 bar.done();
                 return print_tree(&summary, output.json);
             }
@@ -215,7 +226,6 @@ fn copy(
     remote: &mover::remote::RemoteOptions,
     bar: &Bar,
 ) -> anyhow::Result<CopySummary> {
-    use mover::remote::AgentUrl;
     let url = |p: &std::path::Path| AgentUrl::parse(&p.to_string_lossy()).transpose();
     let (from, to) = (url(src)?, url(dst)?);
     for p in [src, dst] {

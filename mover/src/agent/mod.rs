@@ -7,6 +7,7 @@ mod fencing;
 mod live;
 mod metrics;
 mod service;
+mod trees;
 
 pub use config::{AgentConfig, ConfigError, Export, TlsConfig};
 pub use fencing::{EpochStore, StaleEpoch};

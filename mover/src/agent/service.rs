@@ -38,12 +38,14 @@ const SYNC_EVERY: u64 = 256 << 20;
 
 /// An agent's Transfer service.
 pub struct AgentService {
-    exports: BTreeMap<String, Export>,
+    pub(super) exports: BTreeMap<String, Export>,
     state_dir: PathBuf,
     epochs: EpochStore,
-    metrics: Arc<Metrics>,
+    pub(super) metrics: Arc<Metrics>,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
     next_id: AtomicU64,
+    /// File-tree exports being pushed into (one writer each).
+    pub(super) trees_busy: Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 /// One open session.
@@ -81,10 +83,11 @@ impl AgentService {
             metrics,
             sessions: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
+            trees_busy: Arc::default(),
         })
     }
 
-    fn refuse(&self, status: Status) -> Status {
+    pub(super) fn refuse(&self, status: Status) -> Status {
         self.metrics.refusals.fetch_add(1, Relaxed);
         status
     }
@@ -95,7 +98,17 @@ impl AgentService {
         })
     }
 
-    fn check_epoch(&self, relationship: &str, epoch: u64) -> Result<(), Status> {
+    /// The export `name`, or a refusal that lists what is exported.
+    pub(super) fn export(&self, name: &str) -> Result<&Export, Status> {
+        self.exports.get(name).ok_or_else(|| {
+            self.refuse(Status::not_found(format!(
+                "volume {name:?} is not exported by this agent (exports: {})",
+                self.exports.keys().cloned().collect::<Vec<_>>().join(", ")
+            )))
+        })
+    }
+
+    pub(super) fn check_epoch(&self, relationship: &str, epoch: u64) -> Result<(), Status> {
         match self.epochs.admit(relationship, epoch) {
             Ok(()) => Ok(()),
             Err(StaleEpochOrIo::Stale(e)) => {
@@ -141,13 +154,7 @@ impl Transfer for AgentService {
             .map(|a| a.to_string())
             .unwrap_or_else(|| "a peer".into());
         let r = req.into_inner();
-        let export = self.exports.get(&r.volume).ok_or_else(|| {
-            self.refuse(Status::not_found(format!(
-                "volume {:?} is not exported by this agent (exports: {})",
-                r.volume,
-                self.exports.keys().cloned().collect::<Vec<_>>().join(", ")
-            )))
-        })?;
+        let export = self.export(&r.volume)?;
         let chunk = ChunkSize::new(r.chunk_size)
             .map_err(|e| self.refuse(Status::invalid_argument(e.to_string())))?;
         if r.relationship.is_empty() {
@@ -338,6 +345,29 @@ impl Transfer for AgentService {
     }
 
     type ReadStream = tokio_stream::wrappers::ReceiverStream<Result<proto::DataFrame, Status>>;
+    type TreePushStream = super::trees::CallStream;
+    type TreePullStream = super::trees::AnswerStream;
+
+    async fn describe(
+        &self,
+        req: Request<proto::DescribeRequest>,
+    ) -> Result<Response<proto::DescribeResponse>, Status> {
+        self.describe_export(req).await
+    }
+
+    async fn tree_push(
+        &self,
+        req: Request<Streaming<proto::TreeAnswer>>,
+    ) -> Result<Response<Self::TreePushStream>, Status> {
+        self.push_tree(req).await
+    }
+
+    async fn tree_pull(
+        &self,
+        req: Request<Streaming<proto::TreeCall>>,
+    ) -> Result<Response<Self::TreePullStream>, Status> {
+        self.pull_tree(req).await
+    }
 
     async fn read(
         &self,

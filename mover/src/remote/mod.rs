@@ -10,9 +10,11 @@
 
 mod pull;
 mod push;
+mod tree;
 
 pub use pull::pull;
 pub use push::push;
+pub use tree::{is_tree, pull_tree, push_tree};
 
 use crate::error::CopyError;
 use chunker::{

@@ -6,7 +6,7 @@ use rustix::fs::{self, SeekFrom};
 use std::{
     collections::HashMap,
     fs::File,
-    io::{self, BufReader, Read},
+    io::{self, BufReader},
     os::unix::fs::FileExt,
     sync::atomic::{AtomicBool, Ordering},
 };
@@ -59,7 +59,7 @@ pub(crate) fn copy_whole(src: &File, dst: &File, size: u64, sparse: bool) -> io:
 /// Copies `len` bytes from `src` at `from` to `dst` at `to`, in the kernel where it can
 /// (which shares extents on filesystems with reflinks). A source that ends early (it
 /// shrank while being read) is an error, so the caller can retry it.
-fn copy_range(src: &File, from: u64, dst: &File, to: u64, len: u64) -> io::Result<()> {
+pub(crate) fn copy_range(src: &File, from: u64, dst: &File, to: u64, len: u64) -> io::Result<()> {
     let (mut from, mut to, mut left) = (from, to, len);
     if KERNEL_COPY.load(Ordering::Relaxed) {
         while left > 0 {
@@ -108,11 +108,7 @@ fn shrank() -> io::Error {
 /// from `src`. Zero chunks are left as holes.
 pub(crate) fn patch(src: &File, old: &File, dst: &File, size: u64) -> io::Result<Written> {
     let chunker = tree_chunker();
-    let mut have: HashMap<ChunkId, (u64, usize)> = HashMap::new();
-    for item in chunker.chunk_stream(BufReader::with_capacity(1 << 20, old)) {
-        let (chunk, _) = item?;
-        have.entry(chunk.id).or_insert((chunk.offset, chunk.len));
-    }
+    let have = chunks_held(old)?;
     let mut out = Written::default();
     let mut end = 0;
     for item in chunker.chunk_stream(BufReader::with_capacity(1 << 20, src)) {
@@ -140,8 +136,18 @@ pub(crate) fn patch(src: &File, old: &File, dst: &File, size: u64) -> io::Result
     Ok(out)
 }
 
+/// Where `old`'s chunks are, by id (the first place each occurs).
+pub(crate) fn chunks_held(old: &File) -> io::Result<HashMap<ChunkId, (u64, usize)>> {
+    let mut have = HashMap::new();
+    for item in tree_chunker().chunk_stream(BufReader::with_capacity(1 << 20, old)) {
+        let (chunk, _) = item?;
+        have.entry(chunk.id).or_insert((chunk.offset, chunk.len));
+    }
+    Ok(have)
+}
+
 /// Content-defined chunking of file contents (DESIGN §3: FastCDC, ~1 MiB average).
-fn tree_chunker() -> CdcChunker {
+pub(crate) fn tree_chunker() -> CdcChunker {
     CdcChunker::new(ChunkKey::local(), CdcParams::default()).expect("default CDC parameters")
 }
 
@@ -150,12 +156,12 @@ fn tree_chunker() -> CdcChunker {
 /// from storage.
 pub(crate) fn same_content(a: &File, b: &File) -> io::Result<bool> {
     _ = fs::fadvise(b, 0, None, fs::Advice::DontNeed);
-    let (mut a, mut b) = (
-        BufReader::with_capacity(1 << 20, a),
-        BufReader::with_capacity(1 << 20, b),
-    );
-    let (mut ha, mut hb) = (blake3::Hasher::new(), blake3::Hasher::new());
-    io::copy(&mut a.by_ref(), &mut ha)?;
-    io::copy(&mut b.by_ref(), &mut hb)?;
-    Ok(ha.finalize() == hb.finalize())
+    Ok(hash_file(a)? == hash_file(b)?)
+}
+
+/// The BLAKE3 of a file's whole content.
+pub(crate) fn hash_file(f: &File) -> io::Result<blake3::Hash> {
+    let mut hasher = blake3::Hasher::new();
+    io::copy(&mut BufReader::with_capacity(1 << 20, f), &mut hasher)?;
+    Ok(hasher.finalize())
 }

@@ -9,6 +9,7 @@
 
 mod content;
 mod meta;
+pub(crate) mod remote;
 mod source;
 mod sync;
 
@@ -121,7 +122,7 @@ fn verify<S: TreeSource>(
 }
 
 /// What a tree copy did, for people and (as JSON) for programs.
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
 pub struct TreeSummary {
     /// Source directory.
     pub source: PathBuf,
@@ -193,6 +194,18 @@ pub fn copy_tree(
     let mut summary = copy_tree_from(&source, dest, dst, options, progress)?;
     summary.source = src.to_path_buf();
     Ok(summary)
+}
+
+/// Copies a peer's tree (`source`) onto `dst` here: the agent's side of a push, the
+/// client's side of a pull.
+pub(crate) fn copy_remote_tree(
+    source: &remote::RemoteSource,
+    dst: &Path,
+    options: &TreeOptions,
+    progress: &dyn Progress,
+) -> Result<TreeSummary> {
+    let dest = Destination::prepare(dst, None)?;
+    copy_tree_from(source, dest, dst, options, progress)
 }
 
 /// Copies the tree `source` onto `dst`, prepared as `dest`: the walk behind every tree

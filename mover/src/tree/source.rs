@@ -12,7 +12,7 @@ use std::{
     ffi::OsStr,
     fs::File,
     io,
-    os::fd::{AsFd, OwnedFd},
+    os::fd::{AsFd, BorrowedFd, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -99,34 +99,7 @@ impl TreeSource for LocalSource {
     }
 
     fn list(&self, dir: &LocalDir, xattrs: bool) -> io::Result<Vec<Listed>> {
-        let mut out = Vec::new();
-        for (name, meta) in list(dir.fd.as_fd())? {
-            let link = if meta.kind == Kind::Symlink {
-                match rustix::fs::readlinkat(&dir.fd, &name, Vec::new()) {
-                    Ok(t) => t.into_bytes(),
-                    Err(rustix::io::Errno::NOENT) => continue,
-                    Err(e) => return Err(e.into()),
-                }
-            } else {
-                Vec::new()
-            };
-            let xattrs = if xattrs {
-                match meta::read_xattrs_at(dir.fd.as_fd(), &dir.path, &name) {
-                    Ok(x) => x,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                    Err(e) => return Err(e),
-                }
-            } else {
-                Xattrs::new()
-            };
-            out.push(Listed {
-                name,
-                meta,
-                link,
-                xattrs,
-            });
-        }
-        Ok(out)
+        list_entries(dir.fd.as_fd(), &dir.path, xattrs)
     }
 
     fn stat_dir(&self, rel: &Path, xattrs: bool) -> io::Result<(Meta, Xattrs)> {
@@ -160,4 +133,41 @@ impl TreeSource for LocalSource {
     fn same_content(&self, f: &File, other: &File) -> io::Result<bool> {
         content::same_content(f, other)
     }
+}
+
+/// The entries of the open directory `dir` (at `path`, for xattr calls) with their
+/// symlink targets and, if asked, xattrs; entries that vanish meanwhile are skipped.
+pub(crate) fn list_entries(
+    dir: BorrowedFd<'_>,
+    path: &Path,
+    xattrs: bool,
+) -> io::Result<Vec<Listed>> {
+    let mut out = Vec::new();
+    for (name, meta) in list(dir)? {
+        let link = if meta.kind == Kind::Symlink {
+            match rustix::fs::readlinkat(dir, &name, Vec::new()) {
+                Ok(t) => t.into_bytes(),
+                Err(rustix::io::Errno::NOENT) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        } else {
+            Vec::new()
+        };
+        let xattrs = if xattrs {
+            match meta::read_xattrs_at(dir, path, &name) {
+                Ok(x) => x,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            }
+        } else {
+            Xattrs::new()
+        };
+        out.push(Listed {
+            name,
+            meta,
+            link,
+            xattrs,
+        });
+    }
+    Ok(out)
 }

@@ -1,6 +1,9 @@
 //! Helpers shared by the integration tests: seeded images, hashes, loop devices, the binary.
 #![allow(dead_code, missing_docs)]
 
+pub mod agent;
+pub mod tree;
+
 use rand::{RngCore, SeedableRng, rngs::StdRng};
 use std::{
     fs::File,

@@ -1,0 +1,176 @@
+//! File-tree exports (an export whose path is a directory): pushes walk the client's tree
+//! into the export here; pulls serve the export to a client that walks it.
+
+use super::{config::Export, service::AgentService};
+use crate::tree::{
+    self,
+    remote::{Pending, RemoteSource, Served, route_answers, serve_calls},
+};
+use std::{
+    collections::HashSet,
+    path::PathBuf,
+    pin::Pin,
+    sync::{Arc, Mutex, atomic::Ordering::Relaxed},
+};
+use tokio::sync::mpsc;
+use tokio_stream::{Stream, StreamExt, wrappers::ReceiverStream};
+use tonic::{Request, Response, Status, Streaming};
+use transport::proto::{self, tree_answer::Answer, tree_call::Op};
+
+/// What a push sends the client: calls for its tree, then the summary.
+pub type CallStream = Pin<Box<dyn Stream<Item = Result<proto::TreeCall, Status>> + Send>>;
+/// What a pull sends the client: answers to its calls.
+pub type AnswerStream = Pin<Box<dyn Stream<Item = Result<proto::TreeAnswer, Status>> + Send>>;
+
+/// Calls or answers queued for the network per session.
+const QUEUE: usize = 64;
+
+/// Marks an export as being pushed into until dropped.
+struct Busy {
+    set: Arc<Mutex<HashSet<String>>>,
+    name: String,
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.set.lock().expect("busy lock").remove(&self.name);
+    }
+}
+
+impl AgentService {
+    pub(super) async fn describe_export(
+        &self,
+        req: Request<proto::DescribeRequest>,
+    ) -> Result<Response<proto::DescribeResponse>, Status> {
+        let export = self.export(&req.get_ref().volume)?;
+        Ok(Response::new(proto::DescribeResponse {
+            tree: export.path.is_dir(),
+            read_only: export.read_only,
+        }))
+    }
+
+    /// The tree export `name`: a directory (or, for a push, a path not made yet).
+    fn tree_export(&self, name: &str, write: bool) -> Result<&Export, Status> {
+        let export = self.export(name)?;
+        if write && export.read_only {
+            return Err(self.refuse(Status::permission_denied(format!(
+                "volume {name:?} is exported read-only; it can be a source, never a destination"
+            ))));
+        }
+        match std::fs::metadata(&export.path) {
+            Ok(m) if m.is_dir() => Ok(export),
+            Ok(_) => Err(self.refuse(Status::failed_precondition(format!(
+                "volume {name:?} is a block volume ({}), not a file tree: copy a device or \
+                 image file to or from it, not a directory",
+                export.path.display()
+            )))),
+            Err(e) if write && e.kind() == std::io::ErrorKind::NotFound => Ok(export),
+            Err(e) => Err(Status::failed_precondition(format!(
+                "volume {name:?} ({}) cannot be read: {e}",
+                export.path.display()
+            ))),
+        }
+    }
+
+    pub(super) async fn push_tree(
+        &self,
+        req: Request<Streaming<proto::TreeAnswer>>,
+    ) -> Result<Response<CallStream>, Status> {
+        let peer = req
+            .remote_addr()
+            .map_or_else(|| "a peer".into(), |a| a.to_string());
+        let mut incoming = req.into_inner();
+        let open = match incoming.next().await {
+            Some(Ok(proto::TreeAnswer {
+                answer: Some(Answer::Open(open)),
+                ..
+            })) => open,
+            Some(Err(status)) => return Err(status),
+            _ => {
+                return Err(self.refuse(Status::invalid_argument(
+                    "a tree push must begin with its open message",
+                )));
+            }
+        };
+        let export = self.tree_export(&open.volume, true)?;
+        if open.relationship.is_empty() {
+            return Err(self.refuse(Status::invalid_argument("a relationship id is required")));
+        }
+        self.check_epoch(&open.relationship, open.epoch)?;
+        let busy = self.claim(&open.volume)?;
+        self.metrics.sessions_opened.fetch_add(1, Relaxed);
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let pending = Arc::new(Pending::default());
+        tokio::spawn(route_answers(pending.clone(), incoming));
+        let calls = tx.clone();
+        let source = RemoteSource::new(
+            PathBuf::from(format!("{peer}:{}", open.volume)),
+            Box::new(move |call| calls.blocking_send(Ok(call)).is_ok()),
+            pending,
+        );
+        let (dst, options) = (export.path.clone(), tree::remote::options_of(&open));
+        tokio::task::spawn_blocking(move || {
+            let result = tree::copy_remote_tree(&source, &dst, &options, &());
+            drop(source);
+            drop(busy);
+            let last = match result {
+                Ok(summary) => match serde_json::to_vec(&summary) {
+                    Ok(json) => Ok(proto::TreeCall {
+                        id: 0,
+                        op: Some(Op::Done(json.into())),
+                        xattrs: false,
+                    }),
+                    Err(e) => Err(Status::internal(e.to_string())),
+                },
+                Err(e) => Err(Status::failed_precondition(e.to_string())),
+            };
+            _ = tx.blocking_send(last);
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    /// One push per export at a time: two walks would race on the same names.
+    fn claim(&self, name: &str) -> Result<Busy, Status> {
+        let mut set = self.trees_busy.lock().expect("busy lock");
+        if !set.insert(name.to_string()) {
+            return Err(self.refuse(Status::failed_precondition(format!(
+                "volume {name:?} is being written by another push; retry when it is done"
+            ))));
+        }
+        Ok(Busy {
+            set: self.trees_busy.clone(),
+            name: name.to_string(),
+        })
+    }
+
+    pub(super) async fn pull_tree(
+        &self,
+        req: Request<Streaming<proto::TreeCall>>,
+    ) -> Result<Response<AnswerStream>, Status> {
+        let mut incoming = req.into_inner();
+        let open = match incoming.next().await {
+            Some(Ok(proto::TreeCall {
+                op: Some(Op::Open(open)),
+                ..
+            })) => open,
+            Some(Err(status)) => return Err(status),
+            _ => {
+                return Err(self.refuse(Status::invalid_argument(
+                    "a tree pull must begin with its open message",
+                )));
+            }
+        };
+        let export = self.tree_export(&open.volume, false)?;
+        let served = Served::open(&export.path).map_err(|e| {
+            Status::failed_precondition(format!("{}: {e}", export.path.display()))
+        })?;
+        self.metrics.sessions_opened.fetch_add(1, Relaxed);
+        let (tx, rx) = mpsc::channel(QUEUE);
+        tokio::spawn(async move {
+            if let Err(e) = serve_calls(Arc::new(served), incoming, tx).await {
+                tracing::warn!("tree pull ended: {}", e.message());
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+    }
+}

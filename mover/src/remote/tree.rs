@@ -1,0 +1,183 @@
+//! File trees to and from an agent: `mover copy DIR agent://…/NAME` (push) and
+//! `mover copy agent://…/NAME DIR` (pull).
+//!
+//! The side that writes walks: in a push the agent walks the client's tree (the client
+//! answers its calls), in a pull the client walks the agent's. Either way the walk is
+//! the local one (skip by size and mtime, patch large files by chunk, temp names and
+//! renames, a hidden new tree), so a rerun after a drop finishes the copy, and the
+//! client retries on its own (`--retries`).
+
+use super::{AgentUrl, RemoteOptions, status_error, with_retries};
+use crate::{
+    CopyError, Progress, TreeOptions, TreeSummary,
+    tree::{
+        self,
+        remote::{Pending, RemoteSource, Served, open_of, route_answers, serve_calls},
+    },
+};
+use std::{path::Path, sync::Arc, time::Duration};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use transport::proto::{self, tree_answer::Answer, tree_call::Op};
+
+/// Calls or answers queued for the network.
+const QUEUE: usize = 64;
+
+fn runtime() -> Result<tokio::runtime::Runtime, CopyError> {
+    tokio::runtime::Runtime::new().map_err(|e| CopyError::Remote {
+        url: "local".into(),
+        code: "runtime".into(),
+        message: format!("cannot start the async runtime: {e}"),
+    })
+}
+
+/// Whether the export at `url` is a file tree (else a block volume).
+pub fn is_tree(url: &AgentUrl, remote: &RemoteOptions) -> Result<bool, CopyError> {
+    runtime()?.block_on(with_retries(remote.retries, |_| async {
+        let mut client = remote.connect(url).await?;
+        let described = client
+            .describe(proto::DescribeRequest {
+                volume: url.volume.clone(),
+            })
+            .await
+            .map_err(|s| status_error(url, s))?;
+        Ok(described.into_inner().tree)
+    }))
+}
+
+/// Pushes the tree at `src` into the agent's export: the agent walks it and writes.
+pub fn push_tree(
+    src: &Path,
+    url: &AgentUrl,
+    options: &TreeOptions,
+    remote: &RemoteOptions,
+) -> Result<TreeSummary, CopyError> {
+    let src_abs = std::fs::canonicalize(src).map_err(|cause| CopyError::Tree {
+        path: src.to_path_buf(),
+        what: "cannot open the source",
+        cause,
+    })?;
+    let mut summary = runtime()?.block_on(with_retries(remote.retries, |_| {
+        push_once(&src_abs, url, options, remote)
+    }))?;
+    summary.source = src.to_path_buf();
+    summary.destination = url.to_string().into();
+    Ok(summary)
+}
+
+async fn push_once(
+    src: &Path,
+    url: &AgentUrl,
+    options: &TreeOptions,
+    remote: &RemoteOptions,
+) -> Result<TreeSummary, CopyError> {
+    let served = Served::open(src).map_err(|cause| CopyError::Tree {
+        path: src.to_path_buf(),
+        what: "cannot open the source",
+        cause,
+    })?;
+    let mut client = remote.connect(url).await?;
+    let (tx, rx) = mpsc::channel(QUEUE);
+    let open = open_of(
+        &url.volume,
+        remote.relationship_for(url),
+        remote.epoch,
+        options,
+    );
+    _ = tx
+        .send(proto::TreeAnswer {
+            id: 0,
+            answer: Some(Answer::Open(open)),
+        })
+        .await;
+    let calls = client
+        .tree_push(ReceiverStream::new(rx))
+        .await
+        .map_err(|s| status_error(url, s))?
+        .into_inner();
+    match serve_calls(Arc::new(served), calls, tx).await {
+        Ok(Some(json)) => serde_json::from_slice(&json).map_err(|e| CopyError::Remote {
+            url: url.to_string(),
+            code: "bad answer".into(),
+            message: format!("the agent's summary is not readable: {e}"),
+        }),
+        Ok(None) => Err(CopyError::Remote {
+            url: url.to_string(),
+            code: "unavailable".into(),
+            message: "the agent ended the push without a summary".into(),
+        }),
+        Err(status) => Err(status_error(url, status)),
+    }
+}
+
+/// Pulls the agent's tree export into `dst`: this side walks and writes.
+pub fn pull_tree(
+    url: &AgentUrl,
+    dst: &Path,
+    options: &TreeOptions,
+    remote: &RemoteOptions,
+    progress: &dyn Progress,
+) -> Result<TreeSummary, CopyError> {
+    let rt = runtime()?;
+    let mut delay = Duration::from_millis(500);
+    for attempt in 1.. {
+        match pull_once(&rt, url, dst, options, remote, progress) {
+            Err(e) if e.is_retryable() && attempt < remote.retries.max(1) => {
+                tracing::warn!("attempt {attempt} failed: {e}; retrying in {delay:?}");
+                std::thread::sleep(delay);
+                delay = (delay * 2).min(Duration::from_secs(10));
+            }
+            other => return other,
+        }
+    }
+    unreachable!("the loop returns")
+}
+
+fn pull_once(
+    rt: &tokio::runtime::Runtime,
+    url: &AgentUrl,
+    dst: &Path,
+    options: &TreeOptions,
+    remote: &RemoteOptions,
+    progress: &dyn Progress,
+) -> Result<TreeSummary, CopyError> {
+    let (tx, rx) = mpsc::channel(QUEUE);
+    let open = open_of(
+        &url.volume,
+        remote.relationship_for(url),
+        remote.epoch,
+        options,
+    );
+    tx.try_send(proto::TreeCall {
+        id: 0,
+        op: Some(Op::Open(open)),
+        xattrs: false,
+    })
+    .expect("an empty queue has room");
+    let answers = rt.block_on(async {
+        let mut client = remote.connect(url).await?;
+        let answers = client
+            .tree_pull(ReceiverStream::new(rx))
+            .await
+            .map_err(|s| status_error(url, s))?;
+        Ok::<_, CopyError>(answers.into_inner())
+    })?;
+    let pending = Arc::new(Pending::default());
+    rt.spawn(route_answers(pending.clone(), answers));
+    let source = RemoteSource::new(
+        url.to_string().into(),
+        Box::new(move |call| tx.blocking_send(call).is_ok()),
+        pending,
+    );
+    let result = tree::copy_remote_tree(&source, dst, options, progress);
+    if let Some(why) = source.lost() {
+        return Err(CopyError::Remote {
+            url: url.to_string(),
+            code: "unavailable".into(),
+            message: format!("{why}; a rerun finishes the copy"),
+        });
+    }
+    let mut summary = result?;
+    summary.destination = dst.to_path_buf();
+    Ok(summary)
+}

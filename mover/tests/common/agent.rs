@@ -1,0 +1,131 @@
+//! A real `mover agent` process for the tests, and `mover copy` with its token.
+
+use std::{
+    io::{Read, Write},
+    net::{TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command},
+    time::{Duration, Instant},
+};
+
+pub const TOKEN: &str = "t0ken-for-tests";
+
+/// A `mover agent` child process, killed on drop.
+pub struct Agent {
+    pub child: Child,
+    pub port: u16,
+    pub metrics_port: u16,
+    pub config: PathBuf,
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Agent {
+    /// Starts an agent exporting `exports` (name, path, read_only) with token auth and,
+    /// if given, mutual TLS from `tls` (cert, key, ca).
+    pub fn start(
+        dir: &Path,
+        exports: &[(&str, &Path, bool)],
+        tls: Option<(&Path, &Path, &Path)>,
+    ) -> Agent {
+        let (port, metrics_port) = (free_port(), free_port());
+        std::fs::write(dir.join("token"), TOKEN).unwrap();
+        let mut cfg = format!(
+            "listen = \"127.0.0.1:{port}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\n",
+            dir.join("agent-state").display(),
+            dir.join("token").display()
+        );
+        if let Some((cert, key, ca)) = tls {
+            cfg += &format!(
+                "[tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n",
+                cert.display(),
+                key.display(),
+                ca.display()
+            );
+        }
+        for (name, path, ro) in exports {
+            cfg += &format!(
+                "[exports.{name}]\npath = \"{}\"\nread_only = {ro}\n",
+                path.display()
+            );
+        }
+        let config = dir.join(format!("agent-{port}.toml"));
+        std::fs::write(&config, cfg).unwrap();
+        Agent::spawn(config, port, metrics_port)
+    }
+
+    pub fn spawn(config: PathBuf, port: u16, metrics_port: u16) -> Agent {
+        let child = Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(["agent", "--config", config.to_str().unwrap()])
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "agent did not start listening");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Agent {
+            child,
+            port,
+            metrics_port,
+            config,
+        }
+    }
+
+    /// GET `path` from the agent's metrics port; returns the body.
+    pub fn http_get(&self, path: &str) -> String {
+        let mut s = TcpStream::connect(("127.0.0.1", self.metrics_port)).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        out.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default()
+    }
+
+    /// kill -9, then start again on the same port and config.
+    pub fn kill_and_restart(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+        let fresh = Agent::spawn(self.config.clone(), self.port, self.metrics_port);
+        let old = std::mem::replace(self, fresh);
+        std::mem::forget(old); // already dead
+    }
+
+    pub fn url(&self, volume: &str) -> String {
+        format!("agent://127.0.0.1:{}/{volume}", self.port)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `mover copy` with the test token.
+pub fn copy(state: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_mover"))
+        .arg("copy")
+        .args(args)
+        .args(["--json", "--no-progress"])
+        .env("MOVER_STATE_DIR", state)
+        .env("MOVER_TOKEN", TOKEN)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
