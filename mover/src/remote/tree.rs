@@ -163,7 +163,7 @@ fn pull_once(
         Ok::<_, CopyError>(answers.into_inner())
     })?;
     let pending = Arc::new(Pending::default());
-    rt.spawn(route_answers(pending.clone(), answers));
+    let router = rt.spawn(route_answers(pending.clone(), answers));
     let source = RemoteSource::new(
         url.to_string().into(),
         Box::new(move |call| tx.blocking_send(call).is_ok()),
@@ -177,6 +177,9 @@ fn pull_once(
             message: format!("{why}; a rerun finishes the copy"),
         });
     }
+    // Close our half and let the agent close its own: a clean end, not a reset.
+    drop(source);
+    _ = rt.block_on(tokio::time::timeout(Duration::from_secs(5), router));
     let mut summary = result?;
     summary.destination = dst.to_path_buf();
     Ok(summary)

@@ -24,7 +24,7 @@ use std::{
     path::{Path, PathBuf},
     sync::{
         Mutex,
-        atomic::{AtomicU64, Ordering::Relaxed},
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
     },
 };
 
@@ -99,6 +99,8 @@ pub(crate) struct Syncer<'a, S: TreeSource> {
     deferred: Mutex<Vec<Deferred>>,
     errors: Mutex<Vec<String>>,
     warnings: Mutex<Vec<String>>,
+    /// The loss of the source has been reported.
+    told_gone: AtomicBool,
     progress: &'a dyn Progress,
 }
 
@@ -122,6 +124,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             deferred: Mutex::default(),
             errors: Mutex::default(),
             warnings: Mutex::default(),
+            told_gone: AtomicBool::new(false),
             progress,
         }
     }
@@ -135,9 +138,13 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
     }
 
     fn fail(&self, path: &Path, what: &str, err: io::Error) {
+        self.stats.errors.fetch_add(1, Relaxed);
+        // Once the source is gone every entry fails the same way: say it once.
+        if self.source.broken() && self.told_gone.swap(true, Relaxed) {
+            return;
+        }
         let message = format!("{}: {what}: {err}", path.display());
         tracing::error!("{message}");
-        self.stats.errors.fetch_add(1, Relaxed);
         let mut kept = self.errors.lock().expect("errors lock");
         if kept.len() < KEPT_ERRORS {
             kept.push(message);
@@ -155,7 +162,8 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
     /// Makes `pair.dst` hold what `pair.src` holds, recursively.
     pub(crate) fn sync_dir(&self, pair: &DirPair<S::Dir>) {
         if self.source.broken() {
-            return;
+            let gone = io::Error::new(io::ErrorKind::ConnectionAborted, "the source is gone");
+            return self.fail(&pair.src_path, "not copied", gone);
         }
         let src = match self.source.list(&pair.src, self.rules.preserve.xattrs) {
             Ok(v) => v,

@@ -1,0 +1,248 @@
+//! File trees to and from a real `mover agent` over gRPC on 127.0.0.1: every kind of
+//! entry both ways, reruns that write nothing, deltas, refusals, and kill -9 of either
+//! side mid-copy. Trees are compared by the manifest of `common::tree`.
+
+mod common;
+
+use common::{MIB, agent::*, json_of, tree::*};
+use std::{
+    fs,
+    path::Path,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+fn ok(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "mover failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    json_of(out)
+}
+
+#[test]
+fn push_and_pull_copy_every_kind_of_entry_and_reruns_write_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, exported, back) = (
+        t.path().join("src"),
+        t.path().join("exported"),
+        t.path().join("back"),
+    );
+    make_tree(&src, 7);
+    let agent = Agent::start(
+        t.path(),
+        &[("data", &exported, false), ("golden", &src, true)],
+        None,
+    );
+    let state = t.path().join("state");
+
+    // Push into an export that does not exist yet.
+    let first = ok(&copy(&state, &[src.to_str().unwrap(), &agent.url("data")]));
+    assert_same_tree(&src, &exported);
+    assert!(first["bytes_written"].as_u64().unwrap() >= 8 * MIB);
+    assert_eq!(first["failed"], 0);
+
+    // Again: nothing to write.
+    let again = ok(&copy(&state, &[src.to_str().unwrap(), &agent.url("data")]));
+    assert_eq!(again["bytes_written"], 0);
+    assert_eq!(again["entries_copied"], 0);
+    assert_eq!(again["metadata_updated"], 0);
+    assert_same_tree(&src, &exported);
+
+    // Pull from a read-only export into a new local directory, with --verify.
+    let pulled = ok(&copy(
+        &state,
+        &[&agent.url("golden"), back.to_str().unwrap(), "--verify"],
+    ));
+    assert_eq!(pulled["verified"], true);
+    assert_same_tree(&src, &back);
+    let again = ok(&copy(&state, &[&agent.url("golden"), back.to_str().unwrap()]));
+    assert_eq!(again["bytes_written"], 0);
+}
+
+#[test]
+fn deltas_both_ways_ship_only_what_changed_and_delete_with_delete() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, exported, back) = (
+        t.path().join("src"),
+        t.path().join("exported"),
+        t.path().join("back"),
+    );
+    make_tree(&src, 11);
+    let agent = Agent::start(
+        t.path(),
+        &[("data", &exported, false), ("golden", &src, true)],
+        None,
+    );
+    let state = t.path().join("state");
+    ok(&copy(&state, &[src.to_str().unwrap(), &agent.url("data")]));
+    ok(&copy(&state, &[&agent.url("golden"), back.to_str().unwrap()]));
+
+    // 64 KiB inserted in the middle of the 8 MiB file; one small file gone.
+    let big = src.join("docs/big.bin");
+    let mut data = fs::read(&big).unwrap();
+    let tail = data.split_off(4 * MIB as usize);
+    data.extend_from_slice(&random(99, 64 << 10));
+    data.extend_from_slice(&tail);
+    fs::write(&big, &data).unwrap();
+    fs::remove_file(src.join("small/03/f3.txt")).unwrap();
+
+    for (from, to, dir) in [
+        (src.to_str().unwrap().to_string(), agent.url("data"), &exported),
+        (agent.url("golden"), back.to_str().unwrap().to_string(), &back),
+    ] {
+        let delta = ok(&copy(&state, &[&from, &to, "--delete"]));
+        assert_same_tree(&src, dir);
+        assert_eq!(delta["files_patched"], 1, "{delta}");
+        assert_eq!(delta["entries_deleted"], 1, "{delta}");
+        let written = delta["bytes_written"].as_u64().unwrap();
+        assert!(
+            written >= 64 << 10 && written < 4 * MIB,
+            "wrote {written} bytes for a 64 KiB insert"
+        );
+        assert!(delta["bytes_reused"].as_u64().unwrap() >= 4 * MIB);
+    }
+}
+
+#[test]
+fn refusals_say_what_and_write_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    make_tree(&src, 3);
+    let image = t.path().join("disk.img");
+    fs::write(&image, vec![0u8; 1 << 20]).unwrap();
+    let exported = t.path().join("exported");
+    let agent = Agent::start(
+        t.path(),
+        &[
+            ("data", &exported, false),
+            ("golden", &src, true),
+            ("disk", &image, false),
+        ],
+        None,
+    );
+    let state = t.path().join("state");
+    let s = src.to_str().unwrap();
+    let refused = |out: std::process::Output, says: &str| {
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "expected {says:?} in: {err}");
+    };
+    refused(copy(&state, &[s, &agent.url("golden")]), "read-only");
+    refused(copy(&state, &[s, &agent.url("nothing")]), "not exported");
+    refused(copy(&state, &[s, &agent.url("disk")]), "not a file tree");
+    let wrong_token = Command::new(env!("CARGO_BIN_EXE_mover"))
+        .args(["copy", s, &agent.url("data"), "--no-progress"])
+        .env("MOVER_TOKEN", "wrong")
+        .output()
+        .unwrap();
+    refused(wrong_token, "token");
+    ok(&copy(&state, &[s, &agent.url("data"), "--epoch", "5"]));
+    fs::write(src.join("new-file"), b"from a fenced writer").unwrap();
+    refused(
+        copy(&state, &[s, &agent.url("data"), "--epoch", "4"]),
+        "stale epoch",
+    );
+    assert!(!exported.join("new-file").exists());
+    // The block image export was left alone.
+    assert_eq!(fs::read(&image).unwrap(), vec![0u8; 1 << 20]);
+}
+
+/// A tree big enough that a copy takes a while: `n` files of 1 MiB.
+fn make_heavy_tree(root: &Path, n: u64) {
+    for i in 0..n {
+        let dir = root.join(format!("d{:02}", i % 16));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join(format!("f{i}")), random(1000 + i, MIB as usize)).unwrap();
+    }
+}
+
+/// Waits until `dir` holds an entry: given a directory of the copy, files are arriving.
+fn wait_for_entries(dir: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while fs::read_dir(dir).map_or(true, |mut d| d.next().is_none()) {
+        assert!(Instant::now() < deadline, "the copy never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn spawn_copy(state: &Path, args: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_mover"))
+        .arg("copy")
+        .args(args)
+        .args(["--no-progress"])
+        .env("MOVER_STATE_DIR", state)
+        .env("MOVER_TOKEN", TOKEN)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn killed_client_or_agent_mid_push_leaves_nothing_visible_and_the_rerun_finishes() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, exported) = (t.path().join("src"), t.path().join("exported"));
+    make_heavy_tree(&src, 200);
+    let mut agent = Agent::start(t.path(), &[("data", &exported, false)], None);
+    let state = t.path().join("state");
+    let partial = t.path().join(".exported.mover-partial");
+
+    // kill -9 of the client: the agent's walk stops, the new tree stays hidden.
+    let mut push = spawn_copy(&state, &[src.to_str().unwrap(), &agent.url("data")]);
+    wait_for_entries(&partial.join("d00"));
+    push.kill().unwrap();
+    push.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!exported.exists(), "a half-copied tree became visible");
+
+    // kill -9 of the agent during the rerun.
+    let mut push = spawn_copy(
+        &state,
+        &[src.to_str().unwrap(), &agent.url("data"), "--retries", "1"],
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    agent.kill_and_restart();
+    _ = push.wait();
+    assert!(!exported.exists() || push_finished_first(&src, &exported));
+
+    let done = ok(&copy(&state, &[src.to_str().unwrap(), &agent.url("data")]));
+    assert_eq!(done["failed"], 0);
+    assert_same_tree(&src, &exported);
+    // Files that arrived before the kills were not sent again.
+    assert!(done["bytes_written"].as_u64().unwrap() < 200 * MIB, "{done}");
+    assert!(!partial.exists());
+}
+
+/// A push that won the race against the kill is complete.
+fn push_finished_first(src: &Path, dst: &Path) -> bool {
+    assert_same_tree(src, dst);
+    true
+}
+
+#[test]
+fn a_pull_retries_through_an_agent_restart_and_finishes() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, back) = (t.path().join("src"), t.path().join("back"));
+    make_heavy_tree(&src, 200);
+    let mut agent = Agent::start(t.path(), &[("golden", &src, true)], None);
+    let state = t.path().join("state");
+    let out = t.path().join("pull.json");
+    let pull = Command::new(env!("CARGO_BIN_EXE_mover"))
+        .args(["copy", &agent.url("golden"), back.to_str().unwrap()])
+        .args(["--json", "--no-progress", "--retries", "20"])
+        .env("MOVER_STATE_DIR", &state)
+        .env("MOVER_TOKEN", TOKEN)
+        .stdout(fs::File::create(&out).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_entries(&t.path().join(".back.mover-partial/d00"));
+    agent.kill_and_restart();
+    let status = pull.wait_with_output().unwrap().status;
+    assert!(status.success(), "the pull did not survive the restart");
+    let summary: serde_json::Value = serde_json::from_slice(&fs::read(&out).unwrap()).unwrap();
+    assert_eq!(summary["failed"], 0);
+    assert_same_tree(&src, &back);
+}
