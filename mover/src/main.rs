@@ -4,8 +4,8 @@
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use mover::{CopyError, CopyOptions, CopySummary, HashSummary, Progress, TreeSummary};
 use mover::remote::AgentUrl;
+use mover::{CopyError, CopyOptions, CopySummary, HashSummary, Progress, TreeSummary};
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, sync::Mutex};
 
 #[path = "snapshot/cli.rs"]

@@ -57,7 +57,10 @@ fn push_and_pull_copy_every_kind_of_entry_and_reruns_write_nothing() {
     ));
     assert_eq!(pulled["verified"], true);
     assert_same_tree(&src, &back);
-    let again = ok(&copy(&state, &[&agent.url("golden"), back.to_str().unwrap()]));
+    let again = ok(&copy(
+        &state,
+        &[&agent.url("golden"), back.to_str().unwrap()],
+    ));
     assert_eq!(again["bytes_written"], 0);
 }
 
@@ -77,7 +80,10 @@ fn deltas_both_ways_ship_only_what_changed_and_delete_with_delete() {
     );
     let state = t.path().join("state");
     ok(&copy(&state, &[src.to_str().unwrap(), &agent.url("data")]));
-    ok(&copy(&state, &[&agent.url("golden"), back.to_str().unwrap()]));
+    ok(&copy(
+        &state,
+        &[&agent.url("golden"), back.to_str().unwrap()],
+    ));
 
     // 64 KiB inserted in the middle of the 8 MiB file; one small file gone.
     let big = src.join("docs/big.bin");
@@ -89,8 +95,16 @@ fn deltas_both_ways_ship_only_what_changed_and_delete_with_delete() {
     fs::remove_file(src.join("small/03/f3.txt")).unwrap();
 
     for (from, to, dir) in [
-        (src.to_str().unwrap().to_string(), agent.url("data"), &exported),
-        (agent.url("golden"), back.to_str().unwrap().to_string(), &back),
+        (
+            src.to_str().unwrap().to_string(),
+            agent.url("data"),
+            &exported,
+        ),
+        (
+            agent.url("golden"),
+            back.to_str().unwrap().to_string(),
+            &back,
+        ),
     ] {
         let delta = ok(&copy(&state, &[&from, &to, "--delete"]));
         assert_same_tree(&src, dir);
@@ -98,7 +112,7 @@ fn deltas_both_ways_ship_only_what_changed_and_delete_with_delete() {
         assert_eq!(delta["entries_deleted"], 1, "{delta}");
         let written = delta["bytes_written"].as_u64().unwrap();
         assert!(
-            written >= 64 << 10 && written < 4 * MIB,
+            (64 << 10..4 * MIB).contains(&written),
             "wrote {written} bytes for a 64 KiB insert"
         );
         assert!(delta["bytes_reused"].as_u64().unwrap() >= 4 * MIB);
@@ -211,7 +225,10 @@ fn killed_client_or_agent_mid_push_leaves_nothing_visible_and_the_rerun_finishes
     assert_eq!(done["failed"], 0);
     assert_same_tree(&src, &exported);
     // Files that arrived before the kills were not sent again.
-    assert!(done["bytes_written"].as_u64().unwrap() < 200 * MIB, "{done}");
+    assert!(
+        done["bytes_written"].as_u64().unwrap() < 200 * MIB,
+        "{done}"
+    );
     assert!(!partial.exists());
 }
 

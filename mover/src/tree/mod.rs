@@ -16,6 +16,7 @@ mod sync;
 use crate::{CopyError, Progress, Result};
 use rustix::fs::{self, RenameFlags};
 use serde::Serialize;
+use source::{LocalSource, TreeSource};
 use std::{
     ffi::OsString,
     os::fd::AsFd,
@@ -23,7 +24,6 @@ use std::{
     sync::atomic::Ordering::Relaxed,
     time::Instant,
 };
-use source::{LocalSource, TreeSource};
 use sync::{DirPair, Rules, Syncer};
 
 /// Options of `mover copy` for file trees.

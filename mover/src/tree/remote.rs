@@ -15,7 +15,6 @@ use super::{
     meta::{self, Kind, Meta, Xattrs},
     source::{Listed, TreeSource, list_entries},
 };
-use tonic::codegen::Bytes;
 use rustix::fs::{Mode, OFlags, ResolveFlags, SeekFrom};
 use std::{
     collections::HashMap,
@@ -36,6 +35,7 @@ use std::{
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
 use tonic::Status;
+use tonic::codegen::Bytes;
 use transport::{
     frames::{self, Content},
     proto::{self, tree_answer::Answer, tree_call::Op},
@@ -50,7 +50,12 @@ const LIST_PART: usize = 4096;
 const SERVE_PARALLEL: usize = 32;
 
 /// The copy's rules as the open message carries them.
-pub(crate) fn open_of(volume: &str, relationship: String, epoch: u64, o: &TreeOptions) -> proto::TreeOpen {
+pub(crate) fn open_of(
+    volume: &str,
+    relationship: String,
+    epoch: u64,
+    o: &TreeOptions,
+) -> proto::TreeOpen {
     proto::TreeOpen {
         volume: volume.to_string(),
         relationship,
@@ -228,7 +233,13 @@ impl Served {
         }
         let resolve =
             ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
-        Ok(rustix::fs::openat2(&self.root, rel, flags, Mode::empty(), resolve)?)
+        Ok(rustix::fs::openat2(
+            &self.root,
+            rel,
+            flags,
+            Mode::empty(),
+            resolve,
+        )?)
     }
 
     /// The answers to one call: one, or several parts of a large listing.
@@ -367,7 +378,12 @@ impl Served {
 }
 
 fn after(file: &File) -> io::Result<proto::Entry> {
-    Ok(entry_of(b"", &Meta::of_fd(file.as_fd())?, b"", &Xattrs::new()))
+    Ok(entry_of(
+        b"",
+        &Meta::of_fd(file.as_fd())?,
+        b"",
+        &Xattrs::new(),
+    ))
 }
 
 /// A path that reaches the open `fd` (for calls that only take paths).
@@ -425,9 +441,10 @@ impl Pending {
         *self.why.lock().expect("why lock") = why.clone();
         self.broken.store(true, Relaxed);
         for (_, w) in self.waiting.lock().expect("waiting lock").drain() {
-            _ = w
-                .reply
-                .send(Err(io::Error::new(io::ErrorKind::ConnectionAborted, why.clone())));
+            _ = w.reply.send(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                why.clone(),
+            )));
         }
     }
 
@@ -550,7 +567,10 @@ impl RemoteSource {
         });
         match self.call(op, false)? {
             Answer::Data(d) => {
-                let after = d.after.as_ref().ok_or_else(|| bad_answer("no metadata".into()))?;
+                let after = d
+                    .after
+                    .as_ref()
+                    .ok_or_else(|| bad_answer("no metadata".into()))?;
                 *f.after.lock().expect("after lock") = Some(meta_of(after)?);
                 Ok(d)
             }
@@ -697,7 +717,11 @@ impl TreeSource for RemoteSource {
             return Ok(m);
         }
         self.read(f, 0, 0)?;
-        Ok(f.after.lock().expect("after lock").take().expect("set by read"))
+        Ok(f.after
+            .lock()
+            .expect("after lock")
+            .take()
+            .expect("set by read"))
     }
 
     fn same_content(&self, f: &RemoteFile, other: &File) -> io::Result<bool> {

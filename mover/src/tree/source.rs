@@ -44,8 +44,13 @@ pub(crate) trait TreeSource: Sync {
     fn stat_dir(&self, rel: &Path, xattrs: bool) -> io::Result<(Meta, Xattrs)>;
     fn open_file(&self, dir: &Self::Dir, name: &OsStr) -> io::Result<Self::File>;
     /// Copies the file (`size` bytes as listed) into the empty `dst`, holes kept.
-    fn copy_whole(&self, f: &Self::File, dst: &File, size: u64, sparse: bool)
-    -> io::Result<Written>;
+    fn copy_whole(
+        &self,
+        f: &Self::File,
+        dst: &File,
+        size: u64,
+        sparse: bool,
+    ) -> io::Result<Written>;
     /// Writes the file into the empty `dst`, taking what `old` already holds from `old`.
     fn patch(&self, f: &Self::File, old: &File, dst: &File, size: u64) -> io::Result<Written>;
     /// The file's metadata now (after a read: did it change meanwhile?).

@@ -403,12 +403,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         counter.fetch_add(1, Relaxed);
     }
 
-    fn sync_symlink(
-        &self,
-        pair: &DirPair<S::Dir>,
-        entry: &Listed,
-        slot: Slot,
-    ) -> io::Result<()> {
+    fn sync_symlink(&self, pair: &DirPair<S::Dir>, entry: &Listed, slot: Slot) -> io::Result<()> {
         self.stats.symlinks.fetch_add(1, Relaxed);
         let (name, have) = (entry.name.as_os_str(), slot.have);
         let target = OsStr::from_bytes(&entry.link);
@@ -424,12 +419,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         self.finish_new(pair, entry, &tmp, direct)
     }
 
-    fn sync_special(
-        &self,
-        pair: &DirPair<S::Dir>,
-        entry: &Listed,
-        slot: Slot,
-    ) -> io::Result<()> {
+    fn sync_special(&self, pair: &DirPair<S::Dir>, entry: &Listed, slot: Slot) -> io::Result<()> {
         self.stats.specials.fetch_add(1, Relaxed);
         let (name, m, have) = (entry.name.as_os_str(), &entry.meta, slot.have);
         if let Some(h) = have

@@ -128,4 +128,3 @@ pub fn copy(state: &Path, args: &[&str]) -> std::process::Output {
         .output()
         .unwrap()
 }
-
