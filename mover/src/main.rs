@@ -49,6 +49,9 @@ enum Command {
         changed files are rebuilt under a temp name and renamed over the old (large ones \
         from the chunks the old copy already holds), and entries SRC lacks are kept \
         unless --delete. Entries that cannot be copied are listed; the exit status is then 1.\n\n\
+        Either side may be an agent's export (agent://HOST:PORT/NAME): a tree is pushed \
+        into an export that is a directory (or not made yet), and pulled from one. The \
+        side that writes walks both trees, so the rules above hold either way.\n\n\
         An interrupted copy (Ctrl-C, kill -9, power loss) is finished by running the same \
         command again: what is already equal is read, not rewritten.\n\n\
         Refused, with nothing written: a missing SRC, a DST smaller than SRC (see --grow), \
@@ -58,7 +61,8 @@ enum Command {
         mover copy /dev/vg0/data /dev/sdb            # device to device\n  \
         mover copy /dev/loop0 backup.img --verify    # device to a new sparse image\n  \
         mover copy today.img yesterday.img --json    # delta onto an older copy\n  \
-        mover copy /srv/data /mnt/backup/data --delete  # tree, mirrored"
+        mover copy /srv/data /mnt/backup/data --delete  # tree, mirrored\n  \
+        mover copy /srv/data agent://node-b:7070/data   # tree into node b's export"
     )]
     Copy {
         /// Source: a block device, an image file, a directory, or agent://HOST:PORT/NAME.
@@ -77,7 +81,7 @@ enum Command {
     },
     /// Run the per-node agent: serve exported volumes to peers over gRPC.
     #[command(
-        long_about = "Run the per-node agent. It serves the volumes its config         exports (and nothing else) to peers: `mover copy SRC agent://HOST:PORT/NAME` pushes         into an export, `mover copy agent://HOST:PORT/NAME DST` pulls from one. Peers         authenticate with mutual TLS and/or a bearer token; writes carry a fencing epoch.         /metrics and /healthz are served on metrics_listen. Stops gracefully on SIGINT or         SIGTERM.\n\nExample agent.toml:\n          listen = \"0.0.0.0:7070\"\n          metrics_listen = \"0.0.0.0:9470\"\n          token_file = \"/etc/mover/token\"\n          [tls]\n  cert = \"/etc/mover/agent.crt\"\n  key = \"/etc/mover/agent.key\"\n  ca = \"/etc/mover/ca.crt\"\n          [exports.pvc-data]\n  path = \"/dev/vg0/pvc-data\"\n          [exports.golden]\n  path = \"/srv/golden.img\"\n  read_only = true"
+        long_about = "Run the per-node agent. It serves the volumes its config         exports (and nothing else) to peers: `mover copy SRC agent://HOST:PORT/NAME` pushes         into an export, `mover copy agent://HOST:PORT/NAME DST` pulls from one. Peers         authenticate with mutual TLS and/or a bearer token; writes carry a fencing epoch.         /metrics and /healthz are served on metrics_listen. Stops gracefully on SIGINT or         SIGTERM.\n\nExample agent.toml:\n          listen = \"0.0.0.0:7070\"\n          metrics_listen = \"0.0.0.0:9470\"\n          token_file = \"/etc/mover/token\"\n          [tls]\n  cert = \"/etc/mover/agent.crt\"\n  key = \"/etc/mover/agent.key\"\n  ca = \"/etc/mover/ca.crt\"\n          [exports.pvc-data]\n  path = \"/dev/vg0/pvc-data\"\n          [exports.golden]\n  path = \"/srv/golden.img\"\n  read_only = true\n          [exports.www]\n  path = \"/srv/www\"   # a directory: a file tree"
     )]
     Agent {
         /// The agent's TOML configuration.

@@ -42,7 +42,8 @@ pub struct TlsConfig {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Export {
-    /// A block device or image file (created on first write if missing).
+    /// A block device or image file (created on first write if missing), or a directory:
+    /// a file tree (a tree pushed into a path not made yet creates it).
     pub path: PathBuf,
     /// Peers may read but never write it.
     #[serde(default)]

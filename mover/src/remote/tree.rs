@@ -179,7 +179,7 @@ fn pull_once(
     }
     // Close our half and let the agent close its own: a clean end, not a reset.
     drop(source);
-    _ = rt.block_on(tokio::time::timeout(Duration::from_secs(5), router));
+    rt.block_on(async { _ = tokio::time::timeout(Duration::from_secs(5), router).await });
     let mut summary = result?;
     summary.destination = dst.to_path_buf();
     Ok(summary)
