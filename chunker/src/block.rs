@@ -1,6 +1,7 @@
 //! Fixed-size chunking of block volumes.
 
 use crate::{
+    aligned::AlignedBuf,
     error::{ChunkerError, Result},
     id::ChunkId,
     id::ChunkKey,
@@ -31,8 +32,9 @@ pub enum ChunkKind {
 pub struct Window {
     /// Volume offset of the first byte.
     pub offset: u64,
-    /// The bytes; `buf.len()` is the window's length.
-    pub buf: Vec<u8>,
+    /// The bytes; `buf.len()` is the window's length. Aligned, so direct reads land in
+    /// it without a copy.
+    pub buf: AlignedBuf,
     /// One flag per chunk: true when the chunk was not read.
     pub unread: Vec<bool>,
 }
@@ -70,7 +72,7 @@ pub fn read_window_where(
 ) -> Result<()> {
     debug_assert_eq!(offset % chunk.get(), 0);
     win.offset = offset;
-    win.buf.resize(len, 0);
+    win.buf.resize(len);
     let n_chunks = len.div_ceil(chunk.bytes());
     win.unread.clear();
     win.unread.resize(n_chunks, false);

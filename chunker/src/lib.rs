@@ -18,6 +18,7 @@
 
 mod block;
 mod cdc;
+mod aligned;
 pub mod direct;
 mod error;
 mod id;
@@ -29,6 +30,7 @@ mod summary;
 mod volume;
 mod zero;
 
+pub use aligned::AlignedBuf;
 pub use block::{
     ChunkKind, VolumeDigest, Window, for_each_window, hash_chunks, hash_volume, hash_volume_leaves,
     read_window, read_window_where,

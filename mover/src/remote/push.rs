@@ -388,7 +388,7 @@ async fn group_frames(
     };
     let key = key.clone();
     let data: Vec<(usize, std::ops::Range<usize>)> = ranges.into_iter().enumerate().collect();
-    let (buf, offset) = (tonic::codegen::Bytes::from(win.buf), win.offset);
+    let (buf, offset) = (tonic::codegen::Bytes::from_owner(win.buf), win.offset);
     // Page hashing and compression are CPU work: keep them off the async workers.
     let frames = tokio::task::spawn_blocking(move || {
         let mut frames = Vec::new();
