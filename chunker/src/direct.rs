@@ -140,7 +140,8 @@ impl DirectFile {
         } else {
             let pieces: Vec<(usize, &mut [u8])> = buf.chunks_mut(READ_PIECE).enumerate().collect();
             let lanes = pieces.len().min(READ_DEPTH);
-            let mut per_lane: Vec<Vec<(usize, &mut [u8])>> = (0..lanes).map(|_| Vec::new()).collect();
+            let mut per_lane: Vec<Vec<(usize, &mut [u8])>> =
+                (0..lanes).map(|_| Vec::new()).collect();
             for (i, piece) in pieces {
                 per_lane[i % lanes].push((i, piece));
             }
@@ -362,7 +363,11 @@ mod tests {
         let mut whole = crate::AlignedBuf::new();
         whole.resize(33 << 20);
         let n = direct.read_at(&mut whole, 0).unwrap();
-        assert_eq!(n, (32 << 20) + 1000, "up to the end of the file, no further");
+        assert_eq!(
+            n,
+            (32 << 20) + 1000,
+            "up to the end of the file, no further"
+        );
         let mut expect = vec![0u8; (32 << 20) + 1000];
         file.read_exact_at(&mut expect, 0).unwrap();
         assert!(whole[..n] == expect[..n], "the in-place read differs");
@@ -370,7 +375,10 @@ mod tests {
         odd.resize((5 << 20) + 3 * ALIGN);
         let n = direct.read_at(&mut odd, 8 << 20).unwrap();
         assert_eq!(n, odd.len());
-        assert!(odd[..] == expect[8 << 20..(8 << 20) + n], "an odd-sized read differs");
+        assert!(
+            odd[..] == expect[8 << 20..(8 << 20) + n],
+            "an odd-sized read differs"
+        );
         // The direct path was taken on this file system (else the test proves little).
         assert!(direct.usable.load(Relaxed) && w.direct.usable.load(Relaxed));
     }

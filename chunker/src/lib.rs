@@ -16,9 +16,9 @@
 //! The crate is synchronous (no tokio): hashing runs on rayon, reads on a read-ahead
 //! thread ([`read_ahead`]) so I/O overlaps hashing with bounded memory.
 
+mod aligned;
 mod block;
 mod cdc;
-mod aligned;
 pub mod direct;
 mod error;
 mod id;
