@@ -182,7 +182,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let summary = if std::fs::metadata(&src).is_ok_and(|m| m.is_dir()) {
                 Some(match &to {
-                    Some(to) => mover::remote::push_tree(&src, to, &tree, &remote),
+                    Some(to) => mover::remote::push_tree(&src, to, &tree, &remote, &bar),
                     None if dst.to_string_lossy().contains("://") => {
                         anyhow::bail!(Unsupported(dst.display().to_string()))
                     }

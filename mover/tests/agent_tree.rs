@@ -263,3 +263,39 @@ fn a_pull_retries_through_an_agent_restart_and_finishes() {
     assert_eq!(summary["failed"], 0);
     assert_same_tree(&src, &back);
 }
+
+#[test]
+fn bwlimit_caps_the_rate_of_pushes_and_pulls() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, exported, back) = (
+        t.path().join("src"),
+        t.path().join("exported"),
+        t.path().join("back"),
+    );
+    make_heavy_tree(&src, 8); // 8 MiB that does not compress
+    let agent = Agent::start(
+        t.path(),
+        &[("data", &exported, false), ("golden", &src, true)],
+        None,
+    );
+    let state = t.path().join("state");
+    // 2 MiB/s with a one-second burst: the 6 MiB after the burst take 3 s.
+    let started = Instant::now();
+    let args = [src.to_str().unwrap(), &agent.url("data"), "--bwlimit", "2M"];
+    ok(&copy(&state, &args));
+    let took = started.elapsed().as_secs_f64();
+    assert!(took >= 2.5, "8 MiB pushed at 2 MiB/s in {took:.2}s");
+    assert_same_tree(&src, &exported);
+    // The pull asks the agent for the same limit.
+    let started = Instant::now();
+    let args = [
+        &agent.url("golden"),
+        back.to_str().unwrap(),
+        "--bwlimit",
+        "2M",
+    ];
+    ok(&copy(&state, &args));
+    let took = started.elapsed().as_secs_f64();
+    assert!(took >= 2.5, "8 MiB pulled at 2 MiB/s in {took:.2}s");
+    assert_same_tree(&src, &back);
+}

@@ -161,7 +161,8 @@ impl AgentService {
             }
         };
         let export = self.tree_export(&open.volume, false)?;
-        let served = Served::open(&export.path)
+        let bwlimit = (open.bwlimit > 0).then_some(open.bwlimit);
+        let served = Served::open(&export.path, bwlimit)
             .map_err(|e| Status::failed_precondition(format!("{}: {e}", export.path.display())))?;
         self.metrics.sessions_opened.fetch_add(1, Relaxed);
         let (tx, rx) = mpsc::channel(QUEUE);

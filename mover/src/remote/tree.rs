@@ -15,7 +15,14 @@ use crate::{
         remote::{Pending, RemoteSource, Served, open_of, route_answers, serve_calls},
     },
 };
-use std::{path::Path, sync::Arc, time::Duration};
+use std::{
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+    time::Duration,
+};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use transport::proto::{self, tree_answer::Answer, tree_call::Op};
@@ -46,42 +53,60 @@ pub fn is_tree(url: &AgentUrl, remote: &RemoteOptions) -> Result<bool, CopyError
 }
 
 /// Pushes the tree at `src` into the agent's export: the agent walks it and writes.
+/// `progress` counts the file data sent.
 pub fn push_tree(
     src: &Path,
     url: &AgentUrl,
     options: &TreeOptions,
     remote: &RemoteOptions,
+    progress: &dyn Progress,
 ) -> Result<TreeSummary, CopyError> {
     let src_abs = std::fs::canonicalize(src).map_err(|cause| CopyError::Tree {
         path: src.to_path_buf(),
         what: "cannot open the source",
         cause,
     })?;
-    let mut summary = runtime()?.block_on(with_retries(remote.retries, |_| {
-        push_once(&src_abs, url, options, remote)
-    }))?;
+    let sent = Arc::new(AtomicU64::new(0));
+    progress.begin("copy", 0);
+    let push = with_retries(remote.retries, |_| {
+        push_once(&src_abs, url, options, remote, sent.clone())
+    });
+    let mut summary = runtime()?.block_on(async {
+        tokio::pin!(push);
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tokio::select! {
+                done = &mut push => break done,
+                _ = tick.tick() => progress.update(sent.load(Relaxed)),
+            }
+        }
+    })?;
     summary.source = src.to_path_buf();
     summary.destination = url.to_string().into();
     Ok(summary)
 }
 
+/// One attempt of a push; `sent` accumulates the file data sent over all attempts.
 async fn push_once(
     src: &Path,
     url: &AgentUrl,
     options: &TreeOptions,
     remote: &RemoteOptions,
+    sent: Arc<AtomicU64>,
 ) -> Result<TreeSummary, CopyError> {
-    let served = Served::open(src).map_err(|cause| CopyError::Tree {
+    let mut served = Served::open(src, remote.bwlimit).map_err(|cause| CopyError::Tree {
         path: src.to_path_buf(),
         what: "cannot open the source",
         cause,
     })?;
+    served.sent = sent;
     let mut client = remote.connect(url).await?;
     let (tx, rx) = mpsc::channel(QUEUE);
     let open = open_of(
         &url.volume,
         remote.relationship_for(url),
         remote.epoch,
+        None,
         options,
     );
     _ = tx
@@ -146,6 +171,7 @@ fn pull_once(
         &url.volume,
         remote.relationship_for(url),
         remote.epoch,
+        remote.bwlimit,
         options,
     );
     tx.try_send(proto::TreeCall {

@@ -37,6 +37,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::Status;
 use tonic::codegen::Bytes;
 use transport::{
+    RateLimiter,
     frames::{self, Content},
     proto::{self, tree_answer::Answer, tree_call::Op},
 };
@@ -54,6 +55,7 @@ pub(crate) fn open_of(
     volume: &str,
     relationship: String,
     epoch: u64,
+    bwlimit: Option<u64>,
     o: &TreeOptions,
 ) -> proto::TreeOpen {
     proto::TreeOpen {
@@ -65,6 +67,7 @@ pub(crate) fn open_of(
         no_xattrs: o.no_xattrs,
         verify: o.verify,
         threads: o.tree_threads.unwrap_or(0) as u32,
+        bwlimit: bwlimit.unwrap_or(0),
     }
 }
 
@@ -209,13 +212,20 @@ fn rel_bytes(rel: &Path) -> Bytes {
 /// A local directory answering a peer's calls.
 pub(crate) struct Served {
     root: OwnedFd,
+    /// Bytes of file data sent (for progress; may be shared with other attempts).
+    pub sent: Arc<AtomicU64>,
+    /// At most this many bytes of file data per second.
+    limit: Option<RateLimiter>,
 }
 
 impl Served {
-    /// Serves the tree at `path`.
-    pub(crate) fn open(path: &Path) -> io::Result<Served> {
+    /// Serves the tree at `path`, sending at most `bwlimit` bytes of file data per
+    /// second if given.
+    pub(crate) fn open(path: &Path, bwlimit: Option<u64>) -> io::Result<Served> {
         Ok(Served {
             root: meta::open_dir_at(rustix::fs::CWD, path.as_os_str())?,
+            sent: Arc::default(),
+            limit: bwlimit.filter(|&r| r > 0).map(RateLimiter::new),
         })
     }
 
@@ -407,9 +417,17 @@ pub(crate) async fn serve_calls(
         let permit = limit.clone().acquire_owned().await.expect("never closed");
         let (served, answers) = (served.clone(), answers.clone());
         tokio::spawn(async move {
-            let out = tokio::task::spawn_blocking(move || served.answer(call)).await;
+            let worker = served.clone();
+            let out = tokio::task::spawn_blocking(move || worker.answer(call)).await;
             drop(permit);
             for answer in out.into_iter().flatten() {
+                if let Some(Answer::Data(d)) = &answer.answer {
+                    let bytes: u64 = d.frames.iter().map(frames::wire_len).sum();
+                    if let Some(limit) = &served.limit {
+                        limit.take(bytes).await;
+                    }
+                    served.sent.fetch_add(bytes, Relaxed);
+                }
                 if answers.send(answer).await.is_err() {
                     return;
                 }
