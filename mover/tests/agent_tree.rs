@@ -299,3 +299,35 @@ fn bwlimit_caps_the_rate_of_pushes_and_pulls() {
     assert!(took >= 2.5, "8 MiB pulled at 2 MiB/s in {took:.2}s");
     assert_same_tree(&src, &back);
 }
+
+#[test]
+fn a_frozen_client_is_dropped_by_keepalive_and_the_export_freed() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, exported) = (t.path().join("src"), t.path().join("exported"));
+    make_heavy_tree(&src, 200);
+    let agent = Agent::start(t.path(), &[("data", &exported, false)], None);
+    let state = t.path().join("state");
+    let s = src.to_str().unwrap();
+    // Frozen mid-push, its connection open but silent (as behind a cut cable).
+    let mut frozen = spawn_copy(&state, &[s, &agent.url("data"), "--bwlimit", "20M"]);
+    wait_for_entries(&t.path().join(".exported.mover-partial/d00"));
+    let pid = rustix::process::Pid::from_child(&frozen);
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+    // Meanwhile the export is held; once keepalive gives up on the frozen peer, a new
+    // push takes over and finishes.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let done = loop {
+        let out = copy(&state, &[s, &agent.url("data"), "--retries", "1"]);
+        if out.status.success() {
+            break json_of(&out);
+        }
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(err.contains("another push"), "{err}");
+        assert!(Instant::now() < deadline, "the frozen push held the export");
+        std::thread::sleep(Duration::from_secs(3));
+    };
+    frozen.kill().unwrap();
+    frozen.wait().unwrap();
+    assert_eq!(done["failed"], 0);
+    assert_same_tree(&src, &exported);
+}

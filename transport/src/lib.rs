@@ -42,6 +42,14 @@ pub const CONNECTION_WINDOW: u32 = 32 << 20;
 /// instead of 64 frames of the 16 KiB default.
 pub const MAX_FRAME: u32 = (1 << 20) + 1024;
 
+/// HTTP/2 pings on an idle connection, on both sides, and how long an answer may take:
+/// a peer that vanished without closing (a cut cable, a frozen node) is noticed, so a
+/// transfer waiting on it fails and is retried instead of hanging (and, for a tree push,
+/// holding the export).
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(15);
+/// See [`KEEPALIVE_INTERVAL`].
+pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Largest gRPC message either side accepts: a frame of one 8 MiB chunk plus headers,
 /// or a batch of page hashes.
 pub const MAX_MESSAGE: usize = 16 << 20;

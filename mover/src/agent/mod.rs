@@ -69,7 +69,9 @@ pub async fn serve(
         .tcp_nodelay(true)
         .initial_stream_window_size(transport::STREAM_WINDOW)
         .initial_connection_window_size(transport::CONNECTION_WINDOW)
-        .max_frame_size(transport::MAX_FRAME);
+        .max_frame_size(transport::MAX_FRAME)
+        .http2_keepalive_interval(Some(transport::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(transport::KEEPALIVE_TIMEOUT));
     if let Some(tls) = &config.tls {
         let files = TlsFiles {
             cert: tls.cert.clone(),

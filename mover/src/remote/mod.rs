@@ -211,7 +211,10 @@ impl RemoteOptions {
             .connect_timeout(Duration::from_secs(10))
             .tcp_nodelay(true)
             .initial_stream_window_size(transport::STREAM_WINDOW)
-            .initial_connection_window_size(transport::CONNECTION_WINDOW);
+            .initial_connection_window_size(transport::CONNECTION_WINDOW)
+            .http2_keep_alive_interval(transport::KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(transport::KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true);
         if let Some(tls) = tls {
             endpoint = endpoint
                 .tls_config(tls)
