@@ -3,10 +3,40 @@
 
 use crate::proto::{DataFrame, data_frame::Payload};
 use chunker::{ChunkKey, PAGE_HASH_LEN, PAGE_SIZE, is_zero, page_hashes};
+use std::cell::RefCell;
 use tonic::codegen::Bytes;
 
 /// zstd level for frames: fast enough to keep up with a network link on one core.
 const LEVEL: i32 = 1;
+
+thread_local! {
+    /// Each thread's zstd contexts: making one costs more than compressing a small file
+    /// (measured: a tree push spent a quarter of its CPU in `ZSTD_createCCtx`).
+    static COMPRESSOR: RefCell<Option<zstd::bulk::Compressor<'static>>> =
+        const { RefCell::new(None) };
+    static DECOMPRESSOR: RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        const { RefCell::new(None) };
+}
+
+/// `data` compressed at [`LEVEL`] with this thread's context.
+fn compress(data: &[u8]) -> std::io::Result<Vec<u8>> {
+    COMPRESSOR.with_borrow_mut(|c| {
+        if c.is_none() {
+            *c = Some(zstd::bulk::Compressor::new(LEVEL)?);
+        }
+        c.as_mut().expect("just made").compress(data)
+    })
+}
+
+/// `z` decompressed (at most `len` bytes) with this thread's context.
+fn decompress(z: &[u8], len: usize) -> std::io::Result<Vec<u8>> {
+    DECOMPRESSOR.with_borrow_mut(|d| {
+        if d.is_none() {
+            *d = Some(zstd::bulk::Decompressor::new()?);
+        }
+        d.as_mut().expect("just made").decompress(z, len)
+    })
+}
 
 /// A frame of `data` at `offset`, compressed if it pays.
 ///
@@ -25,8 +55,7 @@ pub fn data_frame_of(offset: u64, data: Bytes) -> DataFrame {
 /// then not copied).
 pub fn frame_of(offset: u64, data: Bytes, compress: bool) -> DataFrame {
     let len = data.len() as u64;
-    let compressed =
-        (compress && worth_compressing(&data)).then(|| zstd::bulk::compress(&data, LEVEL));
+    let compressed = (compress && worth_compressing(&data)).then(|| self::compress(&data));
     let payload = match compressed {
         Some(Ok(z)) if z.len() < data.len() - data.len() / 8 => Payload::Zstd(Bytes::from(z)),
         _ => Payload::Data(data),
@@ -45,7 +74,7 @@ fn worth_compressing(data: &[u8]) -> bool {
         return true;
     }
     let sample = &data[..SAMPLE];
-    zstd::bulk::compress(sample, LEVEL).is_ok_and(|z| z.len() < SAMPLE - SAMPLE / 8)
+    compress(sample).is_ok_and(|z| z.len() < SAMPLE - SAMPLE / 8)
 }
 
 /// A frame saying `len` bytes at `offset` are zeros.
@@ -70,7 +99,7 @@ pub fn content(frame: &DataFrame) -> Result<Content, String> {
     match &frame.payload {
         Some(Payload::Data(b)) if b.len() as u64 == frame.len => Ok(Content::Bytes(b.clone())),
         Some(Payload::Zstd(z)) => {
-            let out = zstd::bulk::decompress(z, frame.len as usize)
+            let out = decompress(z, frame.len as usize)
                 .map_err(|e| format!("frame at offset {}: bad zstd data: {e}", frame.offset))?;
             if out.len() as u64 != frame.len {
                 return Err(format!(

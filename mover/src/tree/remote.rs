@@ -184,12 +184,16 @@ fn bad_answer(why: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, why)
 }
 
-fn error_answer(e: &io::Error) -> Answer {
-    Answer::Error(proto::SourceError {
+fn source_error(e: &io::Error) -> proto::SourceError {
+    proto::SourceError {
         errno: e.raw_os_error().unwrap_or(0),
         message: e.to_string(),
         eof: e.kind() == io::ErrorKind::UnexpectedEof,
-    })
+    }
+}
+
+fn error_answer(e: &io::Error) -> Answer {
+    Answer::Error(source_error(e))
 }
 
 fn io_error_of(e: proto::SourceError) -> io::Error {
@@ -283,6 +287,19 @@ impl Served {
                 Ok(vec![Answer::Entry(entry_of(b"", &m, b"", &x))])
             }
             Some(Op::Read(r)) => Ok(vec![Answer::Data(self.read(&r)?)]),
+            Some(Op::ReadFiles(batch)) => {
+                let files = batch
+                    .files
+                    .iter()
+                    .map(|r| proto::FileOrError {
+                        result: Some(match self.read(r) {
+                            Ok(data) => proto::file_or_error::Result::Data(data),
+                            Err(e) => proto::file_or_error::Result::Error(source_error(&e)),
+                        }),
+                    })
+                    .collect();
+                Ok(vec![Answer::Files(proto::FileBatchData { files })])
+            }
             Some(Op::Chunks(rel)) => Ok(vec![Answer::Chunks(self.chunks(&rel)?)]),
             Some(Op::Hash(rel)) => {
                 let file: File = self.open_rel(&rel, false)?.into();
@@ -421,8 +438,20 @@ pub(crate) async fn serve_calls(
             let out = tokio::task::spawn_blocking(move || worker.answer(call)).await;
             drop(permit);
             for answer in out.into_iter().flatten() {
-                if let Some(Answer::Data(d)) = &answer.answer {
-                    let bytes: u64 = d.frames.iter().map(frames::wire_len).sum();
+                let bytes: u64 = match &answer.answer {
+                    Some(Answer::Data(d)) => d.frames.iter().map(frames::wire_len).sum(),
+                    Some(Answer::Files(b)) => b
+                        .files
+                        .iter()
+                        .filter_map(|f| match &f.result {
+                            Some(proto::file_or_error::Result::Data(d)) => Some(d),
+                            _ => None,
+                        })
+                        .flat_map(|d| d.frames.iter().map(frames::wire_len))
+                        .sum(),
+                    _ => 0,
+                };
+                if bytes > 0 {
                     if let Some(limit) = &served.limit {
                         limit.take(bytes).await;
                     }
@@ -520,7 +549,27 @@ pub(crate) struct RemoteSource {
     send: SendCall,
     pending: Arc<Pending>,
     next_id: AtomicU64,
+    /// Small files fetched ahead, by path, until copied.
+    fetched: Arc<Mutex<HashMap<PathBuf, proto::FileData>>>,
 }
+
+/// The files of one prefetch: forgotten when the batch is done, used or not.
+pub(crate) struct Fetched {
+    cache: Arc<Mutex<HashMap<PathBuf, proto::FileData>>>,
+    paths: Vec<PathBuf>,
+}
+
+impl Drop for Fetched {
+    fn drop(&mut self) {
+        let mut cache = self.cache.lock().expect("fetched lock");
+        for p in &self.paths {
+            cache.remove(p);
+        }
+    }
+}
+
+/// File data fetched ahead in one call at most (well below the message limit).
+const PREFETCH_BYTES: u64 = 4 << 20;
 
 /// A file of a [`RemoteSource`]: its path, and its metadata as the last read saw it.
 pub(crate) struct RemoteFile {
@@ -537,6 +586,7 @@ impl RemoteSource {
             send,
             pending,
             next_id: AtomicU64::new(1),
+            fetched: Arc::default(),
         }
     }
 
@@ -605,33 +655,89 @@ impl RemoteSource {
         while pos < end {
             let want = (end - pos).min(RANGE);
             let data = self.read(f, pos, want)?;
-            for frame in &data.frames {
-                if frame.offset < pos || frame.offset + frame.len > pos + want {
-                    return Err(bad_answer("file data outside the range asked".into()));
-                }
-                match frames::content(frame).map_err(bad_answer)? {
-                    Content::Bytes(b) => {
-                        dst.write_all_at(&b, frame.offset)?;
-                        written += b.len() as u64;
-                    }
-                    Content::Zeros(_) => {}
-                }
-            }
-            if data.eof {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "the file shrank while being read",
-                ));
-            }
+            written += apply_data(&data, pos, want, dst)?;
             pos += want;
         }
         Ok(written)
     }
 }
 
+/// Writes the frames of `data`, the answer for `want` bytes at `pos`, into `dst`;
+/// returns the bytes written. A file that ended early is an error (the walk retries it).
+fn apply_data(data: &proto::FileData, pos: u64, want: u64, dst: &File) -> io::Result<u64> {
+    let mut written = 0;
+    for frame in &data.frames {
+        if frame.offset < pos || frame.offset + frame.len > pos + want {
+            return Err(bad_answer("file data outside the range asked".into()));
+        }
+        match frames::content(frame).map_err(bad_answer)? {
+            Content::Bytes(b) => {
+                dst.write_all_at(&b, frame.offset)?;
+                written += b.len() as u64;
+            }
+            Content::Zeros(_) => {}
+        }
+    }
+    if data.eof {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "the file shrank while being read",
+        ));
+    }
+    Ok(written)
+}
+
 impl TreeSource for RemoteSource {
     type Dir = PathBuf;
     type File = RemoteFile;
+    type Prefetch = Fetched;
+
+    fn prefetch(&self, dir: &PathBuf, files: &[(&OsStr, u64)]) -> Fetched {
+        let mut fetched = Fetched {
+            cache: self.fetched.clone(),
+            paths: Vec::new(),
+        };
+        let mut rest = files;
+        while !rest.is_empty() {
+            // As many files as fit in one answer, at least one.
+            let mut bytes = 0;
+            let n = rest
+                .iter()
+                .take_while(|(_, size)| {
+                    bytes += size;
+                    bytes <= PREFETCH_BYTES
+                })
+                .count()
+                .max(1);
+            let (group, later) = rest.split_at(n);
+            rest = later;
+            let paths: Vec<PathBuf> = group.iter().map(|(name, _)| dir.join(name)).collect();
+            let batch = proto::FileBatch {
+                files: paths
+                    .iter()
+                    .zip(group)
+                    .map(|(p, (_, size))| proto::FileRange {
+                        path: rel_bytes(p),
+                        offset: 0,
+                        len: *size,
+                    })
+                    .collect(),
+            };
+            // A failed batch is not an error here: each file is then read on its own,
+            // which reports what is wrong.
+            let Ok(Answer::Files(answer)) = self.call(Op::ReadFiles(batch), false) else {
+                continue;
+            };
+            let mut cache = self.fetched.lock().expect("fetched lock");
+            for (path, file) in paths.into_iter().zip(answer.files) {
+                if let Some(proto::file_or_error::Result::Data(data)) = file.result {
+                    cache.insert(path.clone(), data);
+                    fetched.paths.push(path);
+                }
+            }
+        }
+        fetched
+    }
 
     fn root_path(&self) -> &Path {
         &self.label
@@ -673,7 +779,18 @@ impl TreeSource for RemoteSource {
         size: u64,
         _sparse: bool,
     ) -> io::Result<Written> {
-        let new_bytes = self.fetch(f, 0, size, dst)?;
+        let ahead = self.fetched.lock().expect("fetched lock").remove(&f.rel);
+        let new_bytes = match ahead {
+            Some(data) => {
+                let after = data
+                    .after
+                    .as_ref()
+                    .ok_or_else(|| bad_answer("no metadata".into()))?;
+                *f.after.lock().expect("after lock") = Some(meta_of(after)?);
+                apply_data(&data, 0, size, dst)?
+            }
+            None => self.fetch(f, 0, size, dst)?,
+        };
         dst.set_len(size)?;
         Ok(Written {
             new_bytes,

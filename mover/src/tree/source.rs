@@ -57,6 +57,11 @@ pub(crate) trait TreeSource: Sync {
     fn stat(&self, f: &Self::File) -> io::Result<Meta>;
     /// Whether the file holds the same bytes as `other`.
     fn same_content(&self, f: &Self::File, other: &File) -> io::Result<bool>;
+    /// Small files about to be copied whole, by name in `dir` with their listed size: a
+    /// source across the network fetches them in one round trip; whatever was fetched
+    /// but not used is dropped with the returned value.
+    type Prefetch;
+    fn prefetch(&self, dir: &Self::Dir, files: &[(&OsStr, u64)]) -> Self::Prefetch;
     /// The source is gone for good (its connection dropped): the walk stops early.
     fn broken(&self) -> bool {
         false
@@ -84,6 +89,10 @@ impl LocalSource {
 impl TreeSource for LocalSource {
     type Dir = LocalDir;
     type File = File;
+    /// Local files are read when copied: nothing to fetch ahead.
+    type Prefetch = ();
+
+    fn prefetch(&self, _dir: &LocalDir, _files: &[(&OsStr, u64)]) {}
 
     fn root_path(&self) -> &Path {
         &self.root

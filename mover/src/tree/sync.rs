@@ -195,6 +195,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             for batch in large.chunks(1).chain(small.chunks(BATCH)) {
                 let dst = &dst;
                 s.spawn(move |_| {
+                    let _fetched = self.prefetch(pair, batch, dst);
                     for entry in batch {
                         if let Err(e) = self.sync_entry(pair, entry, dst.get(&entry.name)) {
                             self.fail(&pair.src_path.join(&entry.name), "not copied", e);
@@ -211,6 +212,29 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
                 });
             }
         });
+    }
+
+    /// Lets the source fetch ahead the small files of `batch` that will be copied whole.
+    fn prefetch(
+        &self,
+        pair: &DirPair<S::Dir>,
+        batch: &[&Listed],
+        dst: &HashMap<OsString, Meta>,
+    ) -> S::Prefetch {
+        let files: Vec<(&OsStr, u64)> = batch
+            .iter()
+            .filter(|e| {
+                // Files that may be unchanged (same size and mtime) are not fetched.
+                let m = &e.meta;
+                m.kind == Kind::File
+                    && m.size < PATCH_MIN
+                    && !dst.get(&e.name).is_some_and(|h| {
+                        h.kind == Kind::File && h.size == m.size && h.mtime == m.mtime
+                    })
+            })
+            .map(|e| (e.name.as_os_str(), e.meta.size))
+            .collect();
+        self.source.prefetch(&pair.src, &files)
     }
 
     fn sync_subdir(
