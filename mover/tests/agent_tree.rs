@@ -37,9 +37,13 @@ fn push_and_pull_copy_every_kind_of_entry_and_reruns_write_nothing() {
     );
     let state = t.path().join("state");
 
-    // Push into an export that does not exist yet.
-    let first = ok(&copy(&state, &[src.to_str().unwrap(), &agent.url("data")]));
+    // Push into an export that does not exist yet; the agent verifies by content.
+    let first = ok(&copy(
+        &state,
+        &[src.to_str().unwrap(), &agent.url("data"), "--verify"],
+    ));
     assert_same_tree(&src, &exported);
+    assert_eq!(first["verified"], true);
     assert!(first["bytes_written"].as_u64().unwrap() >= 8 * MIB);
     assert_eq!(first["failed"], 0);
 
@@ -329,5 +333,26 @@ fn a_frozen_client_is_dropped_by_keepalive_and_the_export_freed() {
     frozen.kill().unwrap();
     frozen.wait().unwrap();
     assert_eq!(done["failed"], 0);
+    assert_same_tree(&src, &exported);
+}
+
+#[test]
+fn a_directory_listed_in_several_parts_arrives_whole() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, exported) = (t.path().join("src"), t.path().join("exported"));
+    // About 1.7 MB of listing: more than one part (1 MiB) of an answer.
+    let wide = src.join("wide");
+    fs::create_dir_all(&wide).unwrap();
+    for i in 0..15_000 {
+        fs::write(
+            wide.join(format!("a-rather-long-file-name-number-{i:06}")),
+            b"",
+        )
+        .unwrap();
+    }
+    let agent = Agent::start(t.path(), &[("data", &exported, false)], None);
+    let state = t.path().join("state");
+    let done = ok(&copy(&state, &[src.to_str().unwrap(), &agent.url("data")]));
+    assert_eq!(done["files"], 15_000);
     assert_same_tree(&src, &exported);
 }

@@ -45,8 +45,10 @@ use transport::{
 /// File data asked for in one call: large enough to amortise a round trip, small
 /// enough to stay far below the message limit.
 const RANGE: u64 = 4 << 20;
-/// Entries per part of a listing.
-const LIST_PART: usize = 4096;
+/// Bytes of entries per part of a listing (names, link targets and xattrs can be long).
+const LIST_PART_BYTES: usize = 1 << 20;
+/// File data one batch call may ask for (the walking side asks for 4 MiB at most).
+const BATCH_MAX: u64 = 8 << 20;
 /// Calls one side answers at once.
 const SERVE_PARALLEL: usize = 32;
 
@@ -288,6 +290,13 @@ impl Served {
             }
             Some(Op::Read(r)) => Ok(vec![Answer::Data(self.read(&r)?)]),
             Some(Op::ReadFiles(batch)) => {
+                let asked: u64 = batch.files.iter().map(|r| r.len.min(RANGE)).sum();
+                if asked > BATCH_MAX {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("a batch of {asked} bytes is more than {BATCH_MAX}"),
+                    ));
+                }
                 let files = batch
                     .files
                     .iter()
@@ -320,23 +329,29 @@ impl Served {
         let dir = self.open_rel(rel, true)?;
         // xattr calls go by path: through this descriptor, so they stay in the tree.
         let listed = list_entries(dir.as_fd(), &fd_path(dir.as_fd()), xattrs)?;
-        let mut parts: Vec<Answer> = listed
-            .chunks(LIST_PART)
-            .map(|part| {
+        let mut parts = Vec::new();
+        let (mut part, mut bytes) = (Vec::new(), 0);
+        for l in &listed {
+            let entry = entry_of(l.name.as_bytes(), &l.meta, &l.link, &l.xattrs);
+            bytes += prost::Message::encoded_len(&entry);
+            part.push(entry);
+            if bytes >= LIST_PART_BYTES {
+                parts.push(std::mem::take(&mut part));
+                bytes = 0;
+            }
+        }
+        parts.push(part);
+        let last = parts.len() - 1;
+        Ok(parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, entries)| {
                 Answer::Entries(proto::Entries {
-                    entries: part
-                        .iter()
-                        .map(|l| entry_of(l.name.as_bytes(), &l.meta, &l.link, &l.xattrs))
-                        .collect(),
-                    more: true,
+                    entries,
+                    more: i < last,
                 })
             })
-            .collect();
-        match parts.last_mut() {
-            Some(Answer::Entries(last)) => last.more = false,
-            _ => parts.push(Answer::Entries(proto::Entries::default())),
-        }
-        Ok(parts)
+            .collect())
     }
 
     /// The bytes of a file range that are not holes, compressed where it pays.
