@@ -99,6 +99,8 @@ impl AgentService {
         self.check_epoch(&open.relationship, open.epoch)?;
         let busy = self.claim(&open.volume)?;
         self.metrics.sessions_opened.fetch_add(1, Relaxed);
+        self.metrics.sessions_active.fetch_add(1, Relaxed);
+        let metrics = self.metrics.clone();
         let (tx, rx) = mpsc::channel(QUEUE);
         let pending = Arc::new(Pending::default());
         tokio::spawn(route_answers(pending.clone(), incoming));
@@ -113,6 +115,12 @@ impl AgentService {
             let result = tree::copy_remote_tree(&source, &dst, &options, &());
             drop(source);
             drop(busy);
+            metrics.sessions_active.fetch_sub(1, Relaxed);
+            if let Ok(summary) = &result {
+                metrics
+                    .bytes_received
+                    .fetch_add(summary.bytes_written, Relaxed);
+            }
             let last = match result {
                 Ok(summary) => match serde_json::to_vec(&summary) {
                     Ok(json) => Ok(proto::TreeCall {
@@ -165,11 +173,18 @@ impl AgentService {
         let served = Served::open(&export.path, bwlimit)
             .map_err(|e| Status::failed_precondition(format!("{}: {e}", export.path.display())))?;
         self.metrics.sessions_opened.fetch_add(1, Relaxed);
+        self.metrics.sessions_active.fetch_add(1, Relaxed);
         let (tx, rx) = mpsc::channel(QUEUE);
+        let metrics = self.metrics.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_calls(Arc::new(served), incoming, tx).await {
+            let served = Arc::new(served);
+            if let Err(e) = serve_calls(served.clone(), incoming, tx).await {
                 tracing::warn!("tree pull ended: {}", e.message());
             }
+            metrics.sessions_active.fetch_sub(1, Relaxed);
+            metrics
+                .bytes_sent
+                .fetch_add(served.sent.load(Relaxed), Relaxed);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
     }
