@@ -385,9 +385,9 @@ fn a_cut_connection_is_retried_and_continues() {
     ));
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
     // The summary is the last attempt's: it re-sent at most what was in flight at the
-    // cut (one HTTP/2 connection window, plus the agent's write queue) besides what had
-    // not been sent at all.
-    let in_flight = u64::from(transport::CONNECTION_WINDOW) + 8 * MIB;
+    // cut (one HTTP/2 connection window, plus the agent's write queue of 16 frames of up
+    // to a chunk) besides what had not been sent at all.
+    let in_flight = u64::from(transport::CONNECTION_WINDOW) + 16 * MIB;
     let last = j["bytes_written"].as_u64().unwrap();
     assert!(
         last <= len - cut + in_flight,
