@@ -108,6 +108,16 @@ impl AgentService {
         })
     }
 
+    /// Refuses a read-only export as a destination.
+    pub(super) fn check_writable(&self, name: &str, export: &Export) -> Result<(), Status> {
+        if export.read_only {
+            return Err(self.refuse(Status::permission_denied(format!(
+                "volume {name:?} is exported read-only; it can be a source, never a destination"
+            ))));
+        }
+        Ok(())
+    }
+
     pub(super) fn check_epoch(&self, relationship: &str, epoch: u64) -> Result<(), Status> {
         match self.epochs.admit(relationship, epoch) {
             Ok(()) => Ok(()),
@@ -169,12 +179,7 @@ impl Transfer for AgentService {
                 (v.into_file(), size, None)
             }
             Access::Write => {
-                if export.read_only {
-                    return Err(self.refuse(Status::permission_denied(format!(
-                        "volume {:?} is exported read-only; it can be a source, never a destination",
-                        r.volume
-                    ))));
-                }
+                self.check_writable(&r.volume, export)?;
                 self.check_epoch(&r.relationship, r.epoch)?;
                 // One writer per export: a newer session takes over from an abandoned one.
                 self.close_sessions_on(&r.volume);

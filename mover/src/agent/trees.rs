@@ -52,10 +52,8 @@ impl AgentService {
     /// The tree export `name`: a directory (or, for a push, a path not made yet).
     fn tree_export(&self, name: &str, write: bool) -> Result<&Export, Status> {
         let export = self.export(name)?;
-        if write && export.read_only {
-            return Err(self.refuse(Status::permission_denied(format!(
-                "volume {name:?} is exported read-only; it can be a source, never a destination"
-            ))));
+        if write {
+            self.check_writable(name, export)?;
         }
         match std::fs::metadata(&export.path) {
             Ok(m) if m.is_dir() => Ok(export),
@@ -80,18 +78,16 @@ impl AgentService {
             .remote_addr()
             .map_or_else(|| "a peer".into(), |a| a.to_string());
         let mut incoming = req.into_inner();
-        let open = match incoming.next().await {
-            Some(Ok(proto::TreeAnswer {
-                answer: Some(Answer::Open(open)),
-                ..
-            })) => open,
-            Some(Err(status)) => return Err(status),
-            _ => {
-                return Err(self.refuse(Status::invalid_argument(
-                    "a tree push must begin with its open message",
-                )));
-            }
-        };
+        let open = self
+            .first_open(
+                &mut incoming,
+                "push",
+                |first: proto::TreeAnswer| match first.answer {
+                    Some(Answer::Open(open)) => Some(open),
+                    _ => None,
+                },
+            )
+            .await?;
         let export = self.tree_export(&open.volume, true)?;
         if open.relationship.is_empty() {
             return Err(self.refuse(Status::invalid_argument("a relationship id is required")));
@@ -137,6 +133,25 @@ impl AgentService {
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
+    /// The open message a tree stream must begin with; `opened` finds it in the first
+    /// message.
+    async fn first_open<T>(
+        &self,
+        incoming: &mut (impl Stream<Item = Result<T, Status>> + Unpin),
+        what: &str,
+        opened: impl FnOnce(T) -> Option<proto::TreeOpen>,
+    ) -> Result<proto::TreeOpen, Status> {
+        match incoming.next().await.transpose()? {
+            Some(first) => opened(first),
+            None => None,
+        }
+        .ok_or_else(|| {
+            self.refuse(Status::invalid_argument(format!(
+                "a tree {what} must begin with its open message"
+            )))
+        })
+    }
+
     /// One push per export at a time: two walks would race on the same names.
     fn claim(&self, name: &str) -> Result<Busy, Status> {
         let mut set = self.trees_busy.lock().expect("busy lock");
@@ -156,18 +171,16 @@ impl AgentService {
         req: Request<Streaming<proto::TreeCall>>,
     ) -> Result<Response<AnswerStream>, Status> {
         let mut incoming = req.into_inner();
-        let open = match incoming.next().await {
-            Some(Ok(proto::TreeCall {
-                op: Some(Op::Open(open)),
-                ..
-            })) => open,
-            Some(Err(status)) => return Err(status),
-            _ => {
-                return Err(self.refuse(Status::invalid_argument(
-                    "a tree pull must begin with its open message",
-                )));
-            }
-        };
+        let open = self
+            .first_open(
+                &mut incoming,
+                "pull",
+                |first: proto::TreeCall| match first.op {
+                    Some(Op::Open(open)) => Some(open),
+                    _ => None,
+                },
+            )
+            .await?;
         let export = self.tree_export(&open.volume, false)?;
         let bwlimit = (open.bwlimit > 0).then_some(open.bwlimit);
         let served = Served::open(&export.path, bwlimit)

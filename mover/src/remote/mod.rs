@@ -313,22 +313,48 @@ pub(crate) fn status_error(url: &AgentUrl, s: tonic::Status) -> CopyError {
     }
 }
 
-/// Runs `attempt` up to `retries` times while it fails with a retryable error, backing
-/// off 0.5 s, 1 s, 2 s … (at most 10 s) between attempts.
+/// The retry policy of every transfer: up to `retries` attempts while the error is
+/// retryable, backing off 0.5 s, 1 s, 2 s … (at most 10 s) between them.
+pub(crate) struct Backoff {
+    retries: u32,
+    delay: Duration,
+}
+
+impl Backoff {
+    pub(crate) fn new(retries: u32) -> Self {
+        Backoff {
+            retries: retries.max(1),
+            delay: Duration::from_millis(500),
+        }
+    }
+
+    /// After attempt `n` failed with `e`: how long to wait before the next one, or
+    /// `None` to give up.
+    pub(crate) fn after(&mut self, n: u32, e: &CopyError) -> Option<Duration> {
+        if !e.is_retryable() || n >= self.retries {
+            return None;
+        }
+        let wait = self.delay;
+        tracing::warn!("attempt {n} failed: {e}; retrying in {wait:?}");
+        self.delay = (self.delay * 2).min(Duration::from_secs(10));
+        Some(wait)
+    }
+}
+
+/// Runs `attempt` until it succeeds or [`Backoff`] gives up.
 pub(crate) async fn with_retries<T, F, Fut>(retries: u32, mut attempt: F) -> Result<T, CopyError>
 where
     F: FnMut(u32) -> Fut,
     Fut: std::future::Future<Output = Result<T, CopyError>>,
 {
-    let mut delay = Duration::from_millis(500);
+    let mut backoff = Backoff::new(retries);
     for n in 1.. {
         match attempt(n).await {
-            Err(e) if e.is_retryable() && n < retries.max(1) => {
-                tracing::warn!("attempt {n} failed: {e}; retrying in {delay:?}");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(10));
-            }
-            other => return other,
+            Err(e) => match backoff.after(n, &e) {
+                Some(wait) => tokio::time::sleep(wait).await,
+                None => return Err(e),
+            },
+            done => return done,
         }
     }
     unreachable!("the loop returns")

@@ -7,7 +7,7 @@
 //! renames, a hidden new tree), so a rerun after a drop finishes the copy, and the
 //! client retries on its own (`--retries`).
 
-use super::{AgentUrl, RemoteOptions, status_error, with_retries};
+use super::{AgentUrl, Backoff, RemoteOptions, status_error, with_retries};
 use crate::{
     CopyError, Progress, TreeOptions, TreeSummary,
     tree::{
@@ -61,11 +61,8 @@ pub fn push_tree(
     remote: &RemoteOptions,
     progress: &dyn Progress,
 ) -> Result<TreeSummary, CopyError> {
-    let src_abs = std::fs::canonicalize(src).map_err(|cause| CopyError::Tree {
-        path: src.to_path_buf(),
-        what: "cannot open the source",
-        cause,
-    })?;
+    let src_abs =
+        std::fs::canonicalize(src).map_err(tree::tree_error(src, "cannot open the source"))?;
     let sent = Arc::new(AtomicU64::new(0));
     progress.begin("copy", 0);
     let push = with_retries(remote.retries, |_| {
@@ -94,11 +91,8 @@ async fn push_once(
     remote: &RemoteOptions,
     sent: Arc<AtomicU64>,
 ) -> Result<TreeSummary, CopyError> {
-    let mut served = Served::open(src, remote.bwlimit).map_err(|cause| CopyError::Tree {
-        path: src.to_path_buf(),
-        what: "cannot open the source",
-        cause,
-    })?;
+    let mut served = Served::open(src, remote.bwlimit)
+        .map_err(tree::tree_error(src, "cannot open the source"))?;
     served.sent = sent;
     let mut client = remote.connect(url).await?;
     let (tx, rx) = mpsc::channel(QUEUE);
@@ -143,16 +137,17 @@ pub fn pull_tree(
     remote: &RemoteOptions,
     progress: &dyn Progress,
 ) -> Result<TreeSummary, CopyError> {
+    // The walk blocks on its calls, so it runs outside the runtime: retried here, with
+    // the same policy as `with_retries`.
     let rt = runtime()?;
-    let mut delay = Duration::from_millis(500);
-    for attempt in 1.. {
+    let mut backoff = Backoff::new(remote.retries);
+    for n in 1.. {
         match pull_once(&rt, url, dst, options, remote, progress) {
-            Err(e) if e.is_retryable() && attempt < remote.retries.max(1) => {
-                tracing::warn!("attempt {attempt} failed: {e}; retrying in {delay:?}");
-                std::thread::sleep(delay);
-                delay = (delay * 2).min(Duration::from_secs(10));
-            }
-            other => return other,
+            Err(e) => match backoff.after(n, &e) {
+                Some(wait) => std::thread::sleep(wait),
+                None => return Err(e),
+            },
+            done => return done,
         }
     }
     unreachable!("the loop returns")

@@ -33,13 +33,7 @@ pub(crate) fn copy_whole(src: &File, dst: &File, size: u64, sparse: bool) -> io:
     let mut written = 0;
     if sparse {
         let mut pos = 0;
-        while pos < size {
-            let data = match fs::seek(src, SeekFrom::Data(pos)) {
-                Ok(d) => d,
-                Err(rustix::io::Errno::NXIO) => break,
-                Err(e) => return Err(e.into()),
-            };
-            let hole = fs::seek(src, SeekFrom::Hole(data))?.min(size);
+        while let Some((data, hole)) = next_data(src, pos, size)? {
             copy_range(src, data, dst, data, hole - data)?;
             written += hole - data;
             pos = hole;
@@ -54,6 +48,18 @@ pub(crate) fn copy_whole(src: &File, dst: &File, size: u64, sparse: bool) -> io:
         new_bytes: written,
         reused_bytes: 0,
     })
+}
+
+/// The next run of data (not a hole) of `file` in `[pos, end)`, as `(start, stop)`;
+/// `None` when only holes (or the end of the file) follow.
+pub(crate) fn next_data(file: &File, pos: u64, end: u64) -> io::Result<Option<(u64, u64)>> {
+    let data = match fs::seek(file, SeekFrom::Data(pos)) {
+        Ok(d) if d < end => d,
+        Ok(_) | Err(rustix::io::Errno::NXIO) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let hole = fs::seek(file, SeekFrom::Hole(data))?.min(end);
+    Ok(Some((data, hole)))
 }
 
 /// Copies `len` bytes from `src` at `from` to `dst` at `to`, in the kernel where it can

@@ -103,6 +103,12 @@ impl Meta {
         Ok(Meta::from_stat(&fs::fstat(fd)?))
     }
 
+    /// Whether a destination file with this metadata is taken to hold `src`'s content
+    /// (same size and mtime; `--checksum` then compares the bytes).
+    pub(crate) fn same_size_and_mtime(&self, src: &Meta) -> bool {
+        self.size == src.size && self.mtime == src.mtime
+    }
+
     /// Whether a file's content may have changed between two looks at it.
     pub(crate) fn content_changed(&self, later: &Meta) -> bool {
         self.size != later.size || self.mtime != later.mtime || self.ctime != later.ctime

@@ -51,7 +51,7 @@ pub struct TreeOptions {
 }
 
 /// Makes an OS error on the tree's top-level `path` a [`CopyError::Tree`].
-fn tree_error<E: Into<std::io::Error>>(
+pub(crate) fn tree_error<E: Into<std::io::Error>>(
     path: &Path,
     what: &'static str,
 ) -> impl FnOnce(E) -> CopyError {

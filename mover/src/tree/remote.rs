@@ -15,7 +15,7 @@ use super::{
     meta::{self, Kind, Meta, Xattrs},
     source::{Listed, TreeSource, list_entries},
 };
-use rustix::fs::{Mode, OFlags, ResolveFlags, SeekFrom};
+use rustix::fs::{Mode, OFlags, ResolveFlags};
 use std::{
     collections::HashMap,
     ffi::{OsStr, OsString},
@@ -368,12 +368,9 @@ impl Served {
         let mut frames = Vec::new();
         let mut pos = r.offset;
         while pos < end.min(before.size) {
-            let data = match rustix::fs::seek(&file, SeekFrom::Data(pos)) {
-                Ok(d) => d.min(end),
-                Err(rustix::io::Errno::NXIO) => break,
-                Err(e) => return Err(e.into()),
+            let Some((data, hole)) = content::next_data(&file, pos, end)? else {
+                break;
             };
-            let hole = rustix::fs::seek(&file, SeekFrom::Hole(data))?.min(end);
             let mut buf = vec![0u8; (hole - data) as usize];
             let mut got = 0;
             while got < buf.len() {
@@ -395,7 +392,7 @@ impl Served {
         Ok(proto::FileData {
             frames,
             eof: after.size < end,
-            after: Some(entry_of(b"", &after, b"", &Xattrs::new())),
+            after: Some(meta_entry(&after)),
         })
     }
 
@@ -419,13 +416,14 @@ impl Served {
     }
 }
 
+/// An open file's metadata now, for an answer.
 fn after(file: &File) -> io::Result<proto::Entry> {
-    Ok(entry_of(
-        b"",
-        &Meta::of_fd(file.as_fd())?,
-        b"",
-        &Xattrs::new(),
-    ))
+    Ok(meta_entry(&Meta::of_fd(file.as_fd())?))
+}
+
+/// Metadata alone (no name, link or xattrs), for an answer.
+fn meta_entry(m: &Meta) -> proto::Entry {
+    entry_of(b"", m, b"", &Xattrs::new())
 }
 
 /// A path that reaches the open `fd` (for calls that only take paths).

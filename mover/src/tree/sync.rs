@@ -228,9 +228,9 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
                 let m = &e.meta;
                 m.kind == Kind::File
                     && m.size < PATCH_MIN
-                    && !dst.get(&e.name).is_some_and(|h| {
-                        h.kind == Kind::File && h.size == m.size && h.mtime == m.mtime
-                    })
+                    && !dst
+                        .get(&e.name)
+                        .is_some_and(|h| h.kind == Kind::File && h.same_size_and_mtime(m))
             })
             .map(|e| (e.name.as_os_str(), e.meta.size))
             .collect();
@@ -332,8 +332,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         self.stats.files.fetch_add(1, Relaxed);
         self.stats.source_bytes.fetch_add(m.size, Relaxed);
         if let Some(h) = have
-            && h.size == m.size
-            && h.mtime == m.mtime
+            && h.same_size_and_mtime(m)
             && (!self.rules.checksum || self.same_content(pair, name)?)
         {
             let dst_x = self.dst_xattrs(pair, name, true)?;
