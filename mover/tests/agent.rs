@@ -8,7 +8,7 @@ use std::{
     io::{Read, Write},
     net::{TcpListener, TcpStream},
     path::{Path, PathBuf},
-    process::{Child, Command},
+    process::Child,
     time::{Duration, Instant},
 };
 
@@ -80,8 +80,7 @@ fn refusals_name_the_problem_and_write_nothing() {
         assert!(err.contains(expect), "wanted {expect:?} in {err}");
     };
 
-    let wrong_token = Command::new(env!("CARGO_BIN_EXE_mover"))
-        .args(["copy", s, &agent.url("target"), "--no-progress"])
+    let wrong_token = copy_command(t.path(), &[s, &agent.url("target")])
         .env("MOVER_TOKEN", "not-the-token")
         .output()
         .unwrap();
@@ -253,19 +252,7 @@ fn mutual_tls_admits_only_clients_of_the_trusted_ca() {
 
 /// Starts a push of a large image, lets a good part arrive, then calls `interrupt`.
 fn push_in_background(t: &Path, src: &Path, url: &str, retries: &str) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_mover"))
-        .args([
-            "copy",
-            src.to_str().unwrap(),
-            url,
-            "--json",
-            "--no-progress",
-            "--retries",
-            retries,
-        ])
-        .env("MOVER_STATE_DIR", t)
-        .env("MOVER_TOKEN", TOKEN)
-        .env("RUST_LOG", "warn")
+    copy_command(t, &[src.to_str().unwrap(), url, "--retries", retries])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -470,17 +457,7 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
     assert_eq!(j["bytes_written"], 0);
     assert_eq!(indexed_opens(&agent), 2);
     make_image(&src, len, 53, &[(0, 30 * MIB)]);
-    let mut push = Command::new(env!("CARGO_BIN_EXE_mover"))
-        .args([
-            "copy",
-            s,
-            &agent.url("vol"),
-            "--no-progress",
-            "--bwlimit",
-            "4M",
-        ])
-        .env("MOVER_STATE_DIR", t.path())
-        .env("MOVER_TOKEN", TOKEN)
+    let mut push = copy_command(t.path(), &[s, &agent.url("vol"), "--bwlimit", "4M"])
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(1500));

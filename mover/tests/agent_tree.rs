@@ -7,8 +7,8 @@ mod common;
 use common::{MIB, agent::*, json_of, tree::*};
 use std::{
     fs,
-    path::Path,
-    process::{Command, Stdio},
+    path::{Path, PathBuf},
+    process::Stdio,
     time::{Duration, Instant},
 };
 
@@ -21,21 +21,48 @@ fn ok(out: &std::process::Output) -> serde_json::Value {
     json_of(out)
 }
 
-#[test]
-fn push_and_pull_copy_every_kind_of_entry_and_reruns_write_nothing() {
+/// A source tree, an agent exporting `data` (writable, not made yet) and `golden` (the
+/// source, read-only), and `back`, where pulls go. Fields drop in order: the agent
+/// stops before its directory goes.
+struct Exports {
+    agent: Agent,
+    src: PathBuf,
+    exported: PathBuf,
+    back: PathBuf,
+    state: PathBuf,
+    _t: tempfile::TempDir,
+}
+
+fn exports(make: impl FnOnce(&Path)) -> Exports {
     let t = tempfile::tempdir().unwrap();
-    let (src, exported, back) = (
-        t.path().join("src"),
-        t.path().join("exported"),
-        t.path().join("back"),
-    );
-    make_tree(&src, 7);
+    let src = t.path().join("src");
+    make(&src);
+    let exported = t.path().join("exported");
     let agent = Agent::start(
         t.path(),
         &[("data", &exported, false), ("golden", &src, true)],
         None,
     );
-    let state = t.path().join("state");
+    Exports {
+        agent,
+        src,
+        exported,
+        back: t.path().join("back"),
+        state: t.path().join("state"),
+        _t: t,
+    }
+}
+
+#[test]
+fn push_and_pull_copy_every_kind_of_entry_and_reruns_write_nothing() {
+    let Exports {
+        _t,
+        src,
+        exported,
+        back,
+        state,
+        agent,
+    } = exports(|src| make_tree(src, 7));
 
     // Push into an export that does not exist yet; the agent verifies by content.
     let first = ok(&copy(
@@ -85,19 +112,14 @@ fn push_and_pull_copy_every_kind_of_entry_and_reruns_write_nothing() {
 
 #[test]
 fn deltas_both_ways_ship_only_what_changed_and_delete_with_delete() {
-    let t = tempfile::tempdir().unwrap();
-    let (src, exported, back) = (
-        t.path().join("src"),
-        t.path().join("exported"),
-        t.path().join("back"),
-    );
-    make_tree(&src, 11);
-    let agent = Agent::start(
-        t.path(),
-        &[("data", &exported, false), ("golden", &src, true)],
-        None,
-    );
-    let state = t.path().join("state");
+    let Exports {
+        _t,
+        src,
+        exported,
+        back,
+        state,
+        agent,
+    } = exports(|src| make_tree(src, 11));
     ok(&copy(&state, &[src.to_str().unwrap(), &agent.url("data")]));
     ok(&copy(
         &state,
@@ -165,8 +187,7 @@ fn refusals_say_what_and_write_nothing() {
     refused(copy(&state, &[s, &agent.url("golden")]), "read-only");
     refused(copy(&state, &[s, &agent.url("nothing")]), "not exported");
     refused(copy(&state, &[s, &agent.url("disk")]), "not a file tree");
-    let wrong_token = Command::new(env!("CARGO_BIN_EXE_mover"))
-        .args(["copy", s, &agent.url("data"), "--no-progress"])
+    let wrong_token = copy_command(&state, &[s, &agent.url("data")])
         .env("MOVER_TOKEN", "wrong")
         .output()
         .unwrap();
@@ -201,12 +222,7 @@ fn wait_for_entries(dir: &Path) {
 }
 
 fn spawn_copy(state: &Path, args: &[&str]) -> std::process::Child {
-    Command::new(env!("CARGO_BIN_EXE_mover"))
-        .arg("copy")
-        .args(args)
-        .args(["--no-progress"])
-        .env("MOVER_STATE_DIR", state)
-        .env("MOVER_TOKEN", TOKEN)
+    copy_command(state, args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -265,11 +281,13 @@ fn a_pull_retries_through_an_agent_restart_and_finishes() {
     let mut agent = Agent::start(t.path(), &[("golden", &src, true)], None);
     let state = t.path().join("state");
     let out = t.path().join("pull.json");
-    let pull = Command::new(env!("CARGO_BIN_EXE_mover"))
-        .args(["copy", &agent.url("golden"), back.to_str().unwrap()])
-        .args(["--json", "--no-progress", "--retries", "20"])
-        .env("MOVER_STATE_DIR", &state)
-        .env("MOVER_TOKEN", TOKEN)
+    let args = [
+        &agent.url("golden"),
+        back.to_str().unwrap(),
+        "--retries",
+        "20",
+    ];
+    let pull = copy_command(&state, &args)
         .stdout(fs::File::create(&out).unwrap())
         .stderr(Stdio::null())
         .spawn()
@@ -285,19 +303,14 @@ fn a_pull_retries_through_an_agent_restart_and_finishes() {
 
 #[test]
 fn bwlimit_caps_the_rate_of_pushes_and_pulls() {
-    let t = tempfile::tempdir().unwrap();
-    let (src, exported, back) = (
-        t.path().join("src"),
-        t.path().join("exported"),
-        t.path().join("back"),
-    );
-    make_heavy_tree(&src, 8); // 8 MiB that does not compress
-    let agent = Agent::start(
-        t.path(),
-        &[("data", &exported, false), ("golden", &src, true)],
-        None,
-    );
-    let state = t.path().join("state");
+    let Exports {
+        _t,
+        src,
+        exported,
+        back,
+        state,
+        agent,
+    } = exports(|src| make_heavy_tree(src, 8)); // 8 MiB that does not compress
     // 2 MiB/s with a one-second burst: the 6 MiB after the burst take 3 s.
     let started = Instant::now();
     let args = [src.to_str().unwrap(), &agent.url("data"), "--bwlimit", "2M"];

@@ -116,15 +116,20 @@ impl Drop for Agent {
     }
 }
 
-/// `mover copy` with the test token.
-pub fn copy(state: &Path, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_mover"))
-        .arg("copy")
+/// `mover copy ARGS --json --no-progress` with the test token and `state` as its state
+/// directory, to run or spawn.
+pub fn copy_command(state: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_mover"));
+    cmd.arg("copy")
         .args(args)
         .args(["--json", "--no-progress"])
         .env("MOVER_STATE_DIR", state)
         .env("MOVER_TOKEN", TOKEN)
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap()
+        .env("RUST_LOG", "warn");
+    cmd
+}
+
+/// Runs `mover copy` (see [`copy_command`]).
+pub fn copy(state: &Path, args: &[&str]) -> std::process::Output {
+    copy_command(state, args).output().unwrap()
 }
