@@ -47,7 +47,8 @@ enum Command {
         .DST.mover-partial and renamed into place when complete. Onto an existing DST, \
         files with the same size and mtime are skipped (--checksum compares content), \
         changed files are rebuilt under a temp name and renamed over the old (large ones \
-        from the chunks the old copy already holds), and entries SRC lacks are kept \
+        from the chunks the old copy already holds, where that saves work: with an agent, \
+        or onto a filesystem with reflinks such as XFS or Btrfs), and entries SRC lacks are kept \
         unless --delete. Entries that cannot be copied are listed; the exit status is then 1.\n\n\
         Either side may be an agent's export (agent://HOST:PORT/NAME): a tree is pushed \
         into an export that is a directory (or not made yet), and pulled from one. The \

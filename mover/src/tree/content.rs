@@ -1,5 +1,9 @@
 //! File contents: a whole copy that keeps holes, and a patch that reuses the chunks an
 //! older copy already holds (FastCDC, so an insert in the middle shifts nothing).
+//!
+//! A patch pays across a network (only new chunks travel) and, locally, only where the
+//! destination can share the old copy's extents (reflinks): elsewhere it writes as much
+//! as a whole copy and reads twice as much, which is why rsync copies local files whole.
 
 use chunker::{CdcChunker, CdcParams, ChunkId, ChunkKey};
 use rustix::fs::{self, SeekFrom};
@@ -15,8 +19,13 @@ use std::{
 /// ones are rewritten whole (cheaper than reading the old copy to compare).
 pub(crate) const PATCH_MIN: u64 = 1 << 20;
 
-/// Cleared the first time `copy_file_range` is refused (another filesystem, old kernel),
-/// so later files go straight to read/write.
+/// The unit in which filesystems share extents: a reused run is cloned from its first
+/// boundary on, when the old and the new offset agree within it.
+const CLONE_BLOCK: u64 = 4096;
+
+/// Cleared when the kernel has no `copy_file_range`, so later files go straight to
+/// read/write. Other refusals (two filesystems, a file it cannot copy) hold for one pair
+/// of files only: the same walk also copies within one filesystem, where it clones.
 static KERNEL_COPY: AtomicBool = AtomicBool::new(true);
 
 /// What writing one file cost.
@@ -73,15 +82,15 @@ pub(crate) fn copy_range(src: &File, from: u64, dst: &File, to: u64, len: u64) -
             match fs::copy_file_range(src, Some(&mut from), dst, Some(&mut to), chunk) {
                 Ok(0) => return Err(shrank()),
                 Ok(n) => left -= n as u64,
-                Err(
-                    rustix::io::Errno::XDEV
-                    | rustix::io::Errno::NOSYS
-                    | rustix::io::Errno::OPNOTSUPP
-                    | rustix::io::Errno::INVAL,
-                ) if left == len => {
+                Err(rustix::io::Errno::NOSYS) => {
                     KERNEL_COPY.store(false, Ordering::Relaxed);
                     break;
                 }
+                Err(
+                    rustix::io::Errno::XDEV
+                    | rustix::io::Errno::OPNOTSUPP
+                    | rustix::io::Errno::INVAL,
+                ) if left == len => break,
                 Err(e) => return Err(e.into()),
             }
         }
@@ -115,31 +124,117 @@ fn shrank() -> io::Error {
 pub(crate) fn patch(src: &File, old: &File, dst: &File, size: u64) -> io::Result<Written> {
     let chunker = tree_chunker();
     let have = chunks_held(old)?;
-    let mut out = Written::default();
+    let mut reuse = Reuse::new(old, dst);
+    let mut new_bytes = 0;
     let mut end = 0;
     for item in chunker.chunk_stream(BufReader::with_capacity(1 << 20, src)) {
         let (chunk, data) = item?;
         end = chunk.offset + chunk.len as u64;
         match have.get(&chunk.id) {
-            Some(&(at, len)) if len == chunk.len => {
-                copy_range(old, at, dst, chunk.offset, len as u64)?;
-                out.reused_bytes += len as u64;
-            }
+            Some(&(at, len)) if len == chunk.len => reuse.take(at, chunk.offset, len as u64)?,
             _ if chunker::is_zero(&data) => {}
             _ => {
                 dst.write_all_at(&data, chunk.offset)?;
-                out.new_bytes += chunk.len as u64;
+                new_bytes += chunk.len as u64;
             }
         }
     }
-    if end != size {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            format!("the file changed size while being read ({end} of {size} bytes)"),
-        ));
-    }
+    check_whole(end, size)?;
     dst.set_len(size)?;
-    Ok(out)
+    Ok(Written {
+        new_bytes,
+        reused_bytes: reuse.finish()?,
+    })
+}
+
+/// A patch that read `end` bytes of a file listed with `size`: anything else means the
+/// file changed size meanwhile (the caller reads it again).
+pub(crate) fn check_whole(end: u64, size: u64) -> io::Result<()> {
+    if end == size {
+        return Ok(());
+    }
+    Err(io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        format!("the file changed size while being read ({end} of {size} bytes)"),
+    ))
+}
+
+/// Ranges of an old copy placed into the new file, merged while they follow each other
+/// in both. Chunk boundaries fall anywhere, so chunk by chunk a filesystem could never
+/// share extents; a merged run is one kernel copy whose block-aligned middle it clones.
+pub(crate) struct Reuse<'a> {
+    old: &'a File,
+    dst: &'a File,
+    /// The run being gathered: (offset in `old`, offset in `dst`, length).
+    run: Option<(u64, u64, u64)>,
+    bytes: u64,
+}
+
+impl<'a> Reuse<'a> {
+    pub(crate) fn new(old: &'a File, dst: &'a File) -> Self {
+        Reuse {
+            old,
+            dst,
+            run: None,
+            bytes: 0,
+        }
+    }
+
+    /// Places `len` bytes of `old` at `from` into `dst` at `to`.
+    pub(crate) fn take(&mut self, from: u64, to: u64, len: u64) -> io::Result<()> {
+        self.bytes += len;
+        match &mut self.run {
+            Some((f, t, l)) if *f + *l == from && *t + *l == to => *l += len,
+            _ => {
+                self.flush()?;
+                self.run = Some((from, to, len));
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies what is gathered; returns all the bytes reused.
+    pub(crate) fn finish(mut self) -> io::Result<u64> {
+        self.flush()?;
+        Ok(self.bytes)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        let Some((from, to, len)) = self.run.take() else {
+            return Ok(());
+        };
+        // Clones need both offsets on a block boundary: copy up to the first one, then
+        // the rest in one call (the kernel clones whole blocks and copies the tail).
+        let head = if from % CLONE_BLOCK == to % CLONE_BLOCK {
+            ((CLONE_BLOCK - to % CLONE_BLOCK) % CLONE_BLOCK).min(len)
+        } else {
+            len
+        };
+        if head > 0 {
+            copy_range(self.old, from, self.dst, to, head)?;
+        }
+        if head < len {
+            copy_range(self.old, from + head, self.dst, to + head, len - head)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether files in the directory `dir` can share extents (reflinks: XFS, Btrfs, bcachefs),
+/// tried on two unnamed files that vanish when closed.
+pub(crate) fn can_clone(dir: &std::path::Path) -> bool {
+    let unnamed = || {
+        fs::open(
+            dir,
+            fs::OFlags::TMPFILE | fs::OFlags::RDWR | fs::OFlags::CLOEXEC,
+            fs::Mode::from_raw_mode(0o600),
+        )
+    };
+    let (Ok(a), Ok(b)) = (unnamed(), unnamed()) else {
+        return false;
+    };
+    let a = File::from(a);
+    a.write_all_at(&[0x5a; CLONE_BLOCK as usize], 0).is_ok() && fs::ioctl_ficlone(&b, &a).is_ok()
 }
 
 /// Where `old`'s chunks are, by id (the first place each occurs).

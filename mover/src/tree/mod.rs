@@ -5,7 +5,8 @@
 //! a temp name of its own. An existing destination is updated in place: unchanged files
 //! (same size and mtime, or same content with `--checksum`) are left alone, changed ones
 //! are rebuilt under a temp name (large ones from the chunks the old version already
-//! holds) and renamed over the old, so no reader ever sees a half-written file.
+//! holds, where that saves work: see [`content`]) and renamed over the old, so no reader
+//! ever sees a half-written file.
 
 mod content;
 mod meta;
@@ -226,6 +227,7 @@ pub(crate) fn copy_tree_from<S: TreeSource>(
             owners: meta::can_chown(),
             xattrs: !options.no_xattrs,
         },
+        patch: source.patch_pays(&dest.work),
     };
     let threads = options.tree_threads.unwrap_or_else(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -817,7 +817,7 @@ impl TreeSource for RemoteSource {
             Answer::Chunks(c) => c,
             _ => return Err(bad_answer("expected chunks".into())),
         };
-        let mut out = Written::default();
+        let mut reuse = content::Reuse::new(old, dst);
         // Runs of chunks the old copy lacks, fetched after the rest is in place.
         let mut missing: Vec<(u64, u64)> = Vec::new();
         let mut end = 0;
@@ -833,10 +833,7 @@ impl TreeSource for RemoteSource {
             }
             end = c.offset + len as u64;
             match have.get(&id) {
-                Some(&(at, l)) if l == len => {
-                    content::copy_range(old, at, dst, c.offset, len as u64)?;
-                    out.reused_bytes += len as u64;
-                }
+                Some(&(at, l)) if l == len => reuse.take(at, c.offset, len as u64)?,
                 _ if c.zero => {}
                 _ => match missing.last_mut() {
                     Some((start, l)) if *start + *l == c.offset => *l += len as u64,
@@ -847,17 +844,17 @@ impl TreeSource for RemoteSource {
         if let Some(after) = &chunks.after {
             *f.after.lock().expect("after lock") = Some(meta_of(after)?);
         }
-        if end != size {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("the file changed size while being read ({end} of {size} bytes)"),
-            ));
-        }
+        content::check_whole(end, size)?;
+        let reused_bytes = reuse.finish()?;
+        let mut new_bytes = 0;
         for (offset, len) in missing {
-            out.new_bytes += self.fetch(f, offset, len, dst)?;
+            new_bytes += self.fetch(f, offset, len, dst)?;
         }
         dst.set_len(size)?;
-        Ok(out)
+        Ok(Written {
+            new_bytes,
+            reused_bytes,
+        })
     }
 
     fn stat(&self, f: &RemoteFile) -> io::Result<Meta> {

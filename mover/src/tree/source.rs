@@ -62,6 +62,13 @@ pub(crate) trait TreeSource: Sync {
     /// but not used is dropped with the returned value.
     type Prefetch;
     fn prefetch(&self, dir: &Self::Dir, files: &[(&OsStr, u64)]) -> Self::Prefetch;
+    /// Whether a changed large file is better patched against the destination's old copy
+    /// (in the directory `dst`) than copied whole. Across a network it always is: only
+    /// the chunks the old copy lacks travel.
+    fn patch_pays(&self, dst: &Path) -> bool {
+        _ = dst;
+        true
+    }
     /// The source is gone for good (its connection dropped): the walk stops early.
     fn broken(&self) -> bool {
         false
@@ -96,6 +103,12 @@ impl TreeSource for LocalSource {
 
     fn root_path(&self) -> &Path {
         &self.root
+    }
+
+    /// Locally a patch writes as much as a whole copy unless the destination shares the
+    /// old copy's extents, and it reads the old copy too.
+    fn patch_pays(&self, dst: &Path) -> bool {
+        content::can_clone(dst)
     }
 
     fn open_root(&self) -> io::Result<LocalDir> {

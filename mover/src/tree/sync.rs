@@ -49,6 +49,8 @@ pub(crate) struct Rules {
     pub hidden: bool,
     /// What metadata to carry.
     pub preserve: Preserve,
+    /// Changed large files are patched against their old copy (else copied whole).
+    pub patch: bool,
 }
 
 /// Counters of a walk, shared by its threads.
@@ -349,7 +351,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         )?
         .into();
         let old = match have {
-            Some(h) if h.size > 0 && m.size >= PATCH_MIN => {
+            Some(h) if self.rules.patch && h.size > 0 && m.size >= PATCH_MIN => {
                 Some(open_file(pair.dst.as_fd(), name)?)
             }
             _ => None,

@@ -154,3 +154,44 @@ impl Drop for Mount {
         let _ = Command::new("umount").arg(&self.dir).status();
     }
 }
+
+/// A fresh filesystem of `kind` (`ext4`, `xfs`) on a loop device over a sparse image,
+/// mounted at `dir`; unmounted, detached and removed on drop (fields drop in order).
+pub struct ScratchFs {
+    pub mount: Mount,
+    _dev: LoopDevice,
+    _image: tempfile::TempDir,
+}
+
+impl ScratchFs {
+    pub fn new(kind: &str, size: u64) -> Self {
+        let image_dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let image = image_dir.path().join(format!("{kind}.img"));
+        File::create(&image).unwrap().set_len(size).unwrap();
+        let mkfs = Command::new(format!("mkfs.{kind}"))
+            .arg("-q")
+            .arg(&image)
+            .output()
+            .unwrap_or_else(|e| panic!("mkfs.{kind} runs (.ci/run installs it): {e}"));
+        assert!(mkfs.status.success(), "mkfs.{kind}: {mkfs:?}");
+        let dev = LoopDevice::attach(&image);
+        let mount = Mount::new(&dev.path, &image_dir.path().join("mnt"));
+        ScratchFs {
+            mount,
+            _dev: dev,
+            _image: image_dir,
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.mount.dir
+    }
+
+    /// Bytes in use on the filesystem, after flushing it.
+    pub fn used(&self) -> u64 {
+        let f = File::open(self.path()).unwrap();
+        rustix::fs::syncfs(&f).unwrap();
+        let s = rustix::fs::fstatvfs(&f).unwrap();
+        (s.f_blocks - s.f_bfree) * s.f_frsize
+    }
+}
