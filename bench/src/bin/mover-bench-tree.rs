@@ -20,9 +20,12 @@ use std::{
 
 const LONG_ABOUT: &str = "\
 Benchmarks `mover copy DIR DIR` against `rsync -aHAX` on a tree of many small files plus a
-few large ones, built once (and kept) in WORKDIR/src:
+few large ones:
   --files small files of 0-8 KiB in directories of 1000, 4 large files of 256 MiB,
   a symlink and a hard link per directory, a user xattr on every 100th file.
+Each run makes a fresh ext4 filesystem (a sparse image in WORKDIR on a loop device with
+direct I/O, like a new volume) and builds the tree and both copies in it, so no run
+inherits another's freed inodes or fragmentation; the image is removed at the end.
 Three steps, each timed for both tools from a dropped page cache to a final sync(2):
   initial   into an absent destination: rsync / mover >= 2x;
   no-change the same command again: rsync / mover >= 5x;
@@ -37,7 +40,7 @@ Exit status: 0 all targets met, 2 some target missed, 1 error. Needs root and rs
 #[derive(Debug, Parser)]
 #[command(name = "mover-bench-tree", version, about, long_about = LONG_ABOUT)]
 struct Args {
-    /// Directory for the source tree and the copies.
+    /// Directory for the filesystem image (sparse; about 3.5 times the tree) and its mount.
     #[arg(long, default_value = "/var/tmp/mover-bench-tree")]
     workdir: PathBuf,
     /// Number of small files in the source tree.
@@ -46,6 +49,10 @@ struct Args {
     /// Size of each of the 4 large files, in MiB.
     #[arg(long, default_value_t = 256)]
     large_mib: u64,
+    /// Leave the filesystem mounted at WORKDIR/mnt at the end, with the source tree and
+    /// both copies (the next run replaces it).
+    #[arg(long)]
+    keep: bool,
     /// The mover binary [default: `mover` next to this executable].
     #[arg(long)]
     mover: Option<PathBuf>,
@@ -89,17 +96,10 @@ fn run(args: &Args) -> Result<bool> {
         None => std::env::current_exe()?.with_file_name("mover"),
     };
     fs::create_dir_all(&args.workdir)?;
-    let src = args.workdir.join("src");
+    let volume = Volume::make(&args.workdir, args.files, args.large_mib)?;
+    let src = volume.mnt.join("src");
     build_tree(&src, args.files, args.large_mib)?;
-    let (to_rsync, to_mover) = (
-        args.workdir.join("rsync-dst"),
-        args.workdir.join("mover-dst"),
-    );
-    for d in [&to_rsync, &to_mover] {
-        if d.exists() {
-            fs::remove_dir_all(d)?;
-        }
-    }
+    let (to_rsync, to_mover) = (volume.mnt.join("rsync-dst"), volume.mnt.join("mover-dst"));
     let mut steps = Vec::new();
     steps.push(step(
         "initial", 2.0, &mover, &src, &to_rsync, &to_mover, false,
@@ -135,7 +135,112 @@ fn run(args: &Args) -> Result<bool> {
     let json = args.workdir.join("results.json");
     fs::write(&json, serde_json::to_vec_pretty(&steps)?)?;
     println!("results: {}", json.display());
+    if args.keep {
+        volume.keep();
+    } else {
+        volume.remove()?;
+    }
     Ok(steps.iter().all(|s| s.pass))
+}
+
+/// A fresh ext4 filesystem on a loop device over a sparse image, mounted; unmounted,
+/// detached and deleted on drop (also when the bench fails).
+struct Volume {
+    image: PathBuf,
+    mnt: PathBuf,
+    /// The loop device, until released.
+    dev: Option<String>,
+    mounted: bool,
+}
+
+impl Volume {
+    fn make(workdir: &Path, files: u64, large_mib: u64) -> Result<Volume> {
+        let image = workdir.join("tree.img");
+        let mnt = workdir.join("mnt");
+        // Leftovers of a run that was killed.
+        _ = Command::new("umount").arg(&mnt).output();
+        if let Ok(out) = Command::new("losetup").arg("-j").arg(&image).output() {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                if let Some(dev) = line.split(':').next() {
+                    _ = Command::new("losetup").args(["-d", dev]).output();
+                }
+            }
+        }
+        _ = fs::remove_file(&image);
+        // Small files take a block or two each; three trees (source and two copies).
+        let tree = files * 8192 + 4 * (large_mib << 20);
+        let size = (tree * 7 / 2 + (1 << 30)).next_multiple_of(1 << 20);
+        fs::File::create(&image)?.set_len(size)?;
+        let inodes = 4 * (files + files / 1000 * 10 + 1000);
+        eprintln!(
+            "making a fresh {} GiB ext4 filesystem ({inodes} inodes) in {}",
+            size >> 30,
+            image.display()
+        );
+        run_checked(
+            Command::new("mkfs.ext4")
+                .args(["-q", "-F", "-N", &inodes.to_string()])
+                // Inode tables written now, not by a kernel thread during the runs.
+                .args(["-E", "lazy_itable_init=0,lazy_journal_init=0"])
+                .arg(&image),
+        )?;
+        let out = run_checked(
+            Command::new("losetup")
+                .args(["-f", "--show", "--direct-io=on"])
+                .arg(&image),
+        )?;
+        let mut volume = Volume {
+            image,
+            mnt,
+            dev: Some(String::from_utf8_lossy(&out).trim().to_string()),
+            mounted: false,
+        };
+        fs::create_dir_all(&volume.mnt)?;
+        run_checked(
+            Command::new("mount")
+                .arg(volume.dev.as_ref().context("loop device")?)
+                .arg(&volume.mnt),
+        )?;
+        volume.mounted = true;
+        Ok(volume)
+    }
+
+    fn remove(mut self) -> Result<()> {
+        self.release()
+    }
+
+    fn keep(mut self) {
+        if let Some(dev) = self.dev.take() {
+            eprintln!(
+                "kept: {} on {dev}, mounted at {}",
+                self.image.display(),
+                self.mnt.display()
+            );
+        }
+    }
+
+    fn release(&mut self) -> Result<()> {
+        let Some(dev) = self.dev.take() else {
+            return Ok(());
+        };
+        if std::mem::take(&mut self.mounted) {
+            run_checked(Command::new("umount").arg(&self.mnt))?;
+        }
+        run_checked(Command::new("losetup").args(["-d", &dev]))?;
+        fs::remove_file(&self.image)?;
+        Ok(())
+    }
+}
+
+impl Drop for Volume {
+    fn drop(&mut self) {
+        if let Err(e) = self.release() {
+            eprintln!(
+                "mover-bench-tree: cannot remove {}: {e:#}",
+                self.image.display()
+            );
+        }
+    }
 }
 
 /// Times rsync then mover on the same step, checks mover's copy, and compares.
@@ -234,17 +339,8 @@ fn small_path(root: &Path, i: u64) -> PathBuf {
     ))
 }
 
-/// Builds the source tree unless a complete one with the same parameters is there.
+/// Builds the source tree.
 fn build_tree(root: &Path, files: u64, large_mib: u64) -> Result<()> {
-    let marker = root.with_extension("built");
-    let params = format!("files={files} large_mib={large_mib} v1\n");
-    if fs::read_to_string(&marker).is_ok_and(|m| m == params) {
-        eprintln!("reusing the source tree in {}", root.display());
-        return Ok(());
-    }
-    if root.exists() {
-        fs::remove_dir_all(root)?;
-    }
     eprintln!(
         "building {files} small files and 4 large ones in {}",
         root.display()
@@ -282,14 +378,12 @@ fn build_tree(root: &Path, files: u64, large_mib: u64) -> Result<()> {
             f.write_all(&big)?;
         }
     }
-    fs::write(&marker, params)?;
     Ok(())
 }
 
 /// A day of edits: 2% of the small files rewritten, 1% deleted, 1000 added, and 1 MiB
-/// inserted in the middle of two large files. Marks the tree for rebuilding next time.
+/// inserted in the middle of two large files.
 fn edit_tree(root: &Path, files: u64, large_mib: u64) -> Result<()> {
-    fs::remove_file(root.with_extension("built"))?;
     eprintln!("editing the source tree");
     let mut rng = Rng(0x1234_5678_9abc_def1);
     let mut buf = vec![0u8; 8192];
