@@ -17,11 +17,13 @@ pub struct LoopDevice {
 }
 
 impl LoopDevice {
-    /// Attaches `image` read-only to the first free loop device.
+    /// Attaches `image` read-only to the first free loop device, with direct I/O so that
+    /// it behaves like a disk: without it the loop device keeps a second page cache over
+    /// the image's and serves one request at a time, which no real volume does.
     pub fn attach_read_only(tools: &Tools, image: &Path) -> Result<Self> {
         let out = run_checked(
             Command::new(&tools.losetup)
-                .args(["--find", "--show", "--read-only"])
+                .args(["--find", "--show", "--read-only", "--direct-io=on"])
                 .arg(image),
         )
         .with_context(|| format!("cannot attach {} to a loop device", image.display()))?;

@@ -401,16 +401,26 @@ fn bwlimit_caps_the_rate_on_the_wire() {
     assert!(took >= 1.9, "24 MiB at --bwlimit 8M took only {took:.2}s");
 }
 
-/// The agent's count of sessions summarised from a saved chunk index.
-fn indexed_opens(agent: &Agent) -> u64 {
+/// One of the agent's counters.
+fn metric(agent: &Agent, name: &str) -> u64 {
     let metrics = agent.http_get("/metrics");
     metrics
         .lines()
-        .find_map(|l| l.strip_prefix("mover_agent_indexed_opens_total "))
-        .expect("the metric is exported")
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("{name} is exported: {metrics}"))
         .trim()
         .parse()
         .unwrap()
+}
+
+/// The agent's count of sessions summarised from a saved chunk index.
+fn indexed_opens(agent: &Agent) -> u64 {
+    metric(agent, "mover_agent_indexed_opens_total")
+}
+
+/// Bytes the agent read from volumes to hash pages for deltas.
+fn page_reads(agent: &Agent) -> u64 {
+    metric(agent, "mover_agent_page_hash_read_bytes_total")
 }
 
 #[test]
@@ -428,7 +438,8 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
     assert_eq!(indexed_opens(&agent), 0);
 
-    // Untouched since: the next push is compared against the index, not a read.
+    // Untouched since: the next push is compared against the index, not a read, and
+    // the page hashes of the chunks that differ come from the record of the writes.
     let changed = scribble_pages(&src, 51, 200, 0..30 * MIB);
     let j = json_of(&copy(t.path(), &[s, &agent.url("vol"), "--verify"]));
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
@@ -438,6 +449,8 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
         "exactly the changed pages"
     );
     assert_eq!(indexed_opens(&agent), 1);
+    assert_eq!(page_reads(&agent), 0, "no page was read to be hashed");
+    assert!(metric(&agent, "mover_agent_page_hashes_known_total") >= changed);
 
     // Changed behind the agent's back: the index no longer describes it, so the agent
     // hashes it again, and the damage is repaired.
@@ -445,6 +458,10 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
     let j = json_of(&copy(t.path(), &[s, &agent.url("vol"), "--verify"]));
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
     assert_eq!(indexed_opens(&agent), 1, "a stale index is not used");
+    assert!(
+        page_reads(&agent) > 0,
+        "stale page hashes are not used either"
+    );
     assert!(
         j["bytes_written"].as_u64().unwrap() + j["bytes_zeroed"].as_u64().unwrap()
             <= damaged * PAGE
@@ -467,7 +484,7 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
     );
     push.kill().unwrap();
     push.wait().unwrap();
-    let before = indexed_opens(&agent);
+    let (before, reads_before) = (indexed_opens(&agent), page_reads(&agent));
     let j = json_of(&copy(t.path(), &[s, &agent.url("vol"), "--verify"]));
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
     assert_eq!(j["verified"], true);
@@ -475,6 +492,10 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
         indexed_opens(&agent),
         before,
         "no index survives an interrupted push"
+    );
+    assert!(
+        page_reads(&agent) > reads_before,
+        "nor do its page hashes: the pages are read"
     );
 }
 

@@ -19,12 +19,16 @@ pub struct Metrics {
     pub refusals: AtomicU64,
     /// Sessions whose volume summary came from a saved chunk index, without a read.
     pub indexed_opens: AtomicU64,
+    /// Page hashes asked for by deltas and known from earlier writes, without a read.
+    pub pages_known: AtomicU64,
+    /// Bytes read from volumes to hash pages for deltas.
+    pub pages_read_bytes: AtomicU64,
 }
 
 impl Metrics {
     /// Prometheus text exposition of all counters.
     pub fn render(&self) -> String {
-        let rows: [(&str, &str, &str, &AtomicU64); 7] = [
+        let rows: [(&str, &str, &str, &AtomicU64); 9] = [
             (
                 "mover_agent_sessions_opened_total",
                 "counter",
@@ -66,6 +70,18 @@ impl Metrics {
                 "counter",
                 "Sessions whose volume summary came from a saved chunk index, without reading the volume.",
                 &self.indexed_opens,
+            ),
+            (
+                "mover_agent_page_hashes_known_total",
+                "counter",
+                "Page hashes answered to deltas from the record of earlier writes, without reading the volume.",
+                &self.pages_known,
+            ),
+            (
+                "mover_agent_page_hash_read_bytes_total",
+                "counter",
+                "Bytes read from volumes to hash pages for deltas.",
+                &self.pages_read_bytes,
             ),
         ];
         let mut out = String::new();

