@@ -438,8 +438,11 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
     assert_eq!(indexed_opens(&agent), 0);
 
-    // Untouched since: the next push is compared against the index, not a read, and
-    // the page hashes of the chunks that differ come from the record of the writes.
+    // Untouched since: the next push is compared against the index, not a read. A new
+    // image's pages are not hashed as written: the chunks that differ are read once for
+    // their page hashes, which are kept.
+    let orig = t.path().join("orig.img");
+    std::fs::copy(&src, &orig).unwrap();
     let changed = scribble_pages(&src, 51, 200, 0..30 * MIB);
     let j = json_of(&copy(t.path(), &[s, &agent.url("vol"), "--verify"]));
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
@@ -449,7 +452,17 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
         "exactly the changed pages"
     );
     assert_eq!(indexed_opens(&agent), 1);
-    assert_eq!(page_reads(&agent), 0, "no page was read to be hashed");
+    assert!(page_reads(&agent) > 0);
+
+    // Back to the original: the same chunks differ, and the hashes of all their pages
+    // are known, from that read and from the pages it wrote.
+    std::fs::copy(&orig, &src).unwrap();
+    let reads = page_reads(&agent);
+    let j = json_of(&copy(t.path(), &[s, &agent.url("vol"), "--verify"]));
+    assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
+    assert_eq!(j["bytes_written"], changed * PAGE);
+    assert_eq!(indexed_opens(&agent), 2);
+    assert_eq!(page_reads(&agent), reads, "no page was read to be hashed");
     assert!(metric(&agent, "mover_agent_page_hashes_known_total") >= changed);
 
     // Changed behind the agent's back: the index no longer describes it, so the agent
@@ -457,7 +470,7 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
     let damaged = scribble_pages(&dst, 52, 30, 0..len);
     let j = json_of(&copy(t.path(), &[s, &agent.url("vol"), "--verify"]));
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
-    assert_eq!(indexed_opens(&agent), 1, "a stale index is not used");
+    assert_eq!(indexed_opens(&agent), 2, "a stale index is not used");
     assert!(
         page_reads(&agent) > 0,
         "stale page hashes are not used either"
@@ -472,7 +485,7 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
     // volume), so the next push compares the volume in full.
     let j = json_of(&copy(t.path(), &[s, &agent.url("vol")]));
     assert_eq!(j["bytes_written"], 0);
-    assert_eq!(indexed_opens(&agent), 2);
+    assert_eq!(indexed_opens(&agent), 3);
     make_image(&src, len, 53, &[(0, 30 * MIB)]);
     let mut push = copy_command(t.path(), &[s, &agent.url("vol"), "--bwlimit", "4M"])
         .spawn()

@@ -46,6 +46,9 @@ pub(crate) struct PageIndex {
     zero_page: [u8; PAGE_HASH_LEN],
     /// An update failed or the record was sealed: it is neither answered from nor sealed.
     done: AtomicBool,
+    /// Written pages are hashed (else they become unknown, and are hashed when a delta
+    /// first reads them).
+    hash_writes: bool,
 }
 
 /// Where the page hashes of the image whose chunk index is at `chunk_index` are saved.
@@ -57,13 +60,14 @@ impl PageIndex {
     /// Takes over the saved page hashes of the image `file` (chunk index at
     /// `chunk_index`) for the session `session`: kept if they are sealed for the image as
     /// it is now, `size` and `key`; else started with every page unknown. Leftovers of
-    /// sessions that did not finish are removed.
+    /// sessions that did not finish are removed. `hash_writes`: see [`Self::write`].
     pub(crate) fn take_over(
         chunk_index: &Path,
         session: &str,
         file: &File,
         size: u64,
         key: &ChunkKey,
+        hash_writes: bool,
     ) -> io::Result<PageIndex> {
         let saved = saved_path(chunk_index);
         let dir = saved.parent().expect("index paths have a parent");
@@ -112,6 +116,7 @@ impl PageIndex {
             key: key.clone(),
             zero_page: zero_page.try_into().expect("one page hash"),
             done: AtomicBool::new(false),
+            hash_writes,
         })
     }
 
@@ -149,7 +154,9 @@ impl PageIndex {
     }
 
     /// Writes `data` at `offset` with `write`, and records its pages: cleared before,
-    /// hashed while it is written (on other cores), set after.
+    /// hashed while it is written (on other cores), set after. Without `hash_writes`
+    /// (a whole new image, where hashing every page would cost the agent a core for the
+    /// whole copy) they stay unknown until a delta reads them.
     pub(crate) fn write(
         &self,
         offset: u64,
@@ -158,6 +165,9 @@ impl PageIndex {
     ) -> io::Result<()> {
         let cleared = self.forget(offset, data.len() as u64);
         self.check(cleared);
+        if !self.hash_writes {
+            return write();
+        }
         let (written, hashes) = rayon::join(write, || {
             let mut out = vec![0; data.len().div_ceil(PAGE_SIZE) * PAGE_HASH_LEN];
             const PIECE: usize = 64 * PAGE_SIZE;
@@ -314,7 +324,7 @@ mod tests {
         let mut want = Vec::new();
         page_hashes(&key, &data, &mut want);
 
-        let p = PageIndex::take_over(&idx, "s1", &img, size, &key).unwrap();
+        let p = PageIndex::take_over(&idx, "s1", &img, size, &key, true).unwrap();
         assert_eq!(p.get(0, size as usize), None, "all unknown at first");
         let split = 3 * PAGE_SIZE;
         p.write(0, &data[..split], || img.write_all_at(&data[..split], 0))
@@ -337,26 +347,26 @@ mod tests {
         p.seal(Identity::of(&img).unwrap()).unwrap();
 
         // The next session sees them; a different key or size does not.
-        let p = PageIndex::take_over(&idx, "s2", &img, size, &key).unwrap();
+        let p = PageIndex::take_over(&idx, "s2", &img, size, &key, true).unwrap();
         assert_eq!(
             p.get(PAGE_SIZE as u64, 2 * PAGE_SIZE).unwrap(),
             want[PAGE_HASH_LEN..3 * PAGE_HASH_LEN]
         );
         p.seal(Identity::of(&img).unwrap()).unwrap();
         let other = ChunkKey::from_bytes([7; 32]);
-        let p = PageIndex::take_over(&idx, "s3", &img, size, &other).unwrap();
+        let p = PageIndex::take_over(&idx, "s3", &img, size, &other, true).unwrap();
         assert_eq!(p.get(0, size as usize), None, "another key");
         drop(p);
 
         // A session that never seals leaves nothing trusted.
-        let p = PageIndex::take_over(&idx, "s4", &img, size, &key).unwrap();
+        let p = PageIndex::take_over(&idx, "s4", &img, size, &key, true).unwrap();
         assert_eq!(p.get(0, size as usize), None, "s3 did not seal");
         p.write(0, &data, || Ok(())).unwrap();
         p.seal(Identity::of(&img).unwrap()).unwrap();
-        let p = PageIndex::take_over(&idx, "s5", &img, size, &key).unwrap();
+        let p = PageIndex::take_over(&idx, "s5", &img, size, &key, true).unwrap();
         assert!(p.get(0, size as usize).is_some());
         drop(p);
-        let p = PageIndex::take_over(&idx, "s6", &img, size, &key).unwrap();
+        let p = PageIndex::take_over(&idx, "s6", &img, size, &key, true).unwrap();
         assert_eq!(p.get(0, size as usize), None, "s5 died unsealed");
         p.write(0, &data, || Ok(())).unwrap();
         p.seal(Identity::of(&img).unwrap()).unwrap();
@@ -364,7 +374,7 @@ mod tests {
         // Written behind the agent's back: the image's identity moved on.
         std::thread::sleep(std::time::Duration::from_millis(10));
         img.write_all_at(b"x", 0).unwrap();
-        let p = PageIndex::take_over(&idx, "s7", &img, size, &key).unwrap();
+        let p = PageIndex::take_over(&idx, "s7", &img, size, &key, true).unwrap();
         assert_eq!(p.get(0, size as usize), None, "stale");
         // Zero runs are known without reading, the short last page included.
         p.write_zeros(0, size, || Ok::<(), io::Error>(())).unwrap();
@@ -373,5 +383,11 @@ mod tests {
         assert_eq!(p.get(0, size as usize).unwrap(), zeros);
         let left = fs::read_dir(dir.path().join("index")).unwrap().count();
         assert_eq!(left, 1, "only the live session's record is left");
+        p.seal(Identity::of(&img).unwrap()).unwrap();
+
+        // A new image's writes are not hashed: its pages stay unknown.
+        let p = PageIndex::take_over(&idx, "s8", &img, size, &key, false).unwrap();
+        p.write(0, &data, || img.write_all_at(&data, 0)).unwrap();
+        assert_eq!(p.get(0, size as usize), None);
     }
 }

@@ -133,18 +133,44 @@ impl AgentService {
         }
     }
 
-    fn close_sessions_on(&self, export: &str) {
-        let mut sessions = self.sessions.lock().expect("sessions lock");
-        let before = sessions.len();
-        sessions.retain(|_, s| {
-            let keep = s.export != export;
-            if !keep {
-                s.superseded.store(true, Relaxed);
+    /// Ends the sessions open on `export` and waits until their writers have stopped:
+    /// a frame they were applying must land before a new session compares the volume,
+    /// or the new session could skip a page that the old write then changes.
+    async fn close_sessions_on(&self, export: &str) -> Result<(), Status> {
+        let closed: Vec<Arc<Session>> = {
+            let mut sessions = self.sessions.lock().expect("sessions lock");
+            let ids: Vec<String> = sessions
+                .iter()
+                .filter(|(_, s)| s.export == export)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.iter().filter_map(|id| sessions.remove(id)).collect()
+        };
+        self.metrics
+            .sessions_active
+            .fetch_sub(closed.len() as u64, Relaxed);
+        for s in closed {
+            s.superseded.store(true, Relaxed);
+            let writer = s
+                .writer
+                .lock()
+                .expect("writer lock")
+                .as_ref()
+                .map(|w| w.tx.clone());
+            if let Some(tx) = writer {
+                // Frames queued behind this are dropped: its answer means "stopped".
+                let (done, stopped) = tokio::sync::oneshot::channel();
+                if tx.send(Job::Flush(done)).await.is_ok() {
+                    let wait = tokio::time::timeout(std::time::Duration::from_secs(60), stopped);
+                    if wait.await.is_err() {
+                        return Err(Status::unavailable(format!(
+                            "the previous session on {export} is still writing; retry later"
+                        )));
+                    }
+                }
             }
-            keep
-        });
-        let closed = (before - sessions.len()) as u64;
-        self.metrics.sessions_active.fetch_sub(closed, Relaxed);
+        }
+        Ok(())
     }
 }
 
@@ -186,7 +212,7 @@ impl Transfer for AgentService {
                 self.check_writable(&r.volume, export)?;
                 self.check_epoch(&r.relationship, r.epoch)?;
                 // One writer per export: a newer session takes over from an abandoned one.
-                self.close_sessions_on(&r.volume);
+                self.close_sessions_on(&r.volume).await?;
                 let opts = CopyOptions {
                     state_dir: Some(self.state_dir.clone()),
                     ..Default::default()
@@ -213,7 +239,8 @@ impl Transfer for AgentService {
             .filter(|d| d.volume.kind() == VolumeKind::ImageFile)
             .and_then(|d| {
                 let chunk_index = index::index_path(&self.state_dir, &export.path);
-                blocking(|| PageIndex::take_over(&chunk_index, &id, d.volume.file(), size, &key))
+                let file = d.volume.file();
+                blocking(|| PageIndex::take_over(&chunk_index, &id, file, size, &key, !d.fresh))
                     .inspect_err(|e| tracing::warn!(export = %r.volume, "cannot keep page hashes ({e}); deltas read pages to hash them"))
                     .ok()
                     .map(Arc::new)

@@ -416,16 +416,15 @@ pub(crate) fn read_groups(
         volume.advise_sequential();
         let group_len = chunk.get() * chunker::GROUP_CHUNKS as u64;
         let groups = size.div_ceil(group_len);
-        let readers = READERS;
         // Readers take turns by group, each a group ahead of this thread, so the disk
         // always has several groups' reads in flight while this one finds zeros and hashes.
         std::thread::scope(|scope| {
-            let turns: Vec<_> = (0..readers)
+            let turns: Vec<_> = (0..READERS)
                 .map(|first| {
                     let (read_tx, read_rx) = std::sync::mpsc::sync_channel(1);
                     let volume = &volume;
                     scope.spawn(move || {
-                        for g in (first..groups).step_by(readers as usize) {
+                        for g in (first..groups).step_by(READERS as usize) {
                             let offset = g * group_len;
                             let len = group_len.min(size - offset) as usize;
                             let mut win = Window::default();
@@ -441,7 +440,7 @@ pub(crate) fn read_groups(
                 })
                 .collect();
             for g in 0..groups {
-                let win = match turns[(g % readers) as usize].recv() {
+                let win = match turns[(g % READERS) as usize].recv() {
                     Ok(Ok(win)) => win,
                     Ok(Err(e)) => {
                         let _ = tx.blocking_send(Err(CopyError::from(e)));
