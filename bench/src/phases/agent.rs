@@ -144,6 +144,9 @@ fn delta(ctx: &Ctx, servers: &Servers) -> Result<AgentDelta> {
         Export::Delta,
     );
     indexed.prepare_with = Some(servers.push_command(ctx, &ctx.images.yesterday, Export::Delta));
+    // Yesterday's push made a new image: the agent hashes its pages in the background,
+    // long done by the next day's copy.
+    indexed.settle_at = Some(servers.agent_metrics_port);
     let mut trials = [rsync, cold, indexed];
     let yesterday = Some(ctx.images.yesterday.as_path());
     race(
@@ -191,6 +194,8 @@ struct Servers {
     rsyncd: Daemon,
     /// Port of `agent`.
     agent_port: u16,
+    /// The plain agent's /metrics port.
+    agent_metrics_port: u16,
     /// Port of `agent_tls`.
     agent_tls_port: u16,
     /// Port of `rsyncd`.
@@ -237,15 +242,18 @@ impl Servers {
             daemon::free_port()?,
             daemon::free_port()?,
             daemon::free_port()?,
+            daemon::free_port()?,
         ];
-        let [agent_port, agent_tls_port, rsync_port] = ports;
-        if ports[0] == ports[1] || ports[1] == ports[2] || ports[0] == ports[2] {
+        let [agent_port, agent_tls_port, rsync_port, agent_metrics_port] = ports;
+        let distinct: std::collections::HashSet<u16> = ports.into_iter().collect();
+        if distinct.len() != ports.len() {
             bail!("the kernel handed out the same free port twice: {ports:?}");
         }
 
         let exports = &destinations.exports;
         let plain_toml = agent_toml(
             agent_port,
+            Some(agent_metrics_port),
             &dir.join("state"),
             &token_file,
             None,
@@ -256,6 +264,7 @@ impl Servers {
         );
         let tls_toml = agent_toml(
             agent_tls_port,
+            None,
             &dir.join("state-tls"),
             &token_file,
             Some(&tls),
@@ -310,6 +319,7 @@ impl Servers {
             agent_tls,
             rsyncd,
             agent_port,
+            agent_metrics_port,
             agent_tls_port,
             rsync_port,
             token_file,
@@ -402,10 +412,11 @@ impl Drop for Destinations {
     }
 }
 
-/// An `agent.toml`: listening on 127.0.0.1:`port`, the bearer token, mutual TLS if `tls`,
-/// and `exports` as (name, file).
+/// An `agent.toml`: listening on 127.0.0.1:`port`, /metrics on `metrics_port`, the bearer
+/// token, mutual TLS if `tls`, and `exports` as (name, file).
 fn agent_toml(
     port: u16,
+    metrics_port: Option<u16>,
     state_dir: &Path,
     token_file: &Path,
     tls: Option<&TlsFiles>,
@@ -416,6 +427,9 @@ fn agent_toml(
         toml_path(state_dir),
         toml_path(token_file)
     );
+    if let Some(m) = metrics_port {
+        text += &format!("metrics_listen = \"127.0.0.1:{m}\"\n");
+    }
     if let Some(tls) = tls {
         text += &format!(
             "[tls]\ncert = {}\nkey = {}\nca = {}\n",
@@ -506,12 +520,17 @@ mod tests {
         };
         let text = agent_toml(
             7070,
+            Some(9470),
             Path::new("/w/state"),
             Path::new("/w/my \"token\""),
             Some(&tls),
             &[("full", Path::new("/w/exports/full.img"))],
         );
         assert!(text.contains("listen = \"127.0.0.1:7070\""), "{text}");
+        assert!(
+            text.contains("metrics_listen = \"127.0.0.1:9470\""),
+            "{text}"
+        );
         assert!(text.contains(r#"token_file = "/w/my \"token\"""#), "{text}");
         assert!(
             text.contains("[tls]\ncert = \"/w/tls/server.pem\""),

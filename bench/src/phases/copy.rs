@@ -4,7 +4,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
 use super::{Ctx, Run, RunOutput};
@@ -160,6 +160,9 @@ pub(super) struct Trial {
     /// For a delta destination: the command that writes yesterday's image into it
     /// instead of [`Trial::prepare`]'s (e.g. a push through mover's agent).
     pub(super) prepare_with: Option<Command>,
+    /// After `prepare_with`: the /metrics port of the agent it pushed into, which is
+    /// waited for until it has no background work left.
+    pub(super) settle_at: Option<u16>,
     /// Each run and its stdout.
     runs: Vec<RunOutput>,
 }
@@ -184,6 +187,7 @@ impl Trial {
             destination: None,
             server_pid: None,
             prepare_with: None,
+            settle_at: None,
             runs: Vec::new(),
         }
     }
@@ -255,6 +259,9 @@ fn time_copy(
         (Some(cmd), Some(_)) => {
             image::remove_if_present(&dst)?;
             process::run_checked(cmd).context("cannot prepare the delta destination")?;
+            if let Some(port) = trial.settle_at {
+                wait_for_idle_agent(port)?;
+            }
         }
         _ => prepare_destination(ctx, &dst, start_from.map(|p| (p, trial.prepare)))?,
     }
@@ -287,6 +294,32 @@ fn time_copy(
     run.destination_allocated_bytes = Some(std::fs::metadata(&dst)?.blocks() * 512);
     image::remove_if_present(&dst)?;
     Ok((run, stdout))
+}
+
+/// Waits until the agent with /metrics on 127.0.0.1:`port` hashes no new image's pages in
+/// the background.
+fn wait_for_idle_agent(port: u16) -> Result<()> {
+    use std::io::{Read, Write};
+    const GAUGE: &str = "mover_agent_page_hashing_active ";
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+    loop {
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", port))
+            .with_context(|| format!("cannot reach the agent's metrics on port {port}"))?;
+        conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+        let mut text = String::new();
+        conn.read_to_string(&mut text)?;
+        let active = text
+            .lines()
+            .find_map(|l| l.strip_prefix(GAUGE))
+            .with_context(|| format!("the agent's metrics lack {GAUGE}"))?;
+        if active.trim() == "0" {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("the agent was still hashing pages in the background after 10 minutes");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }
 
 /// Makes the destination `dst` absent, or a sparse copy of `start_from` made by cp or by

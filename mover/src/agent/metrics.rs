@@ -23,12 +23,14 @@ pub struct Metrics {
     pub pages_known: AtomicU64,
     /// Bytes read from volumes to hash pages for deltas.
     pub pages_read_bytes: AtomicU64,
+    /// New images whose pages are being hashed in the background now.
+    pub pages_filling: AtomicU64,
 }
 
 impl Metrics {
     /// Prometheus text exposition of all counters.
     pub fn render(&self) -> String {
-        let rows: [(&str, &str, &str, &AtomicU64); 9] = [
+        let rows: [(&str, &str, &str, &AtomicU64); 10] = [
             (
                 "mover_agent_sessions_opened_total",
                 "counter",
@@ -82,6 +84,12 @@ impl Metrics {
                 "counter",
                 "Bytes read from volumes to hash pages for deltas.",
                 &self.pages_read_bytes,
+            ),
+            (
+                "mover_agent_page_hashing_active",
+                "gauge",
+                "New images whose pages are being hashed in the background for the next delta.",
+                &self.pages_filling,
             ),
         ];
         let mut out = String::new();

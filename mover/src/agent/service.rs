@@ -22,7 +22,7 @@ use std::{
     path::PathBuf,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU64, Ordering::Relaxed},
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
     },
 };
 use tokio_stream::StreamExt;
@@ -47,6 +47,9 @@ pub struct AgentService {
     next_id: AtomicU64,
     /// File-tree exports being pushed into (one writer each).
     pub(super) trees_busy: Arc<Mutex<std::collections::HashSet<String>>>,
+    /// Image exports whose page hashes are being filled in after a full copy: set to
+    /// stop the fill when a writer opens the export.
+    filling: Mutex<HashMap<String, Arc<AtomicBool>>>,
 }
 
 /// One open session.
@@ -88,6 +91,7 @@ impl AgentService {
             sessions: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             trees_busy: Arc::default(),
+            filling: Mutex::default(),
         })
     }
 
@@ -213,6 +217,9 @@ impl Transfer for AgentService {
                 self.check_epoch(&r.relationship, r.epoch)?;
                 // One writer per export: a newer session takes over from an abandoned one.
                 self.close_sessions_on(&r.volume).await?;
+                if let Some(fill) = self.filling.lock().expect("filling lock").remove(&r.volume) {
+                    fill.store(true, Relaxed);
+                }
                 let opts = CopyOptions {
                     state_dir: Some(self.state_dir.clone()),
                     ..Default::default()
@@ -526,10 +533,9 @@ impl Transfer for AgentService {
                 }
             }
             if let Some(p) = &s.pages {
-                let sealed = blocking(|| p.seal(Identity::of(&file)?));
-                if let Err(e) = sealed {
-                    tracing::warn!(export = %s.export, "cannot save the page hashes ({e}); the next delta reads pages to hash them");
-                }
+                let zero: Option<Vec<bool>> =
+                    ids.map(|b| kinds(b).map(|k| k == ChunkKind::Zero).collect());
+                self.save_pages(&s, p.clone(), file, zero);
             }
         }
         if self
@@ -590,6 +596,47 @@ impl AgentService {
             remove_index(&index_path)?;
         }
         Ok(LiveSummary::hash_in_background(volume, key.clone(), chunk))
+    }
+
+    /// Seals the session's page hashes for `file` as it is now; for a new image, first
+    /// hashes its pages (those of the chunks `zero` does not mark) on a thread of its own.
+    fn save_pages(
+        &self,
+        s: &Session,
+        pages: Arc<PageIndex>,
+        file: std::fs::File,
+        zero: Option<Vec<bool>>,
+    ) {
+        let export = s.export.clone();
+        let identity = match Identity::of(&file) {
+            Ok(id) => id,
+            Err(e) => {
+                tracing::warn!(%export, "cannot save the page hashes ({e}); the next delta reads pages to hash them");
+                return;
+            }
+        };
+        if pages.hashes_writes() {
+            if let Err(e) = blocking(|| pages.seal(identity)) {
+                tracing::warn!(%export, "cannot save the page hashes ({e}); the next delta reads pages to hash them");
+            }
+            return;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        self.filling
+            .lock()
+            .expect("filling lock")
+            .insert(export.clone(), stop.clone());
+        let metrics = self.metrics.clone();
+        let chunk = s.chunk.get();
+        metrics.pages_filling.fetch_add(1, Relaxed);
+        std::thread::spawn(move || {
+            super::pages::lower_priority();
+            let zero = zero.unwrap_or_default();
+            if let Err(e) = pages.fill(&file, identity, chunk, &zero, &stop) {
+                tracing::warn!(%export, "cannot hash the pages of the new image ({e}); the next delta reads them");
+            }
+            metrics.pages_filling.fetch_sub(1, Relaxed);
+        });
     }
 
     /// Saves `ids` (32 bytes per chunk, zeros for a zero chunk) as the index of the
