@@ -3,9 +3,9 @@
 //! A delta push asks the agent for the hash of every 4 KiB page of the chunks that differ,
 //! so that only changed pages travel. Reading those chunks to hash them is most of what
 //! the agent reads in a delta (about 0.9 GB of a 3.5 GB volume in the bench). The agent
-//! records the hash of every page it writes (hashed while the write is under way) and
-//! of every page it had to read for a delta, and answers later sessions from this record
-//! instead of from the volume.
+//! records the hash of every page a delta writes (hashed while the write is under way)
+//! and of every page it had to read for a delta, and answers later sessions from this
+//! record instead of from the volume.
 //!
 //! Trust follows the chunk index ([`crate::copy::index`]): a saved record is used only if
 //! it is sealed with the image's identity as it is now (any write since, by anyone,
@@ -51,8 +51,8 @@ pub(crate) struct PageIndex {
     zero_page: [u8; PAGE_HASH_LEN],
     /// An update failed or the record was sealed: it is neither answered from nor sealed.
     done: AtomicBool,
-    /// Written pages are hashed (else they become unknown, and are hashed when a delta
-    /// first reads them).
+    /// Written pages are hashed (else they become unknown, and [`Self::fill`] hashes
+    /// them once the copy is finished).
     hash_writes: bool,
 }
 
@@ -161,7 +161,7 @@ impl PageIndex {
     /// Writes `data` at `offset` with `write`, and records its pages: cleared before,
     /// hashed while it is written (on other cores), set after. Without `hash_writes`
     /// (a whole new image, where hashing every page would cost the agent a core for the
-    /// whole copy) they stay unknown until a delta reads them.
+    /// whole copy) they stay unknown until [`Self::fill`] hashes them.
     pub(crate) fn write(
         &self,
         offset: u64,

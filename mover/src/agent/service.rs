@@ -49,7 +49,7 @@ pub struct AgentService {
     pub(super) trees_busy: Arc<Mutex<std::collections::HashSet<String>>>,
     /// Image exports whose page hashes are being filled in after a full copy: set to
     /// stop the fill when a writer opens the export.
-    filling: Mutex<HashMap<String, Arc<AtomicBool>>>,
+    filling: Arc<Mutex<HashMap<String, Arc<AtomicBool>>>>,
 }
 
 /// One open session.
@@ -91,7 +91,7 @@ impl AgentService {
             sessions: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             trees_busy: Arc::default(),
-            filling: Mutex::default(),
+            filling: Arc::default(),
         })
     }
 
@@ -626,7 +626,7 @@ impl AgentService {
             .lock()
             .expect("filling lock")
             .insert(export.clone(), stop.clone());
-        let metrics = self.metrics.clone();
+        let (metrics, filling) = (self.metrics.clone(), self.filling.clone());
         let chunk = s.chunk.get();
         metrics.pages_filling.fetch_add(1, Relaxed);
         std::thread::spawn(move || {
@@ -634,6 +634,10 @@ impl AgentService {
             let zero = zero.unwrap_or_default();
             if let Err(e) = pages.fill(&file, identity, chunk, &zero, &stop) {
                 tracing::warn!(%export, "cannot hash the pages of the new image ({e}); the next delta reads them");
+            }
+            let mut filling = filling.lock().expect("filling lock");
+            if filling.get(&export).is_some_and(|f| Arc::ptr_eq(f, &stop)) {
+                filling.remove(&export);
             }
             metrics.pages_filling.fetch_sub(1, Relaxed);
         });
