@@ -401,26 +401,14 @@ fn bwlimit_caps_the_rate_on_the_wire() {
     assert!(took >= 1.9, "24 MiB at --bwlimit 8M took only {took:.2}s");
 }
 
-/// One of the agent's counters.
-fn metric(agent: &Agent, name: &str) -> u64 {
-    let metrics = agent.http_get("/metrics");
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .unwrap_or_else(|| panic!("{name} is exported: {metrics}"))
-        .trim()
-        .parse()
-        .unwrap()
-}
-
 /// The agent's count of sessions summarised from a saved chunk index.
 fn indexed_opens(agent: &Agent) -> u64 {
-    metric(agent, "mover_agent_indexed_opens_total")
+    agent.metric("mover_agent_indexed_opens_total")
 }
 
 /// Bytes the agent read from volumes to hash pages for deltas.
 fn page_reads(agent: &Agent) -> u64 {
-    metric(agent, "mover_agent_page_hash_read_bytes_total")
+    agent.metric("mover_agent_page_hash_read_bytes_total")
 }
 
 #[test]
@@ -441,7 +429,7 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
 
     // The new image's pages are hashed in the background once the copy is done.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while metric(&agent, "mover_agent_page_hashing_active") > 0 {
+    while agent.metric("mover_agent_page_hashing_active") > 0 {
         assert!(
             Instant::now() < deadline,
             "the background hashing never ends"
@@ -461,7 +449,7 @@ fn a_repeat_push_compares_against_the_agents_saved_index_unless_the_volume_chang
     );
     assert_eq!(indexed_opens(&agent), 1);
     assert_eq!(page_reads(&agent), 0, "no page was read to be hashed");
-    assert!(metric(&agent, "mover_agent_page_hashes_known_total") >= changed);
+    assert!(agent.metric("mover_agent_page_hashes_known_total") >= changed);
 
     // Back to the original: the same chunks differ again, and the pages the last push
     // wrote were hashed as it wrote them.

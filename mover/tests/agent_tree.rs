@@ -96,15 +96,10 @@ fn push_and_pull_copy_every_kind_of_entry_and_reruns_write_nothing() {
 
     // The agent counted both directions, and closed its sessions (the last one just
     // after the client saw its end).
-    let counter = |name: &str| -> u64 {
-        let metrics = agent.http_get("/metrics");
-        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap();
-        line.rsplit(' ').next().unwrap().parse().unwrap()
-    };
-    assert!(counter("mover_agent_received_bytes_total ") >= 8 * MIB);
-    assert!(counter("mover_agent_sent_bytes_total ") >= 8 * MIB);
+    assert!(agent.metric("mover_agent_received_bytes_total") >= 8 * MIB);
+    assert!(agent.metric("mover_agent_sent_bytes_total") >= 8 * MIB);
     let deadline = Instant::now() + Duration::from_secs(5);
-    while counter("mover_agent_sessions_active ") != 0 {
+    while agent.metric("mover_agent_sessions_active") != 0 {
         assert!(Instant::now() < deadline, "a tree session stayed open");
         std::thread::sleep(Duration::from_millis(50));
     }

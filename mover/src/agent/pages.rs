@@ -206,8 +206,14 @@ impl PageIndex {
         let cleared = self.forget(offset, len);
         self.check(cleared);
         zero()?;
+        self.set_zeros(offset, len);
+        Ok(())
+    }
+
+    /// Records the `len` bytes at `offset` as zeros (whole pages only).
+    fn set_zeros(&self, offset: u64, len: u64) {
         let Some((first, n)) = self.pages_of(offset, len) else {
-            return Ok(());
+            return;
         };
         let mut hashes: Vec<u8> = (0..n).flat_map(|_| self.zero_page).collect();
         // The volume's last page may be short: its hash is of fewer zeros.
@@ -220,7 +226,6 @@ impl PageIndex {
             .file
             .write_all_at(&hashes, first * PAGE_HASH_LEN as u64);
         self.check(set);
-        Ok(())
     }
 
     /// Makes the pages of `[offset, offset + len)` unknown, partly covered ones too.
@@ -272,7 +277,7 @@ impl PageIndex {
         for (i, offset) in (0..self.size).step_by(chunk as usize).enumerate() {
             let len = chunk.min(self.size - offset) as usize;
             if zero.get(i).copied().unwrap_or(false) {
-                self.write_zeros(offset, len as u64, || Ok::<(), io::Error>(()))?;
+                self.set_zeros(offset, len as u64);
                 continue;
             }
             let changed = i % 64 == 0 && Identity::of(image)? != identity;
@@ -297,9 +302,7 @@ impl PageIndex {
         let len = self.size.div_ceil(PAGE_SIZE as u64) * PAGE_HASH_LEN as u64;
         self.file
             .write_all_at(&trailer(identity, self.size, &self.key), len)?;
-        self.file.sync_all()?;
-        fs::rename(&self.work, &self.saved)?;
-        File::open(self.saved.parent().expect("index paths have a parent"))?.sync_all()
+        index::publish(&self.file, &self.work, &self.saved)
     }
 
     /// The first page and the count of `[offset, offset + len)` when that range is whole

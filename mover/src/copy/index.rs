@@ -206,10 +206,16 @@ impl IndexWriter {
         t.extend_from_slice(MAGIC);
         self.out.write_all(&t)?;
         let f = self.out.into_inner().map_err(|e| e.into_error())?;
-        f.sync_all()?;
-        fs::rename(&self.tmp, &self.path)?;
-        File::open(self.path.parent().expect("index paths have a parent"))?.sync_all()
+        publish(&f, &self.tmp, &self.path)
     }
+}
+
+/// Makes the state record `file`, written at `tmp`, durable and puts it at `path` (in
+/// the same directory), durably too.
+pub(crate) fn publish(file: &File, tmp: &Path, path: &Path) -> std::io::Result<()> {
+    file.sync_all()?;
+    fs::rename(tmp, path)?;
+    File::open(path.parent().expect("index paths have a parent"))?.sync_all()
 }
 
 #[cfg(test)]

@@ -79,6 +79,18 @@ impl Agent {
         }
     }
 
+    /// The value of the agent's counter or gauge `name` on /metrics.
+    pub fn metric(&self, name: &str) -> u64 {
+        let metrics = self.http_get("/metrics");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("{name} is exported: {metrics}"))
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
     /// GET `path` from the agent's metrics port; returns the body.
     pub fn http_get(&self, path: &str) -> String {
         let mut s = TcpStream::connect(("127.0.0.1", self.metrics_port)).unwrap();
