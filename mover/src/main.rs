@@ -152,6 +152,7 @@ fn exit_code(err: &anyhow::Error) -> u8 {
         }
         Some(e) if e.is_refusal() => EXIT_REFUSED,
         _ if err.downcast_ref::<Unsupported>().is_some() => EXIT_REFUSED,
+        _ if err.downcast_ref::<Refused>().is_some() => EXIT_REFUSED,
         _ => snapshot_cli::exit_code(err),
     }
 }
@@ -162,6 +163,11 @@ fn exit_code(err: &anyhow::Error) -> u8 {
     "{0}: not supported by this build; copy endpoints are local devices, image files, or agent://HOST:PORT/VOLUME"
 )]
 struct Unsupported(String);
+
+/// Options that do not go together; nothing was written.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Refused(String);
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
@@ -177,8 +183,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let context = || format!("copy {} -> {}", src.display(), dst.display());
             let url = |p: &std::path::Path| AgentUrl::parse(&p.to_string_lossy()).transpose();
             let (from, to) = (url(&src)?, url(&dst)?);
+            if tree.replica && (from.is_some() || to.is_some()) {
+                anyhow::bail!(Refused(
+                    "--replica is for local DIR to DIR copies only (no record is kept of an \
+                     agent's tree yet); drop --replica to copy with an agent"
+                        .into()
+                ));
+            }
             let tree = mover::TreeOptions {
                 verify: options.verify,
+                state_dir: Some(options.state_dir()),
                 ..tree
             };
             let summary = if std::fs::metadata(&src).is_ok_and(|m| m.is_dir()) {

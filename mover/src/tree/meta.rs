@@ -38,6 +38,28 @@ impl Kind {
         }
     }
 
+    /// Its number on the wire and in replica records.
+    pub(crate) fn code(self) -> u32 {
+        Kind::ALL
+            .iter()
+            .position(|k| *k == self)
+            .expect("every kind") as u32
+    }
+
+    pub(crate) fn from_code(code: u32) -> Option<Kind> {
+        Kind::ALL.get(code as usize).copied()
+    }
+
+    const ALL: [Kind; 7] = [
+        Kind::File,
+        Kind::Dir,
+        Kind::Symlink,
+        Kind::CharDevice,
+        Kind::BlockDevice,
+        Kind::Fifo,
+        Kind::Socket,
+    ];
+
     /// The file type to give `mknodat` for a special file.
     pub(crate) fn file_type(self) -> FileType {
         match self {

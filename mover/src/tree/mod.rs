@@ -10,6 +10,7 @@
 
 mod content;
 mod meta;
+mod record;
 pub(crate) mod remote;
 mod source;
 mod sync;
@@ -45,6 +46,19 @@ pub struct TreeOptions {
     /// File trees: threads walking and copying [default: 4 per core, at most 16].
     #[arg(long, value_name = "N")]
     pub tree_threads: Option<usize>,
+    /// File trees: DST is a replica that only mover writes. Each run saves a record of
+    /// what it left in DST (in --state-dir), and the next run compares SRC with that
+    /// record instead of looking at every DST entry: only entries whose source changed
+    /// are looked at. Names added, removed or renamed in DST by anyone are still noticed
+    /// (each DST directory is checked); a DST file changed in place by someone else is
+    /// not: run once without --replica (or with --checksum) to check every entry.
+    /// Local trees only (DIR to DIR).
+    #[arg(long)]
+    pub replica: bool,
+    /// Where replica records are kept (set from `--state-dir`; None: keep none and drop
+    /// none).
+    #[arg(skip)]
+    pub state_dir: Option<PathBuf>,
     /// After copying, compare every entry again, file contents by BLAKE3 read back from
     /// the destination (set from `--verify`).
     #[arg(skip)]
@@ -159,6 +173,10 @@ pub struct TreeSummary {
     pub bytes_reused: u64,
     /// Files that kept changing while read: copied as read, picked up by the next run.
     pub changed_while_read: u64,
+    /// Unchanged entries known from the replica record (`--replica`), not looked at in
+    /// the destination.
+    #[serde(default)]
+    pub entries_from_record: u64,
     /// Entries that could not be copied (see `errors`); the copy is incomplete.
     pub failed: u64,
     /// The first error messages.
@@ -191,8 +209,19 @@ pub fn copy_tree(
 ) -> Result<TreeSummary> {
     let src_abs = std::fs::canonicalize(src).map_err(tree_error(src, "cannot open the source"))?;
     let dest = Destination::prepare(dst, Some(&src_abs))?;
+    let record = match &options.state_dir {
+        Some(dir) => {
+            let path = record::record_path(dir, &dest.target());
+            if options.replica {
+                RecordUse::Keep(path)
+            } else {
+                RecordUse::Forget(path)
+            }
+        }
+        None => RecordUse::None,
+    };
     let source = LocalSource::new(src_abs);
-    let mut summary = copy_tree_from(&source, dest, dst, options, progress)?;
+    let mut summary = copy_tree_from(&source, dest, dst, options, record, progress)?;
     summary.source = src.to_path_buf();
     Ok(summary)
 }
@@ -206,7 +235,22 @@ pub(crate) fn copy_remote_tree(
     progress: &dyn Progress,
 ) -> Result<TreeSummary> {
     let dest = Destination::prepare(dst, None)?;
-    copy_tree_from(source, dest, dst, options, progress)
+    // A local replica's record no longer describes what this copy writes.
+    let record = match &options.state_dir {
+        Some(dir) => RecordUse::Forget(record::record_path(dir, &dest.target())),
+        None => RecordUse::None,
+    };
+    copy_tree_from(source, dest, dst, options, record, progress)
+}
+
+/// What a tree copy does with the destination's replica record.
+pub(crate) enum RecordUse {
+    /// Nothing (no state directory).
+    None,
+    /// Removes it: this copy changes the destination without keeping it up to date.
+    Forget(PathBuf),
+    /// Compares with it where it holds, and saves a new one (`--replica`).
+    Keep(PathBuf),
 }
 
 /// Copies the tree `source` onto `dst`, prepared as `dest`: the walk behind every tree
@@ -216,6 +260,7 @@ pub(crate) fn copy_tree_from<S: TreeSource>(
     dest: Destination,
     dst: &Path,
     options: &TreeOptions,
+    record: RecordUse,
     progress: &dyn Progress,
 ) -> Result<TreeSummary> {
     let started = Instant::now();
@@ -241,8 +286,10 @@ pub(crate) fn copy_tree_from<S: TreeSource>(
         .build()
         .map_err(std::io::Error::other)
         .map_err(tree_error(source.root_path(), "cannot start threads"))?;
+    let (old_record, new_record) = open_records(record, source, &dest, rules);
     progress.begin("copy", 0);
-    let syncer = Syncer::new(source, rules, progress);
+    let syncer =
+        Syncer::new(source, rules, progress).with_records(old_record.as_ref(), new_record.as_ref());
     let root = pass(&pool, &syncer, source, &dest.work)?;
     dest.finish(&root, &syncer, source, rules.preserve)?;
     let verified = options.verify && syncer.stats.errors.load(Relaxed) == 0;
@@ -251,7 +298,7 @@ pub(crate) fn copy_tree_from<S: TreeSource>(
     }
     let s = &syncer.stats;
     let (errors, warnings) = syncer.messages();
-    Ok(TreeSummary {
+    let summary = TreeSummary {
         source: source.root_path().to_path_buf(),
         destination: dst.to_path_buf(),
         files: s.files.load(Relaxed),
@@ -268,13 +315,70 @@ pub(crate) fn copy_tree_from<S: TreeSource>(
         bytes_written: s.new_bytes.load(Relaxed),
         bytes_reused: s.reused_bytes.load(Relaxed),
         changed_while_read: s.changed_while_read.load(Relaxed),
+        entries_from_record: s.from_record.load(Relaxed),
         failed: s.errors.load(Relaxed),
         errors,
         warnings,
         resumed: dest.resumed,
         verified,
         duration_secs: started.elapsed().as_secs_f64(),
-    })
+    };
+    let all_recorded = old_record.is_some() && s.dst_listed.load(Relaxed) == 0;
+    drop(syncer);
+    if let Some(new) = new_record {
+        save_record(new, all_recorded, &summary, &dest.target());
+    }
+    Ok(summary)
+}
+
+/// The replica record to compare with (if it still describes the destination) and the
+/// one to write, as `record` says.
+fn open_records<S: TreeSource>(
+    record: RecordUse,
+    source: &S,
+    dest: &Destination,
+    rules: Rules,
+) -> (Option<record::Record>, Option<record::RecordWriter>) {
+    let path = match record {
+        RecordUse::None => return (None, None),
+        RecordUse::Forget(path) => {
+            record::forget(&path);
+            return (None, None);
+        }
+        RecordUse::Keep(path) => path,
+    };
+    let flags = record::flags(rules.preserve.xattrs, rules.preserve.owners);
+    let src = source.root_path();
+    // --checksum looks at every file by design; a new tree has nothing recorded.
+    let old = if rules.checksum || dest.hidden {
+        None
+    } else {
+        meta::open_dir_at(rustix::fs::CWD, dest.work.as_os_str())
+            .ok()
+            .and_then(|root| record::Record::open(&path, src, flags, root.as_fd()))
+    };
+    let new = record::RecordWriter::create(&path, src, flags)
+        .inspect_err(|e| {
+            tracing::warn!(record = %path.display(), "cannot write the replica record ({e}); the next run looks at every entry")
+        })
+        .ok();
+    (old, new)
+}
+
+/// Saves the record a run wrote, unless the run failed somewhere (the last good record
+/// stays: mover's own writes never make it wrong) or found every directory recorded
+/// (`all_recorded`) and changed nothing.
+fn save_record(new: record::RecordWriter, all_recorded: bool, s: &TreeSummary, dst: &Path) {
+    if !s.is_complete() {
+        return;
+    }
+    let changed = s.entries_copied + s.files_patched + s.metadata_updated + s.entries_deleted;
+    if all_recorded && changed == 0 {
+        return;
+    }
+    if let Err(e) = new.commit(dst) {
+        tracing::warn!("cannot save the replica record ({e}); the next run looks at every entry");
+    }
 }
 
 /// Where the copy is written and how it is finished.
@@ -291,6 +395,11 @@ pub(crate) struct Destination {
 }
 
 impl Destination {
+    /// The destination directory, as it is named when the copy is complete.
+    pub(crate) fn target(&self) -> PathBuf {
+        self.parent.join(&self.name)
+    }
+
     /// Checks `dst` and makes or finds where the copy is written. `src_abs`, a local
     /// source, must neither contain nor be inside it.
     pub(crate) fn prepare(dst: &Path, src_abs: Option<&Path>) -> Result<Destination> {

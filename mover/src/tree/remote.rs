@@ -81,40 +81,17 @@ pub(crate) fn options_of(open: &proto::TreeOpen) -> TreeOptions {
         no_xattrs: open.no_xattrs,
         verify: open.verify,
         tree_threads: (open.threads > 0).then_some((open.threads as usize).min(64)),
+        replica: false,
+        state_dir: None,
     }
 }
 
 // ---- Entries on the wire ----------------------------------------------------------------
 
-fn kind_code(kind: Kind) -> u32 {
-    match kind {
-        Kind::File => 0,
-        Kind::Dir => 1,
-        Kind::Symlink => 2,
-        Kind::CharDevice => 3,
-        Kind::BlockDevice => 4,
-        Kind::Fifo => 5,
-        Kind::Socket => 6,
-    }
-}
-
-fn kind_of(code: u32) -> io::Result<Kind> {
-    Ok(match code {
-        0 => Kind::File,
-        1 => Kind::Dir,
-        2 => Kind::Symlink,
-        3 => Kind::CharDevice,
-        4 => Kind::BlockDevice,
-        5 => Kind::Fifo,
-        6 => Kind::Socket,
-        _ => return Err(bad_answer(format!("unknown entry kind {code}"))),
-    })
-}
-
 fn entry_of(name: &[u8], m: &Meta, link: &[u8], xattrs: &Xattrs) -> proto::Entry {
     proto::Entry {
         name: Bytes::copy_from_slice(name),
-        kind: kind_code(m.kind),
+        kind: m.kind.code(),
         mode: m.mode,
         uid: m.uid,
         gid: m.gid,
@@ -141,7 +118,8 @@ fn entry_of(name: &[u8], m: &Meta, link: &[u8], xattrs: &Xattrs) -> proto::Entry
 
 fn meta_of(e: &proto::Entry) -> io::Result<Meta> {
     Ok(Meta {
-        kind: kind_of(e.kind)?,
+        kind: Kind::from_code(e.kind)
+            .ok_or_else(|| bad_answer(format!("unknown entry kind {}", e.kind)))?,
         mode: e.mode & 0o7777,
         uid: e.uid,
         gid: e.gid,

@@ -40,6 +40,14 @@ pub(crate) trait TreeSource: Sync {
     fn open_dir(&self, parent: &Self::Dir, name: &OsStr) -> io::Result<Self::Dir>;
     /// The entries of `dir` (symlink targets included; xattrs if `xattrs`).
     fn list(&self, dir: &Self::Dir, xattrs: bool) -> io::Result<Vec<Listed>>;
+    /// The xattrs of the entry `name` in `dir` (for entries listed without them).
+    fn read_xattrs(&self, dir: &Self::Dir, name: &OsStr) -> io::Result<Xattrs> {
+        _ = (dir, name);
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this source lists xattrs only with its entries",
+        ))
+    }
     /// The metadata (and xattrs if asked) of the directory at `rel` (empty: the root).
     fn stat_dir(&self, rel: &Path, xattrs: bool) -> io::Result<(Meta, Xattrs)>;
     fn open_file(&self, dir: &Self::Dir, name: &OsStr) -> io::Result<Self::File>;
@@ -127,6 +135,10 @@ impl TreeSource for LocalSource {
 
     fn list(&self, dir: &LocalDir, xattrs: bool) -> io::Result<Vec<Listed>> {
         list_entries(dir.fd.as_fd(), &dir.path, xattrs)
+    }
+
+    fn read_xattrs(&self, dir: &LocalDir, name: &OsStr) -> io::Result<Xattrs> {
+        meta::read_xattrs_at(dir.fd.as_fd(), &dir.path, name)
     }
 
     fn stat_dir(&self, rel: &Path, xattrs: bool) -> io::Result<(Meta, Xattrs)> {

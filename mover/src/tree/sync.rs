@@ -8,6 +8,7 @@
 use super::{
     content::{PATCH_MIN, Written},
     meta::{self, Kind, Meta, Preserve, Xattrs},
+    record::{self, Record, RecordWriter},
     source::{Listed, TreeSource},
 };
 use crate::Progress;
@@ -71,6 +72,10 @@ pub(crate) struct Stats {
     pub reused_bytes: AtomicU64,
     pub changed_while_read: AtomicU64,
     pub errors: AtomicU64,
+    /// Entries the replica record showed unchanged: not looked at in the destination.
+    pub from_record: AtomicU64,
+    /// Destination directories listed and compared entry by entry.
+    pub dst_listed: AtomicU64,
 }
 
 /// A hard link to make once the walk is over, when the first link's file is complete.
@@ -104,6 +109,18 @@ pub(crate) struct Syncer<'a, S: TreeSource> {
     /// The loss of the source has been reported.
     told_gone: AtomicBool,
     progress: &'a dyn Progress,
+    /// The replica record of the last run, and the one this run writes.
+    old_record: Option<&'a Record>,
+    new_record: Option<&'a RecordWriter>,
+}
+
+/// What is known of a destination directory's entries.
+enum Known {
+    /// Listed now, with their `lstat`.
+    Listed(HashMap<OsString, Meta>),
+    /// Recorded by the last `--replica` run (the directory still has those names): each
+    /// with the source metadata it was made equal to.
+    Recorded(HashMap<OsString, Meta>),
 }
 
 /// What the destination holds where an entry goes.
@@ -128,7 +145,20 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             warnings: Mutex::default(),
             told_gone: AtomicBool::new(false),
             progress,
+            old_record: None,
+            new_record: None,
         }
+    }
+
+    /// Compares with the replica record `old` where it still holds, and writes `new`.
+    pub(crate) fn with_records(
+        mut self,
+        old: Option<&'a Record>,
+        new: Option<&'a RecordWriter>,
+    ) -> Self {
+        self.old_record = old;
+        self.new_record = new;
+        self
     }
 
     /// The first errors and all warnings, for the summary.
@@ -167,16 +197,30 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             let gone = io::Error::new(io::ErrorKind::ConnectionAborted, "the source is gone");
             return self.fail(&pair.src_path, "not copied", gone);
         }
-        let src = match self.source.list(&pair.src, self.rules.preserve.xattrs) {
+        let recorded = self
+            .old_record
+            .and_then(|r| r.entries(&pair.rel, pair.dst.as_fd()));
+        // Xattrs of entries the record shows unchanged are not read.
+        let xattrs = self.rules.preserve.xattrs && recorded.is_none();
+        let src = match self.source.list(&pair.src, xattrs) {
             Ok(v) => v,
             Err(e) => return self.fail(&pair.src_path, "cannot list the source directory", e),
         };
-        let dst: HashMap<OsString, Meta> = match list(pair.dst.as_fd()) {
-            Ok(v) => v.into_iter().collect(),
-            Err(e) => return self.fail(&pair.dst_path, "cannot list the destination", e),
+        let known = match recorded {
+            Some(r) => Known::Recorded(r),
+            None => {
+                self.stats.dst_listed.fetch_add(1, Relaxed);
+                match list(pair.dst.as_fd()) {
+                    Ok(v) => Known::Listed(v.into_iter().collect()),
+                    Err(e) => {
+                        return self.fail(&pair.dst_path, "cannot list the destination", e);
+                    }
+                }
+            }
         };
         let wanted: HashSet<&OsStr> = src.iter().map(|l| l.name.as_os_str()).collect();
-        for (name, have) in &dst {
+        let (Known::Listed(there) | Known::Recorded(there)) = &known;
+        for (name, have) in there {
             let ours = is_temp_name(name);
             if !wanted.contains(name.as_os_str())
                 && (self.rules.delete || self.rules.hidden || ours)
@@ -184,6 +228,8 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
                 match remove_entry(pair.dst.as_fd(), name, have.kind) {
                     Ok(n) if !ours => _ = self.stats.deleted.fetch_add(n, Relaxed),
                     Ok(_) => {}
+                    // A recorded entry may be gone already.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                     Err(e) => self.fail(&pair.dst_path.join(name), "cannot delete", e),
                 }
             }
@@ -193,27 +239,97 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         // Large files get a task each, so two of them never wait for each other.
         let (large, small): (Vec<&Listed>, Vec<&Listed>) =
             others.into_iter().partition(|l| l.meta.size >= PATCH_MIN);
+        // What each destination entry is now made equal to, for the new record.
+        let made = Mutex::new(Vec::with_capacity(src.len()));
         rayon::scope(|s| {
             for batch in large.chunks(1).chain(small.chunks(BATCH)) {
-                let dst = &dst;
+                let (known, made) = (&known, &made);
                 s.spawn(move |_| {
-                    let _fetched = self.prefetch(pair, batch, dst);
+                    let _fetched = match known {
+                        Known::Listed(dst) => Some(self.prefetch(pair, batch, dst)),
+                        Known::Recorded(_) => None,
+                    };
+                    let mut done = Vec::with_capacity(batch.len());
                     for entry in batch {
-                        if let Err(e) = self.sync_entry(pair, entry, dst.get(&entry.name)) {
-                            self.fail(&pair.src_path.join(&entry.name), "not copied", e);
+                        match self.sync_known(pair, entry, known) {
+                            Ok(m) => done.push((entry.name.clone(), m)),
+                            Err(e) => self.fail(&pair.src_path.join(&entry.name), "not copied", e),
                         }
                     }
+                    made.lock().expect("made lock").extend(done);
                 });
             }
             for entry in dirs {
-                let have = dst.get(&entry.name).copied();
-                s.spawn(move |_| {
-                    if let Err(e) = self.sync_subdir(pair, entry, have) {
-                        self.fail(&pair.src_path.join(&entry.name), "not copied", e);
-                    }
+                let (known, made) = (&known, &made);
+                s.spawn(move |_| match self.sync_subdir(pair, entry, known) {
+                    Ok(m) => made
+                        .lock()
+                        .expect("made lock")
+                        .push((entry.name.clone(), m)),
+                    Err(e) => self.fail(&pair.src_path.join(&entry.name), "not copied", e),
                 });
             }
         });
+        if let Some(record) = self.new_record {
+            record.add_dir(&pair.rel, made.into_inner().expect("made lock"));
+        }
+    }
+
+    /// Brings one non-directory entry up to date, given what is known of the destination;
+    /// returns the source metadata the destination entry now matches.
+    fn sync_known(
+        &self,
+        pair: &DirPair<S::Dir>,
+        entry: &Listed,
+        known: &Known,
+    ) -> io::Result<Meta> {
+        match known {
+            Known::Listed(dst) => self.sync_entry(pair, entry, dst.get(&entry.name)),
+            Known::Recorded(recorded) => {
+                if let Some(r) = recorded.get(&entry.name)
+                    && record::unchanged(r, &entry.meta)
+                {
+                    self.count_recorded(&entry.meta);
+                    return Ok(entry.meta);
+                }
+                let entry = self.with_xattrs(pair, entry)?;
+                let have = self.look(pair, &entry.name)?;
+                self.sync_entry(pair, &entry, have.as_ref())
+            }
+        }
+    }
+
+    /// Counts an entry the record shows unchanged as the walk would have.
+    fn count_recorded(&self, m: &Meta) {
+        let s = &self.stats;
+        match m.kind {
+            Kind::File => {
+                s.files.fetch_add(1, Relaxed);
+                s.source_bytes.fetch_add(m.size, Relaxed);
+            }
+            Kind::Symlink => _ = s.symlinks.fetch_add(1, Relaxed),
+            _ => _ = s.specials.fetch_add(1, Relaxed),
+        }
+        s.unchanged.fetch_add(1, Relaxed);
+        s.from_record.fetch_add(1, Relaxed);
+    }
+
+    /// The entry with its source xattrs, which a listing against the record left out.
+    fn with_xattrs(&self, pair: &DirPair<S::Dir>, entry: &Listed) -> io::Result<Listed> {
+        let mut entry = entry.clone();
+        if self.rules.preserve.xattrs {
+            entry.xattrs = self.source.read_xattrs(&pair.src, &entry.name)?;
+        }
+        Ok(entry)
+    }
+
+    /// The destination's `lstat` of `name`, if it exists.
+    fn look(&self, pair: &DirPair<S::Dir>, name: &OsStr) -> io::Result<Option<Meta>> {
+        match Meta::at(pair.dst.as_fd(), name) {
+            Ok(m) => Ok(Some(m)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Lets the source fetch ahead the small files of `batch` that will be copied whole.
@@ -243,9 +359,16 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         &self,
         pair: &DirPair<S::Dir>,
         entry: &Listed,
-        have: Option<Meta>,
-    ) -> io::Result<()> {
+        known: &Known,
+    ) -> io::Result<Meta> {
         self.stats.dirs.fetch_add(1, Relaxed);
+        let (have, entry) = match known {
+            Known::Listed(dst) => (dst.get(&entry.name).copied(), entry),
+            Known::Recorded(_) => (
+                self.look(pair, &entry.name)?,
+                &self.with_xattrs(pair, entry)?,
+            ),
+        };
         let name = entry.name.as_os_str();
         let have = self.clear_for(pair, name, have, Kind::Dir)?;
         if have.is_none() {
@@ -263,7 +386,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         let now = Meta::of_fd(child.dst.as_fd())?;
         let dst_x = self.dst_xattrs(pair, name, have.is_some())?;
         self.apply(pair, name, &entry.meta, &entry.xattrs, Some((&now, &dst_x)))?;
-        Ok(())
+        Ok(entry.meta)
     }
 
     /// Makes room for a `kind` entry at `name`: an entry of another kind there is removed
@@ -301,7 +424,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         pair: &DirPair<S::Dir>,
         entry: &Listed,
         have: Option<&Meta>,
-    ) -> io::Result<()> {
+    ) -> io::Result<Meta> {
         let kind = entry.meta.kind;
         let there = self.clear_for(pair, &entry.name, have.copied(), kind)?;
         // An entry of another kind is replaced by the rename that puts the new one there.
@@ -316,7 +439,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         }
     }
 
-    fn sync_file(&self, pair: &DirPair<S::Dir>, entry: &Listed, slot: Slot) -> io::Result<()> {
+    fn sync_file(&self, pair: &DirPair<S::Dir>, entry: &Listed, slot: Slot) -> io::Result<Meta> {
         let (name, m, have) = (entry.name.as_os_str(), &entry.meta, slot.have);
         if m.nlink > 1 {
             let rel = pair.rel.join(name);
@@ -326,7 +449,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
                         rel,
                         primary: first.get().clone(),
                     });
-                    return Ok(());
+                    return Ok(*m);
                 }
                 Entry::Vacant(slot) => _ = slot.insert(rel),
             }
@@ -339,7 +462,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         {
             let dst_x = self.dst_xattrs(pair, name, true)?;
             self.settle(self.apply(pair, name, m, &entry.xattrs, Some((&h, &dst_x)))?);
-            return Ok(());
+            return Ok(*m);
         }
         let src = self.source.open_file(&pair.src, name)?;
         let (target, direct) = self.target(name, slot.occupied);
@@ -359,6 +482,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         // The listing's lstat is the baseline: a change since then shows as a difference.
         let mut seen = *m;
         let mut attempt = 0;
+        let mut changed_while_read = false;
         let written = loop {
             let result = match &old {
                 Some(old) => self.source.patch(&src, old, &dst, seen.size),
@@ -383,6 +507,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
                     // Copied as read, with the mtime from before the read: the next run
                     // sees the source's newer mtime and copies it again.
                     self.stats.changed_while_read.fetch_add(1, Relaxed);
+                    changed_while_read = true;
                     self.warn(format!(
                         "{}: changed while being read; copied as read (rerun to pick up the change)",
                         pair.src_path.join(name).display()
@@ -406,7 +531,9 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         };
         counter.fetch_add(1, Relaxed);
         self.record(written);
-        Ok(())
+        // Copied as read, with an mtime from before a change: the listing's metadata,
+        // which the source no longer has, so the next run looks at it again.
+        Ok(if changed_while_read { *m } else { seen })
     }
 
     fn record(&self, w: Written) {
@@ -428,7 +555,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         counter.fetch_add(1, Relaxed);
     }
 
-    fn sync_symlink(&self, pair: &DirPair<S::Dir>, entry: &Listed, slot: Slot) -> io::Result<()> {
+    fn sync_symlink(&self, pair: &DirPair<S::Dir>, entry: &Listed, slot: Slot) -> io::Result<Meta> {
         self.stats.symlinks.fetch_add(1, Relaxed);
         let (name, have) = (entry.name.as_os_str(), slot.have);
         let target = OsStr::from_bytes(&entry.link);
@@ -437,14 +564,14 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         {
             let dst_x = self.dst_xattrs(pair, name, true)?;
             self.settle(self.apply(pair, name, &entry.meta, &entry.xattrs, Some((&h, &dst_x)))?);
-            return Ok(());
+            return Ok(entry.meta);
         }
         let (tmp, direct) = self.target(name, slot.occupied);
         fs::symlinkat(target, pair.dst.as_fd(), &tmp)?;
         self.finish_new(pair, entry, &tmp, direct)
     }
 
-    fn sync_special(&self, pair: &DirPair<S::Dir>, entry: &Listed, slot: Slot) -> io::Result<()> {
+    fn sync_special(&self, pair: &DirPair<S::Dir>, entry: &Listed, slot: Slot) -> io::Result<Meta> {
         self.stats.specials.fetch_add(1, Relaxed);
         let (name, m, have) = (entry.name.as_os_str(), &entry.meta, slot.have);
         if let Some(h) = have
@@ -452,7 +579,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         {
             let dst_x = self.dst_xattrs(pair, name, true)?;
             self.settle(self.apply(pair, name, m, &entry.xattrs, Some((&h, &dst_x)))?);
-            return Ok(());
+            return Ok(*m);
         }
         let (tmp, direct) = self.target(name, slot.occupied);
         fs::mknodat(
@@ -472,13 +599,13 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         entry: &Listed,
         made: &OsStr,
         direct: bool,
-    ) -> io::Result<()> {
+    ) -> io::Result<Meta> {
         self.apply(pair, made, &entry.meta, &entry.xattrs, None)?;
         if !direct {
             fs::renameat(pair.dst.as_fd(), made, pair.dst.as_fd(), &entry.name)?;
         }
         self.stats.copied.fetch_add(1, Relaxed);
-        Ok(())
+        Ok(entry.meta)
     }
 
     /// Where a new version of `name` is made: under its own name in a hidden tree where

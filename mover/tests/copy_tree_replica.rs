@@ -1,0 +1,218 @@
+//! `mover copy --replica DIR DIR`: reruns compare the source with the record of the last
+//! run instead of looking at every destination entry, and still end with a destination
+//! equal to the source; what the record cannot see is the documented limit.
+//!
+//! Trees are compared by the manifest of `common::tree`, built without the engine's code.
+
+mod common;
+
+use common::tree::*;
+use std::{
+    fs,
+    os::unix::fs::{MetadataExt, PermissionsExt},
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+struct Replica {
+    _dir: tempfile::TempDir,
+    src: PathBuf,
+    dst: PathBuf,
+    state: PathBuf,
+}
+
+impl Replica {
+    /// A source tree and its first replica copy.
+    fn new(seed: u64) -> Replica {
+        let dir = tempfile::tempdir().unwrap();
+        let (src, dst, state) = (
+            dir.path().join("src"),
+            dir.path().join("dst"),
+            dir.path().join("state"),
+        );
+        make_tree(&src, seed);
+        let r = Replica {
+            _dir: dir,
+            src,
+            dst,
+            state,
+        };
+        let first = r.copy(true);
+        assert_eq!(first.entries_from_record, 0, "nothing is recorded yet");
+        r
+    }
+
+    fn copy(&self, replica: bool) -> mover::TreeSummary {
+        let options = mover::TreeOptions {
+            delete: true,
+            replica,
+            state_dir: Some(self.state.clone()),
+            ..Default::default()
+        };
+        let s = mover::copy_tree(&self.src, &self.dst, &options, &()).unwrap();
+        assert!(s.is_complete(), "errors: {:?}", s.errors);
+        s
+    }
+
+    fn record(&self) -> Option<PathBuf> {
+        let dir = self.state.join("trees");
+        let mut found: Vec<PathBuf> = fs::read_dir(&dir)
+            .map(|d| d.map(|e| e.unwrap().path()).collect())
+            .unwrap_or_default();
+        assert!(found.len() <= 1, "one record, no temp files: {found:?}");
+        found.pop()
+    }
+}
+
+/// Entries a record can vouch for: neither directories nor multiply-linked files.
+fn recordable(root: &Path) -> u64 {
+    let mut entries = Vec::new();
+    walk(root, root, &mut entries);
+    entries
+        .iter()
+        .filter(|(_, m)| !m.is_dir() && m.nlink() == 1)
+        .count() as u64
+}
+
+#[test]
+fn a_rerun_takes_unchanged_entries_from_the_record_and_touches_nothing() {
+    let r = Replica::new(21);
+    assert!(r.record().is_some(), "the first run saved a record");
+    let before = ctimes(&r.dst);
+    let s = r.copy(true);
+    assert_eq!(s.entries_from_record, recordable(&r.src));
+    assert_eq!(
+        (s.entries_copied, s.metadata_updated, s.entries_deleted),
+        (0, 0, 0)
+    );
+    assert_eq!(
+        ctimes(&r.dst),
+        before,
+        "nothing in the destination was touched"
+    );
+    assert_same_tree(&r.src, &r.dst);
+}
+
+#[test]
+fn a_delta_carries_every_kind_of_edit() {
+    let r = Replica::new(22);
+    let src = &r.src;
+    fs::write(src.join("small/03/f3.txt"), b"edited").unwrap();
+    fs::set_permissions(
+        src.join("small/04/f4.txt"),
+        fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    set_xattr(&src.join("small/05/f5.txt"), "user.tag", b"new");
+    fs::remove_file(src.join("small/06/f6.txt")).unwrap();
+    fs::remove_dir_all(src.join("small/07")).unwrap();
+    fs::write(src.join("docs/new.txt"), b"brand new").unwrap();
+    fs::rename(src.join("small/09/f9.txt"), src.join("small/09/renamed")).unwrap();
+    // A file replaced by a directory, a directory by a symlink, a hard link removed.
+    fs::remove_file(src.join("small/08/f8.txt")).unwrap();
+    fs::create_dir(src.join("small/08/f8.txt")).unwrap();
+    fs::remove_dir(src.join("empty")).unwrap();
+    std::os::unix::fs::symlink("docs", src.join("empty")).unwrap();
+    fs::remove_file(src.join("note-link")).unwrap();
+
+    let s = r.copy(true);
+    assert_same_tree(&r.src, &r.dst);
+    assert!(s.entries_from_record > 0);
+    assert_eq!(
+        s.bytes_written,
+        6 + 9 + fs::metadata(src.join("small/09/renamed")).unwrap().len()
+    );
+    assert_eq!(s.metadata_updated, 2, "f4 mode and f5 xattr");
+    // small/07 (20 files and itself), f6, f9's old name, f8 (a file), empty (a dir),
+    // note-link.
+    assert_eq!(s.entries_deleted, 21 + 1 + 1 + 1 + 1 + 1);
+
+    // And the record written by the delta vouches for everything after it.
+    let again = r.copy(true);
+    assert_eq!(again.entries_from_record, recordable(&r.src));
+    assert_eq!((again.entries_copied, again.entries_deleted), (0, 0));
+}
+
+#[test]
+fn names_added_or_removed_in_the_destination_are_noticed() {
+    let r = Replica::new(23);
+    fs::write(r.dst.join("small/02/intruder"), b"not from the source").unwrap();
+    fs::remove_file(r.dst.join("small/03/f3.txt")).unwrap();
+    fs::write(r.dst.join("top-level-intruder"), b"x").unwrap();
+    let s = r.copy(true);
+    assert_same_tree(&r.src, &r.dst);
+    assert_eq!(s.entries_deleted, 2, "both intruders");
+    assert_eq!(s.entries_copied, 1, "f3 again");
+}
+
+#[test]
+fn a_file_changed_in_place_behind_movers_back_is_the_documented_limit() {
+    let r = Replica::new(24);
+    let victim = r.dst.join("small/01/f1.txt");
+    fs::set_permissions(&victim, fs::Permissions::from_mode(0o666)).unwrap();
+    // --replica trusts the record for entries whose source did not change...
+    let s = r.copy(true);
+    assert_eq!(s.metadata_updated, 0);
+    assert_eq!(fs::metadata(&victim).unwrap().mode() & 0o777, 0o666);
+    // ...a run without it looks at every entry, repairs, and drops the record...
+    let s = r.copy(false);
+    assert_eq!(s.metadata_updated, 1);
+    assert_same_tree(&r.src, &r.dst);
+    assert!(
+        r.record().is_none(),
+        "a run without --replica drops the record"
+    );
+    // ...so the next --replica run looks at everything again before it trusts anything.
+    let s = r.copy(true);
+    assert_eq!(s.entries_from_record, 0);
+    assert!(r.record().is_some());
+}
+
+#[test]
+fn a_damaged_record_is_not_trusted() {
+    let r = Replica::new(25);
+    let record = r.record().unwrap();
+    let mut bytes = fs::read(&record).unwrap();
+    // Flip a byte in every directory's entries: they sit between the header and the
+    // table, whose offset opens the 64-byte trailer.
+    let trailer = bytes.len() - 64;
+    let table = u64::from_le_bytes(bytes[trailer..trailer + 8].try_into().unwrap()) as usize;
+    for i in (64..table).step_by(40) {
+        bytes[i] ^= 0x40;
+    }
+    fs::write(&record, &bytes).unwrap();
+    let victim = r.dst.join("small/01/f1.txt");
+    fs::set_permissions(&victim, fs::Permissions::from_mode(0o666)).unwrap();
+    let s = r.copy(true);
+    assert_eq!(s.metadata_updated, 1, "the damaged directory was looked at");
+    assert_same_tree(&r.src, &r.dst);
+
+    // A record cut short is not used at all.
+    let record = r.record().unwrap();
+    let len = fs::metadata(&record).unwrap().len();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&record)
+        .unwrap()
+        .set_len(len - 1)
+        .unwrap();
+    let s = r.copy(true);
+    assert_eq!(s.entries_from_record, 0);
+}
+
+#[test]
+fn replica_with_an_agent_is_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_mover"))
+        .args(["copy", "--replica"])
+        .arg(t.path())
+        .arg("agent://127.0.0.1:1/data")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--replica is for local DIR to DIR"),
+        "{stderr}"
+    );
+}
