@@ -1,6 +1,7 @@
-//! `mover-bench-tree`: file-tree copies, `mover copy DIR DIR` against `rsync -aHAX`, in one
-//! run on the same tree: the initial copy, a rerun with nothing changed, and a delta after
-//! a day of edits. Run `mover-bench-tree --help` for what is built and checked.
+//! `mover-bench-tree`: file-tree copies, `mover copy DIR DIR` and `mover copy --replica`
+//! against `rsync -aHAX`, in one run on the same tree: the initial copy, a rerun with
+//! nothing changed, and a delta after a day of edits. Run `mover-bench-tree --help` for
+//! what is built and checked.
 
 #[allow(dead_code)] // the bench's process helpers, shared with mover-bench
 #[path = "../process.rs"]
@@ -19,28 +20,31 @@ use std::{
 };
 
 const LONG_ABOUT: &str = "\
-Benchmarks `mover copy DIR DIR` against `rsync -aHAX` on a tree of many small files plus a
-few large ones:
+Benchmarks `mover copy DIR DIR` (which looks at every destination entry, as rsync does) and
+`mover copy --replica DIR DIR` (which compares the source with the record of its last run)
+against `rsync -aHAX` on a tree of many small files plus a few large ones:
   --files small files of 0-8 KiB in directories of 1000, 4 large files of 256 MiB,
   a symlink and a hard link per directory, a user xattr on every 100th file.
 Each run makes a fresh ext4 filesystem (a sparse image in WORKDIR on a loop device with
 direct I/O, like a new volume) and builds the tree and both copies in it, so no run
 inherits another's freed inodes or fragmentation; the image is removed at the end.
-Three steps, each timed for both tools from a dropped page cache to a final sync(2):
+Three steps, each timed for the three copies from a dropped page cache to a final sync(2):
   initial   into an absent destination: rsync / mover >= 2x;
   no-change the same command again: rsync / mover >= 5x;
   delta     after edits (2% of the small files rewritten, 1% deleted, 1000 added, 1 MiB
             inserted in the middle of two large files), with --delete: rsync / mover >= 3x.
-After each step mover's copy is checked identical to the source by
+After each step both of mover's copies are checked identical to the source by
 `rsync -aHAXnc --delete -i` (untimed; any itemized line is a failure).
 Peak memory (wait4 ru_maxrss) is reported for each run.
-Exit status: 0 all targets met, 2 some target missed, 1 error. Needs root and rsync.";
+Exit status: 0 all targets met by --replica (the mode for reruns onto a copy only mover
+writes), 2 some target missed, 1 error. Needs root and rsync.";
 
 /// Benchmark `mover copy` of file trees against rsync.
 #[derive(Debug, Parser)]
 #[command(name = "mover-bench-tree", version, about, long_about = LONG_ABOUT)]
 struct Args {
-    /// Directory for the filesystem image (sparse; about 3.5 times the tree) and its mount.
+    /// Directory for the filesystem image (sparse; about 4.5 times the tree), its mount,
+    /// and the replica record (in WORKDIR/state).
     #[arg(long, default_value = "/var/tmp/mover-bench-tree")]
     workdir: PathBuf,
     /// Number of small files in the source tree.
@@ -50,7 +54,7 @@ struct Args {
     #[arg(long, default_value_t = 256)]
     large_mib: u64,
     /// Leave the filesystem mounted at WORKDIR/mnt at the end, with the source tree and
-    /// both copies (the next run replaces it).
+    /// the three copies (the next run replaces it).
     #[arg(long)]
     keep: bool,
     /// The mover binary [default: `mover` next to this executable].
@@ -58,21 +62,31 @@ struct Args {
     mover: Option<PathBuf>,
 }
 
-/// One step, timed for both tools.
+/// One step, timed for rsync and both of mover's modes.
 #[derive(Debug, Serialize)]
 struct Step {
     name: &'static str,
-    rsync_seconds: f64,
-    mover_seconds: f64,
-    rsync_max_rss_bytes: u64,
-    mover_max_rss_bytes: u64,
-    rsync_cpu_seconds: f64,
-    mover_cpu_seconds: f64,
+    target: f64,
+    rsync: Timed,
+    mover: Timed,
+    /// `mover copy --replica`.
+    replica: Timed,
     /// rsync time / mover time.
     speedup: f64,
-    target: f64,
+    /// rsync time / `--replica` time.
+    replica_speedup: f64,
+    /// `--replica` met the target.
     pass: bool,
-    mover_report: serde_json::Value,
+}
+
+/// One tool's run of a step.
+#[derive(Debug, Serialize)]
+struct Timed {
+    seconds: f64,
+    cpu_seconds: f64,
+    max_rss_bytes: u64,
+    /// mover's JSON summary.
+    report: serde_json::Value,
 }
 
 fn main() -> ExitCode {
@@ -99,36 +113,39 @@ fn run(args: &Args) -> Result<bool> {
     let volume = Volume::make(&args.workdir, args.files, args.large_mib)?;
     let src = volume.mnt.join("src");
     build_tree(&src, args.files, args.large_mib)?;
-    let (to_rsync, to_mover) = (volume.mnt.join("rsync-dst"), volume.mnt.join("mover-dst"));
+    let state = args.workdir.join("state");
+    _ = fs::remove_dir_all(&state);
+    let dsts = Dsts {
+        rsync: volume.mnt.join("rsync-dst"),
+        mover: volume.mnt.join("mover-dst"),
+        replica: volume.mnt.join("replica-dst"),
+        state,
+    };
     let mut steps = Vec::new();
-    steps.push(step(
-        "initial", 2.0, &mover, &src, &to_rsync, &to_mover, false,
-    )?);
-    steps.push(step(
-        "no-change",
-        5.0,
-        &mover,
-        &src,
-        &to_rsync,
-        &to_mover,
-        false,
-    )?);
+    steps.push(step("initial", 2.0, &mover, &src, &dsts, false)?);
+    steps.push(step("no-change", 5.0, &mover, &src, &dsts, false)?);
     edit_tree(&src, args.files, args.large_mib)?;
-    steps.push(step(
-        "delta", 3.0, &mover, &src, &to_rsync, &to_mover, true,
-    )?);
+    steps.push(step("delta", 3.0, &mover, &src, &dsts, true)?);
 
-    println!("\nstep        rsync -aHAX      mover     speedup  target  peak RSS rsync / mover");
+    println!(
+        "\nstep        rsync -aHAX   mover (rsync/mover)   --replica (rsync/mover)  target  \
+         peak RSS rsync / mover / --replica"
+    );
+    let mib = |b: u64| b as f64 / 1048576.0;
     for s in &steps {
         println!(
-            "{:<10} {:>9.2}s {:>9.2}s {:>9.2}x {:>6.1}x  {:>6.1} / {:.1} MiB  {}",
+            "{:<10} {:>9.2}s {:>8.2}s ({:>5.2}x) {:>10.2}s ({:>5.2}x) {:>8.1}x  \
+             {:.1} / {:.1} / {:.1} MiB  {}",
             s.name,
-            s.rsync_seconds,
-            s.mover_seconds,
+            s.rsync.seconds,
+            s.mover.seconds,
             s.speedup,
+            s.replica.seconds,
+            s.replica_speedup,
             s.target,
-            s.rsync_max_rss_bytes as f64 / 1048576.0,
-            s.mover_max_rss_bytes as f64 / 1048576.0,
+            mib(s.rsync.max_rss_bytes),
+            mib(s.mover.max_rss_bytes),
+            mib(s.replica.max_rss_bytes),
             if s.pass { "PASS" } else { "FAIL" }
         );
     }
@@ -167,11 +184,11 @@ impl Volume {
             }
         }
         _ = fs::remove_file(&image);
-        // Small files take a block or two each; three trees (source and two copies).
+        // Small files take a block or two each; four trees (source and three copies).
         let tree = files * 8192 + 4 * (large_mib << 20);
-        let size = (tree * 7 / 2 + (1 << 30)).next_multiple_of(1 << 20);
+        let size = (tree * 9 / 2 + (1 << 30)).next_multiple_of(1 << 20);
         fs::File::create(&image)?.set_len(size)?;
-        let inodes = 4 * (files + files / 1000 * 10 + 1000);
+        let inodes = 5 * (files + files / 1000 * 10 + 1000);
         eprintln!(
             "making a fresh {} GiB ext4 filesystem ({inodes} inodes) in {}",
             size >> 30,
@@ -243,50 +260,78 @@ impl Drop for Volume {
     }
 }
 
-/// Times rsync then mover on the same step, checks mover's copy, and compares.
+/// Where the three copies go, and the replica record.
+struct Dsts {
+    rsync: PathBuf,
+    mover: PathBuf,
+    replica: PathBuf,
+    /// mover's --state-dir.
+    state: PathBuf,
+}
+
+/// Times rsync, mover and `mover --replica` on the same step, checks mover's copies, and
+/// compares.
 fn step(
     name: &'static str,
     target: f64,
     mover: &Path,
     src: &Path,
-    to_rsync: &Path,
-    to_mover: &Path,
+    dsts: &Dsts,
     delete: bool,
 ) -> Result<Step> {
     eprintln!("== {name}: rsync");
-    drop_caches()?;
     let mut rsync = Command::new("rsync");
     rsync.arg("-aHAX");
     if delete {
         rsync.arg("--delete");
     }
     rsync.arg(format!("{}/", src.display()));
-    rsync.arg(format!("{}/", to_rsync.display()));
-    let r = run_timed(&mut rsync, ThenSync::Yes)?;
-    eprintln!("== {name}: mover");
-    drop_caches()?;
-    let mut cmd = Command::new(mover);
-    cmd.args(["copy", "--json", "--no-progress"]);
-    if delete {
-        cmd.arg("--delete");
-    }
-    cmd.arg(src).arg(to_mover);
-    let m = run_timed(&mut cmd, ThenSync::Yes)?;
-    let report: serde_json::Value = serde_json::from_slice(&m.stdout).unwrap_or_default();
-    check_identical(src, to_mover)?;
-    let speedup = r.elapsed.as_secs_f64() / m.elapsed.as_secs_f64();
+    rsync.arg(format!("{}/", dsts.rsync.display()));
+    let rsync = timed(&mut rsync)?;
+    let mover_run = |dst: &Path, replica: bool| -> Result<Timed> {
+        eprintln!(
+            "== {name}: mover{}",
+            if replica { " --replica" } else { "" }
+        );
+        let mut cmd = Command::new(mover);
+        cmd.args(["copy", "--json", "--no-progress"]);
+        cmd.arg("--state-dir").arg(&dsts.state);
+        if delete {
+            cmd.arg("--delete");
+        }
+        if replica {
+            cmd.arg("--replica");
+        }
+        cmd.arg(src).arg(dst);
+        let t = timed(&mut cmd)?;
+        check_identical(src, dst)?;
+        Ok(t)
+    };
+    let plain = mover_run(&dsts.mover, false)?;
+    let replica = mover_run(&dsts.replica, true)?;
+    let speedup = rsync.seconds / plain.seconds;
+    let replica_speedup = rsync.seconds / replica.seconds;
     Ok(Step {
         name,
-        rsync_seconds: r.elapsed.as_secs_f64(),
-        mover_seconds: m.elapsed.as_secs_f64(),
-        rsync_max_rss_bytes: r.max_rss_bytes,
-        mover_max_rss_bytes: m.max_rss_bytes,
-        rsync_cpu_seconds: r.cpu.as_secs_f64(),
-        mover_cpu_seconds: m.cpu.as_secs_f64(),
-        speedup,
         target,
-        pass: speedup >= target,
-        mover_report: report,
+        rsync,
+        mover: plain,
+        replica,
+        speedup,
+        replica_speedup,
+        pass: replica_speedup >= target,
+    })
+}
+
+/// Runs `cmd` from a dropped page cache to a final sync(2).
+fn timed(cmd: &mut Command) -> Result<Timed> {
+    drop_caches()?;
+    let r = run_timed(cmd, ThenSync::Yes)?;
+    Ok(Timed {
+        seconds: r.elapsed.as_secs_f64(),
+        cpu_seconds: r.cpu.as_secs_f64(),
+        max_rss_bytes: r.max_rss_bytes,
+        report: serde_json::from_slice(&r.stdout).unwrap_or_default(),
     })
 }
 

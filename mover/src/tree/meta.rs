@@ -137,6 +137,30 @@ impl Meta {
     }
 }
 
+/// A directory's entries with their metadata, sorted by name (found by binary search:
+/// cheaper than hashing every name of a large tree).
+#[derive(Debug, Default)]
+pub(crate) struct Entries(Vec<(OsString, Meta)>);
+
+impl Entries {
+    pub(crate) fn sorted(mut entries: Vec<(OsString, Meta)>) -> Entries {
+        entries.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        Entries(entries)
+    }
+
+    pub(crate) fn get(&self, name: &OsStr) -> Option<&Meta> {
+        let i = self
+            .0
+            .binary_search_by(|(n, _)| n.as_os_str().cmp(name))
+            .ok()?;
+        Some(&self.0[i].1)
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &(OsString, Meta)> {
+        self.0.iter()
+    }
+}
+
 /// An entry's extended attributes, sorted by name.
 pub(crate) type Xattrs = Vec<(OsString, Vec<u8>)>;
 

@@ -33,9 +33,8 @@
 //! rows, the destination's device, the BLAKE3 of header, table and trailer, magic).
 //! Memory: the table (64 bytes a directory) and the directories in progress.
 
-use super::meta::{Kind, Meta};
+use super::meta::{Entries, Kind, Meta};
 use std::{
-    collections::HashMap,
     ffi::OsString,
     fs::{self, File},
     io::{self, Write},
@@ -172,8 +171,8 @@ fn encode_entry(name: &OsString, m: &Meta, out: &mut Vec<u8>) {
 }
 
 /// Parses a directory's entries; `None` if they are malformed.
-fn decode_entries(mut b: &[u8]) -> Option<HashMap<OsString, Meta>> {
-    let mut out = HashMap::new();
+fn decode_entries(mut b: &[u8]) -> Option<Entries> {
+    let mut out = Vec::new();
     while !b.is_empty() {
         let name_len = u16::from_le_bytes(b.get(..2)?.try_into().ok()?) as usize;
         if b.len() < ENTRY_LEN + name_len {
@@ -185,7 +184,7 @@ fn decode_entries(mut b: &[u8]) -> Option<HashMap<OsString, Meta>> {
         let (ino, size, rdev, nlink, allocated) = (r.u64(), r.u64(), r.u64(), r.u64(), r.u64());
         let (mtime, ctime) = ((r.i64(), r.u32()), (r.i64(), r.u32()));
         let (mode, uid, gid) = (r.u32(), r.u32(), r.u32());
-        out.insert(
+        out.push((
             name,
             Meta {
                 kind,
@@ -201,10 +200,11 @@ fn decode_entries(mut b: &[u8]) -> Option<HashMap<OsString, Meta>> {
                 ino,
                 nlink,
             },
-        );
+        ));
         b = &b[ENTRY_LEN + name_len..];
     }
-    Some(out)
+    // Written sorted; sorting again costs little when they are.
+    Some(Entries::sorted(out))
 }
 
 /// Whether a source entry is exactly as recorded, so its destination copy (which the
@@ -316,11 +316,7 @@ impl Record {
 
     /// The recorded entries of the directory `rel`, if the destination directory (open as
     /// `dst_dir`) still has the names it had when recorded.
-    pub(crate) fn entries(
-        &self,
-        rel: &Path,
-        dst_dir: BorrowedFd<'_>,
-    ) -> Option<HashMap<OsString, Meta>> {
+    pub(crate) fn entries(&self, rel: &Path, dst_dir: BorrowedFd<'_>) -> Option<Entries> {
         let row = self.row(rel, &Meta::of_fd(dst_dir).ok()?)?;
         let mut buf = vec![0u8; row.len as usize];
         self.file.read_exact_at(&mut buf, row.offset).ok()?;

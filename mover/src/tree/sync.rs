@@ -6,15 +6,15 @@
 //! directory's own metadata (mode, times) is set after its children are done.
 
 use super::{
-    content::{PATCH_MIN, Written},
-    meta::{self, Kind, Meta, Preserve, Xattrs},
+    content::{self, PATCH_MIN, Written},
+    meta::{self, Entries, Kind, Meta, Preserve, Xattrs},
     record::{self, Record, RecordWriter},
     source::{Listed, TreeSource},
 };
 use crate::Progress;
 use rustix::fs::{self, AtFlags, Mode, OFlags};
 use std::{
-    collections::{HashMap, HashSet, hash_map::Entry},
+    collections::{HashMap, hash_map::Entry},
     ffi::{OsStr, OsString},
     fs::File,
     io,
@@ -117,10 +117,10 @@ pub(crate) struct Syncer<'a, S: TreeSource> {
 /// What is known of a destination directory's entries.
 enum Known {
     /// Listed now, with their `lstat`.
-    Listed(HashMap<OsString, Meta>),
+    Listed(Entries),
     /// Recorded by the last `--replica` run (the directory still has those names): each
     /// with the source metadata it was made equal to.
-    Recorded(HashMap<OsString, Meta>),
+    Recorded(Entries),
 }
 
 /// What the destination holds where an entry goes.
@@ -211,18 +211,19 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             None => {
                 self.stats.dst_listed.fetch_add(1, Relaxed);
                 match list(pair.dst.as_fd()) {
-                    Ok(v) => Known::Listed(v.into_iter().collect()),
+                    Ok(v) => Known::Listed(Entries::sorted(v)),
                     Err(e) => {
                         return self.fail(&pair.dst_path, "cannot list the destination", e);
                     }
                 }
             }
         };
-        let wanted: HashSet<&OsStr> = src.iter().map(|l| l.name.as_os_str()).collect();
+        let mut wanted: Vec<&OsStr> = src.iter().map(|l| l.name.as_os_str()).collect();
+        wanted.sort_unstable();
         let (Known::Listed(there) | Known::Recorded(there)) = &known;
-        for (name, have) in there {
+        for (name, have) in there.iter() {
             let ours = is_temp_name(name);
-            if !wanted.contains(name.as_os_str())
+            if wanted.binary_search(&name.as_os_str()).is_err()
                 && (self.rules.delete || self.rules.hidden || ours)
             {
                 match remove_entry(pair.dst.as_fd(), name, have.kind) {
@@ -333,12 +334,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
     }
 
     /// Lets the source fetch ahead the small files of `batch` that will be copied whole.
-    fn prefetch(
-        &self,
-        pair: &DirPair<S::Dir>,
-        batch: &[&Listed],
-        dst: &HashMap<OsString, Meta>,
-    ) -> S::Prefetch {
+    fn prefetch(&self, pair: &DirPair<S::Dir>, batch: &[&Listed], dst: &Entries) -> S::Prefetch {
         let files: Vec<(&OsStr, u64)> = batch
             .iter()
             .filter(|e| {
@@ -517,6 +513,9 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
                 Err(e) => return Err(e),
             }
         };
+        if seen.size >= PATCH_MIN {
+            content::start_writeback(&dst);
+        }
         // The metadata seen when the content was read (the listing may be older).
         let xattr_path = meta::xattr_path(&pair.dst_path, pair.dst.as_fd(), &target);
         meta::apply_new_file(&dst, &xattr_path, &seen, &entry.xattrs, self.rules.preserve)?;
