@@ -49,7 +49,9 @@ enum Command {
         changed files are rebuilt under a temp name and renamed over the old (large ones \
         from the chunks the old copy already holds, where that saves work: with an agent, \
         or onto a filesystem with reflinks such as XFS or Btrfs), and entries SRC lacks are kept \
-        unless --delete. Entries that cannot be copied are listed; the exit status is then 1.\n\n\
+        unless --delete. Entries that cannot be copied are listed; the exit status is then 1. \
+        With --replica (a DST only mover writes), each run keeps a record of DST and the \
+        next compares SRC with it, looking in DST only where SRC changed.\n\n\
         Either side may be an agent's export (agent://HOST:PORT/NAME): a tree is pushed \
         into an export that is a directory (or not made yet), and pulled from one. The \
         side that writes walks both trees, so the rules above hold either way.\n\n\
@@ -63,6 +65,7 @@ enum Command {
         mover copy /dev/loop0 backup.img --verify    # device to a new sparse image\n  \
         mover copy today.img yesterday.img --json    # delta onto an older copy\n  \
         mover copy /srv/data /mnt/backup/data --delete  # tree, mirrored\n  \
+        mover copy --replica --delete /srv/data /mnt/replica/data  # rerun often\n  \
         mover copy /srv/data agent://node-b:7070/data   # tree into node b's export"
     )]
     Copy {

@@ -59,18 +59,6 @@ pub(crate) fn copy_whole(src: &File, dst: &File, size: u64, sparse: bool) -> io:
     })
 }
 
-/// Starts writing a large new file's dirty pages to disk without waiting for them, so
-/// the walk's final flush does not write it alone while every thread waits.
-#[allow(unsafe_code)] // libc's call; rustix does not wrap it. See SAFETY.
-pub(crate) fn start_writeback(file: &File) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: sync_file_range takes a descriptor and integers and touches no memory of
-    // ours; a failure only means the final flush writes these pages instead.
-    unsafe {
-        libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE);
-    }
-}
-
 /// The next run of data (not a hole) of `file` in `[pos, end)`, as `(start, stop)`;
 /// `None` when only holes (or the end of the file) follow.
 pub(crate) fn next_data(file: &File, pos: u64, end: u64) -> io::Result<Option<(u64, u64)>> {

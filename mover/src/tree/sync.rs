@@ -6,7 +6,7 @@
 //! directory's own metadata (mode, times) is set after its children are done.
 
 use super::{
-    content::{self, PATCH_MIN, Written},
+    content::{PATCH_MIN, Written},
     meta::{self, Entries, Kind, Meta, Preserve, Xattrs},
     record::{self, Record, RecordWriter},
     source::{Listed, TreeSource},
@@ -513,9 +513,6 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
                 Err(e) => return Err(e),
             }
         };
-        if seen.size >= PATCH_MIN {
-            content::start_writeback(&dst);
-        }
         // The metadata seen when the content was read (the listing may be older).
         let xattr_path = meta::xattr_path(&pair.dst_path, pair.dst.as_fd(), &target);
         meta::apply_new_file(&dst, &xattr_path, &seen, &entry.xattrs, self.rules.preserve)?;
