@@ -43,8 +43,12 @@ impl Replica {
     }
 
     fn copy(&self, replica: bool) -> mover::TreeSummary {
+        self.copy_with(replica, true)
+    }
+
+    fn copy_with(&self, replica: bool, delete: bool) -> mover::TreeSummary {
         let options = mover::TreeOptions {
-            delete: true,
+            delete,
             replica,
             state_dir: Some(self.state.clone()),
             ..Default::default()
@@ -215,4 +219,39 @@ fn replica_with_an_agent_is_refused() {
         stderr.contains("--replica is for local DIR to DIR"),
         "{stderr}"
     );
+}
+
+#[test]
+fn a_record_made_without_delete_does_not_hide_what_delete_must_remove() {
+    let r = Replica::new(26);
+    fs::remove_file(r.src.join("small/02/f2.txt")).unwrap();
+    // Without --delete the copy stays in DST, unrecorded, and the directory is sealed
+    // as it is.
+    r.copy_with(true, false);
+    assert!(r.dst.join("small/02/f2.txt").exists());
+    let s = r.copy_with(true, true);
+    assert_eq!(s.entries_deleted, 1);
+    assert_same_tree(&r.src, &r.dst);
+}
+
+#[test]
+fn a_hard_link_the_source_broke_is_not_changed_through_its_other_name() {
+    let r = Replica::new(27);
+    // docs/deep/er/note has three names; the source replaces one by an equal copy with
+    // the same mtime (cp -p a t && mv t b): DST still links all three.
+    let (a, b) = (r.src.join("docs/deep/er/note"), r.src.join("note-link"));
+    let tmp = r.src.join("tmp");
+    fs::copy(&a, &tmp).unwrap();
+    let mtime = fs::metadata(&a).unwrap();
+    set_mtime(&tmp, mtime.mtime(), mtime.mtime_nsec() as u32);
+    for (name, value) in xattrs(&a) {
+        set_xattr(&tmp, &name.to_string_lossy(), &value);
+    }
+    fs::rename(&tmp, &b).unwrap();
+    r.copy(true);
+    assert_same_tree(&r.src, &r.dst);
+    // Now a metadata change to the other names must not reach note-link's copy.
+    fs::set_permissions(&a, fs::Permissions::from_mode(0o600)).unwrap();
+    r.copy(true);
+    assert_same_tree(&r.src, &r.dst);
 }

@@ -292,6 +292,12 @@ pub(crate) fn copy_tree_from<S: TreeSource>(
         Syncer::new(source, rules, progress).with_records(old_record.as_ref(), new_record.as_ref());
     let root = pass(&pool, &syncer, source, &dest.work)?;
     dest.finish(&root, &syncer, source, rules.preserve)?;
+    if let Some(new) = &new_record
+        && let Ok(top) = rustix::fs::lstat(dest.target())
+    {
+        // After its metadata and (for a new tree) the rename into place.
+        new.seal(Path::new(""), &meta::Meta::from_stat(&top));
+    }
     let verified = options.verify && syncer.stats.errors.load(Relaxed) == 0;
     if verified {
         verify(&pool, source, dst, rules, progress)?;
@@ -347,7 +353,7 @@ fn open_records<S: TreeSource>(
         }
         RecordUse::Keep(path) => path,
     };
-    let flags = record::flags(rules.preserve.xattrs, rules.preserve.owners);
+    let flags = record::flags(rules.preserve.xattrs, rules.preserve.owners, rules.delete);
     let src = source.root_path();
     // --checksum looks at every file by design; a new tree has nothing recorded.
     let old = if rules.checksum || dest.hidden {

@@ -12,20 +12,25 @@
 //!   xattr change or rename gives a new ctime, which cannot be set back from user space.
 //!   A multiply-linked file is always looked at (its other names can change unseen).
 //! - **Names added, removed or renamed in the destination** change their directory's
-//!   ctime. Each directory's (inode, ctime) is sealed into the record at the end of a
-//!   run, and a directory that no longer matches is listed and compared in full.
+//!   ctime. Each directory's (inode, ctime) is sealed into the record right after the
+//!   run's last change to it (its own metadata, or a hard link made at the end), and a
+//!   directory that no longer matches is listed and compared in full. A directory the
+//!   run did not seal is not recorded.
 //! - **Other mover runs** onto the destination only ever make an entry equal to its
 //!   source. Their content writes go through a rename, so they break the directory's
 //!   seal; a metadata-only change leaves the entry's old record, which the source no
-//!   longer matches or which is still right. A run without `--replica`, or from another
-//!   source, forgets the record.
+//!   longer matches or which is still right. A local run without `--replica` (with the
+//!   same state directory), or from another source, or with other flags, forgets or
+//!   ignores the record. An agent writing into the same directory does not know of it:
+//!   a local replica is written by local runs only.
 //! - **Damage:** the table and header are checksummed, and so is each directory's part
 //!   before it is used. A run with any error saves no record, and the last good one
 //!   stays (it is still true: see above).
 //!
 //! What it cannot see, and the `--replica` help says so: a destination file changed in
 //! place (written, truncated, chmod-ed) by someone else. A run without `--replica`
-//! checks every entry again.
+//! checks every entry again. Destinations whose directory ctimes are not trustworthy
+//! (network filesystems with attribute caches) should not be replicas.
 //!
 //! File layout (version 1): a header (magic, flags, the source path), each directory's
 //! entries, a table of directories sorted by the hash of their path (where the entries
@@ -35,6 +40,7 @@
 
 use super::meta::{Entries, Kind, Meta};
 use std::{
+    collections::HashMap,
     ffi::OsString,
     fs::{self, File},
     io::{self, Write},
@@ -70,10 +76,11 @@ pub(crate) fn forget(path: &Path) {
     }
 }
 
-/// What the record was made with: a record of a copy without xattrs says nothing about
-/// them.
-pub(crate) fn flags(xattrs: bool, owners: bool) -> u64 {
-    u64::from(xattrs) | u64::from(owners) << 1
+/// What the record was made with, which a run using it must share: a copy without
+/// xattrs says nothing about them, and one without --delete leaves entries in DST that
+/// it does not record.
+pub(crate) fn flags(xattrs: bool, owners: bool, delete: bool) -> u64 {
+    u64::from(xattrs) | u64::from(owners) << 1 | u64::from(delete) << 2
 }
 
 fn dir_key(rel: &Path) -> [u8; 16] {
@@ -282,7 +289,10 @@ impl Record {
         if head != want
             || magic != MAGIC
             || dev != root.dev
-            || table_at.checked_add(table_len)? + TRAILER_LEN as u64 != len
+            || table_at
+                .checked_add(table_len)?
+                .checked_add(TRAILER_LEN as u64)?
+                != len
         {
             return None;
         }
@@ -343,6 +353,8 @@ struct Out {
     at: u64,
     /// Each directory written, by its path relative to the root.
     dirs: Vec<(PathBuf, Row)>,
+    /// Each directory's state after the run's last change to it.
+    seals: HashMap<PathBuf, Seal>,
     /// The first write error: the record is then not saved.
     failed: Option<io::Error>,
 }
@@ -360,6 +372,7 @@ impl RecordWriter {
                 file,
                 at: header.len() as u64,
                 dirs: Vec::new(),
+                seals: HashMap::new(),
                 failed: None,
             }),
             header,
@@ -401,8 +414,16 @@ impl RecordWriter {
         out.dirs.push((rel.to_path_buf(), row));
     }
 
-    /// Seals every directory with its state in `dst_root` now (after the run's last
-    /// change to it) and saves the record durably in place of the old one.
+    /// Seals the destination directory `rel` with its state `dst_dir`, taken right after
+    /// the run's last change to it: a later change by anyone breaks the seal.
+    pub(crate) fn seal(&self, rel: &Path, dst_dir: &Meta) {
+        let mut out = self.out.lock().expect("record lock");
+        out.seals.insert(rel.to_path_buf(), Seal::of(dst_dir));
+    }
+
+    /// Saves the record durably in place of the old one, with the directories the run
+    /// sealed (the others are listed by the next run), for the destination now at
+    /// `dst_root`.
     pub(crate) fn commit(mut self, dst_root: &Path) -> io::Result<()> {
         let out = self.out.get_mut().expect("record lock");
         if let Some(e) = out.failed.take() {
@@ -411,8 +432,10 @@ impl RecordWriter {
         let root = Meta::from_stat(&rustix::fs::lstat(dst_root)?);
         let mut rows = Vec::with_capacity(out.dirs.len());
         for (rel, mut row) in out.dirs.drain(..) {
-            row.seal = Seal::of(&Meta::from_stat(&rustix::fs::lstat(dst_root.join(&rel))?));
-            rows.push(row);
+            if let Some(seal) = out.seals.get(&rel) {
+                row.seal = *seal;
+                rows.push(row);
+            }
         }
         rows.sort_unstable_by_key(|r| r.key);
         let mut tail = Vec::with_capacity(rows.len() * ROW_LEN + TRAILER_LEN);

@@ -293,7 +293,13 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
                     self.count_recorded(&entry.meta);
                     return Ok(entry.meta);
                 }
-                let entry = self.with_xattrs(pair, entry)?;
+                let entry = match self.with_xattrs(pair, entry) {
+                    Ok(e) => e,
+                    // Gone since the listing: recorded as listed, which the source no
+                    // longer has, so the next run deletes it (with --delete).
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(entry.meta),
+                    Err(e) => return Err(e),
+                };
                 let have = self.look(pair, &entry.name)?;
                 self.sync_entry(pair, &entry, have.as_ref())
             }
@@ -382,6 +388,9 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         let now = Meta::of_fd(child.dst.as_fd())?;
         let dst_x = self.dst_xattrs(pair, name, have.is_some())?;
         self.apply(pair, name, &entry.meta, &entry.xattrs, Some((&now, &dst_x)))?;
+        if let Some(record) = self.new_record {
+            record.seal(&child.rel, &Meta::of_fd(child.dst.as_fd())?);
+        }
         Ok(entry.meta)
     }
 
@@ -452,8 +461,11 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         }
         self.stats.files.fetch_add(1, Relaxed);
         self.stats.source_bytes.fetch_add(m.size, Relaxed);
+        // A destination inode shared with another name the source no longer links is
+        // copied anew: changing its metadata in place would change the other name too.
         if let Some(h) = have
             && h.same_size_and_mtime(m)
+            && !(h.nlink > 1 && m.nlink == 1)
             && (!self.rules.checksum || self.same_content(pair, name)?)
         {
             let dst_x = self.dst_xattrs(pair, name, true)?;
@@ -527,9 +539,14 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         };
         counter.fetch_add(1, Relaxed);
         self.record(written);
-        // Copied as read, with an mtime from before a change: the listing's metadata,
-        // which the source no longer has, so the next run looks at it again.
-        Ok(if changed_while_read { *m } else { seen })
+        // Changed while read (copied as read), or retried (the xattrs are the listing's):
+        // the listing's metadata, which the source no longer has, so the next run looks
+        // at it again.
+        Ok(if changed_while_read || attempt > 0 {
+            *m
+        } else {
+            seen
+        })
     }
 
     fn record(&self, w: Written) {
@@ -705,6 +722,10 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             .source
             .stat_dir(d.rel.parent().unwrap_or(Path::new("")), false)?;
         meta::set_mtime(dir.as_fd(), OsStr::new("."), src_dir.mtime)?;
+        if let Some(record) = self.new_record {
+            let rel = d.rel.parent().unwrap_or(Path::new(""));
+            record.seal(rel, &Meta::of_fd(dir.as_fd())?);
+        }
         Ok(())
     }
 }
