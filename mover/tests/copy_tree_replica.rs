@@ -225,9 +225,12 @@ fn replica_with_an_agent_is_refused() {
 fn a_record_made_without_delete_does_not_hide_what_delete_must_remove() {
     let r = Replica::new(26);
     fs::remove_file(r.src.join("small/02/f2.txt")).unwrap();
+    // A change elsewhere, so that the run saves a record.
+    fs::write(r.src.join("small/05/f5.txt"), b"changed").unwrap();
     // Without --delete the copy stays in DST, unrecorded, and the directory is sealed
     // as it is.
-    r.copy_with(true, false);
+    let s = r.copy_with(true, false);
+    assert_eq!(s.entries_copied, 1);
     assert!(r.dst.join("small/02/f2.txt").exists());
     let s = r.copy_with(true, true);
     assert_eq!(s.entries_deleted, 1);
