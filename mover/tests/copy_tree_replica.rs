@@ -231,8 +231,16 @@ fn a_record_made_without_delete_does_not_hide_what_delete_must_remove() {
     // as it is.
     let s = r.copy_with(true, false);
     assert_eq!(s.entries_copied, 1);
+    assert!(
+        s.entries_from_record > 0,
+        "a record made with --delete serves a run without"
+    );
     assert!(r.dst.join("small/02/f2.txt").exists());
     let s = r.copy_with(true, true);
+    assert_eq!(
+        s.entries_from_record, 0,
+        "one made without it does not serve a run with it"
+    );
     assert_eq!(s.entries_deleted, 1);
     assert_same_tree(&r.src, &r.dst);
 }

@@ -33,6 +33,7 @@ Three steps, each timed for the three copies from a dropped page cache to a fina
   no-change the same command again: rsync / mover >= 5x;
   delta     after edits (2% of the small files rewritten, 1% deleted, 1000 added, 1 MiB
             inserted in the middle of two large files), with --delete: rsync / mover >= 3x.
+`mover copy --replica` runs with --delete in every step, as a mirror does.
 After each step both of mover's copies are checked identical to the source by
 `rsync -aHAXnc --delete -i` (untimed; any itemized line is a failure).
 Peak memory (wait4 ru_maxrss) is reported for each run.
@@ -296,7 +297,9 @@ fn step(
         let mut cmd = Command::new(mover);
         cmd.args(["copy", "--json", "--no-progress"]);
         cmd.arg("--state-dir").arg(&dsts.state);
-        if delete {
+        // A replica mirrors: --delete on every run (more work than rsync's steps without
+        // it, never less), so one record serves them all.
+        if delete || replica {
             cmd.arg("--delete");
         }
         if replica {

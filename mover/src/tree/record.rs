@@ -76,11 +76,19 @@ pub(crate) fn forget(path: &Path) {
     }
 }
 
-/// What the record was made with, which a run using it must share: a copy without
-/// xattrs says nothing about them, and one without --delete leaves entries in DST that
-/// it does not record.
+/// What the record was made with: a copy without xattrs says nothing about them, and
+/// one without --delete leaves entries in DST that it does not record.
 pub(crate) fn flags(xattrs: bool, owners: bool, delete: bool) -> u64 {
-    u64::from(xattrs) | u64::from(owners) << 1 | u64::from(delete) << 2
+    u64::from(xattrs) | u64::from(owners) << 1 | u64::from(delete) * DELETE
+}
+
+const DELETE: u64 = 1 << 2;
+
+/// Whether a record made with `saved` flags serves a run with `run` flags: the same
+/// xattrs and owners, and a run with --delete needs a record made with it (a record made
+/// with it serves a run without).
+fn flags_serve(saved: u64, run: u64) -> bool {
+    saved & !DELETE == run & !DELETE && (saved & DELETE != 0 || run & DELETE == 0)
 }
 
 fn dir_key(rel: &Path) -> [u8; 16] {
@@ -278,6 +286,7 @@ impl Record {
         }
         let mut head = vec![0u8; want.len()];
         file.read_exact_at(&mut head, 0).ok()?;
+        let saved = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
         let mut trailer = [0u8; TRAILER_LEN];
         file.read_exact_at(&mut trailer, len - TRAILER_LEN as u64)
             .ok()?;
@@ -286,7 +295,10 @@ impl Record {
         let (checksum, magic) = (t.bytes(32), t.bytes(8));
         let root = Meta::of_fd(dst_root).ok()?;
         let table_len = rows.checked_mul(ROW_LEN as u64)?;
-        if head != want
+        // Magic, flags, then the source path: the same source, and flags that serve.
+        if head[..8] != want[..8]
+            || head[16..] != want[16..]
+            || !flags_serve(saved, flags)
             || magic != MAGIC
             || dev != root.dev
             || table_at
