@@ -79,7 +79,7 @@ pub(crate) fn forget(path: &Path) {
 /// What the record was made with: a copy without xattrs says nothing about them, and
 /// one without --delete leaves entries in DST that it does not record.
 pub(crate) fn flags(xattrs: bool, owners: bool, delete: bool) -> u64 {
-    u64::from(xattrs) | u64::from(owners) << 1 | u64::from(delete) * DELETE
+    u64::from(xattrs) | (u64::from(owners) << 1) | (u64::from(delete) * DELETE)
 }
 
 const DELETE: u64 = 1 << 2;
