@@ -10,7 +10,7 @@ use rustix::fs::{self as rfs, Mode};
 use std::{
     ffi::OsStr,
     fs,
-    os::unix::fs::{MetadataExt, PermissionsExt},
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     process::Command,
 };
@@ -86,21 +86,7 @@ fn delta_after_edits_writes_only_what_changed() {
     let mut data = fs::read(&big).unwrap();
     data.splice(4 * MIB as usize..4 * MIB as usize, random(9, 100));
     fs::write(&big, &data).unwrap();
-    fs::write(src.join("small/03/f3.txt"), b"edited").unwrap();
-    fs::set_permissions(
-        src.join("small/04/f4.txt"),
-        fs::Permissions::from_mode(0o600),
-    )
-    .unwrap();
-    set_xattr(&src.join("small/05/f5.txt"), "user.tag", b"new");
-    fs::remove_file(src.join("small/06/f6.txt")).unwrap();
-    fs::remove_dir_all(src.join("small/07")).unwrap();
-    fs::write(src.join("docs/new.txt"), b"brand new").unwrap();
-    // A file replaced by a directory and a directory replaced by a symlink.
-    fs::remove_file(src.join("small/08/f8.txt")).unwrap();
-    fs::create_dir(src.join("small/08/f8.txt")).unwrap();
-    fs::remove_dir(src.join("empty")).unwrap();
-    std::os::unix::fs::symlink("docs", src.join("empty")).unwrap();
+    edit_every_kind(&src);
 
     let s = copy(&src, &dst, true);
     assert_same_tree(&src, &dst);

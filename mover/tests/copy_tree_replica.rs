@@ -101,22 +101,9 @@ fn a_rerun_takes_unchanged_entries_from_the_record_and_touches_nothing() {
 fn a_delta_carries_every_kind_of_edit() {
     let r = Replica::new(22);
     let src = &r.src;
-    fs::write(src.join("small/03/f3.txt"), b"edited").unwrap();
-    fs::set_permissions(
-        src.join("small/04/f4.txt"),
-        fs::Permissions::from_mode(0o600),
-    )
-    .unwrap();
-    set_xattr(&src.join("small/05/f5.txt"), "user.tag", b"new");
-    fs::remove_file(src.join("small/06/f6.txt")).unwrap();
-    fs::remove_dir_all(src.join("small/07")).unwrap();
-    fs::write(src.join("docs/new.txt"), b"brand new").unwrap();
+    edit_every_kind(src);
+    // Besides: a rename, and a hard link removed.
     fs::rename(src.join("small/09/f9.txt"), src.join("small/09/renamed")).unwrap();
-    // A file replaced by a directory, a directory by a symlink, a hard link removed.
-    fs::remove_file(src.join("small/08/f8.txt")).unwrap();
-    fs::create_dir(src.join("small/08/f8.txt")).unwrap();
-    fs::remove_dir(src.join("empty")).unwrap();
-    std::os::unix::fs::symlink("docs", src.join("empty")).unwrap();
     fs::remove_file(src.join("note-link")).unwrap();
 
     let s = r.copy(true);

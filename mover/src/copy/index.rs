@@ -64,8 +64,14 @@ pub(crate) fn index_path(state_dir: &Path, dst: &Path) -> PathBuf {
             _ => dst.to_path_buf(),
         }
     });
+    state_file(state_dir, "index", &abs, "idx")
+}
+
+/// The state file in `state_dir/kind/` for the destination at the absolute path `abs`:
+/// named by a hash of the path, so any path gives a short, safe name.
+pub(crate) fn state_file(state_dir: &Path, kind: &str, abs: &Path, ext: &str) -> PathBuf {
     let name = blake3::hash(abs.as_os_str().as_encoded_bytes()).to_hex();
-    state_dir.join("index").join(format!("{}.idx", &name[..32]))
+    state_dir.join(kind).join(format!("{}.{ext}", &name[..32]))
 }
 
 pub(crate) fn key_fingerprint(key: &ChunkKey) -> [u8; 32] {

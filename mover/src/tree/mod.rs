@@ -209,17 +209,7 @@ pub fn copy_tree(
 ) -> Result<TreeSummary> {
     let src_abs = std::fs::canonicalize(src).map_err(tree_error(src, "cannot open the source"))?;
     let dest = Destination::prepare(dst, Some(&src_abs))?;
-    let record = match &options.state_dir {
-        Some(dir) => {
-            let path = record::record_path(dir, &dest.target());
-            if options.replica {
-                RecordUse::Keep(path)
-            } else {
-                RecordUse::Forget(path)
-            }
-        }
-        None => RecordUse::None,
-    };
+    let record = RecordUse::of(options, &dest, options.replica);
     let source = LocalSource::new(src_abs);
     let mut summary = copy_tree_from(&source, dest, dst, options, record, progress)?;
     summary.source = src.to_path_buf();
@@ -235,11 +225,8 @@ pub(crate) fn copy_remote_tree(
     progress: &dyn Progress,
 ) -> Result<TreeSummary> {
     let dest = Destination::prepare(dst, None)?;
-    // A local replica's record no longer describes what this copy writes.
-    let record = match &options.state_dir {
-        Some(dir) => RecordUse::Forget(record::record_path(dir, &dest.target())),
-        None => RecordUse::None,
-    };
+    // Records are kept of local copies only: this copy forgets one.
+    let record = RecordUse::of(options, &dest, false);
     copy_tree_from(source, dest, dst, options, record, progress)
 }
 
@@ -251,6 +238,21 @@ pub(crate) enum RecordUse {
     Forget(PathBuf),
     /// Compares with it where it holds, and saves a new one (`--replica`).
     Keep(PathBuf),
+}
+
+impl RecordUse {
+    /// Keeps the record of `dest` (in `options.state_dir`) if `keep`, else forgets it.
+    fn of(options: &TreeOptions, dest: &Destination, keep: bool) -> RecordUse {
+        let Some(dir) = &options.state_dir else {
+            return RecordUse::None;
+        };
+        let path = record::record_path(dir, &dest.target());
+        if keep {
+            RecordUse::Keep(path)
+        } else {
+            RecordUse::Forget(path)
+        }
+    }
 }
 
 /// Copies the tree `source` onto `dst`, prepared as `dest`: the walk behind every tree

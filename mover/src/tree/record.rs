@@ -56,15 +56,13 @@ const MAGIC: &[u8; 8] = b"MVTREE01";
 const ROW_LEN: usize = 64;
 /// table offset, rows, device (3 × 8), checksum (32), magic (8).
 const TRAILER_LEN: usize = 24 + 32 + 8;
-/// One entry without its name: name length (2), kind (1), 5 × u64, 2 × (i64, u32), 3 × u32.
-const ENTRY_LEN: usize = 2 + 1 + 40 + 24 + 12;
+/// One entry without its name: name length (2), kind (1), 4 × u64, 2 × (i64, u32), 3 × u32.
+const ENTRY_LEN: usize = 2 + 1 + 32 + 24 + 12;
 
-/// Where the record of the replica `dst` lives in the state directory.
+/// Where the record of the replica at the absolute path `dst` lives in the state
+/// directory.
 pub(crate) fn record_path(state_dir: &Path, dst: &Path) -> PathBuf {
-    let name = blake3::hash(dst.as_os_str().as_encoded_bytes()).to_hex();
-    state_dir
-        .join("trees")
-        .join(format!("{}.record", &name[..32]))
+    crate::copy::index::state_file(state_dir, "trees", dst, "record")
 }
 
 /// Removes the record of a destination that a run not using it is about to change.
@@ -91,10 +89,15 @@ fn flags_serve(saved: u64, run: u64) -> bool {
     saved & !DELETE == run & !DELETE && (saved & DELETE != 0 || run & DELETE == 0)
 }
 
-fn dir_key(rel: &Path) -> [u8; 16] {
-    blake3::hash(rel.as_os_str().as_encoded_bytes()).as_bytes()[..16]
+/// The first 16 bytes of the BLAKE3 of `bytes`: directory keys and checksums.
+fn hash16(bytes: &[u8]) -> [u8; 16] {
+    blake3::hash(bytes).as_bytes()[..16]
         .try_into()
         .expect("16 bytes")
+}
+
+fn dir_key(rel: &Path) -> [u8; 16] {
+    hash16(rel.as_os_str().as_encoded_bytes())
 }
 
 /// A directory's (inode, ctime): changes with any name added, removed or renamed in it.
@@ -173,7 +176,7 @@ fn encode_entry(name: &OsString, m: &Meta, out: &mut Vec<u8>) {
     out.extend_from_slice(&(name.len() as u16).to_le_bytes());
     out.extend_from_slice(name);
     out.push(m.kind.code() as u8);
-    for w in [m.ino, m.size, m.rdev, m.nlink, m.allocated] {
+    for w in [m.ino, m.size, m.rdev, m.nlink] {
         out.extend_from_slice(&w.to_le_bytes());
     }
     for (s, ns) in [m.mtime, m.ctime] {
@@ -196,7 +199,7 @@ fn decode_entries(mut b: &[u8]) -> Option<Entries> {
         let mut r = Reader(&b[2..ENTRY_LEN + name_len]);
         let name = OsString::from_vec(r.bytes(name_len).to_vec());
         let kind = Kind::from_code(u32::from(r.bytes(1)[0]))?;
-        let (ino, size, rdev, nlink, allocated) = (r.u64(), r.u64(), r.u64(), r.u64(), r.u64());
+        let (ino, size, rdev, nlink) = (r.u64(), r.u64(), r.u64(), r.u64());
         let (mtime, ctime) = ((r.i64(), r.u32()), (r.i64(), r.u32()));
         let (mode, uid, gid) = (r.u32(), r.u32(), r.u32());
         out.push((
@@ -207,7 +210,8 @@ fn decode_entries(mut b: &[u8]) -> Option<Entries> {
                 uid,
                 gid,
                 size,
-                allocated,
+                // Not recorded: only what `unchanged` compares, and the kind, is.
+                allocated: 0,
                 mtime,
                 ctime,
                 rdev,
@@ -342,7 +346,7 @@ impl Record {
         let row = self.row(rel, &Meta::of_fd(dst_dir).ok()?)?;
         let mut buf = vec![0u8; row.len as usize];
         self.file.read_exact_at(&mut buf, row.offset).ok()?;
-        let entries = (blake3::hash(&buf).as_bytes()[..16] == row.checksum)
+        let entries = (hash16(&buf) == row.checksum)
             .then(|| decode_entries(&buf))
             .flatten();
         if entries.is_none() {
@@ -415,9 +419,7 @@ impl RecordWriter {
             key: dir_key(rel),
             offset: at,
             len: buf.len() as u32,
-            checksum: blake3::hash(&buf).as_bytes()[..16]
-                .try_into()
-                .expect("16 bytes"),
+            checksum: hash16(&buf),
             seal: Seal {
                 ino: 0,
                 ctime: (0, 0),

@@ -132,6 +132,27 @@ pub fn make_tree(root: &Path, seed: u64) {
     set_mtime(&root.join("docs/big.bin"), 1_600_000_000, 999_999_999);
 }
 
+/// Edits a tree from `make_tree` in every way a delta must carry: f3's content (6
+/// bytes), f4's mode, f5's xattrs, f6 deleted, small/07 (20 files) deleted, docs/new.txt
+/// added (9 bytes), the file small/08/f8.txt replaced by a directory and the directory
+/// `empty` by a symlink.
+pub fn edit_every_kind(src: &Path) {
+    fs::write(src.join("small/03/f3.txt"), b"edited").unwrap();
+    fs::set_permissions(
+        src.join("small/04/f4.txt"),
+        fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    set_xattr(&src.join("small/05/f5.txt"), "user.tag", b"new");
+    fs::remove_file(src.join("small/06/f6.txt")).unwrap();
+    fs::remove_dir_all(src.join("small/07")).unwrap();
+    fs::write(src.join("docs/new.txt"), b"brand new").unwrap();
+    fs::remove_file(src.join("small/08/f8.txt")).unwrap();
+    fs::create_dir(src.join("small/08/f8.txt")).unwrap();
+    fs::remove_dir(src.join("empty")).unwrap();
+    std::os::unix::fs::symlink("docs", src.join("empty")).unwrap();
+}
+
 /// (path → description) of everything under `root`, the root's own metadata included.
 pub fn manifest(root: &Path) -> BTreeMap<Vec<u8>, String> {
     let mut links: HashMap<u64, Vec<Vec<u8>>> = HashMap::new();
