@@ -43,14 +43,14 @@ pub(crate) fn copy_whole(src: &File, dst: &File, size: u64, sparse: bool) -> io:
     if sparse {
         let mut pos = 0;
         while let Some((data, hole)) = next_data(src, pos, size)? {
-            copy_range(src, data, dst, data, hole - data)?;
+            copy_new(src, dst, data, hole - data)?;
             written += hole - data;
             pos = hole;
         }
         // A trailing hole: the length is set, not written.
         dst.set_len(size)?;
     } else {
-        copy_range(src, 0, dst, 0, size)?;
+        copy_new(src, dst, 0, size)?;
         written = size;
     }
     Ok(Written {
@@ -69,6 +69,14 @@ pub(crate) fn next_data(file: &File, pos: u64, end: u64) -> io::Result<Option<(u
     };
     let hole = fs::seek(file, SeekFrom::Hole(data))?.min(end);
     Ok(Some((data, hole)))
+}
+
+/// Copies `len` bytes at `at` from `src` into the same place of the new file `dst`: large
+/// ranges with direct I/O on both sides (nothing is shared with an old copy here, and
+/// the page cache only costs), the rest in the kernel.
+fn copy_new(src: &File, dst: &File, at: u64, len: u64) -> io::Result<()> {
+    let direct = chunker::direct::copy_range(src, dst, at, len)?;
+    copy_range(src, at + direct, dst, at + direct, len - direct)
 }
 
 /// Copies `len` bytes from `src` at `from` to `dst` at `to`, in the kernel where it can

@@ -112,6 +112,8 @@ pub(crate) struct Syncer<'a, S: TreeSource> {
     /// The replica record of the last run, and the one this run writes.
     old_record: Option<&'a Record>,
     new_record: Option<&'a RecordWriter>,
+    /// This process's effective (uid, gid): what a new file's owner is.
+    me: (u32, u32),
 }
 
 /// What is known of a destination directory's entries.
@@ -147,6 +149,10 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             progress,
             old_record: None,
             new_record: None,
+            me: (
+                rustix::process::geteuid().as_raw(),
+                rustix::process::getegid().as_raw(),
+            ),
         }
     }
 
@@ -474,11 +480,19 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         }
         let src = self.source.open_file(&pair.src, name)?;
         let (target, direct) = self.target(name, slot.occupied);
+        // In a hidden tree a file that will be ours is made with its final permissions,
+        // which spares a chmod (nobody can read it meanwhile who could not read it when
+        // done); anything else is private until complete.
+        let create_mode = if direct && (m.uid, m.gid) == self.me {
+            m.mode & 0o777
+        } else {
+            0o600
+        };
         let dst: File = fs::openat(
             pair.dst.as_fd(),
             &target,
             OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
+            Mode::from_raw_mode(create_mode),
         )?
         .into();
         let old = match have {
