@@ -238,7 +238,7 @@ static COPIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::
 /// is written, so neither side goes through the page cache (on the bench VM a buffered
 /// copy of a large file costs its bytes twice in kernel copies and zeroing, and its
 /// writeback later). Returns how many bytes from `offset` it copied: 0 when the range is
-/// short or unaligned, direct I/O is off or refused, or [`COPY_LANES`] copies are under
+/// short or unaligned, direct I/O is off or refused, or four such copies are under
 /// way already; fewer than `len` for an unaligned tail or a source that ended early. The
 /// caller copies the rest its usual way.
 pub fn copy_range(src: &File, dst: &File, offset: u64, len: u64) -> io::Result<u64> {

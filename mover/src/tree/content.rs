@@ -37,20 +37,28 @@ pub(crate) struct Written {
     pub reused_bytes: u64,
 }
 
-/// Copies all of `src` (`size` bytes) into the empty file `dst`; holes stay holes.
-pub(crate) fn copy_whole(src: &File, dst: &File, size: u64, sparse: bool) -> io::Result<Written> {
+/// Copies all of `src` (`size` bytes) into the empty file `dst`; holes stay holes. Where
+/// `dst`'s filesystem can `clone`, everything is copied in the kernel (a clone when both
+/// are on it).
+pub(crate) fn copy_whole(
+    src: &File,
+    dst: &File,
+    size: u64,
+    sparse: bool,
+    clone: bool,
+) -> io::Result<Written> {
     let mut written = 0;
     if sparse {
         let mut pos = 0;
         while let Some((data, hole)) = next_data(src, pos, size)? {
-            copy_new(src, dst, data, hole - data)?;
+            copy_new(src, dst, data, hole - data, clone)?;
             written += hole - data;
             pos = hole;
         }
         // A trailing hole: the length is set, not written.
         dst.set_len(size)?;
     } else {
-        copy_new(src, dst, 0, size)?;
+        copy_new(src, dst, 0, size, clone)?;
         written = size;
     }
     Ok(Written {
@@ -73,9 +81,14 @@ pub(crate) fn next_data(file: &File, pos: u64, end: u64) -> io::Result<Option<(u
 
 /// Copies `len` bytes at `at` from `src` into the same place of the new file `dst`: large
 /// ranges with direct I/O on both sides (nothing is shared with an old copy here, and
-/// the page cache only costs), the rest in the kernel.
-fn copy_new(src: &File, dst: &File, at: u64, len: u64) -> io::Result<()> {
-    let direct = chunker::direct::copy_range(src, dst, at, len)?;
+/// the page cache only costs), the rest in the kernel, and all of it in the kernel where
+/// `clone` says that may share extents.
+fn copy_new(src: &File, dst: &File, at: u64, len: u64, clone: bool) -> io::Result<()> {
+    let direct = if clone {
+        0
+    } else {
+        chunker::direct::copy_range(src, dst, at, len)?
+    };
     copy_range(src, at + direct, dst, at + direct, len - direct)
 }
 

@@ -275,6 +275,7 @@ pub(crate) fn copy_tree_from<S: TreeSource>(
             xattrs: !options.no_xattrs,
         },
         patch: source.patch_pays(&dest.work),
+        clone: content::can_clone(&dest.work),
     };
     let threads = options.tree_threads.unwrap_or_else(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

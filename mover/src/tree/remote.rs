@@ -769,6 +769,7 @@ impl TreeSource for RemoteSource {
         dst: &File,
         size: u64,
         _sparse: bool,
+        _clone: bool,
     ) -> io::Result<Written> {
         let ahead = self.fetched.lock().expect("fetched lock").remove(&f.rel);
         let new_bytes = match ahead {

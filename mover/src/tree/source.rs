@@ -51,13 +51,15 @@ pub(crate) trait TreeSource: Sync {
     /// The metadata (and xattrs if asked) of the directory at `rel` (empty: the root).
     fn stat_dir(&self, rel: &Path, xattrs: bool) -> io::Result<(Meta, Xattrs)>;
     fn open_file(&self, dir: &Self::Dir, name: &OsStr) -> io::Result<Self::File>;
-    /// Copies the file (`size` bytes as listed) into the empty `dst`, holes kept.
+    /// Copies the file (`size` bytes as listed) into the empty `dst`, holes kept;
+    /// `clone`: `dst`'s filesystem shares extents (see [`super::sync::Rules`]).
     fn copy_whole(
         &self,
         f: &Self::File,
         dst: &File,
         size: u64,
         sparse: bool,
+        clone: bool,
     ) -> io::Result<Written>;
     /// Writes the file into the empty `dst`, taking what `old` already holds from `old`.
     fn patch(&self, f: &Self::File, old: &File, dst: &File, size: u64) -> io::Result<Written>;
@@ -157,8 +159,15 @@ impl TreeSource for LocalSource {
         open_file(dir.fd.as_fd(), name)
     }
 
-    fn copy_whole(&self, f: &File, dst: &File, size: u64, sparse: bool) -> io::Result<Written> {
-        content::copy_whole(f, dst, size, sparse)
+    fn copy_whole(
+        &self,
+        f: &File,
+        dst: &File,
+        size: u64,
+        sparse: bool,
+        clone: bool,
+    ) -> io::Result<Written> {
+        content::copy_whole(f, dst, size, sparse, clone)
     }
 
     fn patch(&self, f: &File, old: &File, dst: &File, size: u64) -> io::Result<Written> {

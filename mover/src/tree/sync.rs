@@ -52,6 +52,9 @@ pub(crate) struct Rules {
     pub preserve: Preserve,
     /// Changed large files are patched against their old copy (else copied whole).
     pub patch: bool,
+    /// The destination shares extents (reflinks): new files are copied in the kernel,
+    /// which clones what comes from the same filesystem, not with direct I/O.
+    pub clone: bool,
 }
 
 /// Counters of a walk, shared by its threads.
@@ -510,7 +513,8 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
                 Some(old) => self.source.patch(&src, old, &dst, seen.size),
                 None => {
                     let sparse = seen.allocated < seen.size;
-                    self.source.copy_whole(&src, &dst, seen.size, sparse)
+                    self.source
+                        .copy_whole(&src, &dst, seen.size, sparse, self.rules.clone)
                 }
             };
             let after = self.source.stat(&src)?;
