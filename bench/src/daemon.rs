@@ -234,13 +234,20 @@ mod tests {
 
     #[test]
     fn a_server_is_awaited_and_stopped() {
-        let port = free_port().unwrap();
         let dir = std::env::temp_dir().join(format!("mover-bench-daemon-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let log = dir.join("server.log");
         // The test holds the port itself and starts `sleep` as the server: what is tested
-        // is the waiting, the stopping and the reaping.
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, port)).unwrap();
+        // is the waiting, the stopping and the reaping. A port found free can be taken by
+        // a test running beside this one before it is bound again: then another is tried.
+        let (port, listener) = (0..20)
+            .find_map(|_| {
+                let port = free_port().unwrap();
+                TcpListener::bind((Ipv4Addr::LOCALHOST, port))
+                    .ok()
+                    .map(|l| (port, l))
+            })
+            .expect("no free port in 20 tries");
         let mut sleeper = Command::new("sleep");
         sleeper.arg("600");
         let daemon = Daemon::start("sleeper", sleeper, port, &log).unwrap();
