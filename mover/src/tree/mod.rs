@@ -266,6 +266,7 @@ pub(crate) fn copy_tree_from<S: TreeSource>(
     progress: &dyn Progress,
 ) -> Result<TreeSummary> {
     let started = Instant::now();
+    let clone = content::can_clone(&dest.work);
     let rules = Rules {
         delete: options.delete,
         checksum: options.checksum,
@@ -274,8 +275,8 @@ pub(crate) fn copy_tree_from<S: TreeSource>(
             owners: meta::can_chown(),
             xattrs: !options.no_xattrs,
         },
-        patch: source.patch_pays(&dest.work),
-        clone: content::can_clone(&dest.work),
+        patch: source.patch_pays(clone),
+        clone,
     };
     let threads = options.tree_threads.unwrap_or_else(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -73,10 +73,11 @@ pub(crate) trait TreeSource: Sync {
     type Prefetch;
     fn prefetch(&self, dir: &Self::Dir, files: &[(&OsStr, u64)]) -> Self::Prefetch;
     /// Whether a changed large file is better patched against the destination's old copy
-    /// (in the directory `dst`) than copied whole. Across a network it always is: only
-    /// the chunks the old copy lacks travel.
-    fn patch_pays(&self, dst: &Path) -> bool {
-        _ = dst;
+    /// than copied whole, given whether the destination's filesystem shares extents
+    /// (`dst_clones`). Across a network it always is: only the chunks the old copy lacks
+    /// travel.
+    fn patch_pays(&self, dst_clones: bool) -> bool {
+        _ = dst_clones;
         true
     }
     /// The source is gone for good (its connection dropped): the walk stops early.
@@ -117,8 +118,8 @@ impl TreeSource for LocalSource {
 
     /// Locally a patch writes as much as a whole copy unless the destination shares the
     /// old copy's extents, and it reads the old copy too.
-    fn patch_pays(&self, dst: &Path) -> bool {
-        content::can_clone(dst)
+    fn patch_pays(&self, dst_clones: bool) -> bool {
+        dst_clones
     }
 
     fn open_root(&self) -> io::Result<LocalDir> {
