@@ -37,28 +37,27 @@ pub(crate) struct Written {
     pub reused_bytes: u64,
 }
 
-/// Copies all of `src` (`size` bytes) into the empty file `dst`; holes stay holes. Where
-/// `dst`'s filesystem can `clone`, everything is copied in the kernel (a clone when both
-/// are on it).
+/// Copies all of `src` (`size` bytes) into the empty file `dst`; holes stay holes. Large
+/// data runs go with `direct` I/O, the rest in the kernel (see [`copy_new`]).
 pub(crate) fn copy_whole(
     src: &File,
     dst: &File,
     size: u64,
     sparse: bool,
-    clone: bool,
+    direct: bool,
 ) -> io::Result<Written> {
     let mut written = 0;
     if sparse {
         let mut pos = 0;
         while let Some((data, hole)) = next_data(src, pos, size)? {
-            copy_new(src, dst, data, hole - data, clone)?;
+            copy_new(src, dst, data, hole - data, direct)?;
             written += hole - data;
             pos = hole;
         }
         // A trailing hole: the length is set, not written.
         dst.set_len(size)?;
     } else {
-        copy_new(src, dst, 0, size, clone)?;
+        copy_new(src, dst, 0, size, direct)?;
         written = size;
     }
     Ok(Written {
@@ -79,17 +78,16 @@ pub(crate) fn next_data(file: &File, pos: u64, end: u64) -> io::Result<Option<(u
     Ok(Some((data, hole)))
 }
 
-/// Copies `len` bytes at `at` from `src` into the same place of the new file `dst`: large
-/// ranges with direct I/O on both sides (nothing is shared with an old copy here, and
-/// the page cache only costs), the rest in the kernel, and all of it in the kernel where
-/// `clone` says that may share extents.
-fn copy_new(src: &File, dst: &File, at: u64, len: u64, clone: bool) -> io::Result<()> {
-    let direct = if clone {
-        0
-    } else {
+/// Copies `len` bytes at `at` from `src` into the same place of the new file `dst`: with
+/// `direct`, large ranges with direct I/O on both sides (which spares the page cache's
+/// copies and zeroing), and the rest in the kernel.
+fn copy_new(src: &File, dst: &File, at: u64, len: u64, direct: bool) -> io::Result<()> {
+    let done = if direct {
         chunker::direct::copy_range(src, dst, at, len)?
+    } else {
+        0
     };
-    copy_range(src, at + direct, dst, at + direct, len - direct)
+    copy_range(src, at + done, dst, at + done, len - done)
 }
 
 /// Copies `len` bytes from `src` at `from` to `dst` at `to`, in the kernel where it can

@@ -276,7 +276,7 @@ pub(crate) fn copy_tree_from<S: TreeSource>(
             xattrs: !options.no_xattrs,
         },
         patch: source.patch_pays(clone),
-        clone,
+        direct: dest.hidden && !clone,
     };
     let threads = options.tree_threads.unwrap_or_else(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

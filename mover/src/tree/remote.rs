@@ -769,7 +769,7 @@ impl TreeSource for RemoteSource {
         dst: &File,
         size: u64,
         _sparse: bool,
-        _clone: bool,
+        _direct: bool,
     ) -> io::Result<Written> {
         let ahead = self.fetched.lock().expect("fetched lock").remove(&f.rel);
         let new_bytes = match ahead {

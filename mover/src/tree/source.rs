@@ -52,14 +52,14 @@ pub(crate) trait TreeSource: Sync {
     fn stat_dir(&self, rel: &Path, xattrs: bool) -> io::Result<(Meta, Xattrs)>;
     fn open_file(&self, dir: &Self::Dir, name: &OsStr) -> io::Result<Self::File>;
     /// Copies the file (`size` bytes as listed) into the empty `dst`, holes kept;
-    /// `clone`: `dst`'s filesystem shares extents (see [`super::sync::Rules`]).
+    /// `direct`: large files may bypass the page cache (see [`super::sync::Rules`]).
     fn copy_whole(
         &self,
         f: &Self::File,
         dst: &File,
         size: u64,
         sparse: bool,
-        clone: bool,
+        direct: bool,
     ) -> io::Result<Written>;
     /// Writes the file into the empty `dst`, taking what `old` already holds from `old`.
     fn patch(&self, f: &Self::File, old: &File, dst: &File, size: u64) -> io::Result<Written>;
@@ -166,9 +166,9 @@ impl TreeSource for LocalSource {
         dst: &File,
         size: u64,
         sparse: bool,
-        clone: bool,
+        direct: bool,
     ) -> io::Result<Written> {
-        content::copy_whole(f, dst, size, sparse, clone)
+        content::copy_whole(f, dst, size, sparse, direct)
     }
 
     fn patch(&self, f: &File, old: &File, dst: &File, size: u64) -> io::Result<Written> {

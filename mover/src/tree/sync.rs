@@ -52,9 +52,13 @@ pub(crate) struct Rules {
     pub preserve: Preserve,
     /// Changed large files are patched against their old copy (else copied whole).
     pub patch: bool,
-    /// The destination shares extents (reflinks): new files are copied in the kernel,
-    /// which clones what comes from the same filesystem, not with direct I/O.
-    pub clone: bool,
+    /// Large new files are copied with direct I/O, not through the page cache. Only
+    /// into a fresh hidden tree on a filesystem without reflinks: where extents can be
+    /// shared the kernel's copy clones them, and into a live destination the walk is
+    /// mostly lookups that would queue behind the direct transfers, while the page cache
+    /// takes buffered writes at once and writes them back meanwhile (measured: a delta
+    /// run 10-20% slower with direct I/O, a first copy the same either way).
+    pub direct: bool,
 }
 
 /// Counters of a walk, shared by its threads.
@@ -514,7 +518,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
                 None => {
                     let sparse = seen.allocated < seen.size;
                     self.source
-                        .copy_whole(&src, &dst, seen.size, sparse, self.rules.clone)
+                        .copy_whole(&src, &dst, seen.size, sparse, self.rules.direct)
                 }
             };
             let after = self.source.stat(&src)?;
