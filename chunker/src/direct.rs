@@ -55,15 +55,18 @@ pub struct DirectFile {
 
 impl DirectFile {
     /// Reopens `file` (the same inode, through `/proc/self/fd`) with `O_DIRECT`, for
-    /// reading, or for writing too when `write` is set.
+    /// reading, or for writing too when `write` is set. A file opened not to update its
+    /// access time (`O_NOATIME`) is reopened so too.
     pub fn reopen(file: &File, write: bool) -> DirectFile {
         if !enabled() {
             return DirectFile::none();
         }
+        let noatime = rustix::fs::fcntl_getfl(file)
+            .is_ok_and(|flags| flags.contains(rustix::fs::OFlags::NOATIME));
         let file = OpenOptions::new()
             .read(true)
             .write(write)
-            .custom_flags(libc::O_DIRECT)
+            .custom_flags(libc::O_DIRECT | if noatime { libc::O_NOATIME } else { 0 })
             .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
             .ok();
         DirectFile {

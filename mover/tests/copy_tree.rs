@@ -143,6 +143,38 @@ fn large_files_are_patched_by_cloning_old_chunks_where_the_filesystem_has_reflin
 }
 
 #[test]
+fn reading_the_source_leaves_its_access_times_alone() {
+    // Access times older than the mtimes: a plain read would update them (relatime).
+    let t = tempfile::tempdir().unwrap();
+    let (src, dst) = (t.path().join("src"), t.path().join("dst"));
+    make_tree(&src, 4);
+    let old = rfs::Timestamps {
+        last_access: rfs::Timespec {
+            tv_sec: 1_000_000_000,
+            tv_nsec: 0,
+        },
+        last_modification: rfs::Timespec {
+            tv_sec: 0,
+            tv_nsec: rfs::UTIME_OMIT,
+        },
+    };
+    let files = ["small/01/f1.txt", "docs/big.bin", "sparse.img"];
+    for f in files {
+        rfs::utimensat(rfs::CWD, &src.join(f), &old, rfs::AtFlags::empty()).unwrap();
+    }
+    copy(&src, &dst, false);
+    for f in files {
+        assert_eq!(
+            fs::metadata(src.join(f)).unwrap().atime(),
+            1_000_000_000,
+            "{f} was read with an atime update"
+        );
+    }
+    // (The manifest reads the files: checked after the access times.)
+    assert_same_tree(&src, &dst);
+}
+
+#[test]
 fn extraneous_entries_stay_without_delete_and_go_with_it() {
     let t = tempfile::tempdir().unwrap();
     let (src, dst) = (t.path().join("src"), t.path().join("dst"));

@@ -282,6 +282,7 @@ pub(crate) fn copy_tree_from<S: TreeSource>(
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         (cores * 4).min(16)
     });
+    raise_open_files_limit();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         // Waiting tasks run others on their stack: deep trees need room.
@@ -552,5 +553,17 @@ impl Destination {
         })?;
         fs::fsync(&parent).map_err(tree_error(&self.work, "cannot flush the parent of"))?;
         Ok(())
+    }
+}
+
+/// Lifts the soft limit on open files to the hard one: threads keep batches of source
+/// files open while their reads are under way (see `LocalSource::prefetch`), up to 512
+/// at once, and a soft limit of 1024 is common. Left as it is when that fails.
+fn raise_open_files_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current < limit.maximum {
+        limit.current = limit.maximum;
+        _ = setrlimit(Resource::Nofile, limit);
     }
 }

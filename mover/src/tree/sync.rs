@@ -259,10 +259,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             for batch in large.chunks(1).chain(small.chunks(BATCH)) {
                 let (known, made) = (&known, &made);
                 s.spawn(move |_| {
-                    let _fetched = match known {
-                        Known::Listed(dst) => Some(self.prefetch(pair, batch, dst)),
-                        Known::Recorded(_) => None,
-                    };
+                    let _fetched = self.prefetch(pair, batch, known);
                     let mut done = Vec::with_capacity(batch.len());
                     for entry in batch {
                         match self.sync_known(pair, entry, known) {
@@ -353,17 +350,22 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
     }
 
     /// Lets the source fetch ahead the small files of `batch` that will be copied whole.
-    fn prefetch(&self, pair: &DirPair<S::Dir>, batch: &[&Listed], dst: &Entries) -> S::Prefetch {
+    fn prefetch(&self, pair: &DirPair<S::Dir>, batch: &[&Listed], known: &Known) -> S::Prefetch {
         let files: Vec<(&OsStr, u64)> = batch
             .iter()
             .filter(|e| {
-                // Files that may be unchanged (same size and mtime) are not fetched.
+                // Files that may be unchanged are not fetched.
                 let m = &e.meta;
                 m.kind == Kind::File
                     && m.size < PATCH_MIN
-                    && !dst
-                        .get(&e.name)
-                        .is_some_and(|h| h.kind == Kind::File && h.same_size_and_mtime(m))
+                    && !match known {
+                        Known::Listed(dst) => dst
+                            .get(&e.name)
+                            .is_some_and(|h| h.kind == Kind::File && h.same_size_and_mtime(m)),
+                        Known::Recorded(recorded) => recorded
+                            .get(&e.name)
+                            .is_some_and(|r| record::unchanged(r, m)),
+                    }
             })
             .map(|e| (e.name.as_os_str(), e.meta.size))
             .collect();
