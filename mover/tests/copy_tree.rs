@@ -160,7 +160,7 @@ fn reading_the_source_leaves_its_access_times_alone() {
     };
     let files = ["small/01/f1.txt", "docs/big.bin", "sparse.img"];
     for f in files {
-        rfs::utimensat(rfs::CWD, &src.join(f), &old, rfs::AtFlags::empty()).unwrap();
+        rfs::utimensat(rfs::CWD, src.join(f), &old, rfs::AtFlags::empty()).unwrap();
     }
     copy(&src, &dst, false);
     for f in files {
