@@ -70,8 +70,9 @@ pub(crate) trait TreeSource: Sync {
     /// Whether the file holds the same bytes as `other`.
     fn same_content(&self, f: &Self::File, other: &File) -> io::Result<bool>;
     /// Small files about to be copied whole, by name in `dir` with their listed size: a
-    /// source across the network fetches them in one round trip; whatever was fetched
-    /// but not used is dropped with the returned value.
+    /// source across the network fetches them in one round trip, a local one queues their
+    /// reads together; whatever was fetched but not used is dropped with the returned
+    /// value.
     type Prefetch;
     fn prefetch(&self, dir: &Self::Dir, files: &[(&OsStr, u64)]) -> Self::Prefetch;
     /// Whether a changed large file is better patched against the destination's old copy
