@@ -259,13 +259,7 @@ mod tests {
         assert!(big.max_rss_bytes >= 64 << 20, "{}", big.max_rss_bytes);
         // A child's figure starts from this process's own peak (its memory when the
         // child was spawned), which other tests running in this process raise.
-        let own_peak = std::fs::read_to_string("/proc/self/status")
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .unwrap()
-            << 10;
+        let own_peak = own_peak_rss();
         assert!(
             small.max_rss_bytes < own_peak + (16 << 20),
             "{} (this process's peak: {own_peak})",

@@ -249,13 +249,30 @@ pub fn copy_range(src: &File, dst: &File, offset: u64, len: u64) -> io::Result<u
     if offset % ALIGN as u64 != 0 || body < COPY_MIN {
         return Ok(0);
     }
-    if COPIES.fetch_add(1, Relaxed) >= COPY_LANES {
-        COPIES.fetch_sub(1, Relaxed);
+    let Some(_lane) = Lane::take() else {
         return Ok(0);
+    };
+    pipelined_copy(src, dst, offset, body)
+}
+
+/// One of the [`COPY_LANES`], held while a pipelined copy runs (given back however the
+/// copy ends, a panic included).
+struct Lane;
+
+impl Lane {
+    fn take() -> Option<Lane> {
+        if COPIES.fetch_add(1, Relaxed) >= COPY_LANES {
+            COPIES.fetch_sub(1, Relaxed);
+            return None;
+        }
+        Some(Lane)
     }
-    let result = pipelined_copy(src, dst, offset, body);
-    COPIES.fetch_sub(1, Relaxed);
-    result
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        COPIES.fetch_sub(1, Relaxed);
+    }
 }
 
 fn pipelined_copy(src: &File, dst: &File, offset: u64, body: u64) -> io::Result<u64> {

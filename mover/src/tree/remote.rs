@@ -230,10 +230,13 @@ impl Served {
         let open = |flags| rustix::fs::openat2(&self.root, rel, flags, Mode::empty(), resolve);
         // Files are read without an access-time update, where the kernel lets us (the
         // owner or root): serving a copy is not a use.
-        if !dir && let Ok(fd) = open(flags | OFlags::NOATIME) {
-            return Ok(fd);
+        if dir {
+            return Ok(open(flags)?);
         }
-        Ok(open(flags)?)
+        match open(flags | OFlags::NOATIME) {
+            Err(rustix::io::Errno::PERM) => Ok(open(flags)?),
+            other => Ok(other?),
+        }
     }
 
     /// The answers to one call: one, or several parts of a large listing.

@@ -488,11 +488,11 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             return Ok(*m);
         }
         let src = self.source.open_file(&pair.src, name)?;
-        let (target, direct) = self.target(name, slot.occupied);
+        let (target, final_name) = self.target(name, slot.occupied);
         // In a hidden tree a file that will be ours is made with its final permissions,
         // which spares a chmod (nobody can read it meanwhile who could not read it when
         // done); anything else is private until complete.
-        let create_mode = if direct && (m.uid, m.gid) == self.me {
+        let create_mode = if final_name && (m.uid, m.gid) == self.me {
             m.mode & 0o777
         } else {
             0o600
@@ -553,7 +553,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         let xattr_path = meta::xattr_path(&pair.dst_path, pair.dst.as_fd(), &target);
         meta::apply_new_file(&dst, &xattr_path, &seen, &entry.xattrs, self.rules.preserve)?;
         drop(dst);
-        if !direct {
+        if !final_name {
             fs::renameat(pair.dst.as_fd(), &target, pair.dst.as_fd(), name)?;
         }
         let counter = if old.is_some() {
@@ -603,9 +603,9 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             self.settle(self.apply(pair, name, &entry.meta, &entry.xattrs, Some((&h, &dst_x)))?);
             return Ok(entry.meta);
         }
-        let (tmp, direct) = self.target(name, slot.occupied);
+        let (tmp, final_name) = self.target(name, slot.occupied);
         fs::symlinkat(target, pair.dst.as_fd(), &tmp)?;
-        self.finish_new(pair, entry, &tmp, direct)
+        self.finish_new(pair, entry, &tmp, final_name)
     }
 
     fn sync_special(&self, pair: &DirPair<S::Dir>, entry: &Listed, slot: Slot) -> io::Result<Meta> {
@@ -618,7 +618,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             self.settle(self.apply(pair, name, m, &entry.xattrs, Some((&h, &dst_x)))?);
             return Ok(*m);
         }
-        let (tmp, direct) = self.target(name, slot.occupied);
+        let (tmp, final_name) = self.target(name, slot.occupied);
         fs::mknodat(
             pair.dst.as_fd(),
             &tmp,
@@ -626,7 +626,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             Mode::from_raw_mode(0o600),
             m.rdev,
         )?;
-        self.finish_new(pair, entry, &tmp, direct)
+        self.finish_new(pair, entry, &tmp, final_name)
     }
 
     /// Gives a just-made entry its metadata and renames it into place.
@@ -635,19 +635,20 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         pair: &DirPair<S::Dir>,
         entry: &Listed,
         made: &OsStr,
-        direct: bool,
+        final_name: bool,
     ) -> io::Result<Meta> {
         self.apply(pair, made, &entry.meta, &entry.xattrs, None)?;
-        if !direct {
+        if !final_name {
             fs::renameat(pair.dst.as_fd(), made, pair.dst.as_fd(), &entry.name)?;
         }
         self.stats.copied.fetch_add(1, Relaxed);
         Ok(entry.meta)
     }
 
-    /// Where a new version of `name` is made: under its own name in a hidden tree where
-    /// nothing is there yet, else under a temp name renamed over it when complete. (A
-    /// crash's leftover temp was already removed when the directory was listed.)
+    /// Where a new version of `name` is made, and whether that is its final name: its own
+    /// name in a hidden tree where nothing is there yet, else a temp name renamed over it
+    /// when complete. (A crash's leftover temp was already removed when the directory was
+    /// listed.)
     fn target(&self, name: &OsStr, exists: bool) -> (OsString, bool) {
         if self.rules.hidden && !exists {
             (name.to_os_string(), true)
