@@ -148,14 +148,6 @@ impl Entries {
         Entries(entries)
     }
 
-    pub(crate) fn get(&self, name: &OsStr) -> Option<&Meta> {
-        let i = self
-            .0
-            .binary_search_by(|(n, _)| n.as_os_str().cmp(name))
-            .ok()?;
-        Some(&self.0[i].1)
-    }
-
     pub(crate) fn iter(&self) -> impl Iterator<Item = &(OsString, Meta)> {
         self.0.iter()
     }

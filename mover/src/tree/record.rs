@@ -41,7 +41,7 @@
 use super::meta::{Entries, Kind, Meta};
 use std::{
     collections::HashMap,
-    ffi::OsString,
+    ffi::{OsStr, OsString},
     fs::{self, File},
     io::{self, Write},
     os::{
@@ -171,7 +171,7 @@ impl<'a> Reader<'a> {
     }
 }
 
-fn encode_entry(name: &OsString, m: &Meta, out: &mut Vec<u8>) {
+fn encode_entry(name: &OsStr, m: &Meta, out: &mut Vec<u8>) {
     let name = name.as_encoded_bytes();
     out.extend_from_slice(&(name.len() as u16).to_le_bytes());
     out.extend_from_slice(name);
@@ -397,12 +397,15 @@ impl RecordWriter {
         })
     }
 
-    /// Records what the destination directory `rel` now holds: each name with the source
-    /// metadata its entry was made equal to.
-    pub(crate) fn add_dir(&self, rel: &Path, mut entries: Vec<(OsString, Meta)>) {
-        entries.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    /// Records what the destination directory `rel` now holds: each name (in name order)
+    /// with the source metadata its entry was made equal to.
+    pub(crate) fn add_dir<'n>(
+        &self,
+        rel: &Path,
+        entries: impl ExactSizeIterator<Item = (&'n OsStr, &'n Meta)>,
+    ) {
         let mut buf = Vec::with_capacity(entries.len() * (ENTRY_LEN + 16));
-        for (name, m) in &entries {
+        for (name, m) in entries {
             encode_entry(name, m, &mut buf);
         }
         let mut out = self.out.lock().expect("record lock");
