@@ -30,7 +30,9 @@ direct I/O, like a new volume) and builds the tree and both copies in it, so no 
 inherits another's freed inodes or fragmentation; the image is removed at the end.
 Three steps, each timed for the three copies from a dropped page cache to a final sync(2):
   initial   into an absent destination: rsync / mover >= 2x;
-  no-change the same command again: rsync / mover >= 5x;
+  no-change the same command again: rsync / mover >= 5x; run --rounds times (each tool in
+            turn, every round), each tool's median run counts: mover's is about a second,
+            where the host's jitter weighs most;
   delta     after edits (2% of the small files rewritten, 1% deleted, 1000 added, 1 MiB
             inserted in the middle of two large files), with --delete: rsync / mover >= 3x.
 `mover copy --replica` runs with --delete in every step, as a mirror does.
@@ -58,6 +60,10 @@ struct Args {
     /// the three copies (the next run replaces it).
     #[arg(long)]
     keep: bool,
+    /// Rounds of the no-change step (rsync, mover, --replica in each); the median run of
+    /// each tool counts.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
     /// The mover binary [default: `mover` next to this executable].
     #[arg(long)]
     mover: Option<PathBuf>,
@@ -80,10 +86,12 @@ struct Step {
     pass: bool,
 }
 
-/// One tool's run of a step.
+/// One tool's run of a step (its median run, when the step has several rounds).
 #[derive(Debug, Serialize)]
 struct Timed {
     seconds: f64,
+    /// Every round's seconds, in the order run.
+    rounds: Vec<f64>,
     cpu_seconds: f64,
     max_rss_bytes: u64,
     /// mover's JSON summary.
@@ -123,10 +131,11 @@ fn run(args: &Args) -> Result<bool> {
         state,
     };
     let mut steps = Vec::new();
-    steps.push(step("initial", 2.0, &mover, &src, &dsts, false)?);
-    steps.push(step("no-change", 5.0, &mover, &src, &dsts, false)?);
+    steps.push(step("initial", 2.0, &mover, &src, &dsts, false, 1)?);
+    let rounds = args.rounds as usize;
+    steps.push(step("no-change", 5.0, &mover, &src, &dsts, false, rounds)?);
     edit_tree(&src, args.files, args.large_mib)?;
-    steps.push(step("delta", 3.0, &mover, &src, &dsts, true)?);
+    steps.push(step("delta", 3.0, &mover, &src, &dsts, true, 1)?);
 
     println!(
         "\nstep        rsync -aHAX   mover (rsync/mover)   --replica (rsync/mover)  target  \
@@ -149,6 +158,9 @@ fn run(args: &Args) -> Result<bool> {
             mib(s.replica.max_rss_bytes),
             if s.pass { "PASS" } else { "FAIL" }
         );
+    }
+    if rounds > 1 {
+        println!("no-change: each tool's median of {rounds} rounds (all in the results file)");
     }
     let json = args.workdir.join("results.json");
     fs::write(&json, serde_json::to_vec_pretty(&steps)?)?;
@@ -270,8 +282,8 @@ struct Dsts {
     state: PathBuf,
 }
 
-/// Times rsync, mover and `mover --replica` on the same step, checks mover's copies, and
-/// compares.
+/// Times rsync, mover and `mover --replica` on the same step (`rounds` times, in turn),
+/// checks mover's copies, and compares each tool's median run.
 fn step(
     name: &'static str,
     target: f64,
@@ -279,16 +291,19 @@ fn step(
     src: &Path,
     dsts: &Dsts,
     delete: bool,
+    rounds: usize,
 ) -> Result<Step> {
-    eprintln!("== {name}: rsync");
-    let mut rsync = Command::new("rsync");
-    rsync.arg("-aHAX");
-    if delete {
-        rsync.arg("--delete");
-    }
-    rsync.arg(format!("{}/", src.display()));
-    rsync.arg(format!("{}/", dsts.rsync.display()));
-    let rsync = timed(&mut rsync)?;
+    let rsync_run = || -> Result<Timed> {
+        eprintln!("== {name}: rsync");
+        let mut rsync = Command::new("rsync");
+        rsync.arg("-aHAX");
+        if delete {
+            rsync.arg("--delete");
+        }
+        rsync.arg(format!("{}/", src.display()));
+        rsync.arg(format!("{}/", dsts.rsync.display()));
+        timed(&mut rsync)
+    };
     let mover_run = |dst: &Path, replica: bool| -> Result<Timed> {
         eprintln!(
             "== {name}: mover{}",
@@ -308,8 +323,13 @@ fn step(
         cmd.arg(src).arg(dst);
         timed(&mut cmd)
     };
-    let plain = mover_run(&dsts.mover, false)?;
-    let replica = mover_run(&dsts.replica, true)?;
+    let (mut rsync, mut plain, mut replica) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        rsync.push(rsync_run()?);
+        plain.push(mover_run(&dsts.mover, false)?);
+        replica.push(mover_run(&dsts.replica, true)?);
+    }
+    let (rsync, plain, replica) = (median(rsync), median(plain), median(replica));
     // Checked once all three are timed: the check reads both whole trees, which would
     // leave whatever runs after it colder than what ran before (the VM's disk has a
     // cache of its own that drop_caches cannot reach).
@@ -329,12 +349,22 @@ fn step(
     })
 }
 
+/// The run with the median time (the upper one of an even count), with every run's time.
+fn median(mut runs: Vec<Timed>) -> Timed {
+    let all: Vec<f64> = runs.iter().map(|t| t.seconds).collect();
+    runs.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
+    let mut m = runs.swap_remove(runs.len() / 2);
+    m.rounds = all;
+    m
+}
+
 /// Runs `cmd` from a dropped page cache to a final sync(2).
 fn timed(cmd: &mut Command) -> Result<Timed> {
     drop_caches()?;
     let r = run_timed(cmd, ThenSync::Yes)?;
     Ok(Timed {
         seconds: r.elapsed.as_secs_f64(),
+        rounds: Vec::new(),
         cpu_seconds: r.cpu.as_secs_f64(),
         max_rss_bytes: r.max_rss_bytes,
         report: serde_json::from_slice(&r.stdout).unwrap_or_default(),
