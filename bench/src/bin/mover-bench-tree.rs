@@ -349,12 +349,15 @@ fn step(
     })
 }
 
-/// The run with the median time (the upper one of an even count), with every run's time.
+/// The run with the median time (the upper one of an even count), with every run's time
+/// and the highest peak memory of any.
 fn median(mut runs: Vec<Timed>) -> Timed {
     let all: Vec<f64> = runs.iter().map(|t| t.seconds).collect();
+    let peak = runs.iter().map(|t| t.max_rss_bytes).max().unwrap_or(0);
     runs.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
     let mut m = runs.swap_remove(runs.len() / 2);
     m.rounds = all;
+    m.max_rss_bytes = peak;
     m
 }
 
