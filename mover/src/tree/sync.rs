@@ -253,7 +253,11 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             Ok(v) => v,
             Err(e) => return self.fail(&pair.src_path, "cannot list the source directory", e),
         };
-        let from_record = recorded.is_some();
+        let as_known: fn(_) -> _ = if recorded.is_some() {
+            Known::Recorded
+        } else {
+            Known::Listed
+        };
         let there = match recorded {
             Some(r) => r,
             None => {
@@ -279,13 +283,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
                 }
             }
         }
-        let known = |i: usize| {
-            if from_record {
-                Known::Recorded(joined.have[i])
-            } else {
-                Known::Listed(joined.have[i])
-            }
-        };
+        let known = |i: usize| as_known(joined.have[i]);
         // Positions, in the listing's (inode) order: reads follow the disk's layout.
         let (dirs, others): (Vec<usize>, Vec<usize>) =
             (0..src.len()).partition(|&i| src[i].meta.kind == Kind::Dir);
