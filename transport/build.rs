@@ -6,7 +6,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     unsafe_env_set("PROTOC", protoc);
     tonic_prost_build::configure()
         .bytes(".mover.transfer.v1")
-        .compile_protos(&["proto/transfer.proto"], &["proto"])?;
+        .compile_protos(
+            &["proto/transfer.proto", "proto/replication.proto"],
+            &["proto"],
+        )?;
     Ok(())
 }
 

@@ -12,6 +12,7 @@
 //!   outsider cannot confirm content by hash.
 //! - A volume's chunk list folds into a Merkle summary ([`MerkleBuilder`]) in O(log n)
 //!   memory, and [`differing_pages`] finds the 4 KiB pages that differ inside a chunk.
+//! - [`extents`]: reflink clones of image files, the ranges written between two, fs freeze.
 //!
 //! The crate is synchronous (no tokio): hashing runs on rayon, reads on a read-ahead
 //! thread ([`read_ahead`]) so I/O overlaps hashing with bounded memory.
@@ -21,6 +22,7 @@ mod block;
 mod cdc;
 pub mod direct;
 mod error;
+pub mod extents;
 mod id;
 mod merkle;
 mod pages;

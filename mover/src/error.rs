@@ -67,6 +67,14 @@ pub enum CopyError {
         /// What is wrong and what to do.
         why: String,
     },
+    /// The source cannot be used as asked (e.g. it cannot be cloned or frozen).
+    #[error("source {path}: {why}")]
+    BadSource {
+        /// Source path.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        why: String,
+    },
     /// A write, punch, sync or rename on the destination failed.
     #[error("{what} {path} at offset {offset} failed: {cause}{hint}")]
     Write {
@@ -163,6 +171,7 @@ impl CopyError {
                 | CopyError::SameVolume { .. }
                 | CopyError::DestinationInUse { .. }
                 | CopyError::BadDestination { .. }
+                | CopyError::BadSource { .. }
         ) || matches!(
             self,
             CopyError::Volume(ChunkerError::Open { .. } | ChunkerError::NotABlockVolume { .. })

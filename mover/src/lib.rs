@@ -15,6 +15,7 @@ mod copy;
 mod error;
 mod hash;
 pub mod remote;
+pub mod replicate;
 mod snapshot;
 mod tree;
 

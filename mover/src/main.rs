@@ -8,6 +8,8 @@ use mover::remote::AgentUrl;
 use mover::{CopyError, CopyOptions, CopySummary, HashSummary, Progress, TreeSummary};
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, sync::Mutex};
 
+#[path = "replicate/cli.rs"]
+mod replicate_cli;
 #[path = "snapshot/cli.rs"]
 mod snapshot_cli;
 
@@ -110,6 +112,12 @@ enum Command {
         #[command(flatten)]
         output: OutputArgs,
     },
+    /// Continuous replication: relationships on agents, failover and failback.
+    #[command(
+        subcommand,
+        long_about = "Continuous replication of block volumes between agents. A         relationship lives on the agent of the primary's node, which runs a cycle every         interval: a point in time of the volume, the pages that changed, shipped and         applied atomically on the secondary (it always equals one completed cycle).\n\n        Planned failover: `demote` on the primary (ships a final cycle), then `promote` on         the secondary. Forced failover: `promote --force` on the secondary; when the old         primary returns it is fenced, and `resync` there makes it the new secondary,         brought up to date by delta.\n\n        Examples:\n          mover replicate create pg --agent agent://node-a:7070 --volume pg --secondary agent://node-b:7070/pg --interval 30s\n          mover replicate status pg --agent agent://node-a:7070 --watch 2\n          mover replicate demote pg --agent agent://node-a:7070\n          mover replicate promote pg --agent agent://node-b:7070"
+    )]
+    Replicate(replicate_cli::ReplicateCommand),
     /// Manage snapshot repositories (a directory or an S3 bucket).
     #[command(subcommand)]
     Repo(snapshot_cli::RepoCommand),
@@ -235,6 +243,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             bar.done();
             print_hash(&summary, output.json)
         }
+        Command::Replicate(cmd) => replicate_cli::run(cmd),
         Command::Repo(cmd) => snapshot_cli::run_repo(cmd),
         Command::Snapshot(cmd) => snapshot_cli::run_snapshot(cmd),
     }

@@ -1,6 +1,7 @@
 //! gRPC transport between mover agents (shared/DESIGN.md §5).
 //!
 //! - [`proto`]: the protocol, generated from `proto/transfer.proto` (tonic + prost).
+//! - [`control`]: the relationship control API, from `proto/replication.proto`.
 //! - [`auth`]: bearer-token checking for servers and attaching for clients.
 //! - [`tls`]: mutual TLS configuration from PEM files (rustls).
 //! - [`frames`]: packing volume data into frames, zstd-compressed only when it shrinks.
@@ -20,6 +21,12 @@ pub use rate::RateLimiter;
 #[allow(missing_docs, clippy::all)]
 pub mod proto {
     tonic::include_proto!("mover.transfer.v1");
+}
+
+/// The relationship control API (`proto/replication.proto`), client and server.
+#[allow(missing_docs, clippy::all)]
+pub mod control {
+    tonic::include_proto!("mover.replication.v1");
 }
 
 /// The key under which a relationship's chunks and pages are hashed on both sides.

@@ -24,6 +24,14 @@ pub struct AgentConfig {
     /// Volumes peers may read or write, by name. Nothing else is reachable.
     #[serde(default)]
     pub exports: BTreeMap<String, Export>,
+    /// `HOST:PORT` at which peers reach this agent (how a promoted secondary finds this
+    /// side to replicate back to) [default: the address the relationship's creator used].
+    #[serde(default)]
+    pub advertise: Option<String>,
+    /// The bearer token this agent presents to peers when it replicates to them
+    /// [default: its own token_file]. Mutual TLS uses `[tls]` both ways.
+    #[serde(default)]
+    pub peer_token_file: Option<PathBuf>,
 }
 
 /// PEM files for mutual TLS.
@@ -111,6 +119,25 @@ impl AgentConfig {
             }
         }
         Ok(config)
+    }
+
+    /// How this agent reaches peers when it replicates to them.
+    pub fn peer_options(&self) -> Result<crate::remote::RemoteOptions, ConfigError> {
+        let token_file = self.peer_token_file.clone().or(self.token_file.clone());
+        if let Some(path) = &token_file {
+            std::fs::metadata(path).map_err(|cause| ConfigError::Read {
+                path: path.clone(),
+                cause,
+            })?;
+        }
+        Ok(crate::remote::RemoteOptions {
+            token_file,
+            tls_ca: self.tls.as_ref().map(|t| t.ca.clone()),
+            tls_cert: self.tls.as_ref().map(|t| t.cert.clone()),
+            tls_key: self.tls.as_ref().map(|t| t.key.clone()),
+            retries: 3,
+            ..Default::default()
+        })
     }
 
     /// The bearer token, read from `token_file` (surrounding whitespace trimmed).

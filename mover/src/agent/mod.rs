@@ -3,7 +3,10 @@
 //! separate HTTP port.
 
 mod config;
+mod control;
+mod cycles;
 mod fencing;
+pub(crate) mod journal;
 mod live;
 mod metrics;
 mod pages;
@@ -11,6 +14,7 @@ mod service;
 mod trees;
 
 pub use config::{AgentConfig, ConfigError, Export, TlsConfig};
+pub use control::Control;
 pub use fencing::{EpochStore, StaleEpoch};
 pub use metrics::Metrics;
 pub use service::AgentService;
@@ -19,7 +23,8 @@ use std::{future::Future, sync::Arc};
 use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
 use transport::{
-    MAX_MESSAGE, auth::RequireToken, proto::transfer_server::TransferServer, tls::TlsFiles,
+    MAX_MESSAGE, auth::RequireToken, control::replication_server::ReplicationServer,
+    proto::transfer_server::TransferServer, tls::TlsFiles,
 };
 
 /// Why the agent could not run.
@@ -54,16 +59,47 @@ pub async fn serve(
 ) -> Result<(), AgentError> {
     let token = config.token()?;
     let metrics = Arc::new(Metrics::default());
-    let service = AgentService::new(
-        config.exports.clone(),
-        config.state_dir.clone(),
-        metrics.clone(),
-    )
-    .map_err(|cause| AgentError::State {
+    let state_err = |cause| AgentError::State {
         path: config.state_dir.clone(),
         cause,
-    })?;
-    let server = TransferServer::new(service)
+    };
+    // Cycles committed before a crash are applied before anything else is served.
+    for (dir, r) in journal::recover(&config.state_dir) {
+        match r {
+            Ok(c) => {
+                tracing::info!(relationship = %c.relationship, cycle = c.id, "applied a committed cycle left by a crash")
+            }
+            Err(e) => {
+                return Err(state_err(std::io::Error::other(format!(
+                    "cannot apply the committed cycle in {}: {e}",
+                    dir.display()
+                ))));
+            }
+        }
+    }
+    let store = Arc::new(
+        crate::replicate::Store::open(&config.state_dir)
+            .map_err(|e| state_err(std::io::Error::other(e.to_string())))?,
+    );
+    let service = Arc::new(
+        AgentService::new(
+            config.exports.clone(),
+            config.state_dir.clone(),
+            metrics.clone(),
+            store.clone(),
+        )
+        .map_err(state_err)?,
+    );
+    let remote = config.peer_options()?;
+    let runners = crate::replicate::Runners::new(store, config.exports.clone(), remote.clone());
+    runners.start_all();
+    let control = Control {
+        service: service.clone(),
+        runners: runners.clone(),
+        advertise: config.advertise.clone(),
+        remote,
+    };
+    let server = TransferServer::from_arc(service)
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
     let mut builder = tonic::transport::Server::builder()
@@ -86,14 +122,21 @@ pub async fn serve(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     if let Some(l) = metrics_listener {
         let mut stop = stop_rx.clone();
-        tokio::spawn(serve_metrics(l, metrics, async move {
+        tokio::spawn(serve_metrics(l, metrics, runners.clone(), async move {
             let _ = stop.changed().await;
         }));
     }
     tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), exports = config.exports.len(), tls = config.tls.is_some(), "agent serving");
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let result = builder
-        .add_service(InterceptedService::new(server, RequireToken::new(token)))
+        .add_service(InterceptedService::new(
+            server,
+            RequireToken::new(token.clone()),
+        ))
+        .add_service(InterceptedService::new(
+            ReplicationServer::new(control),
+            RequireToken::new(token),
+        ))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .map_err(|e| AgentError::Serve(e.to_string()));
@@ -105,6 +148,7 @@ pub async fn serve(
 async fn serve_metrics(
     listener: TcpListener,
     metrics: Arc<Metrics>,
+    runners: Arc<crate::replicate::Runners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     use axum::{Router, routing::get};
@@ -112,8 +156,8 @@ async fn serve_metrics(
         .route(
             "/metrics",
             get(move || {
-                let m = metrics.clone();
-                async move { m.render() }
+                let (m, r) = (metrics.clone(), runners.clone());
+                async move { m.render() + &r.render() }
             }),
         )
         .route("/healthz", get(|| async { "ok\n" }));

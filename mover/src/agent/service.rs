@@ -2,7 +2,9 @@
 
 use super::{
     config::Export,
+    cycles::CycleSession,
     fencing::{EpochStore, StaleEpochOrIo},
+    journal::{self, Journal},
     live::LiveSummary,
     metrics::Metrics,
     pages::PageIndex,
@@ -41,7 +43,9 @@ const SYNC_EVERY: u64 = 256 << 20;
 pub struct AgentService {
     pub(super) exports: BTreeMap<String, Export>,
     state_dir: PathBuf,
-    epochs: EpochStore,
+    pub(super) epochs: EpochStore,
+    /// Replication relationships known here (primary or secondary side).
+    pub(super) store: Arc<crate::replicate::Store>,
     pub(super) metrics: Arc<Metrics>,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
     next_id: AtomicU64,
@@ -74,6 +78,8 @@ struct Session {
     /// WRITE sessions on image files: the page hashes of the image, answered from and
     /// kept up to date by the writer, sealed on Finish.
     pages: Option<Arc<PageIndex>>,
+    /// WRITE sessions that are a replication cycle.
+    cycle: Option<CycleSession>,
 }
 
 impl AgentService {
@@ -82,10 +88,12 @@ impl AgentService {
         exports: BTreeMap<String, Export>,
         state_dir: PathBuf,
         metrics: Arc<Metrics>,
+        store: Arc<crate::replicate::Store>,
     ) -> std::io::Result<Self> {
         Ok(AgentService {
             exports,
             epochs: EpochStore::new(&state_dir)?,
+            store,
             state_dir,
             metrics,
             sessions: Mutex::new(HashMap::new()),
@@ -93,6 +101,11 @@ impl AgentService {
             trees_busy: Arc::default(),
             filling: Arc::default(),
         })
+    }
+
+    /// Where this agent keeps its state.
+    pub(super) fn state_dir(&self) -> &std::path::Path {
+        &self.state_dir
     }
 
     pub(super) fn refuse(&self, status: Status) -> Status {
@@ -140,7 +153,7 @@ impl AgentService {
     /// Ends the sessions open on `export` and waits until their writers have stopped:
     /// a frame they were applying must land before a new session compares the volume,
     /// or the new session could skip a page that the old write then changes.
-    async fn close_sessions_on(&self, export: &str) -> Result<(), Status> {
+    pub(super) async fn close_sessions_on(&self, export: &str) -> Result<(), Status> {
         let closed: Vec<Arc<Session>> = {
             let mut sessions = self.sessions.lock().expect("sessions lock");
             let ids: Vec<String> = sessions
@@ -206,6 +219,7 @@ impl Transfer for AgentService {
         }
         let access = Access::try_from(r.access).unwrap_or(Access::Unspecified);
         let key = transport::relationship_key(&r.relationship);
+        let mut known_before = false;
         let (file, size, dest) = match access {
             Access::Read => {
                 let v = blocking(|| BlockVolume::open(&export.path)).map_err(internal)?;
@@ -215,6 +229,9 @@ impl Transfer for AgentService {
             Access::Write => {
                 self.check_writable(&r.volume, export)?;
                 self.check_epoch(&r.relationship, r.epoch)?;
+                if let Some(c) = &r.cycle {
+                    known_before = self.admit_cycle(&r, c)?;
+                }
                 // One writer per export: a newer session takes over from an abandoned one.
                 self.close_sessions_on(&r.volume).await?;
                 if let Some(fill) = self.filling.lock().expect("filling lock").remove(&r.volume) {
@@ -241,9 +258,33 @@ impl Transfer for AgentService {
         };
         let summary = blocking(|| self.summary_of(export, dest.as_ref(), &key, chunk, size))?;
         let id = format!("{}-{}", r.volume, self.next_id.fetch_add(1, Relaxed));
+        let cycle = match (&r.cycle, &dest) {
+            (Some(c), Some(d)) => {
+                let dir = journal::cycles_dir(&self.state_dir, &r.relationship);
+                // A volume that held a cycle (or a former primary's data) changes
+                // atomically; a first sync or a new image is complete only at the end.
+                let staged = known_before && d.partial.is_none() && !d.fresh;
+                let j = if staged {
+                    Some(blocking(|| Journal::create(&dir)).map_err(internal)?)
+                } else {
+                    None
+                };
+                Some(CycleSession {
+                    cycle: c.clone(),
+                    relationship: r.relationship.clone(),
+                    epoch: r.epoch,
+                    dir,
+                    journal: Arc::new(Mutex::new(j)),
+                })
+            }
+            _ => None,
+        };
+        let applied = cycle
+            .as_ref()
+            .and_then(|_| self.applied_cycle(&r.relationship));
         let pages = dest
             .as_ref()
-            .filter(|d| d.volume.kind() == VolumeKind::ImageFile)
+            .filter(|d| d.volume.kind() == VolumeKind::ImageFile && cycle.is_none())
             .and_then(|d| {
                 let chunk_index = index::index_path(&self.state_dir, &export.path);
                 let file = d.volume.file();
@@ -262,6 +303,7 @@ impl Transfer for AgentService {
                 .unwrap_or_default()
                 .into(),
             group: chunker::GROUP_CHUNKS as u32,
+            applied,
         };
         let session = Session {
             export: r.volume.clone(),
@@ -276,6 +318,7 @@ impl Transfer for AgentService {
             writer: Mutex::new(None),
             superseded: Arc::default(),
             pages,
+            cycle,
         };
         self.sessions
             .lock()
@@ -499,8 +542,16 @@ impl Transfer for AgentService {
     ) -> Result<Response<proto::FinishResponse>, Status> {
         let r = req.into_inner();
         let s = self.session(&r.session)?;
+        if s.cycle.is_some() && r.cycle_root.len() != 32 {
+            return Err(Status::invalid_argument(
+                "a replication cycle is committed with the source's 32-byte Merkle root",
+            ));
+        }
         let dest = s.dest.lock().expect("dest lock").take();
-        let mut root = s.summary.root().await.map_err(Status::internal)?;
+        let mut root = match &s.cycle {
+            Some(_) => ChunkId(r.cycle_root[..].try_into().expect("checked: 32 bytes")),
+            None => s.summary.root().await.map_err(Status::internal)?,
+        };
         if let Some(dest) = dest {
             blocking(|| dest.volume.file().sync_all()).map_err(internal)?;
             // The writer's chunk ids of what it wrote: saved as the destination's index.
@@ -526,6 +577,15 @@ impl Transfer for AgentService {
             }
             let is_image = dest.volume.kind() == VolumeKind::ImageFile;
             let file = blocking(|| finish_destination(dest)).map_err(internal)?;
+            if let Some(c) = &s.cycle {
+                let applied = blocking(|| c.commit(&r.cycle_root, &s.path)).map_err(|e| {
+                    Status::internal(format!(
+                        "cannot commit cycle {} of {}: {e}",
+                        c.cycle.id, c.relationship
+                    ))
+                })?;
+                tracing::info!(relationship = %c.relationship, cycle = applied.id, "cycle applied");
+            }
             if let Some(ids) = ids.filter(|_| is_image) {
                 let saved = blocking(|| self.save_index(&s, &file, ids));
                 if let Err(e) = saved {
@@ -701,6 +761,8 @@ impl SessionWriter {
         let failed = sync_failed.clone();
         let superseded = s.superseded.clone();
         let pages = s.pages.clone();
+        // A cycle's frames are staged in its journal, not written (see agent::journal).
+        let journal = s.cycle.as_ref().map(|c| c.journal.clone());
         std::thread::spawn(move || {
             while kicks.recv().is_ok() {
                 if let Err(e) = sync_file.sync_data() {
@@ -723,9 +785,15 @@ impl SessionWriter {
                 match job {
                     Job::Frame(data) if failure.is_none() => {
                         let at = data.offset;
-                        let applied = match frames::content(&data) {
-                            Err(e) => Err(Status::invalid_argument(e)),
-                            Ok(Content::Bytes(b)) => {
+                        let mut staged = journal.as_ref().map(|j| j.lock().expect("journal lock"));
+                        let applied = match (
+                            frames::content(&data),
+                            staged.as_mut().and_then(|j| j.as_mut()),
+                        ) {
+                            (Err(e), _) => Err(Status::invalid_argument(e)),
+                            (Ok(Content::Bytes(b)), Some(j)) => j.data(at, &b).map_err(internal),
+                            (Ok(Content::Zeros(n)), Some(j)) => j.zeros(at, n).map_err(internal),
+                            (Ok(Content::Bytes(b)), None) => {
                                 let write = || file.write_all_at(&b, at);
                                 match &pages {
                                     Some(p) => p.write(at, &b, write),
@@ -733,7 +801,7 @@ impl SessionWriter {
                                 }
                                 .map_err(internal)
                             }
-                            Ok(Content::Zeros(n)) => {
+                            (Ok(Content::Zeros(n)), None) => {
                                 let zero = || zero_range(file.file(), &path, at, n);
                                 match &pages {
                                     Some(p) => p.write_zeros(at, n, zero),

@@ -13,7 +13,7 @@ mod push;
 mod tree;
 
 pub use pull::pull;
-pub use push::push;
+pub use push::{push, push_cycle};
 pub use tree::{is_tree, pull_tree, push_tree};
 
 use crate::error::CopyError;
@@ -24,7 +24,8 @@ use chunker::{
 use std::{path::PathBuf, time::Duration};
 use tonic::{service::interceptor::InterceptedService, transport::Channel};
 use transport::{
-    MAX_MESSAGE, auth::AttachToken, proto::transfer_client::TransferClient, tls::TlsFiles,
+    MAX_MESSAGE, auth::AttachToken, control::replication_client::ReplicationClient,
+    proto::transfer_client::TransferClient, tls::TlsFiles,
 };
 
 /// A volume exported by an agent: `agent://host:port/NAME`.
@@ -161,6 +162,9 @@ fn parse_rate(s: &str) -> Result<u64, String> {
 /// A connected client with the token attached.
 pub(crate) type Client = TransferClient<InterceptedService<Channel, AttachToken>>;
 
+/// A connected client of an agent's relationship control API.
+pub type ControlClient = ReplicationClient<InterceptedService<Channel, AttachToken>>;
+
 impl RemoteOptions {
     fn relationship_for(&self, url: &AgentUrl) -> String {
         self.relationship
@@ -184,6 +188,20 @@ impl RemoteOptions {
 
     /// Connects to the agent at `url`.
     pub(crate) async fn connect(&self, url: &AgentUrl) -> Result<Client, CopyError> {
+        let channel = self.channel(url).await?;
+        Ok(TransferClient::with_interceptor(channel.0, channel.1)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE))
+    }
+
+    /// Connects to the relationship control API of the agent at `url` (its volume part
+    /// is not used).
+    pub async fn connect_control(&self, url: &AgentUrl) -> Result<ControlClient, CopyError> {
+        let (channel, auth) = self.channel(url).await?;
+        Ok(ReplicationClient::with_interceptor(channel, auth))
+    }
+
+    async fn channel(&self, url: &AgentUrl) -> Result<(Channel, AttachToken), CopyError> {
         let remote = |code: &str, message: String| CopyError::Remote {
             url: url.to_string(),
             code: code.into(),
@@ -228,9 +246,7 @@ impl RemoteOptions {
         })?;
         let auth = AttachToken::new(self.token()?.as_deref())
             .map_err(|s| remote("token", s.message().into()))?;
-        Ok(TransferClient::with_interceptor(channel, auth)
-            .max_decoding_message_size(MAX_MESSAGE)
-            .max_encoding_message_size(MAX_MESSAGE))
+        Ok((channel, auth))
     }
 }
 
@@ -242,13 +258,14 @@ pub(crate) struct Session {
 }
 
 /// Connects to `url` and opens a session for `access`; `source_size` is the size of the
-/// data a WRITE session will receive.
+/// data a WRITE session will receive; `cycle` makes it a replication cycle.
 pub(crate) async fn open_session(
     url: &AgentUrl,
     remote: &RemoteOptions,
     access: transport::proto::Access,
     chunk: ChunkSize,
     source_size: u64,
+    cycle: Option<transport::proto::Cycle>,
 ) -> Result<Session, CopyError> {
     let mut client = remote.connect(url).await?;
     let relationship = remote.relationship_for(url);
@@ -261,6 +278,7 @@ pub(crate) async fn open_session(
             access: access as i32,
             chunk_size: chunk.get(),
             source_size,
+            cycle,
         })
         .await
         .map_err(|s| status_error(url, s))?
@@ -290,7 +308,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// Maps a gRPC status from `url` to a [`CopyError`] that says what to do.
-pub(crate) fn status_error(url: &AgentUrl, s: tonic::Status) -> CopyError {
+pub fn status_error(url: &AgentUrl, s: tonic::Status) -> CopyError {
     use tonic::Code;
     let code = match s.code() {
         Code::Unauthenticated => "unauthenticated",

@@ -48,7 +48,7 @@ async fn attempt(
         mut client,
         key,
         open,
-    } = open_session(url, remote, Access::Read, chunk, 0).await?;
+    } = open_session(url, remote, Access::Read, chunk, 0, None).await?;
     let size = open.size;
     let shown = std::path::PathBuf::from(url.to_string());
     let (dst_owned, copy_owned) = (dst.to_path_buf(), copy.clone());
@@ -120,7 +120,7 @@ async fn attempt(
         .finish(proto::FinishRequest {
             session: open.session.clone(),
             verify: false,
-            chunk_ids: Default::default(),
+            ..Default::default()
         })
         .await
         .map_err(|s| status_error(url, s))?

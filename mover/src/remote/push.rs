@@ -35,13 +35,38 @@ pub async fn push(
     remote: &RemoteOptions,
     progress: &dyn Progress,
 ) -> Result<CopySummary> {
+    push_maybe_cycle(src, url, copy, remote, None, progress).await
+}
+
+/// Pushes one replication cycle: like [`push`], but the agent stages what arrives and
+/// applies it atomically when the cycle is committed (with the source's Merkle root,
+/// returned in the summary's `root`).
+pub async fn push_cycle(
+    src: &Path,
+    url: &AgentUrl,
+    copy: &CopyOptions,
+    remote: &RemoteOptions,
+    cycle: &proto::Cycle,
+    progress: &dyn Progress,
+) -> Result<CopySummary> {
+    push_maybe_cycle(src, url, copy, remote, Some(cycle), progress).await
+}
+
+async fn push_maybe_cycle(
+    src: &Path,
+    url: &AgentUrl,
+    copy: &CopyOptions,
+    remote: &RemoteOptions,
+    cycle: Option<&proto::Cycle>,
+    progress: &dyn Progress,
+) -> Result<CopySummary> {
     let started = Instant::now();
     let source = Arc::new(BlockVolume::open(src)?);
     let mut sum = with_retries(remote.retries, |n| {
         if n > 1 {
             tracing::info!("attempt {n}: continuing the transfer to {url}");
         }
-        attempt(source.clone(), url, copy, remote, progress)
+        attempt(source.clone(), url, copy, remote, cycle, progress)
     })
     .await?;
     sum.source = src.into();
@@ -167,6 +192,7 @@ async fn attempt(
     url: &AgentUrl,
     copy: &CopyOptions,
     remote: &RemoteOptions,
+    cycle: Option<&proto::Cycle>,
     progress: &dyn Progress,
 ) -> Result<CopySummary> {
     let chunk = copy.chunk_size;
@@ -176,7 +202,7 @@ async fn attempt(
         mut client,
         key,
         open,
-    } = open_session(url, remote, Access::Write, chunk, size).await?;
+    } = open_session(url, remote, Access::Write, chunk, size, cycle.cloned()).await?;
     tracing::debug!(
         secs = t0.elapsed().as_secs_f64(),
         "session open: the agent hashed its copy"
@@ -303,6 +329,7 @@ async fn attempt(
             session,
             verify: copy.verify,
             chunk_ids: ids.into(),
+            cycle_root: cycle.map(|_| root.0.to_vec().into()).unwrap_or_default(),
         })
         .await
         .map_err(|s| status_error(url, s))?
@@ -316,6 +343,8 @@ async fn attempt(
             });
         }
         sum.verified = true;
+    }
+    if copy.verify || cycle.is_some() {
         sum.root = Some(root.to_hex());
     }
     sum.bytes_written = sent.written.load(Relaxed);

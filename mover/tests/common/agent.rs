@@ -34,6 +34,26 @@ impl Agent {
         exports: &[(&str, &Path, bool)],
         tls: Option<(&Path, &Path, &Path)>,
     ) -> Agent {
+        let config = Agent::configure(dir, exports, tls);
+        Agent::spawn(config.0, config.1, config.2)
+    }
+
+    /// Starts an agent like [`Agent::start`] (no TLS), with extra environment variables.
+    pub fn start_with_env(
+        dir: &Path,
+        exports: &[(&str, &Path, bool)],
+        env: &[(&str, &str)],
+    ) -> Agent {
+        let (config, port, metrics_port) = Agent::configure(dir, exports, None);
+        Agent::spawn_with_env(config, port, metrics_port, env)
+    }
+
+    /// Writes an agent config; returns it with the ports it listens on.
+    fn configure(
+        dir: &Path,
+        exports: &[(&str, &Path, bool)],
+        tls: Option<(&Path, &Path, &Path)>,
+    ) -> (PathBuf, u16, u16) {
         let (port, metrics_port) = (free_port(), free_port());
         std::fs::write(dir.join("token"), TOKEN).unwrap();
         let mut cfg = format!(
@@ -57,13 +77,23 @@ impl Agent {
         }
         let config = dir.join(format!("agent-{port}.toml"));
         std::fs::write(&config, cfg).unwrap();
-        Agent::spawn(config, port, metrics_port)
+        (config, port, metrics_port)
     }
 
     pub fn spawn(config: PathBuf, port: u16, metrics_port: u16) -> Agent {
+        Agent::spawn_with_env(config, port, metrics_port, &[])
+    }
+
+    pub fn spawn_with_env(
+        config: PathBuf,
+        port: u16,
+        metrics_port: u16,
+        env: &[(&str, &str)],
+    ) -> Agent {
         let child = Command::new(env!("CARGO_BIN_EXE_mover"))
             .args(["agent", "--config", config.to_str().unwrap()])
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .spawn()
             .unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);

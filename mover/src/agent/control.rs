@@ -1,0 +1,441 @@
+//! The Replication service: the agent's relationship control API (create, get, list,
+//! update, delete, sync, promote, demote, resync), for the CLI and the controller.
+
+use super::{journal, service::AgentService};
+use crate::{
+    remote::{AgentUrl, RemoteOptions},
+    replicate::{
+        self, CycleRecord, EpochChange, Halt, MIN_INTERVAL_MS, Record, Role, Runners, Spec,
+        store::RECORD_VERSION,
+    },
+};
+use chunker::{BlockVolume, ChunkSize};
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+use transport::control::{self, replication_server::Replication};
+
+/// The Replication service of one agent.
+pub struct Control {
+    pub(super) service: Arc<AgentService>,
+    pub(super) runners: Arc<Runners>,
+    /// `HOST:PORT` peers reach this agent at, from the config (else the caller's view).
+    pub(super) advertise: Option<String>,
+    /// How this agent reaches peers.
+    pub(super) remote: RemoteOptions,
+}
+
+fn store_err(e: impl std::fmt::Display) -> Status {
+    Status::internal(e.to_string())
+}
+
+impl Control {
+    fn record(&self, name: &str) -> Result<Record, Status> {
+        self.service.store.get(name).ok_or_else(|| {
+            Status::not_found(format!(
+                "no relationship {name:?} on this agent (a secondary learns a relationship \
+                 from its first cycle); `mover replicate list` shows those it has"
+            ))
+        })
+    }
+
+    /// Status of `r` as this side sees it.
+    fn status(&self, r: &Record) -> control::Status {
+        let live = self.runners.live(&r.spec.name);
+        let live = live.lock().expect("live lock");
+        let last = match r.role {
+            Role::Primary => r.last_cycle.clone(),
+            Role::Secondary => {
+                journal::applied(&journal::cycles_dir(self.service.state_dir(), &r.spec.name))
+                    .map(|a| CycleRecord::from(&a))
+                    .or_else(|| r.last_cycle.clone())
+            }
+        };
+        replicate::status(r, &live, last.as_ref())
+    }
+
+    fn reply(&self, name: &str) -> Result<Response<control::Status>, Status> {
+        Ok(Response::new(self.status(&self.record(name)?)))
+    }
+
+    /// Checks a new relationship's spec; returns it with defaults filled in.
+    async fn check_spec(&self, spec: control::Spec) -> Result<Spec, Status> {
+        let bad = |why: String| Status::invalid_argument(why);
+        if spec.name.is_empty() || spec.name.chars().any(|c| c.is_control()) {
+            return Err(bad(
+                "a relationship needs a name without control characters".into(),
+            ));
+        }
+        let export = self.service.export(&spec.volume)?;
+        if spec.interval_ms < MIN_INTERVAL_MS {
+            return Err(bad(format!(
+                "interval {} ms is too short: cycles run at most once a second (give e.g. 30s)",
+                spec.interval_ms
+            )));
+        }
+        let chunk = if spec.chunk_size == 0 {
+            ChunkSize::DEFAULT
+        } else {
+            ChunkSize::new(spec.chunk_size).map_err(|e| bad(e.to_string()))?
+        };
+        let peer = AgentUrl::parse(&spec.peer)
+            .ok_or_else(|| {
+                bad(format!(
+                    "secondary {:?} is not agent://HOST:PORT/VOLUME",
+                    spec.peer
+                ))
+            })?
+            .map_err(|e| bad(e.to_string()))?;
+        if std::fs::metadata(&export.path).is_ok_and(|m| m.is_dir()) {
+            return Err(Status::unimplemented(format!(
+                "export {:?} is a file tree: replicating trees through the agent is not \
+                 built yet; use `mover copy --replica --delete` on a schedule",
+                spec.volume
+            )));
+        }
+        let path = export.path.clone();
+        tokio::task::spawn_blocking(move || BlockVolume::open(&path))
+            .await
+            .map_err(store_err)?
+            .map_err(|e| Status::failed_precondition(format!("the primary volume: {e}")))?;
+        if let Some(other) = self
+            .service
+            .store
+            .all()
+            .into_iter()
+            .find(|o| o.spec.volume == spec.volume)
+        {
+            return Err(Status::failed_precondition(format!(
+                "export {:?} is already the {} of relationship {:?}; a volume belongs to one \
+                 relationship",
+                spec.volume,
+                replicate::runner::role_str(other.role),
+                other.spec.name
+            )));
+        }
+        // The secondary must be reachable and accept writes now, not at the first cycle.
+        let mut client = self
+            .remote
+            .connect(&peer)
+            .await
+            .map_err(|e| Status::failed_precondition(format!("secondary unreachable: {e}")))?;
+        let d = client
+            .describe(transport::proto::DescribeRequest {
+                volume: peer.volume.clone(),
+            })
+            .await
+            .map_err(|s| Status::failed_precondition(format!("secondary {peer}: {}", s.message())))?
+            .into_inner();
+        if d.tree || d.read_only {
+            return Err(Status::failed_precondition(format!(
+                "secondary {peer} is {}: it cannot receive a block volume",
+                if d.tree {
+                    "a file tree"
+                } else {
+                    "exported read-only"
+                }
+            )));
+        }
+        Ok(Spec {
+            name: spec.name,
+            volume: spec.volume,
+            peer: peer.to_string(),
+            interval_ms: spec.interval_ms,
+            bwlimit: spec.bwlimit,
+            chunk_size: chunk.get(),
+            freeze: (!spec.freeze.is_empty()).then(|| spec.freeze.into()),
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl Replication for Control {
+    async fn create(
+        &self,
+        req: Request<control::CreateRequest>,
+    ) -> Result<Response<control::Status>, Status> {
+        let r = req.into_inner();
+        let spec = r
+            .spec
+            .ok_or_else(|| Status::invalid_argument("a relationship spec is required"))?;
+        if self.service.store.get(&spec.name).is_some() {
+            return Err(Status::already_exists(format!(
+                "relationship {:?} exists on this agent; `mover replicate status {}` shows it",
+                spec.name, spec.name
+            )));
+        }
+        let spec = self.check_spec(spec).await?;
+        let address = self.advertise.clone().unwrap_or(r.self_address);
+        if address.is_empty() {
+            return Err(Status::invalid_argument(
+                "this agent's address is unknown: set `advertise` in its config",
+            ));
+        }
+        // A relationship re-created under an old name continues its epochs.
+        let epoch = self.service.epochs.highest(&spec.name).max(1);
+        self.service.check_epoch(&spec.name, epoch)?;
+        let record = Record {
+            version: RECORD_VERSION,
+            this_side: format!("agent://{address}/{}", spec.volume),
+            spec,
+            role: Role::Primary,
+            epoch,
+            paused: false,
+            halt: None,
+            last_cycle: None,
+            history: Vec::new(),
+        };
+        let name = record.spec.name.clone();
+        self.service.store.put(record).map_err(store_err)?;
+        self.runners.start(&name);
+        tracing::info!(relationship = %name, "relationship created");
+        self.reply(&name)
+    }
+
+    async fn get(
+        &self,
+        req: Request<control::NameRequest>,
+    ) -> Result<Response<control::Status>, Status> {
+        self.reply(&req.into_inner().name)
+    }
+
+    async fn list(
+        &self,
+        _req: Request<control::ListRequest>,
+    ) -> Result<Response<control::ListResponse>, Status> {
+        let relationships = self
+            .service
+            .store
+            .all()
+            .iter()
+            .map(|r| self.status(r))
+            .collect();
+        Ok(Response::new(control::ListResponse { relationships }))
+    }
+
+    async fn update(
+        &self,
+        req: Request<control::UpdateRequest>,
+    ) -> Result<Response<control::Status>, Status> {
+        let u = req.into_inner();
+        self.record(&u.name)?;
+        if u.interval_ms.is_some_and(|i| i < MIN_INTERVAL_MS) {
+            return Err(Status::invalid_argument(
+                "interval too short: cycles run at most once a second",
+            ));
+        }
+        self.service
+            .store
+            .update(&u.name, |r| {
+                if let Some(i) = u.interval_ms {
+                    r.spec.interval_ms = i;
+                }
+                if let Some(b) = u.bwlimit {
+                    r.spec.bwlimit = b;
+                }
+                if let Some(p) = u.paused {
+                    r.paused = p;
+                }
+            })
+            .map_err(store_err)?;
+        if self.record(&u.name)?.role == Role::Primary {
+            self.runners.start(&u.name);
+        }
+        self.reply(&u.name)
+    }
+
+    async fn delete(
+        &self,
+        req: Request<control::NameRequest>,
+    ) -> Result<Response<control::Status>, Status> {
+        let name = req.into_inner().name;
+        let r = self.record(&name)?;
+        let status = self.status(&r);
+        self.runners.stop(&name);
+        self.service.close_sessions_on(&r.spec.volume).await?;
+        self.service.store.remove(&name).map_err(store_err)?;
+        let dir = journal::cycles_dir(self.service.state_dir(), &name);
+        journal::discard(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        tracing::info!(relationship = %name, "relationship deleted");
+        Ok(Response::new(status))
+    }
+
+    async fn sync(
+        &self,
+        req: Request<control::NameRequest>,
+    ) -> Result<Response<control::Status>, Status> {
+        let name = req.into_inner().name;
+        let r = self.record(&name)?;
+        if r.role != Role::Primary {
+            return Err(Status::failed_precondition(format!(
+                "this side of {name:?} is the secondary; cycles run on the primary ({})",
+                r.spec.peer
+            )));
+        }
+        self.runners
+            .cycle_now(&name, false)
+            .await
+            .map_err(Status::aborted)?;
+        self.reply(&name)
+    }
+
+    async fn promote(
+        &self,
+        req: Request<control::PromoteRequest>,
+    ) -> Result<Response<control::Status>, Status> {
+        let p = req.into_inner();
+        let r = self.record(&p.name)?;
+        if r.role == Role::Primary && r.halt.is_none() {
+            return self.reply(&p.name); // already primary: promote is idempotent
+        }
+        // No writer may be half way through a cycle while the roles change.
+        self.service.close_sessions_on(&r.spec.volume).await?;
+        let dir = journal::cycles_dir(self.service.state_dir(), &p.name);
+        journal::discard(&dir);
+        if dir.join("commit.json").exists() {
+            journal::apply(&dir).map_err(|e| {
+                Status::internal(format!(
+                    "cannot apply the committed cycle in {}: {e}",
+                    dir.display()
+                ))
+            })?;
+        }
+        let applied = journal::applied(&dir);
+        match (&applied, p.force) {
+            (None, false) => {
+                return Err(Status::failed_precondition(format!(
+                    "{:?} has no complete cycle here yet: the volume is not a point in time of \
+                     the primary. Wait for the first cycle, or promote --force to use it as is",
+                    p.name
+                )));
+            }
+            (Some(a), false) if !a.r#final => {
+                return Err(Status::failed_precondition(format!(
+                    "the last cycle applied here ({}) is not the final cycle of a demote: the \
+                     primary may still be writing. Demote it first (planned failover), or \
+                     promote --force if it is gone",
+                    a.id
+                )));
+            }
+            _ => {}
+        }
+        let epoch = self.service.epochs.highest(&p.name).max(r.epoch) + 1;
+        self.service.check_epoch(&p.name, epoch)?;
+        let common = applied.as_ref().map_or(0, |a| a.id);
+        self.service
+            .store
+            .update(&p.name, |rec| {
+                rec.role = Role::Primary;
+                rec.epoch = epoch;
+                rec.halt = None;
+                rec.last_cycle = applied.as_ref().map(CycleRecord::from);
+                rec.history.push(EpochChange {
+                    epoch,
+                    last_common_cycle: common,
+                });
+                if rec.this_side.is_empty() {
+                    rec.this_side = self
+                        .advertise
+                        .as_ref()
+                        .map(|a| format!("agent://{a}/{}", rec.spec.volume))
+                        .unwrap_or_default();
+                }
+            })
+            .map_err(store_err)?;
+        self.runners.start(&p.name);
+        tracing::info!(relationship = %p.name, epoch, force = p.force, "promoted");
+        self.reply(&p.name)
+    }
+
+    async fn demote(
+        &self,
+        req: Request<control::NameRequest>,
+    ) -> Result<Response<control::Status>, Status> {
+        let name = req.into_inner().name;
+        let r = self.record(&name)?;
+        if r.role == Role::Secondary {
+            return self.reply(&name); // already secondary
+        }
+        let last =
+            self.runners.cycle_now(&name, true).await.map_err(|e| {
+                Status::aborted(format!("the final cycle failed, still primary: {e}"))
+            })?;
+        self.runners.stop(&name);
+        // This side now holds exactly the final cycle: later cycles into it are staged.
+        let dir = journal::cycles_dir(self.service.state_dir(), &name);
+        journal::record_applied(&dir, &journal::AppliedCycle::of(&name, &last, r.epoch))
+            .map_err(store_err)?;
+        tracing::info!(relationship = %name, cycle = last.id, "demoted after a final cycle");
+        self.reply(&name)
+    }
+
+    async fn resync(
+        &self,
+        req: Request<control::ResyncRequest>,
+    ) -> Result<Response<control::Status>, Status> {
+        let q = req.into_inner();
+        let r = self.record(&q.name)?;
+        if r.role == Role::Secondary {
+            return self.reply(&q.name);
+        }
+        if r.halt.is_none() && !q.discard_local {
+            return Err(Status::failed_precondition(format!(
+                "this side is the active primary of {:?}; for a planned failover demote it, \
+                 or resync --discard-local to throw its data away for the peer's",
+                q.name
+            )));
+        }
+        self.runners.stop(&q.name);
+        let export = self.service.export(&r.spec.volume)?.clone();
+        // Did this side write after the last cycle both sides hold?
+        let unchanged = match &r.last_cycle {
+            Some(c) => {
+                let (path, chunk) = (export.path.clone(), r.spec.chunk_size);
+                let key = transport::relationship_key(&q.name);
+                let root = tokio::task::spawn_blocking(move || -> Result<String, String> {
+                    let v = BlockVolume::open(&path).map_err(|e| e.to_string())?;
+                    let chunk = ChunkSize::new(chunk).map_err(|e| e.to_string())?;
+                    let s = chunker::Summary::of_volume(&v, &key, chunk, |_| {})
+                        .map_err(|e| e.to_string())?;
+                    Ok(s.root.to_hex())
+                })
+                .await
+                .map_err(store_err)?
+                .map_err(Status::internal)?;
+                root == c.root
+            }
+            None => false,
+        };
+        if !unchanged && !q.discard_local {
+            self.service
+                .store
+                .update(&q.name, |rec| rec.halt = Some(Halt::SplitBrain))
+                .map_err(store_err)?;
+            return Err(Status::failed_precondition(format!(
+                "split brain: this side of {:?} was written after its last common cycle with \
+                 the peer ({}), and the peer was promoted since. Save what you need from this \
+                 volume, then `resync --discard-local` to replace it with the peer's data",
+                q.name,
+                r.last_cycle
+                    .as_ref()
+                    .map_or("none".into(), |c| c.id.to_string())
+            )));
+        }
+        let dir = journal::cycles_dir(self.service.state_dir(), &q.name);
+        if unchanged && let Some(c) = &r.last_cycle {
+            journal::record_applied(&dir, &journal::AppliedCycle::of(&q.name, c, r.epoch))
+                .map_err(store_err)?;
+        } else {
+            let _ = std::fs::remove_file(dir.join("applied.json"));
+        }
+        self.service
+            .store
+            .update(&q.name, |rec| {
+                rec.role = Role::Secondary;
+                rec.halt = None;
+            })
+            .map_err(store_err)?;
+        tracing::info!(relationship = %q.name, discard_local = q.discard_local, "resynced: now secondary");
+        self.reply(&q.name)
+    }
+}

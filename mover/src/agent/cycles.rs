@@ -1,0 +1,153 @@
+//! The secondary's side of a replication cycle: who may write a cycle into an export,
+//! the relationship record the secondary keeps (so it can be promoted), and the commit
+//! of a cycle (journaled, or direct for the first sync).
+
+use super::{
+    journal::{self, AppliedCycle, Journal},
+    service::AgentService,
+};
+use crate::replicate::{Record, Role, Spec, store::RECORD_VERSION};
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+};
+use tonic::Status;
+use transport::proto;
+
+/// A WRITE session that is a replication cycle.
+pub(super) struct CycleSession {
+    pub cycle: proto::Cycle,
+    pub relationship: String,
+    pub epoch: u64,
+    pub dir: PathBuf,
+    /// Staged frames; `None` when the session writes in place (a first sync, or a new
+    /// image made under a temp name: both are complete only at the end anyway).
+    pub journal: Arc<Mutex<Option<Journal>>>,
+}
+
+impl AgentService {
+    /// Checks that a cycle of `r` may be written into `r.volume` here, and records the
+    /// relationship as this side's secondary. Returns whether the relationship was known
+    /// here before (then the volume holds a complete cycle, or a former primary's data,
+    /// and must be changed atomically).
+    pub(super) fn admit_cycle(
+        &self,
+        r: &proto::OpenRequest,
+        cycle: &proto::Cycle,
+    ) -> Result<bool, Status> {
+        let known = self.store.get(&r.relationship);
+        if let Some(k) = &known {
+            if k.role == Role::Primary {
+                return Err(self.refuse(Status::failed_precondition(format!(
+                    "volume {:?} is the primary of relationship {:?} on this agent (epoch {}): \
+                     a peer may not write into it. For a planned failover demote it first; \
+                     after a forced promote of the peer run `mover replicate resync {}` here",
+                    k.spec.volume, k.spec.name, k.epoch, k.spec.name
+                ))));
+            }
+            if k.spec.volume != r.volume {
+                return Err(self.refuse(Status::failed_precondition(format!(
+                    "relationship {:?} replicates into export {:?} on this agent, not {:?}",
+                    k.spec.name, k.spec.volume, r.volume
+                ))));
+            }
+        }
+        if let Some(other) = self
+            .store
+            .all()
+            .into_iter()
+            .find(|o| o.spec.volume == r.volume && o.spec.name != r.relationship)
+        {
+            return Err(self.refuse(Status::failed_precondition(format!(
+                "export {:?} already belongs to relationship {:?} ({}); one relationship per volume",
+                r.volume,
+                other.spec.name,
+                crate::replicate::runner::role_str(other.role)
+            ))));
+        }
+        let record = Record {
+            version: RECORD_VERSION,
+            spec: Spec {
+                name: r.relationship.clone(),
+                volume: r.volume.clone(),
+                peer: cycle.primary.clone(),
+                interval_ms: cycle.interval_ms,
+                bwlimit: cycle.bwlimit,
+                chunk_size: r.chunk_size,
+                freeze: known.as_ref().and_then(|k| k.spec.freeze.clone()),
+            },
+            role: Role::Secondary,
+            epoch: r.epoch,
+            paused: false,
+            halt: None,
+            last_cycle: known.as_ref().and_then(|k| k.last_cycle.clone()),
+            this_side: known
+                .as_ref()
+                .map(|k| k.this_side.clone())
+                .unwrap_or_default(),
+            history: known
+                .as_ref()
+                .map(|k| k.history.clone())
+                .unwrap_or_default(),
+        };
+        if known.as_ref() != Some(&record) {
+            self.store
+                .put(record)
+                .map_err(|e| Status::internal(e.to_string()))?;
+        }
+        Ok(known.is_some())
+    }
+
+    /// The last cycle applied here for `relationship`, as Open reports it.
+    pub(super) fn applied_cycle(&self, relationship: &str) -> Option<proto::AppliedCycle> {
+        let a = journal::applied(&journal::cycles_dir(self.state_dir(), relationship))?;
+        Some(proto::AppliedCycle {
+            id: a.id,
+            root: hex_bytes(&a.root).into(),
+            point_in_time_ms: a.point_in_time_ms,
+            epoch: a.epoch,
+        })
+    }
+}
+
+impl CycleSession {
+    /// The cycle as it will be recorded once applied, with the source's `root`.
+    pub fn applied(&self, root: &[u8]) -> AppliedCycle {
+        AppliedCycle {
+            version: 1,
+            relationship: self.relationship.clone(),
+            id: self.cycle.id,
+            root: root.iter().map(|b| format!("{b:02x}")).collect(),
+            point_in_time_ms: self.cycle.point_in_time_ms,
+            epoch: self.epoch,
+            r#final: self.cycle.r#final,
+            consistency: self.cycle.consistency.clone(),
+            applied_ms: journal::now_ms(),
+        }
+    }
+
+    /// Commits the cycle: a staged journal is made durable, committed and applied onto
+    /// `volume`; without one (the data was written in place and synced) the cycle is
+    /// only recorded. Called once the volume is complete at its final path.
+    pub fn commit(&self, root: &[u8], volume: &Path) -> std::io::Result<AppliedCycle> {
+        let cycle = self.applied(root);
+        match self.journal.lock().expect("journal lock").take() {
+            Some(j) => {
+                let dir = j.commit(cycle, volume)?;
+                journal::apply(&dir)
+            }
+            None => {
+                journal::record_applied(&self.dir, &cycle)?;
+                Ok(cycle)
+            }
+        }
+    }
+}
+
+/// Bytes of a hex string (empty if it is not hex).
+fn hex_bytes(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16))
+        .collect::<Result<_, _>>()
+        .unwrap_or_default()
+}

@@ -1,0 +1,384 @@
+//! Atomic apply of replication cycles on the secondary (shared/DESIGN.md §6).
+//!
+//! A cycle's frames are not written into the volume as they arrive: they are appended
+//! to a journal in the state directory. When the primary finishes the cycle, the
+//! journal is fsynced, a commit record (cycle id, Merkle root, point in time, epoch) is
+//! written durably, and only then is the journal applied in place, the volume fsynced,
+//! the cycle recorded as applied and the journal removed. After a crash, a committed
+//! journal is applied again (applying is idempotent: the same bytes at the same
+//! offsets) and an uncommitted one is thrown away, so the volume always equals exactly
+//! one completed cycle.
+//!
+//! Layout under `STATE/cycles/<relationship hash>/`:
+//! - `journal`: magic `MVJRNL\0\x01`, then records: offset (u64 LE), length (u64 LE),
+//!   kind (u64 LE: 0 data, 1 zeros), and for data the bytes.
+//! - `commit.json`: the commit record (version 1), present from commit until applied.
+//! - `applied.json`: the last applied cycle (version 1).
+
+pub(crate) use crate::replicate::now_ms;
+use crate::{copy::zero_range, replicate::CycleRecord};
+use serde::{Deserialize, Serialize};
+use std::{
+    fs::{self, File, OpenOptions},
+    io::{self, BufReader, BufWriter, Read, Write},
+    os::unix::fs::FileExt,
+    path::{Path, PathBuf},
+};
+
+const MAGIC: &[u8; 8] = b"MVJRNL\0\x01";
+const RECORD_VERSION: u32 = 1;
+const KIND_DATA: u64 = 0;
+const KIND_ZEROS: u64 = 1;
+
+/// A cycle as committed and applied: what the secondary equals afterwards.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AppliedCycle {
+    /// Format version of the record.
+    pub version: u32,
+    /// The relationship.
+    pub relationship: String,
+    /// The cycle's id.
+    pub id: u64,
+    /// Hex Merkle root of the volume at this cycle.
+    pub root: String,
+    /// The source's point in time (Unix ms).
+    pub point_in_time_ms: i64,
+    /// The writer's epoch.
+    pub epoch: u64,
+    /// The last cycle of a demote.
+    pub r#final: bool,
+    /// "point-in-time", "file-consistent" or "crash-inconsistent".
+    pub consistency: String,
+    /// When it was applied (Unix ms).
+    pub applied_ms: i64,
+}
+
+impl AppliedCycle {
+    /// The record of cycle `c` of `relationship`, written with `epoch`, as applied now.
+    pub fn of(relationship: &str, c: &CycleRecord, epoch: u64) -> Self {
+        AppliedCycle {
+            version: RECORD_VERSION,
+            relationship: relationship.into(),
+            id: c.id,
+            root: c.root.clone(),
+            point_in_time_ms: c.point_in_time_ms,
+            epoch,
+            r#final: c.r#final,
+            consistency: c.consistency.clone(),
+            applied_ms: now_ms(),
+        }
+    }
+}
+
+impl From<&AppliedCycle> for CycleRecord {
+    fn from(a: &AppliedCycle) -> Self {
+        CycleRecord {
+            id: a.id,
+            point_in_time_ms: a.point_in_time_ms,
+            started_ms: a.applied_ms,
+            root: a.root.clone(),
+            r#final: a.r#final,
+            consistency: a.consistency.clone(),
+            ..Default::default()
+        }
+    }
+}
+
+/// The commit record: the cycle, and the volume the journal applies to.
+#[derive(Debug, Serialize, Deserialize)]
+struct Commit {
+    version: u32,
+    cycle: AppliedCycle,
+    /// The volume's path (an export's), so a restart can finish the apply.
+    volume: PathBuf,
+    /// Bytes of the journal the commit covers.
+    journal_len: u64,
+}
+
+/// The directory of a relationship's cycles.
+pub(crate) fn cycles_dir(state_dir: &Path, relationship: &str) -> PathBuf {
+    let name = blake3::hash(relationship.as_bytes()).to_hex();
+    state_dir.join("cycles").join(&name[..32])
+}
+
+/// The last cycle applied for the relationship whose cycles are in `dir`, if any.
+pub(crate) fn applied(dir: &Path) -> Option<AppliedCycle> {
+    let text = fs::read_to_string(dir.join("applied.json")).ok()?;
+    serde_json::from_str::<AppliedCycle>(&text)
+        .ok()
+        .filter(|a| a.version == RECORD_VERSION)
+}
+
+/// Writes `bytes` to `path` durably: tmp, fsync, rename, fsync(dir).
+pub(crate) fn write_durably(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = path.parent().expect("a state file has a parent");
+    fs::create_dir_all(dir)?;
+    let tmp = path.with_extension("tmp");
+    let mut f = File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    fs::rename(&tmp, path)?;
+    File::open(dir)?.sync_all()
+}
+
+/// Aborts the process (as `kill -9` would) at a named step, when the environment
+/// variable `MOVER_FAILPOINT` names it: how the tests crash an agent exactly there.
+pub(crate) fn failpoint(step: &str) {
+    static WANTED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let wanted = WANTED.get_or_init(|| std::env::var("MOVER_FAILPOINT").ok());
+    if wanted.as_deref() == Some(step) {
+        eprintln!("mover: failpoint {step}: aborting");
+        std::process::abort();
+    }
+}
+
+/// A cycle's journal being written.
+pub(crate) struct Journal {
+    dir: PathBuf,
+    out: BufWriter<File>,
+    len: u64,
+}
+
+impl Journal {
+    /// Starts an empty journal in `dir`, dropping any uncommitted one; a committed one
+    /// whose apply failed part way (a full disk, an I/O error) is applied first.
+    pub fn create(dir: &Path) -> io::Result<Journal> {
+        fs::create_dir_all(dir)?;
+        if dir.join("commit.json").exists() {
+            apply(dir)?;
+        }
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.join("journal"))?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        out.write_all(MAGIC)?;
+        Ok(Journal {
+            dir: dir.into(),
+            out,
+            len: MAGIC.len() as u64,
+        })
+    }
+
+    fn header(&mut self, offset: u64, len: u64, kind: u64) -> io::Result<()> {
+        let mut h = [0u8; 24];
+        h[..8].copy_from_slice(&offset.to_le_bytes());
+        h[8..16].copy_from_slice(&len.to_le_bytes());
+        h[16..].copy_from_slice(&kind.to_le_bytes());
+        self.out.write_all(&h)?;
+        self.len += 24;
+        Ok(())
+    }
+
+    /// Stages `data` to be written at `offset`.
+    pub fn data(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.header(offset, data.len() as u64, KIND_DATA)?;
+        self.out.write_all(data)?;
+        self.len += data.len() as u64;
+        Ok(())
+    }
+
+    /// Stages `len` bytes of zeros at `offset`.
+    pub fn zeros(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        self.header(offset, len, KIND_ZEROS)
+    }
+
+    /// Makes the journal durable and writes the commit record: from here on, the cycle
+    /// will be applied even if this process dies. Returns the directory to [`apply`].
+    pub fn commit(mut self, cycle: AppliedCycle, volume: &Path) -> io::Result<PathBuf> {
+        self.out.flush()?;
+        self.out.get_ref().sync_all()?;
+        failpoint("cycle-staged");
+        let commit = Commit {
+            version: RECORD_VERSION,
+            cycle,
+            volume: volume.into(),
+            journal_len: self.len,
+        };
+        let body = serde_json::to_vec(&commit).map_err(io::Error::other)?;
+        write_durably(&self.dir.join("commit.json"), &body)?;
+        failpoint("cycle-committed");
+        Ok(self.dir)
+    }
+}
+
+/// Applies the committed journal in `dir` onto its volume, fsyncs it, records the cycle
+/// as applied, and removes the journal. Returns the applied cycle.
+pub(crate) fn apply(dir: &Path) -> io::Result<AppliedCycle> {
+    let text = fs::read_to_string(dir.join("commit.json"))?;
+    let commit: Commit = serde_json::from_str(&text).map_err(io::Error::other)?;
+    if commit.version != RECORD_VERSION {
+        return Err(io::Error::other(format!(
+            "commit record version {} in {} (this build reads {RECORD_VERSION})",
+            commit.version,
+            dir.display()
+        )));
+    }
+    let volume = OpenOptions::new().write(true).open(&commit.volume)?;
+    let journal = File::open(dir.join("journal"))?;
+    if journal.metadata()?.len() < commit.journal_len {
+        return Err(io::Error::other(format!(
+            "the journal in {} is shorter than its commit record says: the state \
+             directory was damaged; resync this secondary",
+            dir.display()
+        )));
+    }
+    let mut input = BufReader::with_capacity(1 << 20, journal.take(commit.journal_len));
+    let mut magic = [0u8; 8];
+    input.read_exact(&mut magic)?;
+    if &magic != MAGIC {
+        return Err(io::Error::other(format!(
+            "{} is not a mover journal",
+            dir.display()
+        )));
+    }
+    let mut buf = Vec::new();
+    let mut records = 0u64;
+    loop {
+        let mut h = [0u8; 24];
+        match input.read_exact(&mut h) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break,
+            Err(e) => return Err(e),
+        }
+        let word = |i: usize| u64::from_le_bytes(h[i * 8..i * 8 + 8].try_into().expect("8"));
+        let (offset, len, kind) = (word(0), word(1), word(2));
+        match kind {
+            KIND_DATA => {
+                buf.resize(len as usize, 0);
+                input.read_exact(&mut buf)?;
+                volume.write_all_at(&buf, offset)?;
+            }
+            KIND_ZEROS => zero_range(&volume, &commit.volume, offset, len)
+                .map_err(|e| io::Error::other(e.to_string()))?,
+            other => {
+                return Err(io::Error::other(format!(
+                    "unknown record kind {other} in {}",
+                    dir.display()
+                )));
+            }
+        }
+        records += 1;
+        if records == 1 {
+            failpoint("cycle-mid-apply");
+        }
+    }
+    volume.sync_all()?;
+    let mut cycle = commit.cycle;
+    cycle.applied_ms = now_ms();
+    record_applied(dir, &cycle)?;
+    fs::remove_file(dir.join("commit.json"))?;
+    let _ = fs::remove_file(dir.join("journal"));
+    File::open(dir)?.sync_all()?;
+    Ok(cycle)
+}
+
+/// Records `cycle` as the last one applied in `dir`.
+pub(crate) fn record_applied(dir: &Path, cycle: &AppliedCycle) -> io::Result<()> {
+    let body = serde_json::to_vec(cycle).map_err(io::Error::other)?;
+    write_durably(&dir.join("applied.json"), &body)
+}
+
+/// Drops an uncommitted journal in `dir` (a cycle that will not be finished).
+pub(crate) fn discard(dir: &Path) {
+    if !dir.join("commit.json").exists() {
+        let _ = fs::remove_file(dir.join("journal"));
+    }
+}
+
+/// At start-up: applies every committed journal under `state_dir` and drops the
+/// uncommitted ones. Returns what was applied, and errors by directory.
+pub(crate) fn recover(state_dir: &Path) -> Vec<(PathBuf, io::Result<AppliedCycle>)> {
+    let mut out = Vec::new();
+    let Ok(entries) = fs::read_dir(state_dir.join("cycles")) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let dir = e.path();
+        if dir.join("commit.json").exists() {
+            let r = apply(&dir);
+            out.push((dir, r));
+        } else {
+            discard(&dir);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cycle(id: u64) -> AppliedCycle {
+        AppliedCycle {
+            version: RECORD_VERSION,
+            relationship: "r".into(),
+            id,
+            root: "00".into(),
+            point_in_time_ms: 5,
+            epoch: 1,
+            r#final: false,
+            consistency: "point-in-time".into(),
+            applied_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_committed_journal_is_applied_and_an_uncommitted_one_dropped() {
+        let state = tempfile::tempdir().unwrap();
+        let img = state.path().join("vol.img");
+        fs::write(&img, vec![1u8; 64 << 10]).unwrap();
+
+        // Uncommitted: nothing reaches the volume.
+        let dir = cycles_dir(state.path(), "r");
+        let mut j = Journal::create(&dir).unwrap();
+        j.data(4096, &[9; 4096]).unwrap();
+        drop(j);
+        assert!(recover(state.path()).is_empty());
+        assert!(!dir.join("journal").exists(), "dropped");
+        assert_eq!(fs::read(&img).unwrap(), vec![1u8; 64 << 10]);
+        assert_eq!(applied(&dir), None);
+
+        // Committed: applied by recovery, twice over if need be (idempotent).
+        let mut j = Journal::create(&dir).unwrap();
+        j.data(4096, &[9; 4096]).unwrap();
+        j.zeros(32 << 10, 8192).unwrap();
+        j.commit(cycle(7), &img).unwrap();
+        let commit = fs::read(dir.join("commit.json")).unwrap();
+        let journal = fs::read(dir.join("journal")).unwrap();
+        let r = recover(state.path());
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].1.as_ref().unwrap().id, 7);
+        let mut want = vec![1u8; 64 << 10];
+        want[4096..8192].fill(9);
+        want[32 << 10..40 << 10].fill(0);
+        assert_eq!(fs::read(&img).unwrap(), want);
+        assert_eq!(applied(&dir).unwrap().id, 7);
+        // A crash after the apply but before the commit record was removed.
+        fs::write(dir.join("commit.json"), commit).unwrap();
+        fs::write(dir.join("journal"), journal).unwrap();
+        recover(state.path());
+        assert_eq!(fs::read(&img).unwrap(), want);
+        assert!(!dir.join("commit.json").exists() && !dir.join("journal").exists());
+    }
+
+    #[test]
+    fn a_truncated_journal_is_refused_not_half_applied() {
+        let state = tempfile::tempdir().unwrap();
+        let img = state.path().join("vol.img");
+        fs::write(&img, vec![1u8; 16 << 10]).unwrap();
+        let dir = cycles_dir(state.path(), "r");
+        let mut j = Journal::create(&dir).unwrap();
+        j.data(0, &[9; 8192]).unwrap();
+        j.commit(cycle(1), &img).unwrap();
+        let f = OpenOptions::new()
+            .write(true)
+            .open(dir.join("journal"))
+            .unwrap();
+        f.set_len(100).unwrap();
+        let e = apply(&dir).unwrap_err().to_string();
+        assert!(e.contains("shorter than its commit record"), "{e}");
+        assert_eq!(fs::read(&img).unwrap(), vec![1u8; 16 << 10]);
+    }
+}

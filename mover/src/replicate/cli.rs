@@ -1,0 +1,591 @@
+//! `mover replicate ...`: the CLI of the agents' relationship control API, and `run`,
+//! the same cycle engine in the foreground for a primary without an agent.
+
+use anyhow::Context;
+use mover::remote::{AgentUrl, RemoteOptions, status_error};
+use mover::replicate::{self, Record, Role, Spec, Store};
+use std::{path::PathBuf, time::Duration};
+use transport::control;
+
+/// Where the agent is: `agent://HOST:PORT` (a volume part, if given, is ignored).
+#[derive(Clone, Debug, clap::Args)]
+pub struct AgentArg {
+    /// The agent that holds the relationship: agent://HOST:PORT [env: MOVER_AGENT].
+    #[arg(long, value_name = "URL", env = "MOVER_AGENT")]
+    agent: String,
+    #[command(flatten)]
+    remote: RemoteOptions,
+}
+
+impl AgentArg {
+    fn url(&self) -> anyhow::Result<AgentUrl> {
+        let s = self.agent.trim_end_matches('/');
+        let with_volume = if s.matches('/').count() > 2 {
+            s.to_string()
+        } else {
+            format!("{s}/-")
+        };
+        Ok(AgentUrl::parse(&with_volume)
+            .ok_or_else(|| anyhow::anyhow!("--agent {s:?}: expected agent://HOST:PORT"))??)
+    }
+
+    async fn client(&self) -> anyhow::Result<(mover::remote::ControlClient, AgentUrl)> {
+        let url = self.url()?;
+        Ok((self.remote.connect_control(&url).await?, url))
+    }
+}
+
+/// `mover replicate` subcommands.
+#[derive(clap::Subcommand)]
+pub enum ReplicateCommand {
+    /// Create a relationship on the primary's agent: its export replicates to a secondary.
+    #[command(
+        long_about = "Create a relationship on the agent that holds the primary \
+        volume (--agent). The agent checks that VOLUME is one of its exports, that the \
+        secondary is reachable and writable, and starts cycles at once: the first copies \
+        the whole volume (sparse, zeros never shipped), later ones only the pages that \
+        changed. The secondary always equals one completed cycle.\n\nExample:\n  \
+        mover replicate create pg-data --agent agent://node-a:7070 --volume pg \\\n      \
+        --secondary agent://node-b:7070/pg-replica --interval 30s"
+    )]
+    Create {
+        /// The relationship's name (fencing epochs and chunk keys are per name).
+        name: String,
+        /// The primary volume: an export of the agent.
+        #[arg(long)]
+        volume: String,
+        /// The secondary volume: agent://HOST:PORT/EXPORT.
+        #[arg(long, value_name = "URL")]
+        secondary: String,
+        /// Time between the starts of two cycles (e.g. 30s, 5m); the RPO is about twice this.
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        interval: Duration,
+        /// Bandwidth limit on the wire, e.g. 100M (bytes per second) [default: none].
+        #[arg(long, value_name = "RATE", value_parser = parse_rate)]
+        bwlimit: Option<u64>,
+        /// Chunk size (a power of two from 64K to 8M).
+        #[arg(long, default_value_t = chunker::ChunkSize::DEFAULT)]
+        chunk_size: chunker::ChunkSize,
+        /// Mount point of the filesystem inside the volume, frozen (FIFREEZE) while the
+        /// point in time is taken: application-consistent cycles.
+        #[arg(long, value_name = "MOUNT")]
+        freeze: Option<PathBuf>,
+        #[command(flatten)]
+        agent: AgentArg,
+    },
+    /// Show one relationship: role, state, last cycle, RPO, errors.
+    Status {
+        /// The relationship.
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Redraw every N seconds until interrupted.
+        #[arg(long, value_name = "SECS")]
+        watch: Option<u64>,
+        #[command(flatten)]
+        agent: AgentArg,
+    },
+    /// List the relationships an agent holds (either side).
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        agent: AgentArg,
+    },
+    /// Change a relationship's interval or bandwidth limit, or pause/resume its cycles.
+    Update {
+        /// The relationship.
+        name: String,
+        /// Time between the starts of two cycles.
+        #[arg(long, value_parser = parse_duration)]
+        interval: Option<Duration>,
+        /// Bandwidth limit on the wire (0: none).
+        #[arg(long, value_name = "RATE", value_parser = parse_rate)]
+        bwlimit: Option<u64>,
+        /// Stop running cycles until --resume.
+        #[arg(long, conflicts_with = "resume")]
+        pause: bool,
+        /// Run cycles again.
+        #[arg(long)]
+        resume: bool,
+        #[command(flatten)]
+        agent: AgentArg,
+    },
+    /// Run one cycle now on the primary and wait for it.
+    Sync {
+        /// The relationship.
+        name: String,
+        #[command(flatten)]
+        agent: AgentArg,
+    },
+    /// Make the secondary the primary, under a new fencing epoch.
+    #[command(
+        long_about = "Make this agent's side (the secondary) the primary under a \
+        new epoch: the old primary's writes are refused from then on. Without --force \
+        the last applied cycle must be the final cycle of a demote (planned failover); \
+        with --force (the primary is gone) the volume stays at its last committed cycle."
+    )]
+    Promote {
+        /// The relationship.
+        name: String,
+        /// The primary is unreachable: promote from the last committed cycle.
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        agent: AgentArg,
+    },
+    /// Ship a final cycle from the primary and make it the secondary (planned failover).
+    Demote {
+        /// The relationship.
+        name: String,
+        #[command(flatten)]
+        agent: AgentArg,
+    },
+    /// Make a fenced old primary the secondary of the current one (failback by delta).
+    #[command(
+        long_about = "After a forced promote of the peer, make this (old, fenced) \
+        primary its secondary: the new primary's next cycle brings it up to date, shipping \
+        only the pages that differ. If this side was written after the last common cycle, \
+        that is a split brain: resync refuses unless --discard-local."
+    )]
+    Resync {
+        /// The relationship.
+        name: String,
+        /// Throw away what this side wrote after the split.
+        #[arg(long)]
+        discard_local: bool,
+        #[command(flatten)]
+        agent: AgentArg,
+    },
+    /// Stop and forget a relationship on this agent; the volume stays as it is.
+    Delete {
+        /// The relationship.
+        name: String,
+        #[command(flatten)]
+        agent: AgentArg,
+    },
+    /// Replicate a local volume from this process (no agent on the primary's node).
+    #[command(
+        long_about = "Run cycles of SRC (an image file or block device) into a \
+        secondary agent's export, in the foreground, every --interval. Each cycle takes a \
+        point in time (a reflink clone of an image on XFS/Btrfs, else the live volume: \
+        crash-inconsistent), ships the pages that differ, and commits them atomically on \
+        the secondary. The relationship's epoch and last cycle are kept in --state-dir."
+    )]
+    Run {
+        /// The primary volume: an image file or a block device.
+        src: PathBuf,
+        /// The secondary volume: agent://HOST:PORT/EXPORT.
+        dst: String,
+        /// Time between the starts of two cycles.
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        interval: Duration,
+        /// Stop after this many cycles [default: run until interrupted].
+        #[arg(long)]
+        cycles: Option<u64>,
+        /// Chunk size.
+        #[arg(long, default_value_t = chunker::ChunkSize::DEFAULT)]
+        chunk_size: chunker::ChunkSize,
+        /// Mount point frozen while the point in time is taken.
+        #[arg(long, value_name = "MOUNT")]
+        freeze: Option<PathBuf>,
+        /// Where the relationship's record is kept.
+        #[arg(
+            long,
+            value_name = "DIR",
+            env = "MOVER_STATE_DIR",
+            default_value = "/var/lib/mover"
+        )]
+        state_dir: PathBuf,
+        #[command(flatten)]
+        remote: RemoteOptions,
+    },
+}
+
+/// Parses `500ms`, `30s`, `5m`, `1h` (a bare number is seconds).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{s:?}: expected e.g. 30s, 5m, 1h"))?;
+    let ms = match unit {
+        "ms" => n,
+        "" | "s" => n * 1000,
+        "m" => n * 60_000,
+        "h" => n * 3_600_000,
+        _ => return Err(format!("{s:?}: unit must be ms, s, m or h")),
+    };
+    Ok(Duration::from_millis(ms))
+}
+
+fn parse_rate(s: &str) -> Result<u64, String> {
+    chunker::parse_size(s.trim_end_matches("/s")).map_err(|e| e.to_string())
+}
+
+/// Runs a `mover replicate` subcommand.
+pub fn run(cmd: ReplicateCommand) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    rt.block_on(run_async(cmd))
+}
+
+async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
+    use ReplicateCommand as C;
+    let call = |url: &AgentUrl, s: tonic::Status| anyhow::Error::from(status_error(url, s));
+    match cmd {
+        C::Create {
+            name,
+            volume,
+            secondary,
+            interval,
+            bwlimit,
+            chunk_size,
+            freeze,
+            agent,
+        } => {
+            let (mut c, url) = agent.client().await?;
+            let spec = control::Spec {
+                name,
+                volume,
+                peer: secondary,
+                interval_ms: interval.as_millis() as u64,
+                bwlimit: bwlimit.unwrap_or(0),
+                chunk_size: chunk_size.get(),
+                freeze: freeze.map(|p| p.display().to_string()).unwrap_or_default(),
+            };
+            let s = c
+                .create(control::CreateRequest {
+                    spec: Some(spec),
+                    self_address: format!("{}:{}", url.host, url.port),
+                })
+                .await
+                .map_err(|s| call(&url, s))?
+                .into_inner();
+            print_status(&s, false);
+        }
+        C::Status {
+            name,
+            json,
+            watch,
+            agent,
+        } => {
+            let (mut c, url) = agent.client().await?;
+            loop {
+                let s = c
+                    .get(control::NameRequest { name: name.clone() })
+                    .await
+                    .map_err(|s| call(&url, s))?
+                    .into_inner();
+                if watch.is_some() && !json {
+                    print!("\x1b[2J\x1b[H"); // clear the screen for the next view
+                }
+                print_status(&s, json);
+                match watch {
+                    Some(secs) => tokio::time::sleep(Duration::from_secs(secs.max(1))).await,
+                    None => break,
+                }
+            }
+        }
+        C::List { json, agent } => {
+            let (mut c, url) = agent.client().await?;
+            let l = c
+                .list(control::ListRequest {})
+                .await
+                .map_err(|s| call(&url, s))?
+                .into_inner();
+            if json {
+                let all: Vec<_> = l.relationships.iter().map(status_json).collect();
+                println!("{}", serde_json::Value::Array(all));
+            } else if l.relationships.is_empty() {
+                println!("no relationships on {}:{}", url.host, url.port);
+            } else {
+                println!(
+                    "{:<24} {:<10} {:<12} {:>6} {:>10} {:>8}  PEER",
+                    "NAME", "ROLE", "STATE", "EPOCH", "LAST", "RPO"
+                );
+                for s in &l.relationships {
+                    let spec = s.spec.clone().unwrap_or_default();
+                    println!(
+                        "{:<24} {:<10} {:<12} {:>6} {:>10} {:>8}  {}",
+                        spec.name,
+                        s.role,
+                        s.state,
+                        s.epoch,
+                        s.last_cycle
+                            .as_ref()
+                            .map_or("-".into(), |c| c.id.to_string()),
+                        rpo(s),
+                        spec.peer
+                    );
+                }
+            }
+        }
+        C::Update {
+            name,
+            interval,
+            bwlimit,
+            pause,
+            resume,
+            agent,
+        } => {
+            let (mut c, url) = agent.client().await?;
+            let s = c
+                .update(control::UpdateRequest {
+                    name,
+                    interval_ms: interval.map(|d| d.as_millis() as u64),
+                    bwlimit,
+                    paused: (pause || resume).then_some(pause),
+                })
+                .await
+                .map_err(|s| call(&url, s))?
+                .into_inner();
+            print_status(&s, false);
+        }
+        C::Sync { name, agent } => {
+            let (mut c, url) = agent.client().await?;
+            let s = c
+                .sync(control::NameRequest { name })
+                .await
+                .map_err(|s| call(&url, s))?
+                .into_inner();
+            print_status(&s, false);
+        }
+        C::Promote { name, force, agent } => {
+            let (mut c, url) = agent.client().await?;
+            let s = c
+                .promote(control::PromoteRequest { name, force })
+                .await
+                .map_err(|s| call(&url, s))?
+                .into_inner();
+            print_status(&s, false);
+        }
+        C::Demote { name, agent } => {
+            let (mut c, url) = agent.client().await?;
+            let s = c
+                .demote(control::NameRequest { name })
+                .await
+                .map_err(|s| call(&url, s))?
+                .into_inner();
+            print_status(&s, false);
+        }
+        C::Resync {
+            name,
+            discard_local,
+            agent,
+        } => {
+            let (mut c, url) = agent.client().await?;
+            let s = c
+                .resync(control::ResyncRequest {
+                    name,
+                    discard_local,
+                })
+                .await
+                .map_err(|s| call(&url, s))?
+                .into_inner();
+            print_status(&s, false);
+        }
+        C::Delete { name, agent } => {
+            let (mut c, url) = agent.client().await?;
+            c.delete(control::NameRequest { name: name.clone() })
+                .await
+                .map_err(|s| call(&url, s))?;
+            println!("deleted relationship {name} on {}:{}", url.host, url.port);
+        }
+        C::Run {
+            src,
+            dst,
+            interval,
+            cycles,
+            chunk_size,
+            freeze,
+            state_dir,
+            remote,
+        } => {
+            run_foreground(
+                src, dst, interval, cycles, chunk_size, freeze, state_dir, remote,
+            )
+            .await?
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_foreground(
+    src: PathBuf,
+    dst: String,
+    interval: Duration,
+    cycles: Option<u64>,
+    chunk_size: chunker::ChunkSize,
+    freeze: Option<PathBuf>,
+    state_dir: PathBuf,
+    remote: RemoteOptions,
+) -> anyhow::Result<()> {
+    let peer = AgentUrl::parse(&dst).ok_or_else(|| {
+        anyhow::anyhow!("{dst}: the secondary must be agent://HOST:PORT/EXPORT")
+    })??;
+    let name = remote
+        .relationship
+        .clone()
+        .unwrap_or_else(|| format!("run/{}", peer.volume));
+    let store = Store::open(&state_dir.join("run"))?;
+    let mut record = store.get(&name).unwrap_or(Record {
+        version: replicate::store::RECORD_VERSION,
+        spec: Spec {
+            name: name.clone(),
+            volume: src.display().to_string(),
+            peer: peer.to_string(),
+            interval_ms: interval.as_millis() as u64,
+            bwlimit: remote.bwlimit.unwrap_or(0),
+            chunk_size: chunk_size.get(),
+            freeze: None,
+        },
+        role: Role::Primary,
+        epoch: remote.epoch,
+        paused: false,
+        halt: None,
+        last_cycle: None,
+        this_side: String::new(),
+        history: Vec::new(),
+    });
+    record.spec.freeze = freeze;
+    record.spec.interval_ms = interval.as_millis() as u64;
+    let mut done = 0u64;
+    loop {
+        let started = tokio::time::Instant::now();
+        let c = replicate::cycle::run(&record, &src, &remote, false, &()).await;
+        match c {
+            Ok(c) => {
+                println!(
+                    "cycle {}: {} read, {} shipped in {:.2}s ({}); RPO {:.1}s",
+                    c.id,
+                    human(c.bytes_read),
+                    human(c.bytes_shipped),
+                    c.duration_ms as f64 / 1000.0,
+                    c.consistency,
+                    (replicate::now_ms() - c.point_in_time_ms) as f64 / 1000.0
+                );
+                record.last_cycle = Some(c);
+                store.put(record.clone())?;
+            }
+            Err(e) if e.is_retryable() => {
+                eprintln!("mover: cycle failed, retrying next interval: {e}")
+            }
+            Err(e) => return Err(e.into()),
+        }
+        done += 1;
+        if cycles.is_some_and(|n| done >= n) {
+            return Ok(());
+        }
+        tokio::time::sleep_until(started + interval).await;
+    }
+}
+
+fn rpo(s: &control::Status) -> String {
+    if s.rpo_seconds < 0.0 {
+        "-".into()
+    } else {
+        format!("{:.1}s", s.rpo_seconds)
+    }
+}
+
+fn human(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let (mut v, mut u) = (b as f64, 0);
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// A status as JSON, with the field names of the control API.
+fn status_json(s: &control::Status) -> serde_json::Value {
+    let spec = s.spec.clone().unwrap_or_default();
+    serde_json::json!({
+        "name": spec.name,
+        "volume": spec.volume,
+        "peer": spec.peer,
+        "interval_ms": spec.interval_ms,
+        "bwlimit": spec.bwlimit,
+        "chunk_size": spec.chunk_size,
+        "freeze": spec.freeze,
+        "role": s.role,
+        "state": s.state,
+        "epoch": s.epoch,
+        "paused": s.paused,
+        "consistency": s.consistency,
+        "rpo_seconds": (s.rpo_seconds >= 0.0).then_some(s.rpo_seconds),
+        "last_cycle": s.last_cycle.as_ref().map(|c| serde_json::json!({
+            "id": c.id,
+            "point_in_time_ms": c.point_in_time_ms,
+            "started_ms": c.started_ms,
+            "duration_ms": c.duration_ms,
+            "bytes_read": c.bytes_read,
+            "bytes_shipped": c.bytes_shipped,
+            "root": c.root,
+            "final": c.r#final,
+        })),
+        "last_error": s.last_error,
+        "missed_intervals": s.missed_intervals,
+        "cycles_ok": s.cycles_ok,
+        "cycles_failed": s.cycles_failed,
+        "progress": {"done": s.progress_done, "total": s.progress_total},
+        "history": s.history.iter().map(|h| serde_json::json!({
+            "epoch": h.epoch, "last_common_cycle": h.last_common_cycle
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn print_status(s: &control::Status, json: bool) {
+    if json {
+        println!("{}", status_json(s));
+        return;
+    }
+    let spec = s.spec.clone().unwrap_or_default();
+    println!(
+        "{}: {} ({}), epoch {}, {} -> {}",
+        spec.name, s.state, s.role, s.epoch, spec.volume, spec.peer
+    );
+    match &s.last_cycle {
+        Some(c) => println!(
+            "  last cycle {}: {} read, {} shipped in {:.2}s; RPO {}; {}{}",
+            c.id,
+            human(c.bytes_read),
+            human(c.bytes_shipped),
+            c.duration_ms as f64 / 1000.0,
+            rpo(s),
+            s.consistency,
+            if c.r#final {
+                " (final cycle of a demote)"
+            } else {
+                ""
+            }
+        ),
+        None => println!("  no cycle completed yet"),
+    }
+    if s.progress_total > 0 {
+        println!(
+            "  cycle running: {} of {} compared",
+            human(s.progress_done),
+            human(s.progress_total)
+        );
+    }
+    println!(
+        "  cycles: {} ok, {} failed, {} intervals missed; every {:.1}s",
+        s.cycles_ok,
+        s.cycles_failed,
+        s.missed_intervals,
+        spec.interval_ms as f64 / 1000.0
+    );
+    if !s.last_error.is_empty() {
+        println!("  last error: {}", s.last_error);
+    }
+}

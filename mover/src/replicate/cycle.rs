@@ -1,0 +1,173 @@
+//! One replication cycle on the primary: a point in time of the source, the pages that
+//! differ from the secondary, shipped and committed there as one atomic cycle.
+
+use super::{
+    now_ms,
+    store::{CycleRecord, Record},
+};
+use crate::{
+    CopyOptions, Progress,
+    error::CopyError,
+    remote::{AgentUrl, RemoteOptions, push_cycle},
+};
+use chunker::{ChunkSize, extents};
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+use transport::proto;
+
+/// How long a filesystem may stay frozen while a cycle reads a volume that cannot be
+/// cloned: past that it is thawed and the cycle fails (applications must not hang).
+const FREEZE_MAX: Duration = Duration::from_secs(60);
+/// How long a filesystem may stay frozen while a clone is taken.
+const FREEZE_FOR_CLONE: Duration = Duration::from_secs(10);
+
+/// Consistency labels, as status reports them.
+pub const POINT_IN_TIME: &str = "point-in-time";
+/// See [`POINT_IN_TIME`].
+pub const CRASH_INCONSISTENT: &str = "crash-inconsistent";
+
+/// A point in time of the source: a reflink clone (removed when dropped), or the live
+/// volume, possibly with its filesystem frozen until dropped.
+struct PointInTime {
+    read: PathBuf,
+    clone: Option<PathBuf>,
+    _frozen: Option<extents::Frozen>,
+    at_ms: i64,
+    consistency: &'static str,
+}
+
+impl Drop for PointInTime {
+    fn drop(&mut self) {
+        if let Some(c) = &self.clone {
+            let _ = std::fs::remove_file(c);
+        }
+    }
+}
+
+/// Where the clone of `source` for relationship `name` is made: beside the image (a
+/// reflink needs the same filesystem), hidden.
+fn clone_path(source: &Path, name: &str) -> PathBuf {
+    let h = blake3::hash(name.as_bytes()).to_hex();
+    let file = source
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    source.with_file_name(format!(".{file}.mover-pit-{}", &h[..12]))
+}
+
+fn take_point_in_time(
+    source: &Path,
+    name: &str,
+    freeze: Option<&Path>,
+) -> Result<PointInTime, CopyError> {
+    let freeze_err = |mount: &Path, e: std::io::Error| CopyError::BadSource {
+        path: mount.into(),
+        why: format!(
+            "cannot freeze the filesystem mounted there ({e}); fix the relationship's \
+             freeze setting or drop it"
+        ),
+    };
+    let is_file = std::fs::metadata(source).is_ok_and(|m| m.is_file());
+    if is_file {
+        let clone = clone_path(source, name);
+        let _ = std::fs::remove_file(&clone); // a leftover of a killed cycle
+        let frozen = match freeze {
+            Some(m) => Some(extents::freeze(m, FREEZE_FOR_CLONE).map_err(|e| freeze_err(m, e))?),
+            None => None,
+        };
+        let at_ms = now_ms();
+        match extents::clone_file(source, &clone) {
+            Ok(()) => {
+                drop(frozen);
+                return Ok(PointInTime {
+                    read: clone.clone(),
+                    clone: Some(clone),
+                    _frozen: None,
+                    at_ms,
+                    consistency: POINT_IN_TIME,
+                });
+            }
+            Err(e) if extents::is_no_reflink(&e) => {}
+            Err(e) => {
+                return Err(CopyError::BadSource {
+                    path: source.into(),
+                    why: format!("cannot clone it for a point in time: {e}"),
+                });
+            }
+        }
+    }
+    // No reflinks: the live volume, frozen for the whole read where asked.
+    let frozen = match freeze {
+        Some(m) => Some(extents::freeze(m, FREEZE_MAX).map_err(|e| freeze_err(m, e))?),
+        None => None,
+    };
+    Ok(PointInTime {
+        read: source.into(),
+        clone: None,
+        consistency: if frozen.is_some() {
+            POINT_IN_TIME
+        } else {
+            CRASH_INCONSISTENT
+        },
+        _frozen: frozen,
+        at_ms: now_ms(),
+    })
+}
+
+/// Runs one cycle of `record` from the export at `source`; `last` marks a demote's
+/// final cycle. `remote` carries how to reach the peer (auth, streams, retries).
+pub async fn run(
+    record: &Record,
+    source: &Path,
+    remote: &RemoteOptions,
+    last: bool,
+    progress: &dyn Progress,
+) -> Result<CycleRecord, CopyError> {
+    let spec = &record.spec;
+    let peer = AgentUrl::parse(&spec.peer).ok_or_else(|| CopyError::BadDestination {
+        path: spec.peer.clone().into(),
+        why: "not an agent URL; expected agent://HOST:PORT/VOLUME".into(),
+    })??;
+    let started_ms = now_ms();
+    let t0 = Instant::now();
+    let source = source.to_path_buf();
+    let (name, freeze) = (spec.name.clone(), spec.freeze.clone());
+    let pit =
+        tokio::task::spawn_blocking(move || take_point_in_time(&source, &name, freeze.as_deref()))
+            .await
+            .map_err(|e| CopyError::BadSource {
+                path: spec.volume.clone().into(),
+                why: e.to_string(),
+            })??;
+    let cycle = proto::Cycle {
+        id: record.next_cycle(),
+        point_in_time_ms: pit.at_ms,
+        consistency: pit.consistency.into(),
+        r#final: last,
+        primary: record.this_side.clone(),
+        interval_ms: spec.interval_ms,
+        bwlimit: spec.bwlimit,
+    };
+    let copy = CopyOptions {
+        chunk_size: ChunkSize::new(spec.chunk_size).map_err(CopyError::from)?,
+        ..Default::default()
+    };
+    let mut remote = remote.clone();
+    remote.relationship = Some(spec.name.clone());
+    remote.epoch = record.epoch;
+    remote.bwlimit = (spec.bwlimit > 0).then_some(spec.bwlimit);
+    let sum = push_cycle(&pit.read, &peer, &copy, &remote, &cycle, progress).await?;
+    Ok(CycleRecord {
+        id: cycle.id,
+        point_in_time_ms: pit.at_ms,
+        started_ms,
+        duration_ms: t0.elapsed().as_millis() as u64,
+        bytes_read: sum.source_bytes_read,
+        bytes_shipped: sum.wire_bytes,
+        root: sum.root.unwrap_or_default(),
+        r#final: last,
+        consistency: pit.consistency.into(),
+    })
+}

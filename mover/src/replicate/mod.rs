@@ -1,0 +1,105 @@
+//! Continuous replication (shared/DESIGN.md §6).
+//!
+//! A relationship pairs a primary volume (an export of the agent that hosts it) with a
+//! secondary (`agent://HOST:PORT/NAME`). The primary's agent runs cycles on an interval
+//! ([`runner`]): a point in time of the source (a reflink clone of an image, optionally
+//! with its filesystem frozen while the clone is taken; else the live volume), the pages
+//! that differ from the secondary (Merkle comparison), shipped and committed there as one
+//! atomic cycle (the secondary's journal, `agent::journal`). Both sides keep a durable
+//! record of the relationship ([`store`]); epochs fence a demoted or stale primary.
+
+pub mod cycle;
+pub mod runner;
+pub mod store;
+
+pub use runner::Runners;
+pub use store::{CycleRecord, EpochChange, Halt, Record, Role, Spec, Store};
+
+use transport::control;
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// The minimum interval between cycles.
+pub const MIN_INTERVAL_MS: u64 = 1000;
+
+/// The state status reports, from the record and what this process saw.
+pub fn state_of(r: &Record, live: &runner::Live) -> &'static str {
+    match (r.role, r.halt) {
+        (_, Some(Halt::SplitBrain)) => "SplitBrain",
+        (_, Some(Halt::Fenced)) => "Fenced",
+        (Role::Secondary, None) => "Secondary",
+        (Role::Primary, None) if r.paused => "Paused",
+        (Role::Primary, None) if live.degraded => "Degraded",
+        (Role::Primary, None) if r.last_cycle.is_none() => "Resyncing",
+        (Role::Primary, None) => "Replicating",
+    }
+}
+
+/// A cycle record as the control API reports it.
+pub fn cycle_report(c: &CycleRecord) -> control::CycleReport {
+    control::CycleReport {
+        id: c.id,
+        point_in_time_ms: c.point_in_time_ms,
+        started_ms: c.started_ms,
+        duration_ms: c.duration_ms,
+        bytes_read: c.bytes_read,
+        bytes_shipped: c.bytes_shipped,
+        root: c.root.clone(),
+        r#final: c.r#final,
+    }
+}
+
+/// The control API's status of `r`; `last` is the last cycle this side knows of (the
+/// secondary's last applied one, the primary's last committed one).
+pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> control::Status {
+    let now = now_ms();
+    control::Status {
+        spec: Some(control::Spec {
+            name: r.spec.name.clone(),
+            volume: r.spec.volume.clone(),
+            peer: r.spec.peer.clone(),
+            interval_ms: r.spec.interval_ms,
+            bwlimit: r.spec.bwlimit,
+            chunk_size: r.spec.chunk_size,
+            freeze: r
+                .spec
+                .freeze
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+        }),
+        role: runner::role_str(r.role).into(),
+        state: state_of(r, live).into(),
+        epoch: r.epoch,
+        last_cycle: last.map(cycle_report),
+        rpo_seconds: last.map_or(-1.0, |c| (now - c.point_in_time_ms) as f64 / 1000.0),
+        consistency: last.map(|c| c.consistency.clone()).unwrap_or_default(),
+        last_error: live.last_error.clone(),
+        missed_intervals: live.missed_intervals,
+        cycles_ok: live.cycles_ok,
+        cycles_failed: live.cycles_failed,
+        progress_done: live
+            .progress
+            .done
+            .load(std::sync::atomic::Ordering::Relaxed),
+        progress_total: live
+            .progress
+            .total
+            .load(std::sync::atomic::Ordering::Relaxed),
+        history: r
+            .history
+            .iter()
+            .map(|h| control::EpochChange {
+                epoch: h.epoch,
+                last_common_cycle: h.last_common_cycle,
+            })
+            .collect(),
+        paused: r.paused,
+    }
+}

@@ -1,0 +1,439 @@
+//! Continuous replication between two real `mover agent` processes on 127.0.0.1:
+//! cycles, planned failover and back, forced failover with writes on both sides and a
+//! failback by delta, fencing, bad specs, and kill -9 of either agent at each step of
+//! a cycle.
+
+mod common;
+
+use common::{agent::*, *};
+use rand::{RngCore, SeedableRng, rngs::StdRng};
+use std::{
+    collections::BTreeSet,
+    os::unix::fs::FileExt,
+    path::Path,
+    process::Output,
+    time::{Duration, Instant},
+};
+
+const LEN: u64 = 32 * MIB;
+
+/// `mover replicate ARGS` with the test token.
+fn replicate(args: &[&str]) -> Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
+        .arg("replicate")
+        .args(args)
+        .env("MOVER_TOKEN", TOKEN)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "mover replicate failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn refused(out: Output, expect: &str) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "wanted a refusal: {err}");
+    assert!(err.contains(expect), "wanted {expect:?} in {err}");
+    err
+}
+
+fn control(agent: &Agent) -> String {
+    format!("agent://127.0.0.1:{}", agent.port)
+}
+
+fn status(agent: &Agent, name: &str) -> serde_json::Value {
+    let out = ok(replicate(&[
+        "status",
+        name,
+        "--json",
+        "--agent",
+        &control(agent),
+    ]));
+    serde_json::from_str(&out).unwrap()
+}
+
+/// Waits until `name`'s status on `agent` satisfies `cond`.
+fn wait_for(agent: &Agent, name: &str, what: &str, cond: impl Fn(&serde_json::Value) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = status(agent, name);
+        if cond(&s) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "waited for {what}: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Writes new random data into `count` distinct pages of `path`; returns their indices.
+fn scribble(path: &Path, seed: u64, count: usize) -> BTreeSet<u64> {
+    let f = std::fs::File::options().write(true).open(path).unwrap();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut pages = BTreeSet::new();
+    while pages.len() < count {
+        pages.insert(rng.next_u64() % (LEN / PAGE));
+    }
+    let mut buf = vec![0u8; PAGE as usize];
+    for p in &pages {
+        rng.fill_bytes(&mut buf);
+        f.write_all_at(&buf, p * PAGE).unwrap();
+    }
+    f.sync_all().unwrap();
+    pages
+}
+
+/// Two agents in their own directories, each exporting `vol`; the primary's image holds
+/// data, the secondary's does not exist yet.
+struct Pair {
+    _t: tempfile::TempDir,
+    a: Agent,
+    b: Agent,
+    a_img: std::path::PathBuf,
+    b_img: std::path::PathBuf,
+}
+
+fn pair(b_env: &[(&str, &str)]) -> Pair {
+    let t = tempfile::tempdir().unwrap();
+    let (da, db) = (t.path().join("a"), t.path().join("b"));
+    std::fs::create_dir_all(&da).unwrap();
+    std::fs::create_dir_all(&db).unwrap();
+    let (a_img, b_img) = (da.join("vol.img"), db.join("vol.img"));
+    make_image(&a_img, LEN, 1, &[(0, 6 * MIB), (20 * MIB, 3 * MIB)]);
+    let a = Agent::start(&da, &[("vol", &a_img, false)], None);
+    let b = Agent::start_with_env(&db, &[("vol", &b_img, false)], b_env);
+    Pair {
+        _t: t,
+        a,
+        b,
+        a_img,
+        b_img,
+    }
+}
+
+impl Pair {
+    fn create(&self, name: &str) {
+        ok(replicate(&[
+            "create",
+            name,
+            "--agent",
+            &control(&self.a),
+            "--volume",
+            "vol",
+            "--secondary",
+            &self.b.url("vol"),
+            "--interval",
+            "1h",
+        ]));
+        wait_for(&self.a, name, "the first cycle", |s| {
+            s["last_cycle"]["id"].as_u64() >= Some(1)
+        });
+    }
+
+    fn same(&self) -> bool {
+        blake3_of(&self.a_img, LEN) == blake3_of(&self.b_img, LEN)
+    }
+}
+
+fn sync(agent: &Agent, name: &str) -> serde_json::Value {
+    ok(replicate(&["sync", name, "--agent", &control(agent)]));
+    status(agent, name)
+}
+
+#[test]
+fn cycles_ship_changed_pages_and_a_planned_failover_and_back_ships_nothing() {
+    let p = pair(&[]);
+    p.create("r");
+    assert!(p.same(), "the first cycle copies the volume");
+    let s = status(&p.a, "r");
+    assert_eq!(s["role"], "primary");
+    assert_eq!(s["state"], "Replicating");
+    assert_eq!(s["epoch"], 1);
+    assert!(s["rpo_seconds"].as_f64().unwrap() < 60.0, "{s}");
+    assert_eq!(status(&p.b, "r")["role"], "secondary");
+
+    // A cycle ships exactly the changed pages (random data does not compress).
+    let changed = scribble(&p.a_img, 2, 100);
+    let s = sync(&p.a, "r");
+    assert!(p.same());
+    assert_eq!(
+        s["last_cycle"]["bytes_shipped"],
+        changed.len() as u64 * PAGE
+    );
+    assert_eq!(status(&p.b, "r")["last_cycle"]["id"], s["last_cycle"]["id"]);
+
+    // Planned failover: demote ships a final cycle, promote raises the epoch.
+    let changed = scribble(&p.a_img, 3, 10);
+    let s = ok(replicate(&["demote", "r", "--agent", &control(&p.a), "--json"]).clone());
+    drop(s);
+    assert!(p.same(), "the final cycle carried the last writes");
+    assert_eq!(status(&p.a, "r")["role"], "secondary");
+    assert_eq!(
+        status(&p.a, "r")["last_cycle"]["bytes_shipped"],
+        changed.len() as u64 * PAGE
+    );
+    ok(replicate(&["promote", "r", "--agent", &control(&p.b)]));
+    let s = sync(&p.b, "r");
+    assert_eq!(
+        (s["role"].as_str(), s["epoch"].as_u64()),
+        (Some("primary"), Some(2))
+    );
+    assert_eq!(
+        s["last_cycle"]["bytes_shipped"], 0,
+        "nothing to ship back: {s}"
+    );
+    assert_eq!(s["history"][0]["epoch"], 2);
+
+    // The new primary's writes reach the old one; the old epoch is fenced off.
+    scribble(&p.b_img, 4, 30);
+    sync(&p.b, "r");
+    assert!(p.same());
+    let stale = copy(
+        p._t.path(),
+        &[
+            p.a_img.to_str().unwrap(),
+            &p.b.url("vol"),
+            "--relationship",
+            "r",
+            "--epoch",
+            "1",
+        ],
+    );
+    let err = String::from_utf8_lossy(&stale.stderr);
+    assert!(err.contains("stale epoch 1"), "{err}");
+    refused(
+        replicate(&["sync", "r", "--agent", &control(&p.a)]),
+        "secondary",
+    );
+
+    // And back again, with nothing extra shipped.
+    ok(replicate(&["demote", "r", "--agent", &control(&p.b)]));
+    ok(replicate(&["promote", "r", "--agent", &control(&p.a)]));
+    let s = sync(&p.a, "r");
+    assert_eq!(
+        (s["role"].as_str(), s["epoch"].as_u64()),
+        (Some("primary"), Some(3))
+    );
+    assert_eq!(s["last_cycle"]["bytes_shipped"], 0);
+    assert!(p.same());
+
+    // Metrics of the relationship on the primary.
+    let m = p.a.http_get("/metrics");
+    for name in [
+        "mover_replication_rpo_seconds{relationship=\"r\",role=\"primary\"}",
+        "mover_replication_cycles_total{relationship=\"r\",role=\"primary\",result=\"ok\"}",
+        "mover_replication_cycle_duration_seconds_count{relationship=\"r\"",
+        "mover_replication_missed_intervals_total",
+        "mover_replication_bytes_shipped_total",
+        "mover_replication_last_sync_timestamp_seconds",
+    ] {
+        assert!(m.contains(name), "{name} in {m}");
+    }
+}
+
+#[test]
+fn forced_failover_then_failback_ships_the_union_of_both_sides_changes() {
+    let mut p = pair(&[]);
+    p.create("r");
+    sync(&p.a, "r");
+    assert!(p.same());
+
+    // The primary's node is lost; the secondary is promoted by force and written.
+    p.a.child.kill().unwrap();
+    p.a.child.wait().unwrap();
+    refused(
+        replicate(&["promote", "r", "--agent", &control(&p.b)]),
+        "not the final cycle of a demote",
+    );
+    ok(replicate(&[
+        "promote",
+        "r",
+        "--force",
+        "--agent",
+        &control(&p.b),
+    ]));
+    let on_b = scribble(&p.b_img, 10, 60);
+    wait_for(&p.b, "r", "Degraded: the old primary is unreachable", |s| {
+        s["state"] == "Degraded"
+    });
+
+    // The old primary comes back having written too: it is fenced by the new epoch.
+    let on_a = scribble(&p.a_img, 11, 40);
+    p.a.kill_and_restart();
+    wait_for(&p.a, "r", "Fenced", |s| s["state"] == "Fenced");
+    let b_says = status(&p.b, "r");
+    assert_eq!(b_says["state"], "Degraded");
+    let err = sync_err(&p.b);
+    assert!(err.contains("is the primary of relationship"), "{err}");
+
+    // Both wrote after the split: resync refuses without --discard-local.
+    refused(
+        replicate(&["resync", "r", "--agent", &control(&p.a)]),
+        "split brain",
+    );
+    assert_eq!(status(&p.a, "r")["state"], "SplitBrain");
+    ok(replicate(&[
+        "resync",
+        "r",
+        "--discard-local",
+        "--agent",
+        &control(&p.a),
+    ]));
+    let s = sync(&p.b, "r");
+    assert!(p.same(), "failback made the old primary equal the new one");
+    let union: BTreeSet<u64> = on_a.union(&on_b).copied().collect();
+    assert_eq!(
+        s["last_cycle"]["bytes_shipped"],
+        union.len() as u64 * PAGE,
+        "exactly the union of the pages either side changed"
+    );
+    assert_eq!(status(&p.a, "r")["role"], "secondary");
+}
+
+fn sync_err(agent: &Agent) -> String {
+    let out = replicate(&["sync", "r", "--agent", &control(agent)]);
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn a_secondary_killed_at_any_step_of_apply_equals_one_cycle_after_restart() {
+    for (step, committed) in [
+        ("cycle-staged", false),
+        ("cycle-committed", true),
+        ("cycle-mid-apply", true),
+    ] {
+        let mut p = pair(&[("MOVER_FAILPOINT", step)]);
+        // The first cycle fills a new image under a temp name: no journal, no failpoint.
+        p.create("r");
+        let before = blake3_of(&p.b_img, LEN);
+        scribble(&p.a_img, 20, 200);
+        let after = blake3_of(&p.a_img, LEN);
+        let out = replicate(&["sync", "r", "--agent", &control(&p.a)]);
+        assert!(
+            !out.status.success(),
+            "{step}: the secondary died mid-cycle"
+        );
+        let _ = p.b.child.wait();
+        // Restart without the failpoint: recovery applies or drops the journal.
+        p.b = Agent::spawn(p.b.config.clone(), p.b.port, p.b.metrics_port);
+        let now = blake3_of(&p.b_img, LEN);
+        let want = if committed { &after } else { &before };
+        assert_eq!(
+            &now, want,
+            "{step}: the secondary equals cycle N or N-1, never a mix"
+        );
+        let applied = status(&p.b, "r")["last_cycle"]["id"].as_u64().unwrap();
+        assert_eq!(applied, if committed { 2 } else { 1 }, "{step}");
+        // The next cycle completes the replication.
+        sync(&p.a, "r");
+        assert!(p.same(), "{step}");
+    }
+}
+
+#[test]
+fn a_primary_killed_mid_cycle_completes_the_next_one() {
+    let t = tempfile::tempdir().unwrap();
+    let (da, db) = (t.path().join("a"), t.path().join("b"));
+    std::fs::create_dir_all(&da).unwrap();
+    std::fs::create_dir_all(&db).unwrap();
+    let (a_img, b_img) = (da.join("vol.img"), db.join("vol.img"));
+    let len = 64 * MIB;
+    make_image(&a_img, len, 5, &[(0, len)]);
+    let mut a = Agent::start(&da, &[("vol", &a_img, false)], None);
+    let b = Agent::start(&db, &[("vol", &b_img, false)], None);
+    // 16 MiB/s: the first cycle takes about 4 s, and is killed in the middle.
+    ok(replicate(&[
+        "create",
+        "r",
+        "--agent",
+        &control(&a),
+        "--volume",
+        "vol",
+        "--secondary",
+        &b.url("vol"),
+        "--interval",
+        "2s",
+        "--bwlimit",
+        "16M",
+    ]));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(status(&a, "r")["last_cycle"].is_null(), "still copying");
+    a.kill_and_restart();
+    wait_for(&a, "r", "a completed cycle after the restart", |s| {
+        s["last_cycle"]["id"].as_u64() >= Some(1)
+    });
+    assert_eq!(blake3_of(&a_img, len), blake3_of(&b_img, len));
+}
+
+#[test]
+fn bad_relationship_specs_are_refused_with_what_to_fix() {
+    let p = pair(&[]);
+    let create = |extra: &[&str]| {
+        let mut args = vec!["create", "bad", "--agent"];
+        let c = control(&p.a);
+        args.push(&c);
+        args.extend_from_slice(extra);
+        replicate(&args)
+    };
+    let sec = p.b.url("vol");
+    refused(
+        create(&["--volume", "nope", "--secondary", &sec]),
+        "not exported",
+    );
+    refused(
+        create(&["--volume", "vol", "--secondary", &sec, "--interval", "0s"]),
+        "too short",
+    );
+    let dead = format!("agent://127.0.0.1:{}/vol", free_port());
+    refused(
+        create(&["--volume", "vol", "--secondary", &dead]),
+        "secondary unreachable",
+    );
+    refused(
+        create(&["--volume", "vol", "--secondary", &p.b.url("missing")]),
+        "not exported",
+    );
+    assert!(ok(replicate(&["list", "--agent", &control(&p.a)])).contains("no relationships"));
+
+    // B's export becomes a secondary; it cannot also be a primary.
+    p.create("r");
+    refused(
+        replicate(&[
+            "create",
+            "r2",
+            "--agent",
+            &control(&p.b),
+            "--volume",
+            "vol",
+            "--secondary",
+            &p.a.url("vol"),
+        ]),
+        "already the secondary of relationship \"r\"",
+    );
+    refused(
+        replicate(&[
+            "create",
+            "r",
+            "--agent",
+            &control(&p.a),
+            "--volume",
+            "vol",
+            "--secondary",
+            &p.b.url("vol"),
+        ]),
+        "exists",
+    );
+    refused(
+        replicate(&["status", "ghost", "--agent", &control(&p.a)]),
+        "no relationship \"ghost\"",
+    );
+    let out = ok(replicate(&["delete", "r", "--agent", &control(&p.a)]));
+    assert!(out.contains("deleted"), "{out}");
+}
