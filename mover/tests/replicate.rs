@@ -72,13 +72,15 @@ fn wait_for(agent: &Agent, name: &str, what: &str, cond: impl Fn(&serde_json::Va
     }
 }
 
-/// Writes new random data into `count` distinct pages of `path`; returns their indices.
+/// Writes new random data into `count` distinct pages of the first 6 MiB of `path` (random
+/// data in every image of the pair, so no page written or overwritten compresses or is
+/// zeros); returns their indices.
 fn scribble(path: &Path, seed: u64, count: usize) -> BTreeSet<u64> {
     let f = std::fs::File::options().write(true).open(path).unwrap();
     let mut rng = StdRng::seed_from_u64(seed);
     let mut pages = BTreeSet::new();
     while pages.len() < count {
-        pages.insert(rng.next_u64() % (LEN / PAGE));
+        pages.insert(rng.next_u64() % (6 * MIB / PAGE));
     }
     let mut buf = vec![0u8; PAGE as usize];
     for p in &pages {

@@ -44,10 +44,17 @@ impl Control {
         let live = live.lock().expect("live lock");
         let last = match r.role {
             Role::Primary => r.last_cycle.clone(),
+            // The applied record is the truth; the relationship's own record has more
+            // detail (bytes shipped) when this side shipped that cycle (a demote).
             Role::Secondary => {
-                journal::applied(&journal::cycles_dir(self.service.state_dir(), &r.spec.name))
-                    .map(|a| CycleRecord::from(&a))
-                    .or_else(|| r.last_cycle.clone())
+                match journal::applied(&journal::cycles_dir(self.service.state_dir(), &r.spec.name))
+                {
+                    Some(a) if r.last_cycle.as_ref().is_some_and(|c| c.id == a.id) => {
+                        r.last_cycle.clone()
+                    }
+                    Some(a) => Some(CycleRecord::from(&a)),
+                    None => r.last_cycle.clone(),
+                }
             }
         };
         replicate::status(r, &live, last.as_ref())
@@ -333,12 +340,10 @@ impl Replication for Control {
                     epoch,
                     last_common_cycle: common,
                 });
-                if rec.this_side.is_empty() {
-                    rec.this_side = self
-                        .advertise
-                        .as_ref()
-                        .map(|a| format!("agent://{a}/{}", rec.spec.volume))
-                        .unwrap_or_default();
+                // How peers reach this side: `advertise` if set, else the address the
+                // old primary used (recorded with its cycles).
+                if let Some(a) = &self.advertise {
+                    rec.this_side = format!("agent://{a}/{}", rec.spec.volume);
                 }
             })
             .map_err(store_err)?;

@@ -70,7 +70,10 @@ impl AgentService {
             spec: Spec {
                 name: r.relationship.clone(),
                 volume: r.volume.clone(),
-                peer: cycle.primary.clone(),
+                peer: match (&cycle.primary, &known) {
+                    (p, Some(k)) if p.is_empty() => k.spec.peer.clone(),
+                    (p, _) => p.clone(),
+                },
                 interval_ms: cycle.interval_ms,
                 bwlimit: cycle.bwlimit,
                 chunk_size: r.chunk_size,
@@ -84,7 +87,8 @@ impl AgentService {
             this_side: known
                 .as_ref()
                 .map(|k| k.this_side.clone())
-                .unwrap_or_default(),
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| cycle.secondary.clone()),
             history: known
                 .as_ref()
                 .map(|k| k.history.clone())

@@ -314,6 +314,7 @@ pub fn status_error(url: &AgentUrl, s: tonic::Status) -> CopyError {
         Code::Unauthenticated => "unauthenticated",
         Code::PermissionDenied => "permission denied",
         Code::NotFound => "not found",
+        Code::AlreadyExists => "exists",
         Code::FailedPrecondition => "refused",
         Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Aborted => "unavailable",
         Code::DeadlineExceeded => "timeout",

@@ -10,11 +10,25 @@ use transport::control;
 /// Where the agent is: `agent://HOST:PORT` (a volume part, if given, is ignored).
 #[derive(Clone, Debug, clap::Args)]
 pub struct AgentArg {
-    /// The agent that holds the relationship: agent://HOST:PORT [env: MOVER_AGENT].
+    /// The agent that holds the relationship: agent://HOST:PORT.
     #[arg(long, value_name = "URL", env = "MOVER_AGENT")]
     agent: String,
-    #[command(flatten)]
-    remote: RemoteOptions,
+    /// File holding the agent's bearer token (or the token itself in MOVER_TOKEN).
+    #[arg(long, value_name = "FILE", env = "MOVER_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// CA certificate (PEM) that signs the agent's certificate; enables mutual TLS
+    /// together with --tls-cert and --tls-key.
+    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+    /// This client's certificate (PEM), signed by a CA the agent trusts.
+    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// This client's private key (PEM).
+    #[arg(long, value_name = "FILE", env = "MOVER_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// Print the result (the relationship's status) as JSON instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 impl AgentArg {
@@ -31,7 +45,14 @@ impl AgentArg {
 
     async fn client(&self) -> anyhow::Result<(mover::remote::ControlClient, AgentUrl)> {
         let url = self.url()?;
-        Ok((self.remote.connect_control(&url).await?, url))
+        let remote = RemoteOptions {
+            token_file: self.token_file.clone(),
+            tls_ca: self.tls_ca.clone(),
+            tls_cert: self.tls_cert.clone(),
+            tls_key: self.tls_key.clone(),
+            ..RemoteOptions::default()
+        };
+        Ok((remote.connect_control(&url).await?, url))
     }
 }
 
@@ -77,9 +98,6 @@ pub enum ReplicateCommand {
     Status {
         /// The relationship.
         name: String,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
         /// Redraw every N seconds until interrupted.
         #[arg(long, value_name = "SECS")]
         watch: Option<u64>,
@@ -88,9 +106,6 @@ pub enum ReplicateCommand {
     },
     /// List the relationships an agent holds (either side).
     List {
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
         #[command(flatten)]
         agent: AgentArg,
     },
@@ -264,14 +279,10 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                 .await
                 .map_err(|s| call(&url, s))?
                 .into_inner();
-            print_status(&s, false);
+            print_status(&s, agent.json);
         }
-        C::Status {
-            name,
-            json,
-            watch,
-            agent,
-        } => {
+        C::Status { name, watch, agent } => {
+            let json = agent.json;
             let (mut c, url) = agent.client().await?;
             loop {
                 let s = c
@@ -289,7 +300,8 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                 }
             }
         }
-        C::List { json, agent } => {
+        C::List { agent } => {
+            let json = agent.json;
             let (mut c, url) = agent.client().await?;
             let l = c
                 .list(control::ListRequest {})
@@ -342,7 +354,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                 .await
                 .map_err(|s| call(&url, s))?
                 .into_inner();
-            print_status(&s, false);
+            print_status(&s, agent.json);
         }
         C::Sync { name, agent } => {
             let (mut c, url) = agent.client().await?;
@@ -351,7 +363,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                 .await
                 .map_err(|s| call(&url, s))?
                 .into_inner();
-            print_status(&s, false);
+            print_status(&s, agent.json);
         }
         C::Promote { name, force, agent } => {
             let (mut c, url) = agent.client().await?;
@@ -360,7 +372,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                 .await
                 .map_err(|s| call(&url, s))?
                 .into_inner();
-            print_status(&s, false);
+            print_status(&s, agent.json);
         }
         C::Demote { name, agent } => {
             let (mut c, url) = agent.client().await?;
@@ -369,7 +381,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                 .await
                 .map_err(|s| call(&url, s))?
                 .into_inner();
-            print_status(&s, false);
+            print_status(&s, agent.json);
         }
         C::Resync {
             name,
@@ -385,14 +397,18 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                 .await
                 .map_err(|s| call(&url, s))?
                 .into_inner();
-            print_status(&s, false);
+            print_status(&s, agent.json);
         }
         C::Delete { name, agent } => {
             let (mut c, url) = agent.client().await?;
             c.delete(control::NameRequest { name: name.clone() })
                 .await
                 .map_err(|s| call(&url, s))?;
-            println!("deleted relationship {name} on {}:{}", url.host, url.port);
+            if agent.json {
+                println!("{}", serde_json::json!({ "deleted": name }));
+            } else {
+                println!("deleted relationship {name} on {}:{}", url.host, url.port);
+            }
         }
         C::Run {
             src,

@@ -147,6 +147,7 @@ pub async fn run(
         consistency: pit.consistency.into(),
         r#final: last,
         primary: record.this_side.clone(),
+        secondary: spec.peer.clone(),
         interval_ms: spec.interval_ms,
         bwlimit: spec.bwlimit,
     };

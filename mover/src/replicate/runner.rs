@@ -158,10 +158,7 @@ impl Runners {
 
     async fn run(self: Arc<Self>, name: String, mut rx: mpsc::Receiver<Command>) {
         let mut next = tokio::time::Instant::now();
-        loop {
-            let Some(rec) = self.store.get(&name) else {
-                break;
-            };
+        while let Some(rec) = self.store.get(&name) {
             let active = rec.role == Role::Primary && !rec.paused && rec.halt.is_none();
             let command = if active {
                 tokio::select! {
