@@ -60,6 +60,18 @@ impl ChunkId {
     pub fn to_hex(&self) -> String {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
+
+    /// Parses 64 hex digits (as [`ChunkId::to_hex`] writes them).
+    pub fn from_hex(s: &str) -> Option<ChunkId> {
+        if s.len() != 64 || !s.is_ascii() {
+            return None;
+        }
+        let mut id = [0u8; 32];
+        for (i, b) in id.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+        }
+        Some(ChunkId(id))
+    }
 }
 
 impl fmt::Display for ChunkId {

@@ -176,7 +176,7 @@ impl CopyError {
             self,
             CopyError::Volume(ChunkerError::Open { .. } | ChunkerError::NotABlockVolume { .. })
         ) || matches!(self, CopyError::Remote { code, .. }
-                if !matches!(code.as_str(), "unavailable" | "timeout" | "error" | "protocol"))
+                if !matches!(code.as_str(), "unavailable" | "timeout" | "error" | "protocol" | "stale base"))
     }
 }
 

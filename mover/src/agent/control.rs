@@ -60,6 +60,13 @@ impl Control {
         replicate::status(r, &live, last.as_ref())
     }
 
+    /// Drops the primary's kept clone of its last cycle (see `replicate::base`).
+    fn forget_base(&self, r: &Record) {
+        if let Ok(e) = self.service.export(&r.spec.volume) {
+            replicate::base::forget(&e.path, &r.spec.name);
+        }
+    }
+
     fn reply(&self, name: &str) -> Result<Response<control::Status>, Status> {
         Ok(Response::new(self.status(&self.record(name)?)))
     }
@@ -258,6 +265,7 @@ impl Replication for Control {
         let r = self.record(&name)?;
         let status = self.status(&r);
         self.runners.stop(&name);
+        self.forget_base(&r);
         self.service.close_sessions_on(&r.spec.volume).await?;
         self.service.store.remove(&name).map_err(store_err)?;
         let dir = journal::cycles_dir(self.service.state_dir(), &name);
@@ -366,6 +374,7 @@ impl Replication for Control {
                 Status::aborted(format!("the final cycle failed, still primary: {e}"))
             })?;
         self.runners.stop(&name);
+        self.forget_base(&r);
         // This side now holds exactly the final cycle: later cycles into it are staged.
         let dir = journal::cycles_dir(self.service.state_dir(), &name);
         journal::record_applied(&dir, &journal::AppliedCycle::of(&name, &last, r.epoch))
@@ -391,6 +400,7 @@ impl Replication for Control {
             )));
         }
         self.runners.stop(&q.name);
+        self.forget_base(&r);
         let export = self.service.export(&r.spec.volume)?.clone();
         // Did this side write after the last cycle both sides hold?
         let unchanged = match &r.last_cycle {

@@ -107,7 +107,10 @@ impl AgentService {
         let a = journal::applied(&journal::cycles_dir(self.state_dir(), relationship))?;
         Some(proto::AppliedCycle {
             id: a.id,
-            root: hex_bytes(&a.root).into(),
+            root: chunker::ChunkId::from_hex(&a.root)
+                .map(|id| id.0.to_vec())
+                .unwrap_or_default()
+                .into(),
             point_in_time_ms: a.point_in_time_ms,
             epoch: a.epoch,
         })
@@ -146,12 +149,4 @@ impl CycleSession {
             }
         }
     }
-}
-
-/// Bytes of a hex string (empty if it is not hex).
-fn hex_bytes(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16))
-        .collect::<Result<_, _>>()
-        .unwrap_or_default()
 }

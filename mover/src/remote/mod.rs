@@ -13,13 +13,13 @@ mod push;
 mod tree;
 
 pub use pull::pull;
-pub use push::{push, push_cycle};
+pub use push::{CyclePush, STALE_BASE, push, push_cycle};
 pub use tree::{is_tree, pull_tree, push_tree};
 
 use crate::error::CopyError;
 use chunker::{
     BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, Window, hash_chunks, is_zero, leaf_hash,
-    read_window,
+    read_window_where,
 };
 use std::{path::PathBuf, time::Duration};
 use tonic::{service::interceptor::InterceptedService, transport::Channel};
@@ -405,6 +405,18 @@ impl Group {
         })
     }
 
+    /// Replaces the group's chunk kinds (and so its leaves) with `kinds`.
+    fn set_kinds(&mut self, key: &ChunkKey, chunk: ChunkSize, kinds: Vec<ChunkKind>) {
+        self.leaves = Some(
+            kinds
+                .iter()
+                .zip(self.win.chunk_ranges(chunk))
+                .map(|(k, r)| leaf_hash(key, k, r.len() as u64))
+                .collect(),
+        );
+        self.kinds = kinds;
+    }
+
     /// The group hash the agent reports for this group when it holds only zeros.
     pub(crate) fn zero_group_hash(&self, key: &ChunkKey, chunk: ChunkSize) -> ChunkId {
         let zeros: Vec<ChunkId> = self
@@ -420,15 +432,28 @@ impl Group {
 /// reading about 15% faster than one on the bench's loop device (four did no better).
 const READERS: u64 = 3;
 
+/// What an earlier cycle's index says about a volume's chunks: their kinds then, and
+/// which chunks may have changed since (from the file system's extent maps). Chunks not
+/// marked changed are not read: their kind is taken from `base`.
+#[derive(Clone, Debug)]
+pub struct KnownChunks {
+    /// Per chunk: its kind at the earlier cycle.
+    pub base: Vec<ChunkKind>,
+    /// Per chunk: whether it may differ from `base`.
+    pub changed: Vec<bool>,
+}
+
 /// Reads a local volume group by group (GROUP_CHUNKS chunks) on a blocking thread,
 /// finding zero chunks and, with `hash`, hashing every chunk into its Merkle leaf;
 /// groups arrive in order on the returned channel, a few ahead of the consumer.
+/// With `known`, only changed chunks are read (the others keep their known kinds).
 pub(crate) fn read_groups(
     volume: std::sync::Arc<BlockVolume>,
     chunk: ChunkSize,
     key: ChunkKey,
     size: u64,
     hash: bool,
+    known: Option<std::sync::Arc<KnownChunks>>,
 ) -> tokio::sync::mpsc::Receiver<Result<Group, CopyError>> {
     let (tx, rx) = tokio::sync::mpsc::channel(3);
     std::thread::spawn(move || {
@@ -441,13 +466,17 @@ pub(crate) fn read_groups(
             let turns: Vec<_> = (0..READERS)
                 .map(|first| {
                     let (read_tx, read_rx) = std::sync::mpsc::sync_channel(1);
-                    let volume = &volume;
+                    let (volume, known) = (&volume, &known);
                     scope.spawn(move || {
                         for g in (first..groups).step_by(READERS as usize) {
                             let offset = g * group_len;
                             let len = group_len.min(size - offset) as usize;
                             let mut win = Window::default();
-                            let r = read_window(volume, chunk, offset, len, &mut win);
+                            let first_chunk = g as usize * chunker::GROUP_CHUNKS;
+                            let wanted = |i: usize| {
+                                known.as_ref().is_none_or(|k| k.changed[first_chunk + i])
+                            };
+                            let r = read_window_where(volume, chunk, offset, len, wanted, &mut win);
                             let failed = r.is_err();
                             // The consumer went away, or this read failed: stop.
                             if read_tx.send(r.map(|()| win)).is_err() || failed {
@@ -477,10 +506,20 @@ pub(crate) fn read_groups(
                         return;
                     }
                 };
+                let first_chunk = g as usize * chunker::GROUP_CHUNKS;
+                let base = |i: usize| {
+                    known
+                        .as_ref()
+                        .filter(|k| !k.changed[first_chunk + i])
+                        .map(|k| &k.base[first_chunk + i])
+                };
                 let zero = win
                     .chunk_ranges(chunk)
                     .enumerate()
-                    .map(|(i, r)| win.unread[i] || is_zero(&win.buf[r]))
+                    .map(|(i, r)| match base(i) {
+                        Some(kind) => *kind == ChunkKind::Zero,
+                        None => win.unread[i] || is_zero(&win.buf[r]),
+                    })
                     .collect();
                 let mut group = Group {
                     win,
@@ -490,6 +529,13 @@ pub(crate) fn read_groups(
                 };
                 if hash {
                     group.hash(&key, chunk);
+                    if known.is_some() {
+                        let n = group.kinds.len();
+                        let kinds = (0..n)
+                            .map(|i| base(i).copied().unwrap_or(group.kinds[i]))
+                            .collect();
+                        group.set_kinds(&key, chunk, kinds);
+                    }
                 }
                 // The consumer went away: stop reading (its own error explains why).
                 if tx.blocking_send(Ok(group)).is_err() {

@@ -79,7 +79,7 @@ async fn attempt(
         ..Default::default()
     };
     let mut groups = RemoteGroups::new(open.session.clone());
-    let mut reader = read_groups(local.clone(), chunk, key.clone(), size, true);
+    let mut reader = read_groups(local.clone(), chunk, key.clone(), size, true, None);
     progress.begin("pull", size);
     let mut g = 0u64;
     while let Some(item) = reader.recv().await {

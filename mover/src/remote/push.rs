@@ -1,8 +1,8 @@
 //! Push: a local source volume into an agent's export.
 
 use super::{
-    AgentUrl, Client, Compress, RemoteGroups, RemoteOptions, Session, open_session, read_groups,
-    status_error, timed, tree, with_retries,
+    AgentUrl, Client, Compress, KnownChunks, RemoteGroups, RemoteOptions, Session, open_session,
+    read_groups, status_error, timed, tree, with_retries,
 };
 use crate::{
     copy::{CopyOptions, CopySummary, Progress},
@@ -35,20 +35,31 @@ pub async fn push(
     remote: &RemoteOptions,
     progress: &dyn Progress,
 ) -> Result<CopySummary> {
-    push_maybe_cycle(src, url, copy, remote, None, progress).await
+    let (sum, _ids) = push_maybe_cycle(src, url, copy, remote, None, progress).await?;
+    Ok(sum)
+}
+
+/// A replication cycle to push, and what the previous cycle's index says of the source.
+pub struct CyclePush<'a> {
+    /// The cycle.
+    pub cycle: &'a proto::Cycle,
+    /// The previous cycle (id, Merkle root) and the source's chunks as of then: used,
+    /// reading only changed chunks, when the secondary holds exactly that cycle.
+    pub base: Option<(u64, ChunkId, Arc<KnownChunks>)>,
 }
 
 /// Pushes one replication cycle: like [`push`], but the agent stages what arrives and
 /// applies it atomically when the cycle is committed (with the source's Merkle root,
-/// returned in the summary's `root`).
+/// returned in the summary's `root`). Also returns the source's chunk ids (32 bytes per
+/// chunk, zeros for a zero chunk): the index the next cycle's `base` is made from.
 pub async fn push_cycle(
     src: &Path,
     url: &AgentUrl,
     copy: &CopyOptions,
     remote: &RemoteOptions,
-    cycle: &proto::Cycle,
+    cycle: &CyclePush<'_>,
     progress: &dyn Progress,
-) -> Result<CopySummary> {
+) -> Result<(CopySummary, Vec<u8>)> {
     push_maybe_cycle(src, url, copy, remote, Some(cycle), progress).await
 }
 
@@ -57,12 +68,12 @@ async fn push_maybe_cycle(
     url: &AgentUrl,
     copy: &CopyOptions,
     remote: &RemoteOptions,
-    cycle: Option<&proto::Cycle>,
+    cycle: Option<&CyclePush<'_>>,
     progress: &dyn Progress,
-) -> Result<CopySummary> {
+) -> Result<(CopySummary, Vec<u8>)> {
     let started = Instant::now();
     let source = Arc::new(BlockVolume::open(src)?);
-    let mut sum = with_retries(remote.retries, |n| {
+    let (mut sum, ids) = with_retries(remote.retries, |n| {
         if n > 1 {
             tracing::info!("attempt {n}: continuing the transfer to {url}");
         }
@@ -70,7 +81,7 @@ async fn push_maybe_cycle(
     })
     .await?;
     sum.source = src.into();
-    Ok(timed(sum, started))
+    Ok((timed(sum, started), ids))
 }
 
 /// Totals of what was handed to the write streams.
@@ -192,12 +203,13 @@ async fn attempt(
     url: &AgentUrl,
     copy: &CopyOptions,
     remote: &RemoteOptions,
-    cycle: Option<&proto::Cycle>,
+    push: Option<&CyclePush<'_>>,
     progress: &dyn Progress,
-) -> Result<CopySummary> {
+) -> Result<(CopySummary, Vec<u8>)> {
     let chunk = copy.chunk_size;
     let size = source.size();
     let t0 = Instant::now();
+    let cycle = push.map(|p| p.cycle);
     let Session {
         mut client,
         key,
@@ -208,6 +220,24 @@ async fn attempt(
         "session open: the agent hashed its copy"
     );
     let session = open.session.clone();
+    // The previous cycle's index stands in for unchanged chunks only if the secondary
+    // holds exactly that cycle: their pages are then not compared, so not shipped.
+    let known = push
+        .and_then(|p| p.base.as_ref())
+        .and_then(|(id, root, known)| {
+            let a = open.applied.as_ref()?;
+            let same = a.id == *id
+                && a.root[..] == root.0[..]
+                && known.base.len() as u64 == size.div_ceil(chunk.get());
+            if !same {
+                tracing::info!(
+                    cycle = id,
+                    secondary = a.id,
+                    "the secondary does not hold the previous cycle: comparing every chunk"
+                );
+            }
+            same.then(|| known.clone())
+        });
 
     // Data streams: each takes frames from a bounded channel, so a slow link slows the
     // reader instead of filling memory.
@@ -228,7 +258,7 @@ async fn attempt(
     // Every chunk is hashed (on the reader thread, ahead of the comparison), also onto
     // zeros: the ids go to the agent with Finish, which saves them as the volume's index
     // so that the next push need not read the destination to compare.
-    let mut reader = read_groups(source.clone(), chunk, key.clone(), size, true);
+    let mut reader = read_groups(source.clone(), chunk, key.clone(), size, true, known);
     let mut ids = Vec::with_capacity(size.div_ceil(chunk.get()) as usize * 32);
     let mut merkle = MerkleBuilder::new(key.clone());
     let sent = Arc::new(Sent::default());
@@ -289,6 +319,11 @@ async fn attempt(
                     backlog: backlog.clone(),
                 };
                 let leaves = group.leaves.filter(|_| !onto_zeros);
+                let unread_data =
+                    (0..group.zero.len()).any(|i| group.win.unread[i] && !group.zero[i]);
+                if leaves.is_none() && unread_data {
+                    return Err(not_read(url, g));
+                }
                 inflight.spawn(ship.group(g, group.win, leaves, chunk));
             }
             g += 1;
@@ -319,16 +354,19 @@ async fn attempt(
     }
     pass?;
     let root = merkle.finish(size, chunk);
+    let complete = ids.len() as u64 == size.div_ceil(chunk.get()) * 32;
+    let ids = tonic::codegen::Bytes::from(if complete { ids } else { Vec::new() });
     // Ids that would not fit a message are not sent: the agent then keeps no index.
-    if ids.len() as u64 != size.div_ceil(chunk.get()) * 32 || ids.len() > transport::MAX_MESSAGE / 2
-    {
-        ids = Vec::new();
-    }
+    let fits = ids.len() <= transport::MAX_MESSAGE / 2;
     let fin = client
         .finish(proto::FinishRequest {
             session,
             verify: copy.verify,
-            chunk_ids: ids.into(),
+            chunk_ids: if fits {
+                ids.clone()
+            } else {
+                Default::default()
+            },
             cycle_root: cycle.map(|_| root.0.to_vec().into()).unwrap_or_default(),
         })
         .await
@@ -351,7 +389,23 @@ async fn attempt(
     sum.bytes_zeroed = sent.zeroed.load(Relaxed);
     sum.pages_written = sent.pages.load(Relaxed);
     sum.wire_bytes = sent.wire.load(Relaxed);
-    Ok(sum)
+    Ok((sum, ids.into()))
+}
+
+/// The error code of [`not_read`]: the cycle must be pushed again comparing every chunk.
+pub const STALE_BASE: &str = "stale base";
+
+/// The secondary differs in a chunk this cycle did not read (it trusted the previous
+/// cycle's index): the cycle fails rather than ship what it has not read.
+fn not_read(url: &AgentUrl, g: u64) -> CopyError {
+    CopyError::Remote {
+        url: url.to_string(),
+        code: STALE_BASE.into(),
+        message: format!(
+            "group {g} differs on the secondary in a chunk this cycle did not read: the \
+             secondary changed after the previous cycle was applied"
+        ),
+    }
 }
 
 /// Which frames of a group are compressed (where a sample shows it pays).
@@ -400,6 +454,16 @@ async fn group_frames(
         } else {
             onto_data.push(i);
         }
+    }
+    // A chunk taken from the previous cycle's index was not read: it cannot be shipped.
+    let zero_leaf = |i: usize| leaf_hash(key, &ChunkKind::Zero, ranges[i].len() as u64);
+    if let Some(l) = leaves
+        && onto_zeros
+            .iter()
+            .chain(&onto_data)
+            .any(|&i| win.unread[i] && l[i] != zero_leaf(i))
+    {
+        return Err(not_read(url, g));
     }
     let their_pages = if onto_data.is_empty() {
         Default::default()

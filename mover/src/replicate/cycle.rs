@@ -1,6 +1,7 @@
 //! One replication cycle on the primary: a point in time of the source, the pages that
 //! differ from the secondary, shipped and committed there as one atomic cycle.
 
+use super::base;
 use super::{
     now_ms,
     store::{CycleRecord, Record},
@@ -8,9 +9,9 @@ use super::{
 use crate::{
     CopyOptions, Progress,
     error::CopyError,
-    remote::{AgentUrl, RemoteOptions, push_cycle},
+    remote::{AgentUrl, CyclePush, RemoteOptions, STALE_BASE, push_cycle},
 };
-use chunker::{ChunkSize, extents};
+use chunker::{ChunkId, ChunkSize, extents};
 use std::{
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -132,9 +133,10 @@ pub async fn run(
     })??;
     let started_ms = now_ms();
     let t0 = Instant::now();
+    let source_path = source;
     let source = source.to_path_buf();
     let (name, freeze) = (spec.name.clone(), spec.freeze.clone());
-    let pit =
+    let mut pit =
         tokio::task::spawn_blocking(move || take_point_in_time(&source, &name, freeze.as_deref()))
             .await
             .map_err(|e| CopyError::BadSource {
@@ -151,15 +153,62 @@ pub async fn run(
         interval_ms: spec.interval_ms,
         bwlimit: spec.bwlimit,
     };
+    let chunk = ChunkSize::new(spec.chunk_size).map_err(CopyError::from)?;
     let copy = CopyOptions {
-        chunk_size: ChunkSize::new(spec.chunk_size).map_err(CopyError::from)?,
+        chunk_size: chunk,
         ..Default::default()
     };
     let mut remote = remote.clone();
     remote.relationship = Some(spec.name.clone());
     remote.epoch = record.epoch;
     remote.bwlimit = (spec.bwlimit > 0).then_some(spec.bwlimit);
-    let sum = push_cycle(&pit.read, &peer, &copy, &remote, &cycle, progress).await?;
+    let size = chunker::BlockVolume::open(&pit.read)
+        .map_err(CopyError::from)?
+        .size();
+    // Between two clones, only chunks in extents no longer shared may have changed.
+    let base = match &pit.clone {
+        Some(clone) => base::Base::load(source_path, &spec.name, chunk, size).and_then(|b| match b
+            .known(clone, chunk)
+        {
+            Ok(k) => k.map(|k| (b.cycle, b.root, k)),
+            Err(e) => {
+                tracing::warn!(relationship = %spec.name, "cannot compare extent maps: {e}");
+                None
+            }
+        }),
+        None => None,
+    };
+    let mut push = CyclePush {
+        cycle: &cycle,
+        base,
+    };
+    let (sum, ids) = match push_cycle(&pit.read, &peer, &copy, &remote, &push, progress).await {
+        Err(CopyError::Remote { code, message, .. }) if code == STALE_BASE => {
+            tracing::warn!(relationship = %spec.name, "{message}: comparing every chunk");
+            push.base = None;
+            push_cycle(&pit.read, &peer, &copy, &remote, &push, progress).await?
+        }
+        r => r?,
+    };
+    if let (Some(clone), Some(root)) = (pit.clone.take(), &sum.root) {
+        let saved = match ChunkId::from_hex(root) {
+            Some(root) => base::save(
+                source_path,
+                &spec.name,
+                &clone,
+                cycle.id,
+                &root,
+                chunk,
+                size,
+                &ids,
+            ),
+            None => Err(std::io::Error::other(format!("bad cycle root {root:?}"))),
+        };
+        if let Err(e) = saved {
+            let _ = std::fs::remove_file(&clone);
+            tracing::warn!(relationship = %spec.name, "cannot keep the cycle's clone: {e}; the next cycle reads every chunk");
+        }
+    }
     Ok(CycleRecord {
         id: cycle.id,
         point_in_time_ms: pit.at_ms,

@@ -8,6 +8,7 @@
 //! atomic cycle (the secondary's journal, `agent::journal`). Both sides keep a durable
 //! record of the relationship ([`store`]); epochs fence a demoted or stale primary.
 
+pub mod base;
 pub mod cycle;
 pub mod runner;
 pub mod store;

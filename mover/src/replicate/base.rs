@@ -1,0 +1,168 @@
+//! The primary's base: the reflink clone of the last committed cycle, kept beside the
+//! image with that cycle's chunk ids. The next cycle's clone shares every block that was
+//! not written since; comparing the two clones' extent maps (FIEMAP) names the chunks
+//! that may have changed, and only those are read (the others' ids come from here).
+//!
+//! Files, beside the image `IMG` of relationship hash `H`:
+//! `.IMG.mover-base-H-N` (the clone of cycle N) and `.IMG.mover-base-H.ids` (cycle N's
+//! ids). The ids file names its cycle, and is replaced only after the clone of that
+//! cycle is in place, so a crash between the two leaves the previous, matching pair.
+
+use crate::agent::journal::write_durably;
+use crate::remote::KnownChunks;
+use chunker::{ChunkId, ChunkKind, ChunkSize, extents};
+use std::{
+    fs::File,
+    io,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+const MAGIC: &[u8; 8] = b"MVBASE1\n";
+const HEADER: usize = 8 + 8 + 32 + 8 + 8;
+
+/// A committed cycle's clone and chunk ids.
+pub struct Base {
+    /// The cycle.
+    pub cycle: u64,
+    /// Its Merkle root.
+    pub root: ChunkId,
+    clone: PathBuf,
+    kinds: Vec<ChunkKind>,
+}
+
+fn stem(source: &Path, name: &str) -> String {
+    let h = blake3::hash(name.as_bytes()).to_hex();
+    let file = source
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!(".{file}.mover-base-{}", &h[..12])
+}
+
+fn ids_path(source: &Path, name: &str) -> PathBuf {
+    source.with_file_name(format!("{}.ids", stem(source, name)))
+}
+
+fn clone_path(source: &Path, name: &str, cycle: u64) -> PathBuf {
+    source.with_file_name(format!("{}-{cycle}", stem(source, name)))
+}
+
+impl Base {
+    /// The base of relationship `name` for the image `source`, if one matches the
+    /// volume's geometry and is intact.
+    pub fn load(source: &Path, name: &str, chunk: ChunkSize, size: u64) -> Option<Base> {
+        let bytes = std::fs::read(ids_path(source, name)).ok()?;
+        let (body, sum) = bytes.split_at_checked(bytes.len().checked_sub(32)?)?;
+        if blake3::hash(body).as_bytes() != sum || body.len() < HEADER || &body[..8] != MAGIC {
+            return None;
+        }
+        let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8 bytes"));
+        let cycle = u64_at(8);
+        let root = ChunkId(body[16..48].try_into().expect("32 bytes"));
+        if u64_at(48) != chunk.get() || u64_at(56) != size {
+            return None;
+        }
+        let ids = &body[HEADER..];
+        if ids.len() as u64 != size.div_ceil(chunk.get()) * 32 {
+            return None;
+        }
+        let kinds = ids
+            .chunks_exact(32)
+            .map(|id| match id {
+                z if z.iter().all(|b| *b == 0) => ChunkKind::Zero,
+                id => ChunkKind::Data(ChunkId(id.try_into().expect("32 bytes"))),
+            })
+            .collect();
+        let clone = clone_path(source, name, cycle);
+        clone.exists().then_some(Base {
+            cycle,
+            root,
+            clone,
+            kinds,
+        })
+    }
+
+    /// What this base says of `now` (a newer clone of the same image): its chunks then,
+    /// and which may have changed. `None` where the file system cannot tell (no FIEMAP).
+    pub fn known(&self, now: &Path, chunk: ChunkSize) -> io::Result<Option<Arc<KnownChunks>>> {
+        let (old, new) = (File::open(&self.clone)?, File::open(now)?);
+        let Some(ranges) = extents::changed_ranges(&old, &new)? else {
+            return Ok(None);
+        };
+        let n = self.kinds.len();
+        let mut changed = vec![false; n];
+        for r in ranges {
+            let first = (r.start / chunk.get()) as usize;
+            let end = (r.end.div_ceil(chunk.get()) as usize).min(n);
+            changed[first.min(n)..end]
+                .iter_mut()
+                .for_each(|c| *c = true);
+        }
+        Ok(Some(Arc::new(KnownChunks {
+            base: self.kinds.clone(),
+            changed,
+        })))
+    }
+}
+
+/// Makes `clone` (of `source`, cycle `cycle` just committed with `root` and chunk
+/// `ids`) the base of the next cycle, and removes the previous base.
+#[allow(clippy::too_many_arguments)]
+pub fn save(
+    source: &Path,
+    name: &str,
+    clone: &Path,
+    cycle: u64,
+    root: &ChunkId,
+    chunk: ChunkSize,
+    size: u64,
+    ids: &[u8],
+) -> io::Result<()> {
+    let kept = clone_path(source, name, cycle);
+    std::fs::rename(clone, &kept)?;
+    let mut body = Vec::with_capacity(HEADER + ids.len() + 32);
+    body.extend_from_slice(MAGIC);
+    body.extend_from_slice(&cycle.to_le_bytes());
+    body.extend_from_slice(&root.0);
+    body.extend_from_slice(&chunk.get().to_le_bytes());
+    body.extend_from_slice(&size.to_le_bytes());
+    body.extend_from_slice(ids);
+    let sum = *blake3::hash(&body).as_bytes();
+    body.extend_from_slice(&sum);
+    write_durably(&ids_path(source, name), &body)?;
+    remove(source, name, Some(&kept));
+    Ok(())
+}
+
+/// Removes relationship `name`'s base files beside `source` (they hold blocks the image
+/// no longer shares): when the relationship is deleted or this side stops being primary.
+pub fn forget(source: &Path, name: &str) {
+    remove(source, name, None);
+}
+
+/// Removes the base files of `name` but `keep` (and the ids file, if `keep` is given).
+fn remove(source: &Path, name: &str, keep: Option<&Path>) {
+    let stem = stem(source, name);
+    let clones = format!("{stem}-");
+    let Some(dir) = source.parent() else { return };
+    let Ok(entries) = std::fs::read_dir(if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    }) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let ours = match keep {
+            Some(k) => {
+                file.starts_with(&clones) && k.file_name() != Some(e.file_name().as_os_str())
+            }
+            None => file.starts_with(&stem),
+        };
+        if ours {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
