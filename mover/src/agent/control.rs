@@ -10,7 +10,7 @@ use crate::{
     },
 };
 use chunker::{BlockVolume, ChunkSize};
-use std::sync::Arc;
+use std::{path::Path, sync::Arc};
 use tonic::{Request, Response, Status};
 use transport::control::{self, replication_server::Replication};
 
@@ -148,6 +148,9 @@ impl Control {
                     "exported read-only"
                 }
             )));
+        }
+        if !spec.freeze.is_empty() {
+            replicate::cycle::check_freeze(Path::new(&spec.freeze), &export.path).map_err(bad)?;
         }
         Ok(Spec {
             name: spec.name,

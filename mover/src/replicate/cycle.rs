@@ -58,6 +58,34 @@ fn clone_path(source: &Path, name: &str) -> PathBuf {
     source.with_file_name(format!(".{file}.mover-pit-{}", &h[..12]))
 }
 
+/// Checks that `mount` is the mount point of a file system other than the one holding
+/// `source`: freezing a plain directory would freeze whatever file system it is on (the
+/// root, say), and freezing the file system that holds the image would block its clone.
+pub fn check_freeze(mount: &Path, source: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev());
+    let m = dev(mount).map_err(|e| format!("freeze {}: {e}", mount.display()))?;
+    let parent = mount.parent().map_or(Ok(u64::MAX), dev).unwrap_or(u64::MAX);
+    if m == parent {
+        return Err(format!(
+            "freeze {}: not a mount point; give the directory where the volume's file \
+             system is mounted",
+            mount.display()
+        ));
+    }
+    if let Some(dir) = source.parent()
+        && dev(dir).is_ok_and(|d| d == m)
+    {
+        return Err(format!(
+            "freeze {}: that file system holds the volume {} itself; freeze the file \
+             system inside the volume (where the application writes)",
+            mount.display(),
+            source.display()
+        ));
+    }
+    Ok(())
+}
+
 fn take_point_in_time(
     source: &Path,
     name: &str,
@@ -70,6 +98,12 @@ fn take_point_in_time(
              freeze setting or drop it"
         ),
     };
+    if let Some(m) = freeze {
+        check_freeze(m, source).map_err(|why| CopyError::BadSource {
+            path: m.into(),
+            why,
+        })?;
+    }
     let is_file = std::fs::metadata(source).is_ok_and(|m| m.is_file());
     if is_file {
         let clone = clone_path(source, name);
