@@ -53,9 +53,9 @@ pub const MAX_FRAME: u32 = (1 << 20) + 1024;
 /// a peer that vanished without closing (a cut cable, a frozen node) is noticed, so a
 /// transfer waiting on it fails and is retried instead of hanging (and, for a tree push,
 /// holding the export).
-pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(15);
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 /// See [`KEEPALIVE_INTERVAL`].
-pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Largest gRPC message either side accepts: a frame of one 8 MiB chunk plus headers,
 /// or a batch of page hashes.

@@ -147,11 +147,17 @@ impl Journal {
         if dir.join("commit.json").exists() {
             apply(dir)?;
         }
+        // A new file, not the old one truncated: a superseded session still holding the
+        // old one can only ever write into an unlinked file.
+        let path = dir.join("journal");
+        match fs::remove_file(&path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
         let file = OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
-            .open(dir.join("journal"))?;
+            .create_new(true)
+            .open(&path)?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         out.write_all(MAGIC)?;
         Ok(Journal {

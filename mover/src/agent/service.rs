@@ -237,6 +237,14 @@ impl Transfer for AgentService {
                 if let Some(fill) = self.filling.lock().expect("filling lock").remove(&r.volume) {
                     fill.store(true, Relaxed);
                 }
+                // A committed cycle not yet applied (its apply failed) is applied first,
+                // so the summary the primary compares against includes it.
+                if r.cycle.is_some() {
+                    let dir = journal::cycles_dir(&self.state_dir, &r.relationship);
+                    if dir.join("commit.json").exists() {
+                        blocking(|| journal::apply(&dir)).map_err(internal)?;
+                    }
+                }
                 let opts = CopyOptions {
                     state_dir: Some(self.state_dir.clone()),
                     ..Default::default()

@@ -157,8 +157,12 @@ impl Runners {
     }
 
     async fn run(self: Arc<Self>, name: String, mut rx: mpsc::Receiver<Command>) {
-        let mut next = tokio::time::Instant::now();
+        // The next cycle is due one interval after the last timed one started: read
+        // from the record each time, so a changed interval applies at once.
+        let mut last_start: Option<tokio::time::Instant> = None;
         while let Some(rec) = self.store.get(&name) {
+            let interval = Duration::from_millis(rec.spec.interval_ms.max(1));
+            let next = last_start.map_or_else(tokio::time::Instant::now, |t| t + interval);
             let active = rec.role == Role::Primary && !rec.paused && rec.halt.is_none();
             let command = if active {
                 tokio::select! {
@@ -171,7 +175,6 @@ impl Runners {
                     None => break,
                 }
             };
-            let interval = Duration::from_millis(rec.spec.interval_ms.max(1));
             match command {
                 Some(Command::Wake) => continue,
                 Some(Command::Cycle { last, reply }) => {
@@ -181,13 +184,15 @@ impl Runners {
                 None => {
                     let started = tokio::time::Instant::now();
                     let _ = self.cycle(&name, false).await;
-                    next = started + interval;
+                    last_start = Some(started);
                     let now = tokio::time::Instant::now();
-                    if now > next {
+                    if now > started + interval {
+                        // Overran: the next cycle starts now, and the intervals it
+                        // covered without a cycle are counted.
                         let missed = (now - started).as_millis() / interval.as_millis().max(1);
                         self.live(&name).lock().expect("live lock").missed_intervals +=
                             missed as u64;
-                        next = now;
+                        last_start = Some(now - interval);
                     }
                 }
             }
