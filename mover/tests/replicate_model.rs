@@ -58,17 +58,6 @@ const FAILPOINTS: [(&str, bool); 3] = [
     ("cycle-mid-apply", true),
 ];
 
-/// KNOWN PRODUCT BUG (reported to the lead; `resync` in mover/src/agent/control.rs):
-/// when a cycle was committed on the secondary but the primary saw it fail (the
-/// secondary died after its commit record was durable), and the secondary is then
-/// promoted --force, `resync` on the old primary compares its volume with the root of
-/// the last cycle *it* saw succeed (N-1), not with the cycle the peer was promoted from
-/// (N), and refuses with "split brain" although the old primary was not written after
-/// that cycle. While this is `true` the test expects that refusal in exactly that
-/// situation (then resyncs with --discard-local); once `resync` is fixed, set it to
-/// `false`: the test then requires a plain `resync` to succeed there.
-const BUG_RESYNC_FALSE_SPLIT_BRAIN_AFTER_UNACKNOWLEDGED_CYCLE: bool = true;
-
 // ---------------------------------------------------------------------------------------
 // The CLI
 
@@ -952,21 +941,12 @@ impl Case {
             "the model's own bookkeeping: written since the last common cycle"
         );
         let mut said = String::new();
-        let known_bug = !wrote
-            && !discard
-            && split.unacknowledged
-            && BUG_RESYNC_FALSE_SPLIT_BRAIN_AFTER_UNACKNOWLEDGED_CYCLE;
-        if known_bug {
-            let out = call(self.agent(old), "resync", &[]);
-            assert!(
-                !out.status.success() && stderr(&out).contains("split brain"),
-                "resync succeeded where BUG_RESYNC_FALSE_SPLIT_BRAIN_AFTER_UNACKNOWLEDGED_CYCLE \
-                 expects a false split brain: the bug is fixed, set the constant to false"
-            );
-            let s = status(self.agent(old));
-            assert_eq!(s["state"], "SplitBrain", "{s}");
-            said += "split brain (known bug); ";
-        } else if wrote {
+        if split.unacknowledged {
+            said += "peer promoted from a cycle this side did not hear back about; ";
+        }
+        // Not written since the cycle the peer was promoted from (even one this side
+        // shipped without hearing back, `split.unacknowledged`): a plain resync works.
+        if wrote {
             refused(
                 "resync of a written old primary",
                 call(self.agent(old), "resync", &[]),
@@ -976,7 +956,7 @@ impl Case {
             assert_eq!(s["state"], "SplitBrain", "{s}");
             said += "split brain; ";
         }
-        let args: &[&str] = if wrote || discard || known_bug {
+        let args: &[&str] = if wrote || discard {
             &["--discard-local"]
         } else {
             &[]

@@ -60,6 +60,30 @@ impl Control {
         replicate::status(r, &live, last.as_ref())
     }
 
+    /// The cycle the peer was promoted from when it fenced this side's epoch, from the
+    /// peer's history (`None` if the peer cannot be asked or does not say).
+    async fn promoted_from(&self, r: &Record) -> Option<CycleRecord> {
+        let peer = AgentUrl::parse(&r.spec.peer)?.ok()?;
+        let mut c = self.remote.connect_control(&peer).await.ok()?;
+        let s = c
+            .get(control::NameRequest {
+                name: r.spec.name.clone(),
+            })
+            .await
+            .ok()?
+            .into_inner();
+        let h = s
+            .history
+            .iter()
+            .filter(|h| h.epoch > r.epoch && !h.root.is_empty())
+            .min_by_key(|h| h.epoch)?;
+        Some(CycleRecord {
+            id: h.last_common_cycle,
+            root: h.root.clone(),
+            ..Default::default()
+        })
+    }
+
     /// Drops the primary's kept clone of its last cycle (see `replicate::base`).
     fn forget_base(&self, r: &Record) {
         if let Ok(e) = self.service.export(&r.spec.volume) {
@@ -350,6 +374,7 @@ impl Replication for Control {
                 rec.history.push(EpochChange {
                     epoch,
                     last_common_cycle: common,
+                    root: applied.as_ref().map(|a| a.root.clone()).unwrap_or_default(),
                 });
                 // How peers reach this side: `advertise` if set, else the address the
                 // old primary used (recorded with its cycles).
@@ -406,24 +431,28 @@ impl Replication for Control {
         self.forget_base(&r);
         let export = self.service.export(&r.spec.volume)?.clone();
         // Did this side write after the last cycle both sides hold?
-        let unchanged = match &r.last_cycle {
-            Some(c) => {
-                let (path, chunk) = (export.path.clone(), r.spec.chunk_size);
-                let key = transport::relationship_key(&q.name);
-                let root = tokio::task::spawn_blocking(move || -> Result<String, String> {
-                    let v = BlockVolume::open(&path).map_err(|e| e.to_string())?;
-                    let chunk = ChunkSize::new(chunk).map_err(|e| e.to_string())?;
-                    let s = chunker::Summary::of_volume(&v, &key, chunk, |_| {})
-                        .map_err(|e| e.to_string())?;
-                    Ok(s.root.to_hex())
-                })
+        let (path, chunk) = (export.path.clone(), r.spec.chunk_size);
+        let key = transport::relationship_key(&q.name);
+        let local_root = tokio::task::spawn_blocking(move || -> Result<String, String> {
+            let v = BlockVolume::open(&path).map_err(|e| e.to_string())?;
+            let chunk = ChunkSize::new(chunk).map_err(|e| e.to_string())?;
+            let s =
+                chunker::Summary::of_volume(&v, &key, chunk, |_| {}).map_err(|e| e.to_string())?;
+            Ok(s.root.to_hex())
+        })
+        .await
+        .map_err(store_err)?
+        .map_err(Status::internal)?;
+        let mut common = r.last_cycle.clone().filter(|c| c.root == local_root);
+        // The peer may have been promoted from a cycle this side shipped without hearing
+        // back (the secondary committed it, the reply was lost): ask the peer.
+        if common.is_none() {
+            common = self
+                .promoted_from(&r)
                 .await
-                .map_err(store_err)?
-                .map_err(Status::internal)?;
-                root == c.root
-            }
-            None => false,
-        };
+                .filter(|c| c.root == local_root);
+        }
+        let unchanged = common.is_some();
         if !unchanged && !q.discard_local {
             self.service
                 .store
@@ -440,7 +469,7 @@ impl Replication for Control {
             )));
         }
         let dir = journal::cycles_dir(self.service.state_dir(), &q.name);
-        if unchanged && let Some(c) = &r.last_cycle {
+        if let Some(c) = &common {
             journal::record_applied(&dir, &journal::AppliedCycle::of(&q.name, c, r.epoch))
                 .map_err(store_err)?;
         } else {

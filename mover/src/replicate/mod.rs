@@ -99,6 +99,7 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
             .map(|h| control::EpochChange {
                 epoch: h.epoch,
                 last_common_cycle: h.last_common_cycle,
+                root: h.root.clone(),
             })
             .collect(),
         paused: r.paused,

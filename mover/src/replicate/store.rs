@@ -83,6 +83,10 @@ pub struct EpochChange {
     pub epoch: u64,
     /// The newest cycle common to both sides then.
     pub last_common_cycle: u64,
+    /// Hex Merkle root of that cycle ("" if unknown): how a fenced old primary tells
+    /// whether it still holds exactly that cycle.
+    #[serde(default)]
+    pub root: String,
 }
 
 /// A relationship as this agent keeps it.
