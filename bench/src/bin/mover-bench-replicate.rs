@@ -63,6 +63,9 @@ struct Args {
     /// How long the RPO step writes and samples, in seconds.
     #[arg(long, default_value_t = 60)]
     rpo_seconds: u64,
+    /// The relationship's chunk size [default: mover's].
+    #[arg(long)]
+    chunk_size: Option<String>,
     /// The mover binary [default: `mover` beside this program].
     #[arg(long)]
     mover: Option<PathBuf>,
@@ -188,11 +191,18 @@ impl Agent {
     }
 
     fn spawn(mover: &Path, config: PathBuf, port: u16) -> Result<Agent> {
-        let log = fs::File::create(config.with_extension("log"))?;
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(config.with_extension("log"))?;
         let child = Command::new(mover)
             .args(["agent", "--config"])
             .arg(&config)
-            .env("RUST_LOG", "warn")
+            // MOVER_BENCH_AGENT_LOG=debug shows where a cycle's time goes.
+            .env(
+                "RUST_LOG",
+                std::env::var("MOVER_BENCH_AGENT_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -397,25 +407,28 @@ fn run(args: &Args) -> Result<bool> {
     let a = Agent::start(&mover, &da, &a_img)?;
     let b = Agent::start(&mover, &db, &b_img)?;
     let secondary = format!("{}/vol", b.url());
+    let a_url = a.url();
     eprintln!("== first cycle (the whole volume)");
     let t = Instant::now();
-    replicate(
-        &mover,
-        &[
-            "create",
-            "r",
-            "--agent",
-            &a.url(),
-            "--volume",
-            "vol",
-            "--secondary",
-            &secondary,
-            "--interval",
-            "1h",
-            "--freeze",
-            &vol.to_string_lossy(),
-        ],
-    )?;
+    let vol_arg = vol.to_string_lossy().into_owned();
+    let mut create = vec![
+        "create",
+        "r",
+        "--agent",
+        &a_url,
+        "--volume",
+        "vol",
+        "--secondary",
+        &secondary,
+        "--interval",
+        "1h",
+        "--freeze",
+        &vol_arg,
+    ];
+    if let Some(c) = &args.chunk_size {
+        create.extend(["--chunk-size", c]);
+    }
+    replicate(&mover, &create)?;
     loop {
         let s = replicate(&mover, &["status", "r", "--agent", &a.url()])?;
         if s["last_cycle"]["id"].as_u64() >= Some(1) {

@@ -264,7 +264,8 @@ impl Transfer for AgentService {
                 return Err(self.refuse(Status::invalid_argument("access must be READ or WRITE")));
             }
         };
-        let summary = blocking(|| self.summary_of(export, dest.as_ref(), &key, chunk, size))?;
+        let (summary, indexed) =
+            blocking(|| self.summary_of(export, dest.as_ref(), &key, chunk, size))?;
         let id = format!("{}-{}", r.volume, self.next_id.fetch_add(1, Relaxed));
         let cycle = match (&r.cycle, &dest) {
             (Some(c), Some(d)) => {
@@ -287,8 +288,11 @@ impl Transfer for AgentService {
             }
             _ => None,
         };
+        // The last applied cycle is vouched for only while the volume is untouched since
+        // (its saved index still valid): the primary then trusts it without comparing.
         let applied = cycle
             .as_ref()
+            .filter(|_| indexed)
             .and_then(|_| self.applied_cycle(&r.relationship));
         let pages = dest
             .as_ref()
@@ -623,7 +627,7 @@ impl Transfer for AgentService {
 
 impl AgentService {
     /// The summary of the volume a session opens: known at once for a new image or from a
-    /// valid saved index, else hashed in the background.
+    /// valid saved index, else hashed in the background; and whether the index gave it.
     fn summary_of(
         &self,
         export: &Export,
@@ -631,9 +635,9 @@ impl AgentService {
         key: &ChunkKey,
         chunk: ChunkSize,
         size: u64,
-    ) -> Result<Arc<LiveSummary>, Status> {
+    ) -> Result<(Arc<LiveSummary>, bool), Status> {
         if dest.is_some_and(|d| d.fresh) {
-            return Ok(LiveSummary::of_zeros(key.clone(), chunk, size));
+            return Ok((LiveSummary::of_zeros(key.clone(), chunk, size), false));
         }
         let volume = match dest {
             Some(d) => BlockVolume::open(d.volume.path()),
@@ -656,14 +660,17 @@ impl AgentService {
                         // The volume is about to change: the index will not describe it.
                         remove_index(&index_path)?;
                     }
-                    return Ok(LiveSummary::of_kinds(key.clone(), chunk, size, kinds));
+                    return Ok((LiveSummary::of_kinds(key.clone(), chunk, size, kinds), true));
                 }
             }
         }
         if dest.is_some() {
             remove_index(&index_path)?;
         }
-        Ok(LiveSummary::hash_in_background(volume, key.clone(), chunk))
+        Ok((
+            LiveSummary::hash_in_background(volume, key.clone(), chunk),
+            false,
+        ))
     }
 
     /// Seals the session's page hashes for `file` as it is now; for a new image, first

@@ -441,6 +441,9 @@ pub struct KnownChunks {
     pub base: Vec<ChunkKind>,
     /// Per chunk: whether it may differ from `base`.
     pub changed: Vec<bool>,
+    /// The byte ranges written since (sorted, not overlapping): within a changed chunk,
+    /// the only pages that may differ.
+    pub ranges: Vec<std::ops::Range<u64>>,
 }
 
 /// Reads a local volume group by group (GROUP_CHUNKS chunks) on a blocking thread,

@@ -118,6 +118,8 @@ struct Ship {
     sent: Arc<Sent>,
     compress: Compress,
     backlog: Arc<Backlog>,
+    /// The previous cycle's index, trusted: changed pages are known without asking.
+    known: Option<Arc<KnownChunks>>,
 }
 
 /// Whether the link is the bottleneck: a moving share of the frames that found their
@@ -165,6 +167,7 @@ impl Ship {
             leaves.as_deref(),
             chunk,
             compress,
+            self.known.as_deref().map(|k| &k.ranges[..]),
         )
         .await?;
         for f in frames {
@@ -258,7 +261,14 @@ async fn attempt(
     // Every chunk is hashed (on the reader thread, ahead of the comparison), also onto
     // zeros: the ids go to the agent with Finish, which saves them as the volume's index
     // so that the next push need not read the destination to compare.
-    let mut reader = read_groups(source.clone(), chunk, key.clone(), size, true, known);
+    let mut reader = read_groups(
+        source.clone(),
+        chunk,
+        key.clone(),
+        size,
+        true,
+        known.clone(),
+    );
     let mut ids = Vec::with_capacity(size.div_ceil(chunk.get()) as usize * 32);
     let mut merkle = MerkleBuilder::new(key.clone());
     let sent = Arc::new(Sent::default());
@@ -317,6 +327,7 @@ async fn attempt(
                     sent: sent.clone(),
                     compress: remote.compress,
                     backlog: backlog.clone(),
+                    known: known.clone(),
                 };
                 let leaves = group.leaves.filter(|_| !onto_zeros);
                 let unread_data =
@@ -392,6 +403,22 @@ async fn attempt(
     Ok((sum, ids.into()))
 }
 
+/// Per 4 KiB page of the `len` bytes at `at`: whether any of `written` (sorted, not
+/// overlapping) touches it.
+fn pages_written(written: &[std::ops::Range<u64>], at: u64, len: usize) -> Vec<bool> {
+    let page = PAGE_SIZE as u64;
+    let mut out = vec![false; len.div_ceil(PAGE_SIZE)];
+    let end = at + len as u64;
+    let first = written.partition_point(|r| r.end <= at);
+    for r in written[first..].iter().take_while(|r| r.start < end) {
+        let (s, e) = (r.start.max(at) - at, r.end.min(end) - at);
+        out[(s / page) as usize..e.div_ceil(page) as usize]
+            .iter_mut()
+            .for_each(|w| *w = true);
+    }
+    out
+}
+
 /// The error code of [`not_read`]: the cycle must be pushed again comparing every chunk.
 pub const STALE_BASE: &str = "stale base";
 
@@ -430,6 +457,7 @@ async fn group_frames(
     leaves: Option<&[ChunkId]>,
     chunk: chunker::ChunkSize,
     compress: Compression,
+    changed: Option<&[std::ops::Range<u64>]>,
 ) -> Result<Vec<proto::DataFrame>> {
     let first = g * GROUP_CHUNKS as u64;
     let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
@@ -465,7 +493,22 @@ async fn group_frames(
     {
         return Err(not_read(url, g));
     }
-    let their_pages = if onto_data.is_empty() {
+    // Where the secondary holds the previous cycle, a changed chunk differs from it only
+    // in the extents written since: those pages are shipped without asking it to read
+    // and hash its copy.
+    let known_pages: Option<Vec<Vec<bool>>> = changed.map(|written| {
+        onto_data
+            .iter()
+            .map(|&i| {
+                pages_written(
+                    written,
+                    win.offset + ranges[i].start as u64,
+                    ranges[i].len(),
+                )
+            })
+            .collect()
+    });
+    let their_pages = if onto_data.is_empty() || known_pages.is_some() {
         Default::default()
     } else {
         let chunks = onto_data.iter().map(|&i| first + i as u64).collect();
@@ -496,11 +539,23 @@ async fn group_frames(
             ));
         }
         let mut pages = &their_pages[..];
-        for &i in &onto_data {
+        let mut known_theirs = Vec::new();
+        for (j, &i) in onto_data.iter().enumerate() {
             let r = data[i].1.clone();
             let n = r.len().div_ceil(PAGE_SIZE) * PAGE_HASH_LEN;
-            let (mine, rest) = pages.split_at(n.min(pages.len()));
-            pages = rest;
+            let mine = if let Some(written) = &known_pages {
+                // Their pages are ours but for the written ones.
+                known_theirs.clear();
+                chunker::page_hashes(&key, &buf[r.clone()], &mut known_theirs);
+                for (p, _) in written[j].iter().enumerate().filter(|(_, w)| **w) {
+                    known_theirs[p * PAGE_HASH_LEN] ^= 0xff;
+                }
+                &known_theirs[..]
+            } else {
+                let (mine, rest) = pages.split_at(n.min(pages.len()));
+                pages = rest;
+                mine
+            };
             frames.extend(frames::chunk_frames(
                 &key,
                 &buf.slice(r.clone()),

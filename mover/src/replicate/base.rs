@@ -92,7 +92,7 @@ impl Base {
         };
         let n = self.kinds.len();
         let mut changed = vec![false; n];
-        for r in ranges {
+        for r in &ranges {
             let first = (r.start / chunk.get()) as usize;
             let end = (r.end.div_ceil(chunk.get()) as usize).min(n);
             changed[first.min(n)..end]
@@ -102,6 +102,7 @@ impl Base {
         Ok(Some(Arc::new(KnownChunks {
             base: self.kinds.clone(),
             changed,
+            ranges,
         })))
     }
 }
