@@ -110,11 +110,6 @@ impl Control {
                 spec.interval_ms
             )));
         }
-        let chunk = if spec.chunk_size == 0 {
-            ChunkSize::DEFAULT
-        } else {
-            ChunkSize::new(spec.chunk_size).map_err(|e| bad(e.to_string()))?
-        };
         let peer = AgentUrl::parse(&spec.peer)
             .ok_or_else(|| {
                 bad(format!(
@@ -131,10 +126,16 @@ impl Control {
             )));
         }
         let path = export.path.clone();
-        tokio::task::spawn_blocking(move || BlockVolume::open(&path))
+        let size = tokio::task::spawn_blocking(move || BlockVolume::open(&path))
             .await
             .map_err(store_err)?
-            .map_err(|e| Status::failed_precondition(format!("the primary volume: {e}")))?;
+            .map_err(|e| Status::failed_precondition(format!("the primary volume: {e}")))?
+            .size();
+        let chunk = if spec.chunk_size == 0 {
+            replicate::default_chunk(size)
+        } else {
+            ChunkSize::new(spec.chunk_size).map_err(|e| bad(e.to_string()))?
+        };
         if let Some(other) = self
             .service
             .store

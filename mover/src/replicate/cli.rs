@@ -84,9 +84,10 @@ pub enum ReplicateCommand {
         /// Bandwidth limit on the wire, e.g. 100M (bytes per second) [default: none].
         #[arg(long, value_name = "RATE", value_parser = parse_rate)]
         bwlimit: Option<u64>,
-        /// Chunk size (a power of two from 64K to 8M).
-        #[arg(long, default_value_t = chunker::ChunkSize::DEFAULT)]
-        chunk_size: chunker::ChunkSize,
+        /// Chunk size (a power of two from 64K to 8M) [default: 128K, larger from 4 GiB
+        /// up so that a volume has at most 32768 chunks].
+        #[arg(long)]
+        chunk_size: Option<chunker::ChunkSize>,
         /// Mount point of the filesystem inside the volume, frozen (FIFREEZE) while the
         /// point in time is taken: application-consistent cycles.
         #[arg(long, value_name = "MOUNT")]
@@ -200,9 +201,9 @@ pub enum ReplicateCommand {
         /// Stop after this many cycles [default: run until interrupted].
         #[arg(long)]
         cycles: Option<u64>,
-        /// Chunk size.
-        #[arg(long, default_value_t = chunker::ChunkSize::DEFAULT)]
-        chunk_size: chunker::ChunkSize,
+        /// Chunk size [default: as for `create`].
+        #[arg(long)]
+        chunk_size: Option<chunker::ChunkSize>,
         /// Mount point frozen while the point in time is taken.
         #[arg(long, value_name = "MOUNT")]
         freeze: Option<PathBuf>,
@@ -268,7 +269,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                 peer: secondary,
                 interval_ms: interval.as_millis() as u64,
                 bwlimit: bwlimit.unwrap_or(0),
-                chunk_size: chunk_size.get(),
+                chunk_size: chunk_size.map_or(0, |c| c.get()),
                 freeze: freeze.map(|p| p.display().to_string()).unwrap_or_default(),
             };
             let s = c
@@ -435,7 +436,7 @@ async fn run_foreground(
     dst: String,
     interval: Duration,
     cycles: Option<u64>,
-    chunk_size: chunker::ChunkSize,
+    chunk_size: Option<chunker::ChunkSize>,
     freeze: Option<PathBuf>,
     state_dir: PathBuf,
     remote: RemoteOptions,
@@ -456,7 +457,10 @@ async fn run_foreground(
             peer: peer.to_string(),
             interval_ms: interval.as_millis() as u64,
             bwlimit: remote.bwlimit.unwrap_or(0),
-            chunk_size: chunk_size.get(),
+            chunk_size: match chunk_size {
+                Some(c) => c.get(),
+                None => replicate::default_chunk(chunker::BlockVolume::open(&src)?.size()).get(),
+            },
             freeze: None,
         },
         role: Role::Primary,
