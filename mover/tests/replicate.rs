@@ -310,6 +310,78 @@ fn on_xfs_a_cycle_reads_only_the_chunks_written_since_the_last_one() {
 }
 
 #[test]
+fn a_restarted_agent_thaws_the_file_system_a_killed_one_left_frozen() {
+    let p = pair(&[]);
+    let fs = ScratchFs::new("ext4", 64 * MIB);
+    let mount = fs.path().to_str().unwrap().to_string();
+    ok(replicate(&[
+        "create",
+        "r",
+        "--agent",
+        &control(&p.a),
+        "--volume",
+        "vol",
+        "--secondary",
+        &p.b.url("vol"),
+        "--interval",
+        "1h",
+        "--freeze",
+        &mount,
+    ]));
+    let s = sync(&p.a, "r");
+    assert_eq!(
+        s["consistency"], "point-in-time",
+        "frozen for the read: {s}"
+    );
+    assert!(p.same());
+
+    // As if the agent died between FIFREEZE and FITHAW (paused, so that no cycle of the
+    // restarted agent freezes it again while the test looks).
+    ok(replicate(&[
+        "update",
+        "r",
+        "--pause",
+        "--agent",
+        &control(&p.a),
+    ]));
+    let mut p = p;
+    p.a.child.kill().unwrap();
+    p.a.child.wait().unwrap();
+    let fsfreeze = |arg: &str| {
+        std::process::Command::new("fsfreeze")
+            .args([arg, &mount])
+            .status()
+            .unwrap()
+            .success()
+    };
+    assert!(fsfreeze("--freeze"));
+    p.a = Agent::spawn(p.a.config.clone(), p.a.port, p.a.metrics_port);
+    status(&p.a, "r");
+    assert!(
+        fsfreeze("--freeze"),
+        "the restarted agent thawed it, so it can be frozen again"
+    );
+    assert!(fsfreeze("--unfreeze"));
+
+    // A freeze setting that is not a mount point is refused at create.
+    refused(
+        replicate(&[
+            "create",
+            "other",
+            "--agent",
+            &control(&p.b),
+            "--volume",
+            "vol",
+            "--secondary",
+            &p.a.url("vol"),
+            "--freeze",
+            p.root.to_str().unwrap(),
+        ]),
+        "",
+    );
+}
+
+#[test]
 fn forced_failover_then_failback_ships_the_union_of_both_sides_changes() {
     let mut p = pair(&[]);
     p.create("r");

@@ -91,6 +91,15 @@ pub async fn serve(
         .map_err(state_err)?,
     );
     let remote = config.peer_options()?;
+    // An agent killed while a file system was frozen for a cycle's clone left it frozen
+    // (the kernel does not thaw it when the process dies): thaw those of its
+    // relationships before anything else, or their applications stay blocked.
+    for m in store.all().iter().filter_map(|r| r.spec.freeze.as_ref()) {
+        match chunker::extents::thaw(m) {
+            Ok(()) => tracing::debug!(mount = %m.display(), "thawed (if it was frozen)"),
+            Err(e) => tracing::warn!(mount = %m.display(), "cannot thaw: {e}"),
+        }
+    }
     let runners = crate::replicate::Runners::new(store, config.exports.clone(), remote.clone());
     runners.start_all();
     let control = Control {
