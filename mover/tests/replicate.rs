@@ -17,17 +17,6 @@ use std::{
 
 const LEN: u64 = 32 * MIB;
 
-/// `mover replicate ARGS` with the test token.
-fn replicate(args: &[&str]) -> Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
-        .arg("replicate")
-        .args(args)
-        .env("MOVER_TOKEN", TOKEN)
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap()
-}
-
 fn ok(out: Output) -> String {
     assert!(
         out.status.success(),

@@ -61,16 +61,6 @@ const FAILPOINTS: [(&str, bool); 3] = [
 // ---------------------------------------------------------------------------------------
 // The CLI
 
-fn replicate(args: &[&str]) -> Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
-        .arg("replicate")
-        .args(args)
-        .env("MOVER_TOKEN", TOKEN)
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap()
-}
-
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }

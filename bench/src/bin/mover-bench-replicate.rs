@@ -154,6 +154,15 @@ fn cleanup(w: &Path) {
     }
 }
 
+/// A child process killed when dropped (also on an error's early return).
+struct Killed(Child);
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 struct Guard(PathBuf);
 impl Drop for Guard {
     fn drop(&mut self) {
@@ -457,13 +466,14 @@ fn run(args: &Args) -> Result<bool> {
             dr.display()
         ),
     )?;
-    let mut rsyncd = Command::new("rsync")
+    let rsyncd = Command::new("rsync")
         .args(["--daemon", "--no-detach", "--address=127.0.0.1"])
         .arg(format!("--port={rport}"))
         .arg(format!("--config={}", rconf.display()))
         .stderr(Stdio::null())
         .spawn()
         .context("cannot start the rsync daemon (apt-get install rsync)")?;
+    let rsyncd = Killed(rsyncd);
     while TcpStream::connect(("127.0.0.1", rport)).is_err() {
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -538,8 +548,7 @@ fn run(args: &Args) -> Result<bool> {
         );
         rounds.push(row);
     }
-    let _ = rsyncd.kill();
-    let _ = rsyncd.wait();
+    drop(rsyncd);
 
     eprintln!(
         "== RPO under load: interval 5 s, {} s of writes",
@@ -549,7 +558,7 @@ fn run(args: &Args) -> Result<bool> {
         &mover,
         &["update", "r", "--interval", "5s", "--agent", &a.url()],
     )?;
-    let mut writer = Command::new("python3")
+    let writer = Command::new("python3")
         .arg("-c")
         .arg(format!(
             "import os, random, sqlite3, time\ndb = sqlite3.connect('{}/db.sqlite')\n\
@@ -559,6 +568,7 @@ fn run(args: &Args) -> Result<bool> {
             vol.display()
         ))
         .spawn()?;
+    let writer = Killed(writer);
     let mut rpo = Vec::new();
     let until = Instant::now() + Duration::from_secs(args.rpo_seconds);
     while Instant::now() < until {
@@ -568,8 +578,7 @@ fn run(args: &Args) -> Result<bool> {
         }
         std::thread::sleep(Duration::from_millis(250));
     }
-    let _ = writer.kill();
-    let _ = writer.wait();
+    drop(writer);
     replicate(
         &mover,
         &["update", "r", "--interval", "1h", "--agent", &a.url()],

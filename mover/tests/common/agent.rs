@@ -175,3 +175,14 @@ pub fn copy_command(state: &Path, args: &[&str]) -> Command {
 pub fn copy(state: &Path, args: &[&str]) -> std::process::Output {
     copy_command(state, args).output().unwrap()
 }
+
+/// `mover replicate ARGS` with the test token.
+pub fn replicate(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_mover"))
+        .arg("replicate")
+        .args(args)
+        .env("MOVER_TOKEN", TOKEN)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
