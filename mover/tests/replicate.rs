@@ -372,7 +372,24 @@ fn a_restarted_agent_thaws_the_file_system_a_killed_one_left_frozen() {
 
 #[test]
 fn forced_failover_then_failback_ships_the_union_of_both_sides_changes() {
-    let mut p = pair(&[]);
+    forced_failover_and_failback(pair(&[]));
+}
+
+#[test]
+fn on_xfs_a_failback_reads_only_the_chunks_either_side_changed() {
+    let fs = ScratchFs::new("xfs", 512 * MIB);
+    let mut p = pair_in(fs.path(), &[]);
+    p._fs = Some(fs);
+    let (read, union_chunks) = forced_failover_and_failback(p);
+    assert!(
+        read <= union_chunks * 128 * 1024,
+        "the new primary read {read} bytes for {union_chunks} chunks written on either side"
+    );
+}
+
+/// Forced failover with writes on both sides, then failback; returns the bytes the new
+/// primary read for the failback cycle and how many (128 KiB) chunks either side wrote.
+fn forced_failover_and_failback(mut p: Pair) -> (u64, u64) {
     p.create("r");
     sync(&p.a, "r");
     assert!(p.same());
@@ -427,6 +444,14 @@ fn forced_failover_then_failback_ships_the_union_of_both_sides_changes() {
         "exactly the union of the pages either side changed"
     );
     assert_eq!(status(&p.a, "r")["role"], "secondary");
+    let chunks: BTreeSet<u64> = union
+        .iter()
+        .map(|page| page * PAGE / (128 * 1024))
+        .collect();
+    (
+        s["last_cycle"]["bytes_read"].as_u64().unwrap(),
+        chunks.len() as u64,
+    )
 }
 
 fn sync_err(agent: &Agent) -> String {

@@ -84,6 +84,55 @@ impl Control {
         })
     }
 
+    /// The last cycle both sides hold, by hashing this side's volume: the last cycle it
+    /// committed, or the one the peer was promoted from (which this side may have shipped
+    /// without hearing back: the secondary committed it, the reply was lost).
+    async fn common_by_hashing(
+        &self,
+        r: &Record,
+        export: &crate::agent::config::Export,
+    ) -> Result<Option<CycleRecord>, Status> {
+        let (path, chunk) = (export.path.clone(), r.spec.chunk_size);
+        let key = transport::relationship_key(&r.spec.name);
+        let local_root = tokio::task::spawn_blocking(move || -> Result<String, String> {
+            let v = BlockVolume::open(&path).map_err(|e| e.to_string())?;
+            let chunk = ChunkSize::new(chunk).map_err(|e| e.to_string())?;
+            let s =
+                chunker::Summary::of_volume(&v, &key, chunk, |_| {}).map_err(|e| e.to_string())?;
+            Ok(s.root.to_hex())
+        })
+        .await
+        .map_err(store_err)?
+        .map_err(Status::internal)?;
+        if let Some(c) = r.last_cycle.clone().filter(|c| c.root == local_root) {
+            return Ok(Some(c));
+        }
+        Ok(self.promoted_from(r).await.filter(|c| c.root == local_root))
+    }
+
+    /// A former primary's writes since its last committed cycle (see
+    /// `replicate::base::settle`), or `None` if that cannot be told cheaply.
+    async fn settle(&self, r: &Record) -> Option<Vec<std::ops::Range<u64>>> {
+        let (path, state) = (
+            self.service.export(&r.spec.volume).ok()?.path.clone(),
+            self.service.state_dir().to_path_buf(),
+        );
+        let (name, chunk, cycle) = (
+            r.spec.name.clone(),
+            ChunkSize::new(r.spec.chunk_size).ok()?,
+            r.last_cycle.as_ref()?.id,
+        );
+        let settled = tokio::task::spawn_blocking(move || {
+            replicate::base::settle(&state, &path, &name, chunk, cycle)
+        })
+        .await
+        .ok()?;
+        settled.unwrap_or_else(|e| {
+            tracing::warn!(relationship = %r.spec.name, "cannot tell the writes since the last cycle from the clones: {e}");
+            None
+        })
+    }
+
     /// Drops the primary's kept clone of its last cycle (see `replicate::base`).
     fn forget_base(&self, r: &Record) {
         if let Ok(e) = self.service.export(&r.spec.volume) {
@@ -384,6 +433,27 @@ impl Replication for Control {
                 }
             })
             .map_err(store_err)?;
+        // Its first cycle as primary reads only what is written from now on.
+        if let (Some(a), Ok(e)) = (&applied, self.service.export(&r.spec.volume)) {
+            let (state, path) = (self.service.state_dir().to_path_buf(), e.path.clone());
+            let (name, cycle, root) = (p.name.clone(), a.id, a.root.clone());
+            let chunk =
+                ChunkSize::new(r.spec.chunk_size).map_err(|e| Status::internal(e.to_string()))?;
+            let adopted = tokio::task::spawn_blocking(move || {
+                replicate::base::adopt(&state, &path, &name, chunk, cycle, &root)
+            })
+            .await
+            .map_err(store_err)?;
+            match adopted {
+                Ok(true) => {
+                    tracing::debug!(relationship = %p.name, cycle, "kept a clone of the cycle promoted from")
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(relationship = %p.name, "cannot keep a clone of the cycle promoted from: {e}")
+                }
+            }
+        }
         self.runners.start(&p.name);
         tracing::info!(relationship = %p.name, epoch, force = p.force, "promoted");
         self.reply(&p.name)
@@ -403,11 +473,19 @@ impl Replication for Control {
                 Status::aborted(format!("the final cycle failed, still primary: {e}"))
             })?;
         self.runners.stop(&name);
+        // This side now holds the final cycle (and whatever was written after its clone:
+        // shipped back by the new primary): later cycles into it are staged.
+        let r = self.record(&name)?;
+        let written = self.settle(&r).await;
         self.forget_base(&r);
-        // This side now holds exactly the final cycle: later cycles into it are staged.
         let dir = journal::cycles_dir(self.service.state_dir(), &name);
-        journal::record_applied(&dir, &journal::AppliedCycle::of(&name, &last, r.epoch))
-            .map_err(store_err)?;
+        let mut applied = journal::AppliedCycle::of(&name, &last, r.epoch);
+        applied.dirty = written
+            .unwrap_or_default()
+            .iter()
+            .map(|w| (w.start, w.end))
+            .collect();
+        journal::record_applied(&dir, &applied).map_err(store_err)?;
         tracing::info!(relationship = %name, cycle = last.id, "demoted after a final cycle");
         self.reply(&name)
     }
@@ -429,30 +507,20 @@ impl Replication for Control {
             )));
         }
         self.runners.stop(&q.name);
-        self.forget_base(&r);
         let export = self.service.export(&r.spec.volume)?.clone();
-        // Did this side write after the last cycle both sides hold?
-        let (path, chunk) = (export.path.clone(), r.spec.chunk_size);
-        let key = transport::relationship_key(&q.name);
-        let local_root = tokio::task::spawn_blocking(move || -> Result<String, String> {
-            let v = BlockVolume::open(&path).map_err(|e| e.to_string())?;
-            let chunk = ChunkSize::new(chunk).map_err(|e| e.to_string())?;
-            let s =
-                chunker::Summary::of_volume(&v, &key, chunk, |_| {}).map_err(|e| e.to_string())?;
-            Ok(s.root.to_hex())
-        })
-        .await
-        .map_err(store_err)?
-        .map_err(Status::internal)?;
-        let mut common = r.last_cycle.clone().filter(|c| c.root == local_root);
-        // The peer may have been promoted from a cycle this side shipped without hearing
-        // back (the secondary committed it, the reply was lost): ask the peer.
-        if common.is_none() {
-            common = self
-                .promoted_from(&r)
-                .await
-                .filter(|c| c.root == local_root);
-        }
+        // Did this side write after the last cycle both sides hold? Its clone of that
+        // cycle says where, without reading the volume (and seals an index for it).
+        let settled = self.settle(&r).await;
+        let mut dirty = Vec::new();
+        let common = match (settled, &r.last_cycle) {
+            (Some(written), Some(c)) if written.is_empty() => Some(c.clone()),
+            (Some(written), Some(c)) if q.discard_local => {
+                // The new primary ships these back with its own changes.
+                dirty = written.iter().map(|w| (w.start, w.end)).collect();
+                Some(c.clone())
+            }
+            _ => self.common_by_hashing(&r, &export).await?,
+        };
         let unchanged = common.is_some();
         if !unchanged && !q.discard_local {
             self.service
@@ -469,10 +537,14 @@ impl Replication for Control {
                     .map_or("none".into(), |c| c.id.to_string())
             )));
         }
+        // From here on this side is the secondary: its clone of its last cycle goes (kept
+        // until now for a retry after a refusal).
+        self.forget_base(&r);
         let dir = journal::cycles_dir(self.service.state_dir(), &q.name);
         if let Some(c) = &common {
-            journal::record_applied(&dir, &journal::AppliedCycle::of(&q.name, c, r.epoch))
-                .map_err(store_err)?;
+            let mut applied = journal::AppliedCycle::of(&q.name, c, r.epoch);
+            applied.dirty = dirty;
+            journal::record_applied(&dir, &applied).map_err(store_err)?;
         } else {
             let _ = std::fs::remove_file(dir.join("applied.json"));
         }

@@ -113,6 +113,7 @@ impl AgentService {
                 .into(),
             point_in_time_ms: a.point_in_time_ms,
             epoch: a.epoch,
+            dirty: a.dirty.iter().flat_map(|&(s, e)| [s, e]).collect(),
         })
     }
 }
@@ -130,6 +131,7 @@ impl CycleSession {
             r#final: self.cycle.r#final,
             consistency: self.cycle.consistency.clone(),
             applied_ms: journal::now_ms(),
+            dirty: Vec::new(),
         }
     }
 

@@ -51,6 +51,9 @@ pub struct AppliedCycle {
     pub consistency: String,
     /// When it was applied (Unix ms).
     pub applied_ms: i64,
+    /// Byte ranges written here since (start, end): a former primary that diverged.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dirty: Vec<(u64, u64)>,
 }
 
 impl AppliedCycle {
@@ -66,6 +69,7 @@ impl AppliedCycle {
             r#final: c.r#final,
             consistency: c.consistency.clone(),
             applied_ms: now_ms(),
+            dirty: Vec::new(),
         }
     }
 }
@@ -327,6 +331,7 @@ mod tests {
             r#final: false,
             consistency: "point-in-time".into(),
             applied_ms: 0,
+            dirty: Vec::new(),
         }
     }
 

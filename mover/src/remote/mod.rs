@@ -446,6 +446,32 @@ pub struct KnownChunks {
     pub ranges: Vec<std::ops::Range<u64>>,
 }
 
+impl KnownChunks {
+    /// These chunks, with the byte ranges `dirty` (start, end pairs, e.g. a secondary's
+    /// own writes since the cycle) also marked changed.
+    pub fn with_dirty(&self, dirty: &[u64], chunk: ChunkSize) -> KnownChunks {
+        let mut k = self.clone();
+        let n = k.changed.len();
+        for pair in dirty.chunks_exact(2) {
+            let (s, e) = (pair[0], pair[1].max(pair[0]));
+            let first = ((s / chunk.get()) as usize).min(n);
+            let end = (e.div_ceil(chunk.get()) as usize).min(n);
+            k.changed[first..end].iter_mut().for_each(|c| *c = true);
+            k.ranges.push(s..e);
+        }
+        k.ranges.sort_by_key(|r| r.start);
+        let mut merged: Vec<std::ops::Range<u64>> = Vec::with_capacity(k.ranges.len());
+        for r in k.ranges.drain(..) {
+            match merged.last_mut() {
+                Some(m) if r.start <= m.end => m.end = m.end.max(r.end),
+                _ => merged.push(r),
+            }
+        }
+        k.ranges = merged;
+        k
+    }
+}
+
 /// Reads a local volume group by group (GROUP_CHUNKS chunks) on a blocking thread,
 /// finding zero chunks and, with `hash`, hashing every chunk into its Merkle leaf;
 /// groups arrive in order on the returned channel, a few ahead of the consumer.

@@ -239,7 +239,10 @@ async fn attempt(
                     "the secondary does not hold the previous cycle: comparing every chunk"
                 );
             }
-            same.then(|| known.clone())
+            same.then(|| match a.dirty.is_empty() {
+                true => known.clone(),
+                false => Arc::new(known.with_dirty(&a.dirty, chunk)),
+            })
         });
 
     // Data streams: each takes frames from a bounded channel, so a slow link slows the

@@ -9,11 +9,13 @@
 //! cycle is in place, so a crash between the two leaves the previous, matching pair.
 
 use crate::agent::journal::write_durably;
+use crate::copy::index::{Identity, IndexReader, IndexWriter, index_path};
 use crate::remote::KnownChunks;
-use chunker::{ChunkId, ChunkKind, ChunkSize, extents};
+use chunker::{BlockVolume, ChunkId, ChunkKind, ChunkSize, extents};
 use std::{
     fs::File,
     io,
+    ops::Range,
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -165,5 +167,145 @@ fn remove(source: &Path, name: &str, keep: Option<&Path>) {
         if ours {
             let _ = std::fs::remove_file(e.path());
         }
+    }
+}
+
+/// The chunk kinds of the image `source` from the agent's saved index in `state_dir`,
+/// if that index is valid for the image as it is now.
+fn saved_kinds(
+    state_dir: &Path,
+    source: &Path,
+    name: &str,
+    chunk: ChunkSize,
+    size: u64,
+) -> Option<Vec<ChunkKind>> {
+    let file = File::open(source).ok()?;
+    let key = transport::relationship_key(name);
+    let mut r = IndexReader::open_valid(
+        &index_path(state_dir, source),
+        Identity::of(&file).ok()?,
+        chunk,
+        size,
+        &key,
+    )?;
+    (0..size.div_ceil(chunk.get()))
+        .map(|_| r.next().ok())
+        .collect()
+}
+
+/// On a secondary being promoted: makes the image `source`, which holds cycle `cycle`
+/// (hex `root`) with a valid saved index, the base of its first cycle as primary, so
+/// that cycle reads only what is written from now on. `Ok(false)` where it cannot be
+/// (no valid index, no reflinks).
+pub fn adopt(
+    state_dir: &Path,
+    source: &Path,
+    name: &str,
+    chunk: ChunkSize,
+    cycle: u64,
+    root: &str,
+) -> io::Result<bool> {
+    let size = std::fs::metadata(source)?.len();
+    let (Some(kinds), Some(root)) = (
+        saved_kinds(state_dir, source, name, chunk, size),
+        ChunkId::from_hex(root),
+    ) else {
+        return Ok(false);
+    };
+    let tmp = source.with_file_name(format!("{}.adopting", stem(source, name)));
+    let _ = std::fs::remove_file(&tmp);
+    match extents::clone_file(source, &tmp) {
+        Err(e) if extents::is_no_reflink(&e) => return Ok(false),
+        other => other?,
+    }
+    let ids: Vec<u8> = kinds
+        .iter()
+        .flat_map(|k| match k {
+            ChunkKind::Zero => [0u8; 32],
+            ChunkKind::Data(id) => id.0,
+        })
+        .collect();
+    let saved = save(source, name, &tmp, cycle, &root, chunk, size, &ids);
+    let _ = std::fs::remove_file(&tmp);
+    saved.map(|()| true)
+}
+
+/// On a former primary becoming a secondary (demote, resync): the byte ranges written
+/// into the image since its base cycle `cycle` (the clone its last committed cycle
+/// left), and its saved index sealed for what it holds now (the base's chunk ids, the
+/// written chunks hashed again), so that the new primary's first cycle need not read
+/// or compare the rest. `None` where there is no such base (then nothing is sealed).
+pub fn settle(
+    state_dir: &Path,
+    source: &Path,
+    name: &str,
+    chunk: ChunkSize,
+    cycle: u64,
+) -> io::Result<Option<Vec<Range<u64>>>> {
+    let size = std::fs::metadata(source)?.len();
+    let Some(base) = Base::load(source, name, chunk, size).filter(|b| b.cycle == cycle) else {
+        tracing::debug!(
+            relationship = name,
+            cycle,
+            "no clone of the last cycle to settle from"
+        );
+        return Ok(None);
+    };
+    let Some(known) = base.known(source, chunk)? else {
+        return Ok(None);
+    };
+    let key = transport::relationship_key(name);
+    let volume = BlockVolume::open(source).map_err(io::Error::other)?;
+    let file = File::open(source)?;
+    let identity = Identity::of(&file)?;
+    let mut w = IndexWriter::create(index_path(state_dir, source))?;
+    let mut win = chunker::Window::default();
+    for (i, kind) in known.base.iter().enumerate() {
+        let kind = if known.changed[i] {
+            let at = i as u64 * chunk.get();
+            let len = chunk.get().min(size - at) as usize;
+            chunker::read_window(&volume, chunk, at, len, &mut win).map_err(io::Error::other)?;
+            chunker::hash_chunks(&key, chunk, &win)[0]
+        } else {
+            *kind
+        };
+        w.push(&kind)?;
+    }
+    // Sealed only if nothing was written while the index was made.
+    if Identity::of(&file)? != identity {
+        return Ok(None);
+    }
+    w.commit(identity, chunk, size, &key)?;
+    Ok(Some(known.ranges.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_saved_base_loads_and_a_damaged_one_does_not() {
+        let t = tempfile::tempdir().unwrap();
+        let src = t.path().join("vol.img");
+        let chunk = ChunkSize::new(128 << 10).unwrap();
+        let size = 1 << 20;
+        std::fs::File::create(&src).unwrap().set_len(size).unwrap();
+        let clone = t.path().join("clone");
+        std::fs::write(&clone, b"").unwrap();
+        let mut ids = vec![0u8; 8 * 32];
+        ids[32] = 7;
+        save(&src, "r", &clone, 5, &ChunkId([9; 32]), chunk, size, &ids).unwrap();
+        let b = Base::load(&src, "r", chunk, size).expect("loads");
+        assert_eq!((b.cycle, b.root), (5, ChunkId([9; 32])));
+        assert_eq!(b.kinds[0], ChunkKind::Zero);
+        assert!(matches!(b.kinds[1], ChunkKind::Data(_)));
+        assert!(Base::load(&src, "r", chunk, size * 2).is_none());
+        let p = ids_path(&src, "r");
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes[70] ^= 1;
+        std::fs::write(&p, bytes).unwrap();
+        assert!(Base::load(&src, "r", chunk, size).is_none());
+        forget(&src, "r");
+        assert_eq!(std::fs::read_dir(t.path()).unwrap().count(), 1);
     }
 }

@@ -92,7 +92,10 @@ impl Agent {
     ) -> Agent {
         let child = Command::new(env!("CARGO_BIN_EXE_mover"))
             .args(["agent", "--config", config.to_str().unwrap()])
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("MOVER_TEST_AGENT_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .envs(env.iter().copied())
             .spawn()
             .unwrap();
