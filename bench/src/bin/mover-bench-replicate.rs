@@ -569,6 +569,8 @@ fn run(args: &Args) -> Result<bool> {
         ))
         .spawn()?;
     let writer = Killed(writer);
+    // Sampling starts from a cycle taken under the load, not from the last round's.
+    replicate(&mover, &["sync", "r", "--agent", &a.url()])?;
     let mut rpo = Vec::new();
     let until = Instant::now() + Duration::from_secs(args.rpo_seconds);
     while Instant::now() < until {

@@ -431,6 +431,9 @@ impl Group {
 /// Reader threads of [`read_groups`]: three groups' reads in flight kept a delta push
 /// reading about 15% faster than one on the bench's loop device (four did no better).
 const READERS: u64 = 3;
+/// Reader threads when only changed chunks are read: scattered small reads, where what
+/// counts is how many the disk has in flight, not their size.
+const SPARSE_READERS: u64 = 16;
 
 /// What an earlier cycle's index says about a volume's chunks: their kinds then, and
 /// which chunks may have changed since (from the file system's extent maps). Chunks not
@@ -486,18 +489,25 @@ pub(crate) fn read_groups(
 ) -> tokio::sync::mpsc::Receiver<Result<Group, CopyError>> {
     let (tx, rx) = tokio::sync::mpsc::channel(3);
     std::thread::spawn(move || {
-        volume.advise_sequential();
+        if known.is_none() {
+            volume.advise_sequential(); // not for scattered changed chunks: no readahead
+        }
         let group_len = chunk.get() * chunker::GROUP_CHUNKS as u64;
         let groups = size.div_ceil(group_len);
         // Readers take turns by group, each a group ahead of this thread, so the disk
         // always has several groups' reads in flight while this one finds zeros and hashes.
         std::thread::scope(|scope| {
-            let turns: Vec<_> = (0..READERS)
+            let readers = if known.is_some() {
+                SPARSE_READERS
+            } else {
+                READERS
+            };
+            let turns: Vec<_> = (0..readers)
                 .map(|first| {
                     let (read_tx, read_rx) = std::sync::mpsc::sync_channel(1);
                     let (volume, known) = (&volume, &known);
                     scope.spawn(move || {
-                        for g in (first..groups).step_by(READERS as usize) {
+                        for g in (first..groups).step_by(readers as usize) {
                             let offset = g * group_len;
                             let len = group_len.min(size - offset) as usize;
                             let mut win = Window::default();
@@ -517,7 +527,7 @@ pub(crate) fn read_groups(
                 })
                 .collect();
             for g in 0..groups {
-                let win = match turns[(g % READERS) as usize].recv() {
+                let win = match turns[(g % readers) as usize].recv() {
                     Ok(Ok(win)) => win,
                     Ok(Err(e)) => {
                         let _ = tx.blocking_send(Err(CopyError::from(e)));

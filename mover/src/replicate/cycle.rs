@@ -34,7 +34,7 @@ pub const CRASH_INCONSISTENT: &str = "crash-inconsistent";
 struct PointInTime {
     read: PathBuf,
     clone: Option<PathBuf>,
-    _frozen: Option<extents::Frozen>,
+    frozen: Option<extents::Frozen>,
     at_ms: i64,
     consistency: &'static str,
 }
@@ -115,11 +115,20 @@ fn take_point_in_time(
         let at_ms = now_ms();
         match extents::clone_file(source, &clone) {
             Ok(()) => {
-                drop(frozen);
+                // Thawed by the watchdog before the clone was done: not a point in time.
+                if let Some(Err(e)) = frozen.map(extents::Frozen::thaw) {
+                    let _ = std::fs::remove_file(&clone);
+                    return Err(CopyError::BadSource {
+                        path: source.into(),
+                        why: format!(
+                            "the clone outlasted the freeze ({e}); the next cycle tries again"
+                        ),
+                    });
+                }
                 return Ok(PointInTime {
                     read: clone.clone(),
                     clone: Some(clone),
-                    _frozen: None,
+                    frozen: None,
                     at_ms,
                     consistency: POINT_IN_TIME,
                 });
@@ -146,7 +155,7 @@ fn take_point_in_time(
         } else {
             CRASH_INCONSISTENT
         },
-        _frozen: frozen,
+        frozen,
         at_ms: now_ms(),
     })
 }
@@ -224,6 +233,12 @@ pub async fn run(
         }
         r => r?,
     };
+    // A read under a freeze that the watchdog ended early was not of one point in time.
+    if let Some(f) = pit.frozen.take()
+        && f.thaw().is_err()
+    {
+        pit.consistency = CRASH_INCONSISTENT;
+    }
     if let (Some(clone), Some(root)) = (pit.clone.take(), &sum.root) {
         let saved = match ChunkId::from_hex(root) {
             Some(root) => base::save(
