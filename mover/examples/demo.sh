@@ -56,8 +56,8 @@ for round in 1 2 3; do
   "$MOVER" replicate sync pg --agent $A | sed -n 2p
 done
 echo "== volumes equal after the last cycle:"
-"$MOVER" hash a/data.img | head -1
-"$MOVER" hash b/data.img | head -1
+"$MOVER" hash a/data.img | sed -n 1p
+"$MOVER" hash b/data.img | sed -n 1p
 
 echo "== planned failover: demote a (final cycle), promote b"
 scribble a 50
@@ -74,7 +74,7 @@ echo "== failback: demote b, promote a"
 "$MOVER" replicate list --agent $A
 "$MOVER" replicate list --agent $B
 echo "== volumes equal:"
-"$MOVER" hash a/data.img | head -1
-"$MOVER" hash b/data.img | head -1
+"$MOVER" hash a/data.img | sed -n 1p
+"$MOVER" hash b/data.img | sed -n 1p
 echo "== metrics on a:"
 curl -s http://127.0.0.1:$((PORT_A + 100))/metrics 2>/dev/null | grep -E '^mover_replication_(rpo_seconds|bytes_shipped_total|cycles_total)' || true
