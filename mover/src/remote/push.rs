@@ -422,7 +422,8 @@ fn pages_written(written: &[std::ops::Range<u64>], at: u64, len: usize) -> Vec<b
     out
 }
 
-/// The error code of [`not_read`]: the cycle must be pushed again comparing every chunk.
+/// The error code when the secondary differs in a chunk a cycle did not read (it trusted
+/// the previous cycle's index): the cycle must be pushed again comparing every chunk.
 pub const STALE_BASE: &str = "stale base";
 
 /// The secondary differs in a chunk this cycle did not read (it trusted the previous

@@ -39,7 +39,8 @@ pub struct Live {
     pub cycles_failed: u64,
     /// Bytes shipped by all cycles.
     pub bytes_shipped: u64,
-    /// Per bucket of [`DURATION_BUCKETS`] (and +Inf): cycles that took at most that long.
+    /// Per bucket of the cycle-duration histogram (and +Inf): cycles that took at most
+    /// that long.
     pub duration_counts: [u64; DURATION_BUCKETS.len() + 1],
     /// Sum of cycle durations (seconds).
     pub duration_sum: f64,
