@@ -152,13 +152,6 @@ struct OutputArgs {
 }
 
 fn main() -> ExitCode {
-    // Output into a closed pipe (`mover hash X | head -1`) ends the process quietly, as
-    // for other command-line tools, instead of a panic on the failed print.
-    // SAFETY: setting a signal's disposition to the default, before any thread starts.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
