@@ -127,10 +127,38 @@ pub fn chunk_frames(
     their_pages: &[u8],
     compress: bool,
 ) -> Vec<DataFrame> {
-    let mut mine = Vec::new();
-    if !their_pages.is_empty() {
-        page_hashes(key, data, &mut mine);
+    if their_pages.is_empty() {
+        // Onto zeros, zero pages need nothing.
+        return page_frames(data, offset, |_, zero| !zero, compress);
     }
+    let mut mine = Vec::new();
+    page_hashes(key, data, &mut mine);
+    let differs = |i: usize| {
+        let h = i * PAGE_HASH_LEN..(i + 1) * PAGE_HASH_LEN;
+        their_pages.get(h.clone()) != mine.get(h)
+    };
+    page_frames(data, offset, |i, _| differs(i), compress)
+}
+
+/// The frames that bring a holder of `data` but for the pages `written` marks up to
+/// date: those pages, as [`chunk_frames`] would send differing ones.
+pub fn written_frames(
+    data: &Bytes,
+    offset: u64,
+    written: &[bool],
+    compress: bool,
+) -> Vec<DataFrame> {
+    page_frames(data, offset, |i, _| written[i], compress)
+}
+
+/// The frames of the pages of `data` for which `wanted(index, is_zero)` holds, merged
+/// into runs; zero runs as zero frames.
+fn page_frames(
+    data: &Bytes,
+    offset: u64,
+    wanted: impl Fn(usize, bool) -> bool,
+    compress: bool,
+) -> Vec<DataFrame> {
     let mut frames = Vec::new();
     let mut run: Option<(bool, usize, usize)> = None; // (zero, start, end)
     let flush = |run: (bool, usize, usize), frames: &mut Vec<DataFrame>| {
@@ -142,17 +170,9 @@ pub fn chunk_frames(
         }
     };
     for (i, page) in data.chunks(PAGE_SIZE).enumerate() {
-        let h = i * PAGE_HASH_LEN..(i + 1) * PAGE_HASH_LEN;
-        let differs = their_pages.is_empty() || their_pages.get(h.clone()) != mine.get(h);
         let zero = is_zero(page);
-        // Onto zeros (no hashes), zero pages need nothing.
-        let wanted = if their_pages.is_empty() {
-            !zero
-        } else {
-            differs
-        };
         let (s, e) = (i * PAGE_SIZE, i * PAGE_SIZE + page.len());
-        match (&mut run, wanted) {
+        match (&mut run, wanted(i, zero)) {
             (Some((z, _, end)), true) if *z == zero && *end == s => *end = e,
             (_, true) => {
                 if let Some(r) = run.take() {

@@ -3,6 +3,9 @@
 //! `mover agent`s, against the way VolSync replicates (a fresh snapshot rsynced with
 //! `--inplace` into an rsync daemon), in one run. Run with `--help` for what is checked.
 
+#[allow(dead_code)] // the bench's page comparison, shared with mover-bench
+#[path = "../diff.rs"]
+mod diff;
 #[allow(dead_code)] // the bench's process helpers, shared with mover-bench
 #[path = "../process.rs"]
 mod process;
@@ -313,26 +316,9 @@ for p in files:
     Ok(())
 }
 
-/// 4 KiB pages where `a` and `b` differ (same length).
+/// 4 KiB pages where `a` and `b` (the same length) differ.
 fn differing_pages(a: &Path, b: &Path) -> Result<u64> {
-    let (mut fa, mut fb) = (fs::File::open(a)?, fs::File::open(b)?);
-    let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
-    let mut n = 0;
-    loop {
-        let ra = read_full(&mut fa, &mut ba)?;
-        let rb = read_full(&mut fb, &mut bb)?;
-        if ra != rb {
-            bail!("{} and {} differ in length", a.display(), b.display());
-        }
-        if ra == 0 {
-            return Ok(n);
-        }
-        n += ba[..ra]
-            .chunks(PAGE as usize)
-            .zip(bb[..rb].chunks(PAGE as usize))
-            .filter(|(x, y)| x != y)
-            .count() as u64;
-    }
+    Ok(diff::compare(a, b)?.differing_pages)
 }
 
 fn read_full(f: &mut fs::File, buf: &mut [u8]) -> Result<usize> {

@@ -131,10 +131,13 @@ impl AgentConfig {
             })?;
         }
         Ok(crate::remote::RemoteOptions {
-            token_file,
-            tls_ca: self.tls.as_ref().map(|t| t.ca.clone()),
-            tls_cert: self.tls.as_ref().map(|t| t.cert.clone()),
-            tls_key: self.tls.as_ref().map(|t| t.key.clone()),
+            connect: crate::remote::ConnectOptions {
+                token_file,
+                tls_ca: self.tls.as_ref().map(|t| t.ca.clone()),
+                tls_cert: self.tls.as_ref().map(|t| t.cert.clone()),
+                tls_key: self.tls.as_ref().map(|t| t.key.clone()),
+                tls_server_name: None,
+            },
             retries: 3,
             ..Default::default()
         })

@@ -1,7 +1,10 @@
 //! The Replication service: the agent's relationship control API (create, get, list,
 //! update, delete, sync, promote, demote, resync), for the CLI and the controller.
 
-use super::{journal, service::AgentService};
+use super::{
+    journal,
+    service::{AgentService, blocking, internal},
+};
 use crate::{
     remote::{AgentUrl, RemoteOptions},
     replicate::{
@@ -22,10 +25,6 @@ pub struct Control {
     pub(super) advertise: Option<String>,
     /// How this agent reaches peers.
     pub(super) remote: RemoteOptions,
-}
-
-fn store_err(e: impl std::fmt::Display) -> Status {
-    Status::internal(e.to_string())
 }
 
 impl Control {
@@ -92,18 +91,15 @@ impl Control {
         r: &Record,
         export: &crate::agent::config::Export,
     ) -> Result<Option<CycleRecord>, Status> {
-        let (path, chunk) = (export.path.clone(), r.spec.chunk_size);
         let key = transport::relationship_key(&r.spec.name);
-        let local_root = tokio::task::spawn_blocking(move || -> Result<String, String> {
-            let v = BlockVolume::open(&path).map_err(|e| e.to_string())?;
-            let chunk = ChunkSize::new(chunk).map_err(|e| e.to_string())?;
+        let local_root = blocking(|| -> Result<String, String> {
+            let v = BlockVolume::open(&export.path).map_err(|e| e.to_string())?;
+            let chunk = ChunkSize::new(r.spec.chunk_size).map_err(|e| e.to_string())?;
             let s =
                 chunker::Summary::of_volume(&v, &key, chunk, |_| {}).map_err(|e| e.to_string())?;
             Ok(s.root.to_hex())
         })
-        .await
-        .map_err(store_err)?
-        .map_err(Status::internal)?;
+        .map_err(internal)?;
         if let Some(c) = r.last_cycle.clone().filter(|c| c.root == local_root) {
             return Ok(Some(c));
         }
@@ -113,21 +109,11 @@ impl Control {
     /// A former primary's writes since its last committed cycle (see
     /// `replicate::base::settle`), or `None` if that cannot be told cheaply.
     async fn settle(&self, r: &Record) -> Option<Vec<std::ops::Range<u64>>> {
-        let (path, state) = (
-            self.service.export(&r.spec.volume).ok()?.path.clone(),
-            self.service.state_dir().to_path_buf(),
-        );
-        let (name, chunk, cycle) = (
-            r.spec.name.clone(),
-            ChunkSize::new(r.spec.chunk_size).ok()?,
-            r.last_cycle.as_ref()?.id,
-        );
-        let settled = tokio::task::spawn_blocking(move || {
-            replicate::base::settle(&state, &path, &name, chunk, cycle)
-        })
-        .await
-        .ok()?;
-        settled.unwrap_or_else(|e| {
+        let path = &self.service.export(&r.spec.volume).ok()?.path;
+        let chunk = ChunkSize::new(r.spec.chunk_size).ok()?;
+        let cycle = r.last_cycle.as_ref()?.id;
+        let state = self.service.state_dir();
+        blocking(|| replicate::base::settle(state, path, &r.spec.name, chunk, cycle)).unwrap_or_else(|e| {
             tracing::warn!(relationship = %r.spec.name, "cannot tell the writes since the last cycle from the clones: {e}");
             None
         })
@@ -174,10 +160,7 @@ impl Control {
                 spec.volume
             )));
         }
-        let path = export.path.clone();
-        let size = tokio::task::spawn_blocking(move || BlockVolume::open(&path))
-            .await
-            .map_err(store_err)?
+        let size = blocking(|| BlockVolume::open(&export.path))
             .map_err(|e| Status::failed_precondition(format!("the primary volume: {e}")))?
             .size();
         let chunk = if spec.chunk_size == 0 {
@@ -276,7 +259,7 @@ impl Replication for Control {
             history: Vec::new(),
         };
         let name = record.spec.name.clone();
-        self.service.store.put(record).map_err(store_err)?;
+        self.service.store.put(record).map_err(internal)?;
         self.runners.start(&name);
         tracing::info!(relationship = %name, "relationship created");
         self.reply(&name)
@@ -327,7 +310,7 @@ impl Replication for Control {
                     r.paused = p;
                 }
             })
-            .map_err(store_err)?;
+            .map_err(internal)?;
         if self.record(&u.name)?.role == Role::Primary {
             self.runners.start(&u.name);
         }
@@ -344,7 +327,7 @@ impl Replication for Control {
         self.runners.stop(&name);
         self.forget_base(&r);
         self.service.close_sessions_on(&r.spec.volume).await?;
-        self.service.store.remove(&name).map_err(store_err)?;
+        self.service.store.remove(&name).map_err(internal)?;
         let dir = journal::cycles_dir(self.service.state_dir(), &name);
         journal::discard(&dir);
         let _ = std::fs::remove_dir_all(&dir);
@@ -432,19 +415,15 @@ impl Replication for Control {
                     rec.this_side = format!("agent://{a}/{}", rec.spec.volume);
                 }
             })
-            .map_err(store_err)?;
+            .map_err(internal)?;
         // Its first cycle as primary reads only what is written from now on.
         if let (Some(a), Ok(e)) = (&applied, self.service.export(&r.spec.volume)) {
-            let (state, path) = (self.service.state_dir().to_path_buf(), e.path.clone());
-            let (name, cycle, root) = (p.name.clone(), a.id, a.root.clone());
-            let chunk =
-                ChunkSize::new(r.spec.chunk_size).map_err(|e| Status::internal(e.to_string()))?;
-            let adopted = tokio::task::spawn_blocking(move || {
-                replicate::base::adopt(&state, &path, &name, chunk, cycle, &root)
-            })
-            .await
-            .map_err(store_err)?;
-            match adopted {
+            let chunk = ChunkSize::new(r.spec.chunk_size).map_err(internal)?;
+            let state = self.service.state_dir();
+            let cycle = a.id;
+            match blocking(|| {
+                replicate::base::adopt(state, &e.path, &p.name, chunk, cycle, &a.root)
+            }) {
                 Ok(true) => {
                     tracing::debug!(relationship = %p.name, cycle, "kept a clone of the cycle promoted from")
                 }
@@ -485,7 +464,7 @@ impl Replication for Control {
             .iter()
             .map(|w| (w.start, w.end))
             .collect();
-        journal::record_applied(&dir, &applied).map_err(store_err)?;
+        journal::record_applied(&dir, &applied).map_err(internal)?;
         tracing::info!(relationship = %name, cycle = last.id, "demoted after a final cycle");
         self.reply(&name)
     }
@@ -526,7 +505,7 @@ impl Replication for Control {
             self.service
                 .store
                 .update(&q.name, |rec| rec.halt = Some(Halt::SplitBrain))
-                .map_err(store_err)?;
+                .map_err(internal)?;
             return Err(Status::failed_precondition(format!(
                 "split brain: this side of {:?} was written after its last common cycle with \
                  the peer ({}), and the peer was promoted since. Save what you need from this \
@@ -544,7 +523,7 @@ impl Replication for Control {
         if let Some(c) = &common {
             let mut applied = journal::AppliedCycle::of(&q.name, c, r.epoch);
             applied.dirty = dirty;
-            journal::record_applied(&dir, &applied).map_err(store_err)?;
+            journal::record_applied(&dir, &applied).map_err(internal)?;
         } else {
             let _ = std::fs::remove_file(dir.join("applied.json"));
         }
@@ -554,7 +533,7 @@ impl Replication for Control {
                 rec.role = Role::Secondary;
                 rec.halt = None;
             })
-            .map_err(store_err)?;
+            .map_err(internal)?;
         tracing::info!(relationship = %q.name, discard_local = q.discard_local, "resynced: now secondary");
         self.reply(&q.name)
     }

@@ -122,10 +122,10 @@ impl CycleSession {
     /// The cycle as it will be recorded once applied, with the source's `root`.
     pub fn applied(&self, root: &[u8]) -> AppliedCycle {
         AppliedCycle {
-            version: 1,
+            version: journal::RECORD_VERSION,
             relationship: self.relationship.clone(),
             id: self.cycle.id,
-            root: root.iter().map(|b| format!("{b:02x}")).collect(),
+            root: chunker::ChunkId(root.try_into().expect("checked by Finish: 32 bytes")).to_hex(),
             point_in_time_ms: self.cycle.point_in_time_ms,
             epoch: self.epoch,
             r#final: self.cycle.r#final,

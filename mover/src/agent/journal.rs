@@ -26,7 +26,7 @@ use std::{
 };
 
 const MAGIC: &[u8; 8] = b"MVJRNL\0\x01";
-const RECORD_VERSION: u32 = 1;
+pub(crate) const RECORD_VERSION: u32 = 1;
 const KIND_DATA: u64 = 0;
 const KIND_ZEROS: u64 = 1;
 

@@ -191,12 +191,13 @@ impl AgentService {
     }
 }
 
-fn internal(e: impl std::fmt::Display) -> Status {
+/// An agent-side failure the client cannot fix.
+pub(super) fn internal(e: impl std::fmt::Display) -> Status {
     Status::internal(e.to_string())
 }
 
 /// Runs blocking volume I/O without stalling the async workers.
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
+pub(super) fn blocking<T>(f: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(f)
 }
 

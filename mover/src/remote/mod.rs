@@ -76,22 +76,9 @@ impl std::fmt::Display for AgentUrl {
 #[derive(Clone, Debug, clap::Args)]
 #[command(next_help_heading = "Agent endpoints (agent://HOST:PORT/VOLUME)")]
 pub struct RemoteOptions {
-    /// File holding the agent's bearer token [env: MOVER_TOKEN_FILE; or the token itself in MOVER_TOKEN].
-    #[arg(long, value_name = "FILE", env = "MOVER_TOKEN_FILE")]
-    pub token_file: Option<PathBuf>,
-    /// CA certificate (PEM) that signs the agent's certificate; enables mutual TLS
-    /// together with --tls-cert and --tls-key.
-    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
-    pub tls_ca: Option<PathBuf>,
-    /// This client's certificate (PEM), signed by a CA the agent trusts.
-    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CERT")]
-    pub tls_cert: Option<PathBuf>,
-    /// This client's private key (PEM).
-    #[arg(long, value_name = "FILE", env = "MOVER_TLS_KEY")]
-    pub tls_key: Option<PathBuf>,
-    /// Name the agent's certificate must carry [default: the host in the URL].
-    #[arg(long, value_name = "NAME")]
-    pub tls_server_name: Option<String>,
+    /// Authentication and TLS.
+    #[command(flatten)]
+    pub connect: ConnectOptions,
     /// Replication relationship id: fencing epochs and chunk keys are per relationship
     /// [default: copy/VOLUME].
     #[arg(long, value_name = "ID")]
@@ -137,14 +124,32 @@ impl Compress {
     }
 }
 
+/// How a client proves itself to an agent and checks the agent: what every call to an
+/// agent needs, transfers and the control API alike.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct ConnectOptions {
+    /// File holding the agent's bearer token [env: MOVER_TOKEN_FILE; or the token itself in MOVER_TOKEN].
+    #[arg(long, value_name = "FILE", env = "MOVER_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// CA certificate (PEM) that signs the agent's certificate; enables mutual TLS
+    /// together with --tls-cert and --tls-key.
+    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<PathBuf>,
+    /// This client's certificate (PEM), signed by a CA the agent trusts.
+    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// This client's private key (PEM).
+    #[arg(long, value_name = "FILE", env = "MOVER_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// Name the agent's certificate must carry [default: the host in the URL].
+    #[arg(long, value_name = "NAME")]
+    pub tls_server_name: Option<String>,
+}
+
 impl Default for RemoteOptions {
     fn default() -> Self {
         RemoteOptions {
-            token_file: None,
-            tls_ca: None,
-            tls_cert: None,
-            tls_key: None,
-            tls_server_name: None,
+            connect: ConnectOptions::default(),
             relationship: None,
             epoch: 1,
             streams: 4,
@@ -155,7 +160,8 @@ impl Default for RemoteOptions {
     }
 }
 
-fn parse_rate(s: &str) -> Result<u64, String> {
+/// Parses a bandwidth limit: a size per second, `100M` or `100M/s`.
+pub fn parse_rate(s: &str) -> Result<u64, String> {
     chunker::parse_size(s.trim_end_matches("/s")).map_err(|e| e.to_string())
 }
 
@@ -173,7 +179,7 @@ impl RemoteOptions {
     }
 
     fn token(&self) -> Result<Option<String>, CopyError> {
-        if let Some(path) = &self.token_file {
+        if let Some(path) = &self.connect.token_file {
             let t = std::fs::read_to_string(path).map_err(|e| CopyError::Remote {
                 url: path.display().to_string(),
                 code: "token".into(),
@@ -207,14 +213,18 @@ impl RemoteOptions {
             code: code.into(),
             message,
         };
-        let tls = match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+        let tls = match (
+            &self.connect.tls_ca,
+            &self.connect.tls_cert,
+            &self.connect.tls_key,
+        ) {
             (Some(ca), Some(cert), Some(key)) => {
                 let files = TlsFiles {
                     cert: cert.clone(),
                     key: key.clone(),
                     ca: ca.clone(),
                 };
-                let name = self.tls_server_name.as_deref().unwrap_or(&url.host);
+                let name = self.connect.tls_server_name.as_deref().unwrap_or(&url.host);
                 Some(
                     files
                         .client(name)
@@ -394,18 +404,14 @@ pub(crate) struct Group {
 impl Group {
     /// Hashes the group's chunks into their Merkle leaves (zero chunks cost nothing).
     pub(crate) fn hash(&mut self, key: &ChunkKey, chunk: ChunkSize) -> &[ChunkId] {
-        let (win, key, kinds) = (&self.win, key, &mut self.kinds);
-        self.leaves.get_or_insert_with(|| {
-            *kinds = hash_chunks(key, chunk, win);
-            kinds
-                .iter()
-                .zip(win.chunk_ranges(chunk))
-                .map(|(k, r)| leaf_hash(key, k, r.len() as u64))
-                .collect()
-        })
+        if self.leaves.is_none() {
+            let kinds = hash_chunks(key, chunk, &self.win);
+            self.set_kinds(key, chunk, kinds);
+        }
+        self.leaves.as_deref().expect("set above")
     }
 
-    /// Replaces the group's chunk kinds (and so its leaves) with `kinds`.
+    /// Sets the group's chunk kinds, and so its leaves.
     fn set_kinds(&mut self, key: &ChunkKey, chunk: ChunkSize, kinds: Vec<ChunkKind>) {
         self.leaves = Some(
             kinds
@@ -567,14 +573,13 @@ pub(crate) fn read_groups(
                     kinds: Vec::new(),
                 };
                 if hash {
-                    group.hash(&key, chunk);
-                    if known.is_some() {
-                        let n = group.kinds.len();
-                        let kinds = (0..n)
-                            .map(|i| base(i).copied().unwrap_or(group.kinds[i]))
-                            .collect();
-                        group.set_kinds(&key, chunk, kinds);
-                    }
+                    // Chunks not read keep their kinds from the previous cycle.
+                    let kinds = hash_chunks(&key, chunk, &group.win)
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, k)| base(i).copied().unwrap_or(k))
+                        .collect();
+                    group.set_kinds(&key, chunk, kinds);
                 }
                 // The consumer went away: stop reading (its own error explains why).
                 if tx.blocking_send(Ok(group)).is_err() {

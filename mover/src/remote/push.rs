@@ -543,27 +543,25 @@ async fn group_frames(
             ));
         }
         let mut pages = &their_pages[..];
-        let mut known_theirs = Vec::new();
         for (j, &i) in onto_data.iter().enumerate() {
             let r = data[i].1.clone();
+            let (chunk_data, at) = (buf.slice(r.clone()), offset + r.start as u64);
+            if let Some(written) = &known_pages {
+                frames.extend(frames::written_frames(
+                    &chunk_data,
+                    at,
+                    &written[j],
+                    compress.deltas,
+                ));
+                continue;
+            }
             let n = r.len().div_ceil(PAGE_SIZE) * PAGE_HASH_LEN;
-            let mine = if let Some(written) = &known_pages {
-                // Their pages are ours but for the written ones.
-                known_theirs.clear();
-                chunker::page_hashes(&key, &buf[r.clone()], &mut known_theirs);
-                for (p, _) in written[j].iter().enumerate().filter(|(_, w)| **w) {
-                    known_theirs[p * PAGE_HASH_LEN] ^= 0xff;
-                }
-                &known_theirs[..]
-            } else {
-                let (mine, rest) = pages.split_at(n.min(pages.len()));
-                pages = rest;
-                mine
-            };
+            let (mine, rest) = pages.split_at(n.min(pages.len()));
+            pages = rest;
             frames.extend(frames::chunk_frames(
                 &key,
-                &buf.slice(r.clone()),
-                offset + r.start as u64,
+                &chunk_data,
+                at,
                 mine,
                 // No page hashes: the agent holds zeros there, the whole chunk goes.
                 if mine.is_empty() {

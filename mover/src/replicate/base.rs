@@ -33,13 +33,20 @@ pub struct Base {
     kinds: Vec<ChunkKind>,
 }
 
-fn stem(source: &Path, name: &str) -> String {
+/// The name of relationship `name`'s hidden `what` file beside the image `source`:
+/// `.IMG.mover-WHAT-H`, H a hash of the relationship's name (clones need the image's
+/// file system, and two relationships must not share them).
+pub(super) fn hidden_name(source: &Path, name: &str, what: &str) -> String {
     let h = blake3::hash(name.as_bytes()).to_hex();
     let file = source
         .file_name()
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_default();
-    format!(".{file}.mover-base-{}", &h[..12])
+    format!(".{file}.mover-{what}-{}", &h[..12])
+}
+
+fn stem(source: &Path, name: &str) -> String {
+    hidden_name(source, name, "base")
 }
 
 fn ids_path(source: &Path, name: &str) -> PathBuf {

@@ -1,8 +1,9 @@
 //! `mover replicate ...`: the CLI of the agents' relationship control API, and `run`,
 //! the same cycle engine in the foreground for a primary without an agent.
 
+use super::human;
 use anyhow::Context;
-use mover::remote::{AgentUrl, RemoteOptions, status_error};
+use mover::remote::{AgentUrl, ConnectOptions, RemoteOptions, parse_rate, status_error};
 use mover::replicate::{self, Record, Role, Spec, Store};
 use std::{path::PathBuf, time::Duration};
 use transport::control;
@@ -13,19 +14,8 @@ pub struct AgentArg {
     /// The agent that holds the relationship: agent://HOST:PORT.
     #[arg(long, value_name = "URL", env = "MOVER_AGENT")]
     agent: String,
-    /// File holding the agent's bearer token (or the token itself in MOVER_TOKEN).
-    #[arg(long, value_name = "FILE", env = "MOVER_TOKEN_FILE")]
-    token_file: Option<PathBuf>,
-    /// CA certificate (PEM) that signs the agent's certificate; enables mutual TLS
-    /// together with --tls-cert and --tls-key.
-    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
-    tls_ca: Option<PathBuf>,
-    /// This client's certificate (PEM), signed by a CA the agent trusts.
-    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CERT")]
-    tls_cert: Option<PathBuf>,
-    /// This client's private key (PEM).
-    #[arg(long, value_name = "FILE", env = "MOVER_TLS_KEY")]
-    tls_key: Option<PathBuf>,
+    #[command(flatten)]
+    connect: ConnectOptions,
     /// Print the result (the relationship's status) as JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -46,10 +36,7 @@ impl AgentArg {
     async fn client(&self) -> anyhow::Result<(mover::remote::ControlClient, AgentUrl)> {
         let url = self.url()?;
         let remote = RemoteOptions {
-            token_file: self.token_file.clone(),
-            tls_ca: self.tls_ca.clone(),
-            tls_cert: self.tls_cert.clone(),
-            tls_key: self.tls_key.clone(),
+            connect: self.connect.clone(),
             ..RemoteOptions::default()
         };
         Ok((remote.connect_control(&url).await?, url))
@@ -236,10 +223,6 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         _ => return Err(format!("{s:?}: unit must be ms, s, m or h")),
     };
     Ok(Duration::from_millis(ms))
-}
-
-fn parse_rate(s: &str) -> Result<u64, String> {
-    chunker::parse_size(s.trim_end_matches("/s")).map_err(|e| e.to_string())
 }
 
 /// Runs a `mover replicate` subcommand.
@@ -509,20 +492,6 @@ fn rpo(s: &control::Status) -> String {
         "-".into()
     } else {
         format!("{:.1}s", s.rpo_seconds)
-    }
-}
-
-fn human(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let (mut v, mut u) = (b as f64, 0);
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
     }
 }
 

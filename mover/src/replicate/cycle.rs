@@ -50,12 +50,7 @@ impl Drop for PointInTime {
 /// Where the clone of `source` for relationship `name` is made: beside the image (a
 /// reflink needs the same filesystem), hidden.
 fn clone_path(source: &Path, name: &str) -> PathBuf {
-    let h = blake3::hash(name.as_bytes()).to_hex();
-    let file = source
-        .file_name()
-        .map(|f| f.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    source.with_file_name(format!(".{file}.mover-pit-{}", &h[..12]))
+    source.with_file_name(base::hidden_name(source, name, "pit"))
 }
 
 /// Checks that `mount` is the mount point of a file system other than the one holding
@@ -98,6 +93,11 @@ fn take_point_in_time(
              freeze setting or drop it"
         ),
     };
+    let freeze_for = |max| {
+        freeze
+            .map(|m| extents::freeze(m, max).map_err(|e| freeze_err(m, e)))
+            .transpose()
+    };
     if let Some(m) = freeze {
         check_freeze(m, source).map_err(|why| CopyError::BadSource {
             path: m.into(),
@@ -108,10 +108,7 @@ fn take_point_in_time(
     if is_file {
         let clone = clone_path(source, name);
         let _ = std::fs::remove_file(&clone); // a leftover of a killed cycle
-        let frozen = match freeze {
-            Some(m) => Some(extents::freeze(m, FREEZE_FOR_CLONE).map_err(|e| freeze_err(m, e))?),
-            None => None,
-        };
+        let frozen = freeze_for(FREEZE_FOR_CLONE)?;
         let at_ms = now_ms();
         match extents::clone_file(source, &clone) {
             Ok(()) => {
@@ -143,10 +140,7 @@ fn take_point_in_time(
         }
     }
     // No reflinks: the live volume, frozen for the whole read where asked.
-    let frozen = match freeze {
-        Some(m) => Some(extents::freeze(m, FREEZE_MAX).map_err(|e| freeze_err(m, e))?),
-        None => None,
-    };
+    let frozen = freeze_for(FREEZE_MAX)?;
     Ok(PointInTime {
         read: source.into(),
         clone: None,
