@@ -121,22 +121,36 @@ fn pair_in(root: &Path, b_env: &[(&str, &str)]) -> Pair {
 }
 
 impl Pair {
-    fn create(&self, name: &str) {
-        ok(replicate(&[
+    /// `mover replicate create NAME` of `vol` on a into `vol` on b, every hour, with
+    /// `extra` arguments.
+    fn create_command(&self, name: &str, extra: &[&str]) -> Output {
+        let (agent, secondary) = (control(&self.a), self.b.url("vol"));
+        let mut args = vec![
             "create",
             name,
             "--agent",
-            &control(&self.a),
+            &agent,
             "--volume",
             "vol",
             "--secondary",
-            &self.b.url("vol"),
+            &secondary,
             "--interval",
             "1h",
-        ]));
+        ];
+        args.extend_from_slice(extra);
+        replicate(&args)
+    }
+
+    /// Creates `name` with `extra` arguments and waits for its first cycle.
+    fn create_with(&self, name: &str, extra: &[&str]) {
+        ok(self.create_command(name, extra));
         wait_for(&self.a, name, "the first cycle", |s| {
             s["last_cycle"]["id"].as_u64() >= Some(1)
         });
+    }
+
+    fn create(&self, name: &str) {
+        self.create_with(name, &[]);
     }
 
     fn same(&self) -> bool {
@@ -303,20 +317,7 @@ fn a_restarted_agent_thaws_the_file_system_a_killed_one_left_frozen() {
     let p = pair(&[]);
     let fs = ScratchFs::new("ext4", 64 * MIB);
     let mount = fs.path().to_str().unwrap().to_string();
-    ok(replicate(&[
-        "create",
-        "r",
-        "--agent",
-        &control(&p.a),
-        "--volume",
-        "vol",
-        "--secondary",
-        &p.b.url("vol"),
-        "--interval",
-        "1h",
-        "--freeze",
-        &mount,
-    ]));
+    p.create_with("r", &["--freeze", &mount]);
     let s = sync(&p.a, "r");
     assert_eq!(
         s["consistency"], "point-in-time",
@@ -575,19 +576,7 @@ fn bad_relationship_specs_are_refused_with_what_to_fix() {
         ]),
         "already the secondary of relationship \"r\"",
     );
-    refused(
-        replicate(&[
-            "create",
-            "r",
-            "--agent",
-            &control(&p.a),
-            "--volume",
-            "vol",
-            "--secondary",
-            &p.b.url("vol"),
-        ]),
-        "exists",
-    );
+    refused(p.create_command("r", &[]), "exists");
     refused(
         replicate(&["status", "ghost", "--agent", &control(&p.a)]),
         "no relationship \"ghost\"",

@@ -847,14 +847,7 @@ impl Case {
         assert_eq!(ss["last_cycle"]["final"], true, "{ss}");
         let (counts0, id0) = (counts(&ss), id_of(&ss));
         let pr = ok_json("promote", call(self.agent(s), "promote", &[]));
-        self.m.epoch += 1;
-        self.m.primary = s;
-        self.m.seen[s.i()] = self.m.epoch;
-        assert_eq!(
-            (pr["role"].as_str(), pr["epoch"].as_u64()),
-            (Some("primary"), Some(self.m.epoch)),
-            "{pr}"
-        );
+        self.promoted(s, &pr);
         // The new primary's own first cycle: nothing to ship.
         let (st, ok) = settle(self.agent(s), counts0, id0);
         assert!(ok, "the new primary's first cycle: {st}");
@@ -875,6 +868,18 @@ impl Case {
             self.m.epoch,
             diff * PAGE
         )
+    }
+
+    /// The model after `s` was promoted, which answered `pr`: a new epoch, `s` primary.
+    fn promoted(&mut self, s: Side, pr: &Value) {
+        self.m.epoch += 1;
+        self.m.primary = s;
+        self.m.seen[s.i()] = self.m.epoch;
+        assert_eq!(
+            (pr["role"].as_str(), pr["epoch"].as_u64()),
+            (Some("primary"), Some(self.m.epoch)),
+            "{pr}"
+        );
     }
 
     fn force_promote(&mut self) -> String {
@@ -900,14 +905,7 @@ impl Case {
             common: self.m.hash(s),
             unacknowledged: self.m.unacknowledged,
         });
-        self.m.epoch += 1;
-        self.m.primary = s;
-        self.m.seen[s.i()] = self.m.epoch;
-        assert_eq!(
-            (pr["role"].as_str(), pr["epoch"].as_u64()),
-            (Some("primary"), Some(self.m.epoch)),
-            "{pr}"
-        );
+        self.promoted(s, &pr);
         // Its first cycle cannot reach the old primary.
         let (st, ok) = settle(self.agent(s), counts0, id0);
         assert!(!ok, "the old primary is down: {st}");
