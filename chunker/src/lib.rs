@@ -20,6 +20,7 @@
 mod aligned;
 mod block;
 mod cdc;
+pub mod cv;
 pub mod direct;
 mod error;
 pub mod extents;

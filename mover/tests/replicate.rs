@@ -264,8 +264,9 @@ fn on_xfs_a_cycle_reads_only_the_chunks_written_since_the_last_one() {
     assert_eq!(s["consistency"], "point-in-time", "{s}");
     assert!(p.same());
 
-    // Pages written into three chunks (of 1 MiB): only those are read, and exactly the
-    // written pages shipped.
+    // Pages written into three chunks: of those only the written 8 KiB units
+    // are read (the others' BLAKE3 chaining values are kept from the last cycle), and
+    // exactly the written pages shipped.
     let f = std::fs::File::options().write(true).open(&p.a_img).unwrap();
     let mut rng = StdRng::seed_from_u64(30);
     let mut page = vec![0u8; PAGE as usize];
@@ -284,10 +285,7 @@ fn on_xfs_a_cycle_reads_only_the_chunks_written_since_the_last_one() {
     assert!(p.same(), "the cycle carried every write");
     assert_eq!(s["last_cycle"]["bytes_shipped"], 4 * PAGE, "{s}");
     let read = s["last_cycle"]["bytes_read"].as_u64().unwrap();
-    assert!(
-        read <= 3 * MIB,
-        "read {read} bytes: only the 3 written chunks"
-    );
+    assert_eq!(read, 4 * 8192, "only the 4 written units: {s}");
 
     // Nothing written: nothing read, nothing shipped.
     let s = sync(&p.a, "r");
@@ -298,6 +296,32 @@ fn on_xfs_a_cycle_reads_only_the_chunks_written_since_the_last_one() {
         ),
         (Some(0), Some(0)),
         "{s}"
+    );
+
+    // Damaged chaining values: the chunk is read whole, and the cycle is still exact.
+    let cvs = std::fs::read_dir(p.a_img.parent().unwrap())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.to_string_lossy().ends_with(".cvs"))
+        .expect("a CV file beside the image");
+    let mut bytes = std::fs::read(&cvs).unwrap();
+    // The record of the chunk at 1 MiB: 32 bytes per 8 KiB unit.
+    let chunk = s["chunk_size"].as_u64().unwrap();
+    bytes[(MIB / chunk * (chunk / 8192 * 32)) as usize + 40] ^= 1;
+    std::fs::write(&cvs, bytes).unwrap();
+    for at in [MIB + 5 * PAGE, 4 * MIB + PAGE] {
+        rng.fill_bytes(&mut page);
+        f.write_all_at(&page, at).unwrap();
+    }
+    f.sync_all().unwrap();
+    let s = sync(&p.a, "r");
+    assert!(p.same(), "the cycle carried every write: {s}");
+    assert_eq!(s["last_cycle"]["bytes_shipped"], 2 * PAGE, "{s}");
+    assert_eq!(
+        s["last_cycle"]["bytes_read"].as_u64(),
+        Some(chunk + 8192),
+        "the damaged chunk whole, one unit of the other: {s}"
     );
 
     // The secondary no longer holds the previous cycle (it was restored from elsewhere):

@@ -11,6 +11,7 @@
 mod pull;
 mod push;
 mod tree;
+mod units;
 
 pub use pull::pull;
 pub use push::{CyclePush, STALE_BASE, push, push_cycle};
@@ -18,8 +19,8 @@ pub use tree::{is_tree, pull_tree, push_tree};
 
 use crate::error::CopyError;
 use chunker::{
-    BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, Window, hash_chunks, is_zero, leaf_hash,
-    read_window_where,
+    BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, Window, cv::CvFile, hash_chunks,
+    leaf_hash, read_window_where,
 };
 use std::{path::PathBuf, time::Duration};
 use tonic::{service::interceptor::InterceptedService, transport::Channel};
@@ -399,6 +400,8 @@ pub(crate) struct Group {
     pub leaves: Option<Vec<ChunkId>>,
     /// Per chunk: its kind, if hashed.
     pub kinds: Vec<ChunkKind>,
+    /// Bytes read from the volume for this group.
+    pub bytes_read: u64,
 }
 
 impl Group {
@@ -482,16 +485,17 @@ impl KnownChunks {
 }
 
 /// Reads a local volume group by group (GROUP_CHUNKS chunks) on a blocking thread,
-/// finding zero chunks and, with `hash`, hashing every chunk into its Merkle leaf;
+/// finding zero chunks and hashing every chunk into its Merkle leaf;
 /// groups arrive in order on the returned channel, a few ahead of the consumer.
-/// With `known`, only changed chunks are read (the others keep their known kinds).
+/// With `known`, only changed chunks are read (the others keep their known kinds), and
+/// with a CV file only the written units of those: see [`units`].
 pub(crate) fn read_groups(
     volume: std::sync::Arc<BlockVolume>,
     chunk: ChunkSize,
     key: ChunkKey,
     size: u64,
-    hash: bool,
     known: Option<std::sync::Arc<KnownChunks>>,
+    cvs: Option<std::sync::Arc<CvFile>>,
 ) -> tokio::sync::mpsc::Receiver<Result<Group, CopyError>> {
     let (tx, rx) = tokio::sync::mpsc::channel(3);
     std::thread::spawn(move || {
@@ -511,20 +515,42 @@ pub(crate) fn read_groups(
             let turns: Vec<_> = (0..readers)
                 .map(|first| {
                     let (read_tx, read_rx) = std::sync::mpsc::sync_channel(1);
-                    let (volume, known) = (&volume, &known);
+                    let (volume, known, cvs) = (&volume, &known, &cvs);
                     scope.spawn(move || {
                         for g in (first..groups).step_by(readers as usize) {
                             let offset = g * group_len;
                             let len = group_len.min(size - offset) as usize;
-                            let mut win = Window::default();
                             let first_chunk = g as usize * chunker::GROUP_CHUNKS;
-                            let wanted = |i: usize| {
-                                known.as_ref().is_none_or(|k| k.changed[first_chunk + i])
-                            };
-                            let r = read_window_where(volume, chunk, offset, len, wanted, &mut win);
+                            let plans = units::plan(
+                                known.as_deref(),
+                                cvs.as_deref(),
+                                chunk,
+                                first_chunk,
+                                offset,
+                                len,
+                            );
+                            let mut win = Window::default();
+                            let wanted = |i: usize| matches!(plans[i], units::Read::Whole);
+                            let r = read_window_where(volume, chunk, offset, len, wanted, &mut win)
+                                .map_err(CopyError::from)
+                                .and_then(|()| {
+                                    let whole = (0..plans.len())
+                                        .filter(|&i| !win.unread[i])
+                                        .map(|i| {
+                                            chunk.get().min(len as u64 - i as u64 * chunk.get())
+                                        })
+                                        .sum::<u64>();
+                                    let units = units::read_units(volume, chunk, &plans, &mut win)
+                                        .map_err(|e| chunker::ChunkerError::Read {
+                                            path: volume.path().into(),
+                                            offset,
+                                            cause: e,
+                                        })?;
+                                    Ok(whole + units)
+                                });
                             let failed = r.is_err();
                             // The consumer went away, or this read failed: stop.
-                            if read_tx.send(r.map(|()| win)).is_err() || failed {
+                            if read_tx.send(r.map(|read| (win, plans, read))).is_err() || failed {
                                 break;
                             }
                         }
@@ -533,10 +559,10 @@ pub(crate) fn read_groups(
                 })
                 .collect();
             for g in 0..groups {
-                let win = match turns[(g % readers) as usize].recv() {
-                    Ok(Ok(win)) => win,
+                let (win, plans, bytes_read) = match turns[(g % readers) as usize].recv() {
+                    Ok(Ok(read)) => read,
                     Ok(Err(e)) => {
-                        let _ = tx.blocking_send(Err(CopyError::from(e)));
+                        let _ = tx.blocking_send(Err(e));
                         return;
                     }
                     Err(_) => {
@@ -552,35 +578,24 @@ pub(crate) fn read_groups(
                     }
                 };
                 let first_chunk = g as usize * chunker::GROUP_CHUNKS;
-                let base = |i: usize| {
-                    known
-                        .as_ref()
-                        .filter(|k| !k.changed[first_chunk + i])
-                        .map(|k| &k.base[first_chunk + i])
-                };
-                let zero = win
-                    .chunk_ranges(chunk)
-                    .enumerate()
-                    .map(|(i, r)| match base(i) {
-                        Some(kind) => *kind == ChunkKind::Zero,
-                        None => win.unread[i] || is_zero(&win.buf[r]),
-                    })
-                    .collect();
                 let mut group = Group {
                     win,
-                    zero,
+                    zero: Vec::new(),
                     leaves: None,
                     kinds: Vec::new(),
+                    bytes_read,
                 };
-                if hash {
-                    // Chunks not read keep their kinds from the previous cycle.
-                    let kinds = hash_chunks(&key, chunk, &group.win)
-                        .into_iter()
-                        .enumerate()
-                        .map(|(i, k)| base(i).copied().unwrap_or(k))
-                        .collect();
-                    group.set_kinds(&key, chunk, kinds);
-                }
+                let kinds = units::kinds(
+                    &key,
+                    chunk,
+                    &group.win,
+                    &plans,
+                    known.as_deref(),
+                    first_chunk,
+                    cvs.as_deref(),
+                );
+                group.zero = kinds.iter().map(|k| *k == ChunkKind::Zero).collect();
+                group.set_kinds(&key, chunk, kinds);
                 // The consumer went away: stop reading (its own error explains why).
                 if tx.blocking_send(Ok(group)).is_err() {
                     return;

@@ -79,19 +79,19 @@ async fn attempt(
         ..Default::default()
     };
     let mut groups = RemoteGroups::new(open.session.clone());
-    let mut reader = read_groups(local.clone(), chunk, key.clone(), size, true, None);
+    let mut reader = read_groups(local.clone(), chunk, key.clone(), size, None, None);
     progress.begin("pull", size);
     let mut g = 0u64;
     while let Some(item) = reader.recv().await {
         let super::Group {
-            win, zero, leaves, ..
+            win,
+            zero,
+            leaves,
+            bytes_read,
+            ..
         } = item?;
-        let leaves = leaves.expect("read_groups hashes when asked to");
-        for (i, r) in win.chunk_ranges(chunk).enumerate() {
-            if !win.unread[i] {
-                sum.destination_bytes_read += r.len() as u64;
-            }
-        }
+        let leaves = leaves.expect("read_groups hashes every group");
+        sum.destination_bytes_read += bytes_read;
         if chunker::Summary::group_hash(&key, &leaves) != groups.get(&mut client, url, g).await? {
             fetch_group(
                 &mut client,

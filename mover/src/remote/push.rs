@@ -2,7 +2,7 @@
 
 use super::{
     AgentUrl, Client, Compress, KnownChunks, RemoteGroups, RemoteOptions, Session, open_session,
-    read_groups, status_error, timed, tree, with_retries,
+    read_groups, status_error, timed, tree, units::units_written, with_retries,
 };
 use crate::{
     copy::{CopyOptions, CopySummary, Progress},
@@ -10,7 +10,7 @@ use crate::{
 };
 use chunker::{
     BlockVolume, ChunkId, ChunkKind, GROUP_CHUNKS, MerkleBuilder, PAGE_HASH_LEN, PAGE_SIZE,
-    leaf_hash,
+    cv::CvFile, leaf_hash,
 };
 use std::{
     path::Path,
@@ -46,6 +46,9 @@ pub struct CyclePush<'a> {
     /// The previous cycle (id, Merkle root) and the source's chunks as of then: used,
     /// reading only changed chunks, when the secondary holds exactly that cycle.
     pub base: Option<(u64, ChunkId, Arc<KnownChunks>)>,
+    /// The source's unit CVs: read so that only the written units of a changed chunk
+    /// are read, and renewed for every chunk read.
+    pub cvs: Option<Arc<CvFile>>,
 }
 
 /// Pushes one replication cycle: like [`push`], but the agent stages what arrives and
@@ -269,8 +272,8 @@ async fn attempt(
         chunk,
         key.clone(),
         size,
-        true,
         known.clone(),
+        push.and_then(|p| p.cvs.clone()),
     );
     let mut ids = Vec::with_capacity(size.div_ceil(chunk.get()) as usize * 32);
     let mut merkle = MerkleBuilder::new(key.clone());
@@ -288,10 +291,8 @@ async fn attempt(
     let pass: Result<()> = async {
         while let Some(item) = reader.recv().await {
             let mut group = item?;
+            sum.source_bytes_read += group.bytes_read;
             for (i, r) in group.win.chunk_ranges(chunk).enumerate() {
-                if !group.win.unread[i] {
-                    sum.source_bytes_read += r.len() as u64;
-                }
                 if group.zero[i] {
                     sum.zero_bytes_skipped += r.len() as u64;
                 }
@@ -406,22 +407,6 @@ async fn attempt(
     Ok((sum, ids.into()))
 }
 
-/// Per 4 KiB page of the `len` bytes at `at`: whether any of `written` (sorted, not
-/// overlapping) touches it.
-fn pages_written(written: &[std::ops::Range<u64>], at: u64, len: usize) -> Vec<bool> {
-    let page = PAGE_SIZE as u64;
-    let mut out = vec![false; len.div_ceil(PAGE_SIZE)];
-    let end = at + len as u64;
-    let first = written.partition_point(|r| r.end <= at);
-    for r in written[first..].iter().take_while(|r| r.start < end) {
-        let (s, e) = (r.start.max(at) - at, r.end.min(end) - at);
-        out[(s / page) as usize..e.div_ceil(page) as usize]
-            .iter_mut()
-            .for_each(|w| *w = true);
-    }
-    out
-}
-
 /// The error code when the secondary differs in a chunk a cycle did not read (it trusted
 /// the previous cycle's index): the cycle must be pushed again comparing every chunk.
 pub const STALE_BASE: &str = "stale base";
@@ -504,10 +489,11 @@ async fn group_frames(
         onto_data
             .iter()
             .map(|&i| {
-                pages_written(
+                units_written(
                     written,
                     win.offset + ranges[i].start as u64,
                     ranges[i].len(),
+                    PAGE_SIZE,
                 )
             })
             .collect()

@@ -7,11 +7,13 @@
 //! `.IMG.mover-base-H-N` (the clone of cycle N) and `.IMG.mover-base-H.ids` (cycle N's
 //! ids). The ids file names its cycle, and is replaced only after the clone of that
 //! cycle is in place, so a crash between the two leaves the previous, matching pair.
+//! `.IMG.mover-base-H.cvs` holds the chunks' unit CVs, so that of a changed chunk only
+//! the written pages are read.
 
 use crate::agent::journal::write_durably;
 use crate::copy::index::{Identity, IndexReader, IndexWriter, index_path};
 use crate::remote::KnownChunks;
-use chunker::{BlockVolume, ChunkId, ChunkKind, ChunkSize, extents};
+use chunker::{BlockVolume, ChunkId, ChunkKind, ChunkSize, cv::CvFile, extents};
 use std::{
     fs::File,
     io,
@@ -51,6 +53,18 @@ fn stem(source: &Path, name: &str) -> String {
 
 fn ids_path(source: &Path, name: &str) -> PathBuf {
     source.with_file_name(format!("{}.ids", stem(source, name)))
+}
+
+/// The unit CVs of the image's chunks (see [`chunker::cv`]): checked against the ids
+/// when read, so kept across cycles and never in the way of a crash.
+fn cvs_path(source: &Path, name: &str) -> PathBuf {
+    source.with_file_name(format!("{}.cvs", stem(source, name)))
+}
+
+/// Opens relationship `name`'s CV file beside `source` (`None` for chunks of one unit).
+pub fn open_cvs(source: &Path, name: &str, chunk: ChunkSize) -> io::Result<Option<CvFile>> {
+    let key = transport::relationship_key(name);
+    CvFile::open(&cvs_path(source, name), &key, chunk.bytes())
 }
 
 fn clone_path(source: &Path, name: &str, cycle: u64) -> PathBuf {

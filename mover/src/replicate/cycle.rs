@@ -215,9 +215,22 @@ pub async fn run(
         }),
         None => None,
     };
+    // Only with clones: the live volume changes under the read, so its CVs would not
+    // match any cycle's ids.
+    let cvs = pit
+        .clone
+        .as_ref()
+        .and_then(|_| match base::open_cvs(source_path, &spec.name, chunk) {
+            Ok(f) => f.map(std::sync::Arc::new),
+            Err(e) => {
+                tracing::warn!(relationship = %spec.name, "cannot open the CV file: {e}; changed chunks are read whole");
+                None
+            }
+        });
     let mut push = CyclePush {
         cycle: &cycle,
         base,
+        cvs,
     };
     let (sum, ids) = match push_cycle(&pit.read, &peer, &copy, &remote, &push, progress).await {
         Err(CopyError::Remote { code, message, .. }) if code == STALE_BASE => {

@@ -1,0 +1,243 @@
+//! A chunk's id from the BLAKE3 chaining values of its units (8 KiB pieces).
+//!
+//! A chunk id is the keyed BLAKE3 of the chunk, and BLAKE3 is a tree: the id is the root
+//! of the chaining values (CVs) of the chunk's aligned power-of-two pieces. Keeping each
+//! unit's CV lets a replication cycle find the new id of a chunk of which only a few
+//! pages were written by reading and hashing those pages alone, not the whole chunk.
+//!
+//! Stored CVs need no checksum: merged, they must give the chunk's id as recorded
+//! elsewhere, so a stale or torn record is detected and the chunk is read whole.
+
+use crate::{ChunkId, ChunkKey, ChunkKind};
+use blake3::hazmat::{
+    HasherExt, Mode, left_subtree_len, merge_subtrees_non_root, merge_subtrees_root,
+};
+use std::{fs::File, io, os::unix::fs::FileExt, path::Path};
+
+/// Bytes per unit. 8 KiB: a whole number of 4 KiB pages, and 8 BLAKE3 chunks so the
+/// SIMD paths hash a unit as fast as a whole chunk.
+pub const UNIT_LEN: usize = 8 << 10;
+
+/// A chaining value.
+pub type Cv = [u8; 32];
+
+/// Hashes units and merges their CVs into chunk kinds, under one key.
+pub struct UnitHasher {
+    key: ChunkKey,
+    chunk_len: usize,
+    /// The CVs of a full chunk of zeros: a chunk is zero iff its CVs are these.
+    zero: Vec<Cv>,
+}
+
+impl UnitHasher {
+    /// A hasher for chunks of `chunk_len` bytes, or `None` where a chunk is one unit or
+    /// less (its id is not a merge of CVs, so there is nothing to gain).
+    pub fn new(key: &ChunkKey, chunk_len: usize) -> Option<UnitHasher> {
+        Self::covers(chunk_len).then(|| UnitHasher {
+            key: key.clone(),
+            chunk_len,
+            zero: zero_cvs(key, chunk_len),
+        })
+    }
+
+    /// Whether a chunk of `len` bytes has an id merged from unit CVs (more than one unit).
+    pub fn covers(len: usize) -> bool {
+        len > UNIT_LEN
+    }
+
+    /// Units of a chunk of `len` bytes.
+    pub fn units(len: usize) -> usize {
+        len.div_ceil(UNIT_LEN)
+    }
+
+    /// Units of a full chunk.
+    pub fn units_per_chunk(&self) -> usize {
+        Self::units(self.chunk_len)
+    }
+
+    /// The CV of unit `u` of a chunk, whose bytes are `data`.
+    pub fn unit_cv(&self, u: usize, data: &[u8]) -> Cv {
+        unit_cv(&self.key, u, data)
+    }
+
+    /// The CVs of every unit of `data` (one chunk).
+    pub fn cvs(&self, data: &[u8]) -> Vec<Cv> {
+        data.chunks(UNIT_LEN)
+            .enumerate()
+            .map(|(u, d)| self.unit_cv(u, d))
+            .collect()
+    }
+
+    /// The kind of a chunk of `len` bytes (more than one unit) whose unit CVs are `cvs`.
+    pub fn kind(&self, cvs: &[Cv], len: usize) -> ChunkKind {
+        debug_assert!(len > UNIT_LEN && cvs.len() == Self::units(len));
+        let zero = if len == self.chunk_len {
+            cvs == &self.zero[..]
+        } else {
+            cvs == &zero_cvs(&self.key, len)[..]
+        };
+        if zero {
+            ChunkKind::Zero
+        } else {
+            ChunkKind::Data(ChunkId(*merge(&self.key, cvs, len as u64, true).as_bytes()))
+        }
+    }
+
+    /// The CVs of a chunk of `len` bytes that is all zeros.
+    pub fn zero_cvs(&self, len: usize) -> Vec<Cv> {
+        if len == self.chunk_len {
+            self.zero.clone()
+        } else {
+            zero_cvs(&self.key, len)
+        }
+    }
+}
+
+fn unit_cv(key: &ChunkKey, u: usize, data: &[u8]) -> Cv {
+    let mut h = blake3::Hasher::new_keyed(key.as_bytes());
+    h.set_input_offset((u * UNIT_LEN) as u64);
+    h.update(data);
+    h.finalize_non_root()
+}
+
+fn zero_cvs(key: &ChunkKey, len: usize) -> Vec<Cv> {
+    let zeros = vec![0u8; UNIT_LEN];
+    (0..len.div_ceil(UNIT_LEN))
+        .map(|u| unit_cv(key, u, &zeros[..UNIT_LEN.min(len - u * UNIT_LEN)]))
+        .collect()
+}
+
+/// Merges the CVs of `len` bytes (more than one unit) in BLAKE3's tree shape: the left
+/// subtree is the largest power of two below `len`, which is whole units.
+fn merge(key: &ChunkKey, cvs: &[Cv], len: u64, root: bool) -> blake3::Hash {
+    let left = left_subtree_len(len);
+    let n = (left / UNIT_LEN as u64) as usize;
+    let side = |cvs: &[Cv], len: u64| match cvs {
+        [one] => *one,
+        _ => *merge(key, cvs, len, false).as_bytes(),
+    };
+    let (l, r) = (side(&cvs[..n], left), side(&cvs[n..], len - left));
+    let mode = Mode::KeyedHash(key.as_bytes());
+    if root {
+        merge_subtrees_root(&l, &r, mode)
+    } else {
+        blake3::Hash::from_bytes(merge_subtrees_non_root(&l, &r, mode))
+    }
+}
+
+/// The unit CVs of a volume's chunks, in a file: chunk `i`'s at `i × units × 32`.
+/// Records are checked against the chunk's id when read, so writes need no ordering.
+pub struct CvFile {
+    file: File,
+    hasher: UnitHasher,
+}
+
+impl CvFile {
+    /// Opens (creating) the CV file at `path` for chunks of `chunk_len` bytes under `key`;
+    /// `None` where such chunks are one unit or less.
+    pub fn open(path: &Path, key: &ChunkKey, chunk_len: usize) -> io::Result<Option<CvFile>> {
+        let Some(hasher) = UnitHasher::new(key, chunk_len) else {
+            return Ok(None);
+        };
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
+        Ok(Some(CvFile { file, hasher }))
+    }
+
+    /// The hasher the records are made with.
+    pub fn hasher(&self) -> &UnitHasher {
+        &self.hasher
+    }
+
+    fn at(&self, chunk: u64) -> u64 {
+        chunk * (self.hasher.units_per_chunk() * 32) as u64
+    }
+
+    /// Chunk `chunk`'s stored CVs, if they merge into `kind` (a chunk of `len` bytes):
+    /// anything else (never written, stale, torn) is `None`.
+    pub fn get(&self, chunk: u64, len: usize, kind: &ChunkKind) -> Option<Vec<Cv>> {
+        if *kind == ChunkKind::Zero {
+            return Some(self.hasher.zero_cvs(len));
+        }
+        let mut raw = vec![0u8; UnitHasher::units(len) * 32];
+        self.file.read_exact_at(&mut raw, self.at(chunk)).ok()?;
+        let cvs: Vec<Cv> = raw
+            .chunks_exact(32)
+            .map(|c| c.try_into().expect("32 bytes"))
+            .collect();
+        (self.hasher.kind(&cvs, len) == *kind).then_some(cvs)
+    }
+
+    /// Records chunk `chunk`'s CVs.
+    pub fn put(&self, chunk: u64, cvs: &[Cv]) -> io::Result<()> {
+        self.file.write_all_at(cvs.as_flattened(), self.at(chunk))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cvs_merge_into_the_chunk_id_for_every_length() {
+        let key = ChunkKey::from_bytes([7; 32]);
+        let h = UnitHasher::new(&key, 128 << 10).unwrap();
+        let data: Vec<u8> = (0..(128u32 << 10)).map(|i| (i * 31 % 251) as u8).collect();
+        for len in [
+            128 << 10,
+            UNIT_LEN + 1,
+            3 * UNIT_LEN,
+            100_000,
+            (64 << 10) + 4096,
+        ] {
+            let d = &data[..len];
+            assert_eq!(
+                h.kind(&h.cvs(d), len),
+                ChunkKind::Data(key.chunk_id(d)),
+                "len {len}"
+            );
+        }
+        assert!(UnitHasher::new(&key, UNIT_LEN).is_none());
+    }
+
+    #[test]
+    fn a_zero_chunk_is_known_by_its_cvs() {
+        let key = ChunkKey::local();
+        let h = UnitHasher::new(&key, 64 << 10).unwrap();
+        assert_eq!(h.kind(&h.cvs(&[0; 64 << 10]), 64 << 10), ChunkKind::Zero);
+        assert_eq!(h.kind(&h.cvs(&[0; 20_000]), 20_000), ChunkKind::Zero);
+        let mut one = vec![0u8; 64 << 10];
+        one[40_000] = 1;
+        assert!(matches!(h.kind(&h.cvs(&one), 64 << 10), ChunkKind::Data(_)));
+    }
+
+    #[test]
+    fn a_stored_record_is_used_only_if_it_merges_into_the_kind() {
+        let t = tempfile::tempdir().unwrap();
+        let key = ChunkKey::local();
+        let f = CvFile::open(&t.path().join("cvs"), &key, 32 << 10)
+            .unwrap()
+            .unwrap();
+        let data = vec![5u8; 32 << 10];
+        let kind = ChunkKind::Data(key.chunk_id(&data));
+        assert_eq!(f.get(3, data.len(), &kind), None, "never written");
+        let cvs = f.hasher().cvs(&data);
+        f.put(3, &cvs).unwrap();
+        assert_eq!(f.get(3, data.len(), &kind), Some(cvs.clone()));
+        let other = ChunkKind::Data(key.chunk_id(&[6u8; 32 << 10]));
+        assert_eq!(f.get(3, data.len(), &other), None, "stale");
+        let mut torn = cvs;
+        torn[2][0] ^= 1;
+        f.put(3, &torn).unwrap();
+        assert_eq!(f.get(3, data.len(), &kind), None, "torn");
+        assert!(
+            CvFile::open(&t.path().join("x"), &key, UNIT_LEN)
+                .unwrap()
+                .is_none()
+        );
+    }
+}
