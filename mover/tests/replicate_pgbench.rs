@@ -1,0 +1,503 @@
+//! PostgreSQL under load, replicated and failed over: pgbench writes into a PostgreSQL 15
+//! cluster on ext4 inside an image on XFS while a relationship ships a reflink clone of
+//! the image, taken with the ext4 frozen, every 2 s. The secondary is then promoted by
+//! force, as when the primary's node is lost: its ext4 passes `e2fsck -fn`, PostgreSQL
+//! starts on it by crash recovery, and every pgbench transaction in it is whole.
+//!
+//! Needs root (loop devices, mounts, FIFREEZE, running PostgreSQL as `postgres`) and
+//! PostgreSQL 15, as CI has (.ci/run installs it).
+
+mod common;
+
+use common::{agent::*, *};
+use rustix::process::Signal;
+use std::{
+    fs::Permissions,
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant, SystemTime},
+};
+
+const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+/// pgbench scale: 100000 accounts (15 MiB with their index) per unit.
+const SCALE: u64 = 5;
+/// How long pgbench writes while the relationship replicates.
+const LOAD: Duration = Duration::from_secs(16);
+/// Completed cycles whose point in time falls inside the load, at least.
+const CYCLES_UNDER_LOAD: usize = 4;
+
+fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(out.status.success(), "{cmd:?}: {}", failure(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn failure(out: &Output) -> String {
+    format!(
+        "{}\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// A PostgreSQL cluster in `data`, run as the `postgres` user (the server refuses root)
+/// with its socket and log in `run`, a directory of this node's own. The postmaster is
+/// this test's child, not pg_ctl's: stopped, it is also reaped, so the pid in the
+/// copy's postmaster.pid names no process (pg_ctl stop returns once the pid file is
+/// gone, a moment before the process, and an orphan waits for init to reap it).
+/// Stopped (immediate) on drop.
+struct Postgres {
+    data: PathBuf,
+    run: PathBuf,
+    server: Option<Child>,
+}
+
+impl Postgres {
+    /// A PostgreSQL 15 program run as `postgres`, talking to this cluster.
+    fn cmd(&self, program: &str) -> Command {
+        let mut c = Command::new("setpriv");
+        c.args([
+            "--reuid=postgres",
+            "--regid=postgres",
+            "--init-groups",
+            "--",
+        ])
+        .arg(Path::new(PG_BIN).join(program))
+        // The test's own directories are root's: postgres may not enter them.
+        .current_dir(&self.run)
+        .env("HOME", &self.run)
+        .env("PGHOST", &self.run)
+        .env("PGDATABASE", "postgres")
+        .env("PGUSER", "postgres")
+        .env("LC_ALL", "C");
+        c
+    }
+
+    /// A new cluster in `data`.
+    fn init(data: PathBuf, run: PathBuf) -> Postgres {
+        std::fs::create_dir_all(&data).unwrap();
+        chown_postgres(&data);
+        let pg = Postgres::existing(data, run);
+        run_ok(
+            pg.cmd("initdb")
+                .args(["--no-locale", "-E", "UTF8", "-A", "trust", "-U", "postgres"])
+                .arg("-D")
+                .arg(&pg.data),
+        );
+        // In the data directory, so the secondary's copy runs with them too. A small
+        // max_wal_size: checkpoints (and WAL recycling) happen during the load.
+        let conf = pg.data.join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf).unwrap();
+        text += "listen_addresses = ''\nmax_wal_size = '64MB'\nmin_wal_size = '32MB'\n";
+        std::fs::write(&conf, text).unwrap();
+        pg
+    }
+
+    /// A cluster in `data` as it is (a copy on another node).
+    fn existing(data: PathBuf, run: PathBuf) -> Postgres {
+        Postgres {
+            data,
+            run,
+            server: None,
+        }
+    }
+
+    /// Starts the postmaster and waits until it accepts connections.
+    fn start(&mut self) {
+        let log = std::fs::File::create(self.run.join("log")).unwrap();
+        let server = self
+            .cmd("postgres")
+            .arg("-D")
+            .arg(&self.data)
+            .arg("-k")
+            .arg(&self.run)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.server = Some(server);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(st) = self.server.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "PostgreSQL on {} exited ({st}):\n{}",
+                    self.data.display(),
+                    self.log()
+                );
+            }
+            if self.cmd("pg_isready").arg("-q").status().unwrap().success() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "PostgreSQL on {} not ready:\n{}",
+                self.data.display(),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Stops the postmaster with `signal` (QUIT: immediate, INT: fast) and reaps it;
+    /// whether it exited 0, or `None` if it was not running.
+    fn stop(&mut self, signal: Signal) -> Option<bool> {
+        let mut server = self.server.take()?;
+        let pid = rustix::process::Pid::from_raw(server.id() as i32).unwrap();
+        let _ = rustix::process::kill_process(pid, signal);
+        Some(server.wait().unwrap().success())
+    }
+
+    /// The result of one SQL statement, unaligned, without headers.
+    fn sql(&self, sql: &str) -> String {
+        run_ok(
+            self.cmd("psql")
+                .args(["-XAtq", "-v", "ON_ERROR_STOP=1", "-c", sql]),
+        )
+        .trim()
+        .to_string()
+    }
+
+    fn count(&self, sql: &str) -> i64 {
+        let v = self.sql(sql);
+        v.parse().unwrap_or_else(|_| panic!("{sql}: {v:?}"))
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.run.join("log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        self.stop(Signal::QUIT);
+    }
+}
+
+fn chown_postgres(path: &Path) {
+    run_ok(Command::new("chown").arg("postgres:postgres").arg(path));
+}
+
+/// An ext4 image on a loop device, mounted; thawed (an agent killed mid-cycle leaves it
+/// frozen), unmounted and detached on drop.
+struct Ext4 {
+    mount: Mount,
+    _dev: LoopDevice,
+}
+
+impl Ext4 {
+    fn mount(image: &Path, dir: &Path) -> Ext4 {
+        let dev = LoopDevice::attach(image);
+        Ext4 {
+            mount: Mount::new(&dev.path, dir),
+            _dev: dev,
+        }
+    }
+}
+
+impl Drop for Ext4 {
+    fn drop(&mut self) {
+        let _ = Command::new("fsfreeze")
+            .arg("--unfreeze")
+            .arg(&self.mount.dir)
+            .output();
+    }
+}
+
+/// A child process killed on drop.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn control(agent: &Agent) -> String {
+    format!("agent://127.0.0.1:{}", agent.port)
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "mover replicate failed: {}",
+        failure(&out)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn status(agent: &Agent) -> serde_json::Value {
+    let out = ok(replicate(&[
+        "status",
+        "pg",
+        "--json",
+        "--agent",
+        &control(agent),
+    ]));
+    serde_json::from_str(&out).unwrap()
+}
+
+fn wait_for(agent: &Agent, what: &str, cond: impl Fn(&serde_json::Value) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = status(agent);
+        if cond(&s) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "waited for {what}: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
+    let t0 = Instant::now();
+    let elapsed = |what: &str| eprintln!("[{:5.1}s] {what}", t0.elapsed().as_secs_f64());
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "this test needs root (loop devices, mounts, FIFREEZE), as CI has"
+    );
+    assert!(
+        Path::new(PG_BIN).join("initdb").exists(),
+        "PostgreSQL 15 is not installed in {PG_BIN} (.ci/run installs it)"
+    );
+
+    // Images on XFS: each cycle reads a reflink clone, a point in time.
+    let xfs = ScratchFs::new("xfs", 3 << 30);
+    let (da, db) = (xfs.path().join("a"), xfs.path().join("b"));
+    std::fs::create_dir_all(&da).unwrap();
+    std::fs::create_dir_all(&db).unwrap();
+    let (a_img, b_img) = (da.join("pg.img"), db.join("pg.img"));
+    std::fs::File::create(&a_img)
+        .unwrap()
+        .set_len(1 << 30)
+        .unwrap();
+    run_ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&a_img));
+
+    // Mount points and the nodes' run directories, where postgres may enter.
+    let dirs = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dirs.path(), Permissions::from_mode(0o755)).unwrap();
+    let (run_a, run_b) = (dirs.path().join("run-a"), dirs.path().join("run-b"));
+    for d in [&run_a, &run_b] {
+        std::fs::create_dir(d).unwrap();
+        chown_postgres(d);
+    }
+    let ext4_a = Ext4::mount(&a_img, &dirs.path().join("mnt-a"));
+    let mnt_a = ext4_a.mount.dir.clone();
+
+    // Declared after the ext4 mount, so dropped before it: no agent freezes it while it
+    // is unmounted.
+    let a = Agent::start(&da, &[("pg", &a_img, false)], None);
+    let b = Agent::start(&db, &[("pg", &b_img, false)], None);
+
+    let mut pg_a = Postgres::init(mnt_a.join("pgdata"), run_a);
+    pg_a.start();
+    run_ok(
+        pg_a.cmd("pgbench")
+            .args(["-i", "-q", "-s", &SCALE.to_string()]),
+    );
+    elapsed("pgbench initialised");
+
+    ok(replicate(&[
+        "create",
+        "pg",
+        "--agent",
+        &control(&a),
+        "--volume",
+        "pg",
+        "--secondary",
+        &b.url("pg"),
+        "--interval",
+        "2s",
+        "--freeze",
+        mnt_a.to_str().unwrap(),
+    ]));
+    wait_for(&a, "the first cycle", |s| {
+        s["last_cycle"]["id"].as_u64() >= Some(1)
+    });
+    assert_eq!(status(&a)["freeze"].as_str(), mnt_a.to_str());
+    elapsed("first cycle done");
+
+    // The load: 4 clients, each transaction updating 3 balances and adding a history row.
+    let load_from = now_ms();
+    let out = std::fs::File::create(pg_a.run.join("pgbench")).unwrap();
+    let mut pgbench = Running(
+        pg_a.cmd("pgbench")
+            .args([
+                "-n",
+                "-c",
+                "4",
+                "-j",
+                "2",
+                "-T",
+                &LOAD.as_secs().to_string(),
+            ])
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap(),
+    );
+    let mut cycles = Vec::<serde_json::Value>::new();
+    let mut max_rpo = 0f64;
+    let ended = loop {
+        if let Some(st) = pgbench.0.try_wait().unwrap() {
+            break st;
+        }
+        let s = status(&a);
+        assert_eq!(
+            (s["role"].as_str(), s["state"].as_str()),
+            (Some("primary"), Some("Replicating")),
+            "{s}"
+        );
+        assert_eq!(s["consistency"], "point-in-time", "frozen and cloned: {s}");
+        max_rpo = max_rpo.max(s["rpo_seconds"].as_f64().unwrap_or(0.0));
+        let c = &s["last_cycle"];
+        if cycles.last().is_none_or(|l| l["id"] != c["id"]) {
+            cycles.push(c.clone());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let load_to = now_ms();
+    let log = std::fs::read_to_string(pg_a.run.join("pgbench")).unwrap();
+    assert!(ended.success(), "pgbench: {ended}\n{log}");
+    elapsed("pgbench done");
+    for c in &cycles {
+        eprintln!(
+            "cycle {}: at +{} ms, {} ms, {} bytes read, {} shipped",
+            c["id"],
+            c["point_in_time_ms"].as_i64().unwrap() - load_from,
+            c["duration_ms"],
+            c["bytes_read"],
+            c["bytes_shipped"]
+        );
+    }
+    eprintln!("largest RPO seen: {max_rpo:.1} s");
+    let under_load: Vec<_> = cycles
+        .iter()
+        .filter(|c| (load_from..load_to).contains(&c["point_in_time_ms"].as_i64().unwrap()))
+        .collect();
+    assert!(
+        under_load.len() >= CYCLES_UNDER_LOAD,
+        "cycles every 2 s while pgbench ran {} s: {cycles:?}",
+        LOAD.as_secs()
+    );
+    for c in &under_load {
+        assert!(c["bytes_shipped"].as_u64() > Some(0), "pgbench wrote: {c}");
+    }
+    // About two intervals: cycles of a few MiB take well under one.
+    assert!(max_rpo < 10.0, "RPO {max_rpo} s with 2 s cycles");
+    let ids: Vec<u64> = cycles.iter().map(|c| c["id"].as_u64().unwrap()).collect();
+    assert!(
+        ids.windows(2).all(|w| w[0] < w[1]),
+        "cycle ids advance: {ids:?}"
+    );
+    let s = status(&a);
+    assert_eq!(s["cycles_failed"], 0, "{s}");
+
+    // Disaster recovery, the case that matters: the secondary is promoted by force from
+    // its last committed cycle, as when the primary's node is lost (a planned failover
+    // would demote it first, shipping a final cycle). The primary is left as is, its
+    // agent still cycling: the new epoch fences it.
+    let written = pg_a.count("select count(*) from pgbench_history");
+    ok(replicate(&[
+        "promote",
+        "pg",
+        "--force",
+        "--agent",
+        &control(&b),
+    ]));
+    let s = status(&b);
+    assert_eq!(
+        (s["role"].as_str(), s["epoch"].as_u64()),
+        (Some("primary"), Some(2)),
+        "{s}"
+    );
+    let promoted_from = s["last_cycle"]["id"].as_u64().unwrap();
+    assert!(
+        promoted_from >= *ids.last().unwrap(),
+        "the secondary holds the last cycle seen under load ({ids:?}): {s}"
+    );
+    wait_for(&a, "the old primary fenced", |s| s["state"] == "Fenced");
+    elapsed(&format!(
+        "promoted from cycle {promoted_from}; the old primary is fenced"
+    ));
+
+    // The old primary's postmaster dies with its node; its postmaster.pid in the copy
+    // then names no live process, as on another machine.
+    assert!(
+        pg_a.stop(Signal::QUIT).is_some(),
+        "the primary's PostgreSQL was running"
+    );
+
+    let fsck = Command::new("e2fsck")
+        .arg("-fn")
+        .arg(&b_img)
+        .output()
+        .unwrap();
+    assert!(
+        fsck.status.success(),
+        "e2fsck -fn of the promoted secondary: {}",
+        failure(&fsck)
+    );
+
+    // Frozen around each clone: the copy's journal was flushed, nothing to replay.
+    let sb = run_ok(Command::new("dumpe2fs").arg("-h").arg(&b_img));
+    let features = sb
+        .lines()
+        .find(|l| l.starts_with("Filesystem features:"))
+        .unwrap_or_else(|| panic!("dumpe2fs -h: {sb}"));
+    assert!(!features.contains("needs_recovery"), "{features}");
+
+    let ext4_b = Ext4::mount(&b_img, &dirs.path().join("mnt-b"));
+    let mut pg_b = Postgres::existing(ext4_b.mount.dir.join("pgdata"), run_b);
+    pg_b.start();
+    elapsed("PostgreSQL started on the promoted secondary");
+    let log = pg_b.log();
+    assert!(
+        log.contains("database system was not properly shut down; automatic recovery"),
+        "a copy of a running cluster starts by crash recovery: {log}"
+    );
+    assert_eq!(
+        pg_b.count("select count(*) from pgbench_accounts"),
+        SCALE as i64 * 100_000
+    );
+    let history = pg_b.count("select count(*) from pgbench_history");
+    assert!(
+        0 < history && history <= written,
+        "{history} pgbench transactions on the secondary, {written} on the primary"
+    );
+    // Every transaction whole: each adds its delta to one account, teller and branch and
+    // records it in the history.
+    let sums = pg_b.sql(
+        "select (select coalesce(sum(delta), 0) from pgbench_history) || ' ' || \
+         (select sum(abalance) from pgbench_accounts) || ' ' || \
+         (select sum(tbalance) from pgbench_tellers) || ' ' || \
+         (select sum(bbalance) from pgbench_branches)",
+    );
+    let sums: Vec<&str> = sums.split(' ').collect();
+    assert!(
+        sums.iter().all(|s| *s == sums[0]),
+        "history, accounts, tellers, branches: {sums:?}"
+    );
+    // No torn or stale page in tables or indexes.
+    run_ok(
+        pg_b.cmd("pg_amcheck")
+            .args(["--install-missing", "--heapallindexed", "postgres"]),
+    );
+    // And it takes writes.
+    run_ok(pg_b.cmd("pgbench").args(["-n", "-t", "50"]));
+    assert_eq!(pg_b.stop(Signal::INT), Some(true), "{}", pg_b.log());
+    elapsed(&format!(
+        "{history} of {written} transactions on the secondary, all whole"
+    ));
+}
