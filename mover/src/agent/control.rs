@@ -153,20 +153,28 @@ impl Control {
                 ))
             })?
             .map_err(|e| bad(e.to_string()))?;
-        if std::fs::metadata(&export.path).is_ok_and(|m| m.is_dir()) {
-            return Err(Status::unimplemented(format!(
-                "export {:?} is a file tree: replicating trees through the agent is not \
-                 built yet; use `mover copy --replica --delete` on a schedule",
-                spec.volume
-            )));
-        }
-        let size = blocking(|| BlockVolume::open(&export.path))
-            .map_err(|e| Status::failed_precondition(format!("the primary volume: {e}")))?
-            .size();
-        let chunk = if spec.chunk_size == 0 {
-            replicate::default_chunk(size)
+        // A file tree replicates file by file: no chunk size, nothing to freeze (a
+        // freeze would stop the application for the whole walk).
+        let tree = std::fs::metadata(&export.path).is_ok_and(|m| m.is_dir());
+        let chunk_size = if tree {
+            if !spec.freeze.is_empty() {
+                return Err(bad(format!(
+                    "export {:?} is a file tree: its cycles are file-consistent and cannot be \
+                     frozen; drop --freeze (or replicate the block volume it lives on)",
+                    spec.volume
+                )));
+            }
+            0
         } else {
-            ChunkSize::new(spec.chunk_size).map_err(|e| bad(e.to_string()))?
+            let size = blocking(|| BlockVolume::open(&export.path))
+                .map_err(|e| Status::failed_precondition(format!("the primary volume: {e}")))?
+                .size();
+            if spec.chunk_size == 0 {
+                replicate::default_chunk(size)
+            } else {
+                ChunkSize::new(spec.chunk_size).map_err(|e| bad(e.to_string()))?
+            }
+            .get()
         };
         if let Some(other) = self
             .service
@@ -196,14 +204,16 @@ impl Control {
             .await
             .map_err(|s| Status::failed_precondition(format!("secondary {peer}: {}", s.message())))?
             .into_inner();
-        if d.tree || d.read_only {
+        let kind = |t: bool| if t { "a file tree" } else { "a block volume" };
+        if d.tree != tree || d.read_only {
             return Err(Status::failed_precondition(format!(
-                "secondary {peer} is {}: it cannot receive a block volume",
-                if d.tree {
-                    "a file tree"
-                } else {
+                "secondary {peer} is {}: it cannot receive {}",
+                if d.read_only {
                     "exported read-only"
-                }
+                } else {
+                    kind(d.tree)
+                },
+                kind(tree)
             )));
         }
         if !spec.freeze.is_empty() {
@@ -215,7 +225,7 @@ impl Control {
             peer: peer.to_string(),
             interval_ms: spec.interval_ms,
             bwlimit: spec.bwlimit,
-            chunk_size: chunk.get(),
+            chunk_size,
             freeze: (!spec.freeze.is_empty()).then(|| spec.freeze.into()),
         })
     }
@@ -417,8 +427,11 @@ impl Replication for Control {
             })
             .map_err(internal)?;
         // Its first cycle as primary reads only what is written from now on.
-        if let (Some(a), Ok(e)) = (&applied, self.service.export(&r.spec.volume)) {
-            let chunk = ChunkSize::new(r.spec.chunk_size).map_err(internal)?;
+        if let (Some(a), Ok(e), Ok(chunk)) = (
+            &applied,
+            self.service.export(&r.spec.volume),
+            ChunkSize::new(r.spec.chunk_size),
+        ) {
             let state = self.service.state_dir();
             let cycle = a.id;
             match blocking(|| {
@@ -489,9 +502,19 @@ impl Replication for Control {
         let export = self.service.export(&r.spec.volume)?.clone();
         // Did this side write after the last cycle both sides hold? Its clone of that
         // cycle says where, without reading the volume (and seals an index for it).
+        if export.path.is_dir() && !q.discard_local {
+            return Err(Status::failed_precondition(format!(
+                "this side of {:?} is a file tree: mover cannot tell whether it was written \
+                 since its last cycle. Save what you need from it, then `resync \
+                 --discard-local`: the peer's cycles then make it equal to the peer's tree \
+                 (only files that differ are sent)",
+                q.name
+            )));
+        }
         let settled = self.settle(&r).await;
         let mut dirty = Vec::new();
         let common = match (settled, &r.last_cycle) {
+            _ if export.path.is_dir() => None,
             (Some(written), Some(c)) if written.is_empty() => Some(c.clone()),
             (Some(written), Some(c)) if q.discard_local => {
                 // The new primary ships these back with its own changes.
@@ -509,7 +532,8 @@ impl Replication for Control {
             return Err(Status::failed_precondition(format!(
                 "split brain: this side of {:?} was written after its last common cycle with \
                  the peer ({}), and the peer was promoted since. Save what you need from this \
-                 volume, then `resync --discard-local` to replace it with the peer's data",
+                 volume, then `resync \
+                 --discard-local` to replace it with the peer's data",
                 q.name,
                 r.last_cycle
                     .as_ref()
@@ -525,7 +549,7 @@ impl Replication for Control {
             applied.dirty = dirty;
             journal::record_applied(&dir, &applied).map_err(internal)?;
         } else {
-            let _ = std::fs::remove_file(dir.join("applied.json"));
+            journal::forget_applied(&dir).map_err(internal)?;
         }
         self.service
             .store

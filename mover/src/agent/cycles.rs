@@ -14,6 +14,15 @@ use std::{
 use tonic::Status;
 use transport::proto;
 
+/// Where a cycle is written: the relationship, the export, the writer's epoch and the
+/// chunk size (0 for a file tree).
+pub(super) struct CycleTarget<'a> {
+    pub relationship: &'a str,
+    pub volume: &'a str,
+    pub epoch: u64,
+    pub chunk_size: u64,
+}
+
 /// A WRITE session that is a replication cycle.
 pub(super) struct CycleSession {
     pub cycle: proto::Cycle,
@@ -26,16 +35,16 @@ pub(super) struct CycleSession {
 }
 
 impl AgentService {
-    /// Checks that a cycle of `r` may be written into `r.volume` here, and records the
-    /// relationship as this side's secondary. Returns whether the relationship was known
-    /// here before (then the volume holds a complete cycle, or a former primary's data,
-    /// and must be changed atomically).
+    /// Checks that a cycle of relationship `r` may be written into `r.volume` here, and
+    /// records the relationship as this side's secondary. Returns whether the relationship
+    /// was known here before (then the volume holds a complete cycle, or a former
+    /// primary's data, and must be changed atomically).
     pub(super) fn admit_cycle(
         &self,
-        r: &proto::OpenRequest,
+        r: &CycleTarget<'_>,
         cycle: &proto::Cycle,
     ) -> Result<bool, Status> {
-        let known = self.store.get(&r.relationship);
+        let known = self.store.get(r.relationship);
         if let Some(k) = &known {
             if k.role == Role::Primary {
                 return Err(self.refuse(Status::failed_precondition(format!(
@@ -68,8 +77,8 @@ impl AgentService {
         let record = Record {
             version: RECORD_VERSION,
             spec: Spec {
-                name: r.relationship.clone(),
-                volume: r.volume.clone(),
+                name: r.relationship.into(),
+                volume: r.volume.into(),
                 peer: match (&cycle.primary, &known) {
                     (p, Some(k)) if p.is_empty() => k.spec.peer.clone(),
                     (p, _) => p.clone(),
@@ -121,18 +130,8 @@ impl AgentService {
 impl CycleSession {
     /// The cycle as it will be recorded once applied, with the source's `root`.
     pub fn applied(&self, root: &[u8]) -> AppliedCycle {
-        AppliedCycle {
-            version: journal::RECORD_VERSION,
-            relationship: self.relationship.clone(),
-            id: self.cycle.id,
-            root: chunker::ChunkId(root.try_into().expect("checked by Finish: 32 bytes")).to_hex(),
-            point_in_time_ms: self.cycle.point_in_time_ms,
-            epoch: self.epoch,
-            r#final: self.cycle.r#final,
-            consistency: self.cycle.consistency.clone(),
-            applied_ms: journal::now_ms(),
-            dirty: Vec::new(),
-        }
+        let root = chunker::ChunkId(root.try_into().expect("checked by Finish: 32 bytes"));
+        AppliedCycle::of_cycle(&self.relationship, &self.cycle, self.epoch, root.to_hex())
     }
 
     /// Commits the cycle: a staged journal is made durable, committed and applied onto

@@ -24,6 +24,7 @@ use std::{
     os::unix::fs::FileExt,
     path::{Path, PathBuf},
 };
+use transport::proto;
 
 const MAGIC: &[u8; 8] = b"MVJRNL\0\x01";
 pub(crate) const RECORD_VERSION: u32 = 1;
@@ -57,6 +58,23 @@ pub struct AppliedCycle {
 }
 
 impl AppliedCycle {
+    /// The record of `cycle` of `relationship`, written with `epoch`, with hex Merkle
+    /// `root` (empty for a file tree), as applied now.
+    pub fn of_cycle(relationship: &str, cycle: &proto::Cycle, epoch: u64, root: String) -> Self {
+        AppliedCycle {
+            version: RECORD_VERSION,
+            relationship: relationship.into(),
+            id: cycle.id,
+            root,
+            point_in_time_ms: cycle.point_in_time_ms,
+            epoch,
+            r#final: cycle.r#final,
+            consistency: cycle.consistency.clone(),
+            applied_ms: now_ms(),
+            dirty: Vec::new(),
+        }
+    }
+
     /// The record of cycle `c` of `relationship`, written with `epoch`, as applied now.
     pub fn of(relationship: &str, c: &CycleRecord, epoch: u64) -> Self {
         AppliedCycle {
@@ -288,6 +306,22 @@ pub(crate) fn apply(dir: &Path) -> io::Result<AppliedCycle> {
 pub(crate) fn record_applied(dir: &Path, cycle: &AppliedCycle) -> io::Result<()> {
     let body = serde_json::to_vec(cycle).map_err(io::Error::other)?;
     write_durably(&dir.join("applied.json"), &body)
+}
+
+/// Forgets the last applied cycle in `dir`: the volume is about to be changed in place
+/// (a file-tree cycle, a resync without a common cycle) and equals none until recorded.
+pub(crate) fn forget_applied(dir: &Path) -> io::Result<()> {
+    match fs::remove_file(dir.join("applied.json")) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    fs::File::open(dir).and_then(|d| d.sync_all()).or_else(|e| {
+        if e.kind() == io::ErrorKind::NotFound {
+            Ok(())
+        } else {
+            Err(e)
+        }
+    })
 }
 
 /// Drops an uncommitted journal in `dir` (a cycle that will not be finished).

@@ -2,7 +2,7 @@
 
 use super::{
     config::Export,
-    cycles::CycleSession,
+    cycles::{CycleSession, CycleTarget},
     fencing::{EpochStore, StaleEpochOrIo},
     journal::{self, Journal},
     live::LiveSummary,
@@ -231,7 +231,13 @@ impl Transfer for AgentService {
                 self.check_writable(&r.volume, export)?;
                 self.check_epoch(&r.relationship, r.epoch)?;
                 if let Some(c) = &r.cycle {
-                    known_before = self.admit_cycle(&r, c)?;
+                    let target = CycleTarget {
+                        relationship: &r.relationship,
+                        volume: &r.volume,
+                        epoch: r.epoch,
+                        chunk_size: r.chunk_size,
+                    };
+                    known_before = self.admit_cycle(&target, c)?;
                 }
                 // One writer per export: a newer session takes over from an abandoned one.
                 self.close_sessions_on(&r.volume).await?;

@@ -1,7 +1,12 @@
 //! File-tree exports (an export whose path is a directory): pushes walk the client's tree
 //! into the export here; pulls serve the export to a client that walks it.
 
-use super::{config::Export, service::AgentService};
+use super::{
+    config::Export,
+    cycles::CycleTarget,
+    journal::{self, AppliedCycle},
+    service::AgentService,
+};
 use crate::tree::{
     self,
     remote::{Pending, RemoteSource, Served, route_answers, serve_calls},
@@ -94,6 +99,27 @@ impl AgentService {
         }
         self.check_epoch(&open.relationship, open.epoch)?;
         let busy = self.claim(&open.volume)?;
+        // A replication cycle: the tree changes in place, so until the walk is done it
+        // equals no cycle (a promote then needs --force).
+        let cycle = match &open.cycle {
+            Some(c) => {
+                let target = CycleTarget {
+                    relationship: &open.relationship,
+                    volume: &open.volume,
+                    epoch: open.epoch,
+                    chunk_size: 0,
+                };
+                self.admit_cycle(&target, c)?;
+                let dir = journal::cycles_dir(self.state_dir(), &open.relationship);
+                std::fs::create_dir_all(&dir)
+                    .and_then(|()| journal::forget_applied(&dir))
+                    .map_err(|e| Status::internal(format!("{}: {e}", dir.display())))?;
+                let applied =
+                    AppliedCycle::of_cycle(&open.relationship, c, open.epoch, String::new());
+                Some((dir, applied))
+            }
+            None => None,
+        };
         self.metrics.sessions_opened.fetch_add(1, Relaxed);
         self.metrics.sessions_active.fetch_add(1, Relaxed);
         let metrics = self.metrics.clone();
@@ -108,7 +134,16 @@ impl AgentService {
         );
         let (dst, options) = (export.path.clone(), tree::remote::options_of(&open));
         tokio::task::spawn_blocking(move || {
-            let result = tree::copy_remote_tree(&source, &dst, &options, &());
+            let mut result = tree::copy_remote_tree(&source, &dst, &options, &());
+            if let (Ok(_), Some((dir, applied))) = (&result, &cycle) {
+                if let Err(e) = journal::record_applied(dir, applied) {
+                    result = Err(crate::CopyError::Tree {
+                        path: dir.clone(),
+                        what: "cannot record the applied cycle",
+                        cause: e,
+                    });
+                }
+            }
             drop(source);
             drop(busy);
             metrics.sessions_active.fetch_sub(1, Relaxed);

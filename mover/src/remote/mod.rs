@@ -15,7 +15,7 @@ mod units;
 
 pub use pull::pull;
 pub use push::{CyclePush, STALE_BASE, push, push_cycle};
-pub use tree::{is_tree, pull_tree, push_tree};
+pub use tree::{is_tree, pull_tree, push_tree, push_tree_cycle};
 
 use crate::error::CopyError;
 use chunker::{

@@ -66,7 +66,7 @@ pub fn push_tree(
     let sent = Arc::new(AtomicU64::new(0));
     progress.begin("copy", 0);
     let push = with_retries(remote.retries, |_| {
-        push_once(&src_abs, url, options, remote, sent.clone())
+        push_once(&src_abs, url, options, remote, None, sent.clone())
     });
     let mut summary = runtime()?.block_on(async {
         tokio::pin!(push);
@@ -83,12 +83,31 @@ pub fn push_tree(
     Ok(summary)
 }
 
+/// Pushes the tree at `src` into the agent's export as replication cycle `cycle`
+/// (`remote` names the relationship and epoch), retrying as [`push_tree`] does.
+/// Returns the agent's summary and the file data sent.
+pub async fn push_tree_cycle(
+    src: &Path,
+    url: &AgentUrl,
+    options: &TreeOptions,
+    remote: &RemoteOptions,
+    cycle: &proto::Cycle,
+) -> Result<(TreeSummary, u64), CopyError> {
+    let sent = Arc::new(AtomicU64::new(0));
+    let summary = with_retries(remote.retries, |_| {
+        push_once(src, url, options, remote, Some(cycle), sent.clone())
+    })
+    .await?;
+    Ok((summary, sent.load(Relaxed)))
+}
+
 /// One attempt of a push; `sent` accumulates the file data sent over all attempts.
 async fn push_once(
     src: &Path,
     url: &AgentUrl,
     options: &TreeOptions,
     remote: &RemoteOptions,
+    cycle: Option<&proto::Cycle>,
     sent: Arc<AtomicU64>,
 ) -> Result<TreeSummary, CopyError> {
     let mut served = Served::open(src, remote.bwlimit)
@@ -96,13 +115,16 @@ async fn push_once(
     served.sent = sent;
     let mut client = remote.connect(url).await?;
     let (tx, rx) = mpsc::channel(QUEUE);
-    let open = open_of(
-        &url.volume,
-        remote.relationship_for(url),
-        remote.epoch,
-        None,
-        options,
-    );
+    let open = proto::TreeOpen {
+        cycle: cycle.cloned(),
+        ..open_of(
+            &url.volume,
+            remote.relationship_for(url),
+            remote.epoch,
+            None,
+            options,
+        )
+    };
     _ = tx
         .send(proto::TreeAnswer {
             id: 0,

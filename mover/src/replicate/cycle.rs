@@ -9,7 +9,7 @@ use super::{
 use crate::{
     CopyOptions, Progress,
     error::CopyError,
-    remote::{AgentUrl, CyclePush, RemoteOptions, STALE_BASE, push_cycle},
+    remote::{AgentUrl, CyclePush, RemoteOptions, STALE_BASE, push_cycle, push_tree_cycle},
 };
 use chunker::{ChunkId, ChunkSize, extents};
 use std::{
@@ -28,6 +28,8 @@ const FREEZE_FOR_CLONE: Duration = Duration::from_secs(10);
 pub const POINT_IN_TIME: &str = "point-in-time";
 /// See [`POINT_IN_TIME`].
 pub const CRASH_INCONSISTENT: &str = "crash-inconsistent";
+/// A file tree: each file as it was when read, not the tree at one instant.
+pub const FILE_CONSISTENT: &str = "file-consistent";
 
 /// A point in time of the source: a reflink clone (removed when dropped), or the live
 /// volume, possibly with its filesystem frozen until dropped.
@@ -154,6 +156,54 @@ fn take_point_in_time(
     })
 }
 
+/// A cycle of a file tree: the tree copied into the secondary's, deleting what is gone
+/// there; only files whose size or modification time differ are sent (by chunk). The
+/// point in time is the cycle's start: no file was read before it.
+async fn run_tree(
+    record: &Record,
+    source: &Path,
+    peer: &AgentUrl,
+    remote: &RemoteOptions,
+    last: bool,
+) -> Result<CycleRecord, CopyError> {
+    let spec = &record.spec;
+    let started_ms = now_ms();
+    let t0 = Instant::now();
+    let cycle = proto::Cycle {
+        id: record.next_cycle(),
+        point_in_time_ms: started_ms,
+        consistency: FILE_CONSISTENT.into(),
+        r#final: last,
+        primary: record.this_side.clone(),
+        secondary: spec.peer.clone(),
+        interval_ms: spec.interval_ms,
+        bwlimit: spec.bwlimit,
+    };
+    let mut remote = remote.clone();
+    remote.relationship = Some(spec.name.clone());
+    remote.epoch = record.epoch;
+    remote.bwlimit = (spec.bwlimit > 0).then_some(spec.bwlimit);
+    let options = crate::TreeOptions {
+        delete: true,
+        ..Default::default()
+    };
+    let (summary, sent) = push_tree_cycle(source, peer, &options, &remote, &cycle).await?;
+    if summary.changed_while_read > 0 {
+        tracing::info!(relationship = %spec.name, files = summary.changed_while_read, "files changed while they were read: each is on the secondary as read");
+    }
+    Ok(CycleRecord {
+        id: cycle.id,
+        point_in_time_ms: started_ms,
+        started_ms,
+        duration_ms: t0.elapsed().as_millis() as u64,
+        bytes_read: sent,
+        bytes_shipped: sent,
+        root: String::new(),
+        r#final: last,
+        consistency: FILE_CONSISTENT.into(),
+    })
+}
+
 /// Runs one cycle of `record` from the export at `source`; `last` marks a demote's
 /// final cycle. `remote` carries how to reach the peer (auth, streams, retries).
 pub async fn run(
@@ -170,6 +220,9 @@ pub async fn run(
     })??;
     let started_ms = now_ms();
     let t0 = Instant::now();
+    if source.is_dir() {
+        return run_tree(record, source, &peer, remote, last).await;
+    }
     let source_path = source;
     let source = source.to_path_buf();
     let (name, freeze) = (spec.name.clone(), spec.freeze.clone());

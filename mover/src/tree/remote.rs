@@ -70,6 +70,7 @@ pub(crate) fn open_of(
         verify: o.verify,
         threads: o.tree_threads.unwrap_or(0) as u32,
         bwlimit: bwlimit.unwrap_or(0),
+        cycle: None,
     }
 }
 
