@@ -12,7 +12,20 @@ use crate::{ChunkId, ChunkKey, ChunkKind};
 use blake3::hazmat::{
     HasherExt, Mode, left_subtree_len, merge_subtrees_non_root, merge_subtrees_root,
 };
-use std::{fs::File, io, os::unix::fs::FileExt, path::Path};
+use std::{collections::HashMap, fs::File, io, os::unix::fs::FileExt, path::Path};
+
+/// Reads into `buf` at `at` until it is full or the file ends; the bytes read (errors
+/// end the read: what was not read counts as never written).
+fn read_up_to(file: &File, buf: &mut [u8], at: u64) -> usize {
+    let mut got = 0;
+    while got < buf.len() {
+        match file.read_at(&mut buf[got..], at + got as u64) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    got
+}
 
 /// Bytes per unit. 8 KiB: a whole number of 4 KiB pages, and 8 BLAKE3 chunks so the
 /// SIMD paths hash a unit as fast as a whole chunk.
@@ -160,16 +173,62 @@ impl CvFile {
     /// Chunk `chunk`'s stored CVs, if they merge into `kind` (a chunk of `len` bytes):
     /// anything else (never written, stale, torn) is `None`.
     pub fn get(&self, chunk: u64, len: usize, kind: &ChunkKind) -> Option<Vec<Cv>> {
-        if *kind == ChunkKind::Zero {
-            return Some(self.hasher.zero_cvs(len));
+        self.load([(chunk, len, *kind)], usize::MAX).remove(&chunk)
+    }
+
+    /// The stored CVs of `chunks` (index, length, kind as recorded elsewhere, in
+    /// ascending order) that merge into their kinds, read with a few large reads (nearby
+    /// records in one), up to `budget` bytes of records.
+    pub fn load(
+        &self,
+        chunks: impl IntoIterator<Item = (u64, usize, ChunkKind)>,
+        budget: usize,
+    ) -> HashMap<u64, Vec<Cv>> {
+        /// Records closer than this are read in one go: a seek costs more.
+        const BRIDGE: u64 = 256 << 10;
+        let record = (self.hasher.units_per_chunk() * 32) as u64;
+        let mut out = HashMap::new();
+        let mut wanted = Vec::new();
+        let mut spent = 0;
+        for (chunk, len, kind) in chunks {
+            if kind == ChunkKind::Zero {
+                out.insert(chunk, self.hasher.zero_cvs(len));
+                continue;
+            }
+            spent += record as usize;
+            if spent > budget {
+                break;
+            }
+            wanted.push((chunk, len, kind));
         }
-        let mut raw = vec![0u8; UnitHasher::units(len) * 32];
-        self.file.read_exact_at(&mut raw, self.at(chunk)).ok()?;
-        let cvs: Vec<Cv> = raw
-            .chunks_exact(32)
-            .map(|c| c.try_into().expect("32 bytes"))
-            .collect();
-        (self.hasher.kind(&cvs, len) == *kind).then_some(cvs)
+        let mut buf = Vec::new();
+        let mut i = 0;
+        while i < wanted.len() {
+            // One read from the first record to the last one within BRIDGE of the previous.
+            let mut j = i + 1;
+            while j < wanted.len() && self.at(wanted[j].0) - self.at(wanted[j - 1].0) <= BRIDGE {
+                j += 1;
+            }
+            let start = self.at(wanted[i].0);
+            buf.resize((self.at(wanted[j - 1].0) + record - start) as usize, 0);
+            let got = read_up_to(&self.file, &mut buf, start);
+            for &(chunk, len, kind) in &wanted[i..j] {
+                let at = (self.at(chunk) - start) as usize;
+                let n = UnitHasher::units(len) * 32;
+                if at + n > got {
+                    continue; // past the end of the file: never written
+                }
+                let cvs: Vec<Cv> = buf[at..at + n]
+                    .chunks_exact(32)
+                    .map(|c| c.try_into().expect("32 bytes"))
+                    .collect();
+                if self.hasher.kind(&cvs, len) == kind {
+                    out.insert(chunk, cvs);
+                }
+            }
+            i = j;
+        }
+        out
     }
 
     /// Records chunk `chunk`'s CVs.

@@ -504,6 +504,10 @@ pub(crate) fn read_groups(
         }
         let group_len = chunk.get() * chunker::GROUP_CHUNKS as u64;
         let groups = size.div_ceil(group_len);
+        let records = match (&known, &cvs) {
+            (Some(k), Some(f)) => Some(units::load_records(k, f, chunk, size)),
+            _ => None,
+        };
         // Readers take turns by group, each a group ahead of this thread, so the disk
         // always has several groups' reads in flight while this one finds zeros and hashes.
         std::thread::scope(|scope| {
@@ -515,7 +519,7 @@ pub(crate) fn read_groups(
             let turns: Vec<_> = (0..readers)
                 .map(|first| {
                     let (read_tx, read_rx) = std::sync::mpsc::sync_channel(1);
-                    let (volume, known, cvs) = (&volume, &known, &cvs);
+                    let (volume, known, records) = (&volume, &known, &records);
                     scope.spawn(move || {
                         for g in (first..groups).step_by(readers as usize) {
                             let offset = g * group_len;
@@ -523,7 +527,7 @@ pub(crate) fn read_groups(
                             let first_chunk = g as usize * chunker::GROUP_CHUNKS;
                             let plans = units::plan(
                                 known.as_deref(),
-                                cvs.as_deref(),
+                                records.as_ref(),
                                 chunk,
                                 first_chunk,
                                 offset,

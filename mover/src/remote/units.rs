@@ -9,7 +9,7 @@ use chunker::{
     is_zero,
 };
 use rayon::prelude::*;
-use std::ops::Range;
+use std::{collections::HashMap, ops::Range};
 
 /// How one chunk is read.
 pub(crate) enum Read {
@@ -38,11 +38,38 @@ pub(crate) fn units_written(written: &[Range<u64>], at: u64, len: usize, unit: u
     out
 }
 
+/// Records of unit CVs kept in memory for one pass at most: past that, changed chunks
+/// are read whole.
+const RECORDS_BUDGET: usize = 32 << 20;
+
+/// The stored unit CVs of the changed chunks of `known` that are still valid, read from
+/// `file` before the pass in a few large reads (one small read per chunk would cost more
+/// than reading the chunk).
+pub(crate) fn load_records(
+    known: &KnownChunks,
+    file: &CvFile,
+    chunk: ChunkSize,
+    size: u64,
+) -> HashMap<u64, Vec<Cv>> {
+    let wanted = known
+        .changed
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c)
+        .map(|(i, _)| {
+            let len = chunk.get().min(size - i as u64 * chunk.get()) as usize;
+            (i as u64, len, known.base[i])
+        })
+        .filter(|(_, len, _)| UnitHasher::covers(*len));
+    file.load(wanted, RECORDS_BUDGET)
+}
+
 /// The plan for the chunks of the group at `offset` (`len` bytes, its first chunk
-/// `first`). Without `known`, every chunk is read whole.
+/// `first`). Without `known`, every chunk is read whole; with `records` (see
+/// [`load_records`]), changed chunks that have one are read by unit.
 pub(crate) fn plan(
     known: Option<&KnownChunks>,
-    cvs: Option<&CvFile>,
+    records: Option<&HashMap<u64, Vec<Cv>>>,
     chunk: ChunkSize,
     first: usize,
     offset: u64,
@@ -56,56 +83,59 @@ pub(crate) fn plan(
             if !k.changed[c] {
                 return Read::Known;
             }
-            let Some(file) = cvs else { return Read::Whole };
-            let (at, clen) = (offset + (i * cs) as u64, cs.min(len - i * cs));
-            if !UnitHasher::covers(clen) {
+            let Some(cvs) = records.and_then(|r| r.get(&(c as u64))) else {
                 return Read::Whole;
-            }
+            };
+            let (at, clen) = (offset + (i * cs) as u64, cs.min(len - i * cs));
             let written = units_written(&k.ranges, at, clen, UNIT_LEN);
             // Reading most of the chunk anyway: read all of it, and renew its record.
             if written.iter().filter(|w| **w).count() * 2 > written.len() {
                 return Read::Whole;
             }
-            match file.get(c as u64, clen, &k.base[c]) {
-                Some(cvs) => Read::Units { cvs, written },
-                None => Read::Whole,
+            Read::Units {
+                cvs: cvs.clone(),
+                written,
             }
         })
         .collect()
 }
 
-/// Reads the written units of the `Units` chunks into `win` (the rest of those chunks
-/// stays zeros, and is never shipped: only written pages are). Returns the bytes read.
+/// Reads the written units of the `Units` chunks into `win`; the rest of those chunks
+/// is not shipped (only written pages are). Runs closer than a seek's worth are read in
+/// one go, across chunks. Returns the bytes read.
 pub(crate) fn read_units(
     volume: &BlockVolume,
     chunk: ChunkSize,
     plans: &[Read],
     win: &mut Window,
 ) -> std::io::Result<u64> {
-    let mut read = 0;
+    /// Gaps up to this are read through: one read of a few more bytes beats two.
+    const BRIDGE: usize = 64 << 10;
     let len = win.buf.len();
+    let mut runs: Vec<Range<usize>> = Vec::new();
     for (i, p) in plans.iter().enumerate() {
         let Read::Units { written, .. } = p else {
             continue;
         };
         win.unread[i] = false;
         let base = i * chunk.bytes();
-        let mut u = 0;
-        while u < written.len() {
-            if !written[u] {
-                u += 1;
+        for (u, w) in written.iter().enumerate() {
+            if !w {
                 continue;
             }
-            let start = u;
-            while u < written.len() && written[u] {
-                u += 1;
+            let (s, e) = (base + u * UNIT_LEN, (base + (u + 1) * UNIT_LEN).min(len));
+            match runs.last_mut() {
+                Some(r) if s <= r.end + BRIDGE => r.end = e,
+                _ => runs.push(s..e),
             }
-            let (s, e) = (base + start * UNIT_LEN, (base + u * UNIT_LEN).min(len));
-            volume
-                .read_exact_at(&mut win.buf[s..e], win.offset + s as u64)
-                .map_err(std::io::Error::other)?;
-            read += (e - s) as u64;
         }
+    }
+    let mut read = 0;
+    for r in runs {
+        volume
+            .read_exact_at(&mut win.buf[r.clone()], win.offset + r.start as u64)
+            .map_err(std::io::Error::other)?;
+        read += r.len() as u64;
     }
     Ok(read)
 }
