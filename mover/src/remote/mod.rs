@@ -504,10 +504,16 @@ pub(crate) fn read_groups(
         }
         let group_len = chunk.get() * chunker::GROUP_CHUNKS as u64;
         let groups = size.div_ceil(group_len);
+        let t0 = std::time::Instant::now();
         let records = match (&known, &cvs) {
             (Some(k), Some(f)) => Some(units::load_records(k, f, chunk, size)),
             _ => None,
         };
+        let loading = t0.elapsed();
+        // Where a pass's time goes (debug log): reading (summed over the readers) and
+        // hashing.
+        let reading = std::sync::atomic::AtomicU64::new(0);
+        let mut hashing = std::time::Duration::ZERO;
         // Readers take turns by group, each a group ahead of this thread, so the disk
         // always has several groups' reads in flight while this one finds zeros and hashes.
         std::thread::scope(|scope| {
@@ -519,7 +525,7 @@ pub(crate) fn read_groups(
             let turns: Vec<_> = (0..readers)
                 .map(|first| {
                     let (read_tx, read_rx) = std::sync::mpsc::sync_channel(1);
-                    let (volume, known, records) = (&volume, &known, &records);
+                    let (volume, known, records, reading) = (&volume, &known, &records, &reading);
                     scope.spawn(move || {
                         for g in (first..groups).step_by(readers as usize) {
                             let offset = g * group_len;
@@ -534,6 +540,7 @@ pub(crate) fn read_groups(
                                 len,
                             );
                             let mut win = Window::default();
+                            let started = std::time::Instant::now();
                             let wanted = |i: usize| matches!(plans[i], units::Read::Whole);
                             let r = read_window_where(volume, chunk, offset, len, wanted, &mut win)
                                 .map_err(CopyError::from)
@@ -552,6 +559,10 @@ pub(crate) fn read_groups(
                                         })?;
                                     Ok(whole + units)
                                 });
+                            reading.fetch_add(
+                                started.elapsed().as_micros() as u64,
+                                std::sync::atomic::Ordering::Relaxed,
+                            );
                             let failed = r.is_err();
                             // The consumer went away, or this read failed: stop.
                             if read_tx.send(r.map(|read| (win, plans, read))).is_err() || failed {
@@ -589,6 +600,7 @@ pub(crate) fn read_groups(
                     kinds: Vec::new(),
                     bytes_read,
                 };
+                let started = std::time::Instant::now();
                 let kinds = units::kinds(
                     &key,
                     chunk,
@@ -598,6 +610,7 @@ pub(crate) fn read_groups(
                     first_chunk,
                     cvs.as_deref(),
                 );
+                hashing += started.elapsed();
                 group.zero = kinds.iter().map(|k| *k == ChunkKind::Zero).collect();
                 group.set_kinds(&key, chunk, kinds);
                 // The consumer went away: stop reading (its own error explains why).
@@ -606,6 +619,13 @@ pub(crate) fn read_groups(
                 }
             }
         });
+        tracing::debug!(
+            records_secs = loading.as_secs_f64(),
+            reading_secs = reading.into_inner() as f64 / 1e6,
+            readers = if known.is_some() { SPARSE_READERS } else { READERS },
+            hashing_secs = hashing.as_secs_f64(),
+            "volume read"
+        );
         // Dropping the receivers stops the readers.
     });
     rx
