@@ -186,6 +186,8 @@ impl CvFile {
     ) -> HashMap<u64, Vec<Cv>> {
         /// Records closer than this are read in one go: a seek costs more.
         const BRIDGE: u64 = 256 << 10;
+        /// The most one read takes (it is the memory the reads need).
+        const MAX_READ: u64 = 1 << 20;
         let record = (self.hasher.units_per_chunk() * 32) as u64;
         let mut out = HashMap::new();
         let mut wanted = Vec::new();
@@ -206,10 +208,13 @@ impl CvFile {
         while i < wanted.len() {
             // One read from the first record to the last one within BRIDGE of the previous.
             let mut j = i + 1;
-            while j < wanted.len() && self.at(wanted[j].0) - self.at(wanted[j - 1].0) <= BRIDGE {
+            let start = self.at(wanted[i].0);
+            while j < wanted.len()
+                && self.at(wanted[j].0) - self.at(wanted[j - 1].0) <= BRIDGE
+                && self.at(wanted[j].0) + record - start <= MAX_READ
+            {
                 j += 1;
             }
-            let start = self.at(wanted[i].0);
             buf.resize((self.at(wanted[j - 1].0) + record - start) as usize, 0);
             let got = read_up_to(&self.file, &mut buf, start);
             for &(chunk, len, kind) in &wanted[i..j] {
@@ -297,6 +302,43 @@ mod tests {
             CvFile::open(&t.path().join("x"), &key, UNIT_LEN)
                 .unwrap()
                 .is_none()
+        );
+    }
+
+    #[test]
+    fn load_reads_near_and_far_records_and_skips_the_bad() {
+        let t = tempfile::tempdir().unwrap();
+        let key = ChunkKey::local();
+        let len = 64 << 10;
+        let f = CvFile::open(&t.path().join("cvs"), &key, len)
+            .unwrap()
+            .unwrap();
+        let chunk = |i: u64| vec![i as u8 + 1; len];
+        let kind = |i: u64| ChunkKind::Data(key.chunk_id(&chunk(i)));
+        // Near each other (one read), far apart (other reads, past 1 MiB of records).
+        let written = [0u64, 3, 4, 5000, 90_000];
+        for &i in &written {
+            f.put(i, &f.hasher().cvs(&chunk(i))).unwrap();
+        }
+        let stale = ChunkKind::Data(key.chunk_id(b"other"));
+        let asked = written
+            .iter()
+            .map(|&i| (i, len, if i == 4 { stale } else { kind(i) }))
+            .chain([(7, len, ChunkKind::Zero), (200_000, len, kind(1))]);
+        let got = f.load(asked, usize::MAX);
+        let mut found: Vec<u64> = got.keys().copied().collect();
+        found.sort();
+        assert_eq!(
+            found,
+            [0, 3, 7, 5000, 90_000],
+            "stale and never written are left out"
+        );
+        assert_eq!(got[&5000], f.hasher().cvs(&chunk(5000)));
+        assert_eq!(got[&7], f.hasher().zero_cvs(len));
+        assert_eq!(
+            f.load([(3, len, kind(3)), (5000, len, kind(5000))], 256)
+                .len(),
+            1
         );
     }
 }

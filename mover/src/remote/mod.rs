@@ -622,7 +622,11 @@ pub(crate) fn read_groups(
         tracing::debug!(
             records_secs = loading.as_secs_f64(),
             reading_secs = reading.into_inner() as f64 / 1e6,
-            readers = if known.is_some() { SPARSE_READERS } else { READERS },
+            readers = if known.is_some() {
+                SPARSE_READERS
+            } else {
+                READERS
+            },
             hashing_secs = hashing.as_secs_f64(),
             "volume read"
         );
