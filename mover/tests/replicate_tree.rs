@@ -155,3 +155,32 @@ fn a_tree_replicates_fails_over_and_back_and_a_fenced_side_resyncs() {
     );
     assert_eq!(status(&b)["role"], "secondary");
 }
+
+#[test]
+fn replicate_run_copies_a_tree_cycle_by_cycle() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, db) = (t.path().join("src"), t.path().join("b"));
+    let tb = db.join("tree");
+    add_files(&src.join("one"), 3);
+    std::fs::create_dir_all(&tb).unwrap();
+    let b = Agent::start(&db, &[("docs", &tb, false)], None);
+    let state = t.path().join("state");
+    let run = || {
+        ok(replicate(&[
+            "run",
+            src.to_str().unwrap(),
+            &b.url("docs"),
+            "--cycles",
+            "1",
+            "--state-dir",
+            state.to_str().unwrap(),
+        ]))
+    };
+    let out = run();
+    assert!(out.contains("file-consistent"), "{out}");
+    assert_same_tree(&src, &tb);
+    std::fs::remove_dir_all(src.join("one")).unwrap();
+    add_files(&src.join("two"), 2);
+    run();
+    assert_same_tree(&src, &tb);
+}

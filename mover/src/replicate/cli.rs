@@ -175,10 +175,12 @@ pub enum ReplicateCommand {
         secondary agent's export, in the foreground, every --interval. Each cycle takes a \
         point in time (a reflink clone of an image on XFS/Btrfs, else the live volume: \
         crash-inconsistent), ships the pages that differ, and commits them atomically on \
-        the secondary. The relationship's epoch and last cycle are kept in --state-dir."
+        the secondary. A directory SRC replicates as a file tree into a tree export: each \
+        cycle copies the files that changed and deletes what is gone (file-consistent). \
+        The relationship's epoch and last cycle are kept in --state-dir."
     )]
     Run {
-        /// The primary volume: an image file or a block device.
+        /// The primary volume: an image file, a block device, or a directory.
         src: PathBuf,
         /// The secondary volume: agent://HOST:PORT/EXPORT.
         dst: String,
@@ -442,6 +444,7 @@ async fn run_foreground(
             bwlimit: remote.bwlimit.unwrap_or(0),
             chunk_size: match chunk_size {
                 Some(c) => c.get(),
+                None if src.is_dir() => 0, // a file tree: copied by file
                 None => replicate::default_chunk(chunker::BlockVolume::open(&src)?.size()).get(),
             },
             freeze: None,
