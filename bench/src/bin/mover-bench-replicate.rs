@@ -25,9 +25,10 @@ use std::{
 
 const LONG_ABOUT: &str = "\
 Benchmarks `mover replicate` on a real volume: an ext4 filesystem in a --size image on
-XFS (so cycles take reflink clones), holding a copy of /usr/share, the cargo registry
-(where present) and a SQLite database; the filesystem stays mounted and is frozen while
-each cycle's clone is taken. Two agents on 127.0.0.1 (primary and secondary images on
+XFS (so cycles take reflink clones; the XFS is on a loop device in direct-I/O mode, which
+queues requests to the host's disk like a disk would), holding a copy of /usr/share, the
+cargo registry (where present) and a SQLite database; the filesystem stays mounted and is
+frozen while each cycle's clone is taken. Two agents on 127.0.0.1 (primary and secondary images on
 the same XFS). Steps:
   cycles    --rounds times: the database and files change (SQLite updates and inserts,
             a log appended, files rewritten: about --change-percent of the volume's pages),
@@ -365,6 +366,13 @@ fn run(args: &Args) -> Result<bool> {
     sh(&format!(
         "mount -o loop {} {}",
         xfs_img.display(),
+        xfs.display()
+    ))?;
+    // The XFS stands for a disk: in direct-I/O mode its loop device passes requests on to
+    // the host's disk side by side, as a disk's queue does, instead of one at a time
+    // through the host's page cache (where every random read waits for the one before).
+    sh(&format!(
+        "losetup --direct-io=on $(findmnt -n -o SOURCE {})",
         xfs.display()
     ))?;
     let (da, db, dr) = (xfs.join("a"), xfs.join("b"), xfs.join("rsync"));
