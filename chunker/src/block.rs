@@ -291,7 +291,8 @@ fn map_window(volume: &BlockVolume, offset: u64, len: usize) -> std::io::Result<
 }
 
 /// A chunk's kind: zero if a hole or all zeros, else its id.
-fn classify(key: &ChunkKey, data: &[u8], hole: bool) -> ChunkKind {
+/// The kind of a chunk whose bytes are `data` (`hole`: lies in a hole, not read).
+pub fn classify(key: &ChunkKey, data: &[u8], hole: bool) -> ChunkKind {
     if hole || is_zero(data) {
         ChunkKind::Zero
     } else {

@@ -532,8 +532,7 @@ impl Replication for Control {
             return Err(Status::failed_precondition(format!(
                 "split brain: this side of {:?} was written after its last common cycle with \
                  the peer ({}), and the peer was promoted since. Save what you need from this \
-                 volume, then `resync \
-                 --discard-local` to replace it with the peer's data",
+                 volume, then `resync --discard-local` to replace it with the peer's data",
                 q.name,
                 r.last_cycle
                     .as_ref()

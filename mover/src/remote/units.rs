@@ -4,9 +4,8 @@
 
 use super::KnownChunks;
 use chunker::{
-    BlockVolume, ChunkKey, ChunkKind, ChunkSize, Window,
+    BlockVolume, ChunkKey, ChunkKind, ChunkSize, Window, classify,
     cv::{Cv, CvFile, UNIT_LEN, UnitHasher},
-    is_zero,
 };
 use rayon::prelude::*;
 use std::{collections::HashMap, ops::Range};
@@ -186,14 +185,6 @@ pub(crate) fn kinds(
             f.hasher().kind(&unit_cvs, r.len())
         })
         .collect()
-}
-
-fn classify(key: &ChunkKey, data: &[u8], hole: bool) -> ChunkKind {
-    if hole || is_zero(data) {
-        ChunkKind::Zero
-    } else {
-        ChunkKind::Data(key.chunk_id(data))
-    }
 }
 
 #[cfg(test)]
