@@ -17,15 +17,6 @@ use std::{
 
 const LEN: u64 = 32 * MIB;
 
-fn ok(out: Output) -> String {
-    assert!(
-        out.status.success(),
-        "mover replicate failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 fn refused(out: Output, expect: &str) -> String {
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(2), "wanted a refusal: {err}");
@@ -33,26 +24,11 @@ fn refused(out: Output, expect: &str) -> String {
     err
 }
 
-fn control(agent: &Agent) -> String {
-    format!("agent://127.0.0.1:{}", agent.port)
-}
-
-fn status(agent: &Agent, name: &str) -> serde_json::Value {
-    let out = ok(replicate(&[
-        "status",
-        name,
-        "--json",
-        "--agent",
-        &control(agent),
-    ]));
-    serde_json::from_str(&out).unwrap()
-}
-
 /// Waits until `name`'s status on `agent` satisfies `cond`.
 fn wait_for(agent: &Agent, name: &str, what: &str, cond: impl Fn(&serde_json::Value) -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let s = status(agent, name);
+        let s = status_of(agent, name);
         if cond(&s) {
             return;
         }
@@ -160,7 +136,7 @@ impl Pair {
 
 fn sync(agent: &Agent, name: &str) -> serde_json::Value {
     ok(replicate(&["sync", name, "--agent", &control(agent)]));
-    status(agent, name)
+    status_of(agent, name)
 }
 
 #[test]
@@ -168,12 +144,12 @@ fn cycles_ship_changed_pages_and_a_planned_failover_and_back_ships_nothing() {
     let p = pair(&[]);
     p.create("r");
     assert!(p.same(), "the first cycle copies the volume");
-    let s = status(&p.a, "r");
+    let s = status_of(&p.a, "r");
     assert_eq!(s["role"], "primary");
     assert_eq!(s["state"], "Replicating");
     assert_eq!(s["epoch"], 1);
     assert!(s["rpo_seconds"].as_f64().unwrap() < 60.0, "{s}");
-    assert_eq!(status(&p.b, "r")["role"], "secondary");
+    assert_eq!(status_of(&p.b, "r")["role"], "secondary");
 
     // A cycle ships exactly the changed pages (random data does not compress).
     let changed = scribble(&p.a_img, 2, 100);
@@ -183,16 +159,19 @@ fn cycles_ship_changed_pages_and_a_planned_failover_and_back_ships_nothing() {
         s["last_cycle"]["bytes_shipped"],
         changed.len() as u64 * PAGE
     );
-    assert_eq!(status(&p.b, "r")["last_cycle"]["id"], s["last_cycle"]["id"]);
+    assert_eq!(
+        status_of(&p.b, "r")["last_cycle"]["id"],
+        s["last_cycle"]["id"]
+    );
 
     // Planned failover: demote ships a final cycle, promote raises the epoch.
     let changed = scribble(&p.a_img, 3, 10);
     let s = ok(replicate(&["demote", "r", "--agent", &control(&p.a), "--json"]).clone());
     drop(s);
     assert!(p.same(), "the final cycle carried the last writes");
-    assert_eq!(status(&p.a, "r")["role"], "secondary");
+    assert_eq!(status_of(&p.a, "r")["role"], "secondary");
     assert_eq!(
-        status(&p.a, "r")["last_cycle"]["bytes_shipped"],
+        status_of(&p.a, "r")["last_cycle"]["bytes_shipped"],
         changed.len() as u64 * PAGE
     );
     ok(replicate(&["promote", "r", "--agent", &control(&p.b)]));
@@ -371,7 +350,7 @@ fn a_restarted_agent_thaws_the_file_system_a_killed_one_left_frozen() {
     };
     assert!(fsfreeze("--freeze"));
     p.a = Agent::spawn(p.a.config.clone(), p.a.port, p.a.metrics_port);
-    status(&p.a, "r");
+    status_of(&p.a, "r");
     assert!(
         fsfreeze("--freeze"),
         "the restarted agent thawed it, so it can be frozen again"
@@ -443,7 +422,7 @@ fn forced_failover_and_failback(mut p: Pair) -> (u64, u64) {
     let on_a = scribble(&p.a_img, 11, 40);
     p.a.kill_and_restart();
     wait_for(&p.a, "r", "Fenced", |s| s["state"] == "Fenced");
-    let b_says = status(&p.b, "r");
+    let b_says = status_of(&p.b, "r");
     assert_eq!(b_says["state"], "Degraded");
     let err = sync_err(&p.b);
     assert!(err.contains("is the primary of relationship"), "{err}");
@@ -453,7 +432,7 @@ fn forced_failover_and_failback(mut p: Pair) -> (u64, u64) {
         replicate(&["resync", "r", "--agent", &control(&p.a)]),
         "split brain",
     );
-    assert_eq!(status(&p.a, "r")["state"], "SplitBrain");
+    assert_eq!(status_of(&p.a, "r")["state"], "SplitBrain");
     ok(replicate(&[
         "resync",
         "r",
@@ -469,7 +448,7 @@ fn forced_failover_and_failback(mut p: Pair) -> (u64, u64) {
         union.len() as u64 * PAGE,
         "exactly the union of the pages either side changed"
     );
-    assert_eq!(status(&p.a, "r")["role"], "secondary");
+    assert_eq!(status_of(&p.a, "r")["role"], "secondary");
     let chunks: BTreeSet<u64> = union
         .iter()
         .map(|page| page * PAGE / (128 * 1024))
@@ -513,7 +492,7 @@ fn a_secondary_killed_at_any_step_of_apply_equals_one_cycle_after_restart() {
             &now, want,
             "{step}: the secondary equals cycle N or N-1, never a mix"
         );
-        let applied = status(&p.b, "r")["last_cycle"]["id"].as_u64().unwrap();
+        let applied = status_of(&p.b, "r")["last_cycle"]["id"].as_u64().unwrap();
         assert_eq!(applied, if committed { 2 } else { 1 }, "{step}");
         // The next cycle completes the replication.
         sync(&p.a, "r");
@@ -548,7 +527,7 @@ fn a_primary_killed_mid_cycle_completes_the_next_one() {
         "16M",
     ]));
     std::thread::sleep(Duration::from_millis(1500));
-    assert!(status(&a, "r")["last_cycle"].is_null(), "still copying");
+    assert!(status_of(&a, "r")["last_cycle"].is_null(), "still copying");
     a.kill_and_restart();
     wait_for(&a, "r", "a completed cycle after the restart", |s| {
         s["last_cycle"]["id"].as_u64() >= Some(1)

@@ -88,10 +88,6 @@ fn refused(what: &str, out: Output, expect: &str) {
     assert!(err.contains(expect), "{what}: wanted {expect:?} in {err}");
 }
 
-fn control(agent: &Agent) -> String {
-    format!("agent://127.0.0.1:{}", agent.port)
-}
-
 /// `mover replicate VERB NAME --agent … --json EXTRA`.
 fn call(agent: &Agent, verb: &str, extra: &[&str]) -> Output {
     let ctl = control(agent);

@@ -223,28 +223,8 @@ impl Drop for Running {
     }
 }
 
-fn control(agent: &Agent) -> String {
-    format!("agent://127.0.0.1:{}", agent.port)
-}
-
-fn ok(out: Output) -> String {
-    assert!(
-        out.status.success(),
-        "mover replicate failed: {}",
-        failure(&out)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 fn status(agent: &Agent) -> serde_json::Value {
-    let out = ok(replicate(&[
-        "status",
-        "pg",
-        "--json",
-        "--agent",
-        &control(agent),
-    ]));
-    serde_json::from_str(&out).unwrap()
+    status_of(agent, "pg")
 }
 
 fn wait_for(agent: &Agent, what: &str, cond: impl Fn(&serde_json::Value) -> bool) {

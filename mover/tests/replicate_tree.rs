@@ -8,34 +8,14 @@ mod common;
 use common::{agent::*, tree::*};
 use std::{path::Path, process::Output};
 
-fn ok(out: Output) -> String {
-    assert!(
-        out.status.success(),
-        "mover replicate failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 fn refused(out: Output, expect: &str) {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "wanted a refusal");
     assert!(err.contains(expect), "wanted {expect:?} in {err}");
 }
 
-fn control(agent: &Agent) -> String {
-    format!("agent://127.0.0.1:{}", agent.port)
-}
-
 fn status(agent: &Agent) -> serde_json::Value {
-    let out = ok(replicate(&[
-        "status",
-        "r",
-        "--json",
-        "--agent",
-        &control(agent),
-    ]));
-    serde_json::from_str(&out).unwrap()
+    status_of(agent, "r")
 }
 
 fn sync(agent: &Agent) -> serde_json::Value {

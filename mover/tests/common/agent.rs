@@ -189,3 +189,30 @@ pub fn replicate(args: &[&str]) -> std::process::Output {
         .output()
         .unwrap()
 }
+
+/// `agent://127.0.0.1:PORT`: how `mover replicate` reaches `agent`'s control API.
+pub fn control(agent: &Agent) -> String {
+    format!("agent://127.0.0.1:{}", agent.port)
+}
+
+/// The stdout of a `mover replicate` run that must succeed.
+pub fn ok(out: std::process::Output) -> String {
+    assert!(
+        out.status.success(),
+        "mover replicate failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `mover replicate status NAME --json` on `agent`.
+pub fn status_of(agent: &Agent, name: &str) -> serde_json::Value {
+    let out = ok(replicate(&[
+        "status",
+        name,
+        "--json",
+        "--agent",
+        &control(agent),
+    ]));
+    serde_json::from_str(&out).unwrap()
+}
