@@ -373,6 +373,22 @@ fn a_restarted_agent_thaws_the_file_system_a_killed_one_left_frozen() {
         ]),
         "",
     );
+
+    // The freeze setting changes with update (a promoted secondary sets its own).
+    let update = |extra: &[&str]| {
+        let agent = control(&p.a);
+        let mut args = vec!["update", "r", "--agent", &agent, "--json"];
+        args.extend_from_slice(extra);
+        replicate(&args)
+    };
+    let s: serde_json::Value = serde_json::from_str(&ok(update(&["--no-freeze"]))).unwrap();
+    assert_eq!(s["freeze"], "", "{s}");
+    refused(
+        update(&["--freeze", p.root.to_str().unwrap()]),
+        "not a mount point",
+    );
+    let s: serde_json::Value = serde_json::from_str(&ok(update(&["--freeze", &mount]))).unwrap();
+    assert_eq!(s["freeze"], mount.as_str(), "{s}");
 }
 
 #[test]

@@ -301,7 +301,17 @@ impl Replication for Control {
         req: Request<control::UpdateRequest>,
     ) -> Result<Response<control::Status>, Status> {
         let u = req.into_inner();
-        self.record(&u.name)?;
+        let r = self.record(&u.name)?;
+        if let Some(m) = u.freeze.as_deref().filter(|m| !m.is_empty()) {
+            let export = self.service.export(&r.spec.volume)?;
+            if export.path.is_dir() {
+                return Err(Status::invalid_argument(
+                    "a file tree's cycles are file-consistent and cannot be frozen",
+                ));
+            }
+            replicate::cycle::check_freeze(Path::new(m), &export.path)
+                .map_err(Status::invalid_argument)?;
+        }
         if u.interval_ms.is_some_and(|i| i < MIN_INTERVAL_MS) {
             return Err(Status::invalid_argument(
                 "interval too short: cycles run at most once a second",
@@ -318,6 +328,9 @@ impl Replication for Control {
                 }
                 if let Some(p) = u.paused {
                     r.paused = p;
+                }
+                if let Some(m) = &u.freeze {
+                    r.spec.freeze = (!m.is_empty()).then(|| m.into());
                 }
             })
             .map_err(internal)?;

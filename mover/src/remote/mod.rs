@@ -542,23 +542,30 @@ pub(crate) fn read_groups(
                             let mut win = Window::default();
                             let started = std::time::Instant::now();
                             let wanted = |i: usize| matches!(plans[i], units::Read::Whole);
-                            let r = read_window_where(volume, chunk, offset, len, wanted, &mut win)
-                                .map_err(CopyError::from)
-                                .and_then(|()| {
-                                    let whole = (0..plans.len())
-                                        .filter(|&i| !win.unread[i])
-                                        .map(|i| {
-                                            chunk.get().min(len as u64 - i as u64 * chunk.get())
-                                        })
-                                        .sum::<u64>();
-                                    let units = units::read_units(volume, chunk, &plans, &mut win)
-                                        .map_err(|e| chunker::ChunkerError::Read {
-                                            path: volume.path().into(),
-                                            offset,
-                                            cause: e,
-                                        })?;
-                                    Ok(whole + units)
-                                });
+                            let whole = (0..plans.len()).any(wanted);
+                            // Nothing to read whole: no need to look for holes either.
+                            let r = if whole {
+                                read_window_where(volume, chunk, offset, len, wanted, &mut win)
+                            } else {
+                                win.offset = offset;
+                                win.buf.resize(len);
+                                win.unread = vec![true; plans.len()];
+                                Ok(())
+                            }
+                            .map_err(CopyError::from)
+                            .and_then(|()| {
+                                let whole = (0..plans.len())
+                                    .filter(|&i| !win.unread[i])
+                                    .map(|i| chunk.get().min(len as u64 - i as u64 * chunk.get()))
+                                    .sum::<u64>();
+                                let units = units::read_units(volume, chunk, &plans, &mut win)
+                                    .map_err(|e| chunker::ChunkerError::Read {
+                                        path: volume.path().into(),
+                                        offset,
+                                        cause: e,
+                                    })?;
+                                Ok(whole + units)
+                            });
                             reading.fetch_add(
                                 started.elapsed().as_micros() as u64,
                                 std::sync::atomic::Ordering::Relaxed,

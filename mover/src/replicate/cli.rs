@@ -113,6 +113,13 @@ pub enum ReplicateCommand {
         /// Run cycles again.
         #[arg(long)]
         resume: bool,
+        /// Freeze this mount point around each cycle's point in time (as for create;
+        /// after a failover the new primary needs its own, mount points are per node).
+        #[arg(long, value_name = "MOUNT", conflicts_with = "no_freeze")]
+        freeze: Option<PathBuf>,
+        /// Stop freezing.
+        #[arg(long)]
+        no_freeze: bool,
         #[command(flatten)]
         agent: AgentArg,
     },
@@ -327,6 +334,8 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
             bwlimit,
             pause,
             resume,
+            freeze,
+            no_freeze,
             agent,
         } => {
             let (mut c, url) = agent.client().await?;
@@ -336,6 +345,11 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                     interval_ms: interval.map(|d| d.as_millis() as u64),
                     bwlimit,
                     paused: (pause || resume).then_some(pause),
+                    freeze: match (freeze, no_freeze) {
+                        (Some(m), _) => Some(m.display().to_string()),
+                        (None, true) => Some(String::new()),
+                        (None, false) => None,
+                    },
                 })
                 .await
                 .map_err(|s| call(&url, s))?
