@@ -72,6 +72,49 @@ pub struct Caches {
     pub agents: Store<Pod>,
 }
 
+impl Caches {
+    /// Caches holding just these objects and never updated: for tests, and for
+    /// computing desired state without a cluster.
+    pub fn fixed(
+        group: &str,
+        classes: Vec<VolumeReplicationClass>,
+        pvcs: Vec<PersistentVolumeClaim>,
+        pvs: Vec<PersistentVolume>,
+        attachments: Vec<VolumeAttachment>,
+        agents: Vec<Pod>,
+    ) -> Caches {
+        use kube::runtime::reflector::store::Writer;
+        use kube::runtime::watcher::Event;
+        fn fill<K>(dyntype: K::DynamicType, objs: Vec<K>) -> Store<K>
+        where
+            K: Resource + Clone + 'static,
+            K::DynamicType: Clone + Eq + std::hash::Hash,
+        {
+            let mut w = Writer::new(dyntype);
+            for o in objs {
+                w.apply_watcher_event(&Event::Apply(o));
+            }
+            w.as_reader()
+        }
+        let ar = crd::api_resource(group, "VolumeReplicationClass");
+        let classes = classes
+            .into_iter()
+            .map(|c| {
+                let mut v = serde_json::to_value(&c).expect("a class serializes");
+                v["apiVersion"] = ar.api_version.clone().into();
+                serde_json::from_value(v).expect("a class is a dynamic object")
+            })
+            .collect();
+        Caches {
+            classes: fill(ar, classes),
+            pvcs: fill((), pvcs),
+            pvs: fill((), pvs),
+            attachments: fill((), attachments),
+            agents: fill((), agents),
+        }
+    }
+}
+
 /// What every reconcile shares.
 pub struct Context {
     /// The API server.
