@@ -140,3 +140,21 @@ fn the_checker_notices_a_missing_or_retyped_field() {
         ]
     );
 }
+
+#[test]
+fn deploy_agent_configs_load() {
+    for file in ["deploy/base/agent.toml", "deploy/overlays/mtls/agent.toml"] {
+        let config = mover::agent::AgentConfig::load(&repo().join(file))
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_eq!(
+            config.listen.port(),
+            7070,
+            "{file}: the port the controller calls"
+        );
+        assert_eq!(
+            config.metrics_listen.map(|a| a.port()),
+            Some(9470),
+            "{file}"
+        );
+    }
+}
