@@ -454,6 +454,34 @@ async fn create_adds_the_finalizer_then_creates_the_relationship_and_applies_sta
 }
 
 #[tokio::test]
+async fn a_second_look_with_nothing_changed_sends_no_request() {
+    let agents = Arc::new(FakeAgents::default());
+    let v = vr(ReplicationState::Primary, 1, true);
+    let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v, 1).await;
+    let mut v2 = v.clone();
+    v2.status = Some(applied_status(&sent[0], MOVER_GROUP));
+    // The agent is asked, the status would be the same: no write (no request at all).
+    let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v2, 0).await;
+    assert!(sent.is_empty());
+    assert_eq!(
+        agents.calls().last().unwrap(),
+        &format!("get {AGENT} app/pg")
+    );
+    // A new cycle on the agent is written.
+    agents
+        .change("test", AGENT, "app/pg", |s| {
+            s.last_cycle.as_mut().unwrap().point_in_time_ms += 60_000
+        })
+        .unwrap();
+    let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v2, 1).await;
+    let st = applied_status(&sent[0], MOVER_GROUP);
+    assert_eq!(
+        st.last_sync_time,
+        Some(mover::controller::status::time_ms(1_700_000_060_000))
+    );
+}
+
+#[tokio::test]
 async fn bad_input_sets_validated_false_with_what_to_fix_and_calls_no_agent() {
     let moved_class = {
         let mut v = vr(ReplicationState::Primary, 2, true);

@@ -269,7 +269,9 @@ async fn apply(
 ) -> Result<Action, Error> {
     let vr = parse(obj)?;
     let (st, action) = decide(&vr, ctx, now()).await;
-    write_status(api, &vr, &ctx.group, &st).await?;
+    if !status::unchanged(vr.status.as_ref(), &st) {
+        write_status(api, &vr, &ctx.group, &st).await?;
+    }
     Ok(action)
 }
 
