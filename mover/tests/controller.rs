@@ -327,6 +327,7 @@ async fn run_once(
             world.agents,
         ),
         agent_port: 7070,
+        metrics: Default::default(),
     });
     let obj = dynamic(vr, group);
     let server = api_server(handle, n, serde_json::to_value(&obj).unwrap());

@@ -6,6 +6,7 @@
 //!   and agent pod (pure).
 //! - [`status`]: conditions and status as csi-addons sets them (pure).
 //! - [`agents`]: the agents' relationship control API behind a small trait.
+//! - [`metrics`]: reconciles, failures, relationships by state, RPO (Prometheus).
 //! - [`reconcile`]: finalizer, agent calls, status by server-side apply.
 //! - [`run()`]: watch caches and the controller loop (`mover controller run`).
 //!
@@ -15,6 +16,7 @@
 pub mod agents;
 pub mod crd;
 pub mod desired;
+pub mod metrics;
 pub mod reconcile;
 mod run;
 pub mod status;

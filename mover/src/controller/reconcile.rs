@@ -127,6 +127,8 @@ pub struct Context {
     pub caches: Caches,
     /// The agents' gRPC port.
     pub agent_port: u16,
+    /// Prometheus metrics.
+    pub metrics: Arc<super::metrics::Metrics>,
 }
 
 impl Context {
@@ -154,6 +156,9 @@ fn typed<K: serde::de::DeserializeOwned>(obj: &DynamicObject) -> Result<K, serde
 
 /// Reconciles one VolumeReplication (the controller's entry point).
 pub async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, Error> {
+    ctx.metrics
+        .reconciles
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let ns = obj.namespace().unwrap_or_else(|| "default".into());
     let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), &ns, &ctx.vr_resource());
     finalizer(&api, FINALIZER, obj, |event| async {
@@ -167,9 +172,17 @@ pub async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Act
 }
 
 /// What to do after a failed reconcile: look again soon.
-pub fn error_policy(obj: Arc<DynamicObject>, error: &Error, _ctx: Arc<Context>) -> Action {
+pub fn error_policy(obj: Arc<DynamicObject>, error: &Error, ctx: Arc<Context>) -> Action {
+    ctx.metrics
+        .failures
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     tracing::warn!(vr = %obj.name_any(), ns = ?obj.namespace(), %error, "reconcile failed");
     Action::requeue(RETRY)
+}
+
+/// NAMESPACE/NAME, the metrics' key.
+fn key(obj: &DynamicObject) -> String {
+    format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())
 }
 
 fn parse(obj: &DynamicObject) -> Result<VolumeReplication, Error> {
@@ -272,6 +285,12 @@ async fn apply(
     if !status::unchanged(vr.status.as_ref(), &st) {
         write_status(api, &vr, &ctx.group, &st).await?;
     }
+    let state = match st.state.unwrap_or(State::Unknown) {
+        State::Primary => "Primary",
+        State::Secondary => "Secondary",
+        State::Unknown => "Unknown",
+    };
+    ctx.metrics.observe(key(obj), state, st.rpo_seconds);
     Ok(action)
 }
 
@@ -532,5 +551,6 @@ async fn cleanup(obj: &DynamicObject, ctx: &Context) -> Result<Action, Error> {
         ctx.agents.delete(&agent, &name).await?;
         tracing::info!(%agent, relationship = %name, "relationship deleted");
     }
+    ctx.metrics.forget(&key(obj));
     Ok(Action::await_change())
 }

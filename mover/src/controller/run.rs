@@ -25,6 +25,9 @@ pub struct RunOptions {
     /// The agents' gRPC port.
     #[arg(long, default_value_t = 7070)]
     pub agent_port: u16,
+    /// Where /metrics (Prometheus) and /healthz are served.
+    #[arg(long, default_value = "0.0.0.0:9471")]
+    pub metrics_listen: std::net::SocketAddr,
     /// Authentication and TLS towards the agents.
     #[command(flatten)]
     pub connect: crate::remote::ConnectOptions,
@@ -36,6 +39,14 @@ pub enum RunError {
     /// No kubeconfig or in-cluster configuration.
     #[error("cannot reach the Kubernetes API (no in-cluster config or kubeconfig): {0}")]
     Client(#[source] kube::Error),
+    /// The metrics port is taken.
+    #[error("cannot listen for metrics on {addr}: {source}")]
+    Listen {
+        /// --metrics-listen.
+        addr: std::net::SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// The CRDs are not installed in the served group.
     #[error(
         "VolumeReplications in group {group} cannot be listed ({source}); install the CRDs: \
@@ -101,6 +112,25 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         watcher::Config::default().labels(&options.agent_selector),
         (),
     );
+    let listener = tokio::net::TcpListener::bind(options.metrics_listen)
+        .await
+        .map_err(|source| RunError::Listen {
+            addr: options.metrics_listen,
+            source,
+        })?;
+    let metrics = Arc::new(super::metrics::Metrics::default());
+    let m = metrics.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || async move { m.render() }),
+        )
+        .route("/healthz", axum::routing::get(|| async { "ok" }));
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    });
     let ctx = Arc::new(Context {
         client: client.clone(),
         group,
@@ -113,6 +143,7 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             agents,
         },
         agent_port: options.agent_port,
+        metrics,
     });
     tokio::spawn(w1);
     tokio::spawn(w2);
