@@ -37,10 +37,13 @@ pub struct RunOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// No kubeconfig or in-cluster configuration.
-    #[error("cannot reach the Kubernetes API (no in-cluster config or kubeconfig): {0}")]
+    #[error(
+        "cannot reach the Kubernetes API: run in a pod with a service account, or set \
+         KUBECONFIG (or write ~/.kube/config)"
+    )]
     Client(#[source] kube::Error),
     /// The metrics port is taken.
-    #[error("cannot listen for metrics on {addr}: {source}")]
+    #[error("cannot listen for metrics on {addr}")]
     Listen {
         /// --metrics-listen.
         addr: std::net::SocketAddr,
@@ -49,7 +52,7 @@ pub enum RunError {
     },
     /// The CRDs are not installed in the served group.
     #[error(
-        "VolumeReplications in group {group} cannot be listed ({source}); install the CRDs: \
+        "VolumeReplications in group {group} cannot be listed; install the CRDs: \
          mover controller crds --group {group} --out DIR && kubectl apply -f DIR"
     )]
     NoCrd {
