@@ -11,6 +11,8 @@
 //! serving exported volumes over gRPC; and [`remote`], copies to and from an agent.
 
 pub mod agent;
+#[cfg(feature = "controller")]
+pub mod controller;
 mod copy;
 mod error;
 mod hash;

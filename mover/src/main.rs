@@ -138,6 +138,28 @@ Examples:
     /// Snapshots of block volumes: create, list, restore, diff, verify, forget, prune.
     #[command(subcommand)]
     Snapshot(snapshot_cli::SnapshotCommand),
+    /// The Kubernetes controller: VolumeReplication resources drive the agents.
+    #[cfg(feature = "controller")]
+    #[command(subcommand)]
+    Controller(ControllerCommand),
+}
+
+/// `mover controller` subcommands.
+#[cfg(feature = "controller")]
+#[derive(Subcommand)]
+enum ControllerCommand {
+    /// Write the CRDs (VolumeReplicationClass, VolumeReplication) as YAML files.
+    Crds {
+        /// The API group: replication.mover, or replication.storage.openshift.io to
+        /// stand in for csi-addons.
+        #[arg(long, default_value = mover::controller::crd::MOVER_GROUP)]
+        group: String,
+        /// The directory to write them into.
+        #[arg(long, value_name = "DIR", default_value = "deploy/crds")]
+        out: PathBuf,
+    },
+    /// Run the controller (in the cluster, or with a kubeconfig) until SIGINT or SIGTERM.
+    Run(mover::controller::RunOptions),
 }
 
 /// How results are shown.
@@ -260,6 +282,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Replicate(cmd) => replicate_cli::run(cmd),
         Command::Repo(cmd) => snapshot_cli::run_repo(cmd),
         Command::Snapshot(cmd) => snapshot_cli::run_snapshot(cmd),
+        #[cfg(feature = "controller")]
+        Command::Controller(cmd) => run_controller(cmd),
+    }
+}
+
+/// `mover controller ...`.
+#[cfg(feature = "controller")]
+fn run_controller(cmd: ControllerCommand) -> anyhow::Result<()> {
+    match cmd {
+        ControllerCommand::Crds { group, out } => {
+            for path in mover::controller::write_crds(&group, &out)
+                .with_context(|| format!("cannot write the CRDs into {}", out.display()))?
+            {
+                println!("{}", path.display());
+            }
+            Ok(())
+        }
+        ControllerCommand::Run(options) => {
+            let runtime =
+                tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+            runtime.block_on(mover::controller::run(options))?;
+            Ok(())
+        }
     }
 }
 

@@ -1,0 +1,251 @@
+//! The agents' relationship control API, as the reconciler sees it: a small trait, so
+//! reconcile tests can record the calls, and its gRPC implementation.
+
+use crate::remote::{AgentUrl, ConnectOptions, ControlClient, RemoteOptions};
+use std::collections::HashMap;
+use tokio::sync::Mutex;
+use transport::control;
+
+/// A failed call to an agent.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("agent {agent}: {op} {name}: {message} ({code:?})")]
+pub struct AgentError {
+    /// HOST:PORT.
+    pub agent: String,
+    /// The call ("promote").
+    pub op: &'static str,
+    /// The relationship.
+    pub name: String,
+    /// The gRPC code: NotFound, FailedPrecondition (refused as things are), Unavailable…
+    pub code: tonic::Code,
+    /// The agent's explanation.
+    pub message: String,
+}
+
+impl AgentError {
+    /// The agent refused as things stand (csi-addons' "known error" for a promotion,
+    /// which it retries with force).
+    pub fn is_precondition(&self) -> bool {
+        self.code == tonic::Code::FailedPrecondition
+    }
+}
+
+/// The calls the controller makes on an agent (HOST:PORT) about a relationship.
+#[tonic::async_trait]
+pub trait Agents: Send + Sync {
+    /// Creates a relationship with `spec.volume` (an export of `agent`) as primary.
+    async fn create(&self, agent: &str, spec: control::Spec)
+    -> Result<control::Status, AgentError>;
+    /// The relationship's status; `None` if the agent has no such relationship.
+    async fn get(&self, agent: &str, name: &str) -> Result<Option<control::Status>, AgentError>;
+    /// Changes interval or bandwidth limit.
+    async fn update(
+        &self,
+        agent: &str,
+        req: control::UpdateRequest,
+    ) -> Result<control::Status, AgentError>;
+    /// Makes the secondary on `agent` the primary (epoch + 1).
+    async fn promote(
+        &self,
+        agent: &str,
+        name: &str,
+        force: bool,
+    ) -> Result<control::Status, AgentError>;
+    /// Ships a final cycle and makes the primary on `agent` a secondary.
+    async fn demote(&self, agent: &str, name: &str) -> Result<control::Status, AgentError>;
+    /// Makes a fenced or split-brain side follow the current primary.
+    async fn resync(
+        &self,
+        agent: &str,
+        name: &str,
+        discard_local: bool,
+    ) -> Result<control::Status, AgentError>;
+    /// Forgets the relationship on `agent` (the volume stays); absent is fine.
+    async fn delete(&self, agent: &str, name: &str) -> Result<(), AgentError>;
+}
+
+/// [`Agents`] over gRPC, one cached connection per agent.
+pub struct GrpcAgents {
+    remote: RemoteOptions,
+    clients: Mutex<HashMap<String, ControlClient>>,
+}
+
+impl GrpcAgents {
+    /// Connects with `connect`'s token and TLS files.
+    pub fn new(connect: ConnectOptions) -> Self {
+        GrpcAgents {
+            remote: RemoteOptions {
+                connect,
+                ..RemoteOptions::default()
+            },
+            clients: Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn client(
+        &self,
+        agent: &str,
+        op: &'static str,
+        name: &str,
+    ) -> Result<ControlClient, AgentError> {
+        if let Some(c) = self.clients.lock().await.get(agent) {
+            return Ok(c.clone());
+        }
+        let fail = |message: String| AgentError {
+            agent: agent.into(),
+            op,
+            name: name.into(),
+            code: tonic::Code::Unavailable,
+            message,
+        };
+        // The control API ignores the volume part of an agent URL.
+        let url = AgentUrl::parse(&format!("agent://{agent}/-"))
+            .ok_or_else(|| fail("not HOST:PORT".into()))?
+            .map_err(|e| fail(e.to_string()))?;
+        let c = self
+            .remote
+            .connect_control(&url)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        self.clients.lock().await.insert(agent.into(), c.clone());
+        Ok(c)
+    }
+
+    /// Runs one call; a transport failure drops the cached connection.
+    async fn call<T, F, Fut>(
+        &self,
+        agent: &str,
+        op: &'static str,
+        name: &str,
+        f: F,
+    ) -> Result<T, AgentError>
+    where
+        F: FnOnce(ControlClient) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let c = self.client(agent, op, name).await?;
+        f(c).await
+            .map(|r| r.into_inner())
+            .map_err(|s| AgentError {
+                agent: agent.into(),
+                op,
+                name: name.into(),
+                code: s.code(),
+                message: s.message().into(),
+            })
+            .inspect_err(|e| {
+                if e.code == tonic::Code::Unavailable {
+                    // Reconnect next time (the pod may have moved).
+                    if let Ok(mut m) = self.clients.try_lock() {
+                        m.remove(agent);
+                    }
+                }
+            })
+    }
+}
+
+#[tonic::async_trait]
+impl Agents for GrpcAgents {
+    async fn create(
+        &self,
+        agent: &str,
+        spec: control::Spec,
+    ) -> Result<control::Status, AgentError> {
+        let name = spec.name.clone();
+        let req = control::CreateRequest {
+            spec: Some(spec),
+            self_address: agent.into(),
+        };
+        self.call(agent, "create", &name, |mut c| async move {
+            c.create(req).await
+        })
+        .await
+    }
+
+    async fn get(&self, agent: &str, name: &str) -> Result<Option<control::Status>, AgentError> {
+        let req = control::NameRequest { name: name.into() };
+        match self
+            .call(agent, "get", name, |mut c| async move { c.get(req).await })
+            .await
+        {
+            Ok(s) => Ok(Some(s)),
+            Err(e) if e.code == tonic::Code::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn update(
+        &self,
+        agent: &str,
+        req: control::UpdateRequest,
+    ) -> Result<control::Status, AgentError> {
+        let name = req.name.clone();
+        self.call(agent, "update", &name, |mut c| async move {
+            c.update(req).await
+        })
+        .await
+    }
+
+    async fn promote(
+        &self,
+        agent: &str,
+        name: &str,
+        force: bool,
+    ) -> Result<control::Status, AgentError> {
+        let req = control::PromoteRequest {
+            name: name.into(),
+            force,
+        };
+        self.call(agent, "promote", name, |mut c| async move {
+            c.promote(req).await
+        })
+        .await
+    }
+
+    async fn demote(&self, agent: &str, name: &str) -> Result<control::Status, AgentError> {
+        let req = control::NameRequest { name: name.into() };
+        self.call(
+            agent,
+            "demote",
+            name,
+            |mut c| async move { c.demote(req).await },
+        )
+        .await
+    }
+
+    async fn resync(
+        &self,
+        agent: &str,
+        name: &str,
+        discard_local: bool,
+    ) -> Result<control::Status, AgentError> {
+        let req = control::ResyncRequest {
+            name: name.into(),
+            discard_local,
+        };
+        self.call(
+            agent,
+            "resync",
+            name,
+            |mut c| async move { c.resync(req).await },
+        )
+        .await
+    }
+
+    async fn delete(&self, agent: &str, name: &str) -> Result<(), AgentError> {
+        let req = control::NameRequest { name: name.into() };
+        match self
+            .call(
+                agent,
+                "delete",
+                name,
+                |mut c| async move { c.delete(req).await },
+            )
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if e.code == tonic::Code::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! The custom resources: `VolumeReplicationClass` and `VolumeReplication`.
+//!
+//! Field names and types are csi-addons' (api/replication.storage/v1alpha1 of
+//! kubernetes-csi-addons), so RamenDR and other csi-addons clients read and write them
+//! unchanged; mover adds its own status fields (RPO, epoch, progress, the relationship)
+//! next to them. The CRDs are generated from these types ([`crd_yaml`]) for either API
+//! group: mover's own, or csi-addons' for clusters without a csi-addons controller.
+
+use k8s_openapi::api::core::v1::TypedLocalObjectReference;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, CustomResourceExt, KubeSchema};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// mover's own API group (the default).
+pub const MOVER_GROUP: &str = "replication.mover";
+/// csi-addons' API group: served instead of [`MOVER_GROUP`] where no csi-addons
+/// controller runs, so RamenDR drives mover as it is.
+pub const CSI_ADDONS_GROUP: &str = "replication.storage.openshift.io";
+/// The one version of both kinds.
+pub const VERSION: &str = "v1alpha1";
+
+/// Storage-provisioner parameters for replicas, named by `VolumeReplication`s.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[kube(
+    group = "replication.mover",
+    version = "v1alpha1",
+    kind = "VolumeReplicationClass",
+    shortname = "vrc",
+    status = "VolumeReplicationClassStatus",
+    doc = "VolumeReplicationClass is the Schema for the volumereplicationclasses API.",
+    printcolumn(
+        name = "Provisioner",
+        type_ = "string",
+        json_path = ".spec.provisioner"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeReplicationClassSpec {
+    /// Provisioner is the name of storage provisioner: the CSI driver of the volumes'
+    /// StorageClass (RamenDR picks the class whose provisioner matches it).
+    #[x_kube(validation = Rule::new("self == oldSelf").message("provisioner is immutable"))]
+    pub provisioner: String,
+    /// Parameters is a key-value map with storage provisioner specific configurations for
+    /// creating volume replicas: schedulingInterval ("5m"), target (agent://HOST:PORT of
+    /// the peer cluster's agents, or a repository URL), bandwidth ("100M" bytes/s),
+    /// chunkSize ("1M"), replication.storage.openshift.io/replication-secret-name and
+    /// -namespace.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("parameters are immutable"))]
+    pub parameters: BTreeMap<String, String>,
+}
+
+/// Empty, as csi-addons' (which has the status subresource on classes too).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+pub struct VolumeReplicationClassStatus {}
+
+/// The replication operation asked for.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ReplicationState {
+    /// Replicate this volume to the peer (promote it if it was a secondary).
+    Primary,
+    /// Receive cycles from the peer's primary (demote this side if it was primary).
+    Secondary,
+    /// Throw away this side's divergent writes and follow the primary again.
+    Resync,
+}
+
+impl ReplicationState {
+    /// As written in the spec.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplicationState::Primary => "primary",
+            ReplicationState::Secondary => "secondary",
+            ReplicationState::Resync => "resync",
+        }
+    }
+}
+
+/// The state reached, as csi-addons reports it.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+pub enum State {
+    /// Replicating to the peer.
+    Primary,
+    /// Receiving from the peer.
+    Secondary,
+    /// Not known (nothing done yet, or the last operation failed before any).
+    Unknown,
+}
+
+/// Replication of one PVC's volume to a peer.
+// clippy takes the repeated `printcolumn(type_ = ...)` for duplicated attributes.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "replication.mover",
+    version = "v1alpha1",
+    kind = "VolumeReplication",
+    namespaced,
+    shortname = "vr",
+    status = "VolumeReplicationStatus",
+    doc = "VolumeReplication is the Schema for the volumereplications API.",
+    printcolumn(
+        name = "Desired",
+        type_ = "string",
+        json_path = ".spec.replicationState"
+    ),
+    printcolumn(name = "State", type_ = "string", json_path = ".status.state"),
+    printcolumn(name = "PVC", type_ = "string", json_path = ".spec.dataSource.name"),
+    printcolumn(name = "Last Sync", type_ = "date", json_path = ".status.lastSyncTime"),
+    printcolumn(name = "RPO", type_ = "number", json_path = ".status.rpoSeconds"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeReplicationSpec {
+    /// VolumeReplicationClass is the VolumeReplicationClass name for this
+    /// VolumeReplication resource.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("volumeReplicationClass is immutable"))]
+    pub volume_replication_class: String,
+    /// ReplicationState represents the replication operation to be performed on the
+    /// volume. Supported operations are "primary", "secondary" and "resync".
+    pub replication_state: ReplicationState,
+    /// DataSource represents the object associated with the volume (a
+    /// PersistentVolumeClaim).
+    #[x_kube(validation = Rule::new("self == oldSelf").message("dataSource is immutable"))]
+    pub data_source: TypedLocalObjectReference,
+    /// AutoResync represents the volume to be auto resynced when ReplicationState is
+    /// "secondary".
+    #[serde(default)]
+    pub auto_resync: bool,
+    /// replicationHandle represents an existing (but new) replication id; mover uses it
+    /// as the relationship's name when set.
+    #[serde(default)]
+    pub replication_handle: String,
+}
+
+/// What the controller observed. csi-addons' fields first, then mover's own.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeReplicationStatus {
+    /// State captures the latest state of the replication operation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<State>,
+    /// What was done last, or what failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Conditions are the list of conditions and their status.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// observedGeneration is the last generation change the operator has dealt with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// When the last reconcile that changed the relationship started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_start_time: Option<Time>,
+    /// When the last reconcile that changed the relationship completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_completion_time: Option<Time>,
+    /// The point in time of the last cycle the secondary applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_sync_time: Option<Time>,
+    /// Bytes shipped by that cycle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_sync_bytes: Option<i64>,
+    /// How long that cycle took, as a Go duration ("1m30.5s").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_sync_duration: Option<String>,
+    /// DestinationVolumeID is the volume ID on the destination/target side (mover: the
+    /// peer's agent://HOST:PORT/VOLUME).
+    #[serde(
+        default,
+        rename = "destinationVolumeID",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub destination_volume_id: Option<String>,
+    /// mover: seconds between now and the point in time of the last applied cycle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rpo_seconds: Option<f64>,
+    /// mover: the relationship's fencing epoch (raised on each promote).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<i64>,
+    /// mover: the cycle running now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
+    /// mover: the relationship this resource drives, as it was set up; the controller
+    /// compares the spec with it to refuse changes of immutable fields.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relationship: Option<RelationshipRef>,
+}
+
+/// Bytes compared so far of the running cycle.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Progress {
+    /// Compared so far.
+    pub bytes_done: i64,
+    /// The whole volume.
+    pub bytes_total: i64,
+}
+
+/// Where a resource's relationship lives and what it was made from.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RelationshipRef {
+    /// The relationship's name on both sides' agents.
+    pub name: String,
+    /// The agent that holds this side: HOST:PORT.
+    pub agent: String,
+    /// That agent's export holding the volume.
+    pub volume: String,
+    /// spec.volumeReplicationClass when it was set up.
+    pub volume_replication_class: String,
+    /// spec.dataSource.name when it was set up.
+    pub data_source_name: String,
+}
+
+/// The names of a kind in a group: for API paths and dynamic objects.
+pub fn api_resource(group: &str, kind: &str) -> kube::core::ApiResource {
+    let plural = format!("{}s", kind.to_ascii_lowercase());
+    kube::core::ApiResource {
+        group: group.into(),
+        version: VERSION.into(),
+        api_version: format!("{group}/{VERSION}"),
+        kind: kind.into(),
+        plural,
+    }
+}
+
+/// Both CRDs, for `group` instead of the group the types were derived with.
+pub fn crds(group: &str) -> Vec<CustomResourceDefinition> {
+    [VolumeReplicationClass::crd(), VolumeReplication::crd()]
+        .into_iter()
+        .map(|mut crd| {
+            crd.spec.group = group.into();
+            crd.metadata.name = Some(format!("{}.{group}", crd.spec.names.plural));
+            crd
+        })
+        .collect()
+}
+
+/// The file name and YAML of each CRD, as `mover controller crds` writes them.
+pub fn crd_yaml(group: &str) -> Vec<(String, String)> {
+    crds(group)
+        .into_iter()
+        .map(|crd| {
+            let name = crd.metadata.name.clone().unwrap_or_default();
+            let body = serde_saphyr::to_string(&crd).expect("a CRD serializes");
+            (
+                format!("{name}.yaml"),
+                format!("# Generated by `mover controller crds`: edit mover/src/controller/crd.rs, not this file.\n---\n{body}"),
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_group_is_rewritten_everywhere_it_appears() {
+        for group in [MOVER_GROUP, CSI_ADDONS_GROUP] {
+            let crds = crds(group);
+            let names: Vec<_> = crds
+                .iter()
+                .map(|c| c.metadata.name.clone().unwrap())
+                .collect();
+            assert_eq!(
+                names,
+                [
+                    format!("volumereplicationclasses.{group}"),
+                    format!("volumereplications.{group}")
+                ]
+            );
+            for (file, yaml) in crd_yaml(group) {
+                let other = if group == MOVER_GROUP {
+                    CSI_ADDONS_GROUP
+                } else {
+                    MOVER_GROUP
+                };
+                // "replication.mover" is a substring of nothing in the csi-addons group and
+                // vice versa, so any leftover shows up. (The class documents csi-addons'
+                // reserved secret parameters by name, in either group.)
+                let yaml = yaml.replace("replication.storage.openshift.io/replication-secret", "");
+                assert!(!yaml.contains(other), "{file} mentions {other}");
+            }
+        }
+        assert_eq!(crds(MOVER_GROUP)[0].spec.scope, "Cluster");
+        assert_eq!(crds(MOVER_GROUP)[1].spec.scope, "Namespaced");
+    }
+}

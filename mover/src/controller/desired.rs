@@ -1,0 +1,678 @@
+//! The desired relationship of a `VolumeReplication`, from the resources it names.
+//!
+//! Pure: the caller looks the resources up (from watch caches) and passes them in; the
+//! answer is either the relationship to have on which agent, or [`Invalid`] saying what
+//! to fix. Nothing here talks to the API server or an agent, so every rule is unit-tested.
+
+use super::crd::{
+    ReplicationState, VolumeReplication, VolumeReplicationClass, VolumeReplicationSpec,
+};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use std::time::Duration;
+
+/// Class parameter: time between the starts of two cycles ("5m", "30s").
+pub const PARAM_INTERVAL: &str = "schedulingInterval";
+/// Class parameter: where replicas go: agent://HOST:PORT (the peer cluster's agents).
+pub const PARAM_TARGET: &str = "target";
+/// Class parameter: bytes per second on the wire ("100M").
+pub const PARAM_BANDWIDTH: &str = "bandwidth";
+/// Class parameter: chunk size of block volumes ("1M").
+pub const PARAM_CHUNK_SIZE: &str = "chunkSize";
+/// Reserved class parameters (csi-addons'): the secret with TLS, token or S3 keys.
+pub const PARAM_SECRET_NAME: &str = "replication.storage.openshift.io/replication-secret-name";
+/// See [`PARAM_SECRET_NAME`].
+pub const PARAM_SECRET_NAMESPACE: &str =
+    "replication.storage.openshift.io/replication-secret-namespace";
+/// The default interval: csi-addons' default schedule is an hour, too long for mover.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(300);
+
+/// A resource that cannot be acted on yet: csi-addons' failure message (`what`) and a
+/// sentence saying what is wrong and what to do (`detail`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{what}: {detail}")]
+pub struct Invalid {
+    /// What failed, in csi-addons' words ("failed to get volumeReplication class").
+    pub what: &'static str,
+    /// What is wrong and how to fix it.
+    pub detail: String,
+}
+
+fn invalid(what: &'static str, detail: impl Into<String>) -> Invalid {
+    Invalid {
+        what,
+        detail: detail.into(),
+    }
+}
+
+/// A class's parameters, parsed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClassParams {
+    /// Between the starts of two cycles.
+    pub interval: Duration,
+    /// The peer cluster's agents: HOST:PORT.
+    pub target: String,
+    /// Bytes per second (0: no limit).
+    pub bwlimit: u64,
+    /// Chunk size in bytes (0: the agent's default).
+    pub chunk_size: u64,
+}
+
+/// Parses and checks a class's parameters.
+pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Invalid> {
+    let name = kube::ResourceExt::name_any(class);
+    let what = "failed to validate parameters of volumeReplicationClass";
+    let p = &class.spec.parameters;
+    let interval = match p.get(PARAM_INTERVAL) {
+        None => DEFAULT_INTERVAL,
+        Some(s) => parse_interval(s).map_err(|why| {
+            invalid(
+                what,
+                format!("VolumeReplicationClass {name}: {PARAM_INTERVAL} {s:?}: {why}"),
+            )
+        })?,
+    };
+    let target = match p.get(PARAM_TARGET).map(|s| s.trim()) {
+        None | Some("") => {
+            return Err(invalid(
+                what,
+                format!(
+                    "VolumeReplicationClass {name} has no {PARAM_TARGET} parameter: set it to \
+                     agent://HOST:PORT of the peer cluster's mover agents"
+                ),
+            ));
+        }
+        Some(t) => match t.strip_prefix("agent://") {
+            Some(hp) if valid_host_port(hp.trim_end_matches('/')) => {
+                hp.trim_end_matches('/').to_string()
+            }
+            _ => {
+                return Err(invalid(
+                    what,
+                    format!(
+                        "VolumeReplicationClass {name}: unknown {PARAM_TARGET} {t:?}: this \
+                         controller replicates to agent://HOST:PORT (the peer cluster's agents); \
+                         snapshot repositories are not served by VolumeReplication yet"
+                    ),
+                ));
+            }
+        },
+    };
+    let size = |key: &str| -> Result<u64, Invalid> {
+        match p.get(key) {
+            None => Ok(0),
+            Some(s) => chunker::parse_size(s.trim_end_matches("/s")).map_err(|e| {
+                invalid(
+                    what,
+                    format!("VolumeReplicationClass {name}: {key} {s:?}: {e}"),
+                )
+            }),
+        }
+    };
+    let bwlimit = size(PARAM_BANDWIDTH)?;
+    let chunk_size = match p.get(PARAM_CHUNK_SIZE) {
+        None => 0,
+        Some(s) => s
+            .parse::<chunker::ChunkSize>()
+            .map_err(|e| {
+                invalid(
+                    what,
+                    format!("VolumeReplicationClass {name}: {PARAM_CHUNK_SIZE} {s:?}: {e}"),
+                )
+            })?
+            .get(),
+    };
+    Ok(ClassParams {
+        interval,
+        target,
+        bwlimit,
+        chunk_size,
+    })
+}
+
+fn valid_host_port(s: &str) -> bool {
+    s.rsplit_once(':')
+        .is_some_and(|(h, p)| !h.is_empty() && !h.contains('/') && p.parse::<u16>().is_ok())
+}
+
+/// A Go-style duration as csi-addons' schedulingInterval uses: "90s", "5m", "1h30m".
+pub fn parse_interval(s: &str) -> Result<Duration, String> {
+    let mut rest = s.trim();
+    if rest.is_empty() {
+        return Err("empty; give e.g. 5m".into());
+    }
+    let mut total = Duration::ZERO;
+    while !rest.is_empty() {
+        let n = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let value: u64 = rest[..n]
+            .parse()
+            .map_err(|_| "expected a number followed by h, m, s or ms (e.g. 5m)".to_string())?;
+        rest = &rest[n..];
+        let u = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let unit = match &rest[..u] {
+            "h" => Duration::from_secs(3600),
+            "m" => Duration::from_secs(60),
+            "s" => Duration::from_secs(1),
+            "ms" => Duration::from_millis(1),
+            other => {
+                return Err(format!(
+                    "unknown unit {other:?}: use h, m, s or ms (e.g. 5m)"
+                ));
+            }
+        };
+        rest = &rest[u..];
+        total += unit * value as u32;
+    }
+    if total < Duration::from_secs(1) {
+        return Err("shorter than 1s: cycles run at most once a second".into());
+    }
+    Ok(total)
+}
+
+/// Where a PersistentVolume's data is: the node, and the device or directory there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// The node that holds (or has attached) the volume.
+    pub node: String,
+    /// The block device or directory on that node.
+    pub path: String,
+    /// The PersistentVolume's name: also the export name on the agent.
+    pub pv: String,
+}
+
+/// The kubelet's directory of CSI volumes on a node.
+const KUBELET_CSI: &str = "/var/lib/kubelet/plugins/kubernetes.io/csi";
+
+/// Finds where a bound PVC's volume lives. Local and hostPath PVs name their node in
+/// their node affinity; attached (CSI) volumes are on the node of their VolumeAttachment.
+pub fn placement(
+    pvc: &PersistentVolumeClaim,
+    pv: &PersistentVolume,
+    attachments: &[VolumeAttachment],
+) -> Result<Placement, Invalid> {
+    let pv_name = kube::ResourceExt::name_any(pv);
+    let spec = pv.spec.clone().unwrap_or_default();
+    let block = pvc.spec.as_ref().and_then(|s| s.volume_mode.as_deref()) == Some("Block");
+    let affinity_node = spec
+        .node_affinity
+        .as_ref()
+        .and_then(|a| a.required.as_ref())
+        .and_then(|r| {
+            r.node_selector_terms.iter().find_map(|t| {
+                t.match_expressions.iter().flatten().find_map(|e| {
+                    (e.key == "kubernetes.io/hostname" && e.operator == "In")
+                        .then(|| e.values.as_ref().and_then(|v| v.first().cloned()))
+                        .flatten()
+                })
+            })
+        });
+    let attached_node = || {
+        attachments
+            .iter()
+            .filter(|a| a.spec.source.persistent_volume_name.as_deref() == Some(&pv_name))
+            .find(|a| a.status.as_ref().is_some_and(|s| s.attached))
+            .map(|a| a.spec.node_name.clone())
+    };
+    let (path, node) = if let Some(local) = &spec.local {
+        (local.path.clone(), affinity_node)
+    } else if let Some(host) = &spec.host_path {
+        (host.path.clone(), affinity_node)
+    } else if let Some(csi) = &spec.csi {
+        // The kubelet's per-volume paths: a block volume's device is bound under
+        // volumeDevices/PV/dev (one entry per pod using it), a file system is mounted
+        // at the staging directory PV/globalmount (the pre-1.24 layout) or its hashed
+        // successor; the agent resolves the entry it finds.
+        let path = if block {
+            format!("{KUBELET_CSI}/volumeDevices/{pv_name}/dev")
+        } else {
+            format!("{KUBELET_CSI}/pv/{pv_name}/globalmount")
+        };
+        let _ = &csi.driver;
+        (path, affinity_node.or_else(attached_node))
+    } else {
+        return Err(invalid(
+            "failed to find PVC",
+            format!(
+                "PersistentVolume {pv_name} is neither local, hostPath nor CSI: mover cannot \
+                 find its data on a node"
+            ),
+        ));
+    };
+    let node = node.ok_or_else(|| {
+        invalid(
+            "failed to find PVC",
+            format!(
+                "PersistentVolume {pv_name} is on no node: it has no kubernetes.io/hostname node \
+                 affinity and no attached VolumeAttachment; start a pod that uses the \
+                 PersistentVolumeClaim so that it is attached"
+            ),
+        )
+    })?;
+    Ok(Placement {
+        node,
+        path,
+        pv: pv_name,
+    })
+}
+
+/// The address (HOST:PORT) of the running agent pod on `node`.
+pub fn agent_on(node: &str, pods: &[Pod], port: u16) -> Result<String, Invalid> {
+    let running = pods.iter().find(|p| {
+        p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+            && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+            && p.metadata.deletion_timestamp.is_none()
+    });
+    let ip = running
+        .and_then(|p| p.status.as_ref())
+        .and_then(|s| s.pod_ip.clone())
+        .ok_or_else(|| {
+            invalid(
+                "failed to find agent",
+                format!(
+                    "no running mover agent on node {node}: the agent DaemonSet must run there \
+                     (check its node selector, tolerations and pod status)"
+                ),
+            )
+        })?;
+    Ok(if ip.contains(':') {
+        format!("[{ip}]:{port}")
+    } else {
+        format!("{ip}:{port}")
+    })
+}
+
+/// Everything the reconciler acts on for one `VolumeReplication`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Desired {
+    /// The relationship's name: the same on both clusters' agents.
+    pub name: String,
+    /// The agent of the node holding the volume: HOST:PORT.
+    pub agent: String,
+    /// The export on that agent (named after the PersistentVolume).
+    pub volume: String,
+    /// The volume's device or directory on the node.
+    pub path: String,
+    /// The peer's volume: agent://HOST:PORT/VOLUME.
+    pub peer: String,
+    /// Class parameters.
+    pub params: ClassParams,
+    /// What the spec asks for.
+    pub state: ReplicationState,
+    /// Resync by itself when this side is a fenced or split-brain secondary.
+    pub auto_resync: bool,
+}
+
+/// The resources a `VolumeReplication` names, as found (None: not found).
+pub struct Inputs<'a> {
+    /// spec.volumeReplicationClass.
+    pub class: Option<&'a VolumeReplicationClass>,
+    /// spec.dataSource.
+    pub pvc: Option<&'a PersistentVolumeClaim>,
+    /// The PVC's volume.
+    pub pv: Option<&'a PersistentVolume>,
+    /// Every VolumeAttachment (only read for attached volumes).
+    pub attachments: &'a [VolumeAttachment],
+    /// The agent DaemonSet's pods.
+    pub agents: &'a [Pod],
+    /// The agents' gRPC port.
+    pub agent_port: u16,
+}
+
+/// The relationship's name: replicationHandle, else NAMESPACE/NAME (RamenDR gives a
+/// VolumeReplication the same name and namespace in both clusters).
+pub fn relationship_name(vr: &VolumeReplication) -> String {
+    if !vr.spec.replication_handle.is_empty() {
+        return vr.spec.replication_handle.clone();
+    }
+    format!(
+        "{}/{}",
+        vr.metadata.namespace.as_deref().unwrap_or("default"),
+        kube::ResourceExt::name_any(vr)
+    )
+}
+
+/// Checks the spec's immutable fields against what the relationship was set up from.
+pub fn check_immutable(vr: &VolumeReplication) -> Result<(), Invalid> {
+    let Some(r) = vr.status.as_ref().and_then(|s| s.relationship.as_ref()) else {
+        return Ok(());
+    };
+    let VolumeReplicationSpec {
+        volume_replication_class: class,
+        data_source,
+        ..
+    } = &vr.spec;
+    let changed = |field: &str, was: &str, now: &str| {
+        invalid(
+            "immutable field changed",
+            format!(
+                "spec.{field} changed from {was:?} to {now:?} after replication was set up; it \
+                 is immutable: set it back to {was:?}, or delete this VolumeReplication and \
+                 create a new one"
+            ),
+        )
+    };
+    if *class != r.volume_replication_class {
+        return Err(changed(
+            "volumeReplicationClass",
+            &r.volume_replication_class,
+            class,
+        ));
+    }
+    if data_source.name != r.data_source_name {
+        return Err(changed(
+            "dataSource.name",
+            &r.data_source_name,
+            &data_source.name,
+        ));
+    }
+    Ok(())
+}
+
+/// The desired relationship, or what to fix first.
+pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, Invalid> {
+    let ns = vr.metadata.namespace.as_deref().unwrap_or("default");
+    let ds = &vr.spec.data_source;
+    if ds.kind != "PersistentVolumeClaim" || ds.api_group.as_deref().is_some_and(|g| !g.is_empty())
+    {
+        return Err(invalid(
+            "unsupported datasource",
+            format!(
+                "spec.dataSource is a {} {}: mover replicates PersistentVolumeClaims (kind \
+                 PersistentVolumeClaim, no apiGroup)",
+                ds.api_group.as_deref().unwrap_or("core"),
+                ds.kind
+            ),
+        ));
+    }
+    check_immutable(vr)?;
+    let class_name = &vr.spec.volume_replication_class;
+    let class = input.class.ok_or_else(|| {
+        invalid(
+            "failed to get volumeReplication class",
+            format!(
+                "VolumeReplicationClass {class_name:?} not found: create it, or name an \
+                 existing one in spec.volumeReplicationClass"
+            ),
+        )
+    })?;
+    let params = class_params(class)?;
+    let pvc_name = format!("{ns}/{}", ds.name);
+    let pvc = input.pvc.ok_or_else(|| {
+        invalid(
+            "failed to find PVC",
+            format!(
+                "PersistentVolumeClaim {pvc_name} not found: create it, or fix spec.dataSource.name"
+            ),
+        )
+    })?;
+    let phase = pvc.status.as_ref().and_then(|s| s.phase.as_deref());
+    let volume_name = pvc.spec.as_ref().and_then(|s| s.volume_name.as_deref());
+    let (Some("Bound"), Some(volume_name)) = (phase, volume_name) else {
+        return Err(invalid(
+            "failed to find PVC",
+            format!(
+                "PersistentVolumeClaim {pvc_name} is not bound to a volume yet (phase {}): \
+                 wait until it binds (a WaitForFirstConsumer class binds when a pod uses it)",
+                phase.unwrap_or("unknown")
+            ),
+        ));
+    };
+    let pv = input.pv.ok_or_else(|| {
+        invalid(
+            "failed to find PVC",
+            format!("PersistentVolume {volume_name} of PersistentVolumeClaim {pvc_name} not found"),
+        )
+    })?;
+    let place = placement(pvc, pv, input.attachments)?;
+    let agent = agent_on(&place.node, input.agents, input.agent_port)?;
+    Ok(Desired {
+        name: relationship_name(vr),
+        agent,
+        peer: format!("agent://{}/{}", params.target, place.pv),
+        volume: place.pv,
+        path: place.path,
+        params,
+        state: vr.spec.replication_state,
+        auto_resync: vr.spec.auto_resync,
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::controller::crd::{
+        RelationshipRef, VolumeReplicationClassSpec, VolumeReplicationStatus,
+    };
+    use k8s_openapi::api::core::v1::TypedLocalObjectReference;
+    use serde_json::json;
+
+    /// Test resources, shared with the reconcile tests.
+    pub(crate) fn class(params: &[(&str, &str)]) -> VolumeReplicationClass {
+        VolumeReplicationClass::new(
+            "mover",
+            VolumeReplicationClassSpec {
+                provisioner: "topolvm.io".into(),
+                parameters: params
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            },
+        )
+    }
+
+    pub(crate) fn vr(state: ReplicationState) -> VolumeReplication {
+        let mut vr = VolumeReplication::new(
+            "pg",
+            VolumeReplicationSpec {
+                volume_replication_class: "mover".into(),
+                replication_state: state,
+                data_source: TypedLocalObjectReference {
+                    api_group: None,
+                    kind: "PersistentVolumeClaim".into(),
+                    name: "data".into(),
+                },
+                auto_resync: false,
+                replication_handle: String::new(),
+            },
+        );
+        vr.metadata.namespace = Some("app".into());
+        vr.metadata.generation = Some(1);
+        vr
+    }
+
+    pub(crate) fn pvc(bound: bool) -> PersistentVolumeClaim {
+        serde_json::from_value(json!({
+            "metadata": {"name": "data", "namespace": "app"},
+            "spec": {"volumeName": if bound { "pv-1" } else { "" }, "volumeMode": "Block"},
+            "status": {"phase": if bound { "Bound" } else { "Pending" }}
+        }))
+        .unwrap()
+    }
+
+    pub(crate) fn local_pv() -> PersistentVolume {
+        serde_json::from_value(json!({
+            "metadata": {"name": "pv-1"},
+            "spec": {
+                "local": {"path": "/dev/vg0/pv-1"},
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-a"]}
+                ]}]}}
+            }
+        }))
+        .unwrap()
+    }
+
+    fn csi_pv() -> PersistentVolume {
+        serde_json::from_value(json!({
+            "metadata": {"name": "pv-1"},
+            "spec": {"csi": {"driver": "rbd.csi.ceph.com", "volumeHandle": "0001-abc"}}
+        }))
+        .unwrap()
+    }
+
+    fn attachment(node: &str, attached: bool) -> VolumeAttachment {
+        serde_json::from_value(json!({
+            "metadata": {"name": format!("csi-{node}")},
+            "spec": {"attacher": "rbd.csi.ceph.com", "nodeName": node,
+                     "source": {"persistentVolumeName": "pv-1"}},
+            "status": {"attached": attached}
+        }))
+        .unwrap()
+    }
+
+    pub(crate) fn agent_pod(node: &str, ip: &str) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": format!("mover-agent-{node}"), "namespace": "mover-system"},
+            "spec": {"nodeName": node, "containers": []},
+            "status": {"phase": "Running", "podIP": ip}
+        }))
+        .unwrap()
+    }
+
+    fn inputs<'a>(
+        class: Option<&'a VolumeReplicationClass>,
+        pvc: Option<&'a PersistentVolumeClaim>,
+        pv: Option<&'a PersistentVolume>,
+        agents: &'a [Pod],
+    ) -> Inputs<'a> {
+        Inputs {
+            class,
+            pvc,
+            pv,
+            attachments: &[],
+            agents,
+            agent_port: 7070,
+        }
+    }
+
+    #[test]
+    fn local_pv_resolves_to_its_node_agent_and_peer() {
+        let c = class(&[
+            ("schedulingInterval", "1m30s"),
+            ("target", "agent://dr.example:7070"),
+            ("bandwidth", "100M"),
+            ("chunkSize", "256K"),
+        ]);
+        let (claim, pv) = (pvc(true), local_pv());
+        let agents = [
+            agent_pod("node-b", "10.0.0.2"),
+            agent_pod("node-a", "10.0.0.1"),
+        ];
+        let d = desired(
+            &vr(ReplicationState::Primary),
+            &inputs(Some(&c), Some(&claim), Some(&pv), &agents),
+        )
+        .unwrap();
+        assert_eq!(
+            d,
+            Desired {
+                name: "app/pg".into(),
+                agent: "10.0.0.1:7070".into(),
+                volume: "pv-1".into(),
+                path: "/dev/vg0/pv-1".into(),
+                peer: "agent://dr.example:7070/pv-1".into(),
+                params: ClassParams {
+                    interval: Duration::from_secs(90),
+                    target: "dr.example:7070".into(),
+                    bwlimit: 100 << 20,
+                    chunk_size: 256 << 10,
+                },
+                state: ReplicationState::Primary,
+                auto_resync: false,
+            }
+        );
+    }
+
+    #[test]
+    fn attached_csi_volume_is_on_the_node_of_its_attachment() {
+        let (claim, pv) = (pvc(true), csi_pv());
+        let vas = [attachment("node-x", false), attachment("node-c", true)];
+        let p = placement(&claim, &pv, &vas).unwrap();
+        assert_eq!(p.node, "node-c");
+        assert_eq!(
+            p.path,
+            "/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/pv-1/dev"
+        );
+        let e = placement(&claim, &pv, &vas[..1]).unwrap_err();
+        assert!(e.detail.contains("is on no node"), "{e}");
+    }
+
+    #[test]
+    fn bad_inputs_say_what_to_fix() {
+        let good = class(&[("target", "agent://dr:7070")]);
+        let (bound, pv) = (pvc(true), local_pv());
+        let agents = [agent_pod("node-a", "10.0.0.1")];
+        let v = vr(ReplicationState::Primary);
+        let err = |i: Inputs<'_>| desired(&v, &i).unwrap_err().to_string();
+
+        let e = err(inputs(None, Some(&bound), Some(&pv), &agents));
+        assert!(
+            e.contains("VolumeReplicationClass \"mover\" not found: create it"),
+            "{e}"
+        );
+        let unbound = pvc(false);
+        let e = err(inputs(Some(&good), Some(&unbound), Some(&pv), &agents));
+        assert!(
+            e.contains("app/data is not bound to a volume yet (phase Pending)"),
+            "{e}"
+        );
+        let e = err(inputs(Some(&good), None, None, &agents));
+        assert!(
+            e.contains("PersistentVolumeClaim app/data not found"),
+            "{e}"
+        );
+        let e = err(inputs(Some(&good), Some(&bound), Some(&pv), &agents[..0]));
+        assert!(e.contains("no running mover agent on node node-a"), "{e}");
+        let s3 = class(&[("target", "s3://bucket/prefix")]);
+        let e = err(inputs(Some(&s3), Some(&bound), Some(&pv), &agents));
+        assert!(e.contains("unknown target \"s3://bucket/prefix\""), "{e}");
+        let none = class(&[]);
+        let e = err(inputs(Some(&none), Some(&bound), Some(&pv), &agents));
+        assert!(e.contains("has no target parameter"), "{e}");
+        let fast = class(&[
+            ("target", "agent://dr:7070"),
+            ("schedulingInterval", "10ms"),
+        ]);
+        let e = err(inputs(Some(&fast), Some(&bound), Some(&pv), &agents));
+        assert!(e.contains("shorter than 1s"), "{e}");
+
+        let mut moved = v.clone();
+        moved.spec.volume_replication_class = "other".into();
+        moved.status = Some(VolumeReplicationStatus {
+            relationship: Some(RelationshipRef {
+                volume_replication_class: "mover".into(),
+                data_source_name: "data".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let e = desired(
+            &moved,
+            &inputs(Some(&good), Some(&bound), Some(&pv), &agents),
+        )
+        .unwrap_err();
+        assert_eq!(e.what, "immutable field changed");
+        assert!(
+            e.detail
+                .contains("spec.volumeReplicationClass changed from \"mover\" to \"other\"")
+        );
+    }
+
+    #[test]
+    fn intervals_parse_like_go_durations() {
+        assert_eq!(parse_interval("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_interval("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_interval("1500ms"), Ok(Duration::from_millis(1500)));
+        assert!(
+            parse_interval("5 minutes")
+                .unwrap_err()
+                .contains("unknown unit")
+        );
+        assert!(parse_interval("").is_err());
+        assert_eq!(relationship_name(&vr(ReplicationState::Primary)), "app/pg");
+    }
+}

@@ -1,0 +1,39 @@
+//! The Kubernetes controller (shared/DESIGN.md §7): `VolumeReplication` resources drive
+//! the agents' replication relationships.
+//!
+//! - [`crd`]: the custom resources, with csi-addons' field names, and their CRDs.
+//! - [`desired`]: the relationship a resource asks for, from its class, PVC, PV, node
+//!   and agent pod (pure).
+//! - [`status`]: conditions and status as csi-addons sets them (pure).
+//! - [`agents`]: the agents' relationship control API behind a small trait.
+//! - [`metrics`]: reconciles, failures, relationships by state, RPO (Prometheus).
+//! - [`reconcile`]: finalizer, agent calls, status by server-side apply.
+//! - [`run()`]: watch caches and the controller loop (`mover controller run`).
+//!
+//! Only built with the `controller` cargo feature (on by default): an agent-only build
+//! leaves kube-rs out.
+
+pub mod agents;
+pub mod crd;
+pub mod desired;
+pub mod metrics;
+pub mod reconcile;
+mod run;
+pub mod status;
+
+pub use run::{RunError, RunOptions, run};
+
+use std::path::Path;
+
+/// Writes both CRDs of `group` into `dir` (`mover controller crds`); returns the paths.
+pub fn write_crds(group: &str, dir: &Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+    std::fs::create_dir_all(dir)?;
+    crd::crd_yaml(group)
+        .into_iter()
+        .map(|(file, yaml)| {
+            let path = dir.join(file);
+            std::fs::write(&path, yaml)?;
+            Ok(path)
+        })
+        .collect()
+}

@@ -1,0 +1,556 @@
+//! Reconciling one `VolumeReplication`: a finalizer, the desired relationship from the
+//! watch caches, the agent calls it takes, and the status written back by server-side
+//! apply (field manager `mover`) with `observedGeneration = metadata.generation`.
+//!
+//! The flow follows csi-addons' VolumeReplication controller state by state, so the
+//! conditions RamenDR waits for come in the same order.
+
+use super::agents::{AgentError, Agents};
+use super::crd::{
+    self, RelationshipRef, ReplicationState, State, VolumeReplication, VolumeReplicationClass,
+    VolumeReplicationStatus,
+};
+use super::desired::{self, Desired, Inputs};
+use super::status::{self, Conditions, Health};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Api, DynamicObject, Patch, PatchParams};
+use kube::core::ApiResource;
+use kube::runtime::controller::Action;
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Resource, ResourceExt};
+use std::sync::Arc;
+use std::time::Duration;
+use transport::control;
+
+/// Held on every VolumeReplication the controller set up, until its relationship is
+/// deleted from the agent.
+pub const FINALIZER: &str = "replication.mover/relationship";
+/// The field manager of status writes.
+pub const FIELD_MANAGER: &str = "mover";
+/// How soon a resource that could not be acted on is looked at again.
+pub const RETRY: Duration = Duration::from_secs(30);
+
+/// Why a reconcile failed (it is retried).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The API server refused or could not be reached.
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// Adding or removing the finalizer, or the reconcile inside it, failed.
+    #[error("{0}")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+    /// The object does not have the VolumeReplication shape (the CRD is not mover's).
+    #[error(
+        "VolumeReplication {name}: unreadable: {source}; is the CRD mover's (mover controller crds)?"
+    )]
+    Parse {
+        /// NAMESPACE/NAME.
+        name: String,
+        /// What serde said.
+        source: serde_json::Error,
+    },
+    /// An agent call failed where the status cannot say it (cleanup).
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+}
+
+/// The watch caches the reconciler reads instead of asking the API server.
+#[derive(Clone)]
+pub struct Caches {
+    /// VolumeReplicationClasses (in the served group).
+    pub classes: Store<DynamicObject>,
+    /// PersistentVolumeClaims.
+    pub pvcs: Store<PersistentVolumeClaim>,
+    /// PersistentVolumes.
+    pub pvs: Store<PersistentVolume>,
+    /// VolumeAttachments.
+    pub attachments: Store<VolumeAttachment>,
+    /// The agent DaemonSet's pods.
+    pub agents: Store<Pod>,
+}
+
+impl Caches {
+    /// Caches holding just these objects and never updated: for tests, and for
+    /// computing desired state without a cluster.
+    pub fn fixed(
+        group: &str,
+        classes: Vec<VolumeReplicationClass>,
+        pvcs: Vec<PersistentVolumeClaim>,
+        pvs: Vec<PersistentVolume>,
+        attachments: Vec<VolumeAttachment>,
+        agents: Vec<Pod>,
+    ) -> Caches {
+        use kube::runtime::reflector::store::Writer;
+        use kube::runtime::watcher::Event;
+        fn fill<K>(dyntype: K::DynamicType, objs: Vec<K>) -> Store<K>
+        where
+            K: Resource + Clone + 'static,
+            K::DynamicType: Clone + Eq + std::hash::Hash,
+        {
+            let mut w = Writer::new(dyntype);
+            for o in objs {
+                w.apply_watcher_event(&Event::Apply(o));
+            }
+            w.as_reader()
+        }
+        let ar = crd::api_resource(group, "VolumeReplicationClass");
+        let classes = classes
+            .into_iter()
+            .map(|c| {
+                let mut v = serde_json::to_value(&c).expect("a class serializes");
+                v["apiVersion"] = ar.api_version.clone().into();
+                serde_json::from_value(v).expect("a class is a dynamic object")
+            })
+            .collect();
+        Caches {
+            classes: fill(ar, classes),
+            pvcs: fill((), pvcs),
+            pvs: fill((), pvs),
+            attachments: fill((), attachments),
+            agents: fill((), agents),
+        }
+    }
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    /// The API server.
+    pub client: kube::Client,
+    /// The served API group (crd::MOVER_GROUP or crd::CSI_ADDONS_GROUP).
+    pub group: String,
+    /// The agents' control API.
+    pub agents: Arc<dyn Agents>,
+    /// Watch caches.
+    pub caches: Caches,
+    /// The agents' gRPC port.
+    pub agent_port: u16,
+    /// Prometheus metrics.
+    pub metrics: Arc<super::metrics::Metrics>,
+}
+
+impl Context {
+    /// The VolumeReplication kind in the served group.
+    pub fn vr_resource(&self) -> ApiResource {
+        crd::api_resource(&self.group, "VolumeReplication")
+    }
+
+    fn class(&self, name: &str) -> Option<VolumeReplicationClass> {
+        let ar = crd::api_resource(&self.group, "VolumeReplicationClass");
+        let obj = self.caches.classes.get(&ObjectRef::new_with(name, ar))?;
+        match typed::<VolumeReplicationClass>(&obj) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::warn!(class = name, error = %e, "unreadable VolumeReplicationClass");
+                None
+            }
+        }
+    }
+}
+
+fn typed<K: serde::de::DeserializeOwned>(obj: &DynamicObject) -> Result<K, serde_json::Error> {
+    serde_json::to_value(obj).and_then(serde_json::from_value)
+}
+
+/// Reconciles one VolumeReplication (the controller's entry point).
+pub async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, Error> {
+    ctx.metrics
+        .reconciles
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let ns = obj.namespace().unwrap_or_else(|| "default".into());
+    let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), &ns, &ctx.vr_resource());
+    finalizer(&api, FINALIZER, obj, |event| async {
+        match event {
+            Finalizer::Apply(o) => apply(&o, &ctx, &api).await,
+            Finalizer::Cleanup(o) => cleanup(&o, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)))
+}
+
+/// What to do after a failed reconcile: look again soon.
+pub fn error_policy(obj: Arc<DynamicObject>, error: &Error, ctx: Arc<Context>) -> Action {
+    ctx.metrics
+        .failures
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tracing::warn!(vr = %obj.name_any(), ns = ?obj.namespace(), %error, "reconcile failed");
+    Action::requeue(RETRY)
+}
+
+/// NAMESPACE/NAME, the metrics' key.
+fn key(obj: &DynamicObject) -> String {
+    format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())
+}
+
+fn parse(obj: &DynamicObject) -> Result<VolumeReplication, Error> {
+    typed(obj).map_err(|source| Error::Parse {
+        name: format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any()),
+        source,
+    })
+}
+
+/// The PVC, its PV, the attachments and agent pods, from the caches.
+struct Held {
+    pvc: Option<Arc<PersistentVolumeClaim>>,
+    pv: Option<Arc<PersistentVolume>>,
+    attachments: Vec<VolumeAttachment>,
+    agents: Vec<Pod>,
+}
+
+fn hold(vr: &VolumeReplication, ctx: &Context) -> Held {
+    let ns = vr.namespace().unwrap_or_default();
+    let pvc = ctx
+        .caches
+        .pvcs
+        .get(&ObjectRef::new(&vr.spec.data_source.name).within(&ns));
+    let pv = pvc
+        .as_ref()
+        .and_then(|c| c.spec.as_ref()?.volume_name.clone())
+        .filter(|n| !n.is_empty())
+        .and_then(|n| ctx.caches.pvs.get(&ObjectRef::new(&n)));
+    // Attachments are read only for attached volumes: no copy otherwise.
+    let attachments = if pv
+        .as_ref()
+        .is_some_and(|p| p.spec.as_ref().is_some_and(|s| s.csi.is_some()))
+    {
+        ctx.caches
+            .attachments
+            .state()
+            .iter()
+            .map(|a| (**a).clone())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let agents = ctx
+        .caches
+        .agents
+        .state()
+        .iter()
+        .map(|p| (**p).clone())
+        .collect();
+    Held {
+        pvc,
+        pv,
+        attachments,
+        agents,
+    }
+}
+
+/// The desired relationship, or why not.
+fn resolve(vr: &VolumeReplication, ctx: &Context) -> Result<Desired, desired::Invalid> {
+    let class = ctx.class(&vr.spec.volume_replication_class);
+    let held = hold(vr, ctx);
+    let inputs = Inputs {
+        class: class.as_ref(),
+        pvc: held.pvc.as_deref(),
+        pv: held.pv.as_deref(),
+        attachments: &held.attachments,
+        agents: &held.agents,
+        agent_port: ctx.agent_port,
+    };
+    desired::desired(vr, &inputs)
+}
+
+/// csi-addons' requeue for a primary: half the interval from two minutes up, so that
+/// lastSyncTime keeps up with the storage.
+fn info_interval(interval: Duration) -> Duration {
+    if interval < Duration::from_secs(120) {
+        interval
+    } else {
+        interval / 2
+    }
+}
+
+fn now() -> Time {
+    Time(k8s_openapi::jiff::Timestamp::now())
+}
+
+/// The state shown when an operation failed: the last one reached (csi-addons'
+/// GetCurrentReplicationState).
+fn current(status: &VolumeReplicationStatus) -> State {
+    status.state.unwrap_or(State::Unknown)
+}
+
+async fn apply(
+    obj: &DynamicObject,
+    ctx: &Context,
+    api: &Api<DynamicObject>,
+) -> Result<Action, Error> {
+    let vr = parse(obj)?;
+    let (st, action) = decide(&vr, ctx, now()).await;
+    if !status::unchanged(vr.status.as_ref(), &st) {
+        write_status(api, &vr, &ctx.group, &st).await?;
+    }
+    let state = match st.state.unwrap_or(State::Unknown) {
+        State::Primary => "Primary",
+        State::Secondary => "Secondary",
+        State::Unknown => "Unknown",
+    };
+    ctx.metrics.observe(key(obj), state, st.rpo_seconds);
+    Ok(action)
+}
+
+/// Computes the new status, calling the agent as the spec asks.
+pub async fn decide(
+    vr: &VolumeReplication,
+    ctx: &Context,
+    now: Time,
+) -> (VolumeReplicationStatus, Action) {
+    let generation = vr.meta().generation.unwrap_or(0);
+    let state = vr.spec.replication_state;
+    let mut st = vr.status.clone().unwrap_or_default();
+    let kind = vr.spec.data_source.kind.clone();
+    st.observed_generation = Some(generation);
+    let d = match resolve(vr, ctx) {
+        Ok(d) => d,
+        Err(invalid) => {
+            let mut c = Conditions::new(&mut st.conditions, generation, &kind, now);
+            c.failed_validation(state, invalid.what, &invalid.detail);
+            if state == ReplicationState::Primary {
+                c.replicating(Health::Unknown, &invalid.detail);
+            } else {
+                c.remove(status::types::REPLICATING);
+            }
+            st.state = Some(current(&st));
+            st.message = Some(invalid.to_string());
+            return (st, Action::requeue(RETRY));
+        }
+    };
+    st.last_start_time = Some(now.clone());
+    st.relationship = Some(RelationshipRef {
+        name: d.name.clone(),
+        agent: d.agent.clone(),
+        volume: d.volume.clone(),
+        volume_replication_class: vr.spec.volume_replication_class.clone(),
+        data_source_name: vr.spec.data_source.name.clone(),
+    });
+    let agents = &*ctx.agents;
+    let mut c = Conditions::new(&mut st.conditions, generation, &kind, now.clone());
+    c.validated();
+    match state {
+        ReplicationState::Primary => {
+            let result = match agents.get(&d.agent, &d.name).await {
+                Err(e) => Err(e),
+                Ok(None) => agents.create(&d.agent, spec_of(&d)).await,
+                Ok(Some(s)) if s.role == "secondary" => {
+                    // csi-addons: a refused promotion (the peer did not hand over with a
+                    // final cycle) is retried with force.
+                    match agents.promote(&d.agent, &d.name, false).await {
+                        Err(e) if e.is_precondition() => {
+                            agents.promote(&d.agent, &d.name, true).await
+                        }
+                        r => r,
+                    }
+                }
+                Ok(Some(s)) => update_if_changed(agents, &d, s).await,
+            };
+            match result {
+                Ok(s) => {
+                    c.promoted();
+                    let (h, detail) = status::health(&s);
+                    c.replicating(h, &detail);
+                    status::apply_report(&mut st, &s);
+                    st.state = Some(State::Primary);
+                    st.message = Some(status::marked(state));
+                    st.last_completion_time = Some(now);
+                    (st, Action::requeue(info_interval(d.params.interval)))
+                }
+                Err(e) => {
+                    c.failed_promotion("failed to promote volume", &e.to_string());
+                    c.replicating(Health::Unknown, &e.to_string());
+                    st.state = Some(current(&st));
+                    st.message = Some(e.to_string());
+                    (st, Action::requeue(RETRY))
+                }
+            }
+        }
+        ReplicationState::Secondary => {
+            c.remove(status::types::REPLICATING);
+            let outcome = match agents.get(&d.agent, &d.name).await {
+                Err(e) => Err(e),
+                // No cycle has arrived yet: a secondary waiting for its first cycle.
+                Ok(None) => Ok(None),
+                Ok(Some(s)) if s.role == "primary" => {
+                    agents.demote(&d.agent, &d.name).await.map(|_| None)
+                }
+                Ok(Some(s)) => Ok(Some(s)),
+            };
+            st.last_sync_time = None;
+            match outcome {
+                Err(e) => {
+                    c.failed_demotion("failed to demote volume", &e.to_string());
+                    st.state = Some(current(&st));
+                    st.message = Some(e.to_string());
+                    (st, Action::requeue(RETRY))
+                }
+                Ok(None) => {
+                    // Demoted now (or not yet reached by a cycle): degraded until a
+                    // cycle is applied, as csi-addons marks a fresh secondary.
+                    c.demoted();
+                    st.state = Some(State::Secondary);
+                    st.message = Some("volume is marked secondary and is degraded".into());
+                    (st, Action::requeue(RETRY))
+                }
+                Ok(Some(s)) => secondary(st, generation, &kind, agents, &d, s, now).await,
+            }
+        }
+        ReplicationState::Resync => {
+            c.remove(status::types::REPLICATING);
+            match agents.resync(&d.agent, &d.name, true).await {
+                Err(e) => {
+                    c.failed_resync("failed to resync volume", &e.to_string());
+                    st.state = Some(current(&st));
+                    st.message = Some(e.to_string());
+                    (st, Action::requeue(RETRY))
+                }
+                Ok(s) => {
+                    c.resync();
+                    st.epoch = Some(s.epoch as i64);
+                    if in_sync(&s) {
+                        c.not_degraded();
+                        st.state = Some(State::Secondary);
+                        st.message = Some(status::marked(state));
+                        st.last_completion_time = Some(now);
+                    } else {
+                        st.message = Some("volume is degraded".into());
+                    }
+                    (st, Action::requeue(RETRY))
+                }
+            }
+        }
+    }
+}
+
+/// A secondary the agent knows: healthy, resyncing, or fenced/split (auto-resynced when
+/// the spec says so).
+async fn secondary(
+    mut st: VolumeReplicationStatus,
+    generation: i64,
+    kind: &str,
+    agents: &dyn Agents,
+    d: &Desired,
+    s: control::Status,
+    now: Time,
+) -> (VolumeReplicationStatus, Action) {
+    let mut c = Conditions::new(&mut st.conditions, generation, kind, now.clone());
+    st.epoch = Some(s.epoch as i64);
+    st.state = Some(State::Secondary);
+    let split = matches!(s.state.as_str(), "Fenced" | "SplitBrain");
+    if split && !d.auto_resync {
+        c.demoted();
+        st.message = Some(format!(
+            "volume is degraded: relationship {}: set spec.autoResync or replicationState \
+             resync to discard this side's writes since the last common cycle",
+            s.state
+        ));
+        return (st, Action::requeue(RETRY));
+    }
+    let s = if split {
+        match agents.resync(&d.agent, &d.name, true).await {
+            Ok(s) => s,
+            Err(e) => {
+                c.failed_resync("failed to resync volume", &e.to_string());
+                st.message = Some(e.to_string());
+                return (st, Action::requeue(RETRY));
+            }
+        }
+    } else {
+        s
+    };
+    c.demoted();
+    c.resync();
+    if in_sync(&s) {
+        c.not_degraded();
+        st.message = Some(status::marked(ReplicationState::Secondary));
+        st.last_completion_time = Some(now);
+        (st, Action::requeue(info_interval(d.params.interval)))
+    } else {
+        st.message = Some("volume is degraded".into());
+        (st, Action::requeue(RETRY))
+    }
+}
+
+/// A secondary holding a complete cycle and following the primary.
+fn in_sync(s: &control::Status) -> bool {
+    s.role == "secondary" && s.state == "Secondary" && s.last_cycle.is_some()
+}
+
+fn spec_of(d: &Desired) -> control::Spec {
+    control::Spec {
+        name: d.name.clone(),
+        volume: d.volume.clone(),
+        peer: d.peer.clone(),
+        interval_ms: d.params.interval.as_millis() as u64,
+        bwlimit: d.params.bwlimit,
+        chunk_size: d.params.chunk_size,
+        freeze: String::new(),
+    }
+}
+
+/// A primary already there: change its interval or bandwidth if the class did.
+async fn update_if_changed(
+    agents: &dyn Agents,
+    d: &Desired,
+    s: control::Status,
+) -> Result<control::Status, AgentError> {
+    let have = s.spec.clone().unwrap_or_default();
+    let want = spec_of(d);
+    if have.interval_ms == want.interval_ms && have.bwlimit == want.bwlimit {
+        return Ok(s);
+    }
+    agents
+        .update(
+            &d.agent,
+            control::UpdateRequest {
+                name: d.name.clone(),
+                interval_ms: Some(want.interval_ms),
+                bwlimit: Some(want.bwlimit),
+                paused: None,
+                // The controller sets no freeze (it does not know the mount point).
+                freeze: None,
+            },
+        )
+        .await
+}
+
+/// Writes the whole status by server-side apply.
+async fn write_status(
+    api: &Api<DynamicObject>,
+    vr: &VolumeReplication,
+    group: &str,
+    st: &VolumeReplicationStatus,
+) -> Result<(), Error> {
+    let patch = Patch::Apply(serde_json::json!({
+        "apiVersion": format!("{group}/{}", crd::VERSION),
+        "kind": "VolumeReplication",
+        "status": st,
+    }));
+    api.patch_status(
+        &vr.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &patch,
+    )
+    .await?;
+    Ok(())
+}
+
+/// The resource is being deleted: forget the relationship on the agent that holds it.
+async fn cleanup(obj: &DynamicObject, ctx: &Context) -> Result<Action, Error> {
+    let vr = parse(obj)?;
+    let recorded = vr.status.as_ref().and_then(|s| s.relationship.clone());
+    // Where it is now (the agent pod may have a new address), else where it was.
+    let target = match resolve(&vr, ctx) {
+        Ok(d) => Some((d.agent, d.name)),
+        Err(_) => recorded.map(|r| (r.agent, r.name)),
+    };
+    if let Some((agent, name)) = target {
+        ctx.agents.delete(&agent, &name).await?;
+        tracing::info!(%agent, relationship = %name, "relationship deleted");
+    }
+    ctx.metrics.forget(&key(obj));
+    Ok(Action::await_change())
+}

@@ -1,0 +1,168 @@
+//! `mover controller run`: watch caches, the controller loop, shutdown on a signal.
+
+use super::agents::GrpcAgents;
+use super::crd;
+use super::reconcile::{self, Caches, Context};
+use futures::StreamExt;
+use kube::api::{Api, DynamicObject};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{Controller, WatchStreamExt, watcher};
+use std::sync::Arc;
+
+/// Options of `mover controller run`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct RunOptions {
+    /// The API group to serve: replication.mover, or replication.storage.openshift.io
+    /// where no csi-addons controller runs (RamenDR then drives mover as it is).
+    #[arg(long, default_value = crd::MOVER_GROUP, env = "MOVER_GROUP")]
+    pub group: String,
+    /// The namespace of the agent DaemonSet's pods.
+    #[arg(long, default_value = "mover-system", env = "MOVER_AGENT_NAMESPACE")]
+    pub agent_namespace: String,
+    /// The label selector of the agent pods.
+    #[arg(long, default_value = "app.kubernetes.io/name=mover-agent")]
+    pub agent_selector: String,
+    /// The agents' gRPC port.
+    #[arg(long, default_value_t = 7070)]
+    pub agent_port: u16,
+    /// Where /metrics (Prometheus) and /healthz are served.
+    #[arg(long, default_value = "0.0.0.0:9471")]
+    pub metrics_listen: std::net::SocketAddr,
+    /// Authentication and TLS towards the agents.
+    #[command(flatten)]
+    pub connect: crate::remote::ConnectOptions,
+}
+
+/// Why the controller stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// No kubeconfig or in-cluster configuration.
+    #[error(
+        "cannot reach the Kubernetes API: run in a pod with a service account, or set \
+         KUBECONFIG (or write ~/.kube/config)"
+    )]
+    Client(#[source] kube::Error),
+    /// The metrics port is taken.
+    #[error("cannot listen for metrics on {addr}")]
+    Listen {
+        /// --metrics-listen.
+        addr: std::net::SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The CRDs are not installed in the served group.
+    #[error(
+        "VolumeReplications in group {group} cannot be listed; install the CRDs: \
+         mover controller crds --group {group} --out DIR && kubectl apply -f DIR"
+    )]
+    NoCrd {
+        /// The served group.
+        group: String,
+        /// What the API server said.
+        source: kube::Error,
+    },
+}
+
+/// A watch cache of `api` kept up to date by the returned future.
+fn cache<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    dyntype: K::DynamicType,
+) -> (Store<K>, impl std::future::Future<Output = ()> + Send)
+where
+    K: kube::Resource
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+    K::DynamicType: Clone + Eq + std::hash::Hash + Send + Sync,
+{
+    let writer = reflector::store::Writer::new(dyntype);
+    let reader = writer.as_reader();
+    let run = reflector::reflector(writer, watcher(api, config))
+        .default_backoff()
+        .for_each(|_| futures::future::ready(()));
+    (reader, run)
+}
+
+/// Runs the controller until SIGINT or SIGTERM.
+pub async fn run(options: RunOptions) -> Result<(), RunError> {
+    let client = kube::Client::try_default()
+        .await
+        .map_err(RunError::Client)?;
+    let group = options.group.clone();
+    let vr = crd::api_resource(&group, "VolumeReplication");
+    let vrs: Api<DynamicObject> = Api::all_with(client.clone(), &vr);
+    vrs.list(&kube::api::ListParams::default().limit(1))
+        .await
+        .map_err(|source| RunError::NoCrd {
+            group: group.clone(),
+            source,
+        })?;
+    let class = crd::api_resource(&group, "VolumeReplicationClass");
+    let (classes, w1) = cache(
+        Api::<DynamicObject>::all_with(client.clone(), &class),
+        watcher::Config::default(),
+        class.clone(),
+    );
+    let (pvcs, w2) = cache(Api::all(client.clone()), watcher::Config::default(), ());
+    let (pvs, w3) = cache(Api::all(client.clone()), watcher::Config::default(), ());
+    let (attachments, w4) = cache(Api::all(client.clone()), watcher::Config::default(), ());
+    let (agents, w5) = cache(
+        Api::namespaced(client.clone(), &options.agent_namespace),
+        watcher::Config::default().labels(&options.agent_selector),
+        (),
+    );
+    let listener = tokio::net::TcpListener::bind(options.metrics_listen)
+        .await
+        .map_err(|source| RunError::Listen {
+            addr: options.metrics_listen,
+            source,
+        })?;
+    let metrics = Arc::new(super::metrics::Metrics::default());
+    let m = metrics.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || async move { m.render() }),
+        )
+        .route("/healthz", axum::routing::get(|| async { "ok" }));
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    });
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        group,
+        agents: Arc::new(GrpcAgents::new(options.connect.clone())),
+        caches: Caches {
+            classes,
+            pvcs,
+            pvs,
+            attachments,
+            agents,
+        },
+        agent_port: options.agent_port,
+        metrics,
+    });
+    tokio::spawn(w1);
+    tokio::spawn(w2);
+    tokio::spawn(w3);
+    tokio::spawn(w4);
+    tokio::spawn(w5);
+    tracing::info!(group = %ctx.group, "controller started");
+    Controller::new_with(vrs, watcher::Config::default(), vr)
+        .shutdown_on_signal()
+        .run(reconcile::reconcile, reconcile::error_policy, ctx)
+        .for_each(|r| {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "reconcile");
+            }
+            futures::future::ready(())
+        })
+        .await;
+    Ok(())
+}

@@ -1,0 +1,550 @@
+//! Conditions and status, set exactly as csi-addons sets them
+//! (internal/controller/replication.storage/status.go and volumereplication_controller.go
+//! of kubernetes-csi-addons), so RamenDR reads mover's resources as it reads csi-addons'.
+//!
+//! Every function here is pure: the caller passes the time and the generation. Each
+//! condition carries the generation it was computed for, and a condition's
+//! `lastTransitionTime` moves only when its status changes (csi-addons'
+//! `setStatusCondition`).
+
+use super::crd::{ReplicationState, State, VolumeReplicationStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use std::time::Duration;
+
+/// Condition types.
+pub mod types {
+    /// The requested operation (promote, demote, resync) finished.
+    pub const COMPLETED: &str = "Completed";
+    /// The volume is not usable as asked.
+    pub const DEGRADED: &str = "Degraded";
+    /// A resync is running.
+    pub const RESYNCING: &str = "Resyncing";
+    /// The inputs (class, PVC, PV, node, agent) are usable.
+    pub const VALIDATED: &str = "Validated";
+    /// The primary ships cycles to the secondary.
+    pub const REPLICATING: &str = "Replicating";
+}
+
+/// Condition reasons (csi-addons' names).
+pub mod reasons {
+    #![allow(missing_docs)]
+    pub const PROMOTED: &str = "Promoted";
+    pub const DEMOTED: &str = "Demoted";
+    pub const FAILED_TO_PROMOTE: &str = "FailedToPromote";
+    pub const FAILED_TO_DEMOTE: &str = "FailedToDemote";
+    pub const ERROR: &str = "Error";
+    pub const VOLUME_DEGRADED: &str = "VolumeDegraded";
+    pub const HEALTHY: &str = "Healthy";
+    pub const RESYNC_TRIGGERED: &str = "ResyncTriggered";
+    pub const FAILED_TO_RESYNC: &str = "FailedToResync";
+    pub const NOT_RESYNCING: &str = "NotResyncing";
+    pub const PREREQUISITE_MET: &str = "PrerequisiteMet";
+    pub const PREREQUISITE_NOT_MET: &str = "PrerequisiteNotMet";
+    pub const REPLICATING: &str = "Replicating";
+    pub const NOT_REPLICATING: &str = "NotReplicating";
+}
+
+/// Condition messages (csi-addons' texts, after "volume ").
+mod messages {
+    pub const PROMOTED: &str = "is promoted to primary and replicating to secondary";
+    pub const HEALTHY: &str = "is healthy";
+    pub const NOT_RESYNCING: &str = "is not resyncing";
+    pub const VALIDATED: &str = "is validated and met all prerequisites";
+    pub const FAILED_PROMOTED: &str = "failed to promote";
+    pub const FAILED_DEMOTED: &str = "failed to demote";
+    pub const FAILED_PRECONDITION: &str = "failed to meet prerequisite";
+    pub const DEMOTED: &str = "is demoted to secondary";
+    pub const DEGRADED: &str = "is degraded";
+    pub const RESYNC_TRIGGERED: &str = "is resyncing changes from primary to secondary";
+    pub const RESYNC_FAILED: &str = "failed to resync";
+    pub const REPLICATING: &str = "is replicating";
+    pub const NOT_REPLICATING: &str = "is not replicating";
+    pub const UNKNOWN_REPLICATION_STATE: &str = "replication status is unknown";
+}
+
+/// The conditions of one resource being recomputed at one generation and time.
+pub struct Conditions<'a> {
+    list: &'a mut Vec<Condition>,
+    generation: i64,
+    now: Time,
+    /// "volume" for a PVC data source (csi-addons' getSource).
+    source: &'static str,
+}
+
+impl<'a> Conditions<'a> {
+    /// Edits `list` for a resource at `generation` whose dataSource is of `kind`.
+    pub fn new(list: &'a mut Vec<Condition>, generation: i64, kind: &str, now: Time) -> Self {
+        let source = if kind == "PersistentVolumeClaim" {
+            "volume"
+        } else {
+            ""
+        };
+        Conditions {
+            list,
+            generation,
+            now,
+            source,
+        }
+    }
+
+    /// csi-addons' setStatusCondition: add, or update in place; the transition time
+    /// moves only when the status changes.
+    fn set(&mut self, type_: &str, status: &str, reason: &str, message: String) {
+        let new = Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message,
+            observed_generation: Some(self.generation),
+            last_transition_time: self.now.clone(),
+        };
+        match self.list.iter_mut().find(|c| c.type_ == type_) {
+            None => self.list.push(new),
+            Some(old) => {
+                if old.status != new.status {
+                    old.status = new.status;
+                    old.last_transition_time = new.last_transition_time;
+                }
+                old.message = new.message;
+                old.reason = new.reason;
+                old.observed_generation = new.observed_generation;
+            }
+        }
+    }
+
+    /// Drops a condition (csi-addons' removeCondition).
+    pub fn remove(&mut self, type_: &str) {
+        self.list.retain(|c| c.type_ != type_);
+    }
+
+    fn msg(&self, m: &str) -> String {
+        format!("{} {m}", self.source)
+    }
+
+    fn not_resyncing(&mut self) {
+        let m = self.msg(messages::NOT_RESYNCING);
+        self.set(types::RESYNCING, "False", reasons::NOT_RESYNCING, m);
+    }
+
+    /// Marks the inputs valid. csi-addons sets this only inside a failed promotion;
+    /// mover sets it on every successful validation so that it always carries the
+    /// current generation (RamenDR checks every condition's generation).
+    pub fn validated(&mut self) {
+        let m = self.msg(messages::VALIDATED);
+        self.set(types::VALIDATED, "True", reasons::PREREQUISITE_MET, m);
+    }
+
+    /// setPromotedCondition.
+    pub fn promoted(&mut self) {
+        let m = self.msg(messages::PROMOTED);
+        self.set(types::COMPLETED, "True", reasons::PROMOTED, m);
+        let m = self.msg(messages::HEALTHY);
+        self.set(types::DEGRADED, "False", reasons::HEALTHY, m);
+        self.not_resyncing();
+    }
+
+    /// setFailedPromotionCondition.
+    pub fn failed_promotion(&mut self, completed: &str, detail: &str) {
+        self.set(
+            types::COMPLETED,
+            "False",
+            reasons::FAILED_TO_PROMOTE,
+            completed.into(),
+        );
+        let m = format!("{} {}: {detail}", self.source, messages::FAILED_PROMOTED);
+        self.set(types::DEGRADED, "True", reasons::ERROR, m);
+        self.not_resyncing();
+        self.validated();
+    }
+
+    /// setFailedValidationCondition, with Completed's reason following the requested
+    /// state (csi-addons validates only on enable, always a promotion).
+    pub fn failed_validation(&mut self, state: ReplicationState, degraded: &str, detail: &str) {
+        let (reason, what) = match state {
+            ReplicationState::Primary => (reasons::FAILED_TO_PROMOTE, messages::FAILED_PROMOTED),
+            ReplicationState::Secondary => (reasons::FAILED_TO_DEMOTE, messages::FAILED_DEMOTED),
+            ReplicationState::Resync => (reasons::FAILED_TO_RESYNC, messages::RESYNC_FAILED),
+        };
+        let m = self.msg(what);
+        self.set(types::COMPLETED, "False", reason, m);
+        self.set(types::DEGRADED, "True", reasons::ERROR, degraded.into());
+        self.not_resyncing();
+        let m = format!("{}: {detail}", messages::FAILED_PRECONDITION);
+        self.set(types::VALIDATED, "False", reasons::PREREQUISITE_NOT_MET, m);
+    }
+
+    /// setNotDegradedCondition: demoted and in sync.
+    pub fn not_degraded(&mut self) {
+        let m = self.msg(messages::DEMOTED);
+        self.set(types::DEGRADED, "False", reasons::HEALTHY, m);
+        self.not_resyncing();
+    }
+
+    /// setDemotedCondition.
+    pub fn demoted(&mut self) {
+        let m = self.msg(messages::DEMOTED);
+        self.set(types::COMPLETED, "True", reasons::DEMOTED, m);
+        let m = self.msg(messages::DEGRADED);
+        self.set(types::DEGRADED, "True", reasons::VOLUME_DEGRADED, m);
+        self.not_resyncing();
+    }
+
+    /// setFailedDemotionCondition.
+    pub fn failed_demotion(&mut self, completed: &str, detail: &str) {
+        self.set(
+            types::COMPLETED,
+            "False",
+            reasons::FAILED_TO_DEMOTE,
+            completed.into(),
+        );
+        let m = format!("{} {}: {detail}", self.source, messages::FAILED_DEMOTED);
+        self.set(types::DEGRADED, "True", reasons::ERROR, m);
+        self.not_resyncing();
+    }
+
+    /// setResyncCondition.
+    pub fn resync(&mut self) {
+        let m = self.msg(messages::DEMOTED);
+        self.set(types::COMPLETED, "True", reasons::DEMOTED, m);
+        let m = self.msg(messages::DEGRADED);
+        self.set(types::DEGRADED, "True", reasons::VOLUME_DEGRADED, m);
+        let m = self.msg(messages::RESYNC_TRIGGERED);
+        self.set(types::RESYNCING, "True", reasons::RESYNC_TRIGGERED, m);
+    }
+
+    /// setFailedResyncCondition.
+    pub fn failed_resync(&mut self, completed: &str, detail: &str) {
+        self.set(
+            types::COMPLETED,
+            "False",
+            reasons::FAILED_TO_RESYNC,
+            completed.into(),
+        );
+        let m = format!("{} {}: {detail}", self.source, messages::RESYNC_FAILED);
+        self.set(types::DEGRADED, "True", reasons::ERROR, m);
+        let m = self.msg(messages::NOT_RESYNCING);
+        self.set(types::RESYNCING, "False", reasons::FAILED_TO_RESYNC, m);
+    }
+
+    /// setFailureCondition: the failure of whatever `state` asked for.
+    pub fn failure(&mut self, state: ReplicationState, completed: &str, detail: &str) {
+        match state {
+            ReplicationState::Primary => self.failed_promotion(completed, detail),
+            ReplicationState::Secondary => self.failed_demotion(completed, detail),
+            ReplicationState::Resync => self.failed_resync(completed, detail),
+        }
+    }
+
+    /// setReplicationCondition from the primary's health.
+    pub fn replicating(&mut self, health: Health, detail: &str) {
+        let (status, reason, what) = match health {
+            Health::Healthy => ("True", reasons::REPLICATING, messages::REPLICATING),
+            Health::Degraded => ("False", reasons::NOT_REPLICATING, messages::NOT_REPLICATING),
+            Health::Unknown => (
+                "Unknown",
+                reasons::REPLICATING,
+                messages::UNKNOWN_REPLICATION_STATE,
+            ),
+        };
+        let m = format!("{} {what}: {detail}", self.source);
+        self.set(types::REPLICATING, status, reason, m);
+    }
+}
+
+/// How a primary's replication is doing (csi-addons' GetVolumeReplicationInfo status).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Health {
+    /// Cycles complete.
+    Healthy,
+    /// Cycles fail, or the relationship is fenced, split or paused.
+    Degraded,
+    /// The agent could not be asked.
+    Unknown,
+}
+
+/// The health of a primary from its agent's relationship state, and the detail shown.
+pub fn health(s: &transport::control::Status) -> (Health, String) {
+    let detail = if s.last_error.is_empty() {
+        format!("relationship {}", s.state)
+    } else {
+        format!("relationship {}: {}", s.state, s.last_error)
+    };
+    let h = match s.state.as_str() {
+        "Replicating" => Health::Healthy,
+        _ => Health::Degraded,
+    };
+    (h, detail)
+}
+
+/// csi-addons' GetReplicationState: the state a successful operation reaches.
+pub fn reached(state: ReplicationState) -> State {
+    match state {
+        ReplicationState::Primary => State::Primary,
+        ReplicationState::Secondary | ReplicationState::Resync => State::Secondary,
+    }
+}
+
+/// The status message after a successful operation (csi-addons' texts).
+pub fn marked(state: ReplicationState) -> String {
+    match state {
+        ReplicationState::Resync => "volume is marked for resyncing".into(),
+        s => format!("volume is marked {}", s.as_str()),
+    }
+}
+
+/// Copies what a primary's agent reports into the status: last sync, RPO, epoch,
+/// progress. csi-addons clears lastSyncDuration/Bytes when a new sync time has none.
+pub fn apply_report(status: &mut VolumeReplicationStatus, s: &transport::control::Status) {
+    status.epoch = Some(s.epoch as i64);
+    status.rpo_seconds = (s.rpo_seconds >= 0.0).then_some((s.rpo_seconds * 10.0).round() / 10.0);
+    status.progress = (s.progress_total > 0).then_some(super::crd::Progress {
+        bytes_done: s.progress_done as i64,
+        bytes_total: s.progress_total as i64,
+    });
+    if let Some(spec) = &s.spec
+        && !spec.peer.is_empty()
+    {
+        status.destination_volume_id = Some(spec.peer.clone());
+    }
+    if let Some(c) = &s.last_cycle
+        && c.point_in_time_ms > 0
+    {
+        status.last_sync_time = Some(time_ms(c.point_in_time_ms));
+        status.last_sync_duration = Some(go_duration(Duration::from_millis(c.duration_ms)));
+        status.last_sync_bytes = (c.bytes_shipped != 0).then_some(c.bytes_shipped as i64);
+    }
+}
+
+/// True when writing `new` over `old` would change nothing but what moves by itself:
+/// the times of this reconcile, the RPO and the running cycle's progress. Such a write
+/// is skipped: it would cost an API request per resource per look and, since a status
+/// write is itself a watch event, make the controller look again at once.
+pub fn unchanged(old: Option<&VolumeReplicationStatus>, new: &VolumeReplicationStatus) -> bool {
+    let Some(old) = old else {
+        return false;
+    };
+    let steady = |s: &VolumeReplicationStatus| VolumeReplicationStatus {
+        last_start_time: None,
+        last_completion_time: None,
+        rpo_seconds: None,
+        progress: None,
+        ..s.clone()
+    };
+    steady(old) == steady(new)
+}
+
+/// A Kubernetes time from milliseconds since the epoch.
+pub fn time_ms(ms: i64) -> Time {
+    Time(
+        k8s_openapi::jiff::Timestamp::from_millisecond(ms)
+            .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+    )
+}
+
+/// A duration as Go's `time.Duration.String()` writes it ("1h2m3.5s", "1.5ms", "0s"):
+/// the form of csi-addons' `lastSyncDuration` (a metav1.Duration).
+pub fn go_duration(d: Duration) -> String {
+    let ns = d.as_nanos();
+    if ns == 0 {
+        return "0s".into();
+    }
+    // Below a second: one unit with a decimal fraction.
+    if ns < 1_000 {
+        return format!("{ns}ns");
+    }
+    if ns < 1_000_000 {
+        return format!("{}µs", frac(ns, 3));
+    }
+    if ns < 1_000_000_000 {
+        return format!("{}ms", frac(ns, 6));
+    }
+    let secs = ns / 1_000_000_000;
+    let sub = ns % 1_000_000_000;
+    let s = frac(u128::from((secs % 60) as u64) * 1_000_000_000 + sub, 9);
+    let mins = secs / 60;
+    match (mins / 60, mins % 60) {
+        (0, 0) => format!("{s}s"),
+        (0, m) => format!("{m}m{s}s"),
+        (h, m) => format!("{h}h{m}m{s}s"),
+    }
+}
+
+/// `v / 10^prec` with the fraction's trailing zeros (and a bare point) dropped.
+fn frac(v: u128, prec: u32) -> String {
+    let p = 10u128.pow(prec);
+    let (int, f) = (v / p, v % p);
+    if f == 0 {
+        return int.to_string();
+    }
+    let digits = format!("{f:0width$}", width = prec as usize);
+    format!("{int}.{}", digits.trim_end_matches('0'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(s: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap())
+    }
+
+    #[test]
+    fn only_moving_fields_changed_is_unchanged() {
+        let old = VolumeReplicationStatus {
+            state: Some(State::Primary),
+            rpo_seconds: Some(3.0),
+            last_start_time: Some(t(1)),
+            observed_generation: Some(1),
+            ..Default::default()
+        };
+        let mut new = old.clone();
+        new.rpo_seconds = Some(9.0);
+        new.last_start_time = Some(t(2));
+        assert!(unchanged(Some(&old), &new));
+        assert!(!unchanged(None, &new));
+        new.observed_generation = Some(2);
+        assert!(
+            !unchanged(Some(&old), &new),
+            "a new generation is always written"
+        );
+        new.observed_generation = Some(1);
+        new.last_sync_time = Some(t(5));
+        assert!(!unchanged(Some(&old), &new), "a new cycle is written");
+    }
+
+    #[test]
+    fn go_duration_matches_go() {
+        // Expected values from Go's time.Duration.String().
+        let cases = [
+            (Duration::ZERO, "0s"),
+            (Duration::from_nanos(1), "1ns"),
+            (Duration::from_nanos(1_100), "1.1µs"),
+            (Duration::from_micros(2_200), "2.2ms"),
+            (Duration::from_millis(500), "500ms"),
+            (Duration::from_millis(1_500), "1.5s"),
+            (Duration::from_millis(90_500), "1m30.5s"),
+            (Duration::from_secs(60), "1m0s"),
+            (Duration::from_secs(3_600), "1h0m0s"),
+            (Duration::from_millis(3_723_004), "1h2m3.004s"),
+            (Duration::from_secs(100 * 3_600 + 1), "100h0m1s"),
+            (Duration::new(1, 1), "1.000000001s"),
+        ];
+        for (d, want) in cases {
+            assert_eq!(go_duration(d), want, "{d:?}");
+        }
+    }
+
+    #[test]
+    fn promoted_then_failed_demotion_keep_transition_times_of_unchanged_statuses() {
+        let mut list = Vec::new();
+        Conditions::new(&mut list, 1, "PersistentVolumeClaim", t(100)).promoted();
+        let find = |l: &[Condition], ty: &str| l.iter().find(|c| c.type_ == ty).unwrap().clone();
+        assert_eq!(list.len(), 3);
+        let c = find(&list, types::COMPLETED);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str(), c.message.as_str()),
+            (
+                "True",
+                "Promoted",
+                "volume is promoted to primary and replicating to secondary"
+            )
+        );
+        assert_eq!(find(&list, types::DEGRADED).reason, "Healthy");
+
+        Conditions::new(&mut list, 2, "PersistentVolumeClaim", t(200))
+            .failed_demotion("failed to demote volume", "agent unreachable");
+        let c = find(&list, types::COMPLETED);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "FailedToDemote")
+        );
+        assert_eq!(c.message, "failed to demote volume");
+        assert_eq!(c.last_transition_time, t(200), "status changed: time moves");
+        let d = find(&list, types::DEGRADED);
+        assert_eq!(d.message, "volume failed to demote: agent unreachable");
+        assert_eq!(d.reason, "Error");
+        let r = find(&list, types::RESYNCING);
+        assert_eq!(r.last_transition_time, t(100), "still False: time kept");
+        assert!(list.iter().all(|c| c.observed_generation == Some(2)));
+    }
+
+    #[test]
+    fn failed_validation_says_what_to_fix_and_resync_then_in_sync() {
+        let mut list = Vec::new();
+        let mut c = Conditions::new(&mut list, 7, "PersistentVolumeClaim", t(1));
+        c.failed_validation(
+            ReplicationState::Primary,
+            "failed to find PVC",
+            "PersistentVolumeClaim ns/data not found",
+        );
+        let v = list.iter().find(|c| c.type_ == types::VALIDATED).unwrap();
+        assert_eq!(v.status, "False");
+        assert_eq!(v.reason, "PrerequisiteNotMet");
+        assert_eq!(
+            v.message,
+            "failed to meet prerequisite: PersistentVolumeClaim ns/data not found"
+        );
+
+        let mut list = Vec::new();
+        let mut c = Conditions::new(&mut list, 3, "PersistentVolumeClaim", t(1));
+        c.resync();
+        c.not_degraded();
+        let get = |ty| list.iter().find(|c| c.type_ == ty).unwrap();
+        assert_eq!(get(types::COMPLETED).reason, "Demoted");
+        assert_eq!(get(types::DEGRADED).status, "False");
+        assert_eq!(
+            get(types::DEGRADED).message,
+            "volume is demoted to secondary"
+        );
+        assert_eq!(get(types::RESYNCING).reason, "NotResyncing");
+    }
+
+    #[test]
+    fn report_fills_sync_fields_and_health() {
+        let s = transport::control::Status {
+            state: "Degraded".into(),
+            last_error: "secondary unreachable".into(),
+            epoch: 3,
+            rpo_seconds: 12.34,
+            progress_done: 5,
+            progress_total: 10,
+            last_cycle: Some(transport::control::CycleReport {
+                point_in_time_ms: 1_700_000_000_000,
+                duration_ms: 90_500,
+                bytes_shipped: 4096,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut st = VolumeReplicationStatus::default();
+        apply_report(&mut st, &s);
+        assert_eq!(st.epoch, Some(3));
+        assert_eq!(st.rpo_seconds, Some(12.3));
+        assert_eq!(st.last_sync_duration.as_deref(), Some("1m30.5s"));
+        assert_eq!(st.last_sync_bytes, Some(4096));
+        assert_eq!(st.last_sync_time, Some(time_ms(1_700_000_000_000)));
+        assert_eq!(
+            st.progress,
+            Some(super::super::crd::Progress {
+                bytes_done: 5,
+                bytes_total: 10
+            })
+        );
+        assert_eq!(
+            health(&s),
+            (
+                Health::Degraded,
+                "relationship Degraded: secondary unreachable".into()
+            )
+        );
+        assert_eq!(reached(ReplicationState::Resync), State::Secondary);
+        assert_eq!(
+            marked(ReplicationState::Resync),
+            "volume is marked for resyncing"
+        );
+        assert_eq!(
+            marked(ReplicationState::Primary),
+            "volume is marked primary"
+        );
+    }
+}

@@ -1,0 +1,681 @@
+//! Reconcile scenarios against kube's tower-test mock API server (the controller-rs
+//! pattern) and a recording double of the agents' control API: the requests the
+//! controller sends, the status it applies, and the agent calls it makes.
+#![cfg(feature = "controller")]
+
+use http::{Request, Response};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use kube::api::DynamicObject;
+use kube::client::Body;
+use mover::controller::agents::{AgentError, Agents};
+use mover::controller::crd::{
+    CSI_ADDONS_GROUP, MOVER_GROUP, RelationshipRef, ReplicationState, VolumeReplication,
+    VolumeReplicationClass, VolumeReplicationClassSpec, VolumeReplicationSpec,
+    VolumeReplicationStatus,
+};
+use mover::controller::reconcile::{Caches, Context, FINALIZER, reconcile};
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use transport::control;
+
+/// One request the controller sent.
+#[derive(Debug)]
+struct Sent {
+    method: http::Method,
+    uri: String,
+    body: Value,
+}
+
+/// Answers the next `n` requests with `reply` (as the API server would: the object),
+/// and returns what was sent. More requests than `n` fail the reconcile.
+fn api_server(
+    mut handle: tower_test::mock::Handle<Request<Body>, Response<Body>>,
+    n: usize,
+    reply: Value,
+) -> tokio::task::JoinHandle<Vec<Sent>> {
+    tokio::spawn(async move {
+        let mut sent = Vec::new();
+        for _ in 0..n {
+            let (req, respond) = handle.next_request().await.expect("a request");
+            let method = req.method().clone();
+            let uri = req.uri().to_string();
+            let bytes = req.into_body().collect_bytes().await.unwrap();
+            let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            respond.send_response(
+                Response::builder()
+                    .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                    .unwrap(),
+            );
+            sent.push(Sent { method, uri, body });
+        }
+        sent
+    })
+}
+
+/// The agents as a map of relationships, recording every call.
+#[derive(Default)]
+struct FakeAgents {
+    calls: Mutex<Vec<String>>,
+    relationships: Mutex<HashMap<(String, String), control::Status>>,
+    /// Refuse a non-forced promote (the peer did not hand over).
+    refuse_promote: bool,
+}
+
+fn status(name: &str, role: &str, state: &str, epoch: u64) -> control::Status {
+    control::Status {
+        spec: Some(control::Spec {
+            name: name.into(),
+            volume: "pv-1".into(),
+            peer: "agent://dr.example:7070/pv-1".into(),
+            interval_ms: 60_000,
+            ..Default::default()
+        }),
+        role: role.into(),
+        state: state.into(),
+        epoch,
+        rpo_seconds: 4.0,
+        last_cycle: Some(control::CycleReport {
+            id: 9,
+            point_in_time_ms: 1_700_000_000_000,
+            duration_ms: 1_500,
+            bytes_shipped: 8192,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+impl FakeAgents {
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+    fn record(&self, call: String) {
+        self.calls.lock().unwrap().push(call);
+    }
+    fn set(&self, agent: &str, s: control::Status) {
+        let name = s.spec.as_ref().unwrap().name.clone();
+        self.relationships
+            .lock()
+            .unwrap()
+            .insert((agent.into(), name), s);
+    }
+    fn change(
+        &self,
+        op: &'static str,
+        agent: &str,
+        name: &str,
+        f: impl FnOnce(&mut control::Status),
+    ) -> Result<control::Status, AgentError> {
+        let mut map = self.relationships.lock().unwrap();
+        let s = map
+            .get_mut(&(agent.to_string(), name.to_string()))
+            .ok_or_else(|| AgentError {
+                agent: agent.into(),
+                op,
+                name: name.into(),
+                code: tonic::Code::NotFound,
+                message: "no such relationship".into(),
+            })?;
+        f(s);
+        Ok(s.clone())
+    }
+}
+
+#[tonic::async_trait]
+impl Agents for FakeAgents {
+    async fn create(
+        &self,
+        agent: &str,
+        spec: control::Spec,
+    ) -> Result<control::Status, AgentError> {
+        self.record(format!(
+            "create {agent} {} {} -> {} every {}ms",
+            spec.name, spec.volume, spec.peer, spec.interval_ms
+        ));
+        let mut s = status(&spec.name, "primary", "Replicating", 1);
+        s.spec = Some(spec);
+        self.set(agent, s.clone());
+        Ok(s)
+    }
+    async fn get(&self, agent: &str, name: &str) -> Result<Option<control::Status>, AgentError> {
+        self.record(format!("get {agent} {name}"));
+        let map = self.relationships.lock().unwrap();
+        Ok(map.get(&(agent.to_string(), name.to_string())).cloned())
+    }
+    async fn update(
+        &self,
+        agent: &str,
+        req: control::UpdateRequest,
+    ) -> Result<control::Status, AgentError> {
+        self.record(format!("update {agent} {} {:?}", req.name, req.interval_ms));
+        self.change("update", agent, &req.name.clone(), |s| {
+            s.spec.as_mut().unwrap().interval_ms = req.interval_ms.unwrap_or(0);
+        })
+    }
+    async fn promote(
+        &self,
+        agent: &str,
+        name: &str,
+        force: bool,
+    ) -> Result<control::Status, AgentError> {
+        self.record(format!("promote {agent} {name} force={force}"));
+        if self.refuse_promote && !force {
+            return Err(AgentError {
+                agent: agent.into(),
+                op: "promote",
+                name: name.into(),
+                code: tonic::Code::FailedPrecondition,
+                message: "the last cycle is not a demote's final cycle".into(),
+            });
+        }
+        self.change("promote", agent, name, |s| {
+            s.role = "primary".into();
+            s.state = "Replicating".into();
+            s.epoch += 1;
+        })
+    }
+    async fn demote(&self, agent: &str, name: &str) -> Result<control::Status, AgentError> {
+        self.record(format!("demote {agent} {name}"));
+        self.change("demote", agent, name, |s| {
+            s.role = "secondary".into();
+            s.state = "Secondary".into();
+        })
+    }
+    async fn resync(
+        &self,
+        agent: &str,
+        name: &str,
+        discard_local: bool,
+    ) -> Result<control::Status, AgentError> {
+        self.record(format!(
+            "resync {agent} {name} discard_local={discard_local}"
+        ));
+        self.change("resync", agent, name, |s| {
+            s.role = "secondary".into();
+            s.state = "Secondary".into();
+        })
+    }
+    async fn delete(&self, agent: &str, name: &str) -> Result<(), AgentError> {
+        self.record(format!("delete {agent} {name}"));
+        self.relationships
+            .lock()
+            .unwrap()
+            .remove(&(agent.to_string(), name.to_string()));
+        Ok(())
+    }
+}
+
+fn class(params: &[(&str, &str)]) -> VolumeReplicationClass {
+    VolumeReplicationClass::new(
+        "mover",
+        VolumeReplicationClassSpec {
+            provisioner: "topolvm.io".into(),
+            parameters: params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        },
+    )
+}
+
+fn good_class() -> VolumeReplicationClass {
+    class(&[
+        ("target", "agent://dr.example:7070"),
+        ("schedulingInterval", "1m"),
+    ])
+}
+
+fn pvc(bound: bool) -> PersistentVolumeClaim {
+    serde_json::from_value(json!({
+        "metadata": {"name": "data", "namespace": "app"},
+        "spec": {"volumeName": if bound { "pv-1" } else { "" }, "volumeMode": "Block"},
+        "status": {"phase": if bound { "Bound" } else { "Pending" }}
+    }))
+    .unwrap()
+}
+
+fn pv() -> PersistentVolume {
+    serde_json::from_value(json!({
+        "metadata": {"name": "pv-1"},
+        "spec": {
+            "local": {"path": "/dev/vg0/pv-1"},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-a"]}
+            ]}]}}
+        }
+    }))
+    .unwrap()
+}
+
+fn agent_pod(node: &str) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": format!("mover-agent-{node}"), "namespace": "mover-system"},
+        "spec": {"nodeName": node, "containers": []},
+        "status": {"phase": "Running", "podIP": "10.0.0.1"}
+    }))
+    .unwrap()
+}
+
+const AGENT: &str = "10.0.0.1:7070";
+
+fn vr(state: ReplicationState, generation: i64, finalized: bool) -> VolumeReplication {
+    let mut vr = VolumeReplication::new(
+        "pg",
+        VolumeReplicationSpec {
+            volume_replication_class: "mover".into(),
+            replication_state: state,
+            data_source: k8s_openapi::api::core::v1::TypedLocalObjectReference {
+                api_group: None,
+                kind: "PersistentVolumeClaim".into(),
+                name: "data".into(),
+            },
+            auto_resync: false,
+            replication_handle: String::new(),
+        },
+    );
+    vr.metadata.namespace = Some("app".into());
+    vr.metadata.generation = Some(generation);
+    if finalized {
+        vr.metadata.finalizers = Some(vec![FINALIZER.into()]);
+    }
+    vr
+}
+
+fn dynamic(vr: &VolumeReplication, group: &str) -> DynamicObject {
+    let mut v = serde_json::to_value(vr).unwrap();
+    v["apiVersion"] = format!("{group}/v1alpha1").into();
+    serde_json::from_value(v).unwrap()
+}
+
+struct World {
+    classes: Vec<VolumeReplicationClass>,
+    pvcs: Vec<PersistentVolumeClaim>,
+    agents: Vec<Pod>,
+}
+
+impl Default for World {
+    fn default() -> Self {
+        World {
+            classes: vec![good_class()],
+            pvcs: vec![pvc(true)],
+            agents: vec![agent_pod("node-a")],
+        }
+    }
+}
+
+/// Reconciles `vr` once; the API server answers `n` requests. Returns what was sent.
+async fn run_once(
+    group: &str,
+    world: World,
+    agents: Arc<FakeAgents>,
+    vr: &VolumeReplication,
+    n: usize,
+) -> Vec<Sent> {
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "default");
+    let ctx = Arc::new(Context {
+        client,
+        group: group.into(),
+        agents,
+        caches: Caches::fixed(
+            group,
+            world.classes,
+            world.pvcs,
+            vec![pv()],
+            vec![],
+            world.agents,
+        ),
+        agent_port: 7070,
+        metrics: Default::default(),
+    });
+    let obj = dynamic(vr, group);
+    let server = api_server(handle, n, serde_json::to_value(&obj).unwrap());
+    reconcile(Arc::new(obj), ctx).await.expect("reconcile");
+    tokio::time::timeout(std::time::Duration::from_secs(5), server)
+        .await
+        .expect("the controller sent fewer requests than expected")
+        .unwrap()
+}
+
+/// The status in a server-side apply to the status subresource.
+fn applied_status(sent: &Sent, group: &str) -> VolumeReplicationStatus {
+    assert_eq!(sent.method, http::Method::PATCH);
+    assert_eq!(
+        sent.uri,
+        format!(
+            "/apis/{group}/v1alpha1/namespaces/app/volumereplications/pg/status?&force=true&fieldManager=mover"
+        )
+    );
+    assert_eq!(sent.body["apiVersion"], format!("{group}/v1alpha1"));
+    assert_eq!(sent.body["kind"], "VolumeReplication");
+    serde_json::from_value(sent.body["status"].clone()).unwrap()
+}
+
+fn condition<'a>(st: &'a VolumeReplicationStatus, ty: &str) -> (&'a str, &'a str, &'a str) {
+    let c = st
+        .conditions
+        .iter()
+        .find(|c| c.type_ == ty)
+        .unwrap_or_else(|| panic!("no {ty} condition in {:#?}", st.conditions));
+    (c.status.as_str(), c.reason.as_str(), c.message.as_str())
+}
+
+/// RamenDR's gate: the status and every condition carry the current generation.
+fn assert_generation(st: &VolumeReplicationStatus, generation: i64) {
+    assert_eq!(st.observed_generation, Some(generation));
+    for c in &st.conditions {
+        assert_eq!(c.observed_generation, Some(generation), "{c:?}");
+    }
+}
+
+#[tokio::test]
+async fn create_adds_the_finalizer_then_creates_the_relationship_and_applies_status() {
+    let agents = Arc::new(FakeAgents::default());
+    // A new resource: only the finalizer is added, nothing else happens yet.
+    let sent = run_once(
+        MOVER_GROUP,
+        World::default(),
+        agents.clone(),
+        &vr(ReplicationState::Primary, 1, false),
+        1,
+    )
+    .await;
+    assert_eq!(sent[0].method, http::Method::PATCH);
+    assert_eq!(
+        sent[0].uri,
+        "/apis/replication.mover/v1alpha1/namespaces/app/volumereplications/pg?"
+    );
+    assert_eq!(
+        sent[0].body,
+        json!([
+            {"op": "test", "path": "/metadata/finalizers", "value": null},
+            {"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]}
+        ])
+    );
+    assert!(agents.calls().is_empty());
+
+    // With the finalizer: the relationship is created and the status applied.
+    let sent = run_once(
+        MOVER_GROUP,
+        World::default(),
+        agents.clone(),
+        &vr(ReplicationState::Primary, 1, true),
+        1,
+    )
+    .await;
+    assert_eq!(
+        agents.calls(),
+        [
+            format!("get {AGENT} app/pg"),
+            format!("create {AGENT} app/pg pv-1 -> agent://dr.example:7070/pv-1 every 60000ms"),
+        ]
+    );
+    let st = applied_status(&sent[0], MOVER_GROUP);
+    assert_eq!(st.state, Some(mover::controller::crd::State::Primary));
+    assert_eq!(st.message.as_deref(), Some("volume is marked primary"));
+    assert_eq!(
+        condition(&st, "Completed"),
+        (
+            "True",
+            "Promoted",
+            "volume is promoted to primary and replicating to secondary"
+        )
+    );
+    assert_eq!(
+        condition(&st, "Degraded"),
+        ("False", "Healthy", "volume is healthy")
+    );
+    assert_eq!(condition(&st, "Resyncing").0, "False");
+    assert_eq!(
+        condition(&st, "Validated"),
+        (
+            "True",
+            "PrerequisiteMet",
+            "volume is validated and met all prerequisites"
+        )
+    );
+    assert_eq!(condition(&st, "Replicating").0, "True");
+    assert_generation(&st, 1);
+    assert_eq!(st.epoch, Some(1));
+    assert_eq!(st.last_sync_duration.as_deref(), Some("1.5s"));
+    assert_eq!(st.last_sync_bytes, Some(8192));
+    assert_eq!(st.rpo_seconds, Some(4.0));
+    assert!(st.last_sync_time.is_some() && st.last_completion_time.is_some());
+    assert_eq!(
+        st.relationship,
+        Some(RelationshipRef {
+            name: "app/pg".into(),
+            agent: AGENT.into(),
+            volume: "pv-1".into(),
+            volume_replication_class: "mover".into(),
+            data_source_name: "data".into(),
+        })
+    );
+}
+
+#[tokio::test]
+async fn a_second_look_with_nothing_changed_sends_no_request() {
+    let agents = Arc::new(FakeAgents::default());
+    let v = vr(ReplicationState::Primary, 1, true);
+    let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v, 1).await;
+    let mut v2 = v.clone();
+    v2.status = Some(applied_status(&sent[0], MOVER_GROUP));
+    // The agent is asked, the status would be the same: no write (no request at all).
+    let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v2, 0).await;
+    assert!(sent.is_empty());
+    assert_eq!(
+        agents.calls().last().unwrap(),
+        &format!("get {AGENT} app/pg")
+    );
+    // A new cycle on the agent is written.
+    agents
+        .change("test", AGENT, "app/pg", |s| {
+            s.last_cycle.as_mut().unwrap().point_in_time_ms += 60_000
+        })
+        .unwrap();
+    let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v2, 1).await;
+    let st = applied_status(&sent[0], MOVER_GROUP);
+    assert_eq!(
+        st.last_sync_time,
+        Some(mover::controller::status::time_ms(1_700_000_060_000))
+    );
+}
+
+#[tokio::test]
+async fn bad_input_sets_validated_false_with_what_to_fix_and_calls_no_agent() {
+    let moved_class = {
+        let mut v = vr(ReplicationState::Primary, 2, true);
+        v.spec.volume_replication_class = "other".into();
+        v.status = Some(VolumeReplicationStatus {
+            relationship: Some(RelationshipRef {
+                name: "app/pg".into(),
+                agent: AGENT.into(),
+                volume: "pv-1".into(),
+                volume_replication_class: "mover".into(),
+                data_source_name: "data".into(),
+            }),
+            ..Default::default()
+        });
+        v
+    };
+    let cases: Vec<(&str, World, VolumeReplication, &str)> = vec![
+        (
+            "class missing",
+            World {
+                classes: vec![],
+                ..World::default()
+            },
+            vr(ReplicationState::Primary, 1, true),
+            "VolumeReplicationClass \"mover\" not found: create it",
+        ),
+        (
+            "PVC unbound",
+            World {
+                pvcs: vec![pvc(false)],
+                ..World::default()
+            },
+            vr(ReplicationState::Primary, 1, true),
+            "PersistentVolumeClaim app/data is not bound to a volume yet (phase Pending)",
+        ),
+        (
+            "no agent on the PV's node",
+            World {
+                agents: vec![agent_pod("node-z")],
+                ..World::default()
+            },
+            vr(ReplicationState::Secondary, 1, true),
+            "no running mover agent on node node-a",
+        ),
+        (
+            "unknown target",
+            World {
+                classes: vec![class(&[("target", "nfs://somewhere")])],
+                ..World::default()
+            },
+            vr(ReplicationState::Primary, 1, true),
+            "unknown target \"nfs://somewhere\"",
+        ),
+        (
+            "immutable field changed",
+            World::default(),
+            moved_class,
+            "spec.volumeReplicationClass changed from \"mover\" to \"other\"",
+        ),
+    ];
+    for (case, world, v, fix) in cases {
+        let agents = Arc::new(FakeAgents::default());
+        let sent = run_once(MOVER_GROUP, world, agents.clone(), &v, 1).await;
+        let st = applied_status(&sent[0], MOVER_GROUP);
+        let (status, reason, message) = condition(&st, "Validated");
+        assert_eq!((status, reason), ("False", "PrerequisiteNotMet"), "{case}");
+        assert!(
+            message.starts_with("failed to meet prerequisite: "),
+            "{case}: {message}"
+        );
+        assert!(message.contains(fix), "{case}: {message}");
+        assert_eq!(condition(&st, "Degraded").0, "True", "{case}");
+        assert_eq!(condition(&st, "Completed").0, "False", "{case}");
+        assert!(st.message.as_deref().unwrap().contains(fix), "{case}");
+        assert_eq!(
+            st.state,
+            Some(mover::controller::crd::State::Unknown),
+            "{case}"
+        );
+        assert_generation(&st, v.metadata.generation.unwrap());
+        assert!(agents.calls().is_empty(), "{case}: {:?}", agents.calls());
+    }
+}
+
+#[tokio::test]
+async fn delete_deletes_the_relationship_then_removes_the_finalizer() {
+    let agents = Arc::new(FakeAgents::default());
+    agents.set(AGENT, status("app/pg", "primary", "Replicating", 1));
+    let mut v = vr(ReplicationState::Primary, 1, true);
+    v.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        "2026-01-01T00:00:00Z".parse().unwrap(),
+    ));
+    let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v, 1).await;
+    assert_eq!(agents.calls(), [format!("delete {AGENT} app/pg")]);
+    assert!(agents.relationships.lock().unwrap().is_empty());
+    assert_eq!(sent[0].method, http::Method::PATCH);
+    assert_eq!(
+        sent[0].body,
+        json!([
+            {"op": "test", "path": "/metadata/finalizers/0", "value": FINALIZER},
+            {"op": "remove", "path": "/metadata/finalizers/0"}
+        ])
+    );
+}
+
+#[tokio::test]
+async fn primary_secondary_primary_demotes_then_promotes_with_a_new_epoch() {
+    let agents = Arc::new(FakeAgents::default());
+    agents.set(AGENT, status("app/pg", "primary", "Replicating", 1));
+
+    let sent = run_once(
+        MOVER_GROUP,
+        World::default(),
+        agents.clone(),
+        &vr(ReplicationState::Secondary, 2, true),
+        1,
+    )
+    .await;
+    assert_eq!(
+        agents.calls(),
+        [
+            format!("get {AGENT} app/pg"),
+            format!("demote {AGENT} app/pg")
+        ]
+    );
+    let st = applied_status(&sent[0], MOVER_GROUP);
+    assert_eq!(st.state, Some(mover::controller::crd::State::Secondary));
+    assert_eq!(
+        condition(&st, "Completed"),
+        ("True", "Demoted", "volume is demoted to secondary")
+    );
+    assert!(
+        st.conditions.iter().all(|c| c.type_ != "Replicating"),
+        "a secondary has no Replicating"
+    );
+    assert_generation(&st, 2);
+
+    // Next look at the secondary: it holds a cycle and follows the primary.
+    agents.calls.lock().unwrap().clear();
+    let mut v = vr(ReplicationState::Secondary, 2, true);
+    v.status = Some(st);
+    let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v, 1).await;
+    assert_eq!(agents.calls(), [format!("get {AGENT} app/pg")]);
+    let st = applied_status(&sent[0], MOVER_GROUP);
+    assert_eq!(
+        condition(&st, "Degraded"),
+        ("False", "Healthy", "volume is demoted to secondary")
+    );
+    assert_eq!(st.message.as_deref(), Some("volume is marked secondary"));
+
+    // Back to primary: promote, under epoch 2.
+    agents.calls.lock().unwrap().clear();
+    let mut v = vr(ReplicationState::Primary, 3, true);
+    v.status = Some(st);
+    let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v, 1).await;
+    assert_eq!(
+        agents.calls(),
+        [
+            format!("get {AGENT} app/pg"),
+            format!("promote {AGENT} app/pg force=false")
+        ]
+    );
+    let st = applied_status(&sent[0], MOVER_GROUP);
+    assert_eq!(st.state, Some(mover::controller::crd::State::Primary));
+    assert_eq!(st.epoch, Some(2));
+    assert_eq!(condition(&st, "Completed").1, "Promoted");
+    assert_generation(&st, 3);
+}
+
+#[tokio::test]
+async fn a_refused_promotion_is_forced_as_csi_addons_does_in_the_csi_addons_group() {
+    let agents = Arc::new(FakeAgents {
+        refuse_promote: true,
+        ..Default::default()
+    });
+    agents.set(AGENT, status("app/pg", "secondary", "Secondary", 4));
+    let sent = run_once(
+        CSI_ADDONS_GROUP,
+        World::default(),
+        agents.clone(),
+        &vr(ReplicationState::Primary, 5, true),
+        1,
+    )
+    .await;
+    assert_eq!(
+        agents.calls(),
+        [
+            format!("get {AGENT} app/pg"),
+            format!("promote {AGENT} app/pg force=false"),
+            format!("promote {AGENT} app/pg force=true"),
+        ]
+    );
+    let st = applied_status(&sent[0], CSI_ADDONS_GROUP);
+    assert_eq!(st.epoch, Some(5));
+    assert_generation(&st, 5);
+}
