@@ -159,7 +159,7 @@ enum ControllerCommand {
         out: PathBuf,
     },
     /// Run the controller (in the cluster, or with a kubeconfig) until SIGINT or SIGTERM.
-    Run(mover::controller::RunOptions),
+    Run(Box<mover::controller::RunOptions>),
 }
 
 /// How results are shown.
@@ -302,7 +302,7 @@ fn run_controller(cmd: ControllerCommand) -> anyhow::Result<()> {
         ControllerCommand::Run(options) => {
             let runtime =
                 tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-            runtime.block_on(mover::controller::run(options))?;
+            runtime.block_on(mover::controller::run(*options))?;
             Ok(())
         }
     }

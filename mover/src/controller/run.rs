@@ -25,6 +25,13 @@ pub struct RunOptions {
     /// The agents' gRPC port.
     #[arg(long, default_value_t = 7070)]
     pub agent_port: u16,
+    /// The namespace of the Lease on which controller replicas elect the one that acts
+    /// (the controller's own namespace).
+    #[arg(long, default_value = "mover-system", env = "POD_NAMESPACE")]
+    pub lease_namespace: String,
+    /// Act at once, without electing a leader (one replica only, or outside a cluster).
+    #[arg(long)]
+    pub no_leader_election: bool,
     /// Where /metrics (Prometheus) and /healthz are served.
     #[arg(long, default_value = "0.0.0.0:9471")]
     pub metrics_listen: std::net::SocketAddr,
@@ -50,6 +57,18 @@ pub enum RunError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The Lease could not be created or read.
+    #[error("leader election on Lease {namespace}/mover-controller failed")]
+    Lease {
+        /// --lease-namespace.
+        namespace: String,
+        /// What failed.
+        source: kube_lease_manager::LeaseManagerError,
+    },
+    /// Another replica took the lease: this one stops (and is restarted as a standby)
+    /// rather than act next to it.
+    #[error("lost the leader lease to another replica; stopping")]
+    LostLease,
     /// The CRDs are not installed in the served group.
     #[error(
         "VolumeReplications in group {group} cannot be listed; install the CRDs: \
@@ -153,8 +172,14 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
     tokio::spawn(w3);
     tokio::spawn(w4);
     tokio::spawn(w5);
+    // Replicas keep their caches warm; only the Lease holder reconciles.
+    let mut leader = if options.no_leader_election {
+        None
+    } else {
+        Some(elect(&client, &options.lease_namespace).await?)
+    };
     tracing::info!(group = %ctx.group, "controller started");
-    Controller::new_with(vrs, watcher::Config::default(), vr)
+    let controller = Controller::new_with(vrs, watcher::Config::default(), vr)
         .shutdown_on_signal()
         .run(reconcile::reconcile, reconcile::error_policy, ctx)
         .for_each(|r| {
@@ -162,7 +187,54 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
                 tracing::debug!(error = %e, "reconcile");
             }
             futures::future::ready(())
-        })
-        .await;
+        });
+    match &mut leader {
+        None => controller.await,
+        Some(leader) => {
+            tokio::select! {
+                _ = controller => {}
+                _ = lost(leader) => return Err(RunError::LostLease),
+            }
+        }
+    }
     Ok(())
+}
+
+/// Waits until this replica holds the Lease `mover-controller`; the returned channel
+/// says when it no longer does.
+async fn elect(
+    client: &kube::Client,
+    namespace: &str,
+) -> Result<tokio::sync::watch::Receiver<bool>, RunError> {
+    let identity = std::env::var("HOSTNAME").unwrap_or_else(|_| "mover-controller".into());
+    let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), "mover-controller")
+        .with_namespace(namespace)
+        .with_identity(identity.clone())
+        .with_field_manager(super::reconcile::FIELD_MANAGER)
+        .build()
+        .await
+        .map_err(|source| RunError::Lease {
+            namespace: namespace.into(),
+            source,
+        })?;
+    let (mut leader, task) = manager.watch().await;
+    // The task holds the lease while the receiver lives; it ends with the process.
+    drop(task);
+    tracing::info!(%identity, "waiting for the leader lease");
+    while !*leader.borrow_and_update() {
+        if leader.changed().await.is_err() {
+            return Err(RunError::LostLease);
+        }
+    }
+    tracing::info!(%identity, "holding the leader lease");
+    Ok(leader)
+}
+
+/// Resolves when the lease is lost (or its manager ended).
+async fn lost(leader: &mut tokio::sync::watch::Receiver<bool>) {
+    loop {
+        if leader.changed().await.is_err() || !*leader.borrow_and_update() {
+            return;
+        }
+    }
 }
