@@ -86,7 +86,7 @@ impl DirectFile {
     /// The file, when a transfer of `len` bytes at `offset` should go direct.
     fn eligible(&self, offset: u64, len: usize) -> Option<&File> {
         let file = self.file.as_ref()?;
-        let fits = offset % ALIGN as u64 == 0 && len >= DIRECT_MIN;
+        let fits = offset.is_multiple_of(ALIGN as u64) && len >= DIRECT_MIN;
         (fits && self.usable.load(Relaxed)).then_some(file)
     }
 
@@ -246,7 +246,7 @@ static COPIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::
 /// caller copies the rest its usual way.
 pub fn copy_range(src: &File, dst: &File, offset: u64, len: u64) -> io::Result<u64> {
     let body = len / ALIGN as u64 * ALIGN as u64;
-    if offset % ALIGN as u64 != 0 || body < COPY_MIN {
+    if !offset.is_multiple_of(ALIGN as u64) || body < COPY_MIN {
         return Ok(0);
     }
     let Some(_lane) = Lane::take() else {

@@ -152,7 +152,7 @@ pub(crate) fn open_key_object(
 }
 
 fn unhex_vec(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())

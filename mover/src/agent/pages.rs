@@ -310,7 +310,7 @@ impl PageIndex {
     fn pages_of(&self, offset: u64, len: u64) -> Option<(u64, usize)> {
         let page = PAGE_SIZE as u64;
         let end = offset.checked_add(len)?;
-        let whole = offset % page == 0 && (end % page == 0 || end == self.size);
+        let whole = offset.is_multiple_of(page) && (end % page == 0 || end == self.size);
         (whole && end <= self.size && len > 0)
             .then(|| (offset / page, (end.div_ceil(page) - offset / page) as usize))
     }

@@ -518,7 +518,7 @@ impl Transfer for AgentService {
     ) -> Result<Response<Self::ReadStream>, Status> {
         let r = req.into_inner();
         let s = self.session(&r.session)?;
-        if r.page_hashes.len() % PAGE_HASH_LEN != 0 {
+        if !r.page_hashes.len().is_multiple_of(PAGE_HASH_LEN) {
             return Err(Status::invalid_argument(
                 "page hashes must be whole 16-byte hashes",
             ));

@@ -135,14 +135,14 @@ impl AgentService {
         let (dst, options) = (export.path.clone(), tree::remote::options_of(&open));
         tokio::task::spawn_blocking(move || {
             let mut result = tree::copy_remote_tree(&source, &dst, &options, &());
-            if let (Ok(_), Some((dir, applied))) = (&result, &cycle) {
-                if let Err(e) = journal::record_applied(dir, applied) {
-                    result = Err(crate::CopyError::Tree {
-                        path: dir.clone(),
-                        what: "cannot record the applied cycle",
-                        cause: e,
-                    });
-                }
+            if let (Ok(_), Some((dir, applied))) = (&result, &cycle)
+                && let Err(e) = journal::record_applied(dir, applied)
+            {
+                result = Err(crate::CopyError::Tree {
+                    path: dir.clone(),
+                    what: "cannot record the applied cycle",
+                    cause: e,
+                });
             }
             drop(source);
             drop(busy);
