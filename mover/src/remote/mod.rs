@@ -19,8 +19,8 @@ pub use tree::{is_tree, pull_tree, push_tree, push_tree_cycle};
 
 use crate::error::CopyError;
 use chunker::{
-    BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, Window, cv::CvFile, hash_chunks,
-    leaf_hash, read_window_where,
+    BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, Window, cv::CvFile, leaf_hash,
+    read_window_where,
 };
 use std::{path::PathBuf, time::Duration};
 use tonic::{service::interceptor::InterceptedService, transport::Channel};
@@ -396,33 +396,22 @@ pub(crate) struct Group {
     pub win: Window,
     /// Per chunk: zeros or a hole.
     pub zero: Vec<bool>,
-    /// Per chunk: its Merkle leaf, if hashed.
-    pub leaves: Option<Vec<ChunkId>>,
-    /// Per chunk: its kind, if hashed.
+    /// Per chunk: its Merkle leaf.
+    pub leaves: Vec<ChunkId>,
+    /// Per chunk: its kind.
     pub kinds: Vec<ChunkKind>,
     /// Bytes read from the volume for this group.
     pub bytes_read: u64,
 }
 
 impl Group {
-    /// Hashes the group's chunks into their Merkle leaves (zero chunks cost nothing).
-    pub(crate) fn hash(&mut self, key: &ChunkKey, chunk: ChunkSize) -> &[ChunkId] {
-        if self.leaves.is_none() {
-            let kinds = hash_chunks(key, chunk, &self.win);
-            self.set_kinds(key, chunk, kinds);
-        }
-        self.leaves.as_deref().expect("set above")
-    }
-
     /// Sets the group's chunk kinds, and so its leaves.
     fn set_kinds(&mut self, key: &ChunkKey, chunk: ChunkSize, kinds: Vec<ChunkKind>) {
-        self.leaves = Some(
-            kinds
-                .iter()
-                .zip(self.win.chunk_ranges(chunk))
-                .map(|(k, r)| leaf_hash(key, k, r.len() as u64))
-                .collect(),
-        );
+        self.leaves = kinds
+            .iter()
+            .zip(self.win.chunk_ranges(chunk))
+            .map(|(k, r)| leaf_hash(key, k, r.len() as u64))
+            .collect();
         self.kinds = kinds;
     }
 
@@ -603,7 +592,7 @@ pub(crate) fn read_groups(
                 let mut group = Group {
                     win,
                     zero: Vec::new(),
-                    leaves: None,
+                    leaves: Vec::new(),
                     kinds: Vec::new(),
                     bytes_read,
                 };

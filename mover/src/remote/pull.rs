@@ -90,7 +90,6 @@ async fn attempt(
             bytes_read,
             ..
         } = item?;
-        let leaves = leaves.expect("read_groups hashes every group");
         sum.destination_bytes_read += bytes_read;
         if chunker::Summary::group_hash(&key, &leaves) != groups.get(&mut client, url, g).await? {
             fetch_group(

@@ -290,7 +290,7 @@ async fn attempt(
     let mut g = 0u64;
     let pass: Result<()> = async {
         while let Some(item) = reader.recv().await {
-            let mut group = item?;
+            let group = item?;
             sum.source_bytes_read += group.bytes_read;
             for (i, r) in group.win.chunk_ranges(chunk).enumerate() {
                 if group.zero[i] {
@@ -306,14 +306,8 @@ async fn attempt(
             }
             let theirs = groups.get(&mut client, url, g).await?;
             let onto_zeros = theirs == group.zero_group_hash(&key, chunk);
-            let differs = if onto_zeros && group.leaves.is_none() {
-                !group.zero.iter().all(|z| *z)
-            } else {
-                let chunk_key = key.clone();
-                let leaves = tokio::task::block_in_place(|| group.hash(&chunk_key, chunk).to_vec());
-                leaves.iter().for_each(|l| merkle.push_leaf(*l));
-                chunker::Summary::group_hash(&key, &leaves) != theirs
-            };
+            group.leaves.iter().for_each(|l| merkle.push_leaf(*l));
+            let differs = chunker::Summary::group_hash(&key, &group.leaves) != theirs;
             if differs {
                 // Groups are compared and framed concurrently (one in flight per
                 // stream), so round trips and compression overlap the reading.
@@ -333,7 +327,7 @@ async fn attempt(
                     backlog: backlog.clone(),
                     known: known.clone(),
                 };
-                let leaves = group.leaves.filter(|_| !onto_zeros);
+                let leaves = (!onto_zeros).then_some(group.leaves);
                 let unread_data =
                     (0..group.zero.len()).any(|i| group.win.unread[i] && !group.zero[i]);
                 if leaves.is_none() && unread_data {
