@@ -255,11 +255,14 @@ fn on_xfs_a_cycle_reads_only_the_chunks_written_since_the_last_one() {
         4 * MIB,
         21 * MIB + 77 * PAGE,
     ];
-    for at in written {
-        rng.fill_bytes(&mut page);
-        f.write_all_at(&page, at).unwrap();
-    }
-    f.sync_all().unwrap();
+    let mut write_pages = |offsets: &[u64]| {
+        for &at in offsets {
+            rng.fill_bytes(&mut page);
+            f.write_all_at(&page, at).unwrap();
+        }
+        f.sync_all().unwrap();
+    };
+    write_pages(&written);
     let s = sync(&p.a, "r");
     assert!(p.same(), "the cycle carried every write");
     assert_eq!(s["last_cycle"]["bytes_shipped"], 4 * PAGE, "{s}");
@@ -290,11 +293,7 @@ fn on_xfs_a_cycle_reads_only_the_chunks_written_since_the_last_one() {
     let chunk = s["chunk_size"].as_u64().unwrap();
     bytes[(MIB / chunk * (chunk / 8192 * 32)) as usize + 40] ^= 1;
     std::fs::write(&cvs, bytes).unwrap();
-    for at in [MIB + 5 * PAGE, 4 * MIB + PAGE] {
-        rng.fill_bytes(&mut page);
-        f.write_all_at(&page, at).unwrap();
-    }
-    f.sync_all().unwrap();
+    write_pages(&[MIB + 5 * PAGE, 4 * MIB + PAGE]);
     let s = sync(&p.a, "r");
     assert!(p.same(), "the cycle carried every write: {s}");
     assert_eq!(s["last_cycle"]["bytes_shipped"], 2 * PAGE, "{s}");
