@@ -5,6 +5,7 @@
 //! - [`auth`]: bearer-token checking for servers and attaching for clients.
 //! - [`tls`]: mutual TLS configuration from PEM files (rustls).
 //! - [`frames`]: packing volume data into frames, zstd-compressed only when it shrinks.
+//! - [`nbd`]: the NBD protocol, server side, over any byte stream.
 //! - [`RateLimiter`]: a token bucket for `--bwlimit`.
 //!
 //! The service itself (what an agent does with a session) lives in the `mover` crate;
@@ -12,6 +13,7 @@
 
 pub mod auth;
 pub mod frames;
+pub mod nbd;
 mod rate;
 pub mod tls;
 

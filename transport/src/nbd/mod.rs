@@ -1,0 +1,52 @@
+//! The NBD protocol, server side (https://github.com/NetworkBlockDevice/nbd/blob/master/doc/proto.md):
+//! fixed newstyle handshake, structured replies, the `base:allocation` meta context, and
+//! the transmission phase. What a volume *is* (a plain export, a hydrating one) lives in
+//! the `mover` crate behind [`NbdVolume`]; this module is only the wire.
+
+use std::{io, sync::Arc};
+
+/// One served volume. The server checks every request against [`NbdVolume::size`] and
+/// [`NbdVolume::read_only`] before calling in, and calls concurrently (several requests
+/// of one or several connections in flight at once). Errors are `std::io::Error`s; their
+/// OS error code (EIO, EPERM, ENOSPC, EINVAL, ...) is what the client is told.
+#[tonic::async_trait]
+pub trait NbdVolume: Send + Sync {
+    /// Size in bytes.
+    fn size(&self) -> u64;
+    /// Writes, trims and write-zeroes are refused with EPERM.
+    fn read_only(&self) -> bool;
+    /// The block size clients should prefer (NBD_INFO_BLOCK_SIZE): a hydrating export's
+    /// region size, 4096 for a plain one.
+    fn preferred_block(&self) -> u32;
+    /// Reads `len` bytes at `offset`.
+    async fn read(&self, offset: u64, len: u32) -> io::Result<Vec<u8>>;
+    /// Writes `data` at `offset`; durable before returning when `fua`.
+    async fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()>;
+    /// Makes every completed write durable.
+    async fn flush(&self) -> io::Result<()>;
+    /// Discards a range (it may read back as zeros or as what was there).
+    async fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()>;
+    /// Writes zeros over a range (`may_trim`: punching a hole is fine).
+    async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool, fua: bool)
+    -> io::Result<()>;
+    /// The allocation of `[offset, offset + len)` as consecutive extents starting at
+    /// `offset`: (length, [`STATE_HOLE`] | [`STATE_ZERO`] flags). They may cover only a
+    /// prefix of the range, never less than one byte.
+    async fn block_status(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>>;
+    /// Brings a range close (NBD_CMD_CACHE): a hydrating export fetches it now.
+    async fn cache(&self, offset: u64, len: u64) -> io::Result<()>;
+}
+
+/// `base:allocation`: the extent is not allocated.
+pub const STATE_HOLE: u32 = 1;
+/// `base:allocation`: the extent reads as zeros.
+pub const STATE_ZERO: u32 = 2;
+
+/// The volumes a server offers, by export name.
+pub trait NbdExports: Send + Sync {
+    /// (name, description) of every export, for NBD_OPT_LIST.
+    fn list(&self) -> Vec<(String, String)>;
+    /// Opens an export for one connection; `Err` says why it cannot be served (the client
+    /// gets NBD_REP_ERR_UNKNOWN with that message).
+    fn open(&self, name: &str) -> Result<Arc<dyn NbdVolume>, String>;
+}
