@@ -2,8 +2,52 @@
 //! fixed newstyle handshake, structured replies, the `base:allocation` meta context, and
 //! the transmission phase. What a volume *is* (a plain export, a hydrating one) lives in
 //! the `mover` crate behind [`NbdVolume`]; this module is only the wire.
+//!
+//! - [`serve_connection`]: one client over any byte stream, handshake to disconnect.
+//! - [`serve_unix`], [`serve_tcp`]: accept loops with a shutdown future.
+//! - Inside: `wire` (numbers and fixed-size messages), `handshake` (option haggling),
+//!   `transmission` (concurrent requests, one reply writer), `listen` (accept loops).
+//!
+//! What clients get: fixed newstyle with NO_ZEROES; NBD_OPT_GO/INFO with export and
+//! block size information; structured replies; `base:allocation`; READ, WRITE (FUA),
+//! FLUSH, TRIM, WRITE_ZEROES (NO_HOLE), CACHE, BLOCK_STATUS (REQ_ONE), DF, and
+//! CAN_MULTI_CONN. Not offered: TLS, extended headers, fast zero, resize.
 
 use std::{io, sync::Arc};
+
+use tokio::io::{AsyncRead, AsyncWrite, BufReader};
+
+mod error;
+mod handshake;
+mod listen;
+mod transmission;
+mod wire;
+
+pub use error::NbdError;
+pub use listen::{serve_tcp, serve_unix};
+
+/// Serves one client on `stream` (a socket, or anything that reads and writes): the
+/// handshake, then requests until the client disconnects. Returns once every request in
+/// flight has been answered. `Ok` also when the client left during the handshake.
+pub async fn serve_connection<S>(stream: S, exports: Arc<dyn NbdExports>) -> Result<(), NbdError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    // One buffer for the whole connection: handshake bytes read ahead are not lost when
+    // the stream is split for the transmission phase.
+    let mut stream = BufReader::with_capacity(256 << 10, stream);
+    let Some(session) = handshake::negotiate(&mut stream, &*exports).await? else {
+        return Ok(());
+    };
+    tracing::debug!(
+        export = %session.name,
+        structured = session.structured,
+        block_status = session.meta_context.is_some(),
+        "NBD transmission phase"
+    );
+    let (reader, writer) = tokio::io::split(stream);
+    transmission::transmit(reader, writer, session).await
+}
 
 /// One served volume. The server checks every request against [`NbdVolume::size`] and
 /// [`NbdVolume::read_only`] before calling in, and calls concurrently (several requests
