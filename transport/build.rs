@@ -7,7 +7,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .bytes(".mover.transfer.v1")
         .compile_protos(
-            &["proto/transfer.proto", "proto/replication.proto"],
+            &[
+                "proto/transfer.proto",
+                "proto/replication.proto",
+                "proto/hydrate.proto",
+            ],
             &["proto"],
         )?;
     Ok(())

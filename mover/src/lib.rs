@@ -8,7 +8,9 @@
 //! Built so far: [`copy_block`], the one-shot copy of a block volume (block device or
 //! image file) onto another, writing only the 4 KiB pages that differ and keeping holes
 //! as holes; [`hash_block`], a volume's chunk digest; [`agent`], the per-node agent
-//! serving exported volumes over gRPC; and [`remote`], copies to and from an agent.
+//! serving exported volumes over gRPC and NBD; [`remote`], copies to and from an agent;
+//! [`replicate`], continuous replication; and [`hydrate`], volumes served over NBD
+//! while their data arrives.
 
 pub mod agent;
 #[cfg(feature = "controller")]
@@ -16,6 +18,7 @@ pub mod controller;
 mod copy;
 mod error;
 mod hash;
+pub mod hydrate;
 pub mod remote;
 pub mod replicate;
 mod snapshot;

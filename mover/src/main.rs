@@ -8,6 +8,8 @@ use mover::remote::AgentUrl;
 use mover::{CopyError, CopyOptions, CopySummary, HashSummary, Progress, TreeSummary};
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, sync::Mutex};
 
+#[path = "hydrate/cli.rs"]
+mod hydrate_cli;
 #[path = "replicate/cli.rs"]
 mod replicate_cli;
 #[path = "snapshot/cli.rs"]
@@ -132,6 +134,9 @@ Examples:
   mover replicate promote pg --agent agent://node-b:7070"
     )]
     Replicate(replicate_cli::ReplicateCommand),
+    /// Copy-on-demand: an export served over NBD at once while its data arrives.
+    #[command(subcommand)]
+    Hydrate(hydrate_cli::HydrateCommand),
     /// Manage snapshot repositories (a directory or an S3 bucket).
     #[command(subcommand)]
     Repo(snapshot_cli::RepoCommand),
@@ -280,6 +285,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print_hash(&summary, output.json)
         }
         Command::Replicate(cmd) => replicate_cli::run(cmd),
+        Command::Hydrate(cmd) => hydrate_cli::run(cmd),
         Command::Repo(cmd) => snapshot_cli::run_repo(cmd),
         Command::Snapshot(cmd) => snapshot_cli::run_snapshot(cmd),
         #[cfg(feature = "controller")]

@@ -2,6 +2,7 @@
 //!
 //! - [`proto`]: the protocol, generated from `proto/transfer.proto` (tonic + prost).
 //! - [`control`]: the relationship control API, from `proto/replication.proto`.
+//! - [`hydrate`]: the hydration control API, from `proto/hydrate.proto`.
 //! - [`auth`]: bearer-token checking for servers and attaching for clients.
 //! - [`tls`]: mutual TLS configuration from PEM files (rustls).
 //! - [`frames`]: packing volume data into frames, zstd-compressed only when it shrinks.
@@ -29,6 +30,12 @@ pub mod proto {
 #[allow(missing_docs, clippy::all)]
 pub mod control {
     tonic::include_proto!("mover.replication.v1");
+}
+
+/// The hydration control API (`proto/hydrate.proto`), client and server.
+#[allow(missing_docs, clippy::all)]
+pub mod hydrate {
+    tonic::include_proto!("mover.hydrate.v1");
 }
 
 /// The key under which a relationship's chunks and pages are hashed on both sides.

@@ -32,6 +32,11 @@ pub struct AgentConfig {
     /// [default: its own token_file]. Mutual TLS uses `[tls]` both ways.
     #[serde(default)]
     pub peer_token_file: Option<PathBuf>,
+    /// Unix socket of the NBD server (every block export, hydrating ones included, as
+    /// `nbd+unix:///NAME?socket=PATH`) [default: STATE_DIR/nbd.sock]. Only processes on
+    /// this node that may open the socket reach it: keep its directory private.
+    #[serde(default)]
+    pub nbd_socket: Option<PathBuf>,
 }
 
 /// PEM files for mutual TLS.
@@ -119,6 +124,13 @@ impl AgentConfig {
             }
         }
         Ok(config)
+    }
+
+    /// Where the NBD server listens.
+    pub fn nbd_socket(&self) -> PathBuf {
+        self.nbd_socket
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join("nbd.sock"))
     }
 
     /// How this agent reaches peers when it replicates to them.

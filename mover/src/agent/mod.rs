@@ -1,11 +1,13 @@
 //! `mover agent`: serves exported volumes to peers over gRPC (push into them, pull from
 //! them), with mTLS and/or a bearer token, fencing epochs, and /metrics + /healthz on a
-//! separate HTTP port.
+//! separate HTTP port; and to local clients over NBD on a Unix socket, hydrating
+//! exports included (copy-on-demand).
 
 mod config;
 mod control;
 mod cycles;
 mod fencing;
+mod hydration;
 pub(crate) mod journal;
 mod live;
 mod metrics;
@@ -24,7 +26,8 @@ use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
 use transport::{
     MAX_MESSAGE, auth::RequireToken, control::replication_server::ReplicationServer,
-    proto::transfer_server::TransferServer, tls::TlsFiles,
+    hydrate::hydration_server::HydrationServer, proto::transfer_server::TransferServer,
+    tls::TlsFiles,
 };
 
 /// Why the agent could not run.
@@ -100,6 +103,11 @@ pub async fn serve(
             Err(e) => tracing::warn!(mount = %m.display(), "cannot thaw: {e}"),
         }
     }
+    let hydrations =
+        crate::hydrate::Hydrations::new(&config.state_dir, config.exports.clone(), remote.clone())
+            .map_err(state_err)?;
+    let _ = service.hydrations.set(hydrations.clone());
+    hydrations.resume_all().await;
     let runners = crate::replicate::Runners::new(store, config.exports.clone(), remote.clone());
     runners.start_all();
     let control = Control {
@@ -129,13 +137,34 @@ pub async fn serve(
             .map_err(|e| AgentError::Serve(e.to_string()))?;
     }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let nbd_socket = config.nbd_socket();
+    {
+        let exports = Arc::new(hydration::NbdExportsOf {
+            exports: config.exports.clone(),
+            hydrations: hydrations.clone(),
+        });
+        let mut stop = stop_rx.clone();
+        let path = nbd_socket.clone();
+        tokio::spawn(async move {
+            let stopped = async move {
+                let _ = stop.changed().await;
+            };
+            if let Err(e) = transport::nbd::serve_unix(&path, exports, stopped).await {
+                tracing::error!(socket = %path.display(), "cannot serve NBD: {e}");
+            }
+        });
+    }
+    let hydration_control = hydration::HydrationControl {
+        hydrations,
+        nbd_socket: Some(nbd_socket.clone()),
+    };
     if let Some(l) = metrics_listener {
         let mut stop = stop_rx.clone();
         tokio::spawn(serve_metrics(l, metrics, runners.clone(), async move {
             let _ = stop.changed().await;
         }));
     }
-    tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), exports = config.exports.len(), tls = config.tls.is_some(), "agent serving");
+    tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), exports = config.exports.len(), tls = config.tls.is_some(), nbd = %nbd_socket.display(), "agent serving");
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let result = builder
         .add_service(InterceptedService::new(
@@ -144,6 +173,10 @@ pub async fn serve(
         ))
         .add_service(InterceptedService::new(
             ReplicationServer::new(control),
+            RequireToken::new(token.clone()),
+        ))
+        .add_service(InterceptedService::new(
+            HydrationServer::new(hydration_control),
             RequireToken::new(token),
         ))
         .serve_with_incoming_shutdown(incoming, shutdown)

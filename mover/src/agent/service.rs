@@ -54,6 +54,8 @@ pub struct AgentService {
     /// Image exports whose page hashes are being filled in after a full copy: set to
     /// stop the fill when a writer opens the export.
     filling: Arc<Mutex<HashMap<String, Arc<AtomicBool>>>>,
+    /// Exports being hydrated are incomplete: no peer reads or writes them meanwhile.
+    pub(super) hydrations: std::sync::OnceLock<Arc<crate::hydrate::Hydrations>>,
 }
 
 /// One open session.
@@ -64,6 +66,8 @@ struct Session {
     size: u64,
     key: ChunkKey,
     summary: Arc<LiveSummary>,
+    /// READ sessions that read ranges only: `summary` is a placeholder, never served.
+    ranges_only: bool,
     /// For reading (READ) or writing (WRITE, through a duplicate of the destination's fd).
     file: std::fs::File,
     path: PathBuf,
@@ -100,6 +104,7 @@ impl AgentService {
             next_id: AtomicU64::new(1),
             trees_busy: Arc::default(),
             filling: Arc::default(),
+            hydrations: std::sync::OnceLock::new(),
         })
     }
 
@@ -121,12 +126,21 @@ impl AgentService {
 
     /// The export `name`, or a refusal that lists what is exported.
     pub(super) fn export(&self, name: &str) -> Result<&Export, Status> {
-        self.exports.get(name).ok_or_else(|| {
+        let export = self.exports.get(name).ok_or_else(|| {
             self.refuse(Status::not_found(format!(
                 "volume {name:?} is not exported by this agent (exports: {})",
                 self.exports.keys().cloned().collect::<Vec<_>>().join(", ")
             )))
-        })
+        })?;
+        if let Some(h) = self.hydrations.get().and_then(|hs| hs.get(name))
+            && h.progress().phase != crate::hydrate::Phase::Complete
+        {
+            return Err(self.refuse(Status::failed_precondition(format!(
+                "volume {name:?} is being hydrated from {} and is incomplete; it is served over NBD only until `mover hydrate wait` returns",
+                h.source()
+            ))));
+        }
+        Ok(export)
     }
 
     /// Refuses a read-only export as a destination.
@@ -271,8 +285,12 @@ impl Transfer for AgentService {
                 return Err(self.refuse(Status::invalid_argument("access must be READ or WRITE")));
             }
         };
-        let (summary, indexed) =
-            blocking(|| self.summary_of(export, dest.as_ref(), &key, chunk, size))?;
+        let (summary, indexed) = if r.ranges_only && access == Access::Read {
+            // Never asked for (Tree refuses): no hashing of the volume.
+            (LiveSummary::of_zeros(key.clone(), chunk, size), false)
+        } else {
+            blocking(|| self.summary_of(export, dest.as_ref(), &key, chunk, size))?
+        };
         let id = format!("{}-{}", r.volume, self.next_id.fetch_add(1, Relaxed));
         let cycle = match (&r.cycle, &dest) {
             (Some(c), Some(d)) => {
@@ -331,6 +349,7 @@ impl Transfer for AgentService {
             size,
             key,
             summary,
+            ranges_only: r.ranges_only,
             file,
             path: export.path.clone(),
             dest: Mutex::new(dest),
@@ -354,6 +373,11 @@ impl Transfer for AgentService {
     ) -> Result<Response<proto::TreeResponse>, Status> {
         let r = req.into_inner();
         let s = self.session(&r.session)?;
+        if s.ranges_only {
+            return Err(Status::failed_precondition(
+                "this session was opened to read ranges only: it has no summary",
+            ));
+        }
         // Waits while the background hashing has not reached what is asked.
         let level = match r.level {
             0 => s.summary.leaves(r.first, r.count).await,
@@ -553,6 +577,45 @@ impl Transfer for AgentService {
         Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
             rx,
         )))
+    }
+
+    async fn allocation(
+        &self,
+        req: Request<proto::AllocationRequest>,
+    ) -> Result<Response<proto::AllocationResponse>, Status> {
+        let r = req.into_inner();
+        let s = self.session(&r.session)?;
+        let chunks = s.size.div_ceil(s.chunk.get());
+        if r.count > 8 << 20 || r.first > chunks {
+            return Err(Status::out_of_range(format!(
+                "chunks {}+{} are not within the volume's {chunks} (at most 8 Mi per call)",
+                r.first, r.count
+            )));
+        }
+        let count = r.count.min(chunks - r.first);
+        let path = s.path.clone();
+        let (cs, size) = (s.chunk.get(), s.size);
+        let data = blocking(move || {
+            let v = BlockVolume::open(&path)?.limited_to_at_most(size);
+            let mut bits = vec![0u8; count.div_ceil(8) as usize];
+            // Walk the data extents (SEEK_DATA / SEEK_HOLE): a sparse terabyte is a few
+            // seeks, not a read.
+            let (start, end) = (r.first * cs, ((r.first + count) * cs).min(size));
+            let mut at = start;
+            while let Some(d) = v.next_data(at).filter(|&d| d < end) {
+                let h = v.next_hole(d).min(end);
+                for c in (d / cs)..h.div_ceil(cs) {
+                    let i = (c - r.first) as usize;
+                    bits[i / 8] |= 1 << (i % 8);
+                }
+                at = h;
+            }
+            Ok::<_, chunker::ChunkerError>(bits)
+        })
+        .map_err(internal)?;
+        Ok(Response::new(proto::AllocationResponse {
+            data: data.into(),
+        }))
     }
 
     async fn finish(

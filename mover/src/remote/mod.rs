@@ -26,7 +26,8 @@ use std::{path::PathBuf, time::Duration};
 use tonic::{service::interceptor::InterceptedService, transport::Channel};
 use transport::{
     MAX_MESSAGE, auth::AttachToken, control::replication_client::ReplicationClient,
-    proto::transfer_client::TransferClient, tls::TlsFiles,
+    hydrate::hydration_client::HydrationClient, proto::transfer_client::TransferClient,
+    tls::TlsFiles,
 };
 
 /// A volume exported by an agent: `agent://host:port/NAME`.
@@ -169,6 +170,9 @@ pub fn parse_rate(s: &str) -> Result<u64, String> {
 /// A connected client with the token attached.
 pub(crate) type Client = TransferClient<InterceptedService<Channel, AttachToken>>;
 
+/// A connected client of an agent's hydration control API.
+pub type HydrateClient = HydrationClient<InterceptedService<Channel, AttachToken>>;
+
 /// A connected client of an agent's relationship control API.
 pub type ControlClient = ReplicationClient<InterceptedService<Channel, AttachToken>>;
 
@@ -206,6 +210,12 @@ impl RemoteOptions {
     pub async fn connect_control(&self, url: &AgentUrl) -> Result<ControlClient, CopyError> {
         let (channel, auth) = self.channel(url).await?;
         Ok(ReplicationClient::with_interceptor(channel, auth))
+    }
+
+    /// Connects to the hydration control API of the agent at `url`.
+    pub async fn connect_hydrate(&self, url: &AgentUrl) -> Result<HydrateClient, CopyError> {
+        let (channel, auth) = self.channel(url).await?;
+        Ok(HydrationClient::with_interceptor(channel, auth))
     }
 
     async fn channel(&self, url: &AgentUrl) -> Result<(Channel, AttachToken), CopyError> {
@@ -290,6 +300,7 @@ pub(crate) async fn open_session(
             chunk_size: chunk.get(),
             source_size,
             cycle,
+            ..Default::default()
         })
         .await
         .map_err(|s| status_error(url, s))?

@@ -11,7 +11,7 @@ use transport::control;
 /// Where the agent is: `agent://HOST:PORT` (a volume part, if given, is ignored).
 #[derive(Clone, Debug, clap::Args)]
 pub struct AgentArg {
-    /// The agent that holds the relationship: agent://HOST:PORT.
+    /// The agent to ask: agent://HOST:PORT (for a relationship: the one that holds it).
     #[arg(long, value_name = "URL", env = "MOVER_AGENT")]
     agent: String,
     #[command(flatten)]
@@ -22,7 +22,7 @@ pub struct AgentArg {
 }
 
 impl AgentArg {
-    fn url(&self) -> anyhow::Result<AgentUrl> {
+    pub(crate) fn url(&self) -> anyhow::Result<AgentUrl> {
         let s = self.agent.trim_end_matches('/');
         let with_volume = if s.matches('/').count() > 2 {
             s.to_string()
@@ -33,13 +33,22 @@ impl AgentArg {
             .ok_or_else(|| anyhow::anyhow!("--agent {s:?}: expected agent://HOST:PORT"))??)
     }
 
-    async fn client(&self) -> anyhow::Result<(mover::remote::ControlClient, AgentUrl)> {
-        let url = self.url()?;
-        let remote = RemoteOptions {
+    /// How to reach the agent.
+    pub(crate) fn remote(&self) -> RemoteOptions {
+        RemoteOptions {
             connect: self.connect.clone(),
             ..RemoteOptions::default()
-        };
-        Ok((remote.connect_control(&url).await?, url))
+        }
+    }
+
+    /// The result is wanted as JSON.
+    pub(crate) fn json(&self) -> bool {
+        self.json
+    }
+
+    async fn client(&self) -> anyhow::Result<(mover::remote::ControlClient, AgentUrl)> {
+        let url = self.url()?;
+        Ok((self.remote().connect_control(&url).await?, url))
     }
 }
 

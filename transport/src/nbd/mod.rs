@@ -71,8 +71,13 @@ pub trait NbdVolume: Send + Sync {
     /// Discards a range (it may read back as zeros or as what was there).
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()>;
     /// Writes zeros over a range (`may_trim`: punching a hole is fine).
-    async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool, fua: bool)
-    -> io::Result<()>;
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_trim: bool,
+        fua: bool,
+    ) -> io::Result<()>;
     /// The allocation of `[offset, offset + len)` as consecutive extents starting at
     /// `offset`: (length, [`STATE_HOLE`] | [`STATE_ZERO`] flags). They may cover only a
     /// prefix of the range, never less than one byte.

@@ -1,0 +1,193 @@
+//! The agent's NBD side: which exports the NBD server offers (plain block exports as
+//! they are, hydrating ones through their hydration), and the Hydration control service
+//! (`mover hydrate start|status|wait|cancel`).
+
+use super::config::Export;
+use crate::hydrate::{
+    HydrateError, HydratingVolume, Hydration, Hydrations, LocalVolume, Phase, SourceSpec,
+    StartRequest,
+};
+use std::{collections::BTreeMap, path::PathBuf, sync::Arc};
+use tonic::{Request, Response, Status};
+use transport::{
+    hydrate::{self as proto, hydration_server},
+    nbd::{NbdExports, NbdVolume},
+};
+
+/// The exports the agent's NBD server offers.
+pub struct NbdExportsOf {
+    pub(super) exports: BTreeMap<String, Export>,
+    pub(super) hydrations: Arc<Hydrations>,
+}
+
+impl NbdExports for NbdExportsOf {
+    fn list(&self) -> Vec<(String, String)> {
+        self.exports
+            .iter()
+            .filter(|(_, e)| !e.path.is_dir())
+            .map(|(n, e)| {
+                let what = match self.hydrations.get(n).map(|h| (h.progress(), h.source())) {
+                    Some((p, src)) if p.phase != Phase::Complete => format!(
+                        "{} hydrating from {src}: {}/{} regions",
+                        e.path.display(),
+                        p.present,
+                        p.regions
+                    ),
+                    _ => e.path.display().to_string(),
+                };
+                (n.clone(), what)
+            })
+            .collect()
+    }
+
+    fn open(&self, name: &str) -> Result<Arc<dyn NbdVolume>, String> {
+        let export = self.exports.get(name).ok_or_else(|| {
+            format!(
+                "no export {name:?} (exports: {})",
+                self.exports.keys().cloned().collect::<Vec<_>>().join(", ")
+            )
+        })?;
+        if let Some(h) = self.hydrations.get(name) {
+            match h.progress().phase {
+                Phase::Cancelled => {
+                    return Err(format!(
+                        "the hydration of {name} was cancelled before it completed; `mover hydrate start` resumes it"
+                    ));
+                }
+                Phase::Complete => {}
+                _ => return Ok(Arc::new(HydratingVolume(h))),
+            }
+        }
+        if export.path.is_dir() {
+            return Err(format!(
+                "{name} is a directory (a file tree): NBD serves block exports"
+            ));
+        }
+        LocalVolume::open(&export.path, export.read_only)
+            .map(|v| Arc::new(v) as Arc<dyn NbdVolume>)
+            .map_err(|e| format!("cannot open {}: {e}", export.path.display()))
+    }
+}
+
+/// The Hydration control service.
+pub struct HydrationControl {
+    pub(super) hydrations: Arc<Hydrations>,
+    /// The NBD socket clients use (for the URI in status).
+    pub(super) nbd_socket: Option<PathBuf>,
+}
+
+impl HydrationControl {
+    fn status(&self, h: &Hydration) -> proto::Status {
+        let p = h.progress();
+        proto::Status {
+            export: h.name().into(),
+            source: h.source(),
+            phase: format!("{:?}", p.phase),
+            size: p.size,
+            region_size: p.region_size,
+            regions: p.regions,
+            present: p.present,
+            bytes_fetched: p.bytes_fetched,
+            foreground_fetches: p.foreground_fetches,
+            regions_written: p.regions_written,
+            elapsed_secs: p.elapsed_secs,
+            last_error: p.last_error.unwrap_or_default(),
+            nbd_uri: self
+                .nbd_socket
+                .as_ref()
+                .map(|s| format!("nbd+unix:///{}?socket={}", h.name(), s.display()))
+                .unwrap_or_default(),
+        }
+    }
+
+    fn get(&self, export: &str) -> Result<Arc<Hydration>, Status> {
+        self.hydrations.get(export).ok_or_else(|| {
+            Status::not_found(format!(
+                "export {export:?} has no hydration on this agent (finished ones are forgotten when the agent restarts)"
+            ))
+        })
+    }
+}
+
+fn to_status(e: HydrateError) -> Status {
+    match &e {
+        HydrateError::Refused { .. } => Status::failed_precondition(e.to_string()),
+        HydrateError::Source { .. } => Status::unavailable(e.to_string()),
+        HydrateError::Local { .. } => Status::internal(e.to_string()),
+    }
+}
+
+#[tonic::async_trait]
+impl hydration_server::Hydration for HydrationControl {
+    async fn start(
+        &self,
+        req: Request<proto::StartRequest>,
+    ) -> Result<Response<proto::Status>, Status> {
+        let r = req.into_inner();
+        let opt = |s: String| (!s.is_empty()).then_some(s);
+        let source = match r.source {
+            Some(proto::start_request::Source::Agent(url)) => SourceSpec::Agent { url },
+            Some(proto::start_request::Source::Snapshot(s)) => SourceSpec::Snapshot {
+                repo: s.repo,
+                snapshot: s.snapshot,
+                s3_endpoint: opt(s.s3_endpoint),
+                s3_region: opt(s.s3_region),
+                s3_virtual_host: s.s3_virtual_host,
+                password_file: opt(s.password_file).map(PathBuf::from),
+                key_file: opt(s.key_file).map(PathBuf::from),
+            },
+            None => {
+                return Err(Status::invalid_argument(
+                    "no source: give an agent URL or a snapshot",
+                ));
+            }
+        };
+        let h = self
+            .hydrations
+            .start(StartRequest {
+                export: r.export,
+                source,
+                region_size: r.region_size,
+                bwlimit: (r.bwlimit > 0).then_some(r.bwlimit),
+                concurrency: r.concurrency as usize,
+                overwrite: r.overwrite,
+            })
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(self.status(&h)))
+    }
+
+    async fn get(
+        &self,
+        req: Request<proto::NameRequest>,
+    ) -> Result<Response<proto::Status>, Status> {
+        let h = self.get(&req.into_inner().export)?;
+        Ok(Response::new(self.status(&h)))
+    }
+
+    async fn list(
+        &self,
+        _req: Request<proto::ListRequest>,
+    ) -> Result<Response<proto::ListResponse>, Status> {
+        Ok(Response::new(proto::ListResponse {
+            hydrations: self
+                .hydrations
+                .all()
+                .iter()
+                .map(|h| self.status(h))
+                .collect(),
+        }))
+    }
+
+    async fn cancel(
+        &self,
+        req: Request<proto::NameRequest>,
+    ) -> Result<Response<proto::Status>, Status> {
+        let h = self
+            .hydrations
+            .cancel(&req.into_inner().export)
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(self.status(&h)))
+    }
+}

@@ -1,0 +1,671 @@
+//! One hydrating volume: which regions are here, the table of regions being fetched or
+//! written (so none is fetched twice, and a fetch never lands on a client's write), the
+//! background filler, and the commits that make the bitmap durable after the data.
+
+use super::{
+    HydrateError,
+    bitmap::{BitmapFile, RegionBitmap},
+    source::RegionSource,
+};
+use crate::copy::zero_range;
+use serde::Serialize;
+use std::{
+    collections::HashMap,
+    fs::File,
+    io,
+    ops::Range,
+    os::unix::fs::FileExt,
+    path::PathBuf,
+    sync::{
+        Arc, Mutex, OnceLock,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+    time::{Duration, Instant},
+};
+use tokio::{sync::watch, task::JoinSet};
+use transport::RateLimiter;
+
+/// Regions the filler fetches in one request.
+const FILL_BATCH: u64 = 8;
+/// Hole regions the filler marks present in one step.
+const HOLE_BATCH: u64 = 4096;
+/// A client did I/O this recently: the filler keeps to one request in flight.
+const CLIENT_QUIET: Duration = Duration::from_millis(50);
+
+/// Settings of a hydration.
+#[derive(Clone, Debug)]
+pub struct FillOptions {
+    /// Filler requests in flight at once (while no client does I/O).
+    pub concurrency: usize,
+    /// Bytes per second the filler may fetch (client reads are never held back).
+    pub bwlimit: Option<u64>,
+    /// How often the bitmap is committed while regions arrive.
+    pub commit_every: Duration,
+}
+
+impl Default for FillOptions {
+    fn default() -> Self {
+        FillOptions {
+            concurrency: 4,
+            bwlimit: None,
+            commit_every: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Where a hydration is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Phase {
+    /// Regions are arriving.
+    Hydrating,
+    /// The source cannot be reached or fails: missing regions read as EIO, the filler
+    /// retries with backoff.
+    Degraded,
+    /// Every region is here; the volume is an ordinary local volume.
+    Complete,
+    /// Stopped by the user; nothing is served until it is started again.
+    Cancelled,
+}
+
+/// What a hydration has done, for status and metrics.
+#[derive(Clone, Debug, Serialize)]
+pub struct Progress {
+    /// The phase.
+    pub phase: Phase,
+    /// Regions in the volume and those present.
+    pub regions: u64,
+    /// Regions present (fetched, holes, or written by clients).
+    pub present: u64,
+    /// Region size in bytes.
+    pub region_size: u64,
+    /// Volume size in bytes.
+    pub size: u64,
+    /// Bytes fetched from the source.
+    pub bytes_fetched: u64,
+    /// Regions fetched because a client needed them.
+    pub foreground_fetches: u64,
+    /// Regions a client's write covered whole (never fetched).
+    pub regions_written: u64,
+    /// Seconds since this run of the hydration started.
+    pub elapsed_secs: f64,
+    /// The last error from the source, while degraded.
+    pub last_error: Option<String>,
+}
+
+/// A hydrating volume (see the module docs).
+pub struct Hydration {
+    name: String,
+    path: PathBuf,
+    file: Arc<File>,
+    size: u64,
+    region: u64,
+    /// The local volume reads as zeros wherever nothing was written (a new sparse image):
+    /// holes and zero pages need no write.
+    fresh: bool,
+    source: Arc<dyn RegionSource>,
+    state: Mutex<Regions>,
+    bitmap: Arc<Mutex<BitmapFile>>,
+    /// Serialises commits (snapshot, fdatasync, bitmap write).
+    committing: tokio::sync::Mutex<()>,
+    /// The source's holes, once known.
+    allocation: OnceLock<Vec<bool>>,
+    started: Instant,
+    last_client_io: AtomicU64,
+    bytes_fetched: AtomicU64,
+    foreground_fetches: AtomicU64,
+    regions_written: AtomicU64,
+    health: Mutex<(Phase, Option<String>)>,
+    stop: watch::Sender<bool>,
+    phase_tx: watch::Sender<Phase>,
+    limiter: Option<RateLimiter>,
+    opts: FillOptions,
+}
+
+struct Regions {
+    map: RegionBitmap,
+    /// Regions being fetched or written whole; waiters learn when each is released.
+    busy: HashMap<u64, watch::Sender<bool>>,
+    /// Regions became present since the last commit.
+    dirty: bool,
+}
+
+/// What claiming a region found.
+enum Claim {
+    Present,
+    Mine,
+    Busy(watch::Receiver<bool>),
+}
+
+/// Regions this task claimed; released on drop (marked present only if it succeeded),
+/// so a cancelled request never leaves a region claimed.
+struct Claimed<'a> {
+    h: &'a Hydration,
+    regions: Vec<u64>,
+    present: bool,
+}
+
+impl Drop for Claimed<'_> {
+    fn drop(&mut self) {
+        let mut s = self.h.state.lock().expect("regions lock");
+        for &r in &self.regions {
+            if self.present && s.map.set(r) {
+                s.dirty = true;
+            }
+            if let Some(tx) = s.busy.remove(&r) {
+                let _ = tx.send(true);
+            }
+        }
+    }
+}
+
+impl Hydration {
+    /// A hydration of `source` into `file` (at `path`), with `map` loaded from (or just
+    /// committed to) `bitmap`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        name: String,
+        path: PathBuf,
+        file: File,
+        fresh: bool,
+        source: Arc<dyn RegionSource>,
+        bitmap: BitmapFile,
+        map: RegionBitmap,
+        opts: FillOptions,
+    ) -> Arc<Self> {
+        let phase = if map.is_complete() {
+            Phase::Complete
+        } else {
+            Phase::Hydrating
+        };
+        Arc::new(Hydration {
+            name,
+            path,
+            file: Arc::new(file),
+            size: source.size(),
+            region: source.region_size(),
+            fresh,
+            state: Mutex::new(Regions {
+                map,
+                busy: HashMap::new(),
+                dirty: false,
+            }),
+            bitmap: Arc::new(Mutex::new(bitmap)),
+            committing: tokio::sync::Mutex::new(()),
+            allocation: OnceLock::new(),
+            started: Instant::now(),
+            last_client_io: AtomicU64::new(0),
+            bytes_fetched: AtomicU64::new(0),
+            foreground_fetches: AtomicU64::new(0),
+            regions_written: AtomicU64::new(0),
+            health: Mutex::new((phase, None)),
+            stop: watch::channel(false).0,
+            phase_tx: watch::channel(phase).0,
+            limiter: opts.bwlimit.map(RateLimiter::new),
+            source,
+            opts,
+        })
+    }
+
+    /// The export's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The source, described.
+    pub fn source(&self) -> String {
+        self.source.describe()
+    }
+
+    /// Volume size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Region size in bytes.
+    pub fn region_size(&self) -> u64 {
+        self.region
+    }
+
+    /// The local file.
+    pub(crate) fn file(&self) -> &Arc<File> {
+        &self.file
+    }
+
+    /// Where the volume is.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// A receiver of phase changes (to wait for completion).
+    pub fn watch_phase(&self) -> watch::Receiver<Phase> {
+        self.phase_tx.subscribe()
+    }
+
+    /// Where the hydration is.
+    pub fn progress(&self) -> Progress {
+        let (phase, last_error) = self.health.lock().expect("health lock").clone();
+        let s = self.state.lock().expect("regions lock");
+        Progress {
+            phase,
+            regions: s.map.regions(),
+            present: s.map.present(),
+            region_size: self.region,
+            size: self.size,
+            bytes_fetched: self.bytes_fetched.load(Relaxed),
+            foreground_fetches: self.foreground_fetches.load(Relaxed),
+            regions_written: self.regions_written.load(Relaxed),
+            elapsed_secs: self.started.elapsed().as_secs_f64(),
+            last_error,
+        }
+    }
+
+    /// Whether region `r` is present.
+    pub fn is_present(&self, r: u64) -> bool {
+        self.state.lock().expect("regions lock").map.get(r)
+    }
+
+    /// Whether the source says region `r` is a hole (false while that is not known).
+    pub fn is_source_hole(&self, r: u64) -> bool {
+        self.allocation
+            .get()
+            .is_some_and(|a| a.get(r as usize) == Some(&false))
+    }
+
+    /// The regions `[offset, offset + len)` touches.
+    pub fn regions_of(&self, offset: u64, len: u64) -> Range<u64> {
+        offset / self.region..(offset + len).div_ceil(self.region)
+    }
+
+    /// Byte range of region `r`.
+    pub fn region_range(&self, r: u64) -> Range<u64> {
+        r * self.region..((r + 1) * self.region).min(self.size)
+    }
+
+    fn set_phase(&self, phase: Phase, error: Option<String>) {
+        let mut h = self.health.lock().expect("health lock");
+        if h.0 == Phase::Cancelled || (h.0 == Phase::Complete && phase != Phase::Cancelled) {
+            return;
+        }
+        *h = (phase, error);
+        self.phase_tx.send_replace(phase);
+    }
+
+    /// Notes client I/O: the filler backs off while clients are busy.
+    pub fn client_io(&self) {
+        self.last_client_io
+            .store(self.started.elapsed().as_millis() as u64 + 1, Relaxed);
+    }
+
+    fn clients_busy(&self) -> bool {
+        let last = self.last_client_io.load(Relaxed);
+        last != 0
+            && self.started.elapsed().as_millis() as u64 + 1 - last
+                < CLIENT_QUIET.as_millis() as u64
+    }
+
+    fn claim(&self, r: u64) -> Claim {
+        let mut s = self.state.lock().expect("regions lock");
+        if s.map.get(r) {
+            Claim::Present
+        } else if let Some(tx) = s.busy.get(&r) {
+            Claim::Busy(tx.subscribe())
+        } else {
+            s.busy.insert(r, watch::channel(false).0);
+            Claim::Mine
+        }
+    }
+
+    /// Makes every region of `regions` present, fetching those that are not (and waiting
+    /// for those another task is fetching): what a client's read or CACHE needs.
+    pub async fn ensure(&self, regions: Range<u64>) -> io::Result<()> {
+        loop {
+            let mut mine = Claimed {
+                h: self,
+                regions: Vec::new(),
+                present: false,
+            };
+            let mut waits = Vec::new();
+            for r in regions.clone() {
+                match self.claim(r) {
+                    Claim::Present => {}
+                    Claim::Mine => mine.regions.push(r),
+                    Claim::Busy(rx) => waits.push(rx),
+                }
+            }
+            if mine.regions.is_empty() && waits.is_empty() {
+                return Ok(());
+            }
+            if !mine.regions.is_empty() {
+                self.foreground_fetches
+                    .fetch_add(mine.regions.len() as u64, Relaxed);
+                self.fill(&mine.regions, true).await.map_err(|e| {
+                    self.set_phase(Phase::Degraded, Some(e.to_string()));
+                    io::Error::from_raw_os_error(libc::EIO)
+                })?;
+                mine.present = true;
+            }
+            drop(mine);
+            for mut rx in waits {
+                let _ = rx.wait_for(|done| *done).await;
+            }
+            // Again: a region whose fetch by another task failed is fetched here.
+        }
+    }
+
+    /// Claims the regions a client's write (or zeroing) covers whole, so no fetch lands
+    /// on it, and makes the partly covered ones present first; the returned claim marks
+    /// the whole ones present when dropped after the write.
+    pub async fn prepare_write(&self, offset: u64, len: u64) -> io::Result<WriteClaim<'_>> {
+        let end = offset + len;
+        let mut whole = Claimed {
+            h: self,
+            regions: Vec::new(),
+            present: false,
+        };
+        for r in self.regions_of(offset, len) {
+            let range = self.region_range(r);
+            if offset <= range.start && end >= range.end {
+                loop {
+                    match self.claim(r) {
+                        Claim::Present => break,
+                        Claim::Mine => {
+                            whole.regions.push(r);
+                            break;
+                        }
+                        Claim::Busy(mut rx) => {
+                            let _ = rx.wait_for(|done| *done).await;
+                        }
+                    }
+                }
+            } else {
+                self.ensure(r..r + 1).await?;
+            }
+        }
+        Ok(WriteClaim(whole))
+    }
+
+    /// Fetches `regions` (claimed by the caller) from the source and writes them.
+    async fn fill(&self, regions: &[u64], urgent: bool) -> Result<(), HydrateError> {
+        for run in runs(regions) {
+            let bytes = self.region_range(run.start).start..self.region_range(run.end - 1).end;
+            if !self.fresh {
+                // The local volume holds something else there: zeros first, then the
+                // data (the source leaves zero pages out).
+                let (file, path, b) = (self.file.clone(), self.path.clone(), bytes.clone());
+                blocking(move || {
+                    zero_range(&file, &path, b.start, b.end - b.start)
+                        .map_err(|e| io::Error::other(e.to_string()))
+                })
+                .await
+                .map_err(|cause| HydrateError::Local {
+                    path: self.path.clone(),
+                    cause,
+                })?;
+            }
+            let holes = run.clone().all(|r| self.is_source_hole(r));
+            if holes {
+                continue;
+            }
+            if let (false, Some(l)) = (urgent, &self.limiter) {
+                l.take(bytes.end - bytes.start).await;
+            }
+            let pieces = self
+                .source
+                .fetch(run.start, run.end - run.start, urgent)
+                .await?;
+            let n: u64 = pieces.iter().map(|(_, b)| b.len() as u64).sum();
+            let file = self.file.clone();
+            blocking(move || {
+                for (off, b) in pieces {
+                    file.write_all_at(&b, off)?;
+                }
+                Ok::<_, io::Error>(())
+            })
+            .await
+            .map_err(|cause| HydrateError::Local {
+                path: self.path.clone(),
+                cause,
+            })?;
+            self.bytes_fetched.fetch_add(n, Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Makes every write so far durable and commits the bitmap: data first, then the
+    /// bitmap that marks it present.
+    pub async fn commit(&self) -> io::Result<()> {
+        let _one = self.committing.lock().await;
+        let map = {
+            let mut s = self.state.lock().expect("regions lock");
+            s.dirty = false;
+            s.map.clone()
+        };
+        let (file, bitmap) = (self.file.clone(), self.bitmap.clone());
+        let r = blocking(move || {
+            file.sync_data()?;
+            bitmap.lock().expect("bitmap lock").commit(&map)
+        })
+        .await;
+        if r.is_err() {
+            self.state.lock().expect("regions lock").dirty = true;
+        }
+        r
+    }
+
+    /// Stops the filler; nothing more is fetched.
+    pub fn cancel(&self) {
+        self.set_phase(Phase::Cancelled, None);
+        let _ = self.stop.send(true);
+    }
+
+    fn stopped(&self) -> bool {
+        *self.stop.borrow()
+    }
+
+    /// The next regions for the filler from `next` on, claimed: a run of holes (no fetch)
+    /// or of regions to fetch. Empty when nothing is left to claim from `next`.
+    fn next_batch(&self, next: &mut u64) -> Vec<u64> {
+        let mut s = self.state.lock().expect("regions lock");
+        let mut r = *next;
+        let mut batch = Vec::new();
+        while let Some(m) = s.map.next_missing(r) {
+            if s.busy.contains_key(&m) {
+                r = m + 1;
+                continue;
+            }
+            let hole = self.is_source_hole(m);
+            let max = if hole { HOLE_BATCH } else { FILL_BATCH };
+            let mut e = m;
+            while e < s.map.regions()
+                && e - m < max
+                && !s.map.get(e)
+                && !s.busy.contains_key(&e)
+                && self.is_source_hole(e) == hole
+            {
+                batch.push(e);
+                e += 1;
+            }
+            for &b in &batch {
+                s.busy.insert(b, watch::channel(false).0);
+            }
+            *next = e;
+            return batch;
+        }
+        *next = s.map.regions();
+        batch
+    }
+
+    /// The background filler: learns the source's holes, then fetches every missing
+    /// region in order, at most `concurrency` requests at once (one while clients are
+    /// busy), retrying a failing source with backoff; commits as it goes; returns when
+    /// the volume is complete or the hydration is cancelled.
+    pub async fn run(self: Arc<Self>) {
+        let mut stop = self.stop.subscribe();
+        let mut delay = Duration::from_millis(500);
+        let alloc = loop {
+            match self.source.allocation().await {
+                Ok(a) => break a,
+                Err(e) => {
+                    tracing::warn!(export = %self.name, "cannot learn the source's holes: {e}; retrying in {delay:?}");
+                    self.set_phase(Phase::Degraded, Some(e.to_string()));
+                    if wait_or_stop(&mut stop, delay).await {
+                        return;
+                    }
+                    delay = (delay * 2).min(Duration::from_secs(10));
+                }
+            }
+        };
+        let _ = self.allocation.set(alloc);
+        let committer = tokio::spawn(self.clone().commit_loop());
+        let mut tasks: JoinSet<Filled> = JoinSet::new();
+        let mut next = 0;
+        delay = Duration::from_millis(500);
+        while !self.stopped() {
+            let limit = if self.clients_busy() {
+                1
+            } else {
+                self.opts.concurrency.max(1)
+            };
+            if tasks.len() >= limit {
+                self.settle(tasks.join_next().await, &mut next, &mut delay, &mut stop)
+                    .await;
+                continue;
+            }
+            let batch = self.next_batch(&mut next);
+            if batch.is_empty() {
+                if let Some(done) = tasks.join_next().await {
+                    self.settle(Some(done), &mut next, &mut delay, &mut stop)
+                        .await;
+                    continue;
+                }
+                if self.state.lock().expect("regions lock").map.is_complete() {
+                    break;
+                }
+                // Only regions a client is fetching are left: look again shortly.
+                next = 0;
+                if wait_or_stop(&mut stop, Duration::from_millis(20)).await {
+                    break;
+                }
+                continue;
+            }
+            let h = self.clone();
+            tasks.spawn(async move {
+                let mut claim = Claimed {
+                    h: &h,
+                    regions: batch.clone(),
+                    present: false,
+                };
+                let r = h.fill(&batch, false).await;
+                claim.present = r.is_ok();
+                drop(claim);
+                (batch, r)
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            let _ = done;
+        }
+        committer.abort();
+        if self.stopped() {
+            let _ = self.commit().await;
+            return;
+        }
+        match self.commit().await {
+            Ok(()) => {
+                tracing::info!(export = %self.name, fetched = self.bytes_fetched.load(Relaxed), secs = self.started.elapsed().as_secs_f64(), "hydration complete");
+                self.set_phase(Phase::Complete, None);
+            }
+            Err(e) => self.set_phase(
+                Phase::Degraded,
+                Some(format!("cannot make the hydrated volume durable: {e}")),
+            ),
+        }
+    }
+
+    /// Takes a finished filler task's outcome: on failure, the degraded state, a backoff
+    /// pause and a rescan from the failed regions.
+    async fn settle(
+        &self,
+        done: Option<Result<Filled, tokio::task::JoinError>>,
+        next: &mut u64,
+        delay: &mut Duration,
+        stop: &mut watch::Receiver<bool>,
+    ) {
+        match done {
+            Some(Ok((_, Ok(())))) => {
+                if *delay > Duration::from_millis(500) {
+                    tracing::info!(export = %self.name, "the source answers again");
+                }
+                *delay = Duration::from_millis(500);
+                self.set_phase(Phase::Hydrating, None);
+            }
+            Some(Ok((batch, Err(e)))) => {
+                tracing::warn!(export = %self.name, "fetch of regions {}..={} failed: {e}; retrying in {delay:?}", batch[0], batch[batch.len() - 1]);
+                self.set_phase(Phase::Degraded, Some(e.to_string()));
+                *next = (*next).min(batch[0]);
+                wait_or_stop(stop, *delay).await;
+                *delay = (*delay * 2).min(Duration::from_secs(10));
+            }
+            Some(Err(e)) => tracing::error!(export = %self.name, "filler task failed: {e}"),
+            None => {}
+        }
+    }
+
+    /// Commits every `commit_every` while regions arrive.
+    async fn commit_loop(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(self.opts.commit_every).await;
+            let dirty = self.state.lock().expect("regions lock").dirty;
+            if dirty && let Err(e) = self.commit().await {
+                tracing::warn!(export = %self.name, "cannot commit the hydration bitmap: {e}");
+            }
+        }
+    }
+}
+
+/// A client write's claim on the regions it covers whole; [`WriteClaim::done`] after
+/// the write succeeded marks them present.
+pub struct WriteClaim<'a>(Claimed<'a>);
+
+impl WriteClaim<'_> {
+    /// The write is in the file: its whole regions are present (and never fetched).
+    pub fn done(mut self) {
+        self.0
+            .h
+            .regions_written
+            .fetch_add(self.0.regions.len() as u64, Relaxed);
+        self.0.present = true;
+    }
+}
+
+/// A filler task's regions and how their fetch went.
+type Filled = (Vec<u64>, Result<(), HydrateError>);
+
+/// Consecutive runs of sorted region numbers.
+fn runs(regions: &[u64]) -> Vec<Range<u64>> {
+    let mut out: Vec<Range<u64>> = Vec::new();
+    for &r in regions {
+        match out.last_mut() {
+            Some(last) if last.end == r => last.end = r + 1,
+            _ => out.push(r..r + 1),
+        }
+    }
+    out
+}
+
+/// Sleeps `d`; true if the hydration was stopped meanwhile.
+async fn wait_or_stop(stop: &mut watch::Receiver<bool>, d: Duration) -> bool {
+    let woken = tokio::select! {
+        _ = tokio::time::sleep(d) => false,
+        _ = stop.wait_for(|s| *s) => true,
+    };
+    woken || *stop.borrow()
+}
+
+/// Runs blocking file work off the async threads.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> io::Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| Err(io::Error::other(format!("blocking task failed: {e}"))))
+}

@@ -1,0 +1,536 @@
+//! The hydrations of an agent: started through its control API, persisted in its state
+//! directory (a record and a bitmap per export), resumed when the agent restarts.
+
+use super::{
+    HydrateError,
+    bitmap::BitmapFile,
+    engine::{FillOptions, Hydration, Phase},
+    source::{AgentSource, RegionSource, SnapshotSource},
+};
+use crate::{
+    agent::Export,
+    remote::{AgentUrl, RemoteOptions},
+    snapshot::RepoOptions,
+};
+use serde::{Deserialize, Serialize};
+use std::{
+    collections::{BTreeMap, HashMap},
+    io,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+};
+
+const RECORD_VERSION: u32 = 1;
+
+/// Where a hydration's data comes from, as persisted.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SourceSpec {
+    /// An export of a peer agent.
+    Agent {
+        /// agent://HOST:PORT/VOLUME
+        url: String,
+    },
+    /// A block snapshot in a repository (files named are on this agent's node).
+    Snapshot {
+        /// A directory or s3://BUCKET/PREFIX.
+        repo: String,
+        /// Snapshot id (or unique prefix).
+        snapshot: String,
+        /// S3 endpoint.
+        s3_endpoint: Option<String>,
+        /// S3 region.
+        s3_region: Option<String>,
+        /// Virtual-host style S3 addressing.
+        s3_virtual_host: bool,
+        /// Repository password file.
+        password_file: Option<PathBuf>,
+        /// Repository raw key file.
+        key_file: Option<PathBuf>,
+    },
+}
+
+/// What to hydrate and how.
+#[derive(Clone, Debug)]
+pub struct StartRequest {
+    /// The export to fill.
+    pub export: String,
+    /// Where from.
+    pub source: SourceSpec,
+    /// Region size for an agent source (0: 1 MiB).
+    pub region_size: u64,
+    /// Filler settings.
+    pub bwlimit: Option<u64>,
+    /// Filler requests in flight (0: 4).
+    pub concurrency: usize,
+    /// Replace what the export holds.
+    pub overwrite: bool,
+}
+
+/// A hydration's record in the state directory.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Record {
+    version: u32,
+    export: String,
+    path: PathBuf,
+    source: SourceSpec,
+    size: u64,
+    region_size: u64,
+    fresh: bool,
+    bwlimit: Option<u64>,
+    concurrency: usize,
+    cancelled: bool,
+}
+
+/// The agent's hydrations.
+pub struct Hydrations {
+    dir: PathBuf,
+    exports: BTreeMap<String, Export>,
+    remote: RemoteOptions,
+    active: Mutex<HashMap<String, Arc<Hydration>>>,
+}
+
+impl Hydrations {
+    /// The hydrations kept under `state_dir`, for `exports`, reaching peers with `remote`.
+    pub fn new(
+        state_dir: &Path,
+        exports: BTreeMap<String, Export>,
+        remote: RemoteOptions,
+    ) -> io::Result<Arc<Self>> {
+        let dir = state_dir.join("hydrate");
+        std::fs::create_dir_all(&dir)?;
+        Ok(Arc::new(Hydrations {
+            dir,
+            exports,
+            remote,
+            active: Mutex::default(),
+        }))
+    }
+
+    fn record_path(&self, export: &str) -> PathBuf {
+        self.dir.join(format!("{export}.json"))
+    }
+
+    fn bitmap_path(&self, export: &str) -> PathBuf {
+        self.dir.join(format!("{export}.bitmap"))
+    }
+
+    /// The hydration of `export`, if one is known (running, cancelled or complete).
+    pub fn get(&self, export: &str) -> Option<Arc<Hydration>> {
+        self.active
+            .lock()
+            .expect("hydrations lock")
+            .get(export)
+            .cloned()
+    }
+
+    /// Every hydration known, by export name.
+    pub fn all(&self) -> Vec<Arc<Hydration>> {
+        let mut v: Vec<_> = self
+            .active
+            .lock()
+            .expect("hydrations lock")
+            .values()
+            .cloned()
+            .collect();
+        v.sort_by(|a, b| a.name().cmp(b.name()));
+        v
+    }
+
+    /// Whether `export` may not be read or written other than through its hydration (it
+    /// is incomplete): peers' sessions on it are refused.
+    pub fn holds(&self, export: &str) -> bool {
+        self.get(export)
+            .is_some_and(|h| h.progress().phase != Phase::Complete)
+    }
+
+    /// Resumes the hydrations left by the previous run of the agent (their sources are
+    /// reached lazily: a source that is down leaves the export served, Degraded).
+    pub async fn resume_all(self: &Arc<Self>) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.extension().is_none_or(|x| x != "json") {
+                continue;
+            }
+            let record = match std::fs::read(&p)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(|e| e.to_string()))
+            {
+                Ok(r) if r.version == RECORD_VERSION => r,
+                Ok(r) => {
+                    tracing::error!(record = %p.display(), version = r.version, "hydration record of an unknown version: left alone");
+                    continue;
+                }
+                Err(e) => {
+                    tracing::error!(record = %p.display(), "unreadable hydration record ({e}): left alone");
+                    continue;
+                }
+            };
+            let name = record.export.clone();
+            match self.launch(record, None).await {
+                Ok(h) => {
+                    let p = h.progress();
+                    tracing::info!(export = %name, present = p.present, regions = p.regions, "hydration resumed");
+                }
+                Err(e) => tracing::error!(export = %name, "cannot resume the hydration: {e}"),
+            }
+        }
+    }
+
+    /// Starts (or resumes) a hydration.
+    pub async fn start(
+        self: &Arc<Self>,
+        req: StartRequest,
+    ) -> Result<Arc<Hydration>, HydrateError> {
+        let refused = |why: String| HydrateError::Refused {
+            what: format!("hydration of export {}", req.export),
+            why,
+        };
+        let export = self.exports.get(&req.export).ok_or_else(|| {
+            refused(format!(
+                "this agent exports no {:?} (it exports: {})",
+                req.export,
+                self.exports.keys().cloned().collect::<Vec<_>>().join(", ")
+            ))
+        })?;
+        if export.read_only {
+            return Err(refused("the export is read-only".into()));
+        }
+        if export.path.is_dir() {
+            return Err(refused(format!(
+                "{} is a directory (a file tree); hydration serves block volumes",
+                export.path.display()
+            )));
+        }
+        if let Some(h) = self.get(&req.export) {
+            let p = h.progress();
+            if p.phase != Phase::Complete && p.phase != Phase::Cancelled {
+                return Err(refused(format!(
+                    "it is already hydrating from {} ({}/{} regions)",
+                    h.source(),
+                    p.present,
+                    p.regions
+                )));
+            }
+        }
+        // A record left by a cancel or a crash: resumed if the source is the same.
+        if let Ok(b) = std::fs::read(self.record_path(&req.export))
+            && let Ok(mut old) = serde_json::from_slice::<Record>(&b)
+        {
+            if old.source != req.source {
+                return Err(refused(format!(
+                    "an unfinished hydration from another source ({:?}) holds it; start it again from that source, or remove {} to start over",
+                    old.source,
+                    self.record_path(&req.export).display()
+                )));
+            }
+            old.cancelled = false;
+            old.bwlimit = req.bwlimit;
+            if req.concurrency > 0 {
+                old.concurrency = req.concurrency;
+            }
+            self.save(&old).map_err(|e| self.state_err(e))?;
+            let source = self.connect(&old.source, old.region_size).await?;
+            return self.launch(old, Some(source)).await;
+        }
+        let region = if req.region_size == 0 {
+            1 << 20
+        } else {
+            req.region_size
+        };
+        let source = self.connect(&req.source, region).await?;
+        let (size, region) = (source.size(), source.region_size());
+        let fresh = prepare_local(&export.path, size, req.overwrite).map_err(refused)?;
+        let record = Record {
+            version: RECORD_VERSION,
+            export: req.export.clone(),
+            path: export.path.clone(),
+            source: req.source.clone(),
+            size,
+            region_size: region,
+            fresh,
+            bwlimit: req.bwlimit,
+            concurrency: if req.concurrency == 0 {
+                4
+            } else {
+                req.concurrency
+            },
+            cancelled: false,
+        };
+        BitmapFile::create(
+            &self.bitmap_path(&req.export),
+            size.div_ceil(region),
+            region,
+        )
+        .map_err(|e| self.state_err(e))?;
+        self.save(&record).map_err(|e| self.state_err(e))?;
+        self.launch(record, Some(source)).await
+    }
+
+    /// Stops a hydration: nothing more is fetched and the export is not served until
+    /// it is started again (it resumes where it stopped).
+    pub async fn cancel(&self, export: &str) -> Result<Arc<Hydration>, HydrateError> {
+        let h = self.get(export).ok_or_else(|| HydrateError::Refused {
+            what: format!("cancel of export {export}"),
+            why: "it is not hydrating".into(),
+        })?;
+        if h.progress().phase == Phase::Complete {
+            return Ok(h);
+        }
+        let path = self.record_path(export);
+        if let Ok(b) = std::fs::read(&path)
+            && let Ok(mut r) = serde_json::from_slice::<Record>(&b)
+        {
+            r.cancelled = true;
+            self.save(&r).map_err(|e| self.state_err(e))?;
+        }
+        h.cancel();
+        let _ = h.commit().await;
+        Ok(h)
+    }
+
+    fn state_err(&self, cause: io::Error) -> HydrateError {
+        HydrateError::Local {
+            path: self.dir.clone(),
+            cause,
+        }
+    }
+
+    async fn connect(
+        &self,
+        spec: &SourceSpec,
+        region: u64,
+    ) -> Result<Arc<dyn RegionSource>, HydrateError> {
+        match spec {
+            SourceSpec::Agent { url } => {
+                let u = parse_agent_url(url)?;
+                if let Err(e) = chunker::ChunkSize::new(region) {
+                    return Err(HydrateError::Refused {
+                        what: format!("region size {region}"),
+                        why: e.to_string(),
+                    });
+                }
+                Ok(Arc::new(
+                    AgentSource::connect(u, self.remote.clone(), region).await?,
+                ))
+            }
+            SourceSpec::Snapshot { repo, snapshot, .. } => {
+                let opts = repo_options(spec);
+                let r = crate::snapshot::open_repository(repo, &opts)
+                    .await
+                    .map_err(|e| HydrateError::Source {
+                        source_name: repo.clone(),
+                        message: e.to_string(),
+                        retryable: e.is_retryable(),
+                    })?;
+                Ok(Arc::new(SnapshotSource::open(r, snapshot).await?))
+            }
+        }
+    }
+
+    /// Opens the bitmap, makes the hydration and (unless cancelled) runs its filler.
+    async fn launch(
+        self: &Arc<Self>,
+        record: Record,
+        source: Option<Arc<dyn RegionSource>>,
+    ) -> Result<Arc<Hydration>, HydrateError> {
+        let regions = record.size.div_ceil(record.region_size);
+        let bp = self.bitmap_path(&record.export);
+        let (bitmap, map) =
+            BitmapFile::open(&bp, regions, record.region_size).map_err(|cause| {
+                HydrateError::Local {
+                    path: bp.clone(),
+                    cause,
+                }
+            })?;
+        let source = match source {
+            Some(s) => s,
+            None => Arc::new(super::source::Lazy::new(
+                record.source.clone(),
+                record.size,
+                record.region_size,
+                self.clone(),
+            )),
+        };
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&record.path)
+            .map_err(|cause| HydrateError::Local {
+                path: record.path.clone(),
+                cause,
+            })?;
+        let h = Hydration::new(
+            record.export.clone(),
+            record.path.clone(),
+            file,
+            record.fresh,
+            source,
+            bitmap,
+            map,
+            FillOptions {
+                concurrency: record.concurrency,
+                bwlimit: record.bwlimit,
+                ..Default::default()
+            },
+        );
+        if record.cancelled {
+            h.cancel();
+        }
+        self.active
+            .lock()
+            .expect("hydrations lock")
+            .insert(record.export.clone(), h.clone());
+        if !record.cancelled {
+            let (me, h2) = (self.clone(), h.clone());
+            tokio::spawn(async move {
+                h2.clone().run().await;
+                if h2.progress().phase == Phase::Complete {
+                    me.forget_files(h2.name());
+                }
+            });
+        }
+        Ok(h)
+    }
+
+    /// A complete hydration leaves no record: the export is an ordinary volume.
+    fn forget_files(&self, export: &str) {
+        for p in [self.record_path(export), self.bitmap_path(export)] {
+            if let Err(e) = std::fs::remove_file(&p)
+                && e.kind() != io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %p.display(), "cannot remove: {e}");
+            }
+        }
+        sync_dir(&self.dir);
+    }
+
+    /// Writes a record atomically (temporary file, fsync, rename, fsync of the directory).
+    fn save(&self, r: &Record) -> io::Result<()> {
+        let path = self.record_path(&r.export);
+        let tmp = path.with_extension("json.tmp");
+        let body = serde_json::to_vec_pretty(r).map_err(io::Error::other)?;
+        let f = std::fs::File::create(&tmp)?;
+        std::io::Write::write_all(&mut &f, &body)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+        sync_dir(&self.dir);
+        Ok(())
+    }
+
+    /// Opens the source a resumed hydration names (for [`super::source::Lazy`]).
+    pub(super) async fn reopen(
+        &self,
+        spec: &SourceSpec,
+        region: u64,
+    ) -> Result<Arc<dyn RegionSource>, HydrateError> {
+        self.connect(spec, region).await
+    }
+}
+
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+fn parse_agent_url(url: &str) -> Result<AgentUrl, HydrateError> {
+    match AgentUrl::parse(url) {
+        Some(Ok(u)) => Ok(u),
+        Some(Err(e)) => Err(HydrateError::Refused {
+            what: format!("source {url}"),
+            why: e.to_string(),
+        }),
+        None => Err(HydrateError::Refused {
+            what: format!("source {url}"),
+            why: "not an agent URL; write agent://HOST:PORT/VOLUME".into(),
+        }),
+    }
+}
+
+fn repo_options(spec: &SourceSpec) -> RepoOptions {
+    let SourceSpec::Snapshot {
+        s3_endpoint,
+        s3_region,
+        s3_virtual_host,
+        password_file,
+        key_file,
+        ..
+    } = spec
+    else {
+        return RepoOptions::default();
+    };
+    RepoOptions {
+        s3_endpoint: s3_endpoint.clone(),
+        s3_region: s3_region.clone(),
+        s3_virtual_host: *s3_virtual_host,
+        password_file: password_file.clone(),
+        key_file: key_file.clone(),
+        retry_max_secs: 30,
+        ..Default::default()
+    }
+}
+
+/// Makes the local volume ready to receive `size` bytes; whether it reads as zeros
+/// everywhere (a new sparse image). An image or device that may hold data is replaced
+/// only with `overwrite`.
+fn prepare_local(path: &Path, size: u64, overwrite: bool) -> Result<bool, String> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::metadata(path) {
+        Ok(m) if m.file_type().is_block_device() => {
+            if !overwrite {
+                return Err(format!(
+                    "{} is a block device and may hold data: pass --overwrite to replace it",
+                    path.display()
+                ));
+            }
+            let have = chunker::BlockVolume::open(path)
+                .map_err(|e| e.to_string())?
+                .size();
+            if have < size {
+                return Err(format!(
+                    "{} holds {have} bytes; the source is {size}",
+                    path.display()
+                ));
+            }
+            Ok(false)
+        }
+        Ok(m) if m.is_file() => {
+            if m.len() > 0 && !overwrite {
+                return Err(format!(
+                    "{} exists ({} bytes): pass --overwrite to replace it",
+                    path.display(),
+                    m.len()
+                ));
+            }
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+            f.set_len(0)
+                .and_then(|()| f.set_len(size))
+                .and_then(|()| f.sync_all())
+                .map_err(|e| format!("cannot size {}: {e}", path.display()))?;
+            Ok(true)
+        }
+        Ok(_) => Err(format!(
+            "{} is neither an image file nor a block device",
+            path.display()
+        )),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let f = std::fs::File::create(path)
+                .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+            f.set_len(size)
+                .and_then(|()| f.sync_all())
+                .map_err(|e| format!("cannot size {}: {e}", path.display()))?;
+            if let Some(d) = path.parent() {
+                sync_dir(d);
+            }
+            Ok(true)
+        }
+        Err(e) => Err(format!("cannot inspect {}: {e}", path.display())),
+    }
+}

@@ -1,0 +1,301 @@
+//! Volumes as the NBD server sees them ([`transport::nbd::NbdVolume`]): a plain local
+//! export, and a hydrating one whose reads wait for their regions.
+
+use super::engine::{Hydration, blocking};
+use std::{
+    fs::File,
+    io,
+    os::unix::fs::FileExt,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+use transport::nbd::{NbdVolume, STATE_HOLE, STATE_ZERO};
+
+/// At most this many extents answer one BLOCK_STATUS.
+const MAX_EXTENTS: usize = 1024;
+
+/// A block export (device or image file) served as it is.
+pub struct LocalVolume {
+    file: Arc<File>,
+    path: PathBuf,
+    size: u64,
+    read_only: bool,
+}
+
+impl LocalVolume {
+    /// Opens the device or image at `path`.
+    pub fn open(path: &Path, read_only: bool) -> io::Result<Self> {
+        let size = chunker::BlockVolume::open(path)
+            .map_err(|e| io::Error::other(e.to_string()))?
+            .size();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .open(path)?;
+        Ok(LocalVolume {
+            file: Arc::new(file),
+            path: path.into(),
+            size,
+            read_only,
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl NbdVolume for LocalVolume {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn preferred_block(&self) -> u32 {
+        4096
+    }
+
+    async fn read(&self, offset: u64, len: u32) -> io::Result<Vec<u8>> {
+        pread(&self.file, offset, len).await
+    }
+
+    async fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        pwrite(&self.file, offset, data.to_vec(), fua).await
+    }
+
+    async fn flush(&self) -> io::Result<()> {
+        let f = self.file.clone();
+        blocking(move || f.sync_data()).await
+    }
+
+    async fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+        zero(&self.file, &self.path, offset, len, true, fua).await
+    }
+
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_trim: bool,
+        fua: bool,
+    ) -> io::Result<()> {
+        zero(&self.file, &self.path, offset, len, may_trim, fua).await
+    }
+
+    async fn block_status(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
+        let f = self.file.clone();
+        let end = offset + len;
+        blocking(move || Ok(local_extents(&f, offset, end))).await
+    }
+
+    async fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
+        // Into the page cache ahead of the reads.
+        let _ = rustix::fs::fadvise(
+            &*self.file,
+            offset,
+            std::num::NonZeroU64::new(len),
+            rustix::fs::Advice::WillNeed,
+        );
+        Ok(())
+    }
+}
+
+/// An export being hydrated: a read of a missing region fetches it first; a write
+/// covering a region whole needs no fetch.
+pub struct HydratingVolume(pub Arc<Hydration>);
+
+impl HydratingVolume {
+    /// Runs a write-like operation: claims the whole regions, makes the partial ones
+    /// present, runs `op`, then marks the whole ones present.
+    async fn write_with(
+        &self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        op: impl std::future::Future<Output = io::Result<()>> + Send,
+    ) -> io::Result<()> {
+        let h = &self.0;
+        h.client_io();
+        let claim = h.prepare_write(offset, len).await?;
+        op.await?;
+        claim.done();
+        if fua {
+            h.commit().await?;
+        }
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl NbdVolume for HydratingVolume {
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+
+    fn read_only(&self) -> bool {
+        false
+    }
+
+    fn preferred_block(&self) -> u32 {
+        self.0.region_size().min(32 << 20) as u32
+    }
+
+    async fn read(&self, offset: u64, len: u32) -> io::Result<Vec<u8>> {
+        let h = &self.0;
+        h.client_io();
+        h.ensure(h.regions_of(offset, len as u64)).await?;
+        pread(h.file(), offset, len).await
+    }
+
+    async fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        let file = self.0.file().clone();
+        let data = data.to_vec();
+        self.write_with(offset, data.len() as u64, fua, async move {
+            pwrite(&file, offset, data, false).await
+        })
+        .await
+    }
+
+    async fn flush(&self) -> io::Result<()> {
+        self.0.commit().await
+    }
+
+    async fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+        self.write_zeroes(offset, len, true, fua).await
+    }
+
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_trim: bool,
+        fua: bool,
+    ) -> io::Result<()> {
+        let (file, path) = (self.0.file().clone(), self.0.path().to_path_buf());
+        self.write_with(offset, len, fua, async move {
+            zero(&file, &path, offset, len, may_trim, false).await
+        })
+        .await
+    }
+
+    async fn block_status(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
+        let h = self.0.clone();
+        let end = offset + len;
+        blocking(move || {
+            let mut out: Vec<(u64, u32)> = Vec::new();
+            let mut at = offset;
+            while at < end && out.len() < MAX_EXTENTS {
+                let r = at / h.region_size();
+                let stop = h.region_range(r).end.min(end);
+                let here = if h.is_present(r) {
+                    local_extents(h.file(), at, stop)
+                } else if h.is_source_hole(r) {
+                    vec![(stop - at, STATE_HOLE | STATE_ZERO)]
+                } else {
+                    vec![(stop - at, 0)]
+                };
+                for (l, f) in here {
+                    match out.last_mut() {
+                        Some(last) if last.1 == f => last.0 += l,
+                        _ => out.push((l, f)),
+                    }
+                }
+                at = stop;
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
+        let h = &self.0;
+        h.ensure(h.regions_of(offset, len)).await
+    }
+}
+
+async fn pread(file: &Arc<File>, offset: u64, len: u32) -> io::Result<Vec<u8>> {
+    let f = file.clone();
+    blocking(move || {
+        let mut buf = vec![0u8; len as usize];
+        f.read_exact_at(&mut buf, offset)?;
+        Ok(buf)
+    })
+    .await
+}
+
+async fn pwrite(file: &Arc<File>, offset: u64, data: Vec<u8>, fua: bool) -> io::Result<()> {
+    let f = file.clone();
+    blocking(move || {
+        f.write_all_at(&data, offset)?;
+        if fua {
+            f.sync_data()?;
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// Makes `[offset, offset + len)` read as zeros: a hole where allowed (`may_trim`), else
+/// zeroed in place; written zeros where the file system or device can do neither.
+async fn zero(
+    file: &Arc<File>,
+    path: &Path,
+    offset: u64,
+    len: u64,
+    may_trim: bool,
+    fua: bool,
+) -> io::Result<()> {
+    use rustix::fs::{FallocateFlags as F, fallocate};
+    let (f, path) = (file.clone(), path.to_path_buf());
+    blocking(move || {
+        let mut ways = vec![F::ZERO_RANGE | F::KEEP_SIZE];
+        if may_trim {
+            ways.insert(0, F::PUNCH_HOLE | F::KEEP_SIZE);
+        }
+        let done = ways
+            .into_iter()
+            .any(|w| fallocate(&*f, w, offset, len).is_ok());
+        if !done {
+            let zeros = vec![0u8; (len.min(1 << 20)) as usize];
+            let mut at = offset;
+            while at < offset + len {
+                let n = (offset + len - at).min(zeros.len() as u64) as usize;
+                f.write_all_at(&zeros[..n], at).map_err(|e| {
+                    io::Error::new(e.kind(), format!("zeroing {}: {e}", path.display()))
+                })?;
+                at += n as u64;
+            }
+        }
+        if fua {
+            f.sync_data()?;
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// The allocation of `[offset, end)` of a local file, from SEEK_DATA / SEEK_HOLE (a
+/// device, where the kernel cannot tell, is all data).
+fn local_extents(file: &File, offset: u64, end: u64) -> Vec<(u64, u32)> {
+    use rustix::fs::{SeekFrom, seek};
+    let mut out = Vec::new();
+    let mut at = offset;
+    while at < end && out.len() < MAX_EXTENTS {
+        let data = match seek(file, SeekFrom::Data(at)) {
+            Ok(d) => d.min(end),
+            Err(rustix::io::Errno::NXIO) => end,
+            Err(_) => at,
+        };
+        if data > at {
+            out.push((data - at, STATE_HOLE | STATE_ZERO));
+            at = data;
+            continue;
+        }
+        let hole = seek(file, SeekFrom::Hole(at))
+            .map_or(end, |h| h.min(end))
+            .max(at + 1);
+        out.push((hole - at, 0));
+        at = hole;
+    }
+    out
+}
