@@ -224,7 +224,11 @@ impl Server {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert!(socket.exists(), "the server never bound {}", socket.display());
+        assert!(
+            socket.exists(),
+            "the server never bound {}",
+            socket.display()
+        );
         Server {
             socket,
             stop: Some(stop),
@@ -309,7 +313,8 @@ fn sparse_image(path: &Path, size: u64, extents: &[(u64, usize)], seed: u64) {
     let f = File::create(path).unwrap();
     f.set_len(size).unwrap();
     for (i, &(offset, len)) in extents.iter().enumerate() {
-        f.write_all_at(&random(seed + i as u64, len), offset).unwrap();
+        f.write_all_at(&random(seed + i as u64, len), offset)
+            .unwrap();
     }
 }
 
@@ -447,7 +452,10 @@ async fn qemu_img_info_map_and_compare() {
         .map(|e| (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap()))
         .collect();
     // 100,000 bytes at 3 MiB allocate whole 4 KiB file system blocks.
-    assert_eq!(data, [(0, 65536), (3 * MIB, 100_000u64.next_multiple_of(4096))]);
+    assert_eq!(
+        data,
+        [(0, 65536), (3 * MIB, 100_000u64.next_multiple_of(4096))]
+    );
     let zero_bytes: u64 = map
         .as_array()
         .unwrap()
@@ -455,10 +463,17 @@ async fn qemu_img_info_map_and_compare() {
         .filter(|e| e["zero"] == true)
         .map(|e| e["length"].as_u64().unwrap())
         .sum();
-    assert_eq!(zero_bytes, 8 * MIB - 65536 - 100_000u64.next_multiple_of(4096));
+    assert_eq!(
+        zero_bytes,
+        8 * MIB - 65536 - 100_000u64.next_multiple_of(4096)
+    );
 
     let img_s = img.to_str().unwrap();
-    ok("qemu-img", &["compare", "-f", "raw", "-F", "raw", img_s, &uri]).await;
+    ok(
+        "qemu-img",
+        &["compare", "-f", "raw", "-F", "raw", img_s, &uri],
+    )
+    .await;
 
     // A file that differs in one byte: compare says so (exit 1) and where.
     let other = dir.path().join("other.img");
@@ -471,7 +486,15 @@ async fn qemu_img_info_map_and_compare() {
         .unwrap();
     let out = run(
         "qemu-img",
-        &["compare", "-f", "raw", "-F", "raw", other.to_str().unwrap(), &uri],
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            other.to_str().unwrap(),
+            &uri,
+        ],
     )
     .await;
     assert_eq!(out.status.code(), Some(1));
@@ -558,7 +581,11 @@ async fn nbdcopy_in_and_out_with_four_connections() {
     sparse_image(
         &src,
         size,
-        &[(0, 3 << 20), (5 * MIB + 12345, 777_777), (20 * MIB, 4 << 20)],
+        &[
+            (0, 3 << 20),
+            (5 * MIB + 12345, 777_777),
+            (20 * MIB, 4 << 20),
+        ],
         6,
     );
     let target = dir.path().join("target.img");
@@ -607,12 +634,20 @@ async fn a_read_only_export_refuses_writes() {
     // qemu sees NBD_FLAG_READ_ONLY and will not even open the export read-write
     // (the server's own EPERM is checked by the raw client below).
     assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).contains("Permission denied"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("Permission denied"),
+        "{}",
+        stderr(&out)
+    );
     assert!(!String::from_utf8_lossy(&out.stdout).contains("wrote "));
     assert_eq!(hash(&img), before);
 
     // Reading is fine.
-    ok("qemu-io", &["-r", "-f", "raw", "-c", "read 0 4096", &server.uri("ro")]).await;
+    ok(
+        "qemu-io",
+        &["-r", "-f", "raw", "-c", "read 0 4096", &server.uri("ro")],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -726,7 +761,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Raw<S> {
         s.read_exact(&mut b).await.unwrap();
         assert_eq!(&b[0..8], b"NBDMAGIC");
         assert_eq!(&b[8..16], b"IHAVEOPT");
-        assert_eq!(u16::from_be_bytes([b[16], b[17]]), 3, "FIXED_NEWSTYLE | NO_ZEROES");
+        assert_eq!(
+            u16::from_be_bytes([b[16], b[17]]),
+            3,
+            "FIXED_NEWSTYLE | NO_ZEROES"
+        );
         s.write_all(&client_flags.to_be_bytes()).await.unwrap();
         Raw { s }
     }
@@ -743,7 +782,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Raw<S> {
     async fn reply(&mut self, option: u32) -> (u32, Vec<u8>) {
         let mut h = [0u8; 20];
         self.s.read_exact(&mut h).await.unwrap();
-        assert_eq!(u64::from_be_bytes(h[0..8].try_into().unwrap()), 0x3e889045565a9);
+        assert_eq!(
+            u64::from_be_bytes(h[0..8].try_into().unwrap()),
+            0x3e889045565a9
+        );
         assert_eq!(u32::from_be_bytes(h[8..12].try_into().unwrap()), option);
         let rep = u32::from_be_bytes(h[12..16].try_into().unwrap());
         let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
@@ -778,8 +820,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Raw<S> {
             assert_eq!(self.ask(OPT_STRUCTURED_REPLY, &[]).await.0, REP_ACK);
         }
         if meta {
-            self.option(OPT_SET_META_CONTEXT, &meta_query(name, &["base:allocation"]))
-                .await;
+            self.option(
+                OPT_SET_META_CONTEXT,
+                &meta_query(name, &["base:allocation"]),
+            )
+            .await;
             let r = self.replies(OPT_SET_META_CONTEXT).await;
             assert_eq!(r.len(), 2, "{r:?}");
             assert_eq!(r[0].0, REP_META_CONTEXT);
@@ -799,7 +844,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Raw<S> {
     }
 
     async fn request(&mut self, flags: u16, kind: u16, cookie: u64, offset: u64, len: u32) {
-        self.s.write_all(&request(flags, kind, cookie, offset, len)).await.unwrap();
+        self.s
+            .write_all(&request(flags, kind, cookie, offset, len))
+            .await
+            .unwrap();
     }
 
     async fn write(&mut self, cookie: u64, offset: u64, data: &[u8]) {
@@ -847,7 +895,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Raw<S> {
     async fn read_data(&mut self, cookie: u64, offset: u64, len: u32) -> Vec<u8> {
         self.request(0, CMD_READ, cookie, offset, len).await;
         let c = self.done(cookie).await;
-        assert_eq!(u64::from_be_bytes(c.payload[0..8].try_into().unwrap()), offset);
+        assert_eq!(
+            u64::from_be_bytes(c.payload[0..8].try_into().unwrap()),
+            offset
+        );
         match c.kind {
             REPLY_TYPE_OFFSET_DATA => c.payload[8..].to_vec(),
             REPLY_TYPE_OFFSET_HOLE => {
@@ -907,7 +958,12 @@ fn meta_query(name: &str, queries: &[&str]) -> Vec<u8> {
 /// read-only 1 MiB "ro".
 async fn raw_fixture() -> (TempDir, Server) {
     let dir = TempDir::new().unwrap();
-    sparse_image(&dir.path().join("disk.img"), 4 * MIB, &[(0, MIB as usize)], 10);
+    sparse_image(
+        &dir.path().join("disk.img"),
+        4 * MIB,
+        &[(0, MIB as usize)],
+        10,
+    );
     sparse_image(&dir.path().join("ro.img"), MIB, &[(0, MIB as usize)], 11);
     let server = Server::start(
         dir.path(),
@@ -953,7 +1009,8 @@ async fn options_the_server_does_not_know_are_refused_and_haggling_goes_on() {
     assert_eq!(c.ask(OPT_STRUCTURED_REPLY, &[]).await.0, REP_ERR_INVALID);
 
     // LIST_META_CONTEXT: `base:` lists base:allocation; other namespaces find nothing.
-    c.option(OPT_LIST_META_CONTEXT, &meta_query("disk", &["base:"])).await;
+    c.option(OPT_LIST_META_CONTEXT, &meta_query("disk", &["base:"]))
+        .await;
     let r = c.replies(OPT_LIST_META_CONTEXT).await;
     assert_eq!(r.len(), 2);
     assert_eq!(r[0].0, REP_META_CONTEXT);
@@ -969,7 +1026,10 @@ async fn options_the_server_does_not_know_are_refused_and_haggling_goes_on() {
     assert_eq!(msg, "no export named \"nope\" here");
     c.option(OPT_INFO, &info_query("ro", &[1, 3])).await;
     let info = c.replies(OPT_INFO).await;
-    let kinds: Vec<_> = info.iter().map(|(rep, d)| (*rep, d.get(0..2).map(|k| k[1]))).collect();
+    let kinds: Vec<_> = info
+        .iter()
+        .map(|(rep, d)| (*rep, d.get(0..2).map(|k| k[1])))
+        .collect();
     assert_eq!(
         kinds,
         [
@@ -988,7 +1048,10 @@ async fn options_the_server_does_not_know_are_refused_and_haggling_goes_on() {
     assert_eq!(flags & FLAG_READ_ONLY, 0);
     assert_ne!(flags & FLAG_SEND_DF, 0);
     let data = c.read_data(1, 0, 4096).await;
-    assert_eq!(data, std::fs::read(_dir.path().join("disk.img")).unwrap()[..4096]);
+    assert_eq!(
+        data,
+        std::fs::read(_dir.path().join("disk.img")).unwrap()[..4096]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1055,7 +1118,10 @@ async fn bad_requests_get_structured_errors_and_the_connection_goes_on() {
     c.request(0, CMD_READ, 3, 0, (32 << 20) + 1).await;
     assert_eq!(c.done(3).await.error().0, EINVAL);
     c.request(0, 99, 4, 0, 512).await;
-    assert_eq!(c.done(4).await.error(), (EINVAL, "unknown command 99".into()));
+    assert_eq!(
+        c.done(4).await.error(),
+        (EINVAL, "unknown command 99".into())
+    );
     c.request(CMD_FLAG_NO_HOLE, CMD_READ, 5, 0, 512).await;
     assert_eq!(c.done(5).await.error().0, EINVAL);
     c.write(6, 4 * MIB - 100, &[1; 200]).await;
@@ -1082,13 +1148,27 @@ async fn bad_requests_get_structured_errors_and_the_connection_goes_on() {
     c.request(CMD_FLAG_DF, CMD_READ, 13, MIB - 512, 1024).await;
     let chunk = c.done(13).await;
     assert_eq!(chunk.kind, REPLY_TYPE_OFFSET_DATA);
-    assert_eq!(chunk.payload[8..], disk[MIB as usize - 512..MIB as usize + 512]);
+    assert_eq!(
+        chunk.payload[8..],
+        disk[MIB as usize - 512..MIB as usize + 512]
+    );
 
-    c.request(0, CMD_BLOCK_STATUS, 14, MIB - 4096, (2 * MIB) as u32).await;
+    c.request(0, CMD_BLOCK_STATUS, 14, MIB - 4096, (2 * MIB) as u32)
+        .await;
     let bs = c.done(14).await;
     assert_eq!(bs.kind, REPLY_TYPE_BLOCK_STATUS);
-    assert_eq!(descriptors(&bs.payload), [(4096, 0), ((2 * MIB - 4096) as u32, 3)]);
-    c.request(CMD_FLAG_REQ_ONE, CMD_BLOCK_STATUS, 15, MIB - 4096, (3 * MIB + 4096) as u32).await;
+    assert_eq!(
+        descriptors(&bs.payload),
+        [(4096, 0), ((2 * MIB - 4096) as u32, 3)]
+    );
+    c.request(
+        CMD_FLAG_REQ_ONE,
+        CMD_BLOCK_STATUS,
+        15,
+        MIB - 4096,
+        (3 * MIB + 4096) as u32,
+    )
+    .await;
     let bs = c.done(15).await;
     assert_eq!(bs.kind, REPLY_TYPE_BLOCK_STATUS);
     assert_eq!(descriptors(&bs.payload), [(4096, 0)]);
@@ -1101,7 +1181,11 @@ async fn bad_requests_get_structured_errors_and_the_connection_goes_on() {
 
 /// The (length, flags) descriptors of a block status payload (after the context id).
 fn descriptors(payload: &[u8]) -> Vec<(u32, u32)> {
-    assert_eq!(u32::from_be_bytes(payload[0..4].try_into().unwrap()), 1, "context id");
+    assert_eq!(
+        u32::from_be_bytes(payload[0..4].try_into().unwrap()),
+        1,
+        "context id"
+    );
     payload[4..]
         .chunks(8)
         .map(|d| {
@@ -1119,7 +1203,11 @@ async fn block_status_without_a_context_is_einval() {
     let mut c = Raw::connect(&server).await;
     // base:allocation selected for another export than the one chosen: not valid.
     assert_eq!(c.ask(OPT_STRUCTURED_REPLY, &[]).await.0, REP_ACK);
-    c.option(OPT_SET_META_CONTEXT, &meta_query("ro", &["base:allocation"])).await;
+    c.option(
+        OPT_SET_META_CONTEXT,
+        &meta_query("ro", &["base:allocation"]),
+    )
+    .await;
     assert_eq!(c.replies(OPT_SET_META_CONTEXT).await.len(), 2);
     c.go("disk", false, false).await;
     c.request(0, CMD_BLOCK_STATUS, 1, 0, 4096).await;
@@ -1140,7 +1228,8 @@ async fn a_read_only_export_answers_eperm_and_reads_on() {
     assert_eq!(msg, "export \"ro\" is read-only");
     c.request(0, CMD_TRIM, 2, 0, 4096).await;
     assert_eq!(c.done(2).await.error().0, EPERM);
-    c.request(CMD_FLAG_NO_HOLE, CMD_WRITE_ZEROES, 3, 0, 4096).await;
+    c.request(CMD_FLAG_NO_HOLE, CMD_WRITE_ZEROES, 3, 0, 4096)
+        .await;
     assert_eq!(c.done(3).await.error().0, EPERM);
     c.request(0, CMD_FLUSH, 4, 0, 0).await;
     assert_eq!(c.done(4).await.kind, REPLY_TYPE_NONE);
@@ -1167,8 +1256,12 @@ async fn pipelined_requests_are_all_answered_before_disc_closes() {
         }
         let zero = request(CMD_FLAG_FUA, CMD_WRITE_ZEROES, N, 0, 65536);
         wr.write_all(&zero).await.unwrap();
-        wr.write_all(&request(0, CMD_FLUSH, N + 1, 0, 0)).await.unwrap();
-        wr.write_all(&request(0, CMD_DISC, N + 2, 0, 0)).await.unwrap();
+        wr.write_all(&request(0, CMD_FLUSH, N + 1, 0, 0))
+            .await
+            .unwrap();
+        wr.write_all(&request(0, CMD_DISC, N + 2, 0, 0))
+            .await
+            .unwrap();
         wr
     });
     let mut all = Vec::new();
@@ -1191,7 +1284,11 @@ async fn pipelined_requests_are_all_answered_before_disc_closes() {
     assert!(disk[..65536].iter().all(|&b| b == 0));
     for i in 0..N as usize {
         let at = MIB as usize + i * 4096;
-        assert_eq!(disk[at..at + 4096], random(1000 + i as u64, 4096), "block {i}");
+        assert_eq!(
+            disk[at..at + 4096],
+            random(1000 + i as u64, 4096),
+            "block {i}"
+        );
     }
 }
 
@@ -1199,8 +1296,10 @@ async fn pipelined_requests_are_all_answered_before_disc_closes() {
 async fn serve_connection_over_any_stream_reports_how_it_ended() {
     let dir = TempDir::new().unwrap();
     sparse_image(&dir.path().join("disk.img"), MIB, &[(0, 4096)], 12);
-    let exports: Arc<dyn NbdExports> =
-        Arc::new(Exports(vec![Export::new("disk", &dir.path().join("disk.img"))]));
+    let exports: Arc<dyn NbdExports> = Arc::new(Exports(vec![Export::new(
+        "disk",
+        &dir.path().join("disk.img"),
+    )]));
 
     // A clean session: Ok once the client disconnects.
     let (client, server_end) = tokio::io::duplex(1 << 16);
@@ -1217,7 +1316,16 @@ async fn serve_connection_over_any_stream_reports_how_it_ended() {
     c.go("disk", true, false).await;
     c.s.write_all(&[0x55; 28]).await.unwrap();
     let err = served.await.unwrap().unwrap_err();
-    assert!(matches!(err, NbdError::BadMagic { got: 0x5555_5555, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            NbdError::BadMagic {
+                got: 0x5555_5555,
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(!err.is_disconnect());
 
     // A client vanishing mid-request: a disconnect, not worth a warning.
@@ -1225,7 +1333,9 @@ async fn serve_connection_over_any_stream_reports_how_it_ended() {
     let served = tokio::spawn(serve_connection(server_end, exports.clone()));
     let mut c = Raw::hello(client, 3).await;
     c.go("disk", true, false).await;
-    c.s.write_all(&request(0, CMD_WRITE, 1, 0, 4096)[..]).await.unwrap();
+    c.s.write_all(&request(0, CMD_WRITE, 1, 0, 4096)[..])
+        .await
+        .unwrap();
     c.s.write_all(&[0; 100]).await.unwrap();
     drop(c);
     let err = served.await.unwrap().unwrap_err();

@@ -283,7 +283,10 @@ impl Haggle<'_> {
         let matched = if set {
             queries.contains(&BASE_ALLOCATION)
         } else {
-            queries.is_empty() || queries.iter().any(|q| *q == "base:" || *q == BASE_ALLOCATION)
+            queries.is_empty()
+                || queries
+                    .iter()
+                    .any(|q| *q == "base:" || *q == BASE_ALLOCATION)
         };
         let mut out = Vec::new();
         if matched {

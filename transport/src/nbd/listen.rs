@@ -68,7 +68,9 @@ where
         tracing::debug!(%peer, "NBD connection");
         match serve_connection(stream, exports).await {
             Ok(()) => tracing::debug!(%peer, "NBD connection closed"),
-            Err(e) if e.is_disconnect() => tracing::debug!(%peer, error = %e, "NBD client went away"),
+            Err(e) if e.is_disconnect() => {
+                tracing::debug!(%peer, error = %e, "NBD client went away")
+            }
             Err(e) => tracing::warn!(%peer, error = %e, "NBD connection failed"),
         }
     });

@@ -1,4 +1,4 @@
-//! The NBD protocol, server side (https://github.com/NetworkBlockDevice/nbd/blob/master/doc/proto.md):
+//! The NBD protocol, server side (<https://github.com/NetworkBlockDevice/nbd/blob/master/doc/proto.md>):
 //! fixed newstyle handshake, structured replies, the `base:allocation` meta context, and
 //! the transmission phase. What a volume *is* (a plain export, a hydrating one) lives in
 //! the `mover` crate behind [`NbdVolume`]; this module is only the wire.
@@ -71,8 +71,13 @@ pub trait NbdVolume: Send + Sync {
     /// Discards a range (it may read back as zeros or as what was there).
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()>;
     /// Writes zeros over a range (`may_trim`: punching a hole is fine).
-    async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool, fua: bool)
-    -> io::Result<()>;
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_trim: bool,
+        fua: bool,
+    ) -> io::Result<()>;
     /// The allocation of `[offset, offset + len)` as consecutive extents starting at
     /// `offset`: (length, [`STATE_HOLE`] | [`STATE_ZERO`] flags). They may cover only a
     /// prefix of the range, never less than one byte.

@@ -117,7 +117,13 @@ async fn read_requests<R: AsyncRead + Unpin>(
         let slot = slots.clone().acquire_owned().await.expect("never closed");
         let holds_payload = matches!(req.kind, CMD_READ | CMD_WRITE) && req.len <= MAX_PAYLOAD;
         let bytes = if holds_payload && req.len > 0 {
-            Some(bytes.clone().acquire_many_owned(req.len).await.expect("never closed"))
+            Some(
+                bytes
+                    .clone()
+                    .acquire_many_owned(req.len)
+                    .await
+                    .expect("never closed"),
+            )
         } else {
             None
         };
@@ -130,8 +136,11 @@ async fn read_requests<R: AsyncRead + Unpin>(
                     });
                 }
                 // Thrown away; the command answers EINVAL.
-                tokio::io::copy(&mut (&mut *reader).take(req.len.into()), &mut tokio::io::sink())
-                    .await?;
+                tokio::io::copy(
+                    &mut (&mut *reader).take(req.len.into()),
+                    &mut tokio::io::sink(),
+                )
+                .await?;
                 None
             } else {
                 let mut data = vec![0u8; req.len as usize];
@@ -217,7 +226,10 @@ async fn execute(s: &Session, req: &Request, payload: Option<Vec<u8>>) -> Result
             if len == 0 {
                 return Ok(Done::Data(Vec::new()));
             }
-            let data = v.read(offset, req.len).await.map_err(volume_error("read"))?;
+            let data = v
+                .read(offset, req.len)
+                .await
+                .map_err(volume_error("read"))?;
             if data.len() != req.len as usize {
                 return fail(
                     EIO,
@@ -268,9 +280,7 @@ async fn execute(s: &Session, req: &Request, payload: Option<Vec<u8>>) -> Result
         CMD_CACHE => {
             in_range(v.size(), req, EINVAL)?;
             if len > 0 {
-                v.cache(offset, len)
-                    .await
-                    .map_err(volume_error("cache"))?;
+                v.cache(offset, len).await.map_err(volume_error("cache"))?;
             }
             Ok(Done::Ok)
         }
@@ -304,7 +314,10 @@ fn max_payload(req: &Request) -> Result<(), Failure> {
     if req.len > MAX_PAYLOAD {
         return fail(
             EINVAL,
-            format!("{} bytes is more than the maximum payload {MAX_PAYLOAD}", req.len),
+            format!(
+                "{} bytes is more than the maximum payload {MAX_PAYLOAD}",
+                req.len
+            ),
         );
     }
     Ok(())
@@ -433,7 +446,11 @@ mod tests {
             vec![(1 << 20, 3)]
         );
         assert_eq!(
-            descriptors(&[(4096, 0), (4096, 0), (8192, 3), (1 << 40, 0)], 20000, false),
+            descriptors(
+                &[(4096, 0), (4096, 0), (8192, 3), (1 << 40, 0)],
+                20000,
+                false
+            ),
             vec![(8192, 0), (8192, 3), (20000 - 16384, 0)]
         );
         // Unknown flag bits are reserved: not passed on.
@@ -475,7 +492,13 @@ mod tests {
             len,
         };
         assert!(in_range(4096, &req(0, 4096), EINVAL).is_ok());
-        assert_eq!(in_range(4096, &req(1, 4096), EINVAL).unwrap_err().errno, EINVAL);
-        assert_eq!(in_range(4096, &req(u64::MAX, 2), ENOSPC).unwrap_err().errno, ENOSPC);
+        assert_eq!(
+            in_range(4096, &req(1, 4096), EINVAL).unwrap_err().errno,
+            EINVAL
+        );
+        assert_eq!(
+            in_range(4096, &req(u64::MAX, 2), ENOSPC).unwrap_err().errno,
+            ENOSPC
+        );
     }
 }
