@@ -36,6 +36,8 @@ struct FileVolume {
     size: u64,
     read_only: bool,
     preferred: u32,
+    /// Reads at offset 0 panic, at 4096 fail with EOVERFLOW, at 8192 with ENOENT.
+    faulty: bool,
 }
 
 impl FileVolume {
@@ -65,6 +67,12 @@ impl NbdVolume for FileVolume {
     }
 
     async fn read(&self, offset: u64, len: u32) -> io::Result<Vec<u8>> {
+        match offset {
+            0 if self.faulty => panic!("a volume bug"),
+            4096 if self.faulty => return Err(io::Error::from_raw_os_error(75)),
+            8192 if self.faulty => return Err(io::Error::from_raw_os_error(2)),
+            _ => {}
+        }
         self.blocking(move |f| {
             let mut buf = vec![0u8; len as usize];
             f.read_exact_at(&mut buf, offset)?;
@@ -150,6 +158,7 @@ struct Export {
     read_only: bool,
     description: &'static str,
     preferred: u32,
+    faulty: bool,
 }
 
 impl Export {
@@ -160,6 +169,7 @@ impl Export {
             read_only: false,
             description: "",
             preferred: 4096,
+            faulty: false,
         }
     }
 }
@@ -191,6 +201,7 @@ impl NbdExports for Exports {
             size,
             read_only: e.read_only,
             preferred: e.preferred,
+            faulty: e.faulty,
         }))
     }
 }
@@ -218,17 +229,15 @@ impl Server {
             })
             .await
         });
-        for _ in 0..500 {
-            if socket.exists() {
+        // Listening once a connection goes through (a stale socket file may be there
+        // before the server replaces it).
+        for i in 0.. {
+            if UnixStream::connect(&socket).await.is_ok() {
                 break;
             }
+            assert!(i < 500, "the server never listened on {}", socket.display());
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert!(
-            socket.exists(),
-            "the server never bound {}",
-            socket.display()
-        );
         Server {
             socket,
             stop: Some(stop),
@@ -1340,4 +1349,89 @@ async fn serve_connection_over_any_stream_reports_how_it_ended() {
     drop(c);
     let err = served.await.unwrap().unwrap_err();
     assert!(err.is_disconnect(), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_failures_reach_the_client_and_the_connection_goes_on() {
+    let dir = TempDir::new().unwrap();
+    let img = dir.path().join("faulty.img");
+    sparse_image(&img, MIB, &[(0, MIB as usize)], 13);
+    let server = Server::start(
+        dir.path(),
+        vec![Export {
+            faulty: true,
+            ..Export::new("faulty", &img)
+        }],
+    )
+    .await;
+    let mut c = Raw::connect(&server).await;
+    c.go("faulty", true, false).await;
+
+    c.request(0, CMD_READ, 1, 0, 512).await;
+    assert_eq!(c.done(1).await.error().0, 5, "a panic is EIO");
+    c.request(0, CMD_READ, 2, 4096, 512).await;
+    let (errno, msg) = c.done(2).await.error();
+    assert_eq!(errno, 75, "EOVERFLOW is passed on");
+    assert!(msg.starts_with("read: "), "{msg}");
+    c.request(0, CMD_READ, 3, 8192, 512).await;
+    assert_eq!(c.done(3).await.error().0, 5, "ENOENT is no NBD error: EIO");
+    let data = c.read_data(4, 65536, 512).await;
+    assert_eq!(data, std::fs::read(&img).unwrap()[65536..65536 + 512]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_tcp_serves_nbdinfo() {
+    if !have(&["nbdinfo"]) {
+        return;
+    }
+    let dir = TempDir::new().unwrap();
+    let img = dir.path().join("disk.img");
+    sparse_image(&img, 2 * MIB, &[(0, 4096)], 14);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let exports: Arc<dyn NbdExports> = Arc::new(Exports(vec![Export::new("disk", &img)]));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(transport::nbd::serve_tcp(listener, exports, async {
+        let _ = stopped.await;
+    }));
+
+    let info = json(
+        &ok(
+            "nbdinfo",
+            &["--json", &format!("nbd://127.0.0.1:{port}/disk")],
+        )
+        .await,
+    );
+    assert_eq!(info["exports"][0]["export-size"], 2 * MIB);
+
+    stop.send(()).unwrap();
+    server.await.unwrap().unwrap();
+    // No longer accepting.
+    assert!(
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_unix_replaces_a_stale_socket_but_not_a_file() {
+    let dir = TempDir::new().unwrap();
+    let img = dir.path().join("disk.img");
+    sparse_image(&img, MIB, &[], 15);
+    // A socket file left by a server that died.
+    drop(std::os::unix::net::UnixListener::bind(dir.path().join("nbd.sock")).unwrap());
+    let server = Server::start(dir.path(), vec![Export::new("disk", &img)]).await;
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.go("disk", false, false).await.0, MIB);
+    server.stop().await;
+
+    let exports: Arc<dyn NbdExports> = Arc::new(Exports(vec![]));
+    let err = serve_unix(&img, exports, async {}).await.unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::AlreadyExists);
+    assert_eq!(
+        std::fs::metadata(&img).unwrap().len(),
+        MIB,
+        "the file is untouched"
+    );
 }

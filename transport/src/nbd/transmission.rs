@@ -158,7 +158,15 @@ async fn read_requests<R: AsyncRead + Unpin>(
         let session = session.clone();
         let tx = tx.clone();
         tokio::spawn(async move {
-            let outcome = execute(&session, &req, payload).await;
+            // The command runs in a task of its own so that a volume that panics costs
+            // the client an EIO rather than a reply that never comes.
+            let s = session.clone();
+            let outcome = tokio::spawn(async move { execute(&s, &req, payload).await })
+                .await
+                .unwrap_or_else(|e| {
+                    tracing::error!(export = %session.name, ?req, error = %e, "NBD command panicked");
+                    fail(EIO, "the server failed serving this request")
+                });
             if let Err(f) = &outcome {
                 tracing::debug!(export = %session.name, ?req, errno = f.errno, message = %f.message, "NBD request failed");
             }
