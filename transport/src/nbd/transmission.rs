@@ -73,12 +73,17 @@ where
     let (tx, rx) = mpsc::channel(MAX_IN_FLIGHT);
     let writer = tokio::spawn(write_replies(writer, rx));
     let read = read_requests(&mut reader, &session, &tx).await;
-    // Every request in flight holds a sender: the writer ends once they have replied.
     drop(tx);
+    if let Err(e) = read {
+        // A hard disconnect: replies still to come need not reach a client that broke
+        // the protocol (and may not be reading). Commands in flight still finish.
+        writer.abort();
+        return Err(e);
+    }
+    // Every request in flight holds a sender: the writer ends once they have replied.
     let written = writer
         .await
         .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-    read?;
     Ok(written?)
 }
 
