@@ -1,4 +1,4 @@
-//! The NBD protocol, server side (https://github.com/NetworkBlockDevice/nbd/blob/master/doc/proto.md):
+//! The NBD protocol, server side (<https://github.com/NetworkBlockDevice/nbd/blob/master/doc/proto.md>):
 //! fixed newstyle handshake, structured replies, the `base:allocation` meta context, and
 //! the transmission phase. What a volume *is* (a plain export, a hydrating one) lives in
 //! the `mover` crate behind [`NbdVolume`]; this module is only the wire.
@@ -27,8 +27,10 @@ pub use error::NbdError;
 pub use listen::{serve_tcp, serve_unix};
 
 /// Serves one client on `stream` (a socket, or anything that reads and writes): the
-/// handshake, then requests until the client disconnects. Returns once every request in
-/// flight has been answered. `Ok` also when the client left during the handshake.
+/// handshake, then requests until the client disconnects. After NBD_CMD_DISC (or the
+/// client closing) it returns once every request in flight has been answered; a protocol
+/// violation ends it at once with an error. `Ok` also when the client left during the
+/// handshake.
 pub async fn serve_connection<S>(stream: S, exports: Arc<dyn NbdExports>) -> Result<(), NbdError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,

@@ -73,12 +73,17 @@ where
     let (tx, rx) = mpsc::channel(MAX_IN_FLIGHT);
     let writer = tokio::spawn(write_replies(writer, rx));
     let read = read_requests(&mut reader, &session, &tx).await;
-    // Every request in flight holds a sender: the writer ends once they have replied.
     drop(tx);
+    if let Err(e) = read {
+        // A hard disconnect: replies still to come need not reach a client that broke
+        // the protocol (and may not be reading). Commands in flight still finish.
+        writer.abort();
+        return Err(e);
+    }
+    // Every request in flight holds a sender: the writer ends once they have replied.
     let written = writer
         .await
         .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-    read?;
     Ok(written?)
 }
 
@@ -158,7 +163,15 @@ async fn read_requests<R: AsyncRead + Unpin>(
         let session = session.clone();
         let tx = tx.clone();
         tokio::spawn(async move {
-            let outcome = execute(&session, &req, payload).await;
+            // The command runs in a task of its own so that a volume that panics costs
+            // the client an EIO rather than a reply that never comes.
+            let s = session.clone();
+            let outcome = tokio::spawn(async move { execute(&s, &req, payload).await })
+                .await
+                .unwrap_or_else(|e| {
+                    tracing::error!(export = %session.name, ?req, error = %e, "NBD command panicked");
+                    fail(EIO, "the server failed serving this request")
+                });
             if let Err(f) = &outcome {
                 tracing::debug!(export = %session.name, ?req, errno = f.errno, message = %f.message, "NBD request failed");
             }

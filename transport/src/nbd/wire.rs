@@ -303,7 +303,7 @@ mod tests {
         assert_eq!(
             option_reply(OPT_GO, REP_ERR_UNKNOWN, b"no"),
             [
-                0, 0, 3, 0xe8, 0x89, 0x04, 0x55, 0x65, 0xa9, // magic
+                0, 3, 0xe8, 0x89, 0x04, 0x55, 0x65, 0xa9, // magic
                 0, 0, 0, 7, // option
                 0x80, 0, 0, 6, // reply type
                 0, 0, 0, 2, // length
