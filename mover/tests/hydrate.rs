@@ -5,8 +5,9 @@
 mod common;
 
 use common::{
-    MIB, blake3_of, make_image,
+    MIB,
     agent::{Agent, TOKEN},
+    blake3_of, make_image,
 };
 use std::{
     fs::File,
@@ -42,7 +43,13 @@ fn control(a: &Agent) -> String {
 }
 
 fn status(a: &Agent, export: &str) -> serde_json::Value {
-    let out = ok(hydrate(&["status", export, "--json", "--agent", &control(a)]));
+    let out = ok(hydrate(&[
+        "status",
+        export,
+        "--json",
+        "--agent",
+        &control(a),
+    ]));
     serde_json::from_str(&out).unwrap()
 }
 
@@ -196,7 +203,10 @@ fn clients_read_and_write_a_volume_while_it_hydrates() {
     // While incomplete, peers cannot read it through the agent.
     let copy_out = common::agent::copy(
         &p.dir.path().join("state-c"),
-        &[&p.dst.url("dst"), p.dir.path().join("peer.img").to_str().unwrap()],
+        &[
+            &p.dst.url("dst"),
+            p.dir.path().join("peer.img").to_str().unwrap(),
+        ],
     );
     if status(&p.dst, "dst")["phase"] == "Hydrating" {
         assert!(!copy_out.status.success());
@@ -218,7 +228,10 @@ fn clients_read_and_write_a_volume_while_it_hydrates() {
     );
     let want = expected(&p.src_img, &writes);
     let have = std::fs::read(&p.dst_img).unwrap();
-    assert!(have == want, "the hydrated image is the source plus the clients' writes");
+    assert!(
+        have == want,
+        "the hydrated image is the source plus the clients' writes"
+    );
     // The same through NBD, in four connections, and qemu-img compare with a file.
     let copy = p.dir.path().join("out.img");
     let o = tool(
@@ -229,7 +242,15 @@ fn clients_read_and_write_a_volume_while_it_hydrates() {
     assert_eq!(blake3_of(&copy, SIZE), blake3_of(&p.dst_img, SIZE));
     let o = tool(
         "qemu-img",
-        &["compare", "-f", "raw", "-F", "raw", &u, copy.to_str().unwrap()],
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            &u,
+            copy.to_str().unwrap(),
+        ],
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
     // Complete: the record is dropped and peers may read it again.
@@ -250,7 +271,15 @@ fn bad_starts_are_refused_with_what_to_do() {
     // Unknown export, unknown source volume.
     let out = hydrate(&["start", "nope", "--from", &p.src.url("src"), "--agent", &c]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("exports no"));
-    let out = hydrate(&["start", "dst", "--from", &p.src.url("nosuch"), "--agent", &c, "--overwrite"]);
+    let out = hydrate(&[
+        "start",
+        "dst",
+        "--from",
+        &p.src.url("nosuch"),
+        "--agent",
+        &c,
+        "--overwrite",
+    ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("nosuch"));
     assert_eq!(std::fs::read(&p.dst_img).unwrap(), b"precious");
@@ -271,7 +300,10 @@ fn bad_starts_are_refused_with_what_to_do() {
     );
     // And a plain export reads back as its file.
     let copy = p.dir.path().join("plain.img");
-    let o = tool("nbdcopy", &["--connections", "4", &u, copy.to_str().unwrap()]);
+    let o = tool(
+        "nbdcopy",
+        &["--connections", "4", &u, copy.to_str().unwrap()],
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(blake3_of(&copy, SIZE), blake3_of(&p.src_img, SIZE));
 }
@@ -324,7 +356,9 @@ fn an_unreachable_source_gives_eio_for_missing_regions_only_then_the_fill_comple
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(text.contains("Input/output error"), "{text}");
-    wait_until("degraded", 30, || status(&p.dst, "dst")["phase"] == "Degraded");
+    wait_until("degraded", 30, || {
+        status(&p.dst, "dst")["phase"] == "Degraded"
+    });
     // It comes back on the same port: the fill completes.
     let fresh = Agent::spawn(p.src.config.clone(), p.src.port, p.src.metrics_port);
     std::mem::forget(std::mem::replace(&mut p.src, fresh));
@@ -337,7 +371,7 @@ fn hydrates_from_a_snapshot_in_s3() {
     use snapshots::testing::{ACCESS_KEY, S3Server, SECRET_KEY};
     let dir = tempfile::tempdir().unwrap();
     let server = S3Server::start(&dir.path().join("s3"));
-    server.create_bucket("dr");
+    server.create_bucket("dr-vols");
     let img = dir.path().join("vol.img");
     make_image(&img, 32 * MIB, 3, &[(0, 10 * MIB), (20 * MIB, 5 * MIB)]);
     write_at(&img, 21_000_000, &[0x77; 4096]);
@@ -360,12 +394,12 @@ fn hydrates_from_a_snapshot_in_s3() {
             .unwrap();
         ok(out)
     };
-    run(&["repo", "init", "s3://dr/vols"]);
+    run(&["repo", "init", "s3://dr-vols/pg"]);
     let snap: serde_json::Value = serde_json::from_str(&run(&[
         "snapshot",
         "create",
         "--json",
-        "s3://dr/vols",
+        "s3://dr-vols/pg",
         img.to_str().unwrap(),
     ]))
     .unwrap();
@@ -381,7 +415,7 @@ fn hydrates_from_a_snapshot_in_s3() {
         "start",
         "vol",
         "--from-snapshot",
-        "s3://dr/vols",
+        "s3://dr-vols/pg",
         &id,
         "--password-file",
         pw.to_str().unwrap(),
