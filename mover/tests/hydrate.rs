@@ -441,3 +441,101 @@ fn write_at(path: &Path, off: u64, data: &[u8]) {
         .write_all_at(data, off)
         .unwrap();
 }
+
+/// nbdfuse serving an NBD export as a file, unmounted on drop.
+struct Fuse {
+    dir: PathBuf,
+    child: std::process::Child,
+}
+
+impl Fuse {
+    fn new(dir: &Path, uri: &str) -> Fuse {
+        std::fs::create_dir_all(dir).unwrap();
+        let pid = dir.with_extension("pid");
+        let child = Command::new("nbdfuse")
+            .args(["-P", pid.to_str().unwrap()])
+            .arg(dir.join("disk"))
+            .arg(uri)
+            .spawn()
+            .expect("nbdfuse runs (apt-get install libnbd-bin fuse3)");
+        wait_until("nbdfuse to serve", 20, || pid.exists());
+        Fuse {
+            dir: dir.into(),
+            child,
+        }
+    }
+}
+
+impl Drop for Fuse {
+    fn drop(&mut self) {
+        let _ = Command::new("fusermount3").arg("-u").arg(&self.dir).status();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn an_ext4_volume_is_mounted_and_used_while_it_hydrates() {
+    use common::{LoopDevice, Mount};
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir_all(a.join("tree")).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    // The source: an ext4 volume holding a text file and 20 MiB of random data.
+    std::fs::write(a.join("tree/hello.txt"), "hello from the source\n").unwrap();
+    make_image(&a.join("tree/big.bin"), 20 * MIB, 11, &[(0, 20 * MIB)]);
+    let src_img = a.join("src.img");
+    File::create(&src_img).unwrap().set_len(128 * MIB).unwrap();
+    let mkfs = Command::new("mkfs.ext4")
+        .args(["-q", "-d"])
+        .arg(a.join("tree"))
+        .arg(&src_img)
+        .output()
+        .unwrap();
+    assert!(mkfs.status.success(), "{mkfs:?}");
+    let big = blake3_of(&a.join("tree/big.bin"), 20 * MIB);
+
+    let src = Agent::start(&a, &[("src", &src_img, true)], None);
+    let dst_img = b.join("dst.img");
+    let dst = Agent::start(&b, &[("vol", &dst_img, false)], None);
+    let c = control(&dst);
+    ok(hydrate(&[
+        "start", "vol", "--from", &src.url("src"), "--agent", &c, "--bwlimit", "4M",
+        "--concurrency", "1",
+    ]));
+    {
+        // Mounted through nbdfuse and a loop device before the data is here.
+        let fuse = Fuse::new(&b.join("fuse"), &uri(&b, "vol"));
+        let dev = LoopDevice::attach(&fuse.dir.join("disk"));
+        let m = Mount::new(&dev.path, &b.join("mnt"));
+        assert!(
+            status(&dst, "vol")["phase"] == "Hydrating",
+            "the mount ran ahead of the filler"
+        );
+        assert_eq!(
+            std::fs::read_to_string(m.dir.join("hello.txt")).unwrap(),
+            "hello from the source\n"
+        );
+        assert_eq!(blake3_of(&m.dir.join("big.bin"), 20 * MIB), big);
+        std::fs::write(m.dir.join("written.txt"), "written while hydrating\n").unwrap();
+        let f = File::open(&m.dir).unwrap();
+        rustix::fs::syncfs(&f).unwrap();
+        drop(f);
+        drop(m);
+        drop(dev);
+        drop(fuse);
+    }
+    ok(hydrate(&["wait", "vol", "--agent", &c]));
+    let fsck = Command::new("e2fsck").args(["-fn"]).arg(&dst_img).output().unwrap();
+    assert!(
+        fsck.status.success(),
+        "e2fsck -fn is clean: {}",
+        String::from_utf8_lossy(&fsck.stdout)
+    );
+    let dev = LoopDevice::attach(&dst_img);
+    let m = Mount::new(&dev.path, &b.join("mnt2"));
+    assert_eq!(
+        std::fs::read_to_string(m.dir.join("written.txt")).unwrap(),
+        "written while hydrating\n"
+    );
+    assert_eq!(blake3_of(&m.dir.join("big.bin"), 20 * MIB), big);
+}
