@@ -468,7 +468,10 @@ impl Fuse {
 
 impl Drop for Fuse {
     fn drop(&mut self) {
-        let _ = Command::new("fusermount3").arg("-u").arg(&self.dir).status();
+        let _ = Command::new("fusermount3")
+            .arg("-u")
+            .arg(&self.dir)
+            .status();
         let _ = self.child.wait();
     }
 }
@@ -499,8 +502,16 @@ fn an_ext4_volume_is_mounted_and_used_while_it_hydrates() {
     let dst = Agent::start(&b, &[("vol", &dst_img, false)], None);
     let c = control(&dst);
     ok(hydrate(&[
-        "start", "vol", "--from", &src.url("src"), "--agent", &c, "--bwlimit", "4M",
-        "--concurrency", "1",
+        "start",
+        "vol",
+        "--from",
+        &src.url("src"),
+        "--agent",
+        &c,
+        "--bwlimit",
+        "4M",
+        "--concurrency",
+        "1",
     ]));
     {
         // Mounted through nbdfuse and a loop device before the data is here.
@@ -525,7 +536,11 @@ fn an_ext4_volume_is_mounted_and_used_while_it_hydrates() {
         drop(fuse);
     }
     ok(hydrate(&["wait", "vol", "--agent", &c]));
-    let fsck = Command::new("e2fsck").args(["-fn"]).arg(&dst_img).output().unwrap();
+    let fsck = Command::new("e2fsck")
+        .args(["-fn"])
+        .arg(&dst_img)
+        .output()
+        .unwrap();
     assert!(
         fsck.status.success(),
         "e2fsck -fn is clean: {}",

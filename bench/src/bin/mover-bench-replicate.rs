@@ -3,6 +3,9 @@
 //! `mover agent`s, against the way VolSync replicates (a fresh snapshot rsynced with
 //! `--inplace` into an rsync daemon), in one run. Run with `--help` for what is checked.
 
+#[allow(dead_code)] // agents and child processes, shared with mover-bench-hydrate
+#[path = "../agents.rs"]
+mod agents;
 #[allow(dead_code)] // the bench's page comparison, shared with mover-bench
 #[path = "../diff.rs"]
 mod diff;
@@ -10,6 +13,7 @@ mod diff;
 #[path = "../process.rs"]
 mod process;
 
+use agents::{Agent, Killed, TOKEN, sh};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use process::{ThenSync, drop_caches, run_checked, run_timed};
@@ -19,7 +23,7 @@ use std::{
     io::Read,
     net::{TcpListener, TcpStream},
     path::{Path, PathBuf},
-    process::{Child, Command, ExitCode, Stdio},
+    process::{Command, ExitCode, Stdio},
     time::{Duration, Instant},
 };
 
@@ -91,7 +95,6 @@ fn parse_size(s: &str) -> Result<u64, String> {
     Ok(n << shift)
 }
 
-const TOKEN: &str = "bench-token";
 const PAGE: u64 = 4096;
 
 #[derive(Debug, Serialize)]
@@ -158,116 +161,10 @@ fn cleanup(w: &Path) {
     }
 }
 
-/// A child process killed when dropped (also on an error's early return).
-struct Killed(Child);
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 struct Guard(PathBuf);
 impl Drop for Guard {
     fn drop(&mut self) {
         cleanup(&self.0);
-    }
-}
-
-fn sh(cmd: &str) -> Result<Vec<u8>> {
-    run_checked(Command::new("sh").arg("-c").arg(cmd))
-}
-
-/// A `mover agent` on 127.0.0.1 exporting `vol` = `image`.
-struct Agent {
-    child: Child,
-    port: u16,
-    config: PathBuf,
-}
-
-impl Agent {
-    fn start(mover: &Path, dir: &Path, image: &Path) -> Result<Agent> {
-        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        fs::write(dir.join("token"), TOKEN)?;
-        let config = dir.join("agent.toml");
-        fs::write(
-            &config,
-            format!(
-                "listen = \"127.0.0.1:{port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\n\
-                 [exports.vol]\npath = \"{}\"\nread_only = false\n",
-                dir.join("state").display(),
-                dir.join("token").display(),
-                image.display()
-            ),
-        )?;
-        Agent::spawn(mover, config, port)
-    }
-
-    fn spawn(mover: &Path, config: PathBuf, port: u16) -> Result<Agent> {
-        let log = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(config.with_extension("log"))?;
-        let child = Command::new(mover)
-            .args(["agent", "--config"])
-            .arg(&config)
-            // MOVER_BENCH_AGENT_LOG=debug shows where a cycle's time goes.
-            .env(
-                "RUST_LOG",
-                std::env::var("MOVER_BENCH_AGENT_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("cannot start mover agent")?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if Instant::now() > deadline {
-                bail!(
-                    "mover agent did not listen on {port}: see {}",
-                    config.with_extension("log").display()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(Agent {
-            child,
-            port,
-            config,
-        })
-    }
-
-    fn url(&self) -> String {
-        format!("agent://127.0.0.1:{}", self.port)
-    }
-
-    fn rss(&self, field: &str) -> u64 {
-        fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with(field))
-                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-            })
-            .map_or(0, |kb| kb * 1024)
-    }
-
-    fn read_bytes(&self) -> u64 {
-        fs::read_to_string(format!("/proc/{}/io", self.child.id()))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("read_bytes:"))
-                    .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-            })
-            .unwrap_or(0)
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -407,8 +304,8 @@ fn run(args: &Args) -> Result<bool> {
     )))?;
     sh("sync")?;
 
-    let a = Agent::start(&mover, &da, &a_img)?;
-    let b = Agent::start(&mover, &db, &b_img)?;
+    let a = Agent::start(&mover, &da, &[("vol", &a_img)])?;
+    let b = Agent::start(&mover, &db, &[("vol", &b_img)])?;
     let secondary = format!("{}/vol", b.url());
     let a_url = a.url();
     eprintln!("== first cycle (the whole volume)");

@@ -72,6 +72,8 @@ impl NbdExports for NbdExportsOf {
 /// The Hydration control service.
 pub struct HydrationControl {
     pub(super) hydrations: Arc<Hydrations>,
+    /// The agent's relationships: an export one of them replicates is not hydrated.
+    pub(super) store: Arc<crate::replicate::Store>,
     /// The NBD socket clients use (for the URI in status).
     pub(super) nbd_socket: Option<PathBuf>,
 }
@@ -124,6 +126,12 @@ impl hydration_server::Hydration for HydrationControl {
         req: Request<proto::StartRequest>,
     ) -> Result<Response<proto::Status>, Status> {
         let r = req.into_inner();
+        if let Some(rel) = self.store.all().iter().find(|x| x.spec.volume == r.export) {
+            return Err(Status::failed_precondition(format!(
+                "export {} is the volume of replication relationship {}: delete it first (`mover replicate delete`)",
+                r.export, rel.spec.name
+            )));
+        }
         let opt = |s: String| (!s.is_empty()).then_some(s);
         let source = match r.source {
             Some(proto::start_request::Source::Agent(url)) => SourceSpec::Agent { url },

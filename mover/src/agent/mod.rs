@@ -108,7 +108,8 @@ pub async fn serve(
             .map_err(state_err)?;
     let _ = service.hydrations.set(hydrations.clone());
     hydrations.resume_all().await;
-    let runners = crate::replicate::Runners::new(store, config.exports.clone(), remote.clone());
+    let runners =
+        crate::replicate::Runners::new(store.clone(), config.exports.clone(), remote.clone());
     runners.start_all();
     let control = Control {
         service: service.clone(),
@@ -156,6 +157,7 @@ pub async fn serve(
     }
     let hydration_control = hydration::HydrationControl {
         hydrations,
+        store: store.clone(),
         nbd_socket: Some(nbd_socket.clone()),
     };
     if let Some(l) = metrics_listener {

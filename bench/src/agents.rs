@@ -1,0 +1,124 @@
+//! Helpers of the bench binaries that drive agents: a `mover agent` on 127.0.0.1, a
+//! child process killed on drop, a shell command.
+
+use crate::process::run_checked;
+use anyhow::{Context, Result, bail};
+use std::{
+    fs,
+    net::{TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+/// The bearer token of the agents the benches start.
+pub const TOKEN: &str = "bench-token";
+
+/// A child process killed when dropped (also on an error's early return).
+pub struct Killed(pub Child);
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs `cmd` with `sh -c`; its stdout, or an error with its stderr.
+pub fn sh(cmd: &str) -> Result<Vec<u8>> {
+    run_checked(Command::new("sh").arg("-c").arg(cmd))
+}
+
+/// A `mover agent` on 127.0.0.1 exporting `exports` (name, image).
+pub struct Agent {
+    pub child: Child,
+    pub port: u16,
+    pub config: PathBuf,
+}
+
+impl Agent {
+    pub fn start(mover: &Path, dir: &Path, exports: &[(&str, &Path)]) -> Result<Agent> {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        fs::write(dir.join("token"), TOKEN)?;
+        let config = dir.join("agent.toml");
+        let mut text = format!(
+            "listen = \"127.0.0.1:{port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\n",
+            dir.join("state").display(),
+            dir.join("token").display(),
+        );
+        for (name, image) in exports {
+            text += &format!(
+                "[exports.{name}]\npath = \"{}\"\nread_only = false\n",
+                image.display()
+            );
+        }
+        fs::write(&config, text)?;
+        Agent::spawn(mover, config, port)
+    }
+
+    pub fn spawn(mover: &Path, config: PathBuf, port: u16) -> Result<Agent> {
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(config.with_extension("log"))?;
+        let child = Command::new(mover)
+            .args(["agent", "--config"])
+            .arg(&config)
+            // MOVER_BENCH_AGENT_LOG=debug shows where a cycle's time goes.
+            .env(
+                "RUST_LOG",
+                std::env::var("MOVER_BENCH_AGENT_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("cannot start mover agent")?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if Instant::now() > deadline {
+                bail!(
+                    "mover agent did not listen on {port}: see {}",
+                    config.with_extension("log").display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(Agent {
+            child,
+            port,
+            config,
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("agent://127.0.0.1:{}", self.port)
+    }
+
+    pub fn rss(&self, field: &str) -> u64 {
+        fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with(field))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            })
+            .map_or(0, |kb| kb * 1024)
+    }
+
+    pub fn read_bytes(&self) -> u64 {
+        fs::read_to_string(format!("/proc/{}/io", self.child.id()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("read_bytes:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            })
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
