@@ -89,7 +89,30 @@ enum Command {
     },
     /// Run the per-node agent: serve exported volumes to peers over gRPC.
     #[command(
-        long_about = "Run the per-node agent. It serves the volumes its config         exports (and nothing else) to peers: `mover copy SRC agent://HOST:PORT/NAME` pushes         into an export, `mover copy agent://HOST:PORT/NAME DST` pulls from one. Peers         authenticate with mutual TLS and/or a bearer token; writes carry a fencing epoch.         /metrics and /healthz are served on metrics_listen. Stops gracefully on SIGINT or         SIGTERM.\n\nExample agent.toml:\n          listen = \"0.0.0.0:7070\"\n          metrics_listen = \"0.0.0.0:9470\"\n          token_file = \"/etc/mover/token\"\n          [tls]\n  cert = \"/etc/mover/agent.crt\"\n  key = \"/etc/mover/agent.key\"\n  ca = \"/etc/mover/ca.crt\"\n          [exports.pvc-data]\n  path = \"/dev/vg0/pvc-data\"\n          [exports.golden]\n  path = \"/srv/golden.img\"\n  read_only = true\n          [exports.www]\n  path = \"/srv/www\"   # a directory: a file tree"
+        long_about = "Run the per-node agent. It serves the volumes its config exports \
+        (and nothing else) to peers: `mover copy SRC agent://HOST:PORT/NAME` pushes into an \
+        export, `mover copy agent://HOST:PORT/NAME DST` pulls from one. Peers authenticate \
+        with mutual TLS and/or a bearer token; writes carry a fencing epoch. /metrics and \
+        /healthz are served on metrics_listen. Block exports are also served over NBD on a \
+        Unix socket (nbd_socket, default STATE_DIR/nbd.sock) for clients on this node, \
+        hydrating exports included (`mover hydrate`). Stops gracefully on SIGINT or \
+        SIGTERM.\n\n\
+        Example agent.toml:\n\n\
+        \x20 listen = \"0.0.0.0:7070\"\n\
+        \x20 metrics_listen = \"0.0.0.0:9470\"\n\
+        \x20 token_file = \"/etc/mover/token\"\n\
+        \x20 nbd_socket = \"/run/mover/nbd.sock\"\n\
+        \x20 [tls]\n\
+        \x20 cert = \"/etc/mover/agent.crt\"\n\
+        \x20 key = \"/etc/mover/agent.key\"\n\
+        \x20 ca = \"/etc/mover/ca.crt\"\n\
+        \x20 [exports.pvc-data]\n\
+        \x20 path = \"/dev/vg0/pvc-data\"\n\
+        \x20 [exports.golden]\n\
+        \x20 path = \"/srv/golden.img\"\n\
+        \x20 read_only = true\n\
+        \x20 [exports.www]\n\
+        \x20 path = \"/srv/www\"   # a directory: a file tree"
     )]
     Agent {
         /// The agent's TOML configuration.

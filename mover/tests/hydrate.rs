@@ -221,6 +221,15 @@ fn clients_read_and_write_a_volume_while_it_hydrates() {
     let s = status(&p.dst, "dst");
     assert_eq!(s["phase"], "Complete");
     assert_eq!(s["present"], s["regions"]);
+    assert_eq!(
+        p.dst
+            .metric("mover_hydration_regions_present{export=\"dst\"}"),
+        p.dst.metric("mover_hydration_regions{export=\"dst\"}")
+    );
+    // The source's sessions (the filler's, the urgent reads') are ended, not leaked.
+    wait_until("the source's sessions end", 10, || {
+        p.src.metric("mover_agent_sessions_active") == 0
+    });
     // The hole (16 MiB) and the region written whole were never fetched.
     assert!(
         s["bytes_fetched"].as_u64().unwrap() <= SIZE - 17 * MIB,
@@ -553,4 +562,86 @@ fn an_ext4_volume_is_mounted_and_used_while_it_hydrates() {
         "written while hydrating\n"
     );
     assert_eq!(blake3_of(&m.dir.join("big.bin"), 20 * MIB), big);
+}
+
+#[test]
+fn nbdcopy_into_a_hydrating_export_needs_no_fetch_of_what_it_overwrites() {
+    let p = Pair::new();
+    // 64 KiB regions: nbdcopy's 256 KiB requests cover them whole.
+    p.start(&[
+        "--bwlimit",
+        "1M",
+        "--concurrency",
+        "1",
+        "--region-size",
+        "64K",
+    ]);
+    let u = uri(&p.b(), "dst");
+    let local = p.dir.path().join("local.img");
+    make_image(&local, SIZE, 99, &[(0, 30 * MIB), (34 * MIB, 30 * MIB)]);
+    let o = tool(
+        "nbdcopy",
+        &["--connections", "4", local.to_str().unwrap(), &u],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    p.wait();
+    assert_eq!(blake3_of(&p.dst_img, SIZE), blake3_of(&local, SIZE));
+    let s = status(&p.dst, "dst");
+    // Only what the filler fetched before nbdcopy overwrote it (1 MiB/s).
+    assert!(
+        s["bytes_fetched"].as_u64().unwrap() < 8 * MIB,
+        "the regions nbdcopy wrote whole were not fetched: {s}"
+    );
+    assert!(s["regions_written"].as_u64().unwrap() > 900, "{s}");
+}
+
+#[test]
+fn a_cancelled_hydration_stops_serving_and_a_new_start_resumes_it() {
+    let p = Pair::new();
+    p.start(&["--bwlimit", "4M", "--concurrency", "1"]);
+    let u = uri(&p.b(), "dst");
+    // A write of a whole region before the cancel: it must survive the restart.
+    let region_57 = 57 * MIB;
+    io_ok(qemu_io(
+        &u,
+        &[&format!("write -P 0xe1 {region_57} 1048576"), "flush"],
+    ));
+    ok(hydrate(&["cancel", "dst", "--agent", &control(&p.dst)]));
+    let s = status(&p.dst, "dst");
+    assert_eq!(s["phase"], "Cancelled", "{s}");
+    let before = s["present"].as_u64().unwrap();
+    assert!(before < s["regions"].as_u64().unwrap(), "{s}");
+    // Not served while cancelled: a client gets an error, not stale zeros.
+    let out = qemu_io(&u, &[&format!("read -P 0x77 {PATTERN_AT} 4096")]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !out.status.success() || text.contains("failed") || text.contains("error"),
+        "a cancelled export was served: {text}"
+    );
+    // Another source is refused; the same one resumes where it stopped.
+    let other = hydrate(&[
+        "start",
+        "dst",
+        "--from",
+        &p.src.url("elsewhere"),
+        "--agent",
+        &control(&p.dst),
+    ]);
+    assert_eq!(other.status.code(), Some(2), "{other:?}");
+    assert!(
+        String::from_utf8_lossy(&other.stderr).contains("another source"),
+        "{other:?}"
+    );
+    p.start(&[]);
+    assert!(status(&p.dst, "dst")["present"].as_u64().unwrap() >= before);
+    p.wait();
+    let want = expected(&p.src_img, &[(region_57, vec![0xe1; MIB as usize])]);
+    assert!(
+        std::fs::read(&p.dst_img).unwrap() == want,
+        "the resumed hydration is the source plus the write made before the cancel"
+    );
 }

@@ -47,6 +47,12 @@ impl LiveSummary {
         })
     }
 
+    /// A summary never served (a ranges-only session): nothing is hashed, not even the
+    /// leaves of a terabyte of zeros.
+    pub fn unserved(key: ChunkKey, chunk: ChunkSize, size: u64) -> Arc<Self> {
+        Self::empty(key, chunk, size)
+    }
+
     /// Chunks in the volume.
     pub fn chunks(&self) -> u64 {
         self.size.div_ceil(self.chunk.get())

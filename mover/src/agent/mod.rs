@@ -156,15 +156,21 @@ pub async fn serve(
         });
     }
     let hydration_control = hydration::HydrationControl {
-        hydrations,
+        hydrations: hydrations.clone(),
         store: store.clone(),
         nbd_socket: Some(nbd_socket.clone()),
     };
     if let Some(l) = metrics_listener {
         let mut stop = stop_rx.clone();
-        tokio::spawn(serve_metrics(l, metrics, runners.clone(), async move {
-            let _ = stop.changed().await;
-        }));
+        tokio::spawn(serve_metrics(
+            l,
+            metrics,
+            runners.clone(),
+            hydrations.clone(),
+            async move {
+                let _ = stop.changed().await;
+            },
+        ));
     }
     tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), exports = config.exports.len(), tls = config.tls.is_some(), nbd = %nbd_socket.display(), "agent serving");
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
@@ -193,6 +199,7 @@ async fn serve_metrics(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     runners: Arc<crate::replicate::Runners>,
+    hydrations: Arc<crate::hydrate::Hydrations>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     use axum::{Router, routing::get};
@@ -200,8 +207,8 @@ async fn serve_metrics(
         .route(
             "/metrics",
             get(move || {
-                let (m, r) = (metrics.clone(), runners.clone());
-                async move { m.render() + &r.render() }
+                let (m, r, h) = (metrics.clone(), runners.clone(), hydrations.clone());
+                async move { m.render() + &r.render() + &h.render() }
             }),
         )
         .route("/healthz", get(|| async { "ok\n" }));

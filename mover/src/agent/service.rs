@@ -287,7 +287,7 @@ impl Transfer for AgentService {
         };
         let (summary, indexed) = if r.ranges_only && access == Access::Read {
             // Never asked for (Tree refuses): no hashing of the volume.
-            (LiveSummary::of_zeros(key.clone(), chunk, size), false)
+            (LiveSummary::unserved(key.clone(), chunk, size), false)
         } else {
             blocking(|| self.summary_of(export, dest.as_ref(), &key, chunk, size))?
         };
@@ -632,6 +632,8 @@ impl Transfer for AgentService {
         let dest = s.dest.lock().expect("dest lock").take();
         let mut root = match &s.cycle {
             Some(_) => ChunkId(r.cycle_root[..].try_into().expect("checked: 32 bytes")),
+            // Nothing was hashed: there is no root to give (and none to wait for).
+            None if s.ranges_only => ChunkId([0; 32]),
             None => s.summary.root().await.map_err(Status::internal)?,
         };
         if let Some(dest) = dest {

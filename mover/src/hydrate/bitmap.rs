@@ -22,7 +22,6 @@ const HEADER: usize = 8 + 8 + 8 + 8 + 8 + 32;
 pub struct RegionBitmap {
     words: Vec<u64>,
     regions: u64,
-    present: u64,
 }
 
 impl RegionBitmap {
@@ -31,7 +30,6 @@ impl RegionBitmap {
         RegionBitmap {
             words: vec![0; regions.div_ceil(64) as usize],
             regions,
-            present: 0,
         }
     }
 
@@ -40,14 +38,14 @@ impl RegionBitmap {
         self.regions
     }
 
-    /// Regions present.
+    /// Regions present (counted: a terabyte's million regions are 16 K words).
     pub fn present(&self) -> u64 {
-        self.present
+        self.words.iter().map(|w| w.count_ones() as u64).sum()
     }
 
     /// Every region is present.
     pub fn is_complete(&self) -> bool {
-        self.present == self.regions
+        self.next_missing(0).is_none()
     }
 
     /// Whether region `r` is present.
@@ -57,11 +55,9 @@ impl RegionBitmap {
 
     /// Marks region `r` present; whether it was not before.
     pub fn set(&mut self, r: u64) -> bool {
-        let w = &mut self.words[(r / 64) as usize];
-        let bit = 1 << (r % 64);
-        let new = *w & bit == 0;
-        *w |= bit;
-        self.present += new as u64;
+        let (i, bit) = ((r / 64) as usize, 1u64 << (r % 64));
+        let new = self.words[i] & bit == 0;
+        self.words[i] |= bit;
         new
     }
 
@@ -90,12 +86,7 @@ impl RegionBitmap {
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
             .collect();
-        let present = words.iter().map(|w| w.count_ones() as u64).sum();
-        RegionBitmap {
-            words,
-            regions,
-            present,
-        }
+        RegionBitmap { words, regions }
     }
 }
 
@@ -172,7 +163,7 @@ impl BitmapFile {
         let body = map.to_bytes();
         let mut buf = Vec::with_capacity(HEADER + body.len());
         buf.extend_from_slice(MAGIC);
-        for v in [seq, self.regions, self.region_size, map.present] {
+        for v in [seq, self.regions, self.region_size, map.present()] {
             buf.extend_from_slice(&v.to_le_bytes());
         }
         let sum = checksum(&buf[8..], &body);
@@ -201,7 +192,7 @@ impl BitmapFile {
             return Ok(None);
         }
         let map = RegionBitmap::from_bytes(self.regions, body);
-        if map.present != num(3) || num(0) % 2 != s {
+        if map.present() != num(3) || num(0) % 2 != s {
             return Ok(None);
         }
         Ok(Some((num(0), map)))

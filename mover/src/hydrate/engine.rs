@@ -105,8 +105,12 @@ pub struct Hydration {
     source: Arc<dyn RegionSource>,
     state: Mutex<Regions>,
     bitmap: Arc<Mutex<BitmapFile>>,
-    /// Serialises commits (snapshot, fdatasync, bitmap write).
-    committing: tokio::sync::Mutex<()>,
+    /// Serialises commits (snapshot, fdatasync, bitmap write); held by the blocking
+    /// work itself, so a commit whose caller went away still ends before the next.
+    committing: Arc<tokio::sync::Mutex<()>>,
+    /// True while the filler (`run`) may still write: a new hydration of the same
+    /// export waits for it to be false.
+    filling: watch::Sender<bool>,
     /// The source's holes, once known.
     allocation: OnceLock<Vec<bool>>,
     started: Instant,
@@ -190,7 +194,8 @@ impl Hydration {
                 dirty: false,
             }),
             bitmap: Arc::new(Mutex::new(bitmap)),
-            committing: tokio::sync::Mutex::new(()),
+            committing: Arc::default(),
+            filling: watch::channel(true).0,
             allocation: OnceLock::new(),
             started: Instant::now(),
             last_client_io: AtomicU64::new(0),
@@ -357,28 +362,33 @@ impl Hydration {
     /// the whole ones present when dropped after the write.
     pub async fn prepare_write(&self, offset: u64, len: u64) -> io::Result<WriteClaim<'_>> {
         let end = offset + len;
+        let is_whole = |r: u64| {
+            let range = self.region_range(r);
+            offset <= range.start && end >= range.end
+        };
+        // The partly covered regions (at most the first and the last) first, holding no
+        // claim meanwhile; then the whole ones in ascending order, so two overlapping
+        // writes never wait for each other's claims.
+        for r in self.regions_of(offset, len).filter(|&r| !is_whole(r)) {
+            self.ensure(r..r + 1).await?;
+        }
         let mut whole = Claimed {
             h: self,
             regions: Vec::new(),
             present: false,
         };
-        for r in self.regions_of(offset, len) {
-            let range = self.region_range(r);
-            if offset <= range.start && end >= range.end {
-                loop {
-                    match self.claim(r) {
-                        Claim::Present => break,
-                        Claim::Mine => {
-                            whole.regions.push(r);
-                            break;
-                        }
-                        Claim::Busy(mut rx) => {
-                            let _ = rx.wait_for(|done| *done).await;
-                        }
+        for r in self.regions_of(offset, len).filter(|&r| is_whole(r)) {
+            loop {
+                match self.claim(r) {
+                    Claim::Present => break,
+                    Claim::Mine => {
+                        whole.regions.push(r);
+                        break;
+                    }
+                    Claim::Busy(mut rx) => {
+                        let _ = rx.wait_for(|done| *done).await;
                     }
                 }
-            } else {
-                self.ensure(r..r + 1).await?;
             }
         }
         Ok(WriteClaim(whole))
@@ -434,7 +444,7 @@ impl Hydration {
     /// Makes every write so far durable and commits the bitmap: data first, then the
     /// bitmap that marks it present.
     pub async fn commit(&self) -> io::Result<()> {
-        let _one = self.committing.lock().await;
+        let one = self.committing.clone().lock_owned().await;
         let map = {
             let mut s = self.state.lock().expect("regions lock");
             s.dirty = false;
@@ -442,6 +452,7 @@ impl Hydration {
         };
         let (file, bitmap) = (self.file.clone(), self.bitmap.clone());
         let r = blocking(move || {
+            let _one = one;
             file.sync_data()?;
             bitmap.lock().expect("bitmap lock").commit(&map)
         })
@@ -452,10 +463,19 @@ impl Hydration {
         r
     }
 
+    /// Refuses client I/O after a cancel: a connection opened before it must not go on
+    /// changing a volume whose hydration may be resumed by another object.
+    pub fn check_open(&self) -> io::Result<()> {
+        if self.health.lock().expect("health lock").0 == Phase::Cancelled {
+            return Err(io::Error::from_raw_os_error(libc::ESHUTDOWN));
+        }
+        Ok(())
+    }
+
     /// Stops the filler; nothing more is fetched.
     pub fn cancel(&self) {
         self.set_phase(Phase::Cancelled, None);
-        let _ = self.stop.send(true);
+        self.stop.send_replace(true);
     }
 
     fn stopped(&self) -> bool {
@@ -500,7 +520,38 @@ impl Hydration {
     /// busy), retrying a failing source with backoff; commits as it goes; returns when
     /// the volume is complete or the hydration is cancelled.
     pub async fn run(self: Arc<Self>) {
+        if !self.stopped() {
+            self.fill_until_done().await;
+        }
+        self.source.close().await;
+        self.filling.send_replace(false);
+    }
+
+    /// Waits until nothing of this hydration writes to the volume any more: its filler
+    /// has returned and no client request holds a region (after [`Hydration::cancel`]).
+    pub async fn quiesce(&self) {
+        let _ = self.filling.subscribe().wait_for(|f| !*f).await;
+        loop {
+            let waits: Vec<_> = {
+                let s = self.state.lock().expect("regions lock");
+                s.busy.values().map(|tx| tx.subscribe()).collect()
+            };
+            if waits.is_empty() {
+                return;
+            }
+            for mut rx in waits {
+                let _ = rx.wait_for(|done| *done).await;
+            }
+        }
+    }
+
+    async fn fill_until_done(self: &Arc<Self>) {
         let mut stop = self.stop.subscribe();
+        if self.state.lock().expect("regions lock").map.is_complete() {
+            // Complete before a restart that came before the record was dropped.
+            self.finish().await;
+            return;
+        }
         let mut delay = Duration::from_millis(500);
         let alloc = loop {
             match self.source.allocation().await {
@@ -569,6 +620,11 @@ impl Hydration {
             let _ = self.commit().await;
             return;
         }
+        self.finish().await;
+    }
+
+    /// Every region is present: commits, and the volume is an ordinary one.
+    async fn finish(&self) {
         match self.commit().await {
             Ok(()) => {
                 tracing::info!(export = %self.name, fetched = self.bytes_fetched.load(Relaxed), secs = self.started.elapsed().as_secs_f64(), "hydration complete");
@@ -668,4 +724,142 @@ pub(crate) async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f)
         .await
         .unwrap_or_else(|e| Err(io::Error::other(format!("blocking task failed: {e}"))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hydrate::source::Piece;
+    use snapshots::Bytes;
+
+    /// An in-memory source that counts how often each region is fetched.
+    struct Counting {
+        data: Vec<u8>,
+        region: u64,
+        fetched: Mutex<Vec<u32>>,
+    }
+
+    #[tonic::async_trait]
+    impl RegionSource for Counting {
+        fn describe(&self) -> String {
+            "memory".into()
+        }
+        fn size(&self) -> u64 {
+            self.data.len() as u64
+        }
+        fn region_size(&self) -> u64 {
+            self.region
+        }
+        async fn allocation(&self) -> Result<Vec<bool>, HydrateError> {
+            // The last two regions are holes.
+            let n = self.size().div_ceil(self.region) as usize;
+            Ok((0..n).map(|r| r + 2 < n).collect())
+        }
+        async fn fetch(&self, first: u64, count: u64, _: bool) -> Result<Vec<Piece>, HydrateError> {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            let mut out = Vec::new();
+            for r in first..first + count {
+                self.fetched.lock().unwrap()[r as usize] += 1;
+                let (s, e) = (r * self.region, ((r + 1) * self.region).min(self.size()));
+                out.push((
+                    s,
+                    Bytes::copy_from_slice(&self.data[s as usize..e as usize]),
+                ));
+            }
+            Ok(out)
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn no_region_is_fetched_twice_and_writes_are_never_overwritten_by_a_fetch() {
+        let dir = tempfile::tempdir().unwrap();
+        let region = 64 << 10;
+        let regions = 64u64;
+        let size = region * regions - 1000; // a short last region
+        let mut data = vec![0u8; size as usize];
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = (i * 7 % 251) as u8 + 1;
+        }
+        for b in &mut data[(region * (regions - 2)) as usize..] {
+            *b = 0; // the holes
+        }
+        let src = Arc::new(Counting {
+            data: data.clone(),
+            region,
+            fetched: Mutex::new(vec![0; regions as usize]),
+        });
+        let path = dir.path().join("v.img");
+        let file = File::create(&path).unwrap();
+        file.set_len(size).unwrap();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let bp = dir.path().join("v.bitmap");
+        let bitmap = BitmapFile::create(&bp, regions, region).unwrap();
+        let h = Hydration::new(
+            "v".into(),
+            path.clone(),
+            file,
+            true,
+            src.clone(),
+            bitmap,
+            RegionBitmap::new(regions),
+            FillOptions {
+                concurrency: 3,
+                ..Default::default()
+            },
+        );
+        let filler = tokio::spawn(h.clone().run());
+        let mut want = data.clone();
+        let mut clients = JoinSet::new();
+        for i in 0..24u64 {
+            let h = h.clone();
+            // Reads from the end (ahead of the filler), whole-region writes, and
+            // partial ones across two regions; none overlapping another.
+            let r = regions - 3 - 2 * i;
+            let (off, len, fill) = match i % 4 {
+                0 => (r * region, region, 0xa0 + i as u8),
+                1 => (r * region + 100, region, 0xb0 + i as u8),
+                _ => (r * region + 17, 0, 0),
+            };
+            if len > 0 {
+                want[off as usize..(off + len) as usize].fill(fill);
+            }
+            clients.spawn(async move {
+                if len == 0 {
+                    h.ensure(h.regions_of(off, 1)).await.unwrap();
+                    return;
+                }
+                let claim = h.prepare_write(off, len).await.unwrap();
+                h.file()
+                    .write_all_at(&vec![fill; len as usize], off)
+                    .unwrap();
+                claim.done();
+            });
+        }
+        while let Some(r) = clients.join_next().await {
+            r.unwrap();
+        }
+        filler.await.unwrap();
+        assert_eq!(h.progress().phase, Phase::Complete);
+        let fetched = src.fetched.lock().unwrap().clone();
+        assert!(
+            fetched.iter().all(|&n| n <= 1),
+            "fetched twice: {fetched:?}"
+        );
+        assert_eq!(
+            &fetched[regions as usize - 2..],
+            &[0, 0],
+            "holes are never fetched"
+        );
+        assert!(
+            std::fs::read(&path).unwrap() == want,
+            "the source plus the writes"
+        );
+        // The bitmap on disk says complete.
+        let (_, map) = BitmapFile::open(&bp, regions, region).unwrap();
+        assert!(map.is_complete());
+    }
 }

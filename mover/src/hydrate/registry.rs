@@ -14,7 +14,7 @@ use crate::{
 };
 use serde::{Deserialize, Serialize};
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     io,
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
@@ -88,6 +88,21 @@ pub struct Hydrations {
     exports: BTreeMap<String, Export>,
     remote: RemoteOptions,
     active: Mutex<HashMap<String, Arc<Hydration>>>,
+    /// Exports a start is under way for: two starts of one export never race.
+    starting: Mutex<HashSet<String>>,
+}
+
+/// An export reserved by a start; released when the start returns.
+struct Starting<'a>(&'a Hydrations, String);
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        self.0
+            .starting
+            .lock()
+            .expect("starting lock")
+            .remove(&self.1);
+    }
 }
 
 impl Hydrations {
@@ -104,6 +119,7 @@ impl Hydrations {
             exports,
             remote,
             active: Mutex::default(),
+            starting: Mutex::default(),
         }))
     }
 
@@ -137,11 +153,42 @@ impl Hydrations {
         v
     }
 
-    /// Whether `export` may not be read or written other than through its hydration (it
-    /// is incomplete): peers' sessions on it are refused.
-    pub fn holds(&self, export: &str) -> bool {
-        self.get(export)
-            .is_some_and(|h| h.progress().phase != Phase::Complete)
+    /// Prometheus text for every hydration: regions present and in all, bytes
+    /// fetched, and whether it is degraded.
+    pub fn render(&self) -> String {
+        let all = self.all();
+        if all.is_empty() {
+            return String::new();
+        }
+        let mut out = String::new();
+        let series: [(&str, &str, fn(&super::Progress) -> f64); 4] = [
+            (
+                "mover_hydration_regions_present",
+                "Regions of the export that are here.",
+                |p| p.present as f64,
+            ),
+            ("mover_hydration_regions", "Regions of the export.", |p| {
+                p.regions as f64
+            }),
+            (
+                "mover_hydration_fetched_bytes",
+                "Bytes fetched from the source by this run of the agent.",
+                |p| p.bytes_fetched as f64,
+            ),
+            (
+                "mover_hydration_degraded",
+                "1 while the source cannot be reached or fails.",
+                |p| (p.phase == Phase::Degraded) as u8 as f64,
+            ),
+        ];
+        for (name, help, value) in series {
+            out += &format!("# HELP {name} {help}\n# TYPE {name} gauge\n");
+            for h in &all {
+                let export = h.name().replace('\\', "\\\\").replace('"', "\\\"");
+                out += &format!("{name}{{export=\"{export}\"}} {}\n", value(&h.progress()));
+            }
+        }
+        out
     }
 
     /// Resumes the hydrations left by the previous run of the agent (their sources are
@@ -205,6 +252,15 @@ impl Hydrations {
                 export.path.display()
             )));
         }
+        if !self
+            .starting
+            .lock()
+            .expect("starting lock")
+            .insert(req.export.clone())
+        {
+            return Err(refused("another start of it is under way".into()));
+        }
+        let _reserved = Starting(self, req.export.clone());
         if let Some(h) = self.get(&req.export) {
             let p = h.progress();
             if p.phase != Phase::Complete && p.phase != Phase::Cancelled {
@@ -215,6 +271,9 @@ impl Hydrations {
                     p.regions
                 )));
             }
+            // A cancelled one's last fetches and commit must land before a new object
+            // takes over the volume and its bitmap.
+            h.quiesce().await;
         }
         // A record left by a cancel or a crash: resumed if the source is the same.
         if let Ok(b) = std::fs::read(self.record_path(&req.export))
@@ -331,7 +390,8 @@ impl Hydrations {
         }
     }
 
-    /// Opens the bitmap, makes the hydration and (unless cancelled) runs its filler.
+    /// Opens the bitmap, makes the hydration and runs its filler (which returns at once
+    /// if the record says cancelled).
     async fn launch(
         self: &Arc<Self>,
         record: Record,
@@ -384,15 +444,13 @@ impl Hydrations {
             .lock()
             .expect("hydrations lock")
             .insert(record.export.clone(), h.clone());
-        if !record.cancelled {
-            let (me, h2) = (self.clone(), h.clone());
-            tokio::spawn(async move {
-                h2.clone().run().await;
-                if h2.progress().phase == Phase::Complete {
-                    me.forget_files(h2.name());
-                }
-            });
-        }
+        let (me, h2) = (self.clone(), h.clone());
+        tokio::spawn(async move {
+            h2.clone().run().await;
+            if h2.progress().phase == Phase::Complete {
+                me.forget_files(h2.name());
+            }
+        });
         Ok(h)
     }
 

@@ -34,6 +34,9 @@ pub trait RegionSource: Send + Sync {
     /// `urgent`: a client waits for it (it must not queue behind the filler's fetches).
     async fn fetch(&self, first: u64, count: u64, urgent: bool)
     -> Result<Vec<Piece>, HydrateError>;
+    /// The hydration is over (complete or cancelled): lets the source release what it
+    /// holds for it (an agent's session and its open file).
+    async fn close(&self) {}
 }
 
 /// An export of a peer agent, read through a ranges-only READ session (no hashing of
@@ -125,7 +128,10 @@ impl AgentSource {
     async fn forget(&self, id: &str) {
         let mut s = self.session.lock().await;
         if s.as_ref().is_some_and(|(_, i)| i == id) {
-            *s = None;
+            if let Some((c, id)) = s.take() {
+                // Best effort: the source agent may be what failed.
+                tokio::spawn(finish_session(c, id));
+            }
             *self.urgent.lock().await = None;
         }
     }
@@ -243,6 +249,13 @@ impl RegionSource for AgentSource {
                 self.forget(&id).await;
                 Err(self.err(e))
             }
+        }
+    }
+
+    async fn close(&self) {
+        *self.urgent.lock().await = None;
+        if let Some((c, id)) = self.session.lock().await.take() {
+            finish_session(c, id).await;
         }
     }
 }
@@ -440,6 +453,17 @@ impl Lazy {
     }
 }
 
+/// Ends a ranges-only session on the source agent (it holds the volume open).
+async fn finish_session(mut client: crate::remote::Client, session: String) {
+    let finish = client.finish(proto::FinishRequest {
+        session,
+        ..Default::default()
+    });
+    if let Ok(Err(e)) = tokio::time::timeout(std::time::Duration::from_secs(10), finish).await {
+        tracing::debug!("cannot end the source session: {e}");
+    }
+}
+
 #[tonic::async_trait]
 impl RegionSource for Lazy {
     fn describe(&self) -> String {
@@ -470,5 +494,11 @@ impl RegionSource for Lazy {
         urgent: bool,
     ) -> Result<Vec<Piece>, HydrateError> {
         self.get().await?.fetch(first, count, urgent).await
+    }
+
+    async fn close(&self) {
+        if let Some(s) = self.cell.get() {
+            s.close().await;
+        }
     }
 }

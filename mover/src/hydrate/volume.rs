@@ -115,6 +115,7 @@ impl HydratingVolume {
         op: impl std::future::Future<Output = io::Result<()>> + Send,
     ) -> io::Result<()> {
         let h = &self.0;
+        h.check_open()?;
         h.client_io();
         let claim = h.prepare_write(offset, len).await?;
         op.await?;
@@ -142,6 +143,7 @@ impl NbdVolume for HydratingVolume {
 
     async fn read(&self, offset: u64, len: u32) -> io::Result<Vec<u8>> {
         let h = &self.0;
+        h.check_open()?;
         h.client_io();
         h.ensure(h.regions_of(offset, len as u64)).await?;
         pread(h.file(), offset, len).await
@@ -157,6 +159,7 @@ impl NbdVolume for HydratingVolume {
     }
 
     async fn flush(&self) -> io::Result<()> {
+        self.0.check_open()?;
         self.0.commit().await
     }
 
@@ -209,6 +212,7 @@ impl NbdVolume for HydratingVolume {
 
     async fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
         let h = &self.0;
+        h.check_open()?;
         h.ensure(h.regions_of(offset, len)).await
     }
 }
