@@ -1,12 +1,12 @@
 //! Copy-on-demand (shared/DESIGN.md §6, hydrate): an export served over NBD at once,
 //! while its data arrives from a peer agent or a snapshot.
 //!
-//! - [`bitmap`]: which regions are present, committed crash-safely (A/B slots).
-//! - [`source`]: where regions come from (a peer agent, a repository snapshot).
-//! - [`engine`]: one hydration: claims (nothing fetched twice, no fetch over a client's
+//! - `bitmap`: which regions are present, committed crash-safely (A/B slots).
+//! - `source`: where regions come from (a peer agent, a repository snapshot).
+//! - `engine`: one hydration: claims (nothing fetched twice, no fetch over a client's
 //!   write), the background filler, commits (data fdatasync'd before its bitmap).
-//! - [`volume`]: what the NBD server serves: a plain export or a hydrating one.
-//! - [`registry`]: an agent's hydrations: start, cancel, persist, resume.
+//! - `volume`: what the NBD server serves: a plain export or a hydrating one.
+//! - `registry`: an agent's hydrations: start, cancel, persist, resume.
 
 mod bitmap;
 mod engine;

@@ -82,6 +82,9 @@ struct Record {
     cancelled: bool,
 }
 
+/// A metric: name, help, and its value from a hydration's progress.
+type Series = (&'static str, &'static str, fn(&super::Progress) -> f64);
+
 /// The agent's hydrations.
 pub struct Hydrations {
     dir: PathBuf,
@@ -161,7 +164,7 @@ impl Hydrations {
             return String::new();
         }
         let mut out = String::new();
-        let series: [(&str, &str, fn(&super::Progress) -> f64); 4] = [
+        let series: [Series; 4] = [
             (
                 "mover_hydration_regions_present",
                 "Regions of the export that are here.",
