@@ -122,3 +122,9 @@ impl Drop for Agent {
         let _ = self.child.wait();
     }
 }
+
+/// The median of `v` (0 for none).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}

@@ -9,7 +9,7 @@ mod agents;
 #[path = "../process.rs"]
 mod process;
 
-use agents::{Agent, Killed, TOKEN, sh};
+use agents::{Agent, Killed, TOKEN, median, sh};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use process::{drop_caches, run_checked};
@@ -128,11 +128,6 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn hydrate(mover: &Path, args: &[&str]) -> Result<serde_json::Value> {

@@ -13,7 +13,7 @@ mod diff;
 #[path = "../process.rs"]
 mod process;
 
-use agents::{Agent, Killed, TOKEN, sh};
+use agents::{Agent, Killed, TOKEN, median, sh};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use process::{ThenSync, drop_caches, run_checked, run_timed};
@@ -228,11 +228,6 @@ fn read_full(f: &mut fs::File, buf: &mut [u8]) -> Result<usize> {
         }
     }
     Ok(got)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn run(args: &Args) -> Result<bool> {

@@ -304,7 +304,7 @@ impl Hydration {
     fn clients_busy(&self) -> bool {
         let last = self.last_client_io.load(Relaxed);
         last != 0
-            && self.started.elapsed().as_millis() as u64 + 1 - last
+            && (self.started.elapsed().as_millis() as u64 + 1).saturating_sub(last)
                 < CLIENT_QUIET.as_millis() as u64
     }
 
@@ -484,7 +484,7 @@ impl Hydration {
 
     /// The next regions for the filler from `next` on, claimed: a run of holes (no fetch)
     /// or of regions to fetch. Empty when nothing is left to claim from `next`.
-    fn next_batch(&self, next: &mut u64) -> Vec<u64> {
+    fn next_batch(&self, next: &mut u64, fill_max: u64) -> Vec<u64> {
         let mut s = self.state.lock().expect("regions lock");
         let mut r = *next;
         let mut batch = Vec::new();
@@ -494,7 +494,7 @@ impl Hydration {
                 continue;
             }
             let hole = self.is_source_hole(m);
-            let max = if hole { HOLE_BATCH } else { FILL_BATCH };
+            let max = if hole { HOLE_BATCH } else { fill_max };
             let mut e = m;
             while e < s.map.regions()
                 && e - m < max
@@ -523,7 +523,9 @@ impl Hydration {
         if !self.stopped() {
             self.fill_until_done().await;
         }
-        self.source.close().await;
+        // Not waited for: a source that is down must not hold up a restart.
+        let source = self.source.clone();
+        tokio::spawn(async move { source.close().await });
         self.filling.send_replace(false);
     }
 
@@ -572,17 +574,19 @@ impl Hydration {
         let mut next = 0;
         delay = Duration::from_millis(500);
         while !self.stopped() {
-            let limit = if self.clients_busy() {
-                1
+            // While clients do I/O: one region at a time, so a client's fetch never
+            // queues behind more than a region of the filler's on either disk.
+            let (limit, batch_max) = if self.clients_busy() {
+                (1, 1)
             } else {
-                self.opts.concurrency.max(1)
+                (self.opts.concurrency.max(1), FILL_BATCH)
             };
             if tasks.len() >= limit {
                 self.settle(tasks.join_next().await, &mut next, &mut delay, &mut stop)
                     .await;
                 continue;
             }
-            let batch = self.next_batch(&mut next);
+            let batch = self.next_batch(&mut next, batch_max);
             if batch.is_empty() {
                 if let Some(done) = tasks.join_next().await {
                     self.settle(Some(done), &mut next, &mut delay, &mut stop)
