@@ -29,8 +29,10 @@ use transport::RateLimiter;
 const FILL_BATCH: u64 = 8;
 /// Hole regions the filler marks present in one step.
 const HOLE_BATCH: u64 = 4096;
-/// A client did I/O this recently: the filler keeps to one request in flight.
-const CLIENT_QUIET: Duration = Duration::from_millis(50);
+/// A client did I/O this recently: the filler keeps to one region in flight. Long
+/// enough to span the pauses of a client working in bursts (a mount, an fsck, a
+/// database's lookups), whose next read would otherwise queue behind megabytes of fill.
+const CLIENT_QUIET: Duration = Duration::from_secs(1);
 
 /// Settings of a hydration.
 #[derive(Clone, Debug)]
