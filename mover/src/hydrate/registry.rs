@@ -8,7 +8,7 @@ use super::{
     source::{AgentSource, RegionSource, SnapshotSource},
 };
 use crate::{
-    agent::Export,
+    agent::{Export, journal::write_durably},
     remote::{AgentUrl, RemoteOptions},
     snapshot::RepoOptions,
 };
@@ -205,10 +205,7 @@ impl Hydrations {
             if p.extension().is_none_or(|x| x != "json") {
                 continue;
             }
-            let record = match std::fs::read(&p)
-                .map_err(|e| e.to_string())
-                .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(|e| e.to_string()))
-            {
+            let record = match load_record(&p) {
                 Ok(r) if r.version == RECORD_VERSION => r,
                 Ok(r) => {
                     tracing::error!(record = %p.display(), version = r.version, "hydration record of an unknown version: left alone");
@@ -279,9 +276,7 @@ impl Hydrations {
             h.quiesce().await;
         }
         // A record left by a cancel or a crash: resumed if the source is the same.
-        if let Ok(b) = std::fs::read(self.record_path(&req.export))
-            && let Ok(mut old) = serde_json::from_slice::<Record>(&b)
-        {
+        if let Ok(mut old) = load_record(&self.record_path(&req.export)) {
             if old.source != req.source {
                 return Err(refused(format!(
                     "an unfinished hydration from another source ({:?}) holds it; start it again from that source, or remove {} to start over",
@@ -342,10 +337,7 @@ impl Hydrations {
         if h.progress().phase == Phase::Complete {
             return Ok(h);
         }
-        let path = self.record_path(export);
-        if let Ok(b) = std::fs::read(&path)
-            && let Ok(mut r) = serde_json::from_slice::<Record>(&b)
-        {
+        if let Ok(mut r) = load_record(&self.record_path(export)) {
             r.cancelled = true;
             self.save(&r).map_err(|e| self.state_err(e))?;
         }
@@ -471,15 +463,8 @@ impl Hydrations {
 
     /// Writes a record atomically (temporary file, fsync, rename, fsync of the directory).
     fn save(&self, r: &Record) -> io::Result<()> {
-        let path = self.record_path(&r.export);
-        let tmp = path.with_extension("json.tmp");
         let body = serde_json::to_vec_pretty(r).map_err(io::Error::other)?;
-        let f = std::fs::File::create(&tmp)?;
-        std::io::Write::write_all(&mut &f, &body)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
-        sync_dir(&self.dir);
-        Ok(())
+        write_durably(&self.record_path(&r.export), &body)
     }
 
     /// Opens the source a resumed hydration names (for [`super::source::Lazy`]).
@@ -490,6 +475,12 @@ impl Hydrations {
     ) -> Result<Arc<dyn RegionSource>, HydrateError> {
         self.connect(spec, region).await
     }
+}
+
+/// A hydration record as saved (any version: the callers decide what they accept).
+fn load_record(path: &Path) -> Result<Record, String> {
+    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+    serde_json::from_slice(&bytes).map_err(|e| e.to_string())
 }
 
 fn sync_dir(dir: &Path) {
