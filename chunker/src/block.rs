@@ -80,7 +80,32 @@ pub fn read_window_where(
     for (i, unread) in win.unread.iter_mut().enumerate() {
         *unread |= !wanted(i);
     }
-    // Read maximal runs of wanted, non-hole chunks with one pread each.
+    read_marked(volume, chunk, win)
+}
+
+/// Like [`read_window_where`] without looking for holes: for a few scattered chunks, where
+/// a hole costs the disk nothing and the search (two `lseek`s on a shared file offset per
+/// run, each walking the extent list) costs more than the read.
+pub fn read_chunks_where(
+    volume: &BlockVolume,
+    chunk: ChunkSize,
+    offset: u64,
+    len: usize,
+    wanted: impl Fn(usize) -> bool,
+    win: &mut Window,
+) -> Result<()> {
+    debug_assert_eq!(offset % chunk.get(), 0);
+    win.offset = offset;
+    win.buf.resize(len);
+    win.unread.clear();
+    win.unread
+        .extend((0..len.div_ceil(chunk.bytes())).map(|i| !wanted(i)));
+    read_marked(volume, chunk, win)
+}
+
+/// Reads the chunks of `win` not flagged unread, maximal runs with one pread each.
+fn read_marked(volume: &BlockVolume, chunk: ChunkSize, win: &mut Window) -> Result<()> {
+    let (offset, len, n_chunks) = (win.offset, win.buf.len(), win.unread.len());
     let mut i = 0;
     while i < n_chunks {
         if win.unread[i] {

@@ -316,6 +316,67 @@ fn on_xfs_a_cycle_reads_only_the_chunks_written_since_the_last_one() {
 }
 
 #[test]
+fn on_xfs_writes_of_a_cycle_that_failed_after_its_point_in_time_go_with_the_next() {
+    let fs = ScratchFs::new("xfs", 512 * MIB);
+    let mut p = pair_in(fs.path(), &[("MOVER_FAILPOINT", "cycle-staged")]);
+    p._fs = Some(fs);
+    // The first cycle fills a new image under a temp name: no journal, no failpoint.
+    p.create("r");
+    let base_files = |p: &Pair| {
+        let mut names: Vec<String> = std::fs::read_dir(p.a_img.parent().unwrap())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".mover-"))
+            .collect();
+        names.sort();
+        names
+    };
+    let shipped = |s: &serde_json::Value| s["last_cycle"]["bytes_shipped"].as_u64().unwrap();
+
+    // The secondary dies after staging: the primary's clone was already brought up to
+    // date with these writes, and must not forget them.
+    let mut pages = scribble(&p.a_img, 40, 30);
+    assert!(!replicate(&["sync", "r", "--agent", &control(&p.a)]).status.success());
+    let _ = p.b.child.wait();
+    p.b = Agent::spawn(p.b.config.clone(), p.b.port, p.b.metrics_port);
+    pages.extend(scribble(&p.a_img, 41, 30));
+    let s = sync(&p.a, "r");
+    assert!(p.same(), "both cycles' writes arrived: {s}");
+    assert_eq!(shipped(&s), pages.len() as u64 * PAGE, "{s}");
+
+    // The primary dies between recording the ranges to reclone and recloning them.
+    p.a.child.kill().unwrap();
+    p.a.child.wait().unwrap();
+    let (config, port, metrics) = (p.a.config.clone(), p.a.port, p.a.metrics_port);
+    p.a = Agent::spawn_with_env(
+        config.clone(),
+        port,
+        metrics,
+        &[("MOVER_FAILPOINT", "catch-up-recorded")],
+    );
+    let mut pages = scribble(&p.a_img, 42, 30);
+    assert!(!replicate(&["sync", "r", "--agent", &control(&p.a)]).status.success());
+    let _ = p.a.child.wait();
+    p.a = Agent::spawn(config, port, metrics);
+    pages.extend(scribble(&p.a_img, 43, 30));
+    let s = sync(&p.a, "r");
+    assert!(p.same(), "both cycles' writes arrived: {s}");
+    assert_eq!(shipped(&s), pages.len() as u64 * PAGE, "{s}");
+
+    // One clone is kept (named for the last cycle), no fresh one left behind, and no
+    // pending record once a cycle committed.
+    let names = base_files(&p);
+    let clones: Vec<_> = names
+        .iter()
+        .filter(|n| !n.ends_with(".ids") && !n.ends_with(".cvs"))
+        .collect();
+    let cycle = s["last_cycle"]["id"].as_u64().unwrap();
+    assert_eq!(clones.len(), 1, "{names:?}");
+    assert!(clones[0].ends_with(&format!("-{cycle}")), "{names:?}");
+}
+
+#[test]
 fn a_restarted_agent_thaws_the_file_system_a_killed_one_left_frozen() {
     let p = pair(&[]);
     let fs = ScratchFs::new("ext4", 64 * MIB);
@@ -501,13 +562,14 @@ fn a_secondary_killed_at_any_step_of_apply_equals_one_cycle_after_restart() {
         let _ = p.b.child.wait();
         // Restart without the failpoint: recovery applies or drops the journal.
         p.b = Agent::spawn(p.b.config.clone(), p.b.port, p.b.metrics_port);
+        // Answered only once recovery is done (the port accepts connections before).
+        let applied = status_of(&p.b, "r")["last_cycle"]["id"].as_u64().unwrap();
         let now = blake3_of(&p.b_img, LEN);
         let want = if committed { &after } else { &before };
         assert_eq!(
             &now, want,
             "{step}: the secondary equals cycle N or N-1, never a mix"
         );
-        let applied = status_of(&p.b, "r")["last_cycle"]["id"].as_u64().unwrap();
         assert_eq!(applied, if committed { 2 } else { 1 }, "{step}");
         // The next cycle completes the replication.
         sync(&p.a, "r");

@@ -20,7 +20,7 @@ pub use tree::{is_tree, pull_tree, push_tree, push_tree_cycle};
 use crate::error::CopyError;
 use chunker::{
     BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, Window, cv::CvFile, leaf_hash,
-    read_window_where,
+    read_chunks_where, read_window_where,
 };
 use std::{path::PathBuf, time::Duration};
 use tonic::{service::interceptor::InterceptedService, transport::Channel};
@@ -403,8 +403,10 @@ where
 
 /// One group of a local volume as read.
 pub(crate) struct Group {
-    /// Its bytes.
+    /// Its bytes: none where no chunk was read (every chunk known from an earlier cycle).
     pub win: Window,
+    /// Its length in bytes.
+    pub len: usize,
     /// Per chunk: zeros or a hole.
     pub zero: Vec<bool>,
     /// Per chunk: its Merkle leaf.
@@ -420,16 +422,26 @@ impl Group {
     fn set_kinds(&mut self, key: &ChunkKey, chunk: ChunkSize, kinds: Vec<ChunkKind>) {
         self.leaves = kinds
             .iter()
-            .zip(self.win.chunk_ranges(chunk))
+            .zip(self.chunk_ranges(chunk))
             .map(|(k, r)| leaf_hash(key, k, r.len() as u64))
             .collect();
         self.kinds = kinds;
     }
 
+    /// The byte ranges (within the group) of its chunks, in order.
+    pub(crate) fn chunk_ranges(
+        &self,
+        chunk: ChunkSize,
+    ) -> impl Iterator<Item = std::ops::Range<usize>> + use<> {
+        let len = self.len;
+        (0..len)
+            .step_by(chunk.bytes())
+            .map(move |s| s..(s + chunk.bytes()).min(len))
+    }
+
     /// The group hash the agent reports for this group when it holds only zeros.
     pub(crate) fn zero_group_hash(&self, key: &ChunkKey, chunk: ChunkSize) -> ChunkId {
         let zeros: Vec<ChunkId> = self
-            .win
             .chunk_ranges(chunk)
             .map(|r| leaf_hash(key, &ChunkKind::Zero, r.len() as u64))
             .collect();
@@ -543,12 +555,16 @@ pub(crate) fn read_groups(
                             let started = std::time::Instant::now();
                             let wanted = |i: usize| matches!(plans[i], units::Read::Whole);
                             let whole = (0..plans.len()).any(wanted);
-                            // Nothing to read whole: no need to look for holes either.
-                            let r = if whole {
+                            let units = plans.iter().any(|p| matches!(p, units::Read::Units { .. }));
+                            // Scattered changed chunks are read without a hole search
+                            // (see read_chunks_where); a group with nothing to read gets
+                            // no buffer at all.
+                            let r = if known.is_none() {
                                 read_window_where(volume, chunk, offset, len, wanted, &mut win)
+                            } else if whole || units {
+                                read_chunks_where(volume, chunk, offset, len, wanted, &mut win)
                             } else {
                                 win.offset = offset;
-                                win.buf.resize(len);
                                 win.unread = vec![true; plans.len()];
                                 Ok(())
                             }
@@ -602,6 +618,7 @@ pub(crate) fn read_groups(
                 let first_chunk = g as usize * chunker::GROUP_CHUNKS;
                 let mut group = Group {
                     win,
+                    len: group_len.min(size - g * group_len) as usize,
                     zero: Vec::new(),
                     leaves: Vec::new(),
                     kinds: Vec::new(),

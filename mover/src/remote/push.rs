@@ -123,6 +123,9 @@ struct Ship {
     backlog: Arc<Backlog>,
     /// The previous cycle's index, trusted: changed pages are known without asking.
     known: Option<Arc<KnownChunks>>,
+    /// Whether the secondary holds exactly the previous cycle (it wrote nothing since):
+    /// its chunks are then `known.base`, and their leaves are not asked for.
+    theirs_known: bool,
 }
 
 /// Whether the link is the bottleneck: a moving share of the frames that found their
@@ -170,7 +173,8 @@ impl Ship {
             leaves.as_deref(),
             chunk,
             compress,
-            self.known.as_deref().map(|k| &k.ranges[..]),
+            self.known.as_deref(),
+            self.theirs_known,
         )
         .await?;
         for f in frames {
@@ -228,6 +232,7 @@ async fn attempt(
     let session = open.session.clone();
     // The previous cycle's index stands in for unchanged chunks only if the secondary
     // holds exactly that cycle: their pages are then not compared, so not shipped.
+    let mut theirs_known = false;
     let known = push
         .and_then(|p| p.base.as_ref())
         .and_then(|(id, root, known)| {
@@ -242,6 +247,7 @@ async fn attempt(
                     "the secondary does not hold the previous cycle: comparing every chunk"
                 );
             }
+            theirs_known = same && a.dirty.is_empty();
             same.then(|| match a.dirty.is_empty() {
                 true => known.clone(),
                 false => Arc::new(known.with_dirty(&a.dirty, chunk)),
@@ -292,12 +298,12 @@ async fn attempt(
         while let Some(item) = reader.recv().await {
             let group = item?;
             sum.source_bytes_read += group.bytes_read;
-            for (i, r) in group.win.chunk_ranges(chunk).enumerate() {
+            for (i, r) in group.chunk_ranges(chunk).enumerate() {
                 if group.zero[i] {
                     sum.zero_bytes_skipped += r.len() as u64;
                 }
             }
-            let done = group.win.offset + group.win.buf.len() as u64;
+            let done = group.win.offset + group.len as u64;
             for k in &group.kinds {
                 ids.extend_from_slice(match k {
                     ChunkKind::Zero => &[0; 32],
@@ -326,6 +332,7 @@ async fn attempt(
                     compress: remote.compress,
                     backlog: backlog.clone(),
                     known: known.clone(),
+                    theirs_known,
                 };
                 let leaves = (!onto_zeros).then_some(group.leaves);
                 let unread_data =
@@ -333,7 +340,13 @@ async fn attempt(
                 if leaves.is_none() && unread_data {
                     return Err(not_read(url, g));
                 }
-                inflight.spawn(ship.group(g, group.win, leaves, chunk));
+                let mut win = group.win;
+                // Not read at all (known from the previous cycle): only known zeros can
+                // be shipped from it (checked in group_frames), so zeros stand in.
+                if win.buf.len() < group.len {
+                    win.buf.resize(group.len);
+                }
+                inflight.spawn(ship.group(g, win, leaves, chunk));
             }
             g += 1;
             progress.update(done);
@@ -440,16 +453,22 @@ async fn group_frames(
     leaves: Option<&[ChunkId]>,
     chunk: chunker::ChunkSize,
     compress: Compression,
-    changed: Option<&[std::ops::Range<u64>]>,
+    known: Option<&KnownChunks>,
+    theirs_known: bool,
 ) -> Result<Vec<proto::DataFrame>> {
     let first = g * GROUP_CHUNKS as u64;
     let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
+    let changed = known.map(|k| &k.ranges[..]);
     let mut onto_zeros = Vec::new();
     let mut onto_data = Vec::new();
-    // Without leaves, the agent's group is all zeros: every chunk goes onto zeros.
-    let theirs = match leaves {
-        Some(l) => tree(client, url, session, 0, first, l.len() as u32).await?,
-        None => Vec::new(),
+    // Without leaves, the agent's group is all zeros: every chunk goes onto zeros. Where
+    // it holds exactly the previous cycle, its leaves are that cycle's: no round trip.
+    let theirs = match (leaves, known) {
+        (None, _) => Vec::new(),
+        (Some(l), Some(k)) if theirs_known => (0..l.len())
+            .map(|i| leaf_hash(key, &k.base[first as usize + i], ranges[i].len() as u64))
+            .collect(),
+        (Some(l), _) => tree(client, url, session, 0, first, l.len() as u32).await?,
     };
     for (i, r) in ranges.iter().enumerate() {
         let Some(leaves) = leaves else {

@@ -150,6 +150,12 @@ pub(crate) fn kinds(
     first: usize,
     cvs: Option<&CvFile>,
 ) -> Vec<ChunkKind> {
+    // Nothing read (and no buffer): every kind is the known one.
+    if let Some(k) = known
+        && plans.iter().all(|p| matches!(p, Read::Known))
+    {
+        return (first..first + plans.len()).map(|c| k.base[c]).collect();
+    }
     let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
     ranges
         .into_par_iter()

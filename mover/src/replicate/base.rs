@@ -9,6 +9,14 @@
 //! cycle is in place, so a crash between the two leaves the previous, matching pair.
 //! `.IMG.mover-base-H.cvs` holds the chunks' unit CVs, so that of a changed chunk only
 //! the written pages are read.
+//!
+//! A cycle does not take a fresh clone when there is a base: a clone costs every extent
+//! of the image (seconds for an image that copy-on-write has fragmented into 100k
+//! extents), so the base clone is brought up to date instead, recloning only the ranges
+//! where it and the image differ ([`Base::catch_up`]). Those ranges are first added to
+//! `.IMG.mover-base-H.pending` (durably, tagged with the base's cycle): the ranges where
+//! the clone may differ from that cycle, which the next cycle reads. A commit renames the
+//! clone to the new cycle, and the new ids make the pending record stale.
 
 use crate::agent::journal::write_durably;
 use crate::copy::index::{Identity, IndexReader, IndexWriter, index_path};
@@ -24,6 +32,7 @@ use std::{
 
 const MAGIC: &[u8; 8] = b"MVBASE1\n";
 const HEADER: usize = 8 + 8 + 32 + 8 + 8;
+const PENDING_MAGIC: &[u8; 8] = b"MVPEND1\n";
 
 /// A committed cycle's clone and chunk ids.
 pub struct Base {
@@ -33,6 +42,9 @@ pub struct Base {
     pub root: ChunkId,
     clone: PathBuf,
     kinds: Vec<ChunkKind>,
+    /// Byte ranges (sorted, merged) where the clone may no longer hold `cycle`: recloned
+    /// from the image for a cycle that did not commit.
+    pending: Vec<Range<u64>>,
 }
 
 /// The name of relationship `name`'s hidden `what` file beside the image `source`:
@@ -71,6 +83,59 @@ fn clone_path(source: &Path, name: &str, cycle: u64) -> PathBuf {
     source.with_file_name(format!("{}-{cycle}", stem(source, name)))
 }
 
+fn pending_path(source: &Path, name: &str) -> PathBuf {
+    source.with_file_name(format!("{}.pending", stem(source, name)))
+}
+
+/// The pending ranges recorded for base cycle `cycle`; none if the record is of another
+/// cycle (a commit made it stale) or absent. `None` if it is damaged.
+fn load_pending(path: &Path, cycle: u64) -> Option<Vec<Range<u64>>> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Some(Vec::new()),
+        Err(_) => return None,
+    };
+    let (body, sum) = bytes.split_at_checked(bytes.len().checked_sub(32)?)?;
+    if blake3::hash(body).as_bytes() != sum || body.len() < 16 || &body[..8] != PENDING_MAGIC {
+        return None;
+    }
+    let words: Vec<u64> = body[8..]
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        .collect();
+    if words[0] != cycle {
+        return Some(Vec::new());
+    }
+    Some(words[1..].chunks_exact(2).map(|p| p[0]..p[1]).collect())
+}
+
+fn save_pending(path: &Path, cycle: u64, ranges: &[Range<u64>]) -> io::Result<()> {
+    let mut body = Vec::with_capacity(16 + ranges.len() * 16 + 32);
+    body.extend_from_slice(PENDING_MAGIC);
+    body.extend_from_slice(&cycle.to_le_bytes());
+    for r in ranges {
+        body.extend_from_slice(&r.start.to_le_bytes());
+        body.extend_from_slice(&r.end.to_le_bytes());
+    }
+    let sum = *blake3::hash(&body).as_bytes();
+    body.extend_from_slice(&sum);
+    write_durably(path, &body)
+}
+
+/// `a` and `b` (each sorted, merged) as one sorted, merged list.
+fn union(a: &[Range<u64>], b: &[Range<u64>]) -> Vec<Range<u64>> {
+    let mut all: Vec<Range<u64>> = a.iter().chain(b).cloned().collect();
+    all.sort_by_key(|r| r.start);
+    let mut merged: Vec<Range<u64>> = Vec::with_capacity(all.len());
+    for r in all {
+        match merged.last_mut() {
+            Some(m) if r.start <= m.end => m.end = m.end.max(r.end),
+            _ => merged.push(r),
+        }
+    }
+    merged
+}
+
 impl Base {
     /// The base of relationship `name` for the image `source`, if one matches the
     /// volume's geometry and is intact.
@@ -98,12 +163,49 @@ impl Base {
             })
             .collect();
         let clone = clone_path(source, name, cycle);
+        let pending = load_pending(&pending_path(source, name), cycle)?;
         clone.exists().then_some(Base {
             cycle,
             root,
             clone,
             kinds,
+            pending,
         })
+    }
+
+    /// The base's clone: after [`Base::catch_up`], a point in time of the image.
+    pub fn clone_file(&self) -> &Path {
+        &self.clone
+    }
+
+    /// Brings the clone up to date with the image `source` (which must not change
+    /// meanwhile: its file system frozen, or nothing writing): the ranges where they differ
+    /// are recorded as pending, then recloned. `Ok(false)` where the file system cannot
+    /// compare extents (no FIEMAP).
+    pub fn catch_up(&mut self, source: &Path, name: &str) -> io::Result<bool> {
+        let image = File::open(source)?;
+        let clone = std::fs::OpenOptions::new().write(true).open(&self.clone)?;
+        let Some(differ) = extents::changed_ranges(&clone, &image)? else {
+            return Ok(false);
+        };
+        if differ.is_empty() {
+            return Ok(true);
+        }
+        // Recorded first: a crash mid-reclone leaves the clone differing from the base
+        // cycle only in ranges the next cycle reads.
+        let pending = union(&self.pending, &differ);
+        save_pending(&pending_path(source, name), self.cycle, &pending)?;
+        self.pending = pending;
+        crate::agent::journal::failpoint("catch-up-recorded");
+        extents::reclone_ranges(&image, &clone, &differ)?;
+        tracing::debug!(relationship = name, ranges = differ.len(), "clone caught up");
+        Ok(true)
+    }
+
+    /// What this base says of the image at the last [`Base::catch_up`]: its chunks at the
+    /// base cycle, and which may have changed since.
+    pub fn known_pending(&self, chunk: ChunkSize) -> Arc<KnownChunks> {
+        self.known_from(self.pending.clone(), chunk)
     }
 
     /// What this base says of `now` (a newer clone of the same image): its chunks then,
@@ -113,6 +215,10 @@ impl Base {
         let Some(ranges) = extents::changed_ranges(&old, &new)? else {
             return Ok(None);
         };
+        Ok(Some(self.known_from(union(&ranges, &self.pending), chunk)))
+    }
+
+    fn known_from(&self, ranges: Vec<Range<u64>>, chunk: ChunkSize) -> Arc<KnownChunks> {
         let n = self.kinds.len();
         let mut changed = vec![false; n];
         for r in &ranges {
@@ -122,11 +228,11 @@ impl Base {
                 .iter_mut()
                 .for_each(|c| *c = true);
         }
-        Ok(Some(Arc::new(KnownChunks {
+        Arc::new(KnownChunks {
             base: self.kinds.clone(),
             changed,
             ranges,
-        })))
+        })
     }
 }
 
@@ -144,7 +250,9 @@ pub fn save(
     ids: &[u8],
 ) -> io::Result<()> {
     let kept = clone_path(source, name, cycle);
-    std::fs::rename(clone, &kept)?;
+    if clone != kept {
+        std::fs::rename(clone, &kept)?;
+    }
     let mut body = Vec::with_capacity(HEADER + ids.len() + 32);
     body.extend_from_slice(MAGIC);
     body.extend_from_slice(&cycle.to_le_bytes());
@@ -155,6 +263,8 @@ pub fn save(
     let sum = *blake3::hash(&body).as_bytes();
     body.extend_from_slice(&sum);
     write_durably(&ids_path(source, name), &body)?;
+    // Stale now (it names the previous cycle): the clone holds this one exactly.
+    let _ = std::fs::remove_file(pending_path(source, name));
     remove(source, name, Some(&kept));
     Ok(())
 }

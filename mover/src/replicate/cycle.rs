@@ -31,11 +31,14 @@ pub const CRASH_INCONSISTENT: &str = "crash-inconsistent";
 /// A file tree: each file as it was when read, not the tree at one instant.
 pub const FILE_CONSISTENT: &str = "file-consistent";
 
-/// A point in time of the source: a reflink clone (removed when dropped), or the live
-/// volume, possibly with its filesystem frozen until dropped.
+/// A point in time of the source: the base's clone brought up to date, a fresh reflink
+/// clone (removed when dropped), or the live volume, possibly with its filesystem frozen
+/// until dropped.
 struct PointInTime {
     read: PathBuf,
     clone: Option<PathBuf>,
+    /// `read` is the base's clone, caught up with the image.
+    caught_up: bool,
     frozen: Option<extents::Frozen>,
     at_ms: i64,
     consistency: &'static str,
@@ -87,6 +90,7 @@ fn take_point_in_time(
     source: &Path,
     name: &str,
     freeze: Option<&Path>,
+    base: Option<&mut base::Base>,
 ) -> Result<PointInTime, CopyError> {
     let freeze_err = |mount: &Path, e: std::io::Error| CopyError::BadSource {
         path: mount.into(),
@@ -107,6 +111,35 @@ fn take_point_in_time(
         })?;
     }
     let is_file = std::fs::metadata(source).is_ok_and(|m| m.is_file());
+    let thawed_early = |e: std::io::Error| CopyError::BadSource {
+        path: source.into(),
+        why: format!("the clone outlasted the freeze ({e}); the next cycle tries again"),
+    };
+    if let Some(base) = base.filter(|_| is_file) {
+        let frozen = freeze_for(FREEZE_FOR_CLONE)?;
+        let at_ms = now_ms();
+        match base.catch_up(source, name) {
+            Ok(true) => {
+                if let Some(Err(e)) = frozen.map(extents::Frozen::thaw) {
+                    return Err(thawed_early(e));
+                }
+                return Ok(PointInTime {
+                    read: base.clone_file().into(),
+                    clone: None,
+                    caught_up: true,
+                    frozen: None,
+                    at_ms,
+                    consistency: POINT_IN_TIME,
+                });
+            }
+            // No extent maps, or the reclone failed: a fresh clone instead (the ranges
+            // recorded as pending keep the base's comparison right).
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(relationship = name, "cannot bring the last cycle's clone up to date: {e}; taking a fresh clone");
+            }
+        }
+    }
     if is_file {
         let clone = clone_path(source, name);
         let _ = std::fs::remove_file(&clone); // a leftover of a killed cycle
@@ -117,16 +150,12 @@ fn take_point_in_time(
                 // Thawed by the watchdog before the clone was done: not a point in time.
                 if let Some(Err(e)) = frozen.map(extents::Frozen::thaw) {
                     let _ = std::fs::remove_file(&clone);
-                    return Err(CopyError::BadSource {
-                        path: source.into(),
-                        why: format!(
-                            "the clone outlasted the freeze ({e}); the next cycle tries again"
-                        ),
-                    });
+                    return Err(thawed_early(e));
                 }
                 return Ok(PointInTime {
                     read: clone.clone(),
                     clone: Some(clone),
+                    caught_up: false,
                     frozen: None,
                     at_ms,
                     consistency: POINT_IN_TIME,
@@ -146,6 +175,7 @@ fn take_point_in_time(
     Ok(PointInTime {
         read: source.into(),
         clone: None,
+        caught_up: false,
         consistency: if frozen.is_some() {
             POINT_IN_TIME
         } else {
@@ -225,14 +255,21 @@ pub async fn run(
     }
     let source_path = source;
     let source = source.to_path_buf();
+    let chunk = ChunkSize::new(spec.chunk_size).map_err(CopyError::from)?;
     let (name, freeze) = (spec.name.clone(), spec.freeze.clone());
-    let mut pit =
-        tokio::task::spawn_blocking(move || take_point_in_time(&source, &name, freeze.as_deref()))
-            .await
-            .map_err(|e| CopyError::BadSource {
-                path: spec.volume.clone().into(),
-                why: e.to_string(),
-            })??;
+    let (mut pit, base) = tokio::task::spawn_blocking(move || {
+        // The last committed cycle's clone, if it still matches the image's geometry.
+        let mut base = std::fs::metadata(&source)
+            .ok()
+            .filter(|m| m.is_file())
+            .and_then(|m| base::Base::load(&source, &name, chunk, m.len()));
+        take_point_in_time(&source, &name, freeze.as_deref(), base.as_mut()).map(|p| (p, base))
+    })
+    .await
+    .map_err(|e| CopyError::BadSource {
+        path: spec.volume.clone().into(),
+        why: e.to_string(),
+    })??;
     let cycle = proto::Cycle {
         id: record.next_cycle(),
         point_in_time_ms: pit.at_ms,
@@ -243,7 +280,6 @@ pub async fn run(
         interval_ms: spec.interval_ms,
         bwlimit: spec.bwlimit,
     };
-    let chunk = ChunkSize::new(spec.chunk_size).map_err(CopyError::from)?;
     let copy = CopyOptions {
         chunk_size: chunk,
         ..Default::default()
@@ -255,24 +291,23 @@ pub async fn run(
     let size = chunker::BlockVolume::open(&pit.read)
         .map_err(CopyError::from)?
         .size();
-    // Between two clones, only chunks in extents no longer shared may have changed.
-    let base = match &pit.clone {
-        Some(clone) => base::Base::load(source_path, &spec.name, chunk, size).and_then(|b| match b
-            .known(clone, chunk)
-        {
+    // Between two clones, only chunks in extents no longer shared may have changed: the
+    // ranges the catch-up recloned, or those where a fresh clone and the base differ.
+    let base = match (&pit.clone, base) {
+        (_, Some(b)) if pit.caught_up => Some((b.cycle, b.root, b.known_pending(chunk))),
+        (Some(clone), Some(b)) => match b.known(clone, chunk) {
             Ok(k) => k.map(|k| (b.cycle, b.root, k)),
             Err(e) => {
                 tracing::warn!(relationship = %spec.name, "cannot compare extent maps: {e}");
                 None
             }
-        }),
-        None => None,
+        },
+        _ => None,
     };
     // Only with clones: the live volume changes under the read, so its CVs would not
     // match any cycle's ids.
-    let cvs = pit
-        .clone
-        .as_ref()
+    let cvs = (pit.clone.is_some() || pit.caught_up)
+        .then_some(())
         .and_then(|_| match base::open_cvs(source_path, &spec.name, chunk) {
             Ok(f) => f.map(std::sync::Arc::new),
             Err(e) => {
@@ -299,7 +334,11 @@ pub async fn run(
     {
         pit.consistency = CRASH_INCONSISTENT;
     }
-    if let (Some(clone), Some(root)) = (pit.clone.take(), &sum.root) {
+    let clone = match pit.clone.take() {
+        Some(fresh) => Some(fresh),
+        None => pit.caught_up.then(|| pit.read.clone()),
+    };
+    if let (Some(clone), Some(root)) = (clone, &sum.root) {
         let saved = match ChunkId::from_hex(root) {
             Some(root) => base::save(
                 source_path,
