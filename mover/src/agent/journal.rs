@@ -215,8 +215,10 @@ impl Journal {
     /// Makes the journal durable and writes the commit record: from here on, the cycle
     /// will be applied even if this process dies. Returns the directory to [`apply`].
     pub fn commit(mut self, cycle: AppliedCycle, volume: &Path) -> io::Result<PathBuf> {
+        let t0 = std::time::Instant::now();
         self.out.flush()?;
         self.out.get_ref().sync_all()?;
+        tracing::debug!(bytes = self.len, secs = t0.elapsed().as_secs_f64(), "journal synced");
         failpoint("cycle-staged");
         let commit = Commit {
             version: RECORD_VERSION,
@@ -261,6 +263,7 @@ pub(crate) fn apply(dir: &Path) -> io::Result<AppliedCycle> {
             dir.display()
         )));
     }
+    let t0 = std::time::Instant::now();
     let mut buf = Vec::new();
     let mut records = 0u64;
     loop {
@@ -292,7 +295,14 @@ pub(crate) fn apply(dir: &Path) -> io::Result<AppliedCycle> {
             failpoint("cycle-mid-apply");
         }
     }
+    let written = t0.elapsed();
     volume.sync_all()?;
+    tracing::debug!(
+        records,
+        write_secs = written.as_secs_f64(),
+        sync_secs = (t0.elapsed() - written).as_secs_f64(),
+        "journal applied"
+    );
     let mut cycle = commit.cycle;
     cycle.applied_ms = now_ms();
     record_applied(dir, &cycle)?;

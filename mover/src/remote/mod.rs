@@ -525,7 +525,7 @@ pub(crate) fn read_groups(
         // Where a pass's time goes (debug log): reading (summed over the readers) and
         // hashing.
         let reading = std::sync::atomic::AtomicU64::new(0);
-        let mut hashing = std::time::Duration::ZERO;
+        let hashing = std::sync::atomic::AtomicU64::new(0);
         // Readers take turns by group, each a group ahead of this thread, so the disk
         // always has several groups' reads in flight while this one finds zeros and hashes.
         std::thread::scope(|scope| {
@@ -538,6 +538,7 @@ pub(crate) fn read_groups(
                 .map(|first| {
                     let (read_tx, read_rx) = std::sync::mpsc::sync_channel(1);
                     let (volume, known, records, reading) = (&volume, &known, &records, &reading);
+                    let (key, cvs, hashing) = (&key, &cvs, &hashing);
                     scope.spawn(move || {
                         for g in (first..groups).step_by(readers as usize) {
                             let offset = g * group_len;
@@ -586,9 +587,31 @@ pub(crate) fn read_groups(
                                 started.elapsed().as_micros() as u64,
                                 std::sync::atomic::Ordering::Relaxed,
                             );
+                            // Scattered chunks are hashed here, by the readers side by
+                            // side, not one group at a time by the thread that orders them.
+                            let kinds = (known.is_some() && r.is_ok()).then(|| {
+                                let started = std::time::Instant::now();
+                                let first = g as usize * chunker::GROUP_CHUNKS;
+                                let k = units::kinds(
+                                    &key,
+                                    chunk,
+                                    &win,
+                                    &plans,
+                                    known.as_deref(),
+                                    first,
+                                    cvs.as_deref(),
+                                );
+                                hashing.fetch_add(
+                                    started.elapsed().as_micros() as u64,
+                                    std::sync::atomic::Ordering::Relaxed,
+                                );
+                                k
+                            });
                             let failed = r.is_err();
                             // The consumer went away, or this read failed: stop.
-                            if read_tx.send(r.map(|read| (win, plans, read))).is_err() || failed {
+                            if read_tx.send(r.map(|read| (win, plans, read, kinds))).is_err()
+                                || failed
+                            {
                                 break;
                             }
                         }
@@ -597,7 +620,7 @@ pub(crate) fn read_groups(
                 })
                 .collect();
             for g in 0..groups {
-                let (win, plans, bytes_read) = match turns[(g % readers) as usize].recv() {
+                let (win, plans, bytes_read, kinds) = match turns[(g % readers) as usize].recv() {
                     Ok(Ok(read)) => read,
                     Ok(Err(e)) => {
                         let _ = tx.blocking_send(Err(e));
@@ -624,17 +647,23 @@ pub(crate) fn read_groups(
                     kinds: Vec::new(),
                     bytes_read,
                 };
-                let started = std::time::Instant::now();
-                let kinds = units::kinds(
-                    &key,
-                    chunk,
-                    &group.win,
-                    &plans,
-                    known.as_deref(),
-                    first_chunk,
-                    cvs.as_deref(),
-                );
-                hashing += started.elapsed();
+                let kinds = kinds.unwrap_or_else(|| {
+                    let started = std::time::Instant::now();
+                    let k = units::kinds(
+                        &key,
+                        chunk,
+                        &group.win,
+                        &plans,
+                        known.as_deref(),
+                        first_chunk,
+                        cvs.as_deref(),
+                    );
+                    hashing.fetch_add(
+                        started.elapsed().as_micros() as u64,
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                    k
+                });
                 group.zero = kinds.iter().map(|k| *k == ChunkKind::Zero).collect();
                 group.set_kinds(&key, chunk, kinds);
                 // The consumer went away: stop reading (its own error explains why).
@@ -651,7 +680,7 @@ pub(crate) fn read_groups(
             } else {
                 READERS
             },
-            hashing_secs = hashing.as_secs_f64(),
+            hashing_secs = hashing.into_inner() as f64 / 1e6,
             "volume read"
         );
         // Dropping the receivers stops the readers.
