@@ -451,7 +451,20 @@ impl Replication for Control {
                 replicate::base::adopt(state, &e.path, &p.name, chunk, cycle, &a.root)
             }) {
                 Ok(true) => {
-                    tracing::debug!(relationship = %p.name, cycle, "kept a clone of the cycle promoted from")
+                    tracing::debug!(relationship = %p.name, cycle, "kept a clone of the cycle promoted from");
+                    // Unit CVs for its cycles (a secondary keeps none), in the background.
+                    let (path, name) = (e.path.clone(), p.name.clone());
+                    std::thread::spawn(move || {
+                        super::pages::lower_priority();
+                        match replicate::base::record_cvs(&path, &name, chunk) {
+                            Ok(n) => {
+                                tracing::debug!(relationship = %name, chunks = n, "unit CVs recorded")
+                            }
+                            Err(e) => {
+                                tracing::warn!(relationship = %name, "cannot record unit CVs ({e}); changed chunks are read whole")
+                            }
+                        }
+                    });
                 }
                 Ok(false) => {}
                 Err(e) => {

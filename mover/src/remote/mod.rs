@@ -522,12 +522,14 @@ pub(crate) fn read_groups(
             _ => None,
         };
         let loading = t0.elapsed();
-        // Where a pass's time goes (debug log): reading (summed over the readers) and
-        // hashing.
+        // Where a pass's time goes (debug log): reading and hashing, each summed over the
+        // threads doing it.
         let reading = std::sync::atomic::AtomicU64::new(0);
         let hashing = std::sync::atomic::AtomicU64::new(0);
         // Readers take turns by group, each a group ahead of this thread, so the disk
-        // always has several groups' reads in flight while this one finds zeros and hashes.
+        // always has several groups' reads in flight while this one finds zeros and hashes
+        // (whole groups, in parallel on the rayon pool; the few scattered chunks of a
+        // cycle are hashed by their readers instead).
         std::thread::scope(|scope| {
             let readers = if known.is_some() {
                 SPARSE_READERS
@@ -556,7 +558,8 @@ pub(crate) fn read_groups(
                             let started = std::time::Instant::now();
                             let wanted = |i: usize| matches!(plans[i], units::Read::Whole);
                             let whole = (0..plans.len()).any(wanted);
-                            let units = plans.iter().any(|p| matches!(p, units::Read::Units { .. }));
+                            let units =
+                                plans.iter().any(|p| matches!(p, units::Read::Units { .. }));
                             // Scattered changed chunks are read without a hole search
                             // (see read_chunks_where); a group with nothing to read gets
                             // no buffer at all.
@@ -600,6 +603,7 @@ pub(crate) fn read_groups(
                                     known.as_deref(),
                                     first,
                                     cvs.as_deref(),
+                                    false,
                                 );
                                 hashing.fetch_add(
                                     started.elapsed().as_micros() as u64,
@@ -609,7 +613,9 @@ pub(crate) fn read_groups(
                             });
                             let failed = r.is_err();
                             // The consumer went away, or this read failed: stop.
-                            if read_tx.send(r.map(|read| (win, plans, read, kinds))).is_err()
+                            if read_tx
+                                .send(r.map(|read| (win, plans, read, kinds)))
+                                .is_err()
                                 || failed
                             {
                                 break;
@@ -657,6 +663,7 @@ pub(crate) fn read_groups(
                         known.as_deref(),
                         first_chunk,
                         cvs.as_deref(),
+                        true,
                     );
                     hashing.fetch_add(
                         started.elapsed().as_micros() as u64,

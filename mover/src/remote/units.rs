@@ -139,8 +139,10 @@ pub(crate) fn read_units(
     Ok(read)
 }
 
-/// The kinds of a group's chunks (in parallel): known ones as they were, the others from
-/// what was read; with a CV file, every chunk read gets its record renewed there.
+/// The kinds of a group's chunks (in parallel on the rayon pool, or on this thread where
+/// the caller is one of many doing this side by side): known ones as they were, the
+/// others from what was read; with a CV file, every chunk read gets its record renewed
+/// there.
 pub(crate) fn kinds(
     key: &ChunkKey,
     chunk: ChunkSize,
@@ -149,6 +151,7 @@ pub(crate) fn kinds(
     known: Option<&KnownChunks>,
     first: usize,
     cvs: Option<&CvFile>,
+    parallel: bool,
 ) -> Vec<ChunkKind> {
     // Nothing read (and no buffer): every kind is the known one.
     if let Some(k) = known
@@ -156,41 +159,45 @@ pub(crate) fn kinds(
     {
         return (first..first + plans.len()).map(|c| k.base[c]).collect();
     }
-    let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
-    ranges
-        .into_par_iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let c = first + i;
-            let data = &win.buf[r.clone()];
-            let hole = win.unread[i];
-            let unit_cvs = match (&plans[i], cvs) {
-                (Read::Known, _) => return known.expect("Known needs an index").base[c],
-                (Read::Whole, None) => return classify(key, data, hole),
-                (Read::Whole, Some(_)) if !UnitHasher::covers(r.len()) => {
-                    return classify(key, data, hole);
-                }
-                (Read::Whole, Some(f)) if hole => f.hasher().zero_cvs(r.len()),
-                (Read::Whole, Some(f)) => f.hasher().cvs(data),
-                (Read::Units { cvs, written }, Some(f)) => {
-                    let mut cvs = cvs.clone();
-                    for (u, piece) in data.chunks(UNIT_LEN).enumerate() {
-                        if written[u] {
-                            cvs[u] = f.hasher().unit_cv(u, piece);
-                        }
-                    }
-                    cvs
-                }
-                (Read::Units { .. }, None) => unreachable!("units are planned from a CV file"),
-            };
-            let f = cvs.expect("CVs come from a CV file");
-            if let Err(e) = f.put(c as u64, &unit_cvs) {
-                // A missing record only costs a whole read of the chunk next time.
-                tracing::debug!(chunk = c, "cannot record the chunk's CVs: {e}");
+    let kind = |(i, r): (usize, Range<usize>)| {
+        let c = first + i;
+        let data = &win.buf[r.clone()];
+        let hole = win.unread[i];
+        let unit_cvs = match (&plans[i], cvs) {
+            (Read::Known, _) => return known.expect("Known needs an index").base[c],
+            (Read::Whole, None) => return classify(key, data, hole),
+            (Read::Whole, Some(_)) if !UnitHasher::covers(r.len()) => {
+                return classify(key, data, hole);
             }
-            f.hasher().kind(&unit_cvs, r.len())
-        })
-        .collect()
+            (Read::Whole, Some(f)) if hole => f.hasher().zero_cvs(r.len()),
+            (Read::Whole, Some(f)) => f.hasher().cvs(data),
+            (Read::Units { cvs, written }, Some(f)) => {
+                let mut cvs = cvs.clone();
+                for (u, piece) in data.chunks(UNIT_LEN).enumerate() {
+                    if written[u] {
+                        cvs[u] = f.hasher().unit_cv(u, piece);
+                    }
+                }
+                cvs
+            }
+            (Read::Units { .. }, None) => unreachable!("units are planned from a CV file"),
+        };
+        let f = cvs.expect("CVs come from a CV file");
+        if let Err(e) = f.put(c as u64, &unit_cvs) {
+            // A missing record only costs a whole read of the chunk next time.
+            tracing::debug!(chunk = c, "cannot record the chunk's CVs: {e}");
+        }
+        f.hasher().kind(&unit_cvs, r.len())
+    };
+    let ranges = win.chunk_ranges(chunk).enumerate();
+    match parallel {
+        true => ranges
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .map(kind)
+            .collect(),
+        false => ranges.map(kind).collect(),
+    }
 }
 
 #[cfg(test)]

@@ -198,7 +198,11 @@ impl Base {
         self.pending = pending;
         crate::agent::journal::failpoint("catch-up-recorded");
         extents::reclone_ranges(&image, &clone, &differ)?;
-        tracing::debug!(relationship = name, ranges = differ.len(), "clone caught up");
+        tracing::debug!(
+            relationship = name,
+            ranges = differ.len(),
+            "clone caught up"
+        );
         Ok(true)
     }
 
@@ -359,6 +363,46 @@ pub fn adopt(
     let saved = save(source, name, &tmp, cycle, &root, chunk, size, &ids);
     let _ = std::fs::remove_file(&tmp);
     saved.map(|()| true)
+}
+
+/// On a promoted secondary, which kept no unit CVs: records those of every data chunk of
+/// the base's clone, so that its cycles read only the written units of a changed chunk
+/// (failback included) instead of the whole chunk. Reads the volume's data once: run it
+/// off the request path. A record made while a cycle recloned the clone under it merges
+/// into no chunk id, so it is ignored when read. Returns the chunks recorded.
+pub fn record_cvs(source: &Path, name: &str, chunk: ChunkSize) -> io::Result<u64> {
+    use rayon::prelude::*;
+    /// Chunks per read: large reads of what is mostly contiguous data.
+    const SPAN: usize = 64;
+    let size = std::fs::metadata(source)?.len();
+    let (Some(base), Some(cvs)) = (
+        Base::load(source, name, chunk, size),
+        open_cvs(source, name, chunk)?,
+    ) else {
+        return Ok(0);
+    };
+    let volume = BlockVolume::open(&base.clone).map_err(io::Error::other)?;
+    volume.advise_sequential();
+    let mut win = chunker::Window::default();
+    let mut recorded = 0;
+    for first in (0..base.kinds.len()).step_by(SPAN) {
+        let n = SPAN.min(base.kinds.len() - first);
+        let at = first as u64 * chunk.get();
+        let len = (n as u64 * chunk.get()).min(size - at) as usize;
+        let data = |i: usize| base.kinds[first + i] != ChunkKind::Zero;
+        chunker::read_window_where(&volume, chunk, at, len, data, &mut win)
+            .map_err(io::Error::other)?;
+        let ranges: Vec<_> = win.chunk_ranges(chunk).enumerate().collect();
+        recorded += ranges
+            .into_par_iter()
+            .filter(|(i, r)| !win.unread[*i] && chunker::cv::UnitHasher::covers(r.len()))
+            .map(|(i, r)| {
+                let unit_cvs = cvs.hasher().cvs(&win.buf[r]);
+                cvs.put((first + i) as u64, &unit_cvs).map(|()| 1)
+            })
+            .sum::<io::Result<u64>>()?;
+    }
+    Ok(recorded)
 }
 
 /// On a former primary becoming a secondary (demote, resync): the byte ranges written

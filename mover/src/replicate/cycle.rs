@@ -136,7 +136,10 @@ fn take_point_in_time(
             // recorded as pending keep the base's comparison right).
             Ok(false) => {}
             Err(e) => {
-                tracing::warn!(relationship = name, "cannot bring the last cycle's clone up to date: {e}; taking a fresh clone");
+                tracing::warn!(
+                    relationship = name,
+                    "cannot bring the last cycle's clone up to date: {e}; taking a fresh clone"
+                );
             }
         }
     }
