@@ -596,7 +596,7 @@ pub(crate) fn read_groups(
                                 let started = std::time::Instant::now();
                                 let first = g as usize * chunker::GROUP_CHUNKS;
                                 let k = units::kinds(
-                                    &key,
+                                    key,
                                     chunk,
                                     &win,
                                     &plans,

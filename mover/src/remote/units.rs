@@ -143,6 +143,7 @@ pub(crate) fn read_units(
 /// the caller is one of many doing this side by side): known ones as they were, the
 /// others from what was read; with a CV file, every chunk read gets its record renewed
 /// there.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn kinds(
     key: &ChunkKey,
     chunk: ChunkSize,
