@@ -70,16 +70,8 @@ pub fn read_window_where(
     wanted: impl Fn(usize) -> bool,
     win: &mut Window,
 ) -> Result<()> {
-    debug_assert_eq!(offset % chunk.get(), 0);
-    win.offset = offset;
-    win.buf.resize(len);
-    let n_chunks = len.div_ceil(chunk.bytes());
-    win.unread.clear();
-    win.unread.resize(n_chunks, false);
+    plan_window(chunk, offset, len, wanted, win);
     mark_hole_chunks(volume, chunk, offset, len as u64, &mut win.unread);
-    for (i, unread) in win.unread.iter_mut().enumerate() {
-        *unread |= !wanted(i);
-    }
     read_marked(volume, chunk, win)
 }
 
@@ -94,13 +86,25 @@ pub fn read_chunks_where(
     wanted: impl Fn(usize) -> bool,
     win: &mut Window,
 ) -> Result<()> {
+    plan_window(chunk, offset, len, wanted, win);
+    read_marked(volume, chunk, win)
+}
+
+/// Sizes `win` for the `len` bytes at `offset` (a chunk boundary), the chunks not
+/// `wanted` flagged unread.
+fn plan_window(
+    chunk: ChunkSize,
+    offset: u64,
+    len: usize,
+    wanted: impl Fn(usize) -> bool,
+    win: &mut Window,
+) {
     debug_assert_eq!(offset % chunk.get(), 0);
     win.offset = offset;
     win.buf.resize(len);
     win.unread.clear();
     win.unread
         .extend((0..len.div_ceil(chunk.bytes())).map(|i| !wanted(i)));
-    read_marked(volume, chunk, win)
 }
 
 /// Reads the chunks of `win` not flagged unread, maximal runs with one pread each.

@@ -745,6 +745,16 @@ mod tests {
         File::open(scratch.path(name)).unwrap()
     }
 
+    fn punch(file: &File, range: &Range<u64>) {
+        rustix::fs::fallocate(
+            file,
+            rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+            range.start,
+            range.end - range.start,
+        )
+        .unwrap();
+    }
+
     fn total(ranges: &[Range<u64>]) -> u64 {
         ranges.iter().map(|r| r.end - r.start).sum()
     }
@@ -897,13 +907,7 @@ mod tests {
         }
         // A hole where the old clone has data: recloning must punch it there too.
         let punched = (1 << 20)..(1 << 20) + (128 << 10);
-        rustix::fs::fallocate(
-            &live,
-            rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
-            punched.start,
-            punched.end - punched.start,
-        )
-        .unwrap();
+        punch(&live, &punched);
         live.sync_all().unwrap();
         let changed = changed_ranges(&old, &live).unwrap().unwrap();
         assert!(covers(&changed, &punched), "{changed:?}");
@@ -919,13 +923,7 @@ mod tests {
         let live = live_image(&fs.path("live"), 4 << 20, 0..4 << 20, 4);
         let one = snapshot(&fs, "live", "one");
         let punched = (1 << 20)..(1 << 20) + (256 << 10);
-        rustix::fs::fallocate(
-            &live,
-            rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
-            punched.start,
-            punched.end - punched.start,
-        )
-        .unwrap();
+        punch(&live, &punched);
         live.sync_all().unwrap();
         let two = snapshot(&fs, "live", "two");
         assert_eq!(changed_ranges(&one, &two).unwrap(), Some(vec![punched]));

@@ -315,6 +315,20 @@ async fn attempt(
             group.leaves.iter().for_each(|l| merkle.push_leaf(*l));
             let differs = chunker::Summary::group_hash(&key, &group.leaves) != theirs;
             if differs {
+                // Where the secondary's leaves are taken to be the previous cycle's,
+                // its group hash must say so too: else it changed behind the index it
+                // vouched for, and this cycle compares every chunk instead.
+                if let Some(k) = known.as_ref().filter(|_| theirs_known) {
+                    let first = g as usize * GROUP_CHUNKS;
+                    let base: Vec<ChunkId> = group
+                        .chunk_ranges(chunk)
+                        .enumerate()
+                        .map(|(i, r)| leaf_hash(&key, &k.base[first + i], r.len() as u64))
+                        .collect();
+                    if chunker::Summary::group_hash(&key, &base) != theirs {
+                        return Err(not_read(url, g));
+                    }
+                }
                 // Groups are compared and framed concurrently (one in flight per
                 // stream), so round trips and compression overlap the reading.
                 while inflight.len() >= senders.len() {
