@@ -483,4 +483,27 @@ mod tests {
         forget(&src, "r");
         assert_eq!(std::fs::read_dir(t.path()).unwrap().count(), 1);
     }
+
+    #[test]
+    fn pending_ranges_count_only_for_their_cycle_and_a_damaged_record_for_none() {
+        let t = tempfile::tempdir().unwrap();
+        let p = t.path().join("pending");
+        assert_eq!(load_pending(&p, 5), Some(vec![]), "absent: nothing pending");
+        let ranges = [0..4096, 1 << 20..(1 << 20) + 8192];
+        save_pending(&p, 5, &ranges).unwrap();
+        assert_eq!(load_pending(&p, 5).as_deref(), Some(&ranges[..]));
+        assert_eq!(load_pending(&p, 6), Some(vec![]), "of an older base: stale");
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes[20] ^= 1;
+        std::fs::write(&p, bytes).unwrap();
+        assert_eq!(
+            load_pending(&p, 5),
+            None,
+            "damaged: the base is not trusted"
+        );
+        assert_eq!(
+            union(&[0..10, 20..30], &[5..12, 30..31, 40..41]),
+            [0..12, 20..31, 40..41]
+        );
+    }
 }
