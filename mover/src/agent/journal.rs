@@ -199,11 +199,6 @@ impl Journal {
         Ok(())
     }
 
-    /// The journal's file, for syncing what is staged so far while more arrives.
-    pub fn file(&self) -> io::Result<File> {
-        self.out.get_ref().try_clone()
-    }
-
     /// Stages `data` to be written at `offset`.
     pub fn data(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
         self.header(offset, data.len() as u64, KIND_DATA)?;

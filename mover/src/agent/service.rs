@@ -38,8 +38,6 @@ use transport::{
 /// a crash of the receiving machine (a killed process loses nothing: its writes are in
 /// the page cache).
 const SYNC_EVERY: u64 = 256 << 20;
-/// How often a cycle's journal is synced while it is staged.
-const JOURNAL_SYNC_EVERY: u64 = 8 << 20;
 
 /// An agent's Transfer service.
 pub struct AgentService {
@@ -844,23 +842,14 @@ impl SessionWriter {
     fn start(s: &Session, metrics: Arc<Metrics>) -> std::io::Result<SessionWriter> {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Job>(16);
         let (file, path) = (DirectWriter::new(&s.file)?, s.path.clone());
-        // A cycle's frames are staged in its journal, not written (see agent::journal).
-        let journal = s.cycle.as_ref().map(|c| c.journal.clone());
-        // What the second thread makes durable as frames arrive: a cycle's journal (often,
-        // so that its commit finds little left to sync), else the volume.
-        let staged = journal
-            .as_ref()
-            .and_then(|j| j.lock().expect("journal lock").as_ref().map(Journal::file))
-            .transpose()?;
-        let (sync_file, sync_every) = match staged {
-            Some(f) => (f, JOURNAL_SYNC_EVERY),
-            None => (s.file.try_clone()?, SYNC_EVERY),
-        };
+        let sync_file = s.file.try_clone()?;
         let (kick, kicks) = std::sync::mpsc::sync_channel::<()>(1);
         let sync_failed: Arc<Mutex<Option<String>>> = Arc::default();
         let failed = sync_failed.clone();
         let superseded = s.superseded.clone();
         let pages = s.pages.clone();
+        // A cycle's frames are staged in its journal, not written (see agent::journal).
+        let journal = s.cycle.as_ref().map(|c| c.journal.clone());
         std::thread::spawn(move || {
             while kicks.recv().is_ok() {
                 if let Err(e) = sync_file.sync_data() {
@@ -914,7 +903,7 @@ impl SessionWriter {
                         }
                         metrics.bytes_received.fetch_add(data.len, Relaxed);
                         unsynced += data.len;
-                        if unsynced >= sync_every {
+                        if unsynced >= SYNC_EVERY {
                             unsynced = 0;
                             let _ = kick.try_send(()); // a sync under way covers this too
                         }
