@@ -42,11 +42,18 @@ pub struct Window {
 impl Window {
     /// The byte ranges (within `buf`) of the window's chunks, in order.
     pub fn chunk_ranges(&self, chunk: ChunkSize) -> impl Iterator<Item = std::ops::Range<usize>> {
-        let len = self.buf.len();
-        (0..len)
-            .step_by(chunk.bytes())
-            .map(move |s| s..(s + chunk.bytes()).min(len))
+        chunk_ranges(self.buf.len(), chunk)
     }
+}
+
+/// The byte ranges of the chunks of `len` bytes, in order (the last one may be short).
+pub fn chunk_ranges(
+    len: usize,
+    chunk: ChunkSize,
+) -> impl Iterator<Item = std::ops::Range<usize>> + use<> {
+    (0..len)
+        .step_by(chunk.bytes())
+        .map(move |s| s..(s + chunk.bytes()).min(len))
 }
 
 /// Reads `len` bytes at `offset` (a chunk boundary) into `win`, skipping whole-hole chunks.

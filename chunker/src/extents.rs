@@ -85,6 +85,19 @@ pub fn reclone_ranges(src: &File, dst: &File, ranges: &[Range<u64>]) -> io::Resu
     Ok(())
 }
 
+/// `ranges` sorted, with overlapping or touching ones merged.
+pub fn merge_ranges(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
+    ranges.sort_by_key(|r| r.start);
+    let mut merged: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        match merged.last_mut() {
+            Some(m) if r.start <= m.end => m.end = m.end.max(r.end),
+            _ => merged.push(r),
+        }
+    }
+    merged
+}
+
 /// Whether an error from [`clone_file`] means "no reflinks here" (the file system has
 /// none, or source and destination are on different ones), as opposed to a real failure.
 pub fn is_no_reflink(e: &io::Error) -> bool {
@@ -915,6 +928,14 @@ mod tests {
         reclone_ranges(&live, &writable, &changed).unwrap();
         assert_eq!(changed_ranges(&old, &live).unwrap(), Some(vec![]));
         assert_same_outside(&old, &live, &[]);
+    }
+
+    #[test]
+    fn merged_ranges_are_sorted_and_overlapping_or_touching_ones_joined() {
+        assert_eq!(
+            merge_ranges(vec![20..30, 5..12, 0..10, 40..41, 30..31]),
+            [0..12, 20..31, 40..41]
+        );
     }
 
     #[test]

@@ -35,8 +35,8 @@ mod zero;
 
 pub use aligned::AlignedBuf;
 pub use block::{
-    ChunkKind, VolumeDigest, Window, classify, for_each_window, hash_chunks, hash_volume,
-    hash_volume_leaves, read_chunks_where, read_window, read_window_where,
+    ChunkKind, VolumeDigest, Window, chunk_ranges, classify, for_each_window, hash_chunks,
+    hash_volume, hash_volume_leaves, read_chunks_where, read_window, read_window_where,
 };
 pub use cdc::{CdcChunk, CdcChunker, CdcParams};
 pub use error::{ChunkerError, Result};

@@ -221,15 +221,17 @@ async fn pread(file: &Arc<File>, offset: u64, len: u32) -> io::Result<Vec<u8>> {
     // What the page cache holds is read here at once (RWF_NOWAIT never waits for the
     // disk); only the rest pays for a hop to a blocking thread.
     let mut buf = vec![0u8; len as usize];
-    let mut io = [std::io::IoSliceMut::new(&mut buf)];
-    if let Ok(n) = rustix::io::preadv2(&**file, &mut io, offset, rustix::io::ReadWriteFlags::NOWAIT)
-        && n == len as usize
-    {
+    let cached = rustix::io::preadv2(
+        &**file,
+        &mut [std::io::IoSliceMut::new(&mut buf)],
+        offset,
+        rustix::io::ReadWriteFlags::NOWAIT,
+    );
+    if cached.is_ok_and(|n| n == len as usize) {
         return Ok(buf);
     }
     let f = file.clone();
     blocking(move || {
-        let mut buf = vec![0u8; len as usize];
         f.read_exact_at(&mut buf, offset)?;
         Ok(buf)
     })

@@ -433,10 +433,7 @@ impl Group {
         &self,
         chunk: ChunkSize,
     ) -> impl Iterator<Item = std::ops::Range<usize>> + use<> {
-        let len = self.len;
-        (0..len)
-            .step_by(chunk.bytes())
-            .map(move |s| s..(s + chunk.bytes()).min(len))
+        chunker::chunk_ranges(self.len, chunk)
     }
 
     /// The group hash the agent reports for this group when it holds only zeros.
@@ -471,28 +468,30 @@ pub struct KnownChunks {
 }
 
 impl KnownChunks {
+    /// Chunks whose kinds were `base`, of which those touching `ranges` (bytes written
+    /// since, in any order) may have changed.
+    pub fn new(base: Vec<ChunkKind>, ranges: Vec<std::ops::Range<u64>>, chunk: ChunkSize) -> Self {
+        let ranges = chunker::extents::merge_ranges(ranges);
+        let n = base.len();
+        let mut changed = vec![false; n];
+        for r in &ranges {
+            let first = ((r.start / chunk.get()) as usize).min(n);
+            let end = (r.end.div_ceil(chunk.get()) as usize).min(n);
+            changed[first..end].fill(true);
+        }
+        KnownChunks {
+            base,
+            changed,
+            ranges,
+        }
+    }
+
     /// These chunks, with the byte ranges `dirty` (start, end pairs, e.g. a secondary's
     /// own writes since the cycle) also marked changed.
     pub fn with_dirty(&self, dirty: &[u64], chunk: ChunkSize) -> KnownChunks {
-        let mut k = self.clone();
-        let n = k.changed.len();
-        for pair in dirty.chunks_exact(2) {
-            let (s, e) = (pair[0], pair[1].max(pair[0]));
-            let first = ((s / chunk.get()) as usize).min(n);
-            let end = (e.div_ceil(chunk.get()) as usize).min(n);
-            k.changed[first..end].iter_mut().for_each(|c| *c = true);
-            k.ranges.push(s..e);
-        }
-        k.ranges.sort_by_key(|r| r.start);
-        let mut merged: Vec<std::ops::Range<u64>> = Vec::with_capacity(k.ranges.len());
-        for r in k.ranges.drain(..) {
-            match merged.last_mut() {
-                Some(m) if r.start <= m.end => m.end = m.end.max(r.end),
-                _ => merged.push(r),
-            }
-        }
-        k.ranges = merged;
-        k
+        let mut ranges = self.ranges.clone();
+        ranges.extend(dirty.chunks_exact(2).map(|p| p[0]..p[1].max(p[0])));
+        KnownChunks::new(self.base.clone(), ranges, chunk)
     }
 }
 
@@ -526,6 +525,25 @@ pub(crate) fn read_groups(
         // threads doing it.
         let reading = std::sync::atomic::AtomicU64::new(0);
         let hashing = std::sync::atomic::AtomicU64::new(0);
+        // The kinds of group `g`'s chunks, as read into `win` (see units::kinds).
+        let hash = |win: &Window, plans: &[units::Read], g: u64, parallel: bool| {
+            let started = std::time::Instant::now();
+            let kinds = units::kinds(
+                &key,
+                chunk,
+                win,
+                plans,
+                known.as_deref(),
+                g as usize * chunker::GROUP_CHUNKS,
+                cvs.as_deref(),
+                parallel,
+            );
+            hashing.fetch_add(
+                started.elapsed().as_micros() as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            kinds
+        };
         // Readers take turns by group, each a group ahead of this thread, so the disk
         // always has several groups' reads in flight while this one finds zeros and hashes
         // (whole groups, in parallel on the rayon pool; the few scattered chunks of a
@@ -540,7 +558,7 @@ pub(crate) fn read_groups(
                 .map(|first| {
                     let (read_tx, read_rx) = std::sync::mpsc::sync_channel(1);
                     let (volume, known, records, reading) = (&volume, &known, &records, &reading);
-                    let (key, cvs, hashing) = (&key, &cvs, &hashing);
+                    let hash = &hash;
                     scope.spawn(move || {
                         for g in (first..groups).step_by(readers as usize) {
                             let offset = g * group_len;
@@ -592,25 +610,8 @@ pub(crate) fn read_groups(
                             );
                             // Scattered chunks are hashed here, by the readers side by
                             // side, not one group at a time by the thread that orders them.
-                            let kinds = (known.is_some() && r.is_ok()).then(|| {
-                                let started = std::time::Instant::now();
-                                let first = g as usize * chunker::GROUP_CHUNKS;
-                                let k = units::kinds(
-                                    key,
-                                    chunk,
-                                    &win,
-                                    &plans,
-                                    known.as_deref(),
-                                    first,
-                                    cvs.as_deref(),
-                                    false,
-                                );
-                                hashing.fetch_add(
-                                    started.elapsed().as_micros() as u64,
-                                    std::sync::atomic::Ordering::Relaxed,
-                                );
-                                k
-                            });
+                            let kinds = (known.is_some() && r.is_ok())
+                                .then(|| hash(&win, &plans, g, false));
                             let failed = r.is_err();
                             // The consumer went away, or this read failed: stop.
                             if read_tx
@@ -644,7 +645,6 @@ pub(crate) fn read_groups(
                         return;
                     }
                 };
-                let first_chunk = g as usize * chunker::GROUP_CHUNKS;
                 let mut group = Group {
                     win,
                     len: group_len.min(size - g * group_len) as usize,
@@ -653,24 +653,7 @@ pub(crate) fn read_groups(
                     kinds: Vec::new(),
                     bytes_read,
                 };
-                let kinds = kinds.unwrap_or_else(|| {
-                    let started = std::time::Instant::now();
-                    let k = units::kinds(
-                        &key,
-                        chunk,
-                        &group.win,
-                        &plans,
-                        known.as_deref(),
-                        first_chunk,
-                        cvs.as_deref(),
-                        true,
-                    );
-                    hashing.fetch_add(
-                        started.elapsed().as_micros() as u64,
-                        std::sync::atomic::Ordering::Relaxed,
-                    );
-                    k
-                });
+                let kinds = kinds.unwrap_or_else(|| hash(&group.win, &plans, g, true));
                 group.zero = kinds.iter().map(|k| *k == ChunkKind::Zero).collect();
                 group.set_kinds(&key, chunk, kinds);
                 // The consumer went away: stop reading (its own error explains why).

@@ -123,9 +123,9 @@ struct Ship {
     backlog: Arc<Backlog>,
     /// The previous cycle's index, trusted: changed pages are known without asking.
     known: Option<Arc<KnownChunks>>,
-    /// Whether the secondary holds exactly the previous cycle (it wrote nothing since):
-    /// its chunks are then `known.base`, and their leaves are not asked for.
-    theirs_known: bool,
+    /// The secondary's leaves of this group where it holds exactly the previous cycle
+    /// (it wrote nothing since): that cycle's, not asked for.
+    their_leaves: Option<Vec<ChunkId>>,
 }
 
 /// Whether the link is the bottleneck: a moving share of the frames that found their
@@ -173,8 +173,8 @@ impl Ship {
             leaves.as_deref(),
             chunk,
             compress,
-            self.known.as_deref(),
-            self.theirs_known,
+            self.known.as_deref().map(|k| &k.ranges[..]),
+            self.their_leaves.take(),
         )
         .await?;
         for f in frames {
@@ -315,19 +315,22 @@ async fn attempt(
             group.leaves.iter().for_each(|l| merkle.push_leaf(*l));
             let differs = chunker::Summary::group_hash(&key, &group.leaves) != theirs;
             if differs {
-                // Where the secondary's leaves are taken to be the previous cycle's,
-                // its group hash must say so too: else it changed behind the index it
-                // vouched for, and this cycle compares every chunk instead.
-                if let Some(k) = known.as_ref().filter(|_| theirs_known) {
+                // Where the secondary holds exactly the previous cycle, its leaves are
+                // that cycle's; its group hash must say so too: else it changed behind
+                // the index it vouched for, and this cycle compares every chunk instead.
+                let their_leaves = known.as_ref().filter(|_| theirs_known).map(|k| {
                     let first = g as usize * GROUP_CHUNKS;
-                    let base: Vec<ChunkId> = group
+                    group
                         .chunk_ranges(chunk)
                         .enumerate()
                         .map(|(i, r)| leaf_hash(&key, &k.base[first + i], r.len() as u64))
-                        .collect();
-                    if chunker::Summary::group_hash(&key, &base) != theirs {
-                        return Err(not_read(url, g));
-                    }
+                        .collect::<Vec<_>>()
+                });
+                if their_leaves
+                    .as_ref()
+                    .is_some_and(|l| chunker::Summary::group_hash(&key, l) != theirs)
+                {
+                    return Err(not_read(url, g));
                 }
                 // Groups are compared and framed concurrently (one in flight per
                 // stream), so round trips and compression overlap the reading.
@@ -346,7 +349,7 @@ async fn attempt(
                     compress: remote.compress,
                     backlog: backlog.clone(),
                     known: known.clone(),
-                    theirs_known,
+                    their_leaves,
                 };
                 let leaves = (!onto_zeros).then_some(group.leaves);
                 let unread_data =
@@ -467,22 +470,19 @@ async fn group_frames(
     leaves: Option<&[ChunkId]>,
     chunk: chunker::ChunkSize,
     compress: Compression,
-    known: Option<&KnownChunks>,
-    theirs_known: bool,
+    changed: Option<&[std::ops::Range<u64>]>,
+    their_leaves: Option<Vec<ChunkId>>,
 ) -> Result<Vec<proto::DataFrame>> {
     let first = g * GROUP_CHUNKS as u64;
     let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
-    let changed = known.map(|k| &k.ranges[..]);
     let mut onto_zeros = Vec::new();
     let mut onto_data = Vec::new();
-    // Without leaves, the agent's group is all zeros: every chunk goes onto zeros. Where
-    // it holds exactly the previous cycle, its leaves are that cycle's: no round trip.
-    let theirs = match (leaves, known) {
+    // Without leaves, the agent's group is all zeros: every chunk goes onto zeros. Its
+    // leaves are asked for only where they are not known already.
+    let theirs = match (leaves, their_leaves) {
         (None, _) => Vec::new(),
-        (Some(l), Some(k)) if theirs_known => (0..l.len())
-            .map(|i| leaf_hash(key, &k.base[first as usize + i], ranges[i].len() as u64))
-            .collect(),
-        (Some(l), _) => tree(client, url, session, 0, first, l.len() as u32).await?,
+        (Some(_), Some(t)) => t,
+        (Some(l), None) => tree(client, url, session, 0, first, l.len() as u32).await?,
     };
     for (i, r) in ranges.iter().enumerate() {
         let Some(leaves) = leaves else {

@@ -95,11 +95,8 @@ fn load_pending(path: &Path, cycle: u64) -> Option<Vec<Range<u64>>> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Some(Vec::new()),
         Err(_) => return None,
     };
-    let (body, sum) = bytes.split_at_checked(bytes.len().checked_sub(32)?)?;
-    if blake3::hash(body).as_bytes() != sum || body.len() < 16 || &body[..8] != PENDING_MAGIC {
-        return None;
-    }
-    let words: Vec<u64> = body[8..]
+    let body = unseal(&bytes, PENDING_MAGIC, 8)?;
+    let words: Vec<u64> = body
         .chunks_exact(8)
         .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
         .collect();
@@ -117,23 +114,23 @@ fn save_pending(path: &Path, cycle: u64, ranges: &[Range<u64>]) -> io::Result<()
         body.extend_from_slice(&r.start.to_le_bytes());
         body.extend_from_slice(&r.end.to_le_bytes());
     }
-    let sum = *blake3::hash(&body).as_bytes();
-    body.extend_from_slice(&sum);
-    write_durably(path, &body)
+    write_durably(path, &sealed(body))
 }
 
-/// `a` and `b` (each sorted, merged) as one sorted, merged list.
-fn union(a: &[Range<u64>], b: &[Range<u64>]) -> Vec<Range<u64>> {
-    let mut all: Vec<Range<u64>> = a.iter().chain(b).cloned().collect();
-    all.sort_by_key(|r| r.start);
-    let mut merged: Vec<Range<u64>> = Vec::with_capacity(all.len());
-    for r in all {
-        match merged.last_mut() {
-            Some(m) if r.start <= m.end => m.end = m.end.max(r.end),
-            _ => merged.push(r),
-        }
-    }
-    merged
+/// `body` (starting with its magic) followed by its BLAKE3 sum, as the base's records
+/// are saved.
+fn sealed(mut body: Vec<u8>) -> Vec<u8> {
+    let sum = *blake3::hash(&body).as_bytes();
+    body.extend_from_slice(&sum);
+    body
+}
+
+/// What follows `magic` in a record saved by [`sealed`], if its sum is right, its magic
+/// is `magic` and it has at least `min` bytes after it.
+fn unseal<'a>(bytes: &'a [u8], magic: &[u8; 8], min: usize) -> Option<&'a [u8]> {
+    let (body, sum) = bytes.split_at_checked(bytes.len().checked_sub(32)?)?;
+    let rest = body.strip_prefix(magic)?;
+    (blake3::hash(body).as_bytes() == sum && rest.len() >= min).then_some(rest)
 }
 
 impl Base {
@@ -141,17 +138,15 @@ impl Base {
     /// volume's geometry and is intact.
     pub fn load(source: &Path, name: &str, chunk: ChunkSize, size: u64) -> Option<Base> {
         let bytes = std::fs::read(ids_path(source, name)).ok()?;
-        let (body, sum) = bytes.split_at_checked(bytes.len().checked_sub(32)?)?;
-        if blake3::hash(body).as_bytes() != sum || body.len() < HEADER || &body[..8] != MAGIC {
-            return None;
-        }
+        // After the magic: cycle, root, chunk size, volume size, ids.
+        let body = unseal(&bytes, MAGIC, HEADER - MAGIC.len())?;
         let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8 bytes"));
-        let cycle = u64_at(8);
-        let root = ChunkId(body[16..48].try_into().expect("32 bytes"));
-        if u64_at(48) != chunk.get() || u64_at(56) != size {
+        let cycle = u64_at(0);
+        let root = ChunkId(body[8..40].try_into().expect("32 bytes"));
+        if u64_at(40) != chunk.get() || u64_at(48) != size {
             return None;
         }
-        let ids = &body[HEADER..];
+        let ids = &body[HEADER - MAGIC.len()..];
         if ids.len() as u64 != size.div_ceil(chunk.get()) * 32 {
             return None;
         }
@@ -193,7 +188,7 @@ impl Base {
         }
         // Recorded first: a crash mid-reclone leaves the clone differing from the base
         // cycle only in ranges the next cycle reads.
-        let pending = union(&self.pending, &differ);
+        let pending = extents::merge_ranges([&self.pending[..], &differ].concat());
         save_pending(&pending_path(source, name), self.cycle, &pending)?;
         self.pending = pending;
         crate::agent::journal::failpoint("catch-up-recorded");
@@ -219,24 +214,12 @@ impl Base {
         let Some(ranges) = extents::changed_ranges(&old, &new)? else {
             return Ok(None);
         };
-        Ok(Some(self.known_from(union(&ranges, &self.pending), chunk)))
+        let ranges = [&ranges[..], &self.pending].concat();
+        Ok(Some(self.known_from(ranges, chunk)))
     }
 
     fn known_from(&self, ranges: Vec<Range<u64>>, chunk: ChunkSize) -> Arc<KnownChunks> {
-        let n = self.kinds.len();
-        let mut changed = vec![false; n];
-        for r in &ranges {
-            let first = (r.start / chunk.get()) as usize;
-            let end = (r.end.div_ceil(chunk.get()) as usize).min(n);
-            changed[first.min(n)..end]
-                .iter_mut()
-                .for_each(|c| *c = true);
-        }
-        Arc::new(KnownChunks {
-            base: self.kinds.clone(),
-            changed,
-            ranges,
-        })
+        Arc::new(KnownChunks::new(self.kinds.clone(), ranges, chunk))
     }
 }
 
@@ -264,9 +247,7 @@ pub fn save(
     body.extend_from_slice(&chunk.get().to_le_bytes());
     body.extend_from_slice(&size.to_le_bytes());
     body.extend_from_slice(ids);
-    let sum = *blake3::hash(&body).as_bytes();
-    body.extend_from_slice(&sum);
-    write_durably(&ids_path(source, name), &body)?;
+    write_durably(&ids_path(source, name), &sealed(body))?;
     // Stale now (it names the previous cycle): the clone holds this one exactly.
     let _ = std::fs::remove_file(pending_path(source, name));
     remove(source, name, Some(&kept));
@@ -500,10 +481,6 @@ mod tests {
             load_pending(&p, 5),
             None,
             "damaged: the base is not trusted"
-        );
-        assert_eq!(
-            union(&[0..10, 20..30], &[5..12, 30..31, 40..41]),
-            [0..12, 20..31, 40..41]
         );
     }
 }
