@@ -328,6 +328,7 @@ async fn run_once(
         ),
         agent_port: 7070,
         metrics: Default::default(),
+        recorder: None,
     });
     let obj = dynamic(vr, group);
     let server = api_server(handle, n, serde_json::to_value(&obj).unwrap());
@@ -678,4 +679,405 @@ async fn a_refused_promotion_is_forced_as_csi_addons_does_in_the_csi_addons_grou
     let st = applied_status(&sent[0], CSI_ADDONS_GROUP);
     assert_eq!(st.epoch, Some(5));
     assert_generation(&st, 5);
+}
+
+// ---------------------------------------------------------------------------------------
+// End to end: the mocked API server, two real agents on 127.0.0.1, real image files.
+
+mod common;
+
+use common::agent::Agent;
+use common::{MIB, PAGE, blake3_of, make_image, scribble_pages};
+use mover::controller::agents::GrpcAgents;
+use mover::controller::crd::State;
+use mover::remote::ConnectOptions;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const E2E_LEN: u64 = 32 * MIB;
+
+/// An API server that answers every request with `reply` and records what was sent.
+fn recording_api_server(
+    mut handle: tower_test::mock::Handle<Request<Body>, Response<Body>>,
+    reply: Value,
+    sent: Arc<Mutex<Vec<Sent>>>,
+) {
+    tokio::spawn(async move {
+        while let Some((req, respond)) = handle.next_request().await {
+            let method = req.method().clone();
+            let uri = req.uri().to_string();
+            let bytes = req.into_body().collect_bytes().await.unwrap();
+            let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            respond.send_response(
+                Response::builder()
+                    .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                    .unwrap(),
+            );
+            sent.lock().unwrap().push(Sent { method, uri, body });
+        }
+    });
+}
+
+/// One cluster as its controller sees it: the PVC `app/data` bound to a local PV
+/// `pv-1` at `image` on `node`, whose agent is `agent`; the class replicates to `peer`.
+struct Cluster {
+    agents: Arc<GrpcAgents>,
+    world: (Vec<VolumeReplicationClass>, PersistentVolume, Pod),
+    port: u16,
+}
+
+impl Cluster {
+    fn new(dir: &Path, agent: &Agent, peer: &Agent, node: &str, image: &Path) -> Cluster {
+        let pv: PersistentVolume = serde_json::from_value(json!({
+            "metadata": {"name": "pv-1"},
+            "spec": {
+                "local": {"path": image},
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
+                ]}]}}
+            }
+        }))
+        .unwrap();
+        let mut pod = agent_pod(node);
+        pod.status.as_mut().unwrap().pod_ip = Some("127.0.0.1".into());
+        let target = format!("agent://127.0.0.1:{}", peer.port);
+        Cluster {
+            agents: Arc::new(GrpcAgents::new(ConnectOptions {
+                token_file: Some(dir.join("token")),
+                ..Default::default()
+            })),
+            world: (
+                vec![class(&[("target", &target), ("schedulingInterval", "1s")])],
+                pv,
+                pod,
+            ),
+            port: agent.port,
+        }
+    }
+
+    /// Reconciles `vr` once; returns the status written (or the old one if none was).
+    async fn reconcile(&self, vr: &VolumeReplication) -> VolumeReplicationStatus {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let ctx = Arc::new(Context {
+            client: kube::Client::new(service, "default"),
+            group: MOVER_GROUP.into(),
+            agents: self.agents.clone(),
+            caches: Caches::fixed(
+                MOVER_GROUP,
+                self.world.0.clone(),
+                vec![pvc(true)],
+                vec![self.world.1.clone()],
+                vec![],
+                vec![self.world.2.clone()],
+            ),
+            agent_port: self.port,
+            metrics: Default::default(),
+            recorder: None,
+        });
+        let obj = dynamic(vr, MOVER_GROUP);
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        recording_api_server(handle, serde_json::to_value(&obj).unwrap(), sent.clone());
+        reconcile(Arc::new(obj), ctx).await.expect("reconcile");
+        let sent = sent.lock().unwrap();
+        match sent.last() {
+            Some(s) => applied_status(s, MOVER_GROUP),
+            None => vr.status.clone().unwrap(),
+        }
+    }
+
+    /// The relationship on this cluster's agent once `cond` holds.
+    async fn wait_for(
+        &self,
+        what: &str,
+        cond: impl Fn(&control::Status) -> bool,
+    ) -> control::Status {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let agent = format!("127.0.0.1:{}", self.port);
+        loop {
+            let s = self.agents.get(&agent, "app/pg").await.unwrap();
+            if let Some(s) = s.filter(|s| cond(s)) {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "waited for {what}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// `vr` at `state` with `generation`, carrying the status last written.
+fn next(
+    state: ReplicationState,
+    generation: i64,
+    st: VolumeReplicationStatus,
+) -> VolumeReplication {
+    let mut v = vr(state, generation, true);
+    v.status = Some(st);
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn end_to_end_a_volume_replication_replicates_fails_over_and_back_by_delta() {
+    let t = tempfile::tempdir().unwrap();
+    let (da, db) = (t.path().join("a"), t.path().join("b"));
+    std::fs::create_dir_all(&da).unwrap();
+    std::fs::create_dir_all(&db).unwrap();
+    let (a_img, b_img) = (da.join("vol.img"), db.join("vol.img"));
+    make_image(&a_img, E2E_LEN, 3, &[(0, 4 * MIB), (20 * MIB, 2 * MIB)]);
+    // Each cluster's agent exports the PV under its name (agent.toml's exports).
+    let a = Agent::start(&da, &[("pv-1", &a_img, false)], None);
+    let b = Agent::start(&db, &[("pv-1", &b_img, false)], None);
+    let main = Cluster::new(&da, &a, &b, "node-a", &a_img);
+    let dr = Cluster::new(&db, &b, &a, "node-b", &b_img);
+
+    // A new VolumeReplication goes primary: the relationship is created on node-a's
+    // agent, its first cycle fills the DR cluster's volume.
+    let started = Instant::now();
+    let st = main
+        .reconcile(&vr(ReplicationState::Primary, 1, true))
+        .await;
+    assert_eq!(st.state, Some(State::Primary), "{:?}", st.message);
+    assert_eq!(condition(&st, "Completed").1, "Promoted");
+    main.wait_for("the first cycle", |s| s.last_cycle.is_some())
+        .await;
+    eprintln!(
+        "primary on a new VolumeReplication -> first completed cycle ({} MiB): {:.2} s",
+        E2E_LEN / MIB,
+        started.elapsed().as_secs_f64()
+    );
+    let st = main
+        .reconcile(&next(ReplicationState::Primary, 1, st))
+        .await;
+    assert!(st.last_sync_time.is_some(), "lastSyncTime set: {st:?}");
+    assert!(st.last_sync_bytes.unwrap_or(0) > 0, "{st:?}");
+    assert!(st.last_sync_duration.is_some(), "{st:?}");
+    assert_eq!(blake3_of(&b_img, E2E_LEN), blake3_of(&a_img, E2E_LEN));
+
+    // The DR cluster's VolumeReplication, secondary: healthy once a cycle is applied.
+    let dr_st = dr
+        .reconcile(&vr(ReplicationState::Secondary, 1, true))
+        .await;
+    assert_eq!(dr_st.state, Some(State::Secondary), "{:?}", dr_st.message);
+    assert_eq!(condition(&dr_st, "Degraded").0, "False");
+
+    // Planned failover, as RamenDR flips both sides: the primary is demoted (a final
+    // cycle ships what was written since), then the DR side is promoted.
+    scribble_pages(&a_img, 11, 40, 0..E2E_LEN);
+    let st = main
+        .reconcile(&next(ReplicationState::Secondary, 2, st))
+        .await;
+    assert_eq!(st.state, Some(State::Secondary), "{:?}", st.message);
+    assert_eq!(condition(&st, "Completed").1, "Demoted");
+    let dr_st = dr
+        .reconcile(&next(ReplicationState::Primary, 2, dr_st))
+        .await;
+    assert_eq!(dr_st.state, Some(State::Primary), "{:?}", dr_st.message);
+    assert_eq!(dr_st.epoch, Some(2), "the promotion raised the epoch");
+    assert_eq!(blake3_of(&b_img, E2E_LEN), blake3_of(&a_img, E2E_LEN));
+
+    // The new primary's writes come back to the old one by delta: exactly the pages
+    // written, nothing else (the counter of the new primary's agent).
+    dr.wait_for("a promoted primary", |s| s.role == "primary")
+        .await;
+    let counter = r#"mover_replication_bytes_shipped_total{relationship="app/pg",role="primary"}"#;
+    let shipped_before = b.metric(counter);
+    let pages = scribble_pages(&b_img, 12, 25, 0..E2E_LEN);
+    let want = blake3_of(&b_img, E2E_LEN);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while blake3_of(&a_img, E2E_LEN) != want || b.metric(counter) - shipped_before < pages * PAGE {
+        assert!(
+            Instant::now() < deadline,
+            "the writes never reached the old primary"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(b.metric(counter) - shipped_before, pages * PAGE, "by delta");
+    let back = dr
+        .reconcile(&next(ReplicationState::Primary, 2, dr_st))
+        .await;
+    assert!(back.last_sync_time.is_some());
+    let st = main
+        .reconcile(&next(ReplicationState::Secondary, 2, st))
+        .await;
+    assert_eq!(condition(&st, "Degraded").0, "False", "{:?}", st.message);
+}
+
+/// The controller's resident set (VmRSS), in MiB.
+fn rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb / 1024.0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_volume_replications_cost_one_request_each_per_new_cycle_and_none_at_rest() {
+    const N: usize = 1000;
+    let agents = Arc::new(FakeAgents::default());
+    let rss_before = rss_mib();
+    let (mut pvcs, mut pvs, mut vrs) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..N {
+        let mut c = pvc(true);
+        c.metadata.name = Some(format!("data-{i}"));
+        c.spec.as_mut().unwrap().volume_name = Some(format!("pv-{i}"));
+        pvcs.push(c);
+        let mut v = pv();
+        v.metadata.name = Some(format!("pv-{i}"));
+        pvs.push(v);
+        let mut r = vr(ReplicationState::Primary, 1, true);
+        r.metadata.name = Some(format!("pg-{i}"));
+        r.spec.data_source.name = format!("data-{i}");
+        vrs.push(r);
+    }
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = Arc::new(Context {
+        client: kube::Client::new(service, "default"),
+        group: MOVER_GROUP.into(),
+        agents: agents.clone(),
+        caches: Caches::fixed(
+            MOVER_GROUP,
+            vec![good_class()],
+            pvcs,
+            pvs,
+            vec![],
+            vec![agent_pod("node-a")],
+        ),
+        agent_port: 7070,
+        metrics: Default::default(),
+        recorder: None,
+    });
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    recording_api_server(handle, json!({}), sent.clone());
+    // One pass over every VolumeReplication, each with the status it was last given.
+    let pass = |vrs: Vec<VolumeReplication>| {
+        let (ctx, sent) = (ctx.clone(), sent.clone());
+        async move {
+            sent.lock().unwrap().clear();
+            let mut out = Vec::new();
+            for mut v in vrs {
+                let before = sent.lock().unwrap().len();
+                reconcile(Arc::new(dynamic(&v, MOVER_GROUP)), ctx.clone())
+                    .await
+                    .expect("reconcile");
+                if let Some(s) = sent.lock().unwrap().get(before) {
+                    v.status = Some(serde_json::from_value(s.body["status"].clone()).unwrap());
+                }
+                out.push(v);
+            }
+            (out, sent.lock().unwrap().len())
+        }
+    };
+    let (vrs, created) = pass(vrs).await;
+    assert_eq!(created, N, "one status write per new VolumeReplication");
+    let (vrs, at_rest) = pass(vrs).await;
+    assert_eq!(at_rest, 0, "nothing changed: no request");
+    // A cycle completes on every relationship: one status write each.
+    for i in 0..N {
+        agents
+            .change("test", AGENT, &format!("app/pg-{i}"), |s| {
+                s.last_cycle.as_mut().unwrap().point_in_time_ms += 60_000
+            })
+            .unwrap();
+    }
+    let (_, per_cycle) = pass(vrs).await;
+    assert_eq!(
+        per_cycle, N,
+        "one request per VolumeReplication per new cycle"
+    );
+    eprintln!(
+        "{N} VolumeReplications: {created} requests to set up, {at_rest} at rest, {per_cycle} \
+         per cycle; resident {:.0} MiB ({:+.0} MiB for them)",
+        rss_mib(),
+        rss_mib() - rss_before
+    );
+}
+
+#[tokio::test]
+async fn transitions_are_recorded_as_events_and_a_failure_as_a_warning() {
+    let agents = Arc::new(FakeAgents::default());
+    agents.set(AGENT, status("app/pg", "primary", "Replicating", 1));
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "default");
+    let recorder = kube::runtime::events::Recorder::new(
+        client.clone(),
+        kube::runtime::events::Reporter {
+            controller: "mover-controller".into(),
+            instance: None,
+        },
+    );
+    let ctx = Arc::new(Context {
+        client,
+        group: MOVER_GROUP.into(),
+        agents: agents.clone(),
+        caches: Caches::fixed(
+            MOVER_GROUP,
+            vec![good_class()],
+            vec![pvc(true)],
+            vec![pv()],
+            vec![],
+            vec![agent_pod("node-a")],
+        ),
+        agent_port: 7070,
+        metrics: Default::default(),
+        recorder: Some(recorder),
+    });
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let obj = dynamic(&vr(ReplicationState::Secondary, 2, true), MOVER_GROUP);
+    recording_api_server(handle, serde_json::to_value(&obj).unwrap(), sent.clone());
+    reconcile(Arc::new(obj), ctx.clone()).await.unwrap();
+    let events = |sent: &[Sent]| -> Vec<(String, String, String)> {
+        sent.iter()
+            .filter(|s| {
+                s.uri
+                    .starts_with("/apis/events.k8s.io/v1/namespaces/app/events")
+            })
+            .map(|s| {
+                assert_eq!(s.body["regarding"]["name"], "pg");
+                assert_eq!(s.body["reportingController"], "mover-controller");
+                (
+                    s.body["type"].as_str().unwrap().into(),
+                    s.body["reason"].as_str().unwrap().into(),
+                    s.body["action"].as_str().unwrap().into(),
+                )
+            })
+            .collect()
+    };
+    let first = events(&sent.lock().unwrap());
+    assert!(
+        first.contains(&("Normal".into(), "Demoted".into(), "Demote".into())),
+        "{first:?}"
+    );
+    // The same outcome again is not news; a failure is a Warning.
+    let st = applied_status(&sent.lock().unwrap()[0], MOVER_GROUP);
+    sent.lock().unwrap().clear();
+    let mut v = vr(ReplicationState::Primary, 3, true);
+    v.status = Some(st);
+    let mut failing = World::default();
+    failing.agents.clear();
+    let ctx = Arc::new(Context {
+        caches: Caches::fixed(
+            MOVER_GROUP,
+            failing.classes,
+            failing.pvcs,
+            vec![pv()],
+            vec![],
+            vec![],
+        ),
+        ..Arc::try_unwrap(ctx).ok().unwrap()
+    });
+    reconcile(Arc::new(dynamic(&v, MOVER_GROUP)), ctx)
+        .await
+        .unwrap();
+    let second = events(&sent.lock().unwrap());
+    assert!(
+        second.contains(&(
+            "Warning".into(),
+            "PrerequisiteNotMet".into(),
+            "Promote".into()
+        )),
+        "{second:?}"
+    );
+    assert!(!second.iter().any(|e| e.1 == "Demoted"), "{second:?}");
 }

@@ -134,15 +134,17 @@ impl CycleSession {
         AppliedCycle::of_cycle(&self.relationship, &self.cycle, self.epoch, root.to_hex())
     }
 
-    /// Commits the cycle: a staged journal is made durable, committed and applied onto
-    /// `volume`; without one (the data was written in place and synced) the cycle is
+    /// Commits the cycle: a staged journal is made durable, committed and written onto
+    /// `volume` (its fsync finishing in the background); without one (the data was written in place and synced) the cycle is
     /// only recorded. Called once the volume is complete at its final path.
     pub fn commit(&self, root: &[u8], volume: &Path) -> std::io::Result<AppliedCycle> {
         let cycle = self.applied(root);
         match self.journal.lock().expect("journal lock").take() {
             Some(j) => {
                 let dir = j.commit(cycle, volume)?;
-                journal::apply(&dir)
+                // Durable from its commit record on: the primary need not wait for the
+                // volume's fsync (a crash replays the journal).
+                journal::apply_then_sync_in_background(&dir)
             }
             None => {
                 journal::record_applied(&self.dir, &cycle)?;

@@ -3,8 +3,11 @@
 //! A cycle's frames are not written into the volume as they arrive: they are appended
 //! to a journal in the state directory. When the primary finishes the cycle, the
 //! journal is fsynced, a commit record (cycle id, Merkle root, point in time, epoch) is
-//! written durably, and only then is the journal applied in place, the volume fsynced,
-//! the cycle recorded as applied and the journal removed. After a crash, a committed
+//! written durably, and only then is the journal applied in place. The cycle is complete
+//! from its commit record on, so the primary is answered once the journal's writes are
+//! in the volume; the volume's fsync, the applied record and the journal's removal
+//! follow in the background (whatever reads those records waits for them). After a
+//! crash, a committed
 //! journal is applied again (applying is idempotent: the same bytes at the same
 //! offsets) and an uncommitted one is thrown away, so the volume always equals exactly
 //! one completed cycle.
@@ -19,10 +22,12 @@ pub(crate) use crate::replicate::now_ms;
 use crate::{copy::zero_range, replicate::CycleRecord};
 use serde::{Deserialize, Serialize};
 use std::{
+    collections::HashMap,
     fs::{self, File, OpenOptions},
     io::{self, BufReader, BufWriter, Read, Write},
     os::unix::fs::FileExt,
     path::{Path, PathBuf},
+    sync::{Mutex, MutexGuard, OnceLock},
 };
 use transport::proto;
 
@@ -123,8 +128,15 @@ pub(crate) fn cycles_dir(state_dir: &Path, relationship: &str) -> PathBuf {
     state_dir.join("cycles").join(&name[..32])
 }
 
-/// The last cycle applied for the relationship whose cycles are in `dir`, if any.
+/// The last cycle applied for the relationship whose cycles are in `dir`, if any (once
+/// an apply finishing in the background is done).
 pub(crate) fn applied(dir: &Path) -> Option<AppliedCycle> {
+    let _settled = settle(dir)
+        .inspect_err(|e| tracing::warn!("cannot settle the cycle in {}: {e}", dir.display()));
+    read_applied(dir)
+}
+
+fn read_applied(dir: &Path) -> Option<AppliedCycle> {
     let text = fs::read_to_string(dir.join("applied.json")).ok()?;
     serde_json::from_str::<AppliedCycle>(&text)
         .ok()
@@ -169,6 +181,7 @@ impl Journal {
         if dir.join("commit.json").exists() {
             apply(dir)?;
         }
+        let _settled = settle(dir)?;
         // A new file, not the old one truncated: a superseded session still holding the
         // old one can only ever write into an unlinked file.
         let path = dir.join("journal");
@@ -238,8 +251,75 @@ impl Journal {
 }
 
 /// Applies the committed journal in `dir` onto its volume, fsyncs it, records the cycle
-/// as applied, and removes the journal. Returns the applied cycle.
+/// as applied, and removes the journal. Returns the applied cycle. A journal already
+/// applied (by a commit finishing in the background) is not an error.
 pub(crate) fn apply(dir: &Path) -> io::Result<AppliedCycle> {
+    let _settled = settle(dir)?;
+    if !dir.join("commit.json").exists() {
+        return read_applied(dir).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no committed cycle in {}", dir.display()),
+            )
+        });
+    }
+    let (commit, volume) = open_commit(dir)?;
+    write_journal(dir, &commit, &volume)?;
+    finish(dir, commit, &volume)
+}
+
+/// Writes the committed journal in `dir` onto its volume and returns at once with the
+/// cycle it applies: the volume reads as that cycle from now on. Its fsync, the applied
+/// record and the journal's removal follow on a background thread; until they are done
+/// the commit record stands (a crash replays it), and whatever reads or replaces this
+/// directory's records first finishes them.
+pub(crate) fn apply_then_sync_in_background(dir: &Path) -> io::Result<AppliedCycle> {
+    let mut written = settle(dir)?;
+    let (commit, volume) = open_commit(dir)?;
+    write_journal(dir, &commit, &volume)?;
+    *written = true;
+    let mut cycle = commit.cycle.clone();
+    cycle.applied_ms = now_ms();
+    drop(written);
+    let dir = dir.to_path_buf();
+    std::thread::spawn(move || {
+        failpoint("cycle-applied-unsynced");
+        if let Err(e) = settle(&dir) {
+            tracing::error!(
+                "cannot finish the apply of the committed cycle in {} (the next cycle or a \
+                 restart applies it again): {e}",
+                dir.display()
+            );
+        }
+    });
+    Ok(cycle)
+}
+
+/// Locks `dir` (one lock per cycles directory) and finishes a commit whose journal is
+/// written but whose fsync and records are left. The lock's flag says one is.
+fn settle(dir: &Path) -> io::Result<MutexGuard<'static, bool>> {
+    static LOCKS: OnceLock<Mutex<HashMap<PathBuf, &'static Mutex<bool>>>> = OnceLock::new();
+    let lock: &'static Mutex<bool> = *LOCKS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(dir.to_path_buf())
+        // One per relationship that ever had a cycle here: leaked, never many.
+        .or_insert_with(|| Box::leak(Box::default()));
+    let mut written = lock.lock().unwrap_or_else(|e| e.into_inner());
+    if *written {
+        // Cleared first: if this fails, the next one writes the journal again.
+        *written = false;
+        if dir.join("commit.json").exists() {
+            let (commit, volume) = open_commit(dir)?;
+            finish(dir, commit, &volume)?;
+        }
+    }
+    Ok(written)
+}
+
+/// The commit record in `dir` and its volume, opened for writing.
+fn open_commit(dir: &Path) -> io::Result<(Commit, File)> {
     let text = fs::read_to_string(dir.join("commit.json"))?;
     let commit: Commit = serde_json::from_str(&text).map_err(io::Error::other)?;
     if commit.version != RECORD_VERSION {
@@ -250,6 +330,11 @@ pub(crate) fn apply(dir: &Path) -> io::Result<AppliedCycle> {
         )));
     }
     let volume = OpenOptions::new().write(true).open(&commit.volume)?;
+    Ok((commit, volume))
+}
+
+/// Writes the journal's records onto `volume` (not synced).
+fn write_journal(dir: &Path, commit: &Commit, volume: &File) -> io::Result<()> {
     let journal = File::open(dir.join("journal"))?;
     if journal.metadata()?.len() < commit.journal_len {
         return Err(io::Error::other(format!(
@@ -285,7 +370,7 @@ pub(crate) fn apply(dir: &Path) -> io::Result<AppliedCycle> {
                 input.read_exact(&mut buf)?;
                 volume.write_all_at(&buf, offset)?;
             }
-            KIND_ZEROS => zero_range(&volume, &commit.volume, offset, len)
+            KIND_ZEROS => zero_range(volume, &commit.volume, offset, len)
                 .map_err(|e| io::Error::other(e.to_string()))?,
             other => {
                 return Err(io::Error::other(format!(
@@ -299,18 +384,24 @@ pub(crate) fn apply(dir: &Path) -> io::Result<AppliedCycle> {
             failpoint("cycle-mid-apply");
         }
     }
-    let written = t0.elapsed();
-    // Data only: the size never changes, and the inode's times need no log force.
-    volume.sync_data()?;
     tracing::debug!(
         records,
-        write_secs = written.as_secs_f64(),
-        sync_secs = (t0.elapsed() - written).as_secs_f64(),
-        "journal applied"
+        secs = t0.elapsed().as_secs_f64(),
+        "journal written"
     );
+    Ok(())
+}
+
+/// Fsyncs the written `volume`, records the commit's cycle as applied, and removes the
+/// commit record and the journal.
+fn finish(dir: &Path, commit: Commit, volume: &File) -> io::Result<AppliedCycle> {
+    let t0 = std::time::Instant::now();
+    // Data only: the size never changes, and the inode's times need no log force.
+    volume.sync_data()?;
+    tracing::debug!(secs = t0.elapsed().as_secs_f64(), "volume synced");
     let mut cycle = commit.cycle;
     cycle.applied_ms = now_ms();
-    record_applied(dir, &cycle)?;
+    write_applied(dir, &cycle)?;
     fs::remove_file(dir.join("commit.json"))?;
     let _ = fs::remove_file(dir.join("journal"));
     File::open(dir)?.sync_all()?;
@@ -319,6 +410,11 @@ pub(crate) fn apply(dir: &Path) -> io::Result<AppliedCycle> {
 
 /// Records `cycle` as the last one applied in `dir`.
 pub(crate) fn record_applied(dir: &Path, cycle: &AppliedCycle) -> io::Result<()> {
+    let _settled = settle(dir)?;
+    write_applied(dir, cycle)
+}
+
+fn write_applied(dir: &Path, cycle: &AppliedCycle) -> io::Result<()> {
     let body = serde_json::to_vec(cycle).map_err(io::Error::other)?;
     write_durably(&dir.join("applied.json"), &body)
 }
@@ -326,6 +422,7 @@ pub(crate) fn record_applied(dir: &Path, cycle: &AppliedCycle) -> io::Result<()>
 /// Forgets the last applied cycle in `dir`: the volume is about to be changed in place
 /// (a file-tree cycle, a resync without a common cycle) and equals none until recorded.
 pub(crate) fn forget_applied(dir: &Path) -> io::Result<()> {
+    let _settled = settle(dir)?;
     match fs::remove_file(dir.join("applied.json")) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
         _ => {}
@@ -341,6 +438,7 @@ pub(crate) fn forget_applied(dir: &Path) -> io::Result<()> {
 
 /// Drops an uncommitted journal in `dir` (a cycle that will not be finished).
 pub(crate) fn discard(dir: &Path) {
+    let _settled = settle(dir);
     if !dir.join("commit.json").exists() {
         let _ = fs::remove_file(dir.join("journal"));
     }
@@ -421,6 +519,37 @@ mod tests {
         recover(state.path());
         assert_eq!(fs::read(&img).unwrap(), want);
         assert!(!dir.join("commit.json").exists() && !dir.join("journal").exists());
+    }
+
+    #[test]
+    fn a_commit_answered_before_its_fsync_reads_as_the_cycle_and_settles() {
+        let state = tempfile::tempdir().unwrap();
+        let img = state.path().join("vol.img");
+        fs::write(&img, vec![1u8; 64 << 10]).unwrap();
+        let dir = cycles_dir(state.path(), "r");
+        record_applied(&dir, &cycle(6)).unwrap();
+        let mut j = Journal::create(&dir).unwrap();
+        j.data(0, &[7; 4096]).unwrap();
+        let dir = j.commit(cycle(7), &img).unwrap();
+        let done = apply_then_sync_in_background(&dir).unwrap();
+        assert_eq!(done.id, 7);
+        // The volume reads as the cycle at once.
+        assert_eq!(fs::read(&img).unwrap()[..4096], [7; 4096]);
+        // Whoever reads the records waits for the background's fsync and records.
+        assert_eq!(applied(&dir).unwrap().id, 7);
+        assert!(!dir.join("commit.json").exists() && !dir.join("journal").exists());
+        // The next cycle starts from there; a second apply finds nothing left to do.
+        assert_eq!(apply(&dir).unwrap().id, 7);
+        let mut j = Journal::create(&dir).unwrap();
+        j.data(4096, &[8; 4096]).unwrap();
+        let dir = j.commit(cycle(8), &img).unwrap();
+        apply_then_sync_in_background(&dir).unwrap();
+        // A new journal waits for the last one to be settled, not to be removed by it.
+        let next = Journal::create(&dir).unwrap();
+        assert_eq!(applied(&dir).unwrap().id, 8);
+        assert!(dir.join("journal").exists() && !dir.join("commit.json").exists());
+        drop(next);
+        assert_eq!(fs::read(&img).unwrap()[4096..8192], [8; 4096]);
     }
 
     #[test]

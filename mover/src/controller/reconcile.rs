@@ -129,6 +129,8 @@ pub struct Context {
     pub agent_port: u16,
     /// Prometheus metrics.
     pub metrics: Arc<super::metrics::Metrics>,
+    /// Records events for transitions (none in tests that count requests).
+    pub recorder: Option<kube::runtime::events::Recorder>,
 }
 
 impl Context {
@@ -284,6 +286,7 @@ async fn apply(
     let (st, action) = decide(&vr, ctx, now()).await;
     if !status::unchanged(vr.status.as_ref(), &st) {
         write_status(api, &vr, &ctx.group, &st).await?;
+        publish_transitions(ctx, obj, &vr, &st).await;
     }
     let state = match st.state.unwrap_or(State::Unknown) {
         State::Primary => "Primary",
@@ -292,6 +295,30 @@ async fn apply(
     };
     ctx.metrics.observe(key(obj), state, st.rpo_seconds);
     Ok(action)
+}
+
+/// Records an event for each condition that changed (best effort: a failed event is
+/// logged, never a failed reconcile).
+async fn publish_transitions(
+    ctx: &Context,
+    obj: &DynamicObject,
+    vr: &VolumeReplication,
+    st: &VolumeReplicationStatus,
+) {
+    let Some(recorder) = &ctx.recorder else {
+        return;
+    };
+    let action = match vr.spec.replication_state {
+        ReplicationState::Primary => "Promote",
+        ReplicationState::Secondary => "Demote",
+        ReplicationState::Resync => "Resync",
+    };
+    let reference = obj.object_ref(&ctx.vr_resource());
+    for event in status::transitions(vr.status.as_ref(), st, action) {
+        if let Err(e) = recorder.publish(&event, &reference).await {
+            tracing::warn!(vr = %key(obj), error = %e, "cannot record an event");
+        }
+    }
 }
 
 /// Computes the new status, calling the agent as the spec asks.

@@ -166,6 +166,13 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         },
         agent_port: options.agent_port,
         metrics,
+        recorder: Some(kube::runtime::events::Recorder::new(
+            client.clone(),
+            kube::runtime::events::Reporter {
+                controller: "mover-controller".into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        )),
     });
     tokio::spawn(w1);
     tokio::spawn(w2);

@@ -333,6 +333,62 @@ pub fn unchanged(old: Option<&VolumeReplicationStatus>, new: &VolumeReplicationS
     steady(old) == steady(new)
 }
 
+/// The events a status change is worth: one per condition whose status or reason
+/// changed (a promotion, a failed demotion, a volume going degraded and back), as
+/// `kubectl describe` shows them; a Warning where the new reason is a failure.
+/// `action` is what the controller was doing ("Promote", "Demote", "Resync").
+pub fn transitions(
+    old: Option<&VolumeReplicationStatus>,
+    new: &VolumeReplicationStatus,
+    action: &str,
+) -> Vec<kube::runtime::events::Event> {
+    use kube::runtime::events::{Event, EventType};
+    let before = |type_: &str| {
+        old.and_then(|o| o.conditions.iter().find(|c| c.type_ == type_))
+            .map(|c| (c.status.as_str(), c.reason.as_str()))
+    };
+    new.conditions
+        .iter()
+        .filter(|c| before(&c.type_) != Some((c.status.as_str(), c.reason.as_str())))
+        // What is merely so from the start is not news.
+        .filter(|c| {
+            old.is_some()
+                || !matches!(
+                    c.reason.as_str(),
+                    reasons::PREREQUISITE_MET | reasons::NOT_RESYNCING | reasons::HEALTHY
+                )
+        })
+        .map(|c| {
+            let failure = matches!(
+                c.reason.as_str(),
+                reasons::FAILED_TO_PROMOTE
+                    | reasons::FAILED_TO_DEMOTE
+                    | reasons::FAILED_TO_RESYNC
+                    | reasons::ERROR
+                    | reasons::VOLUME_DEGRADED
+                    | reasons::PREREQUISITE_NOT_MET
+                    | reasons::NOT_REPLICATING
+            );
+            Event {
+                type_: if failure {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
+                },
+                reason: c.reason.clone(),
+                note: Some(
+                    format!("{}: {}", c.type_, c.message)
+                        .chars()
+                        .take(1024)
+                        .collect(),
+                ),
+                action: action.into(),
+                secondary: None,
+            }
+        })
+        .collect()
+}
+
 /// A Kubernetes time from milliseconds since the epoch.
 pub fn time_ms(ms: i64) -> Time {
     Time(
