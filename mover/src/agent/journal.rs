@@ -7,10 +7,9 @@
 //! from its commit record on, so the primary is answered once the journal's writes are
 //! in the volume; the volume's fsync, the applied record and the journal's removal
 //! follow in the background (whatever reads those records waits for them). After a
-//! crash, a committed
-//! journal is applied again (applying is idempotent: the same bytes at the same
-//! offsets) and an uncommitted one is thrown away, so the volume always equals exactly
-//! one completed cycle.
+//! crash, a committed journal is applied again (applying is idempotent: the same bytes
+//! at the same offsets) and an uncommitted one is thrown away, so the volume always
+//! equals exactly one completed cycle.
 //!
 //! Layout under `STATE/cycles/<relationship hash>/`:
 //! - `journal`: magic `MVJRNL\0\x01`, then records: offset (u64 LE), length (u64 LE),

@@ -173,7 +173,10 @@ pub async fn serve(
         ));
     }
     tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), exports = config.exports.len(), tls = config.tls.is_some(), nbd = %nbd_socket.display(), "agent serving");
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // The builder's tcp_nodelay does not reach connections from a given listener: without
+    // it, Nagle's algorithm and the peer's delayed ACK hold small replies for ~40 ms
+    // (the tail of a copy-on-demand read of a missing region).
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let result = builder
         .add_service(InterceptedService::new(
             server,
