@@ -298,7 +298,7 @@ pub(crate) fn apply_then_sync_in_background(dir: &Path) -> io::Result<AppliedCyc
 /// written but whose fsync and records are left. The lock's flag says one is.
 fn settle(dir: &Path) -> io::Result<MutexGuard<'static, bool>> {
     static LOCKS: OnceLock<Mutex<HashMap<PathBuf, &'static Mutex<bool>>>> = OnceLock::new();
-    let lock: &'static Mutex<bool> = *LOCKS
+    let lock: &'static Mutex<bool> = LOCKS
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner())
