@@ -708,12 +708,13 @@ fn recording_api_server(
             let uri = req.uri().to_string();
             let bytes = req.into_body().collect_bytes().await.unwrap();
             let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            // Recorded before the answer: the caller reads it once its request returns.
+            sent.lock().unwrap().push(Sent { method, uri, body });
             respond.send_response(
                 Response::builder()
                     .body(Body::from(serde_json::to_vec(&reply).unwrap()))
                     .unwrap(),
             );
-            sent.lock().unwrap().push(Sent { method, uri, body });
         }
     });
 }
@@ -837,8 +838,13 @@ async fn end_to_end_a_volume_replication_replicates_fails_over_and_back_by_delta
         .await;
     assert_eq!(st.state, Some(State::Primary), "{:?}", st.message);
     assert_eq!(condition(&st, "Completed").1, "Promoted");
-    main.wait_for("the first cycle", |s| s.last_cycle.is_some())
-        .await;
+    main.wait_for("the first cycle", |s| {
+        s.state == "Replicating"
+            && s.last_cycle
+                .as_ref()
+                .is_some_and(|c| c.point_in_time_ms > 0)
+    })
+    .await;
     eprintln!(
         "primary on a new VolumeReplication -> first completed cycle ({} MiB): {:.2} s",
         E2E_LEN / MIB,
