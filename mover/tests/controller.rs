@@ -37,20 +37,33 @@ fn api_server(
     tokio::spawn(async move {
         let mut sent = Vec::new();
         for _ in 0..n {
-            let (req, respond) = handle.next_request().await.expect("a request");
-            let method = req.method().clone();
-            let uri = req.uri().to_string();
-            let bytes = req.into_body().collect_bytes().await.unwrap();
-            let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-            respond.send_response(
-                Response::builder()
-                    .body(Body::from(serde_json::to_vec(&reply).unwrap()))
-                    .unwrap(),
-            );
-            sent.push(Sent { method, uri, body });
+            let request = handle.next_request().await.expect("a request");
+            answer(request, &reply, |s| sent.push(s)).await;
         }
         sent
     })
+}
+
+/// Answers one request with `reply`, handing what was sent to `record` first (the
+/// caller may read the record as soon as its request returns).
+async fn answer(
+    (req, respond): (
+        Request<Body>,
+        tower_test::mock::SendResponse<Response<Body>>,
+    ),
+    reply: &Value,
+    record: impl FnOnce(Sent),
+) {
+    let method = req.method().clone();
+    let uri = req.uri().to_string();
+    let bytes = req.into_body().collect_bytes().await.unwrap();
+    let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    record(Sent { method, uri, body });
+    respond.send_response(
+        Response::builder()
+            .body(Body::from(serde_json::to_vec(reply).unwrap()))
+            .unwrap(),
+    );
 }
 
 /// The agents as a map of relationships, recording every call.
@@ -703,18 +716,8 @@ fn recording_api_server(
     sent: Arc<Mutex<Vec<Sent>>>,
 ) {
     tokio::spawn(async move {
-        while let Some((req, respond)) = handle.next_request().await {
-            let method = req.method().clone();
-            let uri = req.uri().to_string();
-            let bytes = req.into_body().collect_bytes().await.unwrap();
-            let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-            // Recorded before the answer: the caller reads it once its request returns.
-            sent.lock().unwrap().push(Sent { method, uri, body });
-            respond.send_response(
-                Response::builder()
-                    .body(Body::from(serde_json::to_vec(&reply).unwrap()))
-                    .unwrap(),
-            );
+        while let Some(request) = handle.next_request().await {
+            answer(request, &reply, |s| sent.lock().unwrap().push(s)).await;
         }
     });
 }
