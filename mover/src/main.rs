@@ -95,13 +95,16 @@ enum Command {
         with mutual TLS and/or a bearer token; writes carry a fencing epoch. /metrics and \
         /healthz are served on metrics_listen. Block exports are also served over NBD on a \
         Unix socket (nbd_socket, default STATE_DIR/nbd.sock) for clients on this node, \
-        hydrating exports included (`mover hydrate`). Stops gracefully on SIGINT or \
-        SIGTERM.\n\n\
+        hydrating exports included (`mover hydrate`). Under Kubernetes the controller \
+        registers each replicated PersistentVolume as an export named after the PV, at the \
+        path the PV names, if that path lies under one of volume_roots (kept across \
+        restarts in STATE_DIR/exports.json). Stops gracefully on SIGINT or SIGTERM.\n\n\
         Example agent.toml:\n\n\
         \x20 listen = \"0.0.0.0:7070\"\n\
         \x20 metrics_listen = \"0.0.0.0:9470\"\n\
         \x20 token_file = \"/etc/mover/token\"\n\
         \x20 nbd_socket = \"/run/mover/nbd.sock\"\n\
+        \x20 volume_roots = [\"/var/lib/kubelet/plugins/kubernetes.io/csi\", \"/dev\"]\n\
         \x20 [tls]\n\
         \x20 cert = \"/etc/mover/agent.crt\"\n\
         \x20 key = \"/etc/mover/agent.key\"\n\

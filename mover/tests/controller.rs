@@ -73,6 +73,10 @@ struct FakeAgents {
     relationships: Mutex<HashMap<(String, String), control::Status>>,
     /// Refuse a non-forced promote (the peer did not hand over).
     refuse_promote: bool,
+    /// (agent, export) -> (path, block), as registered by `export`.
+    exports: Mutex<HashMap<(String, String), (String, bool)>>,
+    /// Refuse `export` with this message (the agent's volume_roots do not allow it).
+    refuse_export: Option<String>,
 }
 
 fn status(name: &str, role: &str, state: &str, epoch: u64) -> control::Status {
@@ -215,6 +219,34 @@ impl Agents for FakeAgents {
             .lock()
             .unwrap()
             .remove(&(agent.to_string(), name.to_string()));
+        Ok(())
+    }
+    async fn export(
+        &self,
+        agent: &str,
+        volume: &str,
+        path: &str,
+        block: bool,
+    ) -> Result<(), AgentError> {
+        if let Some(message) = &self.refuse_export {
+            return Err(AgentError {
+                agent: agent.into(),
+                op: "export",
+                name: volume.into(),
+                code: tonic::Code::PermissionDenied,
+                message: message.clone(),
+            });
+        }
+        let key = (agent.to_string(), volume.to_string());
+        self.exports
+            .lock()
+            .unwrap()
+            .insert(key, (path.into(), block));
+        Ok(())
+    }
+    async fn unexport(&self, agent: &str, volume: &str) -> Result<(), AgentError> {
+        let key = (agent.to_string(), volume.to_string());
+        self.exports.lock().unwrap().remove(&key);
         Ok(())
     }
 }
@@ -425,6 +457,11 @@ async fn create_adds_the_finalizer_then_creates_the_relationship_and_applies_sta
             format!("create {AGENT} app/pg pv-1 -> agent://dr.example:7070/pv-1 every 60000ms"),
         ]
     );
+    // The agent was told where the PV is before the relationship was created on it.
+    assert_eq!(
+        agents.exports.lock().unwrap()[&(AGENT.to_string(), "pv-1".to_string())],
+        ("/dev/vg0/pv-1".to_string(), true)
+    );
     let st = applied_status(&sent[0], MOVER_GROUP);
     assert_eq!(st.state, Some(mover::controller::crd::State::Primary));
     assert_eq!(st.message.as_deref(), Some("volume is marked primary"));
@@ -585,6 +622,10 @@ async fn bad_input_sets_validated_false_with_what_to_fix_and_calls_no_agent() {
 async fn delete_deletes_the_relationship_then_removes_the_finalizer() {
     let agents = Arc::new(FakeAgents::default());
     agents.set(AGENT, status("app/pg", "primary", "Replicating", 1));
+    agents.exports.lock().unwrap().insert(
+        (AGENT.to_string(), "pv-1".to_string()),
+        ("/dev/vg0/pv-1".into(), true),
+    );
     let mut v = vr(ReplicationState::Primary, 1, true);
     v.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
         "2026-01-01T00:00:00Z".parse().unwrap(),
@@ -592,6 +633,7 @@ async fn delete_deletes_the_relationship_then_removes_the_finalizer() {
     let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v, 1).await;
     assert_eq!(agents.calls(), [format!("delete {AGENT} app/pg")]);
     assert!(agents.relationships.lock().unwrap().is_empty());
+    assert!(agents.exports.lock().unwrap().is_empty(), "the export is removed");
     assert_eq!(sent[0].method, http::Method::PATCH);
     assert_eq!(
         sent[0].body,
@@ -692,6 +734,35 @@ async fn a_refused_promotion_is_forced_as_csi_addons_does_in_the_csi_addons_grou
     let st = applied_status(&sent[0], CSI_ADDONS_GROUP);
     assert_eq!(st.epoch, Some(5));
     assert_generation(&st, 5);
+}
+
+#[tokio::test]
+async fn an_export_the_agent_refuses_is_a_failed_validation_and_nothing_is_created() {
+    let refusal = "cannot export \"pv-1\" at /dev/vg0/pv-1: it is under none of agent.toml's \
+                   volume_roots (/var/lib/kubelet)";
+    let agents = Arc::new(FakeAgents {
+        refuse_export: Some(refusal.into()),
+        ..Default::default()
+    });
+    let sent = run_once(
+        MOVER_GROUP,
+        World::default(),
+        agents.clone(),
+        &vr(ReplicationState::Primary, 1, true),
+        1,
+    )
+    .await;
+    assert!(agents.calls().is_empty(), "{:?}", agents.calls());
+    let st = applied_status(&sent[0], MOVER_GROUP);
+    let (status, reason, message) = condition(&st, "Validated");
+    assert_eq!((status, reason), ("False", "PrerequisiteNotMet"));
+    assert!(message.contains(refusal), "{message}");
+    assert!(
+        st.message.as_deref().unwrap().starts_with("failed to export volume: agent "),
+        "{:?}",
+        st.message
+    );
+    assert_generation(&st, 1);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -827,11 +898,20 @@ async fn end_to_end_a_volume_replication_replicates_fails_over_and_back_by_delta
     std::fs::create_dir_all(&db).unwrap();
     let (a_img, b_img) = (da.join("vol.img"), db.join("vol.img"));
     make_image(&a_img, E2E_LEN, 3, &[(0, 4 * MIB), (20 * MIB, 2 * MIB)]);
-    // Each cluster's agent exports the PV under its name (agent.toml's exports).
-    let a = Agent::start(&da, &[("pv-1", &a_img, false)], None);
-    let b = Agent::start(&db, &[("pv-1", &b_img, false)], None);
+    // The agents export nothing by config: each controller registers its PV, found
+    // from the PV's spec, under the agent's volume_roots (the agents' directories).
+    let a = Agent::start(&da, &[], None);
+    let b = Agent::start(&db, &[], None);
     let main = Cluster::new(&da, &a, &b, "node-a", &a_img);
     let dr = Cluster::new(&db, &b, &a, "node-b", &b_img);
+
+    // The DR cluster's VolumeReplication comes first (RamenDR creates both): its agent
+    // is told to serve the PV, and waits for the first cycle.
+    let dr_first = dr
+        .reconcile(&vr(ReplicationState::Secondary, 1, true))
+        .await;
+    assert_eq!(dr_first.state, Some(State::Secondary), "{:?}", dr_first.message);
+    assert_eq!(condition(&dr_first, "Validated").0, "True");
 
     // A new VolumeReplication goes primary: the relationship is created on node-a's
     // agent, its first cycle fills the DR cluster's volume.
@@ -863,7 +943,7 @@ async fn end_to_end_a_volume_replication_replicates_fails_over_and_back_by_delta
 
     // The DR cluster's VolumeReplication, secondary: healthy once a cycle is applied.
     let dr_st = dr
-        .reconcile(&vr(ReplicationState::Secondary, 1, true))
+        .reconcile(&next(ReplicationState::Secondary, 1, dr_first))
         .await;
     assert_eq!(dr_st.state, Some(State::Secondary), "{:?}", dr_st.message);
     assert_eq!(condition(&dr_st, "Degraded").0, "False");
@@ -908,6 +988,39 @@ async fn end_to_end_a_volume_replication_replicates_fails_over_and_back_by_delta
         .reconcile(&next(ReplicationState::Secondary, 2, st))
         .await;
     assert_eq!(condition(&st, "Degraded").0, "False", "{:?}", st.message);
+
+    // An agent keeps an export its relationship uses, and exports nothing outside its
+    // volume_roots; once the relationship is gone the export goes, the data stays.
+    let agent_a = format!("127.0.0.1:{}", a.port);
+    let e = main.agents.unexport(&agent_a, "pv-1").await.unwrap_err();
+    assert_eq!(e.code, tonic::Code::FailedPrecondition, "{e}");
+    assert!(e.message.contains("relationship \"app/pg\""), "{e}");
+    let e = main
+        .agents
+        .export(&agent_a, "pv-2", "/etc", false)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, tonic::Code::PermissionDenied, "{e}");
+    assert!(e.message.contains("volume_roots"), "{e}");
+    let kept = blake3_of(&a_img, E2E_LEN);
+    main.agents.delete(&agent_a, "app/pg").await.unwrap();
+    main.agents.unexport(&agent_a, "pv-1").await.unwrap();
+    let e = main
+        .agents
+        .create(
+            &agent_a,
+            control::Spec {
+                name: "again".into(),
+                volume: "pv-1".into(),
+                peer: format!("agent://127.0.0.1:{}/pv-1", b.port),
+                interval_ms: 60_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(e.message.contains("not exported"), "{e}");
+    assert_eq!(blake3_of(&a_img, E2E_LEN), kept);
 }
 
 /// The controller's resident set (VmRSS), in MiB.

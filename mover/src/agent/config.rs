@@ -21,9 +21,14 @@ pub struct AgentConfig {
     /// Mutual TLS: this agent's certificate and key, and the CA that signs its peers'.
     #[serde(default)]
     pub tls: Option<TlsConfig>,
-    /// Volumes peers may read or write, by name. Nothing else is reachable.
+    /// Volumes peers may read or write, by name. Nothing else is reachable, except what
+    /// the controller registers under `volume_roots`.
     #[serde(default)]
     pub exports: BTreeMap<String, Export>,
+    /// Directories under which the controller may register volumes as exports (the
+    /// kubelet's CSI directory, local PV directories, /dev) [default: none].
+    #[serde(default)]
+    pub volume_roots: Vec<PathBuf>,
     /// `HOST:PORT` at which peers reach this agent (how a promoted secondary finds this
     /// side to replicate back to) [default: the address the relationship's creator used].
     #[serde(default)]
@@ -105,10 +110,22 @@ impl AgentConfig {
                 "neither token_file nor [tls] is set: an agent never serves volumes to unauthenticated peers".into(),
             ));
         }
-        if config.exports.is_empty() {
+        if config.exports.is_empty() && config.volume_roots.is_empty() {
             return Err(invalid(
-                "no [exports.NAME] sections: the agent would serve nothing".into(),
+                "no [exports.NAME] sections and no volume_roots: the agent would serve nothing"
+                    .into(),
             ));
+        }
+        if let Some(root) = config
+            .volume_roots
+            .iter()
+            .find(|r| !r.is_absolute() || r.components().any(|c| c == std::path::Component::ParentDir) || r.parent().is_none())
+        {
+            return Err(invalid(format!(
+                "volume_roots entry {} must be an absolute directory other than / and \
+                 without '..'",
+                root.display()
+            )));
         }
         for (name, export) in &config.exports {
             if name.is_empty() || name.contains('/') {
@@ -209,5 +226,13 @@ mod tests {
         assert!(e.contains("absolute"), "{e}");
         let e = load("listen = \"127.0.0.1:1\"\ntoken_file = \"/t\"\nexprots = 1").unwrap_err();
         assert!(e.contains("unknown field"), "{e}");
+        let e = load("listen = \"127.0.0.1:1\"\ntoken_file = \"/t\"").unwrap_err();
+        assert!(e.contains("serve nothing"), "{e}");
+        let e = load("listen = \"127.0.0.1:1\"\ntoken_file = \"/t\"\nvolume_roots = [\"/\"]")
+            .unwrap_err();
+        assert!(e.contains("other than /"), "{e}");
+        let roots =
+            load("listen = \"127.0.0.1:1\"\ntoken_file = \"/t\"\nvolume_roots = [\"/dev\"]");
+        assert_eq!(roots.unwrap().volume_roots, vec![PathBuf::from("/dev")]);
     }
 }

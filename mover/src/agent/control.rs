@@ -126,6 +126,28 @@ impl Control {
         }
     }
 
+    /// What uses the export `volume` here: a relationship or a hydration (None: nothing).
+    fn user_of(&self, volume: &str) -> Option<String> {
+        if let Some(r) = self.service.store.all().into_iter().find(|r| r.spec.volume == volume) {
+            return Some(format!("relationship {:?}", r.spec.name));
+        }
+        let hydrating = self.service.hydrations.get().and_then(|h| h.get(volume));
+        hydrating.map(|h| format!("a hydration from {}", h.source()))
+    }
+
+    fn export_reply(&self, name: &str, registered: bool) -> control::ExportResponse {
+        control::ExportResponse {
+            name: name.into(),
+            path: self
+                .service
+                .exports
+                .get(name)
+                .map(|e| e.path.display().to_string())
+                .unwrap_or_default(),
+            registered,
+        }
+    }
+
     fn reply(&self, name: &str) -> Result<Response<control::Status>, Status> {
         Ok(Response::new(self.status(&self.record(name)?)))
     }
@@ -525,7 +547,7 @@ impl Replication for Control {
             )));
         }
         self.runners.stop(&q.name);
-        let export = self.service.export(&r.spec.volume)?.clone();
+        let export = self.service.export(&r.spec.volume)?;
         // Did this side write after the last cycle both sides hold? Its clone of that
         // cycle says where, without reading the volume (and seals an index for it).
         if export.path.is_dir() && !q.discard_local {
@@ -585,5 +607,57 @@ impl Replication for Control {
             .map_err(internal)?;
         tracing::info!(relationship = %q.name, discard_local = q.discard_local, "resynced: now secondary");
         self.reply(&q.name)
+    }
+
+    async fn export(
+        &self,
+        req: Request<control::ExportRequest>,
+    ) -> Result<Response<control::ExportResponse>, Status> {
+        let q = req.into_inner();
+        let path = std::path::PathBuf::from(&q.path);
+        let exports = &self.service.exports;
+        // A registration moved to another path while in use would pull the volume from
+        // under its relationship: refused until that is deleted.
+        if let Some(was) = exports.registered_path(&q.name).filter(|p| *p != path)
+            && let Some(user) = self.user_of(&q.name)
+        {
+            return Err(Status::failed_precondition(format!(
+                "export {:?} is registered at {} and used by {user}: delete that first to \
+                 register it at {}",
+                q.name,
+                was.display(),
+                path.display()
+            )));
+        }
+        let registered = exports.register(&q.name, &path, q.block).map_err(|e| match e {
+            crate::agent::ExportError::Save { .. } => internal(e),
+            _ => Status::permission_denied(e.to_string()),
+        })?;
+        tracing::info!(export = %q.name, path = %path.display(), block = q.block, registered, "export registered");
+        Ok(Response::new(self.export_reply(&q.name, registered)))
+    }
+
+    async fn unexport(
+        &self,
+        req: Request<control::NameRequest>,
+    ) -> Result<Response<control::ExportResponse>, Status> {
+        let name = req.into_inner().name;
+        let exports = &self.service.exports;
+        if exports.registered_path(&name).is_none() {
+            // Named in agent.toml, or not registered (any more): nothing to do.
+            return Ok(Response::new(self.export_reply(&name, false)));
+        }
+        if let Some(user) = self.user_of(&name) {
+            return Err(Status::failed_precondition(format!(
+                "export {name:?} is used by {user}: delete that first"
+            )));
+        }
+        exports.unregister(&name).map_err(internal)?;
+        tracing::info!(export = %name, "export unregistered");
+        Ok(Response::new(control::ExportResponse {
+            name,
+            path: String::new(),
+            registered: false,
+        }))
     }
 }

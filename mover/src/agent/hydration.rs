@@ -2,12 +2,12 @@
 //! they are, hydrating ones through their hydration), and the Hydration control service
 //! (`mover hydrate start|status|wait|cancel`).
 
-use super::config::Export;
+use super::Exports;
 use crate::hydrate::{
     HydrateError, HydratingVolume, Hydration, Hydrations, LocalVolume, Phase, SourceSpec,
     StartRequest,
 };
-use std::{collections::BTreeMap, path::PathBuf, sync::Arc};
+use std::{path::PathBuf, sync::Arc};
 use tonic::{Request, Response, Status};
 use transport::{
     hydrate::{self as proto, hydration_server},
@@ -16,16 +16,19 @@ use transport::{
 
 /// The exports the agent's NBD server offers.
 pub struct NbdExportsOf {
-    pub(super) exports: BTreeMap<String, Export>,
+    pub(super) exports: Exports,
     pub(super) hydrations: Arc<Hydrations>,
 }
 
 impl NbdExports for NbdExportsOf {
     fn list(&self) -> Vec<(String, String)> {
         self.exports
-            .iter()
-            .filter(|(_, e)| !e.path.is_dir())
-            .map(|(n, e)| {
+            .names()
+            .into_iter()
+            .filter_map(|n| Some((self.exports.get(&n).ok()?, n)))
+            .filter(|(e, _)| !e.path.is_dir())
+            .map(|(e, n)| {
+                let n = &n;
                 let what = match self.hydrations.get(n).map(|h| (h.progress(), h.source())) {
                     Some((p, src)) if p.phase != Phase::Complete => format!(
                         "{} hydrating from {src}: {}/{} regions",
@@ -41,12 +44,7 @@ impl NbdExports for NbdExportsOf {
     }
 
     fn open(&self, name: &str) -> Result<Arc<dyn NbdVolume>, String> {
-        let export = self.exports.get(name).ok_or_else(|| {
-            format!(
-                "no export {name:?} (exports: {})",
-                self.exports.keys().cloned().collect::<Vec<_>>().join(", ")
-            )
-        })?;
+        let export = self.exports.get(name).map_err(|e| e.to_string())?;
         if let Some(h) = self.hydrations.get(name) {
             match h.progress().phase {
                 Phase::Cancelled => {

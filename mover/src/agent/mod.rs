@@ -6,6 +6,7 @@
 mod config;
 mod control;
 mod cycles;
+mod exports;
 mod fencing;
 mod hydration;
 pub(crate) mod journal;
@@ -16,6 +17,7 @@ mod service;
 mod trees;
 
 pub use config::{AgentConfig, ConfigError, Export, TlsConfig};
+pub use exports::{ExportError, Exports};
 pub use control::Control;
 pub use fencing::{EpochStore, StaleEpoch};
 pub use metrics::Metrics;
@@ -84,9 +86,15 @@ pub async fn serve(
         crate::replicate::Store::open(&config.state_dir)
             .map_err(|e| state_err(std::io::Error::other(e.to_string())))?,
     );
+    let exports = Exports::open(
+        config.exports.clone(),
+        config.volume_roots.clone(),
+        &config.state_dir,
+    )
+    .map_err(state_err)?;
     let service = Arc::new(
         AgentService::new(
-            config.exports.clone(),
+            exports.clone(),
             config.state_dir.clone(),
             metrics.clone(),
             store.clone(),
@@ -104,12 +112,12 @@ pub async fn serve(
         }
     }
     let hydrations =
-        crate::hydrate::Hydrations::new(&config.state_dir, config.exports.clone(), remote.clone())
+        crate::hydrate::Hydrations::new(&config.state_dir, exports.clone(), remote.clone())
             .map_err(state_err)?;
     let _ = service.hydrations.set(hydrations.clone());
     hydrations.resume_all().await;
     let runners =
-        crate::replicate::Runners::new(store.clone(), config.exports.clone(), remote.clone());
+        crate::replicate::Runners::new(store.clone(), exports.clone(), remote.clone());
     runners.start_all();
     let control = Control {
         service: service.clone(),
@@ -141,7 +149,7 @@ pub async fn serve(
     let nbd_socket = config.nbd_socket();
     {
         let exports = Arc::new(hydration::NbdExportsOf {
-            exports: config.exports.clone(),
+            exports: exports.clone(),
             hydrations: hydrations.clone(),
         });
         let mut stop = stop_rx.clone();
@@ -172,7 +180,7 @@ pub async fn serve(
             },
         ));
     }
-    tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), exports = config.exports.len(), tls = config.tls.is_some(), nbd = %nbd_socket.display(), "agent serving");
+    tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), exports = exports.names().len(), tls = config.tls.is_some(), nbd = %nbd_socket.display(), "agent serving");
     // The builder's tcp_nodelay does not reach connections from a given listener: without
     // it, Nagle's algorithm and the peer's delayed ACK hold small replies for ~40 ms
     // (the tail of a copy-on-demand read of a missing region).

@@ -19,7 +19,7 @@ use chunker::{
     direct::DirectWriter, page_hashes,
 };
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::HashMap,
     os::unix::fs::FileExt,
     path::PathBuf,
     sync::{
@@ -41,7 +41,7 @@ const SYNC_EVERY: u64 = 256 << 20;
 
 /// An agent's Transfer service.
 pub struct AgentService {
-    pub(super) exports: BTreeMap<String, Export>,
+    pub(super) exports: super::Exports,
     state_dir: PathBuf,
     pub(super) epochs: EpochStore,
     /// Replication relationships known here (primary or secondary side).
@@ -89,7 +89,7 @@ struct Session {
 impl AgentService {
     /// A service for `exports`, keeping state under `state_dir`.
     pub fn new(
-        exports: BTreeMap<String, Export>,
+        exports: super::Exports,
         state_dir: PathBuf,
         metrics: Arc<Metrics>,
         store: Arc<crate::replicate::Store>,
@@ -125,12 +125,12 @@ impl AgentService {
     }
 
     /// The export `name`, or a refusal that lists what is exported.
-    pub(super) fn export(&self, name: &str) -> Result<&Export, Status> {
-        let export = self.exports.get(name).ok_or_else(|| {
-            self.refuse(Status::not_found(format!(
-                "volume {name:?} is not exported by this agent (exports: {})",
-                self.exports.keys().cloned().collect::<Vec<_>>().join(", ")
-            )))
+    pub(super) fn export(&self, name: &str) -> Result<Export, Status> {
+        let export = self.exports.get(name).map_err(|e| {
+            self.refuse(match e {
+                super::ExportError::Unknown { .. } => Status::not_found(e.to_string()),
+                _ => Status::failed_precondition(e.to_string()),
+            })
         })?;
         if let Some(h) = self.hydrations.get().and_then(|hs| hs.get(name))
             && h.progress().phase != crate::hydrate::Phase::Complete
@@ -242,7 +242,7 @@ impl Transfer for AgentService {
                 (v.into_file(), size, None)
             }
             Access::Write => {
-                self.check_writable(&r.volume, export)?;
+                self.check_writable(&r.volume, &export)?;
                 self.check_epoch(&r.relationship, r.epoch)?;
                 if let Some(c) = &r.cycle {
                     let target = CycleTarget {
@@ -289,7 +289,7 @@ impl Transfer for AgentService {
             // Never asked for (Tree refuses): no hashing of the volume.
             (LiveSummary::unserved(key.clone(), chunk, size), false)
         } else {
-            blocking(|| self.summary_of(export, dest.as_ref(), &key, chunk, size))?
+            blocking(|| self.summary_of(&export, dest.as_ref(), &key, chunk, size))?
         };
         let id = format!("{}-{}", r.volume, self.next_id.fetch_add(1, Relaxed));
         let cycle = match (&r.cycle, &dest) {

@@ -55,10 +55,10 @@ impl AgentService {
     }
 
     /// The tree export `name`: a directory (or, for a push, a path not made yet).
-    fn tree_export(&self, name: &str, write: bool) -> Result<&Export, Status> {
+    fn tree_export(&self, name: &str, write: bool) -> Result<Export, Status> {
         let export = self.export(name)?;
         if write {
-            self.check_writable(name, export)?;
+            self.check_writable(name, &export)?;
         }
         match std::fs::metadata(&export.path) {
             Ok(m) if m.is_dir() => Ok(export),

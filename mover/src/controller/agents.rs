@@ -62,6 +62,16 @@ pub trait Agents: Send + Sync {
     ) -> Result<control::Status, AgentError>;
     /// Forgets the relationship on `agent` (the volume stays); absent is fine.
     async fn delete(&self, agent: &str, name: &str) -> Result<(), AgentError>;
+    /// Makes `agent` serve `path` (on its node) as the export `volume`: idempotent.
+    async fn export(
+        &self,
+        agent: &str,
+        volume: &str,
+        path: &str,
+        block: bool,
+    ) -> Result<(), AgentError>;
+    /// Makes `agent` stop serving the export `volume` it was given by [`Agents::export`].
+    async fn unexport(&self, agent: &str, volume: &str) -> Result<(), AgentError>;
 }
 
 /// [`Agents`] over gRPC, one cached connection per agent.
@@ -247,5 +257,41 @@ impl Agents for GrpcAgents {
             Err(e) if e.code == tonic::Code::NotFound => Ok(()),
             Err(e) => Err(e),
         }
+    }
+
+    async fn export(
+        &self,
+        agent: &str,
+        volume: &str,
+        path: &str,
+        block: bool,
+    ) -> Result<(), AgentError> {
+        let req = control::ExportRequest {
+            name: volume.into(),
+            path: path.into(),
+            block,
+        };
+        self.call(
+            agent,
+            "export",
+            volume,
+            |mut c| async move { c.export(req).await },
+        )
+        .await
+        .map(|_| ())
+    }
+
+    async fn unexport(&self, agent: &str, volume: &str) -> Result<(), AgentError> {
+        let req = control::NameRequest {
+            name: volume.into(),
+        };
+        self.call(
+            agent,
+            "unexport",
+            volume,
+            |mut c| async move { c.unexport(req).await },
+        )
+        .await
+        .map(|_| ())
     }
 }

@@ -182,6 +182,9 @@ pub struct Placement {
     pub path: String,
     /// The PersistentVolume's name: also the export name on the agent.
     pub pv: String,
+    /// A block volume (`volumeMode: Block`): `path` may be the kubelet's directory of
+    /// per-pod device entries, which the agent resolves to one.
+    pub block: bool,
 }
 
 /// The kubelet's directory of CSI volumes on a node.
@@ -223,15 +226,17 @@ pub fn placement(
         (host.path.clone(), affinity_node)
     } else if let Some(csi) = &spec.csi {
         // The kubelet's per-volume paths: a block volume's device is bound under
-        // volumeDevices/PV/dev (one entry per pod using it), a file system is mounted
-        // at the staging directory PV/globalmount (the pre-1.24 layout) or its hashed
-        // successor; the agent resolves the entry it finds.
+        // volumeDevices/PV/dev (one entry per pod using it; the agent takes the first),
+        // a file system is staged at DRIVER/sha256(volumeHandle)/globalmount (the
+        // kubelet's layout since 1.24; before it, pv/PV/globalmount).
         let path = if block {
             format!("{KUBELET_CSI}/volumeDevices/{pv_name}/dev")
         } else {
-            format!("{KUBELET_CSI}/pv/{pv_name}/globalmount")
+            use sha2::Digest;
+            let hash = sha2::Sha256::digest(csi.volume_handle.as_bytes());
+            let hex: String = hash.iter().map(|b| format!("{b:02x}")).collect();
+            format!("{KUBELET_CSI}/{}/{hex}/globalmount", csi.driver)
         };
-        let _ = &csi.driver;
         (path, affinity_node.or_else(attached_node))
     } else {
         return Err(invalid(
@@ -256,6 +261,7 @@ pub fn placement(
         node,
         path,
         pv: pv_name,
+        block,
     })
 }
 
@@ -296,6 +302,8 @@ pub struct Desired {
     pub volume: String,
     /// The volume's device or directory on the node.
     pub path: String,
+    /// A block volume (see [`Placement::block`]).
+    pub block: bool,
     /// The peer's volume: agent://HOST:PORT/VOLUME.
     pub peer: String,
     /// Class parameters.
@@ -435,6 +443,7 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
         peer: format!("agent://{}/{}", params.target, place.pv),
         volume: place.pv,
         path: place.path,
+        block: place.block,
         params,
         state: vr.spec.replication_state,
         auto_resync: vr.spec.auto_resync,
@@ -574,6 +583,7 @@ pub(crate) mod tests {
                 agent: "10.0.0.1:7070".into(),
                 volume: "pv-1".into(),
                 path: "/dev/vg0/pv-1".into(),
+                block: true,
                 peer: "agent://dr.example:7070/pv-1".into(),
                 params: ClassParams {
                     interval: Duration::from_secs(90),
@@ -599,6 +609,17 @@ pub(crate) mod tests {
         );
         let e = placement(&claim, &pv, &vas[..1]).unwrap_err();
         assert!(e.detail.contains("is on no node"), "{e}");
+        // A file system: the kubelet's staging directory, named by the volume handle's
+        // SHA-256 (`printf 0001-abc | sha256sum`).
+        let mut fs_claim = claim.clone();
+        fs_claim.spec.as_mut().unwrap().volume_mode = Some("Filesystem".into());
+        let p = placement(&fs_claim, &pv, &vas).unwrap();
+        assert!(!p.block);
+        assert_eq!(
+            p.path,
+            "/var/lib/kubelet/plugins/kubernetes.io/csi/rbd.csi.ceph.com/\
+             67f422977015836e425cb2f4ab79118b5bc14dcab64698c1d1040d1b77359fb3/globalmount"
+        );
     }
 
     #[test]

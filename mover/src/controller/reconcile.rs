@@ -332,21 +332,32 @@ pub async fn decide(
     let mut st = vr.status.clone().unwrap_or_default();
     let kind = vr.spec.data_source.kind.clone();
     st.observed_generation = Some(generation);
+    let not_valid = |mut st: VolumeReplicationStatus, invalid: desired::Invalid| {
+        let mut c = Conditions::new(&mut st.conditions, generation, &kind, now.clone());
+        c.failed_validation(state, invalid.what, &invalid.detail);
+        if state == ReplicationState::Primary {
+            c.replicating(Health::Unknown, &invalid.detail);
+        } else {
+            c.remove(status::types::REPLICATING);
+        }
+        st.state = Some(current(&st));
+        st.message = Some(invalid.to_string());
+        (st, Action::requeue(RETRY))
+    };
     let d = match resolve(vr, ctx) {
         Ok(d) => d,
-        Err(invalid) => {
-            let mut c = Conditions::new(&mut st.conditions, generation, &kind, now);
-            c.failed_validation(state, invalid.what, &invalid.detail);
-            if state == ReplicationState::Primary {
-                c.replicating(Health::Unknown, &invalid.detail);
-            } else {
-                c.remove(status::types::REPLICATING);
-            }
-            st.state = Some(current(&st));
-            st.message = Some(invalid.to_string());
-            return (st, Action::requeue(RETRY));
-        }
+        Err(invalid) => return not_valid(st, invalid),
     };
+    let agents = &*ctx.agents;
+    // The agent serves the volume from where the kubelet put it (both sides: the
+    // secondary's agent must take cycles into it before the first arrives).
+    if let Err(e) = agents.export(&d.agent, &d.volume, &d.path, d.block).await {
+        let invalid = desired::Invalid {
+            what: "failed to export volume",
+            detail: e.to_string(),
+        };
+        return not_valid(st, invalid);
+    }
     st.last_start_time = Some(now.clone());
     st.relationship = Some(RelationshipRef {
         name: d.name.clone(),
@@ -355,7 +366,6 @@ pub async fn decide(
         volume_replication_class: vr.spec.volume_replication_class.clone(),
         data_source_name: vr.spec.data_source.name.clone(),
     });
-    let agents = &*ctx.agents;
     let mut c = Conditions::new(&mut st.conditions, generation, &kind, now.clone());
     c.validated();
     match state {
@@ -571,12 +581,17 @@ async fn cleanup(obj: &DynamicObject, ctx: &Context) -> Result<Action, Error> {
     let recorded = vr.status.as_ref().and_then(|s| s.relationship.clone());
     // Where it is now (the agent pod may have a new address), else where it was.
     let target = match resolve(&vr, ctx) {
-        Ok(d) => Some((d.agent, d.name)),
-        Err(_) => recorded.map(|r| (r.agent, r.name)),
+        Ok(d) => Some((d.agent, d.name, d.volume)),
+        Err(_) => recorded.map(|r| (r.agent, r.name, r.volume)),
     };
-    if let Some((agent, name)) = target {
+    if let Some((agent, name, volume)) = target {
         ctx.agents.delete(&agent, &name).await?;
         tracing::info!(%agent, relationship = %name, "relationship deleted");
+        // Best effort: another relationship or a hydration may still use the export.
+        match ctx.agents.unexport(&agent, &volume).await {
+            Ok(()) => tracing::info!(%agent, export = %volume, "export removed"),
+            Err(e) => tracing::warn!(%agent, export = %volume, "export kept: {e}"),
+        }
     }
     ctx.metrics.forget(&key(obj));
     Ok(Action::await_change())

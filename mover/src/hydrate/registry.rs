@@ -8,13 +8,13 @@ use super::{
     source::{AgentSource, RegionSource, SnapshotSource},
 };
 use crate::{
-    agent::{Export, journal::write_durably},
+    agent::{Exports, journal::write_durably},
     remote::{AgentUrl, RemoteOptions},
     snapshot::RepoOptions,
 };
 use serde::{Deserialize, Serialize};
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{HashMap, HashSet},
     io,
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
@@ -88,7 +88,7 @@ type Series = (&'static str, &'static str, fn(&super::Progress) -> f64);
 /// The agent's hydrations.
 pub struct Hydrations {
     dir: PathBuf,
-    exports: BTreeMap<String, Export>,
+    exports: Exports,
     remote: RemoteOptions,
     active: Mutex<HashMap<String, Arc<Hydration>>>,
     /// Exports a start is under way for: two starts of one export never race.
@@ -112,7 +112,7 @@ impl Hydrations {
     /// The hydrations kept under `state_dir`, for `exports`, reaching peers with `remote`.
     pub fn new(
         state_dir: &Path,
-        exports: BTreeMap<String, Export>,
+        exports: Exports,
         remote: RemoteOptions,
     ) -> io::Result<Arc<Self>> {
         let dir = state_dir.join("hydrate");
@@ -236,13 +236,10 @@ impl Hydrations {
             what: format!("hydration of export {}", req.export),
             why,
         };
-        let export = self.exports.get(&req.export).ok_or_else(|| {
-            refused(format!(
-                "this agent exports no {:?} (it exports: {})",
-                req.export,
-                self.exports.keys().cloned().collect::<Vec<_>>().join(", ")
-            ))
-        })?;
+        let export = self
+            .exports
+            .get(&req.export)
+            .map_err(|e| refused(e.to_string()))?;
         if export.read_only {
             return Err(refused("the export is read-only".into()));
         }

@@ -10,7 +10,7 @@ use super::{
     cycle,
     store::{CycleRecord, Halt, Role, Store},
 };
-use crate::{agent::Export, error::CopyError, remote::RemoteOptions};
+use crate::{agent::Exports, error::CopyError, remote::RemoteOptions};
 use std::{
     collections::{BTreeMap, HashMap},
     sync::{
@@ -80,7 +80,7 @@ enum Command {
 /// The relationships' tasks of one agent.
 pub struct Runners {
     store: Arc<Store>,
-    exports: BTreeMap<String, Export>,
+    exports: Exports,
     remote: RemoteOptions,
     tasks: Mutex<HashMap<String, mpsc::Sender<Command>>>,
     live: Mutex<HashMap<String, Arc<Mutex<Live>>>>,
@@ -90,7 +90,7 @@ impl Runners {
     /// Runners for `store`'s relationships over `exports`, reaching peers with `remote`.
     pub fn new(
         store: Arc<Store>,
-        exports: BTreeMap<String, Export>,
+        exports: Exports,
         remote: RemoteOptions,
     ) -> Arc<Self> {
         Arc::new(Runners {
@@ -218,12 +218,7 @@ impl Runners {
                  replicate resync {name}` here to make this side its secondary"
             ));
         }
-        let export = self.exports.get(&rec.spec.volume).ok_or_else(|| {
-            format!(
-                "export {:?} is no longer in this agent's config",
-                rec.spec.volume
-            )
-        })?;
+        let export = self.exports.get(&rec.spec.volume).map_err(|e| e.to_string())?;
         let live = self.live(name);
         let progress = live.lock().expect("live lock").progress.clone();
         let result = cycle::run(&rec, &export.path, &self.remote, last, progress.as_ref()).await;

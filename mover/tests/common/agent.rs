@@ -69,6 +69,10 @@ impl Agent {
                 ca.display()
             );
         }
+        // No exports: the agent serves what the controller registers under `dir`.
+        if exports.is_empty() {
+            cfg += &format!("volume_roots = [\"{}\"]\n", dir.display());
+        }
         for (name, path, ro) in exports {
             cfg += &format!(
                 "[exports.{name}]\npath = \"{}\"\nread_only = {ro}\n",

@@ -1,0 +1,324 @@
+//! The volumes an agent serves: those `agent.toml` names, and those the controller
+//! registers through the control API (`Export`) under one of the config's
+//! `volume_roots`, kept in `STATE/exports.json` across restarts.
+
+use super::config::Export;
+use serde::{Deserialize, Serialize};
+use std::{
+    collections::BTreeMap,
+    path::{Component, Path, PathBuf},
+    sync::{Arc, RwLock},
+};
+
+/// A volume registered through the control API.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Registered {
+    path: PathBuf,
+    /// `path` may be a directory of device entries (the kubelet's per-pod entries of a
+    /// block PersistentVolume): the first one is the volume.
+    block: bool,
+}
+
+/// Why a volume is not served, or cannot be registered.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    /// No export of that name.
+    #[error("volume {name:?} is not exported by this agent (exports: {known})")]
+    Unknown {
+        /// The name asked for.
+        name: String,
+        /// The names there are, comma-separated.
+        known: String,
+    },
+    /// A block volume's device directory holds no device yet.
+    #[error(
+        "volume {name:?}: no device under {dir} yet (the kubelet adds one when a pod using \
+         the volume runs on this node)"
+    )]
+    NoDevice {
+        /// The export.
+        name: String,
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// A registration the config does not allow.
+    #[error("cannot export {name:?} at {path}: {why}")]
+    Refused {
+        /// The export.
+        name: String,
+        /// The path asked for.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        why: String,
+    },
+    /// The registrations could not be saved.
+    #[error("cannot save {path}: {cause}")]
+    Save {
+        /// STATE/exports.json.
+        path: PathBuf,
+        /// The OS error.
+        cause: std::io::Error,
+    },
+}
+
+/// The export table shared by every part of the agent (cheap to clone).
+#[derive(Clone, Debug)]
+pub struct Exports {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    configured: BTreeMap<String, Export>,
+    roots: Vec<PathBuf>,
+    /// Where registrations are kept (`None`: in memory only).
+    file: Option<PathBuf>,
+    registered: RwLock<BTreeMap<String, Registered>>,
+}
+
+impl Exports {
+    /// Only the exports given; nothing can be registered.
+    pub fn fixed(configured: BTreeMap<String, Export>) -> Exports {
+        Exports::with(configured, Vec::new(), None, BTreeMap::new())
+    }
+
+    /// The config's exports, and the registrations kept under `state_dir`.
+    pub fn open(
+        configured: BTreeMap<String, Export>,
+        roots: Vec<PathBuf>,
+        state_dir: &Path,
+    ) -> std::io::Result<Exports> {
+        let file = state_dir.join("exports.json");
+        let registered = match std::fs::read(&file) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
+                std::io::Error::other(format!(
+                    "{} is damaged ({e}): fix or remove it (the controller registers its \
+                     volumes again)",
+                    file.display()
+                ))
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) => return Err(e),
+        };
+        Ok(Exports::with(configured, roots, Some(file), registered))
+    }
+
+    fn with(
+        configured: BTreeMap<String, Export>,
+        roots: Vec<PathBuf>,
+        file: Option<PathBuf>,
+        registered: BTreeMap<String, Registered>,
+    ) -> Exports {
+        Exports {
+            inner: Arc::new(Inner {
+                configured,
+                roots,
+                file,
+                registered: RwLock::new(registered),
+            }),
+        }
+    }
+
+    /// The export `name` as served now (a device directory resolved to its device).
+    pub fn get(&self, name: &str) -> Result<Export, ExportError> {
+        if let Some(e) = self.inner.configured.get(name) {
+            return Ok(e.clone());
+        }
+        let registered = self.registered().get(name).cloned();
+        match registered {
+            Some(r) => resolve(name, &r),
+            None => Err(ExportError::Unknown {
+                name: name.into(),
+                known: self.names().join(", "),
+            }),
+        }
+    }
+
+    /// Every export's name.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.inner.configured.keys().cloned().collect();
+        names.extend(self.registered().keys().cloned());
+        names.sort();
+        names
+    }
+
+    /// Serves `path` as `name` (see the control API's Export). Returns whether it is a
+    /// registration (false: agent.toml names it so already).
+    pub fn register(&self, name: &str, path: &Path, block: bool) -> Result<bool, ExportError> {
+        let refused = |why: String| ExportError::Refused {
+            name: name.into(),
+            path: path.into(),
+            why,
+        };
+        if let Some(e) = self.inner.configured.get(name) {
+            return if e.path == path {
+                Ok(false)
+            } else {
+                Err(refused(format!(
+                    "agent.toml exports {name:?} at {}; a configured export is never replaced",
+                    e.path.display()
+                )))
+            };
+        }
+        if name.is_empty() || name.contains('/') || name.chars().any(char::is_control) {
+            return Err(refused(
+                "an export's name must be non-empty, without '/' or control characters".into(),
+            ));
+        }
+        if !path.is_absolute() || path.components().any(|c| c == Component::ParentDir) {
+            return Err(refused("the path must be absolute, without '..'".into()));
+        }
+        if !self.inner.roots.iter().any(|root| path.starts_with(root)) {
+            return Err(refused(if self.inner.roots.is_empty() {
+                "this agent registers no volumes: agent.toml sets no volume_roots (list the \
+                 directories the controller may export from, or name the volume under \
+                 [exports])"
+                    .into()
+            } else {
+                format!(
+                    "it is under none of agent.toml's volume_roots ({})",
+                    self.inner
+                        .roots
+                        .iter()
+                        .map(|r| r.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }));
+        }
+        let want = Registered {
+            path: path.into(),
+            block,
+        };
+        let mut registered = self.inner.registered.write().expect("exports lock");
+        if registered.get(name) == Some(&want) {
+            return Ok(true);
+        }
+        let mut next = registered.clone();
+        next.insert(name.into(), want);
+        self.save(&next)?;
+        *registered = next;
+        Ok(true)
+    }
+
+    /// The path `name` is registered at (`None`: not registered, or named in agent.toml).
+    pub fn registered_path(&self, name: &str) -> Option<PathBuf> {
+        self.registered().get(name).map(|r| r.path.clone())
+    }
+
+    /// Forgets the registration of `name`; false if there was none.
+    pub fn unregister(&self, name: &str) -> Result<bool, ExportError> {
+        let mut registered = self.inner.registered.write().expect("exports lock");
+        if !registered.contains_key(name) {
+            return Ok(false);
+        }
+        let mut next = registered.clone();
+        next.remove(name);
+        self.save(&next)?;
+        *registered = next;
+        Ok(true)
+    }
+
+    fn registered(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Registered>> {
+        self.inner.registered.read().expect("exports lock")
+    }
+
+    fn save(&self, table: &BTreeMap<String, Registered>) -> Result<(), ExportError> {
+        let Some(file) = &self.inner.file else {
+            return Ok(());
+        };
+        let bytes = serde_json::to_vec_pretty(table).expect("exports serialize");
+        super::journal::write_durably(file, &bytes).map_err(|cause| ExportError::Save {
+            path: file.clone(),
+            cause,
+        })
+    }
+}
+
+/// A registration as served now: a block volume's device directory is resolved to its
+/// first device entry (by name), so a new pod's entry is found without registering again.
+fn resolve(name: &str, r: &Registered) -> Result<Export, ExportError> {
+    let path = if r.block && r.path.is_dir() {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(&r.path)
+            .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+            .unwrap_or_default();
+        entries.sort();
+        entries
+            .into_iter()
+            .find(|p| {
+                use std::os::unix::fs::FileTypeExt;
+                std::fs::metadata(p)
+                    .is_ok_and(|m| m.file_type().is_block_device() || m.file_type().is_file())
+            })
+            .ok_or_else(|| ExportError::NoDevice {
+                name: name.into(),
+                dir: r.path.clone(),
+            })?
+    } else {
+        r.path.clone()
+    };
+    Ok(Export {
+        path,
+        read_only: false,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registers_under_a_root_only_resolves_device_dirs_and_survives_a_restart() {
+        let state = tempfile::tempdir().unwrap();
+        let roots = tempfile::tempdir().unwrap();
+        let root = roots.path().join("kubelet");
+        std::fs::create_dir_all(root.join("pv-1/dev")).unwrap();
+        let configured = BTreeMap::from([(
+            "golden".to_string(),
+            Export {
+                path: "/srv/golden.img".into(),
+                read_only: true,
+            },
+        )]);
+        let open = || Exports::open(configured.clone(), vec![root.clone()], state.path()).unwrap();
+        let exports = open();
+
+        // Outside the roots, with '..', or replacing a configured export: refused.
+        for (name, path) in [
+            ("pv-x", PathBuf::from("/etc")),
+            ("pv-x", root.join("../../etc")),
+            ("golden", root.join("pv-1")),
+            ("a/b", root.join("pv-1")),
+        ] {
+            let e = exports.register(name, &path, false).unwrap_err();
+            assert!(matches!(e, ExportError::Refused { .. }), "{name} {path:?}: {e}");
+        }
+        // The configured export is confirmed, not registered.
+        assert!(!exports.register("golden", Path::new("/srv/golden.img"), false).unwrap());
+
+        // A block volume's device directory: no device yet, then the first entry.
+        let dir = root.join("pv-1/dev");
+        assert!(exports.register("pv-1", &dir, true).unwrap());
+        assert!(matches!(
+            exports.get("pv-1"),
+            Err(ExportError::NoDevice { .. })
+        ));
+        std::fs::write(dir.join("pod-b"), b"").unwrap();
+        std::fs::write(dir.join("pod-a"), b"").unwrap();
+        assert_eq!(exports.get("pv-1").unwrap().path, dir.join("pod-a"));
+
+        // Kept across a restart; forgotten by unregister, which leaves configured ones.
+        let again = open();
+        assert_eq!(again.names(), vec!["golden", "pv-1"]);
+        assert_eq!(again.get("pv-1").unwrap().path, dir.join("pod-a"));
+        assert!(again.unregister("pv-1").unwrap());
+        assert!(!again.unregister("golden").unwrap());
+        let e = open().get("pv-1").unwrap_err().to_string();
+        assert!(e.contains("not exported") && e.contains("golden"), "{e}");
+
+        // No roots: registering says how to allow it.
+        let none = Exports::fixed(configured.clone());
+        let e = none.register("pv-1", &dir, true).unwrap_err().to_string();
+        assert!(e.contains("volume_roots"), "{e}");
+    }
+}
