@@ -633,7 +633,10 @@ async fn delete_deletes_the_relationship_then_removes_the_finalizer() {
     let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v, 1).await;
     assert_eq!(agents.calls(), [format!("delete {AGENT} app/pg")]);
     assert!(agents.relationships.lock().unwrap().is_empty());
-    assert!(agents.exports.lock().unwrap().is_empty(), "the export is removed");
+    assert!(
+        agents.exports.lock().unwrap().is_empty(),
+        "the export is removed"
+    );
     assert_eq!(sent[0].method, http::Method::PATCH);
     assert_eq!(
         sent[0].body,
@@ -758,7 +761,10 @@ async fn an_export_the_agent_refuses_is_a_failed_validation_and_nothing_is_creat
     assert_eq!((status, reason), ("False", "PrerequisiteNotMet"));
     assert!(message.contains(refusal), "{message}");
     assert!(
-        st.message.as_deref().unwrap().starts_with("failed to export volume: agent "),
+        st.message
+            .as_deref()
+            .unwrap()
+            .starts_with("failed to export volume: agent "),
         "{:?}",
         st.message
     );
@@ -910,7 +916,12 @@ async fn end_to_end_a_volume_replication_replicates_fails_over_and_back_by_delta
     let dr_first = dr
         .reconcile(&vr(ReplicationState::Secondary, 1, true))
         .await;
-    assert_eq!(dr_first.state, Some(State::Secondary), "{:?}", dr_first.message);
+    assert_eq!(
+        dr_first.state,
+        Some(State::Secondary),
+        "{:?}",
+        dr_first.message
+    );
     assert_eq!(condition(&dr_first, "Validated").0, "True");
 
     // A new VolumeReplication goes primary: the relationship is created on node-a's

@@ -159,7 +159,10 @@ fn deploy_agent_configs_load() {
         // The controller registers PVs under the kubelet's CSI directory and local PVs.
         for root in ["/var/lib/kubelet/plugins/kubernetes.io/csi", "/mnt/disks"] {
             assert!(
-                config.volume_roots.iter().any(|r| r == std::path::Path::new(root)),
+                config
+                    .volume_roots
+                    .iter()
+                    .any(|r| r == std::path::Path::new(root)),
                 "{file}: volume_roots lacks {root}"
             );
         }

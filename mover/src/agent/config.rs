@@ -116,11 +116,11 @@ impl AgentConfig {
                     .into(),
             ));
         }
-        if let Some(root) = config
-            .volume_roots
-            .iter()
-            .find(|r| !r.is_absolute() || r.components().any(|c| c == std::path::Component::ParentDir) || r.parent().is_none())
-        {
+        if let Some(root) = config.volume_roots.iter().find(|r| {
+            !r.is_absolute()
+                || r.components().any(|c| c == std::path::Component::ParentDir)
+                || r.parent().is_none()
+        }) {
             return Err(invalid(format!(
                 "volume_roots entry {} must be an absolute directory other than / and \
                  without '..'",

@@ -128,7 +128,13 @@ impl Control {
 
     /// What uses the export `volume` here: a relationship or a hydration (None: nothing).
     fn user_of(&self, volume: &str) -> Option<String> {
-        if let Some(r) = self.service.store.all().into_iter().find(|r| r.spec.volume == volume) {
+        if let Some(r) = self
+            .service
+            .store
+            .all()
+            .into_iter()
+            .find(|r| r.spec.volume == volume)
+        {
             return Some(format!("relationship {:?}", r.spec.name));
         }
         let hydrating = self.service.hydrations.get().and_then(|h| h.get(volume));
@@ -629,10 +635,12 @@ impl Replication for Control {
                 path.display()
             )));
         }
-        let registered = exports.register(&q.name, &path, q.block).map_err(|e| match e {
-            crate::agent::ExportError::Save { .. } => internal(e),
-            _ => Status::permission_denied(e.to_string()),
-        })?;
+        let registered = exports
+            .register(&q.name, &path, q.block)
+            .map_err(|e| match e {
+                crate::agent::ExportError::Save { .. } => internal(e),
+                _ => Status::permission_denied(e.to_string()),
+            })?;
         tracing::info!(export = %q.name, path = %path.display(), block = q.block, registered, "export registered");
         Ok(Response::new(self.export_reply(&q.name, registered)))
     }

@@ -291,10 +291,17 @@ mod tests {
             ("a/b", root.join("pv-1")),
         ] {
             let e = exports.register(name, &path, false).unwrap_err();
-            assert!(matches!(e, ExportError::Refused { .. }), "{name} {path:?}: {e}");
+            assert!(
+                matches!(e, ExportError::Refused { .. }),
+                "{name} {path:?}: {e}"
+            );
         }
         // The configured export is confirmed, not registered.
-        assert!(!exports.register("golden", Path::new("/srv/golden.img"), false).unwrap());
+        assert!(
+            !exports
+                .register("golden", Path::new("/srv/golden.img"), false)
+                .unwrap()
+        );
 
         // A block volume's device directory: no device yet, then the first entry.
         let dir = root.join("pv-1/dev");

@@ -17,8 +17,8 @@ mod service;
 mod trees;
 
 pub use config::{AgentConfig, ConfigError, Export, TlsConfig};
-pub use exports::{ExportError, Exports};
 pub use control::Control;
+pub use exports::{ExportError, Exports};
 pub use fencing::{EpochStore, StaleEpoch};
 pub use metrics::Metrics;
 pub use service::AgentService;
@@ -116,8 +116,7 @@ pub async fn serve(
             .map_err(state_err)?;
     let _ = service.hydrations.set(hydrations.clone());
     hydrations.resume_all().await;
-    let runners =
-        crate::replicate::Runners::new(store.clone(), exports.clone(), remote.clone());
+    let runners = crate::replicate::Runners::new(store.clone(), exports.clone(), remote.clone());
     runners.start_all();
     let control = Control {
         service: service.clone(),

@@ -271,12 +271,9 @@ impl Agents for GrpcAgents {
             path: path.into(),
             block,
         };
-        self.call(
-            agent,
-            "export",
-            volume,
-            |mut c| async move { c.export(req).await },
-        )
+        self.call(agent, "export", volume, |mut c| async move {
+            c.export(req).await
+        })
         .await
         .map(|_| ())
     }
@@ -285,12 +282,9 @@ impl Agents for GrpcAgents {
         let req = control::NameRequest {
             name: volume.into(),
         };
-        self.call(
-            agent,
-            "unexport",
-            volume,
-            |mut c| async move { c.unexport(req).await },
-        )
+        self.call(agent, "unexport", volume, |mut c| async move {
+            c.unexport(req).await
+        })
         .await
         .map(|_| ())
     }

@@ -110,11 +110,7 @@ impl Drop for Starting<'_> {
 
 impl Hydrations {
     /// The hydrations kept under `state_dir`, for `exports`, reaching peers with `remote`.
-    pub fn new(
-        state_dir: &Path,
-        exports: Exports,
-        remote: RemoteOptions,
-    ) -> io::Result<Arc<Self>> {
+    pub fn new(state_dir: &Path, exports: Exports, remote: RemoteOptions) -> io::Result<Arc<Self>> {
         let dir = state_dir.join("hydrate");
         std::fs::create_dir_all(&dir)?;
         Ok(Arc::new(Hydrations {

@@ -88,11 +88,7 @@ pub struct Runners {
 
 impl Runners {
     /// Runners for `store`'s relationships over `exports`, reaching peers with `remote`.
-    pub fn new(
-        store: Arc<Store>,
-        exports: Exports,
-        remote: RemoteOptions,
-    ) -> Arc<Self> {
+    pub fn new(store: Arc<Store>, exports: Exports, remote: RemoteOptions) -> Arc<Self> {
         Arc::new(Runners {
             store,
             exports,
@@ -218,7 +214,10 @@ impl Runners {
                  replicate resync {name}` here to make this side its secondary"
             ));
         }
-        let export = self.exports.get(&rec.spec.volume).map_err(|e| e.to_string())?;
+        let export = self
+            .exports
+            .get(&rec.spec.volume)
+            .map_err(|e| e.to_string())?;
         let live = self.live(name);
         let progress = live.lock().expect("live lock").progress.clone();
         let result = cycle::run(&rec, &export.path, &self.remote, last, progress.as_ref()).await;
