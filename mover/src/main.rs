@@ -570,3 +570,83 @@ impl Progress for Bar {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::CommandFactory;
+
+    /// Every command's help, short and long, at a terminal's width: no line wider, none
+    /// ending in blanks, no paragraph continued with a stray indent, examples kept.
+    #[test]
+    fn every_help_reads_cleanly_at_80_and_120_columns() {
+        Cli::command().debug_assert();
+        // Each command's path of names, rendered as a user sees it: `mover ... -h`.
+        let mut paths = vec![vec![String::from("mover")]];
+        let (mut checked, mut problems) = (0, Vec::new());
+        while let Some(path) = paths.pop() {
+            let mut cmd = &Cli::command();
+            for name in &path[1..] {
+                cmd = cmd.find_subcommand(name).expect("subcommand");
+            }
+            for sub in cmd.get_subcommands().filter(|s| s.get_name() != "help") {
+                let mut p = path.clone();
+                p.push(sub.get_name().into());
+                paths.push(p);
+            }
+            for width in [80, 120] {
+                for flag in ["-h", "--help"] {
+                    let mut args = path.clone();
+                    args.push(flag.into());
+                    let e = Cli::command()
+                        .term_width(width)
+                        .try_get_matches_from(&args)
+                        .expect_err("help is an early exit");
+                    assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp);
+                    let text = e.render().to_string();
+                    let what = format!("{} at {width}", args.join(" "));
+                    problems.extend(check_help(&what, &text, width));
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 40, "only {checked} helps rendered");
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+    }
+
+    /// What is wrong with one rendered help (nothing: it reads cleanly).
+    fn check_help(what: &str, text: &str, width: usize) -> Vec<String> {
+        let mut bad = Vec::new();
+        let lines: Vec<&str> = text.lines().collect();
+        for line in &lines {
+            let n = line.chars().count();
+            if n > width {
+                bad.push(format!("{what}: {n} wide: {line}"));
+            }
+            // (clap pads the blank line before a long help's [default] to the indent.)
+            if !line.trim().is_empty() && line.trim_end() != *line {
+                bad.push(format!("{what}: ends in blanks: {line:?}"));
+            }
+        }
+        // The description (before "Usage:"): prose starts at column 0, examples at 2
+        // or more; an example line clap had to wrap would continue at column 0.
+        let usage = lines.iter().position(|l| l.starts_with("Usage:"));
+        let about = &lines[..usage.unwrap_or(0)];
+        let indent = |l: &str| l.len() - l.trim_start().len();
+        for pair in about.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            if b.trim().is_empty() {
+                continue;
+            }
+            if indent(a) >= 2 && indent(b) < 2 {
+                bad.push(format!("{what}: a wrapped example line:\n{a}\n{b}"));
+            }
+            if indent(a) == 0 && !a.is_empty() && indent(b) > 0 && !a.ends_with(':') {
+                bad.push(format!(
+                    "{what}: a paragraph goes on with a stray indent:\n{a}\n{b}"
+                ));
+            }
+        }
+        bad
+    }
+}

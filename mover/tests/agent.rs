@@ -250,6 +250,74 @@ fn mutual_tls_admits_only_clients_of_the_trusted_ca() {
     );
 }
 
+#[test]
+fn nbd_over_tcp_requires_tls_with_a_client_certificate_from_the_ca() {
+    let t = tempfile::tempdir().unwrap();
+    let [ca, server_cert, server_key, client_cert, client_key] = make_pki(t.path(), "good");
+    let [_, _, _, rogue_cert, rogue_key] = make_pki(t.path(), "rogue");
+    let img = t.path().join("vol.img");
+    make_image(&img, 8 * MIB, 46, &[(0, 3 * MIB), (6 * MIB, MIB)]);
+    let nbd_port = common::agent::free_port();
+    let _agent = Agent::start_with_settings(
+        t.path(),
+        &[("vol", &img, false)],
+        Some((&server_cert, &server_key, &ca)),
+        &format!("nbd_listen = \"127.0.0.1:{nbd_port}\""),
+    );
+    // libnbd's certificate directory: the CA and this client's certificate and key.
+    let certs = |name: &str, cert: &Path, key: &Path| {
+        let dir = t.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(&ca, dir.join("ca-cert.pem")).unwrap();
+        std::fs::copy(cert, dir.join("client-cert.pem")).unwrap();
+        std::fs::copy(key, dir.join("client-key.pem")).unwrap();
+        dir
+    };
+    let good = certs("good-certs", &client_cert, &client_key);
+    let rogue = certs("rogue-certs", &rogue_cert, &rogue_key);
+    let uri = |certs: &Path| {
+        format!(
+            "nbds://127.0.0.1:{nbd_port}/vol?tls-certificates={}",
+            certs.display()
+        )
+    };
+    let run = |cmd: &str, args: &[&str]| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let out = std::process::Command::new(cmd).args(args).output().unwrap();
+            // The agent may still be binding its NBD listener.
+            let refused = String::from_utf8_lossy(&out.stderr).contains("Connection refused");
+            if !refused || Instant::now() > deadline {
+                return out;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+
+    // A client of the CA reads the volume over TLS: every byte equals the image's.
+    let copy = t.path().join("copy.img");
+    let out = run("nbdcopy", &[&uri(&good), copy.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(blake3_of(&copy, 8 * MIB), blake3_of(&img, 8 * MIB));
+
+    // Without TLS, or with a certificate from another CA: nothing is served.
+    let plain = run("nbdinfo", &[&format!("nbd://127.0.0.1:{nbd_port}/vol")]);
+    // (libnbd reports NBD_REP_ERR_TLS_REQD as "Operation not supported".)
+    assert!(
+        !plain.status.success(),
+        "a client without TLS must be refused"
+    );
+    let out = run("nbdinfo", &[&uri(&rogue)]);
+    assert!(
+        !out.status.success(),
+        "a client certificate from another CA must be refused"
+    );
+}
+
 /// Starts a push of a large image, lets a good part arrive, then calls `interrupt`.
 fn push_in_background(t: &Path, src: &Path, url: &str, retries: &str) -> Child {
     copy_command(t, &[src.to_str().unwrap(), url, "--retries", retries])

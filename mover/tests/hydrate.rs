@@ -279,7 +279,7 @@ fn bad_starts_are_refused_with_what_to_do() {
     assert_eq!(std::fs::read(&p.dst_img).unwrap(), b"precious");
     // Unknown export, unknown source volume.
     let out = hydrate(&["start", "nope", "--from", &p.src.url("src"), "--agent", &c]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("exports no"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not exported by this agent"));
     let out = hydrate(&[
         "start",
         "dst",

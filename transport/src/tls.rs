@@ -49,6 +49,46 @@ impl TlsFiles {
             .client_ca_root(Certificate::from_pem(read("CA", &self.ca)?)))
     }
 
+    /// A TLS acceptor for raw streams (NBD over TCP): present our certificate and
+    /// require clients signed by the CA, as [`TlsFiles::server`] does for gRPC.
+    pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+        install_crypto_provider();
+        let bad = |what: &'static str, path: &Path, why: String| TlsError {
+            what,
+            path: path.into(),
+            cause: std::io::Error::new(std::io::ErrorKind::InvalidData, why),
+        };
+        let pem_certs =
+            |what: &'static str, path: &Path| -> Result<Vec<CertificateDer<'static>>, TlsError> {
+                let bytes = read(what, path)?;
+                let certs = CertificateDer::pem_slice_iter(&bytes)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| bad(what, path, e.to_string()))?;
+                if certs.is_empty() {
+                    return Err(bad(what, path, "no PEM certificate in it".into()));
+                }
+                Ok(certs)
+            };
+        let chain = pem_certs("certificate", &self.cert)?;
+        let key = PrivateKeyDer::from_pem_slice(&read("key", &self.key)?)
+            .map_err(|e| bad("key", &self.key, e.to_string()))?;
+        let mut roots = rustls::RootCertStore::empty();
+        for ca in pem_certs("CA", &self.ca)? {
+            roots
+                .add(ca)
+                .map_err(|e| bad("CA", &self.ca, e.to_string()))?;
+        }
+        let verifier = rustls::server::WebPkiClientVerifier::builder(roots.into())
+            .build()
+            .map_err(|e| bad("CA", &self.ca, e.to_string()))?;
+        let config = rustls::ServerConfig::builder()
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain, key)
+            .map_err(|e| bad("certificate", &self.cert, e.to_string()))?;
+        Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)))
+    }
+
     /// Client side: trust only the CA, present our certificate, and expect the server
     /// to be named `server_name` in its certificate.
     pub fn client(&self, server_name: &str) -> Result<ClientTlsConfig, TlsError> {

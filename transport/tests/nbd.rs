@@ -25,6 +25,7 @@ use tokio::{
 };
 use transport::nbd::{
     NbdError, NbdExports, NbdVolume, STATE_HOLE, STATE_ZERO, serve_connection, serve_unix,
+    serve_with,
 };
 
 // ---------------------------------------------------------------------------------------
@@ -708,6 +709,7 @@ const REP_INFO: u32 = 3;
 const REP_META_CONTEXT: u32 = 4;
 const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
 const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
 const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
 const REP_ERR_TOO_BIG: u32 = (1 << 31) + 9;
 const FLAG_READ_ONLY: u16 = 1 << 1;
@@ -1391,7 +1393,7 @@ async fn serve_tcp_serves_nbdinfo() {
     let port = listener.local_addr().unwrap().port();
     let exports: Arc<dyn NbdExports> = Arc::new(Exports(vec![Export::new("disk", &img)]));
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(transport::nbd::serve_tcp(listener, exports, async {
+    let server = tokio::spawn(transport::nbd::serve_tcp(listener, exports, None, async {
         let _ = stopped.await;
     }));
 
@@ -1434,4 +1436,63 @@ async fn serve_unix_replaces_a_stale_socket_but_not_a_file() {
         MIB,
         "the file is untouched"
     );
+}
+
+/// A TLS acceptor with a self-signed certificate (also its own CA).
+fn self_signed_acceptor(dir: &Path) -> tokio_rustls::TlsAcceptor {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    let (cert_path, key_path) = (dir.join("server.pem"), dir.join("server.key"));
+    std::fs::write(&cert_path, cert.pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    transport::tls::TlsFiles {
+        cert: cert_path.clone(),
+        key: key_path,
+        ca: cert_path,
+    }
+    .acceptor()
+    .unwrap()
+}
+
+#[tokio::test]
+async fn with_tls_nothing_is_served_before_starttls_and_a_silent_client_is_dropped() {
+    let dir = TempDir::new().unwrap();
+    let img = dir.path().join("disk.img");
+    sparse_image(&img, MIB, &[(0, 4096)], 15);
+    let exports: Arc<dyn NbdExports> = Arc::new(Exports(vec![Export::new("disk", &img)]));
+    let acceptor = self_signed_acceptor(dir.path());
+
+    // Every option but STARTTLS and ABORT: TLS required, with a message; EXPORT_NAME,
+    // which has no error reply, closes the connection.
+    let (client, server) = tokio::io::duplex(1 << 16);
+    let limit = Duration::from_secs(10);
+    let served = tokio::spawn(serve_with(
+        server,
+        exports.clone(),
+        Some(acceptor.clone()),
+        limit,
+    ));
+    let mut c = Raw::hello(client, 3).await;
+    for option in [OPT_LIST, OPT_STRUCTURED_REPLY, OPT_INFO, OPT_GO] {
+        let (rep, msg) = c.ask(option, &[]).await;
+        assert_eq!(rep, REP_ERR_TLS_REQD, "option {option}: {msg}");
+        assert!(msg.contains("requires TLS"), "{msg}");
+    }
+    assert_eq!(c.ask(OPT_STARTTLS, b"x").await.0, REP_ERR_INVALID);
+    c.option(OPT_EXPORT_NAME, b"disk").await;
+    let r = served.await.unwrap();
+    assert!(matches!(r, Err(NbdError::TlsRequired)), "{r:?}");
+
+    // A client that says nothing after the greeting is dropped at the limit.
+    let (client, server) = tokio::io::duplex(1 << 16);
+    let started = std::time::Instant::now();
+    let limit = Duration::from_millis(300);
+    let served = tokio::spawn(serve_with(server, exports, Some(acceptor), limit));
+    let _silent = Raw::hello(client, 3).await;
+    let r = served.await.unwrap();
+    assert!(matches!(r, Err(NbdError::HandshakeTimeout(_))), "{r:?}");
+    assert!(started.elapsed() < Duration::from_secs(5));
 }

@@ -42,6 +42,11 @@ pub struct AgentConfig {
     /// this node that may open the socket reach it: keep its directory private.
     #[serde(default)]
     pub nbd_socket: Option<PathBuf>,
+    /// TCP address of the NBD server for clients on other nodes, e.g. "0.0.0.0:10809"
+    /// [default: none]. Needs `[tls]`: clients must start TLS with a certificate from
+    /// the CA (`nbds://`), since NBD has no token.
+    #[serde(default)]
+    pub nbd_listen: Option<SocketAddr>,
 }
 
 /// PEM files for mutual TLS.
@@ -108,6 +113,14 @@ impl AgentConfig {
         if config.token_file.is_none() && config.tls.is_none() {
             return Err(invalid(
                 "neither token_file nor [tls] is set: an agent never serves volumes to unauthenticated peers".into(),
+            ));
+        }
+        if config.nbd_listen.is_some() && config.tls.is_none() {
+            return Err(invalid(
+                "nbd_listen needs [tls]: NBD carries no token, so over TCP only clients \
+                 with a certificate from the CA are served (or drop nbd_listen and use the \
+                 node-local nbd_socket)"
+                    .into(),
             ));
         }
         if config.exports.is_empty() && config.volume_roots.is_empty() {
@@ -231,6 +244,9 @@ mod tests {
         let e = load("listen = \"127.0.0.1:1\"\ntoken_file = \"/t\"\nvolume_roots = [\"/\"]")
             .unwrap_err();
         assert!(e.contains("other than /"), "{e}");
+        let e = load("listen = \"127.0.0.1:1\"\ntoken_file = \"/t\"\nnbd_listen = \"0.0.0.0:10809\"\n[exports.a]\npath = \"/x\"")
+            .unwrap_err();
+        assert!(e.contains("nbd_listen needs [tls]"), "{e}");
         let roots =
             load("listen = \"127.0.0.1:1\"\ntoken_file = \"/t\"\nvolume_roots = [\"/dev\"]");
         assert_eq!(roots.unwrap().volume_roots, vec![PathBuf::from("/dev")]);

@@ -162,6 +162,32 @@ pub async fn serve(
             }
         });
     }
+    if let (Some(addr), Some(tls)) = (config.nbd_listen, &config.tls) {
+        let files = TlsFiles {
+            cert: tls.cert.clone(),
+            key: tls.key.clone(),
+            ca: tls.ca.clone(),
+        };
+        let acceptor = files.acceptor()?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| AgentError::Serve(format!("cannot listen for NBD on {addr}: {e}")))?;
+        let exports = Arc::new(hydration::NbdExportsOf {
+            exports: exports.clone(),
+            hydrations: hydrations.clone(),
+        });
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let stopped = async move {
+                let _ = stop.changed().await;
+            };
+            if let Err(e) =
+                transport::nbd::serve_tcp(listener, exports, Some(acceptor), stopped).await
+            {
+                tracing::error!(%addr, "cannot serve NBD: {e}");
+            }
+        });
+    }
     let hydration_control = hydration::HydrationControl {
         hydrations: hydrations.clone(),
         store: store.clone(),

@@ -57,6 +57,9 @@ impl AgentArg {
 pub enum ReplicateCommand {
     /// Create a relationship on the primary's agent: its export replicates to a secondary.
     #[command(
+        // clap does not wrap a usage line: this one, unwrapped, is 96 columns.
+        override_usage = "mover replicate create [OPTIONS] --volume <VOLUME> \
+                          --secondary <URL>\n       --agent <URL> <NAME>",
         long_about = "Create a relationship on the agent that holds the primary \
         volume (--agent). The agent checks that VOLUME is one of its exports, that the \
         secondary is reachable and writable, and starts cycles at once: the first copies \

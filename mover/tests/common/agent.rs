@@ -34,8 +34,21 @@ impl Agent {
         exports: &[(&str, &Path, bool)],
         tls: Option<(&Path, &Path, &Path)>,
     ) -> Agent {
-        let config = Agent::configure(dir, exports, tls);
-        Agent::spawn(config.0, config.1, config.2)
+        Agent::start_with_settings(dir, exports, tls, "")
+    }
+
+    /// Starts an agent like [`Agent::start`], with `settings` (top-level agent.toml
+    /// lines, e.g. `nbd_listen = "…"`) added to its config.
+    pub fn start_with_settings(
+        dir: &Path,
+        exports: &[(&str, &Path, bool)],
+        tls: Option<(&Path, &Path, &Path)>,
+        settings: &str,
+    ) -> Agent {
+        let (config, port, metrics_port) = Agent::configure(dir, exports, tls);
+        let text = std::fs::read_to_string(&config).unwrap();
+        std::fs::write(&config, format!("{settings}\n{text}")).unwrap();
+        Agent::spawn(config, port, metrics_port)
     }
 
     /// Starts an agent like [`Agent::start`] (no TLS), with extra environment variables.

@@ -30,6 +30,16 @@ pub enum NbdError {
         /// Its announced length.
         len: u64,
     },
+    /// The client did not finish the handshake in time (a stuck or idle client holds
+    /// nothing for long).
+    #[error("NBD client did not finish the handshake within {0:?}")]
+    HandshakeTimeout(std::time::Duration),
+    /// The client asked for an export without starting TLS on a server that requires it.
+    #[error("NBD client chose an export without TLS, which this server requires")]
+    TlsRequired,
+    /// The TLS handshake after NBD_OPT_STARTTLS failed (no or an untrusted certificate).
+    #[error("NBD TLS handshake: {0}")]
+    Tls(#[source] io::Error),
     /// `NBD_OPT_EXPORT_NAME` named an export that cannot be served; that option has no
     /// error reply, so the spec says to close.
     #[error("NBD export {name:?} cannot be served: {reason}")]

@@ -2,8 +2,10 @@
 //! transmission phase (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`), or to the client leaving.
 //!
 //! Supported: EXPORT_NAME, ABORT, LIST, INFO, GO, STRUCTURED_REPLY, LIST_META_CONTEXT
-//! and SET_META_CONTEXT (`base:allocation` only). Anything else (STARTTLS,
-//! EXTENDED_HEADERS, ...) gets `NBD_REP_ERR_UNSUP` and the client carries on.
+//! and SET_META_CONTEXT (`base:allocation` only), and STARTTLS where the server has TLS
+//! (then required: every other option before it gets `NBD_REP_ERR_TLS_REQD`, the
+//! spec's FORCEDTLS mode). Anything else (EXTENDED_HEADERS, ...) gets
+//! `NBD_REP_ERR_UNSUP` and the client carries on.
 
 use std::sync::Arc;
 
@@ -40,8 +42,29 @@ const BASE_ALLOCATION: &str = "base:allocation";
 /// zero, so it is told apart from LIST's reserved id in a capture).
 pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
 
+/// TLS on this connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Tls {
+    /// The server has none: STARTTLS is unsupported.
+    Off,
+    /// The server requires it and the client has not started it yet.
+    Required,
+    /// Started: the handshake goes on encrypted.
+    Established,
+}
+
+/// How option haggling ended.
+pub(crate) enum Outcome {
+    /// The client chose an export: on to the transmission phase.
+    Go(Session),
+    /// The client aborted (or closed) before choosing an export.
+    Left,
+    /// STARTTLS was acknowledged: the caller runs the TLS handshake, then haggles on.
+    StartTls,
+}
+
 /// Handshake state of one connection.
-struct Haggle<'a> {
+pub(crate) struct Haggle<'a> {
     exports: &'a dyn NbdExports,
     no_zeroes: bool,
     structured: bool,
@@ -52,12 +75,11 @@ struct Haggle<'a> {
     opened: Option<(String, Arc<dyn NbdVolume>)>,
 }
 
-/// Runs the handshake on `s`. `Ok(None)`: the client aborted (or closed) before
-/// choosing an export.
-pub(crate) async fn negotiate<S>(
+/// Sends the server's greeting and reads the client's flags.
+pub(crate) async fn greet<'a, S>(
     s: &mut S,
-    exports: &dyn NbdExports,
-) -> Result<Option<Session>, NbdError>
+    exports: &'a dyn NbdExports,
+) -> Result<Haggle<'a>, NbdError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -71,20 +93,26 @@ where
     if client & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(NbdError::ClientFlags(client));
     }
-    let mut h = Haggle {
+    Ok(Haggle {
         exports,
         no_zeroes: client & FLAG_C_NO_ZEROES != 0,
         structured: false,
         meta_export: None,
         opened: None,
-    };
+    })
+}
 
+/// Answers options on `s` until the client chooses an export, leaves, or starts TLS.
+pub(crate) async fn haggle<S>(s: &mut S, h: &mut Haggle<'_>, tls: Tls) -> Result<Outcome, NbdError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     loop {
         let mut head = [0u8; 16];
         match s.read_exact(&mut head).await {
             Ok(_) => {}
             // Between options is the one place a client may just hang up.
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(Outcome::Left),
             Err(e) => return Err(e.into()),
         }
         let magic = be64(&head[0..8]);
@@ -114,23 +142,43 @@ where
         let mut data = vec![0u8; len as usize];
         s.read_exact(&mut data).await?;
 
+        if tls == Tls::Required && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
+            // EXPORT_NAME has no error reply: the spec's answer is to close.
+            if option == OPT_EXPORT_NAME {
+                return Err(NbdError::TlsRequired);
+            }
+            let msg = "this server requires TLS: connect with nbds:// and a client certificate";
+            send(s, &option_reply(option, REP_ERR_TLS_REQD, msg.as_bytes())).await?;
+            continue;
+        }
         let reply = match option {
             OPT_EXPORT_NAME => {
                 let (session, reply) = h.export_name(&data)?;
                 send(s, &reply).await?;
-                return Ok(Some(session));
+                return Ok(Outcome::Go(session));
             }
             OPT_ABORT => {
                 // The client may already be gone: it need not wait for this ack.
                 let _ = send(s, &option_reply(option, REP_ACK, &[])).await;
-                return Ok(None);
+                return Ok(Outcome::Left);
+            }
+            OPT_STARTTLS if tls == Tls::Required => {
+                if !data.is_empty() {
+                    invalid(option, "NBD_OPT_STARTTLS takes no data")
+                } else {
+                    send(s, &option_reply(option, REP_ACK, &[])).await?;
+                    return Ok(Outcome::StartTls);
+                }
+            }
+            OPT_STARTTLS if tls == Tls::Established => {
+                invalid(option, "TLS is already negotiated on this connection")
             }
             OPT_LIST => h.list(&data),
             OPT_INFO | OPT_GO => match h.info(option, &data) {
                 Ok((reply, session)) => {
                     send(s, &reply).await?;
                     if option == OPT_GO {
-                        return Ok(Some(session));
+                        return Ok(Outcome::Go(session));
                     }
                     continue;
                 }

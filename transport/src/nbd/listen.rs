@@ -6,7 +6,7 @@ use std::{future::Future, io, path::Path, sync::Arc, time::Duration};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 
-use super::{NbdExports, serve_connection};
+use super::NbdExports;
 
 /// Serves NBD on a Unix socket at `path` until `shutdown` completes. A socket file left
 /// behind by an earlier server is removed first (any other file there is an error), and
@@ -25,7 +25,7 @@ pub async fn serve_unix(
         tokio::select! {
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => spawn(stream, path.display().to_string(), exports.clone()),
+                Ok((stream, _)) => spawn(stream, path.display().to_string(), exports.clone(), None),
                 Err(e) => accept_failed(e).await,
             },
         }
@@ -35,14 +35,16 @@ pub async fn serve_unix(
     Ok(())
 }
 
-/// Serves NBD (plain, no TLS) on an already bound TCP listener until `shutdown`
-/// completes. Connections already accepted carry on after shutdown.
+/// Serves NBD on an already bound TCP listener until `shutdown` completes; with `tls`,
+/// every client must start TLS first (see [`super::serve_with`]). Connections already
+/// accepted carry on after shutdown.
 pub async fn serve_tcp(
     listener: TcpListener,
     exports: Arc<dyn NbdExports>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> io::Result<()> {
-    tracing::info!(addr = ?listener.local_addr().ok(), "NBD server listening");
+    tracing::info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), "NBD server listening");
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -51,7 +53,7 @@ pub async fn serve_tcp(
                 Ok((stream, peer)) => {
                     // Replies are small and latency-bound; Nagle would hold them back.
                     let _ = stream.set_nodelay(true);
-                    spawn(stream, peer.to_string(), exports.clone());
+                    spawn(stream, peer.to_string(), exports.clone(), tls.clone());
                 }
                 Err(e) => accept_failed(e).await,
             },
@@ -60,13 +62,17 @@ pub async fn serve_tcp(
     Ok(())
 }
 
-fn spawn<S>(stream: S, peer: String, exports: Arc<dyn NbdExports>)
-where
+fn spawn<S>(
+    stream: S,
+    peer: String,
+    exports: Arc<dyn NbdExports>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     tokio::spawn(async move {
         tracing::debug!(%peer, "NBD connection");
-        match serve_connection(stream, exports).await {
+        match super::serve_with(stream, exports, tls, super::HANDSHAKE_LIMIT).await {
             Ok(()) => tracing::debug!(%peer, "NBD connection closed"),
             Err(e) if e.is_disconnect() => {
                 tracing::debug!(%peer, error = %e, "NBD client went away")

@@ -11,7 +11,9 @@
 //! What clients get: fixed newstyle with NO_ZEROES; NBD_OPT_GO/INFO with export and
 //! block size information; structured replies; `base:allocation`; READ, WRITE (FUA),
 //! FLUSH, TRIM, WRITE_ZEROES (NO_HOLE), CACHE, BLOCK_STATUS (REQ_ONE), DF, and
-//! CAN_MULTI_CONN. Not offered: TLS, extended headers, fast zero, resize.
+//! CAN_MULTI_CONN; over TCP, TLS (required, with client certificates: STARTTLS, the
+//! spec's FORCEDTLS). Not offered: extended headers, fast zero, resize. A client has
+//! [`HANDSHAKE_LIMIT`] to finish the handshake.
 
 use std::{io, sync::Arc};
 
@@ -35,12 +37,90 @@ pub async fn serve_connection<S>(stream: S, exports: Arc<dyn NbdExports>) -> Res
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    serve_with(stream, exports, None, HANDSHAKE_LIMIT).await
+}
+
+/// How long a client may take from connecting to choosing an export (qemu-nbd's
+/// default): a client that connects and says nothing holds nothing for long.
+pub const HANDSHAKE_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves one client like [`serve_connection`]; with `tls`, the client must start TLS
+/// (NBD_OPT_STARTTLS) before anything else, and the whole handshake must end within
+/// `limit`.
+pub async fn serve_with<S>(
+    stream: S,
+    exports: Arc<dyn NbdExports>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    limit: std::time::Duration,
+) -> Result<(), NbdError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    use handshake::{Outcome, Tls};
+    let deadline = tokio::time::Instant::now() + limit;
     // One buffer for the whole connection: handshake bytes read ahead are not lost when
     // the stream is split for the transmission phase.
-    let mut stream = BufReader::with_capacity(256 << 10, stream);
-    let Some(session) = handshake::negotiate(&mut stream, &*exports).await? else {
-        return Ok(());
+    let mut plain = BufReader::with_capacity(256 << 10, stream);
+    let mode = if tls.is_some() {
+        Tls::Required
+    } else {
+        Tls::Off
     };
+    let (mut h, outcome) = within(deadline, limit, async {
+        let mut h = handshake::greet(&mut plain, &*exports).await?;
+        let outcome = handshake::haggle(&mut plain, &mut h, mode).await?;
+        Ok((h, outcome))
+    })
+    .await?;
+    match (outcome, tls) {
+        (Outcome::Left, _) => Ok(()),
+        (Outcome::Go(session), _) => transmit(plain, session).await,
+        (Outcome::StartTls, Some(acceptor)) => {
+            // The client waits for STARTTLS's reply before its TLS hello: nothing of
+            // its can be in the buffer.
+            if !plain.buffer().is_empty() {
+                return Err(NbdError::Tls(io::Error::other(
+                    "the client sent data before the TLS handshake",
+                )));
+            }
+            let encrypted = within(deadline, limit, async {
+                acceptor
+                    .accept(plain.into_inner())
+                    .await
+                    .map_err(NbdError::Tls)
+            })
+            .await?;
+            let mut encrypted = BufReader::with_capacity(256 << 10, encrypted);
+            let outcome = within(
+                deadline,
+                limit,
+                handshake::haggle(&mut encrypted, &mut h, Tls::Established),
+            )
+            .await?;
+            match outcome {
+                Outcome::Go(session) => transmit(encrypted, session).await,
+                _ => Ok(()),
+            }
+        }
+        (Outcome::StartTls, None) => unreachable!("STARTTLS is refused without TLS"),
+    }
+}
+
+/// `f`, unless `deadline` passes first.
+async fn within<T>(
+    deadline: tokio::time::Instant,
+    limit: std::time::Duration,
+    f: impl std::future::Future<Output = Result<T, NbdError>>,
+) -> Result<T, NbdError> {
+    tokio::time::timeout_at(deadline, f)
+        .await
+        .map_err(|_| NbdError::HandshakeTimeout(limit))?
+}
+
+async fn transmit<S>(stream: BufReader<S>, session: handshake::Session) -> Result<(), NbdError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     tracing::debug!(
         export = %session.name,
         structured = session.structured,
