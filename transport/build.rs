@@ -11,6 +11,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "proto/transfer.proto",
                 "proto/replication.proto",
                 "proto/hydrate.proto",
+                "proto/schedule.proto",
             ],
             &["proto"],
         )?;

@@ -21,6 +21,7 @@ mod hash;
 pub mod hydrate;
 pub mod remote;
 pub mod replicate;
+pub mod schedule;
 mod snapshot;
 mod tree;
 

@@ -12,6 +12,8 @@ use std::{io::IsTerminal, path::PathBuf, process::ExitCode, sync::Mutex};
 mod hydrate_cli;
 #[path = "replicate/cli.rs"]
 mod replicate_cli;
+#[path = "schedule/cli.rs"]
+mod schedule_cli;
 #[path = "snapshot/cli.rs"]
 mod snapshot_cli;
 
@@ -95,7 +97,8 @@ enum Command {
         with mutual TLS and/or a bearer token; writes carry a fencing epoch. /metrics and \
         /healthz are served on metrics_listen. Block exports are also served over NBD on a \
         Unix socket (nbd_socket, default STATE_DIR/nbd.sock) for clients on this node, \
-        hydrating exports included (`mover hydrate`). Under Kubernetes the controller \
+        hydrating exports included (`mover hydrate`), and with [tls] on nbd_listen over \
+        TCP to clients holding a certificate from the CA (nbds://). Under Kubernetes the controller \
         registers each replicated PersistentVolume as an export named after the PV, at the \
         path the PV names, if that path lies under one of volume_roots (kept across \
         restarts in STATE_DIR/exports.json). Stops gracefully on SIGINT or SIGTERM.\n\n\

@@ -38,6 +38,12 @@ pub mod hydrate {
     tonic::include_proto!("mover.hydrate.v1");
 }
 
+/// The scheduled-snapshot control API (`proto/schedule.proto`), client and server.
+#[allow(missing_docs, clippy::all)]
+pub mod schedule {
+    tonic::include_proto!("mover.schedule.v1");
+}
+
 /// The key under which a relationship's chunks and pages are hashed on both sides.
 pub fn relationship_key(relationship: &str) -> chunker::ChunkKey {
     chunker::ChunkKey::from_bytes(blake3::derive_key(

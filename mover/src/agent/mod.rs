@@ -13,6 +13,7 @@ pub(crate) mod journal;
 mod live;
 mod metrics;
 mod pages;
+mod schedules;
 mod service;
 mod trees;
 
@@ -118,6 +119,13 @@ pub async fn serve(
     hydrations.resume_all().await;
     let runners = crate::replicate::Runners::new(store.clone(), exports.clone(), remote.clone());
     runners.start_all();
+    let schedules =
+        crate::schedule::Schedules::open(&config.state_dir, exports.clone()).map_err(state_err)?;
+    schedules.start_all();
+    let schedule_control = schedules::ScheduleControl {
+        schedules: schedules.clone(),
+        store: store.clone(),
+    };
     let control = Control {
         service: service.clone(),
         runners: runners.clone(),
@@ -200,6 +208,7 @@ pub async fn serve(
             metrics,
             runners.clone(),
             hydrations.clone(),
+            schedules.clone(),
             async move {
                 let _ = stop.changed().await;
             },
@@ -221,6 +230,10 @@ pub async fn serve(
         ))
         .add_service(InterceptedService::new(
             HydrationServer::new(hydration_control),
+            RequireToken::new(token.clone()),
+        ))
+        .add_service(InterceptedService::new(
+            transport::schedule::schedules_server::SchedulesServer::new(schedule_control),
             RequireToken::new(token),
         ))
         .serve_with_incoming_shutdown(incoming, shutdown)
@@ -236,6 +249,7 @@ async fn serve_metrics(
     metrics: Arc<Metrics>,
     runners: Arc<crate::replicate::Runners>,
     hydrations: Arc<crate::hydrate::Hydrations>,
+    schedules: Arc<crate::schedule::Schedules>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     use axum::{Router, routing::get};
@@ -243,8 +257,13 @@ async fn serve_metrics(
         .route(
             "/metrics",
             get(move || {
-                let (m, r, h) = (metrics.clone(), runners.clone(), hydrations.clone());
-                async move { m.render() + &r.render() + &h.render() }
+                let (m, r, h, s) = (
+                    metrics.clone(),
+                    runners.clone(),
+                    hydrations.clone(),
+                    schedules.clone(),
+                );
+                async move { m.render() + &r.render() + &h.render() + &s.render() }
             }),
         )
         .route("/healthz", get(|| async { "ok\n" }));

@@ -137,36 +137,7 @@ fn valid_host_port(s: &str) -> bool {
 
 /// A Go-style duration as csi-addons' schedulingInterval uses: "90s", "5m", "1h30m".
 pub fn parse_interval(s: &str) -> Result<Duration, String> {
-    let mut rest = s.trim();
-    if rest.is_empty() {
-        return Err("empty; give e.g. 5m".into());
-    }
-    let mut total = Duration::ZERO;
-    while !rest.is_empty() {
-        let n = rest
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        let value: u64 = rest[..n]
-            .parse()
-            .map_err(|_| "expected a number followed by h, m, s or ms (e.g. 5m)".to_string())?;
-        rest = &rest[n..];
-        let u = rest
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        let unit = match &rest[..u] {
-            "h" => Duration::from_secs(3600),
-            "m" => Duration::from_secs(60),
-            "s" => Duration::from_secs(1),
-            "ms" => Duration::from_millis(1),
-            other => {
-                return Err(format!(
-                    "unknown unit {other:?}: use h, m, s or ms (e.g. 5m)"
-                ));
-            }
-        };
-        rest = &rest[u..];
-        total += unit * value as u32;
-    }
+    let total = crate::schedule::parse_go_duration(s)?;
     if total < Duration::from_secs(1) {
         return Err("shorter than 1s: cycles run at most once a second".into());
     }

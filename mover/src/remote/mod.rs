@@ -176,6 +176,11 @@ pub type HydrateClient = HydrationClient<InterceptedService<Channel, AttachToken
 /// A connected client of an agent's relationship control API.
 pub type ControlClient = ReplicationClient<InterceptedService<Channel, AttachToken>>;
 
+/// A connected client of an agent's scheduled-snapshot API.
+pub type ScheduleClient = transport::schedule::schedules_client::SchedulesClient<
+    InterceptedService<Channel, AttachToken>,
+>;
+
 impl RemoteOptions {
     fn relationship_for(&self, url: &AgentUrl) -> String {
         self.relationship
@@ -210,6 +215,12 @@ impl RemoteOptions {
     pub async fn connect_control(&self, url: &AgentUrl) -> Result<ControlClient, CopyError> {
         let (channel, auth) = self.channel(url).await?;
         Ok(ReplicationClient::with_interceptor(channel, auth))
+    }
+
+    /// Connects to the scheduled-snapshot API of the agent at `url`.
+    pub async fn connect_schedules(&self, url: &AgentUrl) -> Result<ScheduleClient, CopyError> {
+        let (channel, auth) = self.channel(url).await?;
+        Ok(transport::schedule::schedules_client::SchedulesClient::with_interceptor(channel, auth))
     }
 
     /// Connects to the hydration control API of the agent at `url`.

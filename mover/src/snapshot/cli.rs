@@ -170,6 +170,9 @@ pub enum SnapshotCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Snapshots taken by an agent on a schedule, with retention and prune.
+    #[command(subcommand)]
+    Schedule(crate::schedule_cli::ScheduleCommand),
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -211,6 +214,7 @@ pub fn run_snapshot(cmd: SnapshotCommand) -> anyhow::Result<()> {
 
 async fn run_snapshot_async(cmd: SnapshotCommand) -> anyhow::Result<()> {
     match cmd {
+        SnapshotCommand::Schedule(cmd) => crate::schedule_cli::run(cmd).await?,
         SnapshotCommand::Create {
             repo,
             volume,

@@ -15,5 +15,5 @@ mod options;
 mod restore;
 
 pub use create::{CreateOptions, create_snapshot};
-pub use options::{RepoOptions, open_repository};
+pub use options::{RepoOptions, open_repository, open_repository_with};
 pub use restore::{RestoreOptions, RestoreSummary, restore_snapshot};

@@ -54,6 +54,17 @@ pub struct RepoOptions {
 impl RepoOptions {
     /// The backend for `repo` (a path, or `s3://bucket[/prefix]`), wrapped in retries.
     pub async fn backend(&self, repo: &str) -> Result<Arc<dyn Backend>, RepoError> {
+        self.backend_with_keys(repo, None).await
+    }
+
+    /// [`RepoOptions::backend`] with S3 keys (access key id, secret) given, instead of
+    /// the standard credential chain.
+    pub async fn backend_with_keys(
+        &self,
+        repo: &str,
+        keys: Option<(String, String)>,
+    ) -> Result<Arc<dyn Backend>, RepoError> {
+        let (access_key_id, secret_access_key) = keys.unzip();
         let inner: Arc<dyn Backend> = if let Some(rest) = repo.strip_prefix("s3://") {
             let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
             if bucket.is_empty() {
@@ -69,8 +80,8 @@ impl RepoOptions {
                     endpoint: self.s3_endpoint.clone(),
                     region: self.s3_region.clone(),
                     path_style: !self.s3_virtual_host,
-                    access_key_id: None,
-                    secret_access_key: None,
+                    access_key_id,
+                    secret_access_key,
                 })
                 .await,
             )
@@ -154,7 +165,18 @@ impl RepoOptions {
 /// Opens the repository at `repo` with `opts`.
 pub async fn open_repository(repo: &str, opts: &RepoOptions) -> Result<Arc<Repository>, RepoError> {
     let creds = opts.credentials()?;
-    let backend = opts.backend(repo).await?;
-    let repo = Repository::open(backend, &creds).await?;
+    open_repository_with(repo, opts, &creds, None).await
+}
+
+/// Opens the repository at `repo` with credentials and S3 keys given (an agent's
+/// scheduled snapshots), the rest from `opts`.
+pub async fn open_repository_with(
+    repo: &str,
+    opts: &RepoOptions,
+    creds: &Credentials,
+    s3_keys: Option<(String, String)>,
+) -> Result<Arc<Repository>, RepoError> {
+    let backend = opts.backend_with_keys(repo, s3_keys).await?;
+    let repo = Repository::open(backend, creds).await?;
     Ok(Arc::new(repo.with_cache_dir(opts.cache_dir())))
 }

@@ -1,0 +1,272 @@
+//! Scheduled snapshots on a real agent into a real S3 server (s3s-fs): the first run at
+//! once, incremental runs, retention, a restart, a failing repository, bad input.
+
+mod common;
+
+use common::agent::{Agent, TOKEN, control};
+use common::{MIB, blake3_of, make_image, scribble_pages};
+use snapshots::testing::{ACCESS_KEY, S3Server, SECRET_KEY};
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const SIZE: u64 = 24 * MIB;
+const REPO: &str = "s3://dr-vols/pg";
+
+/// `mover ARGS` as an operator runs it: the agent's token, the repository's S3 keys
+/// and password in the environment (the agent itself has neither).
+fn mover(s3: &S3Server, pw: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mover"))
+        .args(args)
+        .env("MOVER_TOKEN", TOKEN)
+        .env("MOVER_S3_ENDPOINT", &s3.endpoint)
+        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        .env("AWS_REGION", "us-east-1")
+        .env("MOVER_PASSWORD_FILE", pw)
+        .env("MOVER_CACHE_DIR", pw.with_extension("cache"))
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "mover failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn status(s3: &S3Server, pw: &Path, agent: &Agent, name: &str) -> serde_json::Value {
+    let out = mover(
+        s3,
+        pw,
+        &[
+            "snapshot",
+            "schedule",
+            "status",
+            name,
+            "--json",
+            "--agent",
+            &control(agent),
+        ],
+    );
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+    all[0].clone()
+}
+
+fn snapshots_of(s3: &S3Server, pw: &Path, volume: &str) -> Vec<serde_json::Value> {
+    let list: serde_json::Value =
+        serde_json::from_str(&ok(mover(s3, pw, &["snapshot", "list", REPO, "--json"]))).unwrap();
+    list.as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["volume"] == volume)
+        .cloned()
+        .collect()
+}
+
+#[test]
+fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_restart() {
+    let t = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&t.path().join("s3"));
+    s3.create_bucket("dr-vols");
+    let pw = t.path().join("pw");
+    std::fs::write(&pw, "pw-for-tests\n").unwrap();
+    ok(mover(&s3, &pw, &["repo", "init", REPO]));
+    let img = t.path().join("vol.img");
+    make_image(&img, SIZE, 8, &[(0, 6 * MIB), (12 * MIB, 4 * MIB)]);
+    let state = t.path().join("agent");
+    std::fs::create_dir_all(&state).unwrap();
+    let agent = Agent::start(&state, &[("pg", &img, false)], None);
+    let at = control(&agent);
+
+    // Bad input is refused with what to fix; nothing is created.
+    for (args, want) in [
+        (vec!["--volume", "nope", "--schedule", "1h"], "not exported"),
+        (
+            vec!["--volume", "pg", "--schedule", "10s"],
+            "shorter than 60s",
+        ),
+        (
+            vec!["--volume", "pg", "--schedule", "weekly"],
+            "hourly:MM or daily:HH:MM",
+        ),
+    ] {
+        let mut all = vec![
+            "snapshot", "schedule", "create", "bad", "--repo", REPO, "--agent", &at,
+        ];
+        all.extend(args);
+        let out = mover(&s3, &pw, &all);
+        assert!(!out.status.success());
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(e.contains(want), "{want}: {e}");
+    }
+
+    // An interval schedule runs at once.
+    ok(mover(
+        &s3,
+        &pw,
+        &[
+            "snapshot",
+            "schedule",
+            "create",
+            "pg-dr",
+            "--volume",
+            "pg",
+            "--repo",
+            REPO,
+            "--schedule",
+            "6h",
+            "--keep-last",
+            "2",
+            "--prune-every",
+            "2",
+            "--agent",
+            &at,
+        ],
+    ));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let first = loop {
+        let s = status(&s3, &pw, &agent, "pg-dr");
+        if s["runs_ok"] == 1 {
+            break s;
+        }
+        assert_eq!(s["runs_failed"], 0, "{s}");
+        assert!(Instant::now() < deadline, "no first snapshot: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(first["state"], "Idle");
+    assert!(
+        first["last_bytes_added"].as_u64().unwrap() >= 10 * MIB,
+        "{first}"
+    );
+    let next = first["next_run_ms"].as_i64().unwrap() - first["last_time_ms"].as_i64().unwrap();
+    assert_eq!(
+        next,
+        6 * 3600 * 1000,
+        "the next run one interval after the first"
+    );
+
+    // The snapshot restores to the volume's bytes.
+    let restored = t.path().join("restored.img");
+    ok(mover(
+        &s3,
+        &pw,
+        &[
+            "snapshot",
+            "restore",
+            REPO,
+            first["last_snapshot"].as_str().unwrap(),
+            restored.to_str().unwrap(),
+        ],
+    ));
+    assert_eq!(blake3_of(&restored, SIZE), blake3_of(&img, SIZE));
+
+    // Runs on demand after writes are incremental; retention keeps the newest two.
+    for seed in [1, 2, 3] {
+        let written = scribble_pages(&img, seed, 20, 0..SIZE);
+        let s: serde_json::Value = serde_json::from_str(&ok(mover(
+            &s3,
+            &pw,
+            &[
+                "snapshot", "schedule", "run", "pg-dr", "--json", "--agent", &at,
+            ],
+        )))
+        .unwrap();
+        let added = s[0]["last_bytes_added"].as_u64().unwrap();
+        // The pages written (as deltas of the parent's chunks), a chunk list, a trailer.
+        let bound = written * 4096 * 2 + 256 * 1024;
+        assert!(
+            added > 0 && added <= bound,
+            "{added} bytes stored for {written} pages"
+        );
+    }
+    let s = status(&s3, &pw, &agent, "pg-dr");
+    assert_eq!(
+        (s["runs_ok"].as_u64(), s["forgotten"].as_u64()),
+        (Some(4), Some(2)),
+        "{s}"
+    );
+    let kept = snapshots_of(&s3, &pw, "pg-dr");
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    assert!(kept.iter().any(|k| k["id"] == s["last_snapshot"]));
+    let restored_latest = t.path().join("latest.img");
+    ok(mover(
+        &s3,
+        &pw,
+        &[
+            "snapshot",
+            "restore",
+            REPO,
+            s["last_snapshot"].as_str().unwrap(),
+            restored_latest.to_str().unwrap(),
+        ],
+    ));
+    assert_eq!(blake3_of(&restored_latest, SIZE), blake3_of(&img, SIZE));
+
+    // The agent restarts: the schedule is still there, with its history and next run.
+    let config = agent.config.clone();
+    let (port, metrics_port) = (agent.port, agent.metrics_port);
+    drop(agent);
+    let agent = Agent::spawn(config, port, metrics_port);
+    let again = status(&s3, &pw, &agent, "pg-dr");
+    assert_eq!(again["runs_ok"], 4);
+    assert_eq!(again["next_run_ms"], s["next_run_ms"]);
+    assert!(agent.metric(r#"mover_schedule_runs_ok_total{schedule="pg-dr"}"#) >= 4);
+
+    // A wrong password: the run fails loudly, the state says so, nothing is written.
+    let bad_pw = t.path().join("bad-pw");
+    std::fs::write(&bad_pw, "wrong\n").unwrap();
+    ok(mover(
+        &s3,
+        &bad_pw,
+        &[
+            "snapshot",
+            "schedule",
+            "create",
+            "broken",
+            "--volume",
+            "pg",
+            "--repo",
+            REPO,
+            "--schedule",
+            "daily:03:00",
+            "--agent",
+            &at,
+        ],
+    ));
+    let out = mover(
+        &s3,
+        &pw,
+        &["snapshot", "schedule", "run", "broken", "--agent", &at],
+    );
+    assert!(!out.status.success(), "a failing run exits non-zero");
+    let s = status(&s3, &pw, &agent, "broken");
+    assert_eq!(s["state"], "Failing");
+    assert!(
+        s["last_error"].as_str().unwrap().contains("password"),
+        "{s}"
+    );
+    assert!(snapshots_of(&s3, &pw, "broken").is_empty());
+
+    // Deleted: gone from the agent, its snapshots stay.
+    ok(mover(
+        &s3,
+        &pw,
+        &["snapshot", "schedule", "delete", "pg-dr", "--agent", &at],
+    ));
+    let out = mover(
+        &s3,
+        &pw,
+        &["snapshot", "schedule", "status", "pg-dr", "--agent", &at],
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no schedule"),
+        "{out:?}"
+    );
+    assert_eq!(snapshots_of(&s3, &pw, "pg-dr").len(), 2);
+}
