@@ -13,6 +13,9 @@ use transport::schedule as proto;
 pub enum ScheduleCommand {
     /// Create a schedule on the agent holding the volume, or change it.
     #[command(
+        // clap does not wrap a usage line: this one, unwrapped, is 118 columns.
+        override_usage = "mover snapshot schedule create [OPTIONS] --volume <EXPORT> \
+                          --repo <REPO>\n       --schedule <WHEN> --agent <URL> <NAME>",
         long_about = "Create (or change) a schedule on the agent that holds the \
         volume: the agent snapshots the export into the repository at the times given \
         (--schedule), forgets old snapshots by the --keep-* rules (this schedule's only) \
