@@ -77,6 +77,8 @@ struct FakeAgents {
     exports: Mutex<HashMap<(String, String), (String, bool)>>,
     /// Refuse `export` with this message (the agent's volume_roots do not allow it).
     refuse_export: Option<String>,
+    /// (agent, name) -> the schedule applied.
+    schedules: Mutex<HashMap<(String, String), transport::schedule::Spec>>,
 }
 
 fn status(name: &str, role: &str, state: &str, epoch: u64) -> control::Status {
@@ -247,6 +249,44 @@ impl Agents for FakeAgents {
     async fn unexport(&self, agent: &str, volume: &str) -> Result<(), AgentError> {
         let key = (agent.to_string(), volume.to_string());
         self.exports.lock().unwrap().remove(&key);
+        Ok(())
+    }
+    async fn schedule(
+        &self,
+        agent: &str,
+        name: &str,
+    ) -> Result<Option<transport::schedule::Status>, AgentError> {
+        let key = (agent.to_string(), name.to_string());
+        Ok(self
+            .schedules
+            .lock()
+            .unwrap()
+            .get(&key)
+            .map(|spec| transport::schedule::Status {
+                spec: Some(transport::schedule::Spec {
+                    access: None,
+                    ..spec.clone()
+                }),
+                state: "Idle".into(),
+                ..Default::default()
+            }))
+    }
+    async fn apply_schedule(
+        &self,
+        agent: &str,
+        spec: transport::schedule::Spec,
+    ) -> Result<transport::schedule::Status, AgentError> {
+        let key = (agent.to_string(), spec.name.clone());
+        self.schedules.lock().unwrap().insert(key, spec.clone());
+        Ok(transport::schedule::Status {
+            spec: Some(spec),
+            state: "Idle".into(),
+            ..Default::default()
+        })
+    }
+    async fn delete_schedule(&self, agent: &str, name: &str) -> Result<(), AgentError> {
+        let key = (agent.to_string(), name.to_string());
+        self.schedules.lock().unwrap().remove(&key);
         Ok(())
     }
 }
@@ -1213,4 +1253,217 @@ async fn transitions_are_recorded_as_events_and_a_failure_as_a_warning() {
         "{second:?}"
     );
     assert!(!second.iter().any(|e| e.1 == "Demoted"), "{second:?}");
+}
+
+/// An API server that answers a GET of `secret_path` with `secret`, anything else with
+/// `reply`, and records what was sent.
+fn api_server_with_secret(
+    mut handle: tower_test::mock::Handle<Request<Body>, Response<Body>>,
+    reply: Value,
+    secret_path: String,
+    secret: Value,
+    sent: Arc<Mutex<Vec<Sent>>>,
+) {
+    tokio::spawn(async move {
+        while let Some(request) = handle.next_request().await {
+            let is_secret = request.0.uri().path() == secret_path;
+            let body = if is_secret { &secret } else { &reply };
+            answer(request, body, |s| sent.lock().unwrap().push(s)).await;
+        }
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn end_to_end_a_repository_class_snapshots_the_volume_into_s3_on_schedule() {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::core::v1::Secret;
+    use snapshots::testing::{ACCESS_KEY, S3Server, SECRET_KEY};
+    let t = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&t.path().join("s3"));
+    s3.create_bucket("dr-snaps");
+    let repo = "s3://dr-snaps/k8s";
+    let operator = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(args)
+            .env("MOVER_S3_ENDPOINT", &s3.endpoint)
+            .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+            .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+            .env("AWS_REGION", "us-east-1")
+            .env("MOVER_PASSWORD", "repo-pw")
+            .env("MOVER_CACHE_DIR", t.path().join("cache"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    operator(&["repo", "init", repo]);
+    let da = t.path().join("a");
+    std::fs::create_dir_all(&da).unwrap();
+    let img = da.join("vol.img");
+    make_image(&img, E2E_LEN, 21, &[(0, 5 * MIB), (16 * MIB, 3 * MIB)]);
+    // The agent has no S3 keys and no password: they come from the class's secret.
+    let a = Agent::start(&da, &[], None);
+    let class = class(&[
+        ("target", repo),
+        ("schedulingInterval", "1h"),
+        ("keepLast", "3"),
+        ("s3Endpoint", &s3.endpoint),
+        ("s3Region", "us-east-1"),
+        (
+            "replication.storage.openshift.io/replication-secret-name",
+            "dr-s3",
+        ),
+        (
+            "replication.storage.openshift.io/replication-secret-namespace",
+            "mover-system",
+        ),
+    ]);
+    let secret = Secret {
+        data: Some(
+            [
+                ("password", "repo-pw\n"),
+                ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+                ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+            .collect(),
+        ),
+        ..Default::default()
+    };
+    let pv: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": "pv-1"},
+        "spec": {
+            "local": {"path": img},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-a"]}
+            ]}]}}
+        }
+    }))
+    .unwrap();
+    let mut pod = agent_pod("node-a");
+    pod.status.as_mut().unwrap().pod_ip = Some("127.0.0.1".into());
+    let agents = Arc::new(GrpcAgents::new(ConnectOptions {
+        token_file: Some(da.join("token")),
+        ..Default::default()
+    }));
+    let reconcile_once = |v: VolumeReplication| {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let ctx = Arc::new(Context {
+            client: kube::Client::new(service, "default"),
+            group: MOVER_GROUP.into(),
+            agents: agents.clone(),
+            caches: Caches::fixed(
+                MOVER_GROUP,
+                vec![class.clone()],
+                vec![pvc(true)],
+                vec![pv.clone()],
+                vec![],
+                vec![pod.clone()],
+            ),
+            agent_port: a.port,
+            metrics: Default::default(),
+            recorder: None,
+        });
+        let obj = dynamic(&v, MOVER_GROUP);
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        api_server_with_secret(
+            handle,
+            serde_json::to_value(&obj).unwrap(),
+            "/api/v1/namespaces/mover-system/secrets/dr-s3".into(),
+            serde_json::to_value(&secret).unwrap(),
+            sent.clone(),
+        );
+        async move {
+            reconcile(Arc::new(obj), ctx).await.expect("reconcile");
+            std::mem::take(&mut *sent.lock().unwrap())
+        }
+    };
+    let secret_reads = |sent: &[Sent]| sent.iter().filter(|s| s.uri.contains("/secrets/")).count();
+
+    // Primary: a schedule on the volume's agent, with the secret's password and keys; the
+    // first snapshot is taken at once.
+    let sent = reconcile_once(vr(ReplicationState::Primary, 1, true)).await;
+    assert_eq!(secret_reads(&sent), 1);
+    let st = applied_status(sent.last().unwrap(), MOVER_GROUP);
+    assert_eq!(st.state, Some(State::Primary), "{:?}", st.message);
+    assert_eq!(condition(&st, "Completed").1, "Promoted");
+    let agent = format!("127.0.0.1:{}", a.port);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let taken = loop {
+        let s = agents
+            .schedule(&agent, "app/pg")
+            .await
+            .unwrap()
+            .expect("a schedule");
+        if s.runs_ok == 1 {
+            break s;
+        }
+        assert_eq!(s.runs_failed, 0, "{}", s.last_error);
+        assert!(Instant::now() < deadline, "no snapshot taken");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let spec = taken.spec.clone().unwrap();
+    assert_eq!(
+        (spec.volume.as_str(), spec.schedule.as_str()),
+        ("pv-1", "3600s")
+    );
+    assert_eq!(spec.keep.unwrap().last, 3);
+    assert!(
+        spec.access.is_none(),
+        "the agent never answers the secret back"
+    );
+
+    // The next look reports the snapshot as the last sync, without reading the secret.
+    let mut v = vr(ReplicationState::Primary, 1, true);
+    v.status = Some(st);
+    let sent = reconcile_once(v.clone()).await;
+    assert_eq!(
+        secret_reads(&sent),
+        0,
+        "an unchanged schedule needs no secret"
+    );
+    let st = applied_status(sent.last().unwrap(), MOVER_GROUP);
+    assert!(st.last_sync_time.is_some(), "{st:?}");
+    assert!(st.last_sync_bytes.unwrap() >= 8 * MIB as i64, "{st:?}");
+    assert_eq!(st.destination_volume_id.as_deref(), Some(repo));
+    assert_eq!(condition(&st, "Degraded").0, "False");
+
+    // The snapshot in S3 restores to the volume's bytes.
+    let restored = t.path().join("restored.img");
+    operator(&[
+        "snapshot",
+        "restore",
+        repo,
+        &taken.last_snapshot,
+        restored.to_str().unwrap(),
+    ]);
+    assert_eq!(blake3_of(&restored, E2E_LEN), blake3_of(&img, E2E_LEN));
+
+    // A repository has no secondary: Validated=False, nothing changes on the agent.
+    let mut sec = vr(ReplicationState::Secondary, 2, true);
+    sec.status = v.status.clone();
+    let sent = reconcile_once(sec).await;
+    let st = applied_status(sent.last().unwrap(), MOVER_GROUP);
+    let (status, _, message) = condition(&st, "Validated");
+    assert_eq!(status, "False");
+    assert!(message.contains("no secondary"), "{message}");
+
+    // Deleted: the schedule goes, the snapshots stay.
+    let mut gone = vr(ReplicationState::Primary, 2, true);
+    gone.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        "2026-01-01T00:00:00Z".parse().unwrap(),
+    ));
+    reconcile_once(gone).await;
+    assert!(agents.schedule(&agent, "app/pg").await.unwrap().is_none());
+    operator(&[
+        "snapshot",
+        "restore",
+        repo,
+        &taken.last_snapshot,
+        restored.to_str().unwrap(),
+    ]);
 }

@@ -1,10 +1,14 @@
 //! The agents' relationship control API, as the reconciler sees it: a small trait, so
 //! reconcile tests can record the calls, and its gRPC implementation.
 
-use crate::remote::{AgentUrl, ConnectOptions, ControlClient, RemoteOptions};
+use crate::remote::{AgentUrl, ConnectOptions, ControlClient, RemoteOptions, ScheduleClient};
 use std::collections::HashMap;
 use tokio::sync::Mutex;
-use transport::control;
+use tonic::transport::Channel;
+use transport::auth::AttachToken;
+use transport::control::replication_client::ReplicationClient;
+use transport::schedule::schedules_client::SchedulesClient;
+use transport::{control, schedule};
 
 /// A failed call to an agent.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -72,12 +76,29 @@ pub trait Agents: Send + Sync {
     ) -> Result<(), AgentError>;
     /// Makes `agent` stop serving the export `volume` it was given by [`Agents::export`].
     async fn unexport(&self, agent: &str, volume: &str) -> Result<(), AgentError>;
+    /// The schedule `name` on `agent` (its spec without access); `None` if there is none.
+    async fn schedule(
+        &self,
+        agent: &str,
+        name: &str,
+    ) -> Result<Option<schedule::Status>, AgentError>;
+    /// Creates or replaces a schedule of scheduled snapshots on `agent`.
+    async fn apply_schedule(
+        &self,
+        agent: &str,
+        spec: schedule::Spec,
+    ) -> Result<schedule::Status, AgentError>;
+    /// Forgets the schedule `name` on `agent` (its snapshots stay); absent is fine.
+    async fn delete_schedule(&self, agent: &str, name: &str) -> Result<(), AgentError>;
 }
+
+/// A connection to an agent, for a client of any of its services.
+type Connection = (Channel, AttachToken);
 
 /// [`Agents`] over gRPC, one cached connection per agent.
 pub struct GrpcAgents {
     remote: RemoteOptions,
-    clients: Mutex<HashMap<String, ControlClient>>,
+    clients: Mutex<HashMap<String, Connection>>,
 }
 
 impl GrpcAgents {
@@ -97,7 +118,7 @@ impl GrpcAgents {
         agent: &str,
         op: &'static str,
         name: &str,
-    ) -> Result<ControlClient, AgentError> {
+    ) -> Result<Connection, AgentError> {
         if let Some(c) = self.clients.lock().await.get(agent) {
             return Ok(c.clone());
         }
@@ -114,14 +135,14 @@ impl GrpcAgents {
             .map_err(|e| fail(e.to_string()))?;
         let c = self
             .remote
-            .connect_control(&url)
+            .channel(&url)
             .await
             .map_err(|e| fail(e.to_string()))?;
         self.clients.lock().await.insert(agent.into(), c.clone());
         Ok(c)
     }
 
-    /// Runs one call; a transport failure drops the cached connection.
+    /// Runs one call of the relationship control API.
     async fn call<T, F, Fut>(
         &self,
         agent: &str,
@@ -131,6 +152,42 @@ impl GrpcAgents {
     ) -> Result<T, AgentError>
     where
         F: FnOnce(ControlClient) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        self.call_with(agent, op, name, |(ch, auth)| {
+            f(ReplicationClient::with_interceptor(ch, auth))
+        })
+        .await
+    }
+
+    /// Runs one call of the scheduled-snapshot API.
+    async fn call_schedules<T, F, Fut>(
+        &self,
+        agent: &str,
+        op: &'static str,
+        name: &str,
+        f: F,
+    ) -> Result<T, AgentError>
+    where
+        F: FnOnce(ScheduleClient) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        self.call_with(agent, op, name, |(ch, auth)| {
+            f(SchedulesClient::with_interceptor(ch, auth))
+        })
+        .await
+    }
+
+    /// Runs one call on the agent's connection; a transport failure drops it.
+    async fn call_with<T, F, Fut>(
+        &self,
+        agent: &str,
+        op: &'static str,
+        name: &str,
+        f: F,
+    ) -> Result<T, AgentError>
+    where
+        F: FnOnce(Connection) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         let c = self.client(agent, op, name).await?;
@@ -276,6 +333,50 @@ impl Agents for GrpcAgents {
         })
         .await
         .map(|_| ())
+    }
+
+    async fn schedule(
+        &self,
+        agent: &str,
+        name: &str,
+    ) -> Result<Option<schedule::Status>, AgentError> {
+        let req = schedule::NameRequest { name: name.into() };
+        match self
+            .call_schedules(agent, "get schedule", name, |mut c| async move {
+                c.get(req).await
+            })
+            .await
+        {
+            Ok(s) => Ok(Some(s)),
+            Err(e) if e.code == tonic::Code::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn apply_schedule(
+        &self,
+        agent: &str,
+        spec: schedule::Spec,
+    ) -> Result<schedule::Status, AgentError> {
+        let name = spec.name.clone();
+        self.call_schedules(agent, "apply schedule", &name, |mut c| async move {
+            c.apply(spec).await
+        })
+        .await
+    }
+
+    async fn delete_schedule(&self, agent: &str, name: &str) -> Result<(), AgentError> {
+        let req = schedule::NameRequest { name: name.into() };
+        match self
+            .call_schedules(agent, "delete schedule", name, |mut c| async move {
+                c.delete(req).await
+            })
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if e.code == tonic::Code::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     async fn unexport(&self, agent: &str, volume: &str) -> Result<(), AgentError> {

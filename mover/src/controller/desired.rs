@@ -19,6 +19,22 @@ pub const PARAM_TARGET: &str = "target";
 pub const PARAM_BANDWIDTH: &str = "bandwidth";
 /// Class parameter: chunk size of block volumes ("1M").
 pub const PARAM_CHUNK_SIZE: &str = "chunkSize";
+/// Class parameters of repository targets: how many snapshots retention keeps, per rule
+/// (as `mover snapshot forget --keep-*`).
+pub const PARAM_KEEP: [&str; 5] = [
+    "keepLast",
+    "keepHourly",
+    "keepDaily",
+    "keepWeekly",
+    "keepMonthly",
+];
+/// Class parameter of repository targets: prune after every N snapshots.
+pub const PARAM_PRUNE_EVERY: &str = "pruneEvery";
+/// Class parameter of s3:// repository targets: the endpoint URL of an S3-compatible
+/// server (default AWS).
+pub const PARAM_S3_ENDPOINT: &str = "s3Endpoint";
+/// Class parameter of s3:// repository targets: the bucket's region.
+pub const PARAM_S3_REGION: &str = "s3Region";
 /// Reserved class parameters (csi-addons'): the secret with TLS, token or S3 keys.
 pub const PARAM_SECRET_NAME: &str = "replication.storage.openshift.io/replication-secret-name";
 /// See [`PARAM_SECRET_NAME`].
@@ -50,12 +66,38 @@ fn invalid(what: &'static str, detail: impl Into<String>) -> Invalid {
 pub struct ClassParams {
     /// Between the starts of two cycles.
     pub interval: Duration,
-    /// The peer cluster's agents: HOST:PORT.
-    pub target: String,
+    /// Where replicas go.
+    pub target: Target,
     /// Bytes per second (0: no limit).
     pub bwlimit: u64,
     /// Chunk size in bytes (0: the agent's default).
     pub chunk_size: u64,
+    /// The class's secret (namespace, name), if it names one.
+    pub secret: Option<(String, String)>,
+}
+
+/// Where a class sends a volume.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// Replication to the peer cluster's agent: HOST:PORT.
+    Agent(String),
+    /// Scheduled snapshots into a repository.
+    Repository(RepositoryTarget),
+}
+
+/// A repository target: snapshots on the class's interval, kept by its retention rules.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RepositoryTarget {
+    /// s3://BUCKET[/PREFIX], or a directory on the volume's node.
+    pub url: String,
+    /// keepLast, keepHourly, keepDaily, keepWeekly, keepMonthly.
+    pub keep: [u32; 5],
+    /// Prune after every N snapshots (0: never).
+    pub prune_every: u32,
+    /// S3 endpoint URL ("": AWS).
+    pub s3_endpoint: String,
+    /// S3 region ("": the agent's default).
+    pub s3_region: String,
 }
 
 /// Parses and checks a class's parameters.
@@ -78,26 +120,66 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
                 what,
                 format!(
                     "VolumeReplicationClass {name} has no {PARAM_TARGET} parameter: set it to \
-                     agent://HOST:PORT of the peer cluster's mover agents"
+                     agent://HOST:PORT of the peer cluster's mover agents, or to a snapshot \
+                     repository (s3://BUCKET/PREFIX, or a directory on the nodes)"
                 ),
             ));
         }
+        Some(t) if t.starts_with("s3://") || t.starts_with('/') => {
+            Target::Repository(repository_target(&name, t, p)?)
+        }
         Some(t) => match t.strip_prefix("agent://") {
             Some(hp) if valid_host_port(hp.trim_end_matches('/')) => {
-                hp.trim_end_matches('/').to_string()
+                Target::Agent(hp.trim_end_matches('/').to_string())
             }
             _ => {
                 return Err(invalid(
                     what,
                     format!(
-                        "VolumeReplicationClass {name}: unknown {PARAM_TARGET} {t:?}: this \
-                         controller replicates to agent://HOST:PORT (the peer cluster's agents); \
-                         snapshot repositories are not served by VolumeReplication yet"
+                        "VolumeReplicationClass {name}: unknown {PARAM_TARGET} {t:?}: use \
+                         agent://HOST:PORT (the peer cluster's agents), s3://BUCKET/PREFIX or \
+                         an absolute directory (a snapshot repository)"
                     ),
                 ));
             }
         },
     };
+    if let Target::Repository(_) = &target
+        && interval < crate::schedule::MIN_INTERVAL
+    {
+        return Err(invalid(
+            what,
+            format!(
+                "VolumeReplicationClass {name}: {PARAM_INTERVAL} is shorter than {}s, too \
+                 often for snapshots into a repository: replicate to an agent instead",
+                crate::schedule::MIN_INTERVAL.as_secs()
+            ),
+        ));
+    }
+    let secret = match (p.get(PARAM_SECRET_NAMESPACE), p.get(PARAM_SECRET_NAME)) {
+        (Some(ns), Some(n)) if !ns.is_empty() && !n.is_empty() => Some((ns.clone(), n.clone())),
+        (None, None) => None,
+        _ => {
+            return Err(invalid(
+                what,
+                format!(
+                    "VolumeReplicationClass {name}: set both {PARAM_SECRET_NAME} and \
+                     {PARAM_SECRET_NAMESPACE}, or neither"
+                ),
+            ));
+        }
+    };
+    if matches!(target, Target::Repository(_)) && secret.is_none() {
+        return Err(invalid(
+            what,
+            format!(
+                "VolumeReplicationClass {name}: a repository target needs a secret with the \
+                 repository's password (key `password`) and, for S3, AWS_ACCESS_KEY_ID and \
+                 AWS_SECRET_ACCESS_KEY: name it in {PARAM_SECRET_NAME} and \
+                 {PARAM_SECRET_NAMESPACE}"
+            ),
+        ));
+    }
     let size = |key: &str| -> Result<u64, Invalid> {
         match p.get(key) {
             None => Ok(0),
@@ -127,6 +209,43 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
         target,
         bwlimit,
         chunk_size,
+        secret,
+    })
+}
+
+/// A repository target's own parameters.
+fn repository_target(
+    name: &str,
+    url: &str,
+    p: &std::collections::BTreeMap<String, String>,
+) -> Result<RepositoryTarget, Invalid> {
+    let what = "failed to validate parameters of volumeReplicationClass";
+    let count = |key: &str| -> Result<u32, Invalid> {
+        p.get(key).map_or(Ok(0), |v| {
+            v.trim().parse().map_err(|_| {
+                invalid(
+                    what,
+                    format!("VolumeReplicationClass {name}: {key} {v:?} is not a count"),
+                )
+            })
+        })
+    };
+    let mut keep = [0; 5];
+    for (k, key) in keep.iter_mut().zip(PARAM_KEEP) {
+        *k = count(key)?;
+    }
+    if url.starts_with("s3://") && url.trim_start_matches("s3://").is_empty() {
+        return Err(invalid(
+            what,
+            format!("VolumeReplicationClass {name}: {PARAM_TARGET} {url:?} names no bucket"),
+        ));
+    }
+    Ok(RepositoryTarget {
+        url: url.into(),
+        keep,
+        prune_every: count(PARAM_PRUNE_EVERY)?,
+        s3_endpoint: p.get(PARAM_S3_ENDPOINT).cloned().unwrap_or_default(),
+        s3_region: p.get(PARAM_S3_REGION).cloned().unwrap_or_default(),
     })
 }
 
@@ -275,7 +394,8 @@ pub struct Desired {
     pub path: String,
     /// A block volume (see [`Placement::block`]).
     pub block: bool,
-    /// The peer's volume: agent://HOST:PORT/VOLUME.
+    /// The peer's volume: agent://HOST:PORT/VOLUME, or the repository of a repository
+    /// target.
     pub peer: String,
     /// Class parameters.
     pub params: ClassParams,
@@ -411,7 +531,10 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
     Ok(Desired {
         name: relationship_name(vr),
         agent,
-        peer: format!("agent://{}/{}", params.target, place.pv),
+        peer: match &params.target {
+            Target::Agent(hp) => format!("agent://{hp}/{}", place.pv),
+            Target::Repository(r) => r.url.clone(),
+        },
         volume: place.pv,
         path: place.path,
         block: place.block,
@@ -558,9 +681,10 @@ pub(crate) mod tests {
                 peer: "agent://dr.example:7070/pv-1".into(),
                 params: ClassParams {
                     interval: Duration::from_secs(90),
-                    target: "dr.example:7070".into(),
+                    target: Target::Agent("dr.example:7070".into()),
                     bwlimit: 100 << 20,
                     chunk_size: 256 << 10,
+                    secret: None,
                 },
                 state: ReplicationState::Primary,
                 auto_resync: false,
@@ -619,9 +743,63 @@ pub(crate) mod tests {
         );
         let e = err(inputs(Some(&good), Some(&bound), Some(&pv), &agents[..0]));
         assert!(e.contains("no running mover agent on node node-a"), "{e}");
+        let ftp = class(&[("target", "ftp://bucket/prefix")]);
+        let e = err(inputs(Some(&ftp), Some(&bound), Some(&pv), &agents));
+        assert!(e.contains("unknown target \"ftp://bucket/prefix\""), "{e}");
         let s3 = class(&[("target", "s3://bucket/prefix")]);
         let e = err(inputs(Some(&s3), Some(&bound), Some(&pv), &agents));
-        assert!(e.contains("unknown target \"s3://bucket/prefix\""), "{e}");
+        assert!(e.contains("a repository target needs a secret"), "{e}");
+        let secret_ns = (PARAM_SECRET_NAMESPACE, "mover-system");
+        let secret_name = (PARAM_SECRET_NAME, "s3");
+        let half = class(&[("target", "s3://bucket/prefix"), secret_name]);
+        let e = err(inputs(Some(&half), Some(&bound), Some(&pv), &agents));
+        assert!(e.contains("or neither"), "{e}");
+        let often = class(&[
+            ("target", "s3://bucket/prefix"),
+            ("schedulingInterval", "30s"),
+            secret_ns,
+            secret_name,
+        ]);
+        let e = err(inputs(Some(&often), Some(&bound), Some(&pv), &agents));
+        assert!(e.contains("too often for snapshots"), "{e}");
+        let bad_keep = class(&[
+            ("target", "s3://bucket/prefix"),
+            ("keepDaily", "seven"),
+            secret_ns,
+            secret_name,
+        ]);
+        let e = err(inputs(Some(&bad_keep), Some(&bound), Some(&pv), &agents));
+        assert!(e.contains("keepDaily \"seven\" is not a count"), "{e}");
+        let good_s3 = class(&[
+            ("target", "s3://bucket/prefix"),
+            ("schedulingInterval", "1h"),
+            ("keepLast", "3"),
+            ("keepDaily", "7"),
+            ("pruneEvery", "24"),
+            ("s3Endpoint", "http://minio:9000"),
+            secret_ns,
+            secret_name,
+        ]);
+        let d = desired(
+            &v,
+            &inputs(Some(&good_s3), Some(&bound), Some(&pv), &agents),
+        )
+        .unwrap();
+        assert_eq!(
+            d.params.target,
+            Target::Repository(RepositoryTarget {
+                url: "s3://bucket/prefix".into(),
+                keep: [3, 0, 7, 0, 0],
+                prune_every: 24,
+                s3_endpoint: "http://minio:9000".into(),
+                s3_region: String::new(),
+            })
+        );
+        assert_eq!(
+            d.params.secret,
+            Some(("mover-system".to_string(), "s3".to_string()))
+        );
+        assert_eq!(d.peer, "s3://bucket/prefix");
         let none = class(&[]);
         let e = err(inputs(Some(&none), Some(&bound), Some(&pv), &agents));
         assert!(e.contains("has no target parameter"), "{e}");

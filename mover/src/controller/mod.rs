@@ -19,6 +19,7 @@ pub mod desired;
 pub mod metrics;
 pub mod reconcile;
 mod run;
+pub mod snapshots;
 pub mod status;
 
 pub use run::{RunError, RunOptions, run};

@@ -366,6 +366,12 @@ pub async fn decide(
         volume_replication_class: vr.spec.volume_replication_class.clone(),
         data_source_name: vr.spec.data_source.name.clone(),
     });
+    if let desired::Target::Repository(repo) = &d.params.target {
+        let (st, next) =
+            super::snapshots::reconcile(ctx, &d, repo, state, st, generation, &kind, now).await;
+        let next = next.map_or(RETRY, info_interval);
+        return (st, Action::requeue(next));
+    }
     let mut c = Conditions::new(&mut st.conditions, generation, &kind, now.clone());
     c.validated();
     match state {
@@ -585,7 +591,9 @@ async fn cleanup(obj: &DynamicObject, ctx: &Context) -> Result<Action, Error> {
         Err(_) => recorded.map(|r| (r.agent, r.name, r.volume)),
     };
     if let Some((agent, name, volume)) = target {
+        // Whichever the class was: a relationship, or a schedule (its snapshots stay).
         ctx.agents.delete(&agent, &name).await?;
+        ctx.agents.delete_schedule(&agent, &name).await?;
         tracing::info!(%agent, relationship = %name, "relationship deleted");
         // Best effort: another relationship or a hydration may still use the export.
         match ctx.agents.unexport(&agent, &volume).await {

@@ -229,7 +229,9 @@ impl RemoteOptions {
         Ok(HydrationClient::with_interceptor(channel, auth))
     }
 
-    async fn channel(&self, url: &AgentUrl) -> Result<(Channel, AttachToken), CopyError> {
+    /// A channel to the agent at `url` with its token interceptor, from which a client
+    /// of any of its services is made.
+    pub async fn channel(&self, url: &AgentUrl) -> Result<(Channel, AttachToken), CopyError> {
         let remote = |code: &str, message: String| CopyError::Remote {
             url: url.to_string(),
             code: code.into(),

@@ -1,0 +1,179 @@
+//! VolumeReplications whose class targets a snapshot repository: a schedule of scheduled
+//! snapshots on the agent holding the volume (interval, retention and prune from the
+//! class, password and S3 keys from the class's secret), reported as a primary that is
+//! replicating: lastSyncTime is the last snapshot's time.
+
+use super::agents::AgentError;
+use super::crd::{ReplicationState, State, VolumeReplicationStatus};
+use super::desired::{Desired, RepositoryTarget};
+use super::reconcile::Context;
+use super::status::{self, Conditions, Health};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::Api;
+use std::time::Duration;
+use transport::schedule;
+
+/// Secret key: the repository password.
+pub const SECRET_PASSWORD: &str = "password";
+/// Secret key: a raw repository key instead of a password.
+pub const SECRET_KEY: &str = "key";
+/// Secret keys: S3 credentials.
+pub const SECRET_S3_KEYS: [&str; 2] = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"];
+
+/// The schedule a repository target wants, its access left out.
+pub fn schedule_spec(d: &Desired, repo: &RepositoryTarget) -> schedule::Spec {
+    let [last, hourly, daily, weekly, monthly] = repo.keep;
+    schedule::Spec {
+        name: d.name.clone(),
+        volume: d.volume.clone(),
+        repository: repo.url.clone(),
+        schedule: format!("{}s", d.params.interval.as_secs()),
+        keep: Some(schedule::Keep {
+            last,
+            hourly,
+            daily,
+            weekly,
+            monthly,
+        }),
+        prune_every: repo.prune_every,
+        snapshot_name: d.name.clone(),
+        access: None,
+    }
+}
+
+/// Reconciles a VolumeReplication whose class targets a repository.
+#[allow(clippy::too_many_arguments)]
+pub async fn reconcile(
+    ctx: &Context,
+    d: &Desired,
+    repo: &RepositoryTarget,
+    state: ReplicationState,
+    mut st: VolumeReplicationStatus,
+    generation: i64,
+    kind: &str,
+    now: Time,
+) -> (VolumeReplicationStatus, Option<Duration>) {
+    let mut c = Conditions::new(&mut st.conditions, generation, kind, now.clone());
+    if state != ReplicationState::Primary {
+        let detail = format!(
+            "the class sends snapshots to the repository {}: there is no secondary to \
+             become; restore a snapshot with `mover snapshot restore` or `mover hydrate \
+             start --from-snapshot`, or set replicationState primary",
+            repo.url
+        );
+        c.failed_validation(state, "unsupported replicationState", &detail);
+        c.remove(status::types::REPLICATING);
+        st.state = Some(st.state.unwrap_or(State::Unknown));
+        st.message = Some(format!("unsupported replicationState: {detail}"));
+        return (st, None);
+    }
+    c.validated();
+    let want = schedule_spec(d, repo);
+    let result = match ctx.agents.schedule(&d.agent, &d.name).await {
+        Err(e) => Err(e.to_string()),
+        Ok(Some(s)) if s.spec.as_ref() == Some(&want) => Ok(s),
+        // New or changed: only then is the secret read (a look at rest costs no request).
+        Ok(_) => match access(ctx, d, repo).await {
+            Ok(access) => {
+                let spec = schedule::Spec {
+                    access: Some(access),
+                    ..want
+                };
+                ctx.agents
+                    .apply_schedule(&d.agent, spec)
+                    .await
+                    .map_err(|e: AgentError| e.to_string())
+            }
+            Err(e) => Err(e),
+        },
+    };
+    match result {
+        Ok(s) => {
+            c.promoted();
+            let (health, detail) = if s.state == "Failing" {
+                (
+                    Health::Degraded,
+                    format!("snapshots failing: {}", s.last_error),
+                )
+            } else {
+                (Health::Healthy, format!("snapshots to {}", repo.url))
+            };
+            c.replicating(health, &detail);
+            report(&mut st, &s, &repo.url);
+            st.state = Some(State::Primary);
+            st.message = Some(status::marked(state));
+            st.last_completion_time = Some(now);
+            (st, Some(d.params.interval))
+        }
+        Err(e) => {
+            c.failed_promotion("failed to promote volume", &e);
+            c.replicating(Health::Unknown, &e);
+            st.state = Some(st.state.unwrap_or(State::Unknown));
+            st.message = Some(e);
+            (st, None)
+        }
+    }
+}
+
+/// The repository's password and S3 keys, from the class's secret.
+async fn access(
+    ctx: &Context,
+    d: &Desired,
+    repo: &RepositoryTarget,
+) -> Result<schedule::Access, String> {
+    let (ns, name) =
+        d.params.secret.clone().ok_or_else(|| {
+            "the class names no secret with the repository's password".to_string()
+        })?;
+    let secret = Api::<Secret>::namespaced(ctx.client.clone(), &ns)
+        .get_opt(&name)
+        .await
+        .map_err(|e| format!("cannot read secret {ns}/{name}: {e}"))?
+        .ok_or_else(|| {
+            format!(
+                "secret {ns}/{name} not found: create it with the repository's `{SECRET_PASSWORD}` \
+                 (or a raw `{SECRET_KEY}`) and, for S3, {} and {}",
+                SECRET_S3_KEYS[0], SECRET_S3_KEYS[1]
+            )
+        })?;
+    let data = secret.data.unwrap_or_default();
+    let get = |k: &str| data.get(k).map(|v| v.0.clone());
+    let text = |k: &str| get(k).map(|v| String::from_utf8_lossy(&v).trim().to_string());
+    let (password, raw_key) = match (get(SECRET_PASSWORD), get(SECRET_KEY)) {
+        (Some(p), _) => (p.trim_ascii().to_vec(), false),
+        (None, Some(k)) => (k, true),
+        (None, None) => {
+            return Err(format!(
+                "secret {ns}/{name} has no `{SECRET_PASSWORD}` (or `{SECRET_KEY}`): the agent \
+                 could not open the repository"
+            ));
+        }
+    };
+    if password.is_empty() {
+        return Err(format!("secret {ns}/{name}: `{SECRET_PASSWORD}` is empty"));
+    }
+    Ok(schedule::Access {
+        password,
+        raw_key,
+        s3_endpoint: repo.s3_endpoint.clone(),
+        s3_region: repo.s3_region.clone(),
+        s3_access_key_id: text(SECRET_S3_KEYS[0]).unwrap_or_default(),
+        s3_secret_access_key: text(SECRET_S3_KEYS[1]).unwrap_or_default(),
+    })
+}
+
+/// The last snapshot as the last sync: its time, duration, bytes stored; the RPO.
+fn report(st: &mut VolumeReplicationStatus, s: &schedule::Status, url: &str) {
+    st.destination_volume_id = Some(url.to_string());
+    st.progress = None;
+    if s.last_time_ms > 0 {
+        st.last_sync_time = Some(status::time_ms(s.last_time_ms));
+        st.last_sync_duration = Some(status::go_duration(Duration::from_millis(
+            s.last_duration_ms,
+        )));
+        st.last_sync_bytes = Some(s.last_bytes_added as i64);
+        let age = (crate::replicate::now_ms() - s.last_time_ms) as f64 / 1000.0;
+        st.rpo_seconds = Some((age.max(0.0) * 10.0).round() / 10.0);
+    }
+}
