@@ -152,6 +152,22 @@ impl Pair {
     }
 }
 
+/// `nbdinfo --map=mover:present`: (offset, length, flags) of every extent.
+fn presence(uri: &str) -> Vec<(u64, u64, u32)> {
+    let out = tool("nbdinfo", &["--map=mover:present", uri]);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (
+                f[0].parse().unwrap(),
+                f[1].parse().unwrap(),
+                f[2].parse().unwrap(),
+            )
+        })
+        .collect()
+}
+
 /// The source's bytes with `writes` applied.
 fn expected(src: &Path, writes: &[(u64, Vec<u8>)]) -> Vec<u8> {
     let mut v = std::fs::read(src).unwrap();
@@ -178,6 +194,10 @@ fn clients_read_and_write_a_volume_while_it_hydrates() {
         map.lines().any(|l| l.contains("hole")),
         "the 16 MiB hole of the source is reported: {map}"
     );
+    // `mover:present` shows what is still to come (flag 1), the hole being here.
+    let missing = presence(&u);
+    assert!(missing.iter().any(|e| e.2 == 1), "{missing:?}");
+    assert_eq!(missing.iter().map(|e| e.1).sum::<u64>(), SIZE);
 
     // A read far ahead of the filler (unaligned, in a region not fetched yet) returns
     // the source's bytes.
@@ -217,7 +237,13 @@ fn clients_read_and_write_a_volume_while_it_hydrates() {
         );
     }
 
+    // Hydrating, the missing part only shrinks; once complete nothing is missing.
+    let later = presence(&u);
+    let missing_bytes =
+        |m: &[(u64, u64, u32)]| m.iter().filter(|e| e.2 == 1).map(|e| e.1).sum::<u64>();
+    assert!(missing_bytes(&later) <= missing_bytes(&missing));
     p.wait();
+    assert_eq!(missing_bytes(&presence(&u)), 0);
     let s = status(&p.dst, "dst");
     assert_eq!(s["phase"], "Complete");
     assert_eq!(s["present"], s["regions"]);

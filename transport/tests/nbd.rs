@@ -399,7 +399,10 @@ async fn nbdinfo_lists_the_exports_and_describes_one() {
     assert_eq!(disk["block_size_minimum"], 512);
     assert_eq!(disk["block_size_preferred"], 65536);
     assert_eq!(disk["block_size_maximum"], 32 * MIB);
-    assert_eq!(disk["contexts"], serde_json::json!(["base:allocation"]));
+    assert_eq!(
+        disk["contexts"],
+        serde_json::json!(["base:allocation", "mover:present"])
+    );
 
     let ro = json(&ok("nbdinfo", &["--json", &server.uri("ro")]).await);
     assert_eq!(ro["exports"][0]["is_read_only"], true);
@@ -1028,6 +1031,22 @@ async fn options_the_server_does_not_know_are_refused_and_haggling_goes_on() {
     assert_eq!(&r[0].1[4..], b"base:allocation");
     let q = meta_query("disk", &["qemu:dirty-bitmap:x", "base:nope"]);
     assert_eq!(c.ask(OPT_LIST_META_CONTEXT, &q).await.0, REP_ACK);
+    // mover's own context, by its namespace; an empty query lists both.
+    c.option(OPT_LIST_META_CONTEXT, &meta_query("disk", &["mover:"]))
+        .await;
+    let r = c.replies(OPT_LIST_META_CONTEXT).await;
+    assert_eq!(&r[0].1[4..], b"mover:present");
+    c.option(OPT_LIST_META_CONTEXT, &meta_query("disk", &[]))
+        .await;
+    let r = c.replies(OPT_LIST_META_CONTEXT).await;
+    let names: Vec<_> = r[..r.len() - 1]
+        .iter()
+        .map(|(_, d)| d[4..].to_vec())
+        .collect();
+    assert_eq!(
+        names,
+        [b"base:allocation".to_vec(), b"mover:present".to_vec()]
+    );
     let q = meta_query("nope", &["base:allocation"]);
     assert_eq!(c.ask(OPT_SET_META_CONTEXT, &q).await.0, REP_ERR_UNKNOWN);
 
@@ -1495,4 +1514,55 @@ async fn with_tls_nothing_is_served_before_starttls_and_a_silent_client_is_dropp
     let r = served.await.unwrap();
     assert!(matches!(r, Err(NbdError::HandshakeTimeout(_))), "{r:?}");
     assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_status_answers_each_selected_context_in_its_own_chunk() {
+    let (_dir, server) = raw_fixture().await;
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.ask(OPT_STRUCTURED_REPLY, &[]).await.0, REP_ACK);
+    let q = meta_query("disk", &["mover:present", "base:allocation", "other:x"]);
+    c.option(OPT_SET_META_CONTEXT, &q).await;
+    let r = c.replies(OPT_SET_META_CONTEXT).await;
+    let selected: Vec<_> = r[..r.len() - 1]
+        .iter()
+        .map(|(rep, d)| {
+            (
+                *rep,
+                u32::from_be_bytes(d[0..4].try_into().unwrap()),
+                d[4..].to_vec(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        selected,
+        [
+            (REP_META_CONTEXT, 1, b"base:allocation".to_vec()),
+            (REP_META_CONTEXT, 2, b"mover:present".to_vec())
+        ]
+    );
+    c.option(OPT_GO, &info_query("disk", &[])).await;
+    assert_eq!(c.replies(OPT_GO).await.last().unwrap().0, REP_ACK);
+
+    c.request(0, CMD_BLOCK_STATUS, 5, 0, MIB as u32).await;
+    let first = c.chunk().await;
+    assert_eq!(
+        (first.cookie, first.flags & 1, first.kind),
+        (5, 0, REPLY_TYPE_BLOCK_STATUS)
+    );
+    assert_eq!(
+        u32::from_be_bytes(first.payload[0..4].try_into().unwrap()),
+        1
+    );
+    let second = c.done(5).await;
+    assert_eq!(second.kind, REPLY_TYPE_BLOCK_STATUS);
+    assert_eq!(
+        u32::from_be_bytes(second.payload[0..4].try_into().unwrap()),
+        2
+    );
+    // A plain export holds everything: nothing is missing.
+    let d = &second.payload[4..];
+    assert_eq!(d.len(), 8);
+    assert_eq!(u32::from_be_bytes(d[0..4].try_into().unwrap()), MIB as u32);
+    assert_eq!(u32::from_be_bytes(d[4..8].try_into().unwrap()), 0);
 }

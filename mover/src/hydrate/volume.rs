@@ -9,7 +9,7 @@ use std::{
     path::{Path, PathBuf},
     sync::Arc,
 };
-use transport::nbd::{NbdVolume, STATE_HOLE, STATE_ZERO};
+use transport::nbd::{NbdVolume, STATE_HOLE, STATE_MISSING, STATE_ZERO};
 
 /// At most this many extents answer one BLOCK_STATUS.
 const MAX_EXTENTS: usize = 1024;
@@ -214,6 +214,26 @@ impl NbdVolume for HydratingVolume {
         let h = &self.0;
         h.check_open()?;
         h.ensure(h.regions_of(offset, len)).await
+    }
+
+    async fn presence(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
+        // Missing: a region a read would fetch first (a hole of the source never is).
+        let h = &self.0;
+        let end = offset + len;
+        let mut out: Vec<(u64, u32)> = Vec::new();
+        let mut at = offset;
+        while at < end && out.len() < MAX_EXTENTS {
+            let r = at / h.region_size();
+            let stop = h.region_range(r).end.min(end);
+            let here = h.is_present(r) || h.is_source_hole(r);
+            let flags = if here { 0 } else { STATE_MISSING };
+            match out.last_mut() {
+                Some(last) if last.1 == flags => last.0 += stop - at,
+                _ => out.push((stop - at, flags)),
+            }
+            at = stop;
+        }
+        Ok(out)
     }
 }
 

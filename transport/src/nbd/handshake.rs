@@ -22,8 +22,8 @@ pub(crate) struct Session {
     pub name: String,
     /// NBD_OPT_STRUCTURED_REPLY was negotiated.
     pub structured: bool,
-    /// The id of `base:allocation` when it was selected for this export.
-    pub meta_context: Option<u32>,
+    /// The ids of the metadata contexts selected for this export, in id order.
+    pub contexts: Vec<u32>,
 }
 
 /// Largest read or write payload, and the maximum in NBD_INFO_BLOCK_SIZE: the size every
@@ -36,11 +36,18 @@ const MAX_OPTION: u32 = 64 << 10;
 /// hostile, and it gets a hard disconnect.
 const MAX_SKIP: u32 = 16 << 20;
 
-/// The one metadata context served.
-const BASE_ALLOCATION: &str = "base:allocation";
-/// Its id in NBD_REP_META_CONTEXT and in block status replies (any value will do; not
-/// zero, so it is told apart from LIST's reserved id in a capture).
+/// The metadata contexts served, with their ids in NBD_REP_META_CONTEXT and block status
+/// replies (any value will do; not zero, so they are told apart from LIST's reserved id
+/// in a capture): the spec's `base:allocation`, and mover's `mover:present`, whose flag
+/// [`super::STATE_MISSING`] marks what a hydrating export does not hold yet.
+pub(crate) const CONTEXTS: [(&str, u32); 2] = [
+    ("base:allocation", BASE_ALLOCATION_ID),
+    ("mover:present", PRESENT_ID),
+];
+/// The id of `base:allocation`.
 pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
+/// The id of `mover:present`.
+pub(crate) const PRESENT_ID: u32 = 2;
 
 /// TLS on this connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,8 +75,8 @@ pub(crate) struct Haggle<'a> {
     exports: &'a dyn NbdExports,
     no_zeroes: bool,
     structured: bool,
-    /// The export `base:allocation` was last selected for.
-    meta_export: Option<String>,
+    /// The export metadata contexts were last selected for, and their ids.
+    meta_export: Option<(String, Vec<u32>)>,
     /// The last export opened (by INFO, GO or a meta context option): opened once for
     /// a connection that asks about it several times, and the INFO and GO answers agree.
     opened: Option<(String, Arc<dyn NbdVolume>)>,
@@ -326,26 +333,30 @@ impl Haggle<'_> {
         if let Err(why) = self.open(name) {
             return option_reply(option, REP_ERR_UNKNOWN, why.as_bytes());
         }
-        // SET selects only the full name; LIST also answers the `base:` wildcard and
-        // an empty query list. Other namespaces are ignored, as the spec says.
-        let matched = if set {
-            queries.contains(&BASE_ALLOCATION)
-        } else {
-            queries.is_empty()
-                || queries
-                    .iter()
-                    .any(|q| *q == "base:" || *q == BASE_ALLOCATION)
-        };
+        // SET selects only full names; LIST also answers a namespace's wildcard
+        // ("base:") and an empty query list. Unknown names are ignored, as the spec says.
+        let matched: Vec<(&str, u32)> = CONTEXTS
+            .into_iter()
+            .filter(|(context, _)| {
+                let namespace = &context[..=context.find(':').unwrap_or(0)];
+                if set {
+                    queries.contains(context)
+                } else {
+                    queries.is_empty() || queries.iter().any(|q| q == context || *q == namespace)
+                }
+            })
+            .collect();
         let mut out = Vec::new();
-        if matched {
+        for (context, id) in &matched {
             // LIST's id is reserved and should be zero.
-            let id = if set { BASE_ALLOCATION_ID } else { 0 };
+            let id = if set { *id } else { 0 };
             let mut d = id.to_be_bytes().to_vec();
-            d.extend_from_slice(BASE_ALLOCATION.as_bytes());
+            d.extend_from_slice(context.as_bytes());
             out.extend(option_reply(option, REP_META_CONTEXT, &d));
-            if set {
-                self.meta_export = Some(name.to_owned());
-            }
+        }
+        if set && !matched.is_empty() {
+            let ids = matched.iter().map(|(_, id)| *id).collect();
+            self.meta_export = Some((name.to_owned(), ids));
         }
         out.extend(option_reply(option, REP_ACK, &[]));
         out
@@ -368,14 +379,16 @@ impl Haggle<'_> {
     }
 
     fn session(&self, name: String, volume: Arc<dyn NbdVolume>) -> Session {
-        // Block status is only allowed for the export the context was selected on.
-        let meta_context =
-            (self.meta_export.as_deref() == Some(name.as_str())).then_some(BASE_ALLOCATION_ID);
+        // Block status is only allowed for the export the contexts were selected on.
+        let contexts = match &self.meta_export {
+            Some((export, ids)) if *export == name => ids.clone(),
+            _ => Vec::new(),
+        };
         Session {
             volume,
             name,
             structured: self.structured,
-            meta_context,
+            contexts,
         }
     }
 }

@@ -9,7 +9,7 @@
 //!   `transmission` (concurrent requests, one reply writer), `listen` (accept loops).
 //!
 //! What clients get: fixed newstyle with NO_ZEROES; NBD_OPT_GO/INFO with export and
-//! block size information; structured replies; `base:allocation`; READ, WRITE (FUA),
+//! block size information; structured replies; `base:allocation` and `mover:present`; READ, WRITE (FUA),
 //! FLUSH, TRIM, WRITE_ZEROES (NO_HOLE), CACHE, BLOCK_STATUS (REQ_ONE), DF, and
 //! CAN_MULTI_CONN; over TCP, TLS (required, with client certificates: STARTTLS, the
 //! spec's FORCEDTLS). Not offered: extended headers, fast zero, resize. A client has
@@ -124,7 +124,7 @@ where
     tracing::debug!(
         export = %session.name,
         structured = session.structured,
-        block_status = session.meta_context.is_some(),
+        contexts = ?session.contexts,
         "NBD transmission phase"
     );
     let (reader, writer) = tokio::io::split(stream);
@@ -166,12 +166,20 @@ pub trait NbdVolume: Send + Sync {
     async fn block_status(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>>;
     /// Brings a range close (NBD_CMD_CACHE): a hydrating export fetches it now.
     async fn cache(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// `mover:present`: which of `[offset, offset + len)` is here, as extents like
+    /// [`NbdVolume::block_status`]'s with [`STATE_MISSING`] on what is not (a hydrating
+    /// export's regions still to come). By default everything is here.
+    async fn presence(&self, _offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
+        Ok(vec![(len, 0)])
+    }
 }
 
 /// `base:allocation`: the extent is not allocated.
 pub const STATE_HOLE: u32 = 1;
 /// `base:allocation`: the extent reads as zeros.
 pub const STATE_ZERO: u32 = 2;
+/// `mover:present`: the extent is not here yet (a read of it is fetched first).
+pub const STATE_MISSING: u32 = 1;
 
 /// The volumes a server offers, by export name.
 pub trait NbdExports: Send + Sync {

@@ -11,9 +11,9 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use super::handshake::{MAX_PAYLOAD, Session};
+use super::handshake::{BASE_ALLOCATION_ID, MAX_PAYLOAD, Session};
 use super::wire::*;
-use super::{NbdError, STATE_HOLE, STATE_ZERO};
+use super::{NbdError, STATE_HOLE, STATE_MISSING, STATE_ZERO};
 
 /// Most requests served at once on one connection.
 const MAX_IN_FLIGHT: usize = 64;
@@ -41,7 +41,8 @@ struct Permits {
 enum Done {
     Ok,
     Data(Vec<u8>),
-    Extents(Vec<(u32, u32)>),
+    /// Block status: per selected context (by id), its extents.
+    Extents(Vec<(u32, Vec<(u32, u32)>)>),
 }
 
 /// A failed command: the NBD error and a message for the client's human.
@@ -298,19 +299,29 @@ async fn execute(s: &Session, req: &Request, payload: Option<Vec<u8>>) -> Result
             Ok(Done::Ok)
         }
         CMD_BLOCK_STATUS => {
-            if s.meta_context.is_none() {
+            if s.contexts.is_empty() {
                 return fail(EINVAL, "no metadata context was negotiated");
             }
             in_range(v.size(), req, EINVAL)?;
             if len == 0 {
                 return fail(EINVAL, "block status of zero bytes");
             }
-            let extents = v
-                .block_status(offset, len)
-                .await
-                .map_err(volume_error("block status"))?;
             let req_one = req.flags & CMD_FLAG_REQ_ONE != 0;
-            Ok(Done::Extents(descriptors(&extents, req.len, req_one)))
+            let mut all = Vec::with_capacity(s.contexts.len());
+            for &id in &s.contexts {
+                let (extents, mask) = if id == BASE_ALLOCATION_ID {
+                    let e = v.block_status(offset, len).await;
+                    (
+                        e.map_err(volume_error("block status"))?,
+                        STATE_HOLE | STATE_ZERO,
+                    )
+                } else {
+                    let e = v.presence(offset, len).await;
+                    (e.map_err(volume_error("block status"))?, STATE_MISSING)
+                };
+                all.push((id, descriptors(&extents, req.len, req_one, mask)));
+            }
+            Ok(Done::Extents(all))
         }
         other => fail(EINVAL, format!("unknown command {other}")),
     }
@@ -365,7 +376,7 @@ fn volume_error(op: &'static str) -> impl Fn(std::io::Error) -> Failure {
 /// A volume's extents as block status descriptors for a request of `len` bytes: cut at
 /// the request's end (so every length fits in 32 bits), neighbours of equal flags merged,
 /// only the first one for REQ_ONE, and never empty.
-fn descriptors(extents: &[(u64, u32)], len: u32, req_one: bool) -> Vec<(u32, u32)> {
+fn descriptors(extents: &[(u64, u32)], len: u32, req_one: bool, mask: u32) -> Vec<(u32, u32)> {
     let mut out: Vec<(u32, u32)> = Vec::new();
     let mut covered = 0u64;
     for &(extent, flags) in extents {
@@ -374,7 +385,7 @@ fn descriptors(extents: &[(u64, u32)], len: u32, req_one: bool) -> Vec<(u32, u32
             break;
         }
         let take = extent.min(left) as u32;
-        let flags = flags & (STATE_HOLE | STATE_ZERO);
+        let flags = flags & mask;
         covered += u64::from(take);
         if let Some((l, f)) = out.last_mut()
             && *f == flags
@@ -427,15 +438,18 @@ fn encode(s: &Session, req: &Request, outcome: Result<Done, Failure>) -> (Vec<u8
             head.extend_from_slice(&req.offset.to_be_bytes());
             return (head, data);
         }
-        Ok(Done::Extents(extents)) => {
-            let id = s.meta_context.unwrap_or_default();
-            let len = 4 + 8 * extents.len() as u32;
-            let kind = REPLY_TYPE_BLOCK_STATUS;
-            chunk_header(&mut head, REPLY_FLAG_DONE, kind, cookie, len);
-            head.extend_from_slice(&id.to_be_bytes());
-            for (l, f) in extents {
-                head.extend_from_slice(&l.to_be_bytes());
-                head.extend_from_slice(&f.to_be_bytes());
+        Ok(Done::Extents(all)) => {
+            // One chunk per context; the last one ends the reply.
+            let last = all.len().saturating_sub(1);
+            for (i, (id, extents)) in all.into_iter().enumerate() {
+                let len = 4 + 8 * extents.len() as u32;
+                let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
+                chunk_header(&mut head, flags, REPLY_TYPE_BLOCK_STATUS, cookie, len);
+                head.extend_from_slice(&id.to_be_bytes());
+                for (l, f) in extents {
+                    head.extend_from_slice(&l.to_be_bytes());
+                    head.extend_from_slice(&f.to_be_bytes());
+                }
             }
         }
     }
@@ -451,38 +465,47 @@ fn is_zero(data: &[u8]) -> bool {
 mod tests {
     use super::*;
 
+    const BASE: u32 = STATE_HOLE | STATE_ZERO;
+
     #[test]
     fn descriptors_are_cut_at_the_request_end_and_merged() {
         // A 5 GiB hole does not fit in 32 bits: cut to the request.
         assert_eq!(
-            descriptors(&[(5 << 30, STATE_HOLE | STATE_ZERO)], 1 << 20, false),
+            descriptors(&[(5 << 30, STATE_HOLE | STATE_ZERO)], 1 << 20, false, BASE),
             vec![(1 << 20, 3)]
         );
         assert_eq!(
             descriptors(
                 &[(4096, 0), (4096, 0), (8192, 3), (1 << 40, 0)],
                 20000,
-                false
+                false,
+                BASE
             ),
             vec![(8192, 0), (8192, 3), (20000 - 16384, 0)]
         );
         // Unknown flag bits are reserved: not passed on.
-        assert_eq!(descriptors(&[(512, 0xff)], 512, false), vec![(512, 3)]);
+        assert_eq!(
+            descriptors(&[(512, 0xff)], 512, false, BASE),
+            vec![(512, 3)]
+        );
     }
 
     #[test]
     fn req_one_gives_one_descriptor_within_the_request() {
         assert_eq!(
-            descriptors(&[(4096, 3), (4096, 0)], 8192, true),
+            descriptors(&[(4096, 3), (4096, 0)], 8192, true, BASE),
             vec![(4096, 3)]
         );
-        assert_eq!(descriptors(&[(1 << 33, 0)], 512, true), vec![(512, 0)]);
+        assert_eq!(
+            descriptors(&[(1 << 33, 0)], 512, true, BASE),
+            vec![(512, 0)]
+        );
     }
 
     #[test]
     fn a_volume_saying_nothing_gets_one_allocated_extent() {
-        assert_eq!(descriptors(&[], 4096, false), vec![(4096, 0)]);
-        assert_eq!(descriptors(&[(0, 3)], 4096, true), vec![(4096, 0)]);
+        assert_eq!(descriptors(&[], 4096, false, BASE), vec![(4096, 0)]);
+        assert_eq!(descriptors(&[(0, 3)], 4096, true, BASE), vec![(4096, 0)]);
     }
 
     #[test]
