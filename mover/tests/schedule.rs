@@ -152,19 +152,13 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
     );
 
     // The snapshot restores to the volume's bytes.
-    let restored = t.path().join("restored.img");
-    ok(mover(
-        &s3,
-        &pw,
-        &[
-            "snapshot",
-            "restore",
-            REPO,
-            first["last_snapshot"].as_str().unwrap(),
-            restored.to_str().unwrap(),
-        ],
-    ));
-    assert_eq!(blake3_of(&restored, SIZE), blake3_of(&img, SIZE));
+    let restores_to_the_volume = |snapshot: &serde_json::Value, file: &str| {
+        let restored = t.path().join(file);
+        let (id, to) = (snapshot.as_str().unwrap(), restored.to_str().unwrap());
+        ok(mover(&s3, &pw, &["snapshot", "restore", REPO, id, to]));
+        assert_eq!(blake3_of(&restored, SIZE), blake3_of(&img, SIZE));
+    };
+    restores_to_the_volume(&first["last_snapshot"], "restored.img");
 
     // Runs on demand after writes are incremental; retention keeps the newest two.
     for seed in [1, 2, 3] {
@@ -194,19 +188,7 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
     let kept = snapshots_of(&s3, &pw, "pg-dr");
     assert_eq!(kept.len(), 2, "{kept:?}");
     assert!(kept.iter().any(|k| k["id"] == s["last_snapshot"]));
-    let restored_latest = t.path().join("latest.img");
-    ok(mover(
-        &s3,
-        &pw,
-        &[
-            "snapshot",
-            "restore",
-            REPO,
-            s["last_snapshot"].as_str().unwrap(),
-            restored_latest.to_str().unwrap(),
-        ],
-    ));
-    assert_eq!(blake3_of(&restored_latest, SIZE), blake3_of(&img, SIZE));
+    restores_to_the_volume(&s["last_snapshot"], "latest.img");
 
     // The agent restarts: the schedule is still there, with its history and next run.
     let config = agent.config.clone();

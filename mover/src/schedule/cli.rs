@@ -36,21 +36,8 @@ pub enum ScheduleCommand {
         /// When: an interval ("30m", "6h"), "hourly:MM" or "daily:HH:MM" (UTC).
         #[arg(long, value_name = "WHEN")]
         schedule: String,
-        /// Keep the newest N snapshots.
-        #[arg(long, value_name = "N", default_value_t = 0)]
-        keep_last: u32,
-        /// Keep the newest snapshot of each of the last N hours.
-        #[arg(long, value_name = "N", default_value_t = 0)]
-        keep_hourly: u32,
-        /// Keep the newest snapshot of each of the last N days.
-        #[arg(long, value_name = "N", default_value_t = 0)]
-        keep_daily: u32,
-        /// Keep the newest snapshot of each of the last N weeks.
-        #[arg(long, value_name = "N", default_value_t = 0)]
-        keep_weekly: u32,
-        /// Keep the newest snapshot of each of the last N months.
-        #[arg(long, value_name = "N", default_value_t = 0)]
-        keep_monthly: u32,
+        #[command(flatten)]
+        keep: crate::snapshot_cli::KeepArgs,
         /// Prune the repository after every N snapshots (0: never).
         #[arg(long, value_name = "N", default_value_t = 0)]
         prune_every: u32,
@@ -112,11 +99,7 @@ pub async fn run(cmd: ScheduleCommand) -> anyhow::Result<()> {
             volume,
             repo,
             schedule,
-            keep_last,
-            keep_hourly,
-            keep_daily,
-            keep_weekly,
-            keep_monthly,
+            keep,
             prune_every,
             snapshot_name,
             password_file,
@@ -134,12 +117,15 @@ pub async fn run(cmd: ScheduleCommand) -> anyhow::Result<()> {
                 volume,
                 repository: repo,
                 schedule,
-                keep: Some(proto::Keep {
-                    last: keep_last,
-                    hourly: keep_hourly,
-                    daily: keep_daily,
-                    weekly: keep_weekly,
-                    monthly: keep_monthly,
+                keep: Some({
+                    let p = keep.policy();
+                    proto::Keep {
+                        last: p.last,
+                        hourly: p.hourly,
+                        daily: p.daily,
+                        weekly: p.weekly,
+                        monthly: p.monthly,
+                    }
                 }),
                 prune_every,
                 snapshot_name: snapshot_name.unwrap_or_default(),

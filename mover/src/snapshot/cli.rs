@@ -127,21 +127,8 @@ pub enum SnapshotCommand {
     Forget {
         /// The repository.
         repo: String,
-        /// Keep the newest N snapshots.
-        #[arg(long, value_name = "N", default_value_t = 0)]
-        keep_last: u32,
-        /// Keep the newest snapshot of each of the last N hours.
-        #[arg(long, value_name = "N", default_value_t = 0)]
-        keep_hourly: u32,
-        /// Keep the newest snapshot of each of the last N days.
-        #[arg(long, value_name = "N", default_value_t = 0)]
-        keep_daily: u32,
-        /// Keep the newest snapshot of each of the last N weeks.
-        #[arg(long, value_name = "N", default_value_t = 0)]
-        keep_weekly: u32,
-        /// Keep the newest snapshot of each of the last N months.
-        #[arg(long, value_name = "N", default_value_t = 0)]
-        keep_monthly: u32,
+        #[command(flatten)]
+        keep: KeepArgs,
         /// Only print what would be forgotten.
         #[arg(long)]
         dry_run: bool,
@@ -173,6 +160,39 @@ pub enum SnapshotCommand {
     /// Snapshots taken by an agent on a schedule, with retention and prune.
     #[command(subcommand)]
     Schedule(crate::schedule_cli::ScheduleCommand),
+}
+
+/// Retention rules (`snapshot forget`, `snapshot schedule create`).
+#[derive(Clone, Debug, clap::Args)]
+pub struct KeepArgs {
+    /// Keep the newest N snapshots.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    keep_last: u32,
+    /// Keep the newest snapshot of each of the last N hours.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    keep_hourly: u32,
+    /// Keep the newest snapshot of each of the last N days.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    keep_daily: u32,
+    /// Keep the newest snapshot of each of the last N weeks.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    keep_weekly: u32,
+    /// Keep the newest snapshot of each of the last N months.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    keep_monthly: u32,
+}
+
+impl KeepArgs {
+    /// The rules as a policy.
+    pub fn policy(&self) -> KeepPolicy {
+        KeepPolicy {
+            last: self.keep_last,
+            hourly: self.keep_hourly,
+            daily: self.keep_daily,
+            weekly: self.keep_weekly,
+            monthly: self.keep_monthly,
+        }
+    }
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -373,22 +393,12 @@ async fn run_snapshot_async(cmd: SnapshotCommand) -> anyhow::Result<()> {
         }
         SnapshotCommand::Forget {
             repo,
-            keep_last,
-            keep_hourly,
-            keep_daily,
-            keep_weekly,
-            keep_monthly,
+            keep,
             dry_run,
             opts,
             json,
         } => {
-            let policy = KeepPolicy {
-                last: keep_last,
-                hourly: keep_hourly,
-                daily: keep_daily,
-                weekly: keep_weekly,
-                monthly: keep_monthly,
-            };
+            let policy = keep.policy();
             if policy.is_empty() {
                 return Err(RepoError::Refused {
                     what: "snapshot forget".into(),
