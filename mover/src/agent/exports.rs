@@ -143,7 +143,10 @@ impl Exports {
     }
 
     /// Serves `path` as `name` (see the control API's Export). Returns whether it is a
-    /// registration (false: agent.toml names it so already).
+    /// registration (false: agent.toml names it so already). The path is checked as
+    /// written: a symlink under a root is followed when the volume is opened (local
+    /// volume provisioners link /mnt/disks/X to /dev/disk/by-id/...), so a root must be
+    /// a directory only the node's administrator writes.
     pub fn register(&self, name: &str, path: &Path, block: bool) -> Result<bool, ExportError> {
         let refused = |why: String| ExportError::Refused {
             name: name.into(),

@@ -328,11 +328,18 @@ impl Agents for GrpcAgents {
             path: path.into(),
             block,
         };
-        self.call(agent, "export", volume, |mut c| async move {
-            c.export(req).await
-        })
-        .await
-        .map(|_| ())
+        match self
+            .call(agent, "export", volume, |mut c| async move {
+                c.export(req).await
+            })
+            .await
+        {
+            Ok(_) => Ok(()),
+            // An agent older than registered exports serves what its agent.toml lists:
+            // the relationship calls that follow say whether the volume is among them.
+            Err(e) if e.code == tonic::Code::Unimplemented => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     async fn schedule(
@@ -374,7 +381,10 @@ impl Agents for GrpcAgents {
             .await
         {
             Ok(_) => Ok(()),
-            Err(e) if e.code == tonic::Code::NotFound => Ok(()),
+            // No such schedule, or an agent older than schedules: nothing to forget.
+            Err(e) if matches!(e.code, tonic::Code::NotFound | tonic::Code::Unimplemented) => {
+                Ok(())
+            }
             Err(e) => Err(e),
         }
     }

@@ -56,13 +56,18 @@ impl Schedules {
                 ))
             };
             let bytes = std::fs::read(&path)?;
-            let r = <Record as prost::Message>::decode(bytes.as_slice())
+            let mut r = <Record as prost::Message>::decode(bytes.as_slice())
                 .map_err(|e| bad(e.to_string()))?;
             if r.version != RECORD_VERSION {
                 return Err(bad(format!(
                     "format version {} (this build reads {RECORD_VERSION})",
                     r.version
                 )));
+            }
+            // A run the agent was killed in left no snapshot (the manifest is the commit
+            // point); its next time has passed, so it runs again at once.
+            if let Some(s) = r.status.as_mut().filter(|s| s.state == "Running") {
+                s.state = "Idle".into();
             }
             let name = r.spec.as_ref().map(|s| s.name.clone()).unwrap_or_default();
             records.insert(name, r);
