@@ -236,10 +236,20 @@ pub(crate) fn decode_delta(
     let t = key.open(sealed, AAD).ok_or_else(|| {
         corrupt("index fails authentication (damaged, or from another repository)")
     })?;
+    parse_delta(name, &t)
+}
+
+/// Parses the plaintext of an index delta.
+pub(crate) fn parse_delta(name: &str, t: &[u8]) -> Result<Vec<(PackId, PackEntry)>> {
+    let corrupt = |what: &str| RepoError::Corrupt {
+        key: name.into(),
+        offset: 0,
+        what: what.into(),
+    };
     if t.get(..4) != Some(MAGIC) {
         return Err(corrupt("not an index"));
     }
-    let version = u32_at(&t, 4).ok_or_else(|| corrupt("short index"))?;
+    let version = u32_at(t, 4).ok_or_else(|| corrupt("short index"))?;
     if !(ENTRIES_V1..=ENTRIES_V2).contains(&version) {
         return Err(RepoError::UnsupportedVersion {
             key: name.into(),
@@ -247,7 +257,7 @@ pub(crate) fn decode_delta(
             supported: ENTRIES_V2,
         });
     }
-    let npacks = u32_at(&t, 8).ok_or_else(|| corrupt("short index"))?;
+    let npacks = u32_at(t, 8).ok_or_else(|| corrupt("short index"))?;
     let mut at = 12;
     let mut out = Vec::new();
     for _ in 0..npacks {
@@ -255,7 +265,7 @@ pub(crate) fn decode_delta(
             .get(at..at + 32)
             .and_then(|b| b.try_into().ok())
             .ok_or_else(|| corrupt("short index"))?;
-        let n = u32_at(&t, at + 32).ok_or_else(|| corrupt("short index"))? as usize;
+        let n = u32_at(t, at + 32).ok_or_else(|| corrupt("short index"))? as usize;
         at += 36;
         for _ in 0..n {
             let b = t.get(at..).ok_or_else(|| corrupt("short index"))?;

@@ -23,6 +23,8 @@ mod backend;
 mod crypto;
 mod delta;
 mod error;
+#[cfg(test)]
+mod fuzz;
 mod index;
 mod keys;
 mod manifest;

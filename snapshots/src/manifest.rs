@@ -155,12 +155,20 @@ pub fn decode_list(key: &str, b: &[u8]) -> Result<Vec<ChunkKind>> {
         });
     }
     let n = u32_at(b, 8).ok_or_else(|| corrupt("short chunk list"))? as usize;
+    // A list holds at most CHUNKS_PER_LIST chunks: a bigger count is damage, and must
+    // not size an allocation.
+    if n as u64 > CHUNKS_PER_LIST {
+        return Err(corrupt("chunk list count beyond any list's"));
+    }
     let mut out = Vec::with_capacity(n);
     let mut at = 12;
     while at < b.len() {
         match b[at] {
             0 => {
                 let run = u32_at(b, at + 1).ok_or_else(|| corrupt("short chunk list"))?;
+                if out.len() + run as usize > n {
+                    return Err(corrupt("chunk list longer than its count"));
+                }
                 out.extend(std::iter::repeat_n(ChunkKind::Zero, run as usize));
                 at += 5;
             }

@@ -346,7 +346,17 @@ pub(crate) fn parse_trailer(
     let t = mkey
         .open(sealed, TRAILER_AAD)
         .ok_or_else(|| corrupt("pack trailer fails authentication"))?;
-    let version = u32_at(&t, 0).ok_or_else(|| corrupt("short trailer"))?;
+    parse_trailer_plain(key, &t, offset)
+}
+
+/// Parses the plaintext of a pack trailer.
+pub(crate) fn parse_trailer_plain(key: &str, t: &[u8], offset: u64) -> Result<Vec<PackEntry>> {
+    let corrupt = |what: &str| RepoError::Corrupt {
+        key: key.into(),
+        offset,
+        what: what.into(),
+    };
+    let version = u32_at(t, 0).ok_or_else(|| corrupt("short trailer"))?;
     if !(ENTRIES_V1..=ENTRIES_V2).contains(&version) {
         return Err(RepoError::UnsupportedVersion {
             key: key.into(),
@@ -354,7 +364,7 @@ pub(crate) fn parse_trailer(
             supported: ENTRIES_V2,
         });
     }
-    let count = u32_at(&t, 4).ok_or_else(|| corrupt("short trailer"))? as usize;
+    let count = u32_at(t, 4).ok_or_else(|| corrupt("short trailer"))? as usize;
     let mut out = Vec::with_capacity(count.min(t.len() / ENTRY_LEN));
     let mut at = 8;
     for _ in 0..count {
