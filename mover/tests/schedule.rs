@@ -4,7 +4,7 @@
 mod common;
 
 use common::agent::{Agent, TOKEN, control};
-use common::{MIB, blake3_of, make_image, scribble_pages};
+use common::{MIB, ScratchFs, blake3_of, make_image, scribble_pages};
 use snapshots::testing::{ACCESS_KEY, S3Server, SECRET_KEY};
 use std::path::Path;
 use std::process::{Command, Output};
@@ -77,7 +77,9 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
     let pw = t.path().join("pw");
     std::fs::write(&pw, "pw-for-tests\n").unwrap();
     ok(mover(&s3, &pw, &["repo", "init", REPO]));
-    let img = t.path().join("vol.img");
+    // On XFS: each snapshot reads a reflink clone taken at its start.
+    let xfs = ScratchFs::new("xfs", 512 * MIB);
+    let img = xfs.path().join("vol.img");
     make_image(&img, SIZE, 8, &[(0, 6 * MIB), (12 * MIB, 4 * MIB)]);
     let state = t.path().join("agent");
     std::fs::create_dir_all(&state).unwrap();
@@ -140,6 +142,13 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
         std::thread::sleep(Duration::from_millis(100));
     };
     assert_eq!(first["state"], "Idle");
+    assert_eq!(first["consistency"], "point-in-time");
+    let left: Vec<_> = std::fs::read_dir(xfs.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(left, ["vol.img"], "the clone is removed after the snapshot");
     assert!(
         first["last_bytes_added"].as_u64().unwrap() >= 10 * MIB,
         "{first}"

@@ -50,7 +50,7 @@ pub struct Base {
 /// The name of relationship `name`'s hidden `what` file beside the image `source`:
 /// `.IMG.mover-WHAT-H`, H a hash of the relationship's name (clones need the image's
 /// file system, and two relationships must not share them).
-pub(super) fn hidden_name(source: &Path, name: &str, what: &str) -> String {
+pub(crate) fn hidden_name(source: &Path, name: &str, what: &str) -> String {
     let h = blake3::hash(name.as_bytes()).to_hex();
     let file = source
         .file_name()

@@ -216,11 +216,12 @@ fn print_status(s: &proto::Status) {
     );
     if s.last_time_ms > 0 {
         println!(
-            "  last snapshot {} at {} ({:.1}s, {} added)",
+            "  last snapshot {} at {} ({:.1}s, {} added, {})",
             &s.last_snapshot[..s.last_snapshot.len().min(8)],
             time(s.last_time_ms),
             s.last_duration_ms as f64 / 1000.0,
-            human(s.last_bytes_added)
+            human(s.last_bytes_added),
+            s.consistency
         );
     }
     println!(
@@ -258,5 +259,6 @@ fn json(s: &proto::Status) -> serde_json::Value {
         "forgotten": s.forgotten,
         "pruned_packs": s.pruned_packs,
         "last_error": s.last_error,
+        "consistency": s.consistency,
     })
 }

@@ -3,7 +3,11 @@
 use super::When;
 use crate::{
     agent::{Exports, journal::write_durably},
-    replicate::now_ms,
+    replicate::{
+        base::hidden_name,
+        cycle::{CRASH_INCONSISTENT, POINT_IN_TIME},
+        now_ms,
+    },
     snapshot::{CreateOptions, RepoOptions, create_snapshot, open_repository_with},
 };
 use snapshots::{Credentials, retention::KeepPolicy};
@@ -257,6 +261,7 @@ impl Schedules {
                     s.last_error.clear();
                     s.forgotten += taken.forgotten;
                     s.pruned_packs += taken.pruned_packs;
+                    s.consistency = taken.consistency.into();
                 }
                 Err(e) => {
                     s.state = "Failing".into();
@@ -315,19 +320,26 @@ impl Schedules {
             .await
             .map_err(|e| fail("cannot open repository", e))?;
         let volume = snapshot_name(spec);
+        let pit = point_in_time(&export.path, &spec.name)?;
         let create = CreateOptions {
             name: Some(volume.clone()),
-            tags: vec![format!("schedule={}", spec.name)],
+            tags: vec![
+                format!("schedule={}", spec.name),
+                format!("consistency={}", pit.consistency),
+            ],
             ..Default::default()
         };
-        let snap = create_snapshot(repo.clone(), &export.path, &create)
+        let snap = create_snapshot(repo.clone(), &pit.read, &create)
             .await
             .map_err(|e| fail("cannot snapshot into", e))?;
+        let consistency = pit.consistency;
+        drop(pit);
         let mut taken = Taken {
             snapshot: snap.id.clone(),
             bytes_added: snap.manifest.summary.stored_bytes,
             forgotten: 0,
             pruned_packs: 0,
+            consistency,
         };
         let keep = spec.keep.unwrap_or_default();
         let policy = KeepPolicy {
@@ -433,6 +445,52 @@ struct Taken {
     bytes_added: u64,
     forgotten: u64,
     pruned_packs: u64,
+    consistency: &'static str,
+}
+
+/// What a snapshot reads: a reflink clone of an image file taken now (removed when
+/// dropped), else the live volume.
+struct PointInTime {
+    read: PathBuf,
+    clone: Option<PathBuf>,
+    consistency: &'static str,
+}
+
+impl Drop for PointInTime {
+    fn drop(&mut self) {
+        if let Some(c) = &self.clone {
+            let _ = std::fs::remove_file(c);
+        }
+    }
+}
+
+/// A point in time of `source` for schedule `name`: an image file on a file system with
+/// reflinks (XFS, Btrfs) is cloned beside itself in an instant, so the snapshot holds
+/// the volume as it was then, however long the upload takes; anything else is read
+/// live, and the snapshot says it is crash-inconsistent.
+fn point_in_time(source: &Path, name: &str) -> Result<PointInTime, String> {
+    let live = PointInTime {
+        read: source.into(),
+        clone: None,
+        consistency: CRASH_INCONSISTENT,
+    };
+    if !std::fs::metadata(source).is_ok_and(|m| m.is_file()) {
+        return Ok(live);
+    }
+    let clone = source.with_file_name(hidden_name(source, name, "snap"));
+    let _ = std::fs::remove_file(&clone); // a leftover of a killed run
+    match chunker::extents::clone_file(source, &clone) {
+        Ok(()) => Ok(PointInTime {
+            read: clone.clone(),
+            clone: Some(clone),
+            consistency: POINT_IN_TIME,
+        }),
+        Err(e) if chunker::extents::is_no_reflink(&e) => Ok(live),
+        Err(e) => Err(format!(
+            "cannot clone {} for a point in time: {e}",
+            source.display()
+        )),
+    }
 }
 
 /// The volume name of a schedule's snapshots in the repository.
