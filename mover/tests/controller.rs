@@ -1321,10 +1321,15 @@ async fn end_to_end_a_repository_class_snapshots_the_volume_into_s3_on_schedule(
             "mover-system",
         ),
     ]);
-    let secret = Secret {
+    let secret_with = |password: &str, version: &str| Secret {
+        metadata: kube::api::ObjectMeta {
+            uid: Some("5ec2e7".into()),
+            resource_version: Some(version.into()),
+            ..Default::default()
+        },
         data: Some(
             [
-                ("password", "repo-pw\n"),
+                ("password", password),
                 ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
                 ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
             ]
@@ -1334,6 +1339,7 @@ async fn end_to_end_a_repository_class_snapshots_the_volume_into_s3_on_schedule(
         ),
         ..Default::default()
     };
+    let secret = Mutex::new(secret_with("repo-pw\n", "1"));
     let pv: PersistentVolume = serde_json::from_value(json!({
         "metadata": {"name": "pv-1"},
         "spec": {
@@ -1374,7 +1380,7 @@ async fn end_to_end_a_repository_class_snapshots_the_volume_into_s3_on_schedule(
             handle,
             serde_json::to_value(&obj).unwrap(),
             "/api/v1/namespaces/mover-system/secrets/dr-s3".into(),
-            serde_json::to_value(&secret).unwrap(),
+            serde_json::to_value(&*secret.lock().unwrap()).unwrap(),
             sent.clone(),
         );
         async move {
@@ -1417,15 +1423,15 @@ async fn end_to_end_a_repository_class_snapshots_the_volume_into_s3_on_schedule(
         "the agent never answers the secret back"
     );
 
-    // The next look reports the snapshot as the last sync, without reading the secret.
+    // The next look reports the snapshot as the last sync; the agent's access is the
+    // secret's (one read of the secret per look, nothing applied).
     let mut v = vr(ReplicationState::Primary, 1, true);
     v.status = Some(st);
     let sent = reconcile_once(v.clone()).await;
-    assert_eq!(
-        secret_reads(&sent),
-        0,
-        "an unchanged schedule needs no secret"
-    );
+    assert_eq!(secret_reads(&sent), 1);
+    let again = agents.schedule(&agent, "app/pg").await.unwrap().unwrap();
+    assert_eq!(again.spec.unwrap().access_version, "5ec2e7/1");
+    assert_eq!(again.next_run_ms, taken.next_run_ms);
     let st = applied_status(sent.last().unwrap(), MOVER_GROUP);
     assert!(st.last_sync_time.is_some(), "{st:?}");
     assert!(st.last_sync_bytes.unwrap() >= 8 * MIB as i64, "{st:?}");
@@ -1442,6 +1448,30 @@ async fn end_to_end_a_repository_class_snapshots_the_volume_into_s3_on_schedule(
         restored.to_str().unwrap(),
     ]);
     assert_eq!(blake3_of(&restored, E2E_LEN), blake3_of(&img, E2E_LEN));
+
+    // A rotated secret reaches the agent at the next look: here a wrong password, which
+    // the next run proves the agent uses; then the right one again.
+    let run_now = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(["snapshot", "schedule", "run", "app/pg", "--agent"])
+            .arg(format!("agent://{agent}"))
+            .env("MOVER_TOKEN", common::agent::TOKEN)
+            .output()
+            .unwrap()
+    };
+    *secret.lock().unwrap() = secret_with("rotated-but-wrong", "2");
+    reconcile_once(v.clone()).await;
+    let rotated = agents.schedule(&agent, "app/pg").await.unwrap().unwrap();
+    assert_eq!(rotated.spec.unwrap().access_version, "5ec2e7/2");
+    let out = run_now();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("wrong password"),
+        "{out:?}"
+    );
+    *secret.lock().unwrap() = secret_with("repo-pw\n", "3");
+    reconcile_once(v.clone()).await;
+    assert!(run_now().status.success());
 
     // A repository has no secondary: Validated=False, nothing changes on the agent.
     let mut sec = vr(ReplicationState::Secondary, 2, true);

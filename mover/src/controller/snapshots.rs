@@ -39,6 +39,7 @@ pub fn schedule_spec(d: &Desired, repo: &RepositoryTarget) -> schedule::Spec {
         prune_every: repo.prune_every,
         snapshot_name: d.name.clone(),
         access: None,
+        access_version: String::new(),
     }
 }
 
@@ -69,23 +70,27 @@ pub async fn reconcile(
         return (st, None);
     }
     c.validated();
-    let want = schedule_spec(d, repo);
-    let result = match ctx.agents.schedule(&d.agent, &d.name).await {
-        Err(e) => Err(e.to_string()),
-        Ok(Some(s)) if s.spec.as_ref() == Some(&want) => Ok(s),
-        // New or changed: only then is the secret read (a look at rest costs no request).
-        Ok(_) => match access(ctx, d, repo).await {
-            Ok(access) => {
+    let want = |access_version| schedule::Spec {
+        access_version,
+        ..schedule_spec(d, repo)
+    };
+    // The secret is read on every look (one request): a rotated password or S3 key
+    // reaches the agent at the next look, told by the secret's version.
+    let result = match access(ctx, d, repo).await {
+        Err(e) => Err(e),
+        Ok((access, version)) => match ctx.agents.schedule(&d.agent, &d.name).await {
+            Err(e) => Err(e.to_string()),
+            Ok(Some(s)) if s.spec.as_ref() == Some(&want(version.clone())) => Ok(s),
+            Ok(_) => {
                 let spec = schedule::Spec {
                     access: Some(access),
-                    ..want
+                    ..want(version)
                 };
                 ctx.agents
                     .apply_schedule(&d.agent, spec)
                     .await
                     .map_err(|e: AgentError| e.to_string())
             }
-            Err(e) => Err(e),
         },
     };
     match result {
@@ -116,12 +121,13 @@ pub async fn reconcile(
     }
 }
 
-/// The repository's password and S3 keys, from the class's secret.
+/// The repository's password and S3 keys, from the class's secret, and the secret's
+/// version (uid/resourceVersion).
 async fn access(
     ctx: &Context,
     d: &Desired,
     repo: &RepositoryTarget,
-) -> Result<schedule::Access, String> {
+) -> Result<(schedule::Access, String), String> {
     let (ns, name) =
         d.params.secret.clone().ok_or_else(|| {
             "the class names no secret with the repository's password".to_string()
@@ -137,6 +143,15 @@ async fn access(
                 SECRET_S3_KEYS[0], SECRET_S3_KEYS[1]
             )
         })?;
+    let version = format!(
+        "{}/{}",
+        secret.metadata.uid.as_deref().unwrap_or_default(),
+        secret
+            .metadata
+            .resource_version
+            .as_deref()
+            .unwrap_or_default()
+    );
     let data = secret.data.unwrap_or_default();
     let get = |k: &str| data.get(k).map(|v| v.0.clone());
     let text = |k: &str| get(k).map(|v| String::from_utf8_lossy(&v).trim().to_string());
@@ -153,14 +168,15 @@ async fn access(
     if password.is_empty() {
         return Err(format!("secret {ns}/{name}: `{SECRET_PASSWORD}` is empty"));
     }
-    Ok(schedule::Access {
+    let access = schedule::Access {
         password,
         raw_key,
         s3_endpoint: repo.s3_endpoint.clone(),
         s3_region: repo.s3_region.clone(),
         s3_access_key_id: text(SECRET_S3_KEYS[0]).unwrap_or_default(),
         s3_secret_access_key: text(SECRET_S3_KEYS[1]).unwrap_or_default(),
-    })
+    };
+    Ok((access, version))
 }
 
 /// The last snapshot as the last sync: its time, duration, bytes stored; the RPO.

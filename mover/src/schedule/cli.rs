@@ -137,6 +137,7 @@ pub async fn run(cmd: ScheduleCommand) -> anyhow::Result<()> {
                     s3_access_key_id: env("AWS_ACCESS_KEY_ID"),
                     s3_secret_access_key: env("AWS_SECRET_ACCESS_KEY"),
                 }),
+                access_version: String::new(),
             };
             vec![c.apply(spec).await.map_err(fail)?.into_inner()]
         }
