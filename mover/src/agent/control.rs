@@ -25,6 +25,8 @@ pub struct Control {
     pub(super) advertise: Option<String>,
     /// How this agent reaches peers.
     pub(super) remote: RemoteOptions,
+    /// Scheduled snapshots: an export one of them takes is in use.
+    pub(super) schedules: Arc<crate::schedule::Schedules>,
 }
 
 impl Control {
@@ -126,7 +128,8 @@ impl Control {
         }
     }
 
-    /// What uses the export `volume` here: a relationship or a hydration (None: nothing).
+    /// What uses the export `volume` here: a relationship, a hydration or a schedule
+    /// (None: nothing).
     fn user_of(&self, volume: &str) -> Option<String> {
         if let Some(r) = self
             .service
@@ -137,8 +140,15 @@ impl Control {
         {
             return Some(format!("relationship {:?}", r.spec.name));
         }
-        let hydrating = self.service.hydrations.get().and_then(|h| h.get(volume));
-        hydrating.map(|h| format!("a hydration from {}", h.source()))
+        if let Some(h) = self.service.hydrations.get().and_then(|h| h.get(volume)) {
+            return Some(format!("a hydration from {}", h.source()));
+        }
+        self.schedules
+            .list()
+            .into_iter()
+            .filter_map(|s| s.spec)
+            .find(|s| s.volume == volume)
+            .map(|s| format!("snapshot schedule {:?}", s.name))
     }
 
     fn export_reply(&self, name: &str, registered: bool) -> control::ExportResponse {
@@ -635,13 +645,17 @@ impl Replication for Control {
                 path.display()
             )));
         }
+        let before = exports.registered_path(&q.name);
         let registered = exports
             .register(&q.name, &path, q.block)
             .map_err(|e| match e {
                 crate::agent::ExportError::Save { .. } => internal(e),
                 _ => Status::permission_denied(e.to_string()),
             })?;
-        tracing::info!(export = %q.name, path = %path.display(), block = q.block, registered, "export registered");
+        // Registered again on every look of the controller: only a change is news.
+        if registered && before.as_deref() != Some(path.as_path()) {
+            tracing::info!(export = %q.name, path = %path.display(), block = q.block, "export registered");
+        }
         Ok(Response::new(self.export_reply(&q.name, registered)))
     }
 

@@ -131,6 +131,7 @@ pub async fn serve(
         runners: runners.clone(),
         advertise: config.advertise.clone(),
         remote,
+        schedules: schedules.clone(),
     };
     let server = TransferServer::from_arc(service)
         .max_decoding_message_size(MAX_MESSAGE)

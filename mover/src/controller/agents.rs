@@ -32,6 +32,15 @@ impl AgentError {
     pub fn is_precondition(&self) -> bool {
         self.code == tonic::Code::FailedPrecondition
     }
+
+    /// The agent answered and said no (rather than not answering).
+    pub fn is_refusal(&self) -> bool {
+        use tonic::Code::*;
+        matches!(
+            self.code,
+            PermissionDenied | InvalidArgument | FailedPrecondition | NotFound | AlreadyExists
+        )
+    }
 }
 
 /// The calls the controller makes on an agent (HOST:PORT) about a relationship.

@@ -351,12 +351,18 @@ pub async fn decide(
     let agents = &*ctx.agents;
     // The agent serves the volume from where the kubelet put it (both sides: the
     // secondary's agent must take cycles into it before the first arrives).
-    if let Err(e) = agents.export(&d.agent, &d.volume, &d.path, d.block).await {
-        let invalid = desired::Invalid {
-            what: "failed to export volume",
-            detail: e.to_string(),
-        };
-        return not_valid(st, invalid);
+    match agents.export(&d.agent, &d.volume, &d.path, d.block).await {
+        Ok(()) => {}
+        // Refused (outside volume_roots, in use elsewhere): the setup is wrong.
+        Err(e) if e.is_refusal() => {
+            let invalid = desired::Invalid {
+                what: "failed to export volume",
+                detail: e.to_string(),
+            };
+            return not_valid(st, invalid);
+        }
+        // Unreachable: the calls below say so in the conditions they set.
+        Err(e) => tracing::debug!("{e}"),
     }
     st.last_start_time = Some(now.clone());
     st.relationship = Some(RelationshipRef {
