@@ -21,9 +21,11 @@ use transport::schedule::{Record, Spec, Status};
 
 /// The record format this build writes and reads.
 const RECORD_VERSION: u32 = 1;
-/// Prune's grace period: longer than any snapshot run of this agent is expected to take
-/// (a snapshot running elsewhere meanwhile never loses data, see `snapshot prune`).
-const PRUNE_GRACE_SECS: u64 = 3600;
+/// Prune's grace period: a pack marked unused is deleted only a day later. It must be
+/// longer than any snapshot run into the repository, this agent's or another's (a
+/// snapshot of a large volume over a slow link can take hours): a day of unused data
+/// kept is cheaper than a snapshot that lost a chunk.
+const PRUNE_GRACE_SECS: u64 = 24 * 3600;
 
 /// The scheduled snapshots of one agent.
 pub struct Schedules {
