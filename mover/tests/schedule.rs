@@ -261,3 +261,84 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
     );
     assert_eq!(snapshots_of(&s3, &pw, "pg-dr").len(), 2);
 }
+
+#[test]
+fn an_agent_killed_before_the_manifest_leaves_no_snapshot_and_its_rerun_reuses_the_data() {
+    let t = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&t.path().join("s3"));
+    s3.create_bucket("dr-vols");
+    let pw = t.path().join("pw");
+    std::fs::write(&pw, "pw-for-tests\n").unwrap();
+    ok(mover(&s3, &pw, &["repo", "init", REPO]));
+    let img = t.path().join("vol.img");
+    make_image(&img, SIZE, 9, &[(0, 8 * MIB), (16 * MIB, 4 * MIB)]);
+    let state = t.path().join("agent");
+    std::fs::create_dir_all(&state).unwrap();
+    // This agent aborts (as kill -9 would) after the data is uploaded and indexed,
+    // before the snapshot's manifest is written.
+    let agent = Agent::start_with_env(
+        &state,
+        &[("pg", &img, false)],
+        &[("MOVER_FAILPOINT", "snapshot-before-manifest")],
+    );
+    let at = control(&agent);
+    ok(mover(
+        &s3,
+        &pw,
+        &[
+            "snapshot",
+            "schedule",
+            "create",
+            "pg-dr",
+            "--volume",
+            "pg",
+            "--repo",
+            REPO,
+            "--schedule",
+            "1h",
+            "--agent",
+            &at,
+        ],
+    ));
+    let (config, port, metrics_port) = (agent.config.clone(), agent.port, agent.metrics_port);
+    let mut agent = agent;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while agent.child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the failpoint never fired");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        snapshots_of(&s3, &pw, "pg-dr").is_empty(),
+        "no manifest, no snapshot"
+    );
+
+    // Restarted: the interrupted run is taken again at once; the data is already there.
+    drop(agent);
+    let agent = Agent::spawn(config, port, metrics_port);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let s = loop {
+        let s = status(&s3, &pw, &agent, "pg-dr");
+        if s["runs_ok"] == 1 {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no snapshot after the restart: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(snapshots_of(&s3, &pw, "pg-dr").len(), 1);
+    let stored = s["last_bytes_added"].as_u64().unwrap();
+    assert!(
+        stored < MIB,
+        "the rerun stored {stored} bytes for 12 MiB already uploaded"
+    );
+    let restored = t.path().join("restored.img");
+    let id = s["last_snapshot"].as_str().unwrap();
+    ok(mover(
+        &s3,
+        &pw,
+        &["snapshot", "restore", REPO, id, restored.to_str().unwrap()],
+    ));
+    assert_eq!(blake3_of(&restored, SIZE), blake3_of(&img, SIZE));
+}

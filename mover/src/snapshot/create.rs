@@ -130,6 +130,9 @@ pub async fn create_snapshot(
         },
         summary: produced.sum,
     };
+    // The manifest is the commit point: a crash here leaves only packs and their index,
+    // which the next run finds (and dedups against) and prune collects.
+    crate::agent::journal::failpoint("snapshot-before-manifest");
     let snap = repo.save_snapshot(manifest).await?;
     tracing::info!(id = %snap.id, "snapshot saved");
     Ok(snap)
