@@ -107,7 +107,7 @@ enum Command {
         \x20 metrics_listen = \"0.0.0.0:9470\"\n\
         \x20 token_file = \"/etc/mover/token\"\n\
         \x20 nbd_socket = \"/run/mover/nbd.sock\"\n\
-        \x20 volume_roots = [\"/var/lib/kubelet/plugins/kubernetes.io/csi\", \"/dev\"]\n\
+        \x20 volume_roots = [\"/var/lib/kubelet/plugins/kubernetes.io/csi\", \"/mnt/disks\"]\n\
         \x20 [tls]\n\
         \x20 cert = \"/etc/mover/agent.crt\"\n\
         \x20 key = \"/etc/mover/agent.key\"\n\

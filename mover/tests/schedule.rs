@@ -169,6 +169,20 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
     };
     restores_to_the_volume(&first["last_snapshot"], "restored.img");
 
+    // A snapshot of the same volume name taken by hand is not the schedule's to forget.
+    ok(mover(
+        &s3,
+        &pw,
+        &[
+            "snapshot",
+            "create",
+            "--name",
+            "pg-dr",
+            REPO,
+            img.to_str().unwrap(),
+        ],
+    ));
+
     // Runs on demand after writes are incremental; retention keeps the newest two.
     for seed in [1, 2, 3] {
         let written = scribble_pages(&img, seed, 20, 0..SIZE);
@@ -194,7 +208,10 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
         (Some(4), Some(2)),
         "{s}"
     );
-    let kept = snapshots_of(&s3, &pw, "pg-dr");
+    let all = snapshots_of(&s3, &pw, "pg-dr");
+    let by_hand = |k: &&serde_json::Value| k["tags"].as_array().unwrap().is_empty();
+    assert_eq!(all.iter().filter(by_hand).count(), 1, "{all:?}");
+    let kept: Vec<_> = all.iter().filter(|k| !by_hand(k)).collect();
     assert_eq!(kept.len(), 2, "{kept:?}");
     assert!(kept.iter().any(|k| k["id"] == s["last_snapshot"]));
     restores_to_the_volume(&s["last_snapshot"], "latest.img");
@@ -259,7 +276,7 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
         String::from_utf8_lossy(&out.stderr).contains("no schedule"),
         "{out:?}"
     );
-    assert_eq!(snapshots_of(&s3, &pw, "pg-dr").len(), 2);
+    assert_eq!(snapshots_of(&s3, &pw, "pg-dr").len(), 3);
 }
 
 #[test]

@@ -26,7 +26,9 @@ pub struct AgentConfig {
     #[serde(default)]
     pub exports: BTreeMap<String, Export>,
     /// Directories under which the controller may register volumes as exports (the
-    /// kubelet's CSI directory, local PV directories, /dev) [default: none].
+    /// kubelet's CSI directory, local PV directories) [default: none]. Any holder of the
+    /// token may register a path under them: directories of volumes only, written by
+    /// the node's administrator alone.
     #[serde(default)]
     pub volume_roots: Vec<PathBuf>,
     /// `HOST:PORT` at which peers reach this agent (how a promoted secondary finds this

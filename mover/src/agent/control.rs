@@ -140,7 +140,9 @@ impl Control {
         {
             return Some(format!("relationship {:?}", r.spec.name));
         }
-        if let Some(h) = self.service.hydrations.get().and_then(|h| h.get(volume)) {
+        let hydrating = self.service.hydrations.get().and_then(|h| h.get(volume));
+        if let Some(h) = hydrating.filter(|h| h.progress().phase != crate::hydrate::Phase::Complete)
+        {
             return Some(format!("a hydration from {}", h.source()));
         }
         self.schedules

@@ -100,6 +100,17 @@ impl Exports {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
             Err(e) => return Err(e),
         };
+        // volume_roots narrowed since: what lies outside them now is not served.
+        let registered: BTreeMap<String, Registered> = registered
+            .into_iter()
+            .filter(|(name, r): &(String, Registered)| {
+                let inside = roots.iter().any(|root| r.path.starts_with(root));
+                if !inside {
+                    tracing::warn!(export = %name, path = %r.path.display(), "registered export is outside volume_roots now: not served");
+                }
+                inside
+            })
+            .collect();
         Ok(Exports::with(configured, roots, Some(file), registered))
     }
 
@@ -189,11 +200,28 @@ impl Exports {
                 )
             }));
         }
+        // Another name for a volume already served would escape its settings (a
+        // read-only export written through the alias) and its users' checks.
+        let same = |p: &Path| p == path || same_file(p, path);
+        if let Some((other, _)) = self.inner.configured.iter().find(|(_, e)| same(&e.path)) {
+            return Err(refused(format!(
+                "agent.toml exports that volume as {other:?}; it has one name"
+            )));
+        }
+        check_not_mounted(path).map_err(refused)?;
         let want = Registered {
             path: path.into(),
             block,
         };
         let mut registered = self.inner.registered.write().expect("exports lock");
+        if let Some((other, _)) = registered
+            .iter()
+            .find(|(n, r)| n.as_str() != name && same(&r.path))
+        {
+            return Err(refused(format!(
+                "it is registered as {other:?} already; a volume has one name"
+            )));
+        }
         if registered.get(name) == Some(&want) {
             return Ok(true);
         }
@@ -238,12 +266,52 @@ impl Exports {
     }
 }
 
+/// Whether `a` and `b` are one file (same device and inode), both existing.
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => false,
+    }
+}
+
+/// Refuses a block device the kernel holds (a mounted file system, a device-mapper or
+/// RAID member): writing it under its user would corrupt it. An exclusive open fails
+/// with EBUSY on such a device and holds nothing once closed.
+fn check_not_mounted(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let is_block = std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device());
+    if !is_block {
+        return Ok(());
+    }
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL)
+        .open(path)
+    {
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Err(
+            "the device is mounted or held by the kernel (a file system, LVM, RAID): export \
+             the volume's own device or its mount point, never a device in use"
+                .into(),
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// A registration as served now: a block volume's device directory is resolved to its
 /// first device entry (by name), so a new pod's entry is found without registering again.
 fn resolve(name: &str, r: &Registered) -> Result<Export, ExportError> {
     let path = if r.block && r.path.is_dir() {
+        // Hidden entries are never the volume (mover's own clones beside an image).
         let mut entries: Vec<PathBuf> = std::fs::read_dir(&r.path)
-            .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+            .map(|d| {
+                d.filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| {
+                        p.file_name()
+                            .is_some_and(|n| !n.as_encoded_bytes().starts_with(b"."))
+                    })
+                    .collect()
+            })
             .unwrap_or_default();
         entries.sort();
         entries
@@ -305,6 +373,32 @@ mod tests {
                 .register("golden", Path::new("/srv/golden.img"), false)
                 .unwrap()
         );
+        // A second name for a volume already served (a writable alias of a read-only
+        // export, or of a registered one) is refused.
+        let image = root.join("pv-9.img");
+        std::fs::write(&image, b"").unwrap();
+        let mut with_ro = configured.clone();
+        with_ro.insert(
+            "ro".into(),
+            Export {
+                path: image.clone(),
+                read_only: true,
+            },
+        );
+        let other_state = tempfile::tempdir().unwrap();
+        let aliased = Exports::open(with_ro, vec![root.clone()], other_state.path()).unwrap();
+        let e = aliased
+            .register("alias", &image, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("has one name"), "{e}");
+        assert!(exports.register("pv-9", &image, false).unwrap());
+        let e = exports
+            .register("pv-9b", &image, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("registered as \"pv-9\""), "{e}");
+        assert!(exports.unregister("pv-9").unwrap());
 
         // A block volume's device directory: no device yet, then the first entry.
         let dir = root.join("pv-1/dev");
@@ -315,6 +409,8 @@ mod tests {
         ));
         std::fs::write(dir.join("pod-b"), b"").unwrap();
         std::fs::write(dir.join("pod-a"), b"").unwrap();
+        // mover's hidden clones beside an image are never taken for the volume.
+        std::fs::write(dir.join(".pod-a.mover-snap-0"), b"").unwrap();
         assert_eq!(exports.get("pv-1").unwrap().path, dir.join("pod-a"));
 
         // Kept across a restart; forgotten by unregister, which leaves configured ones.
@@ -325,6 +421,16 @@ mod tests {
         assert!(!again.unregister("golden").unwrap());
         let e = open().get("pv-1").unwrap_err().to_string();
         assert!(e.contains("not exported") && e.contains("golden"), "{e}");
+
+        // Roots narrowed since: what lies outside them is not served any more.
+        assert!(again.register("pv-2", &root.join("pv-1"), false).unwrap());
+        let narrowed = Exports::open(
+            configured.clone(),
+            vec![root.join("elsewhere")],
+            state.path(),
+        )
+        .unwrap();
+        assert!(narrowed.get("pv-2").is_err());
 
         // No roots: registering says how to allow it.
         let none = Exports::fixed(configured.clone());

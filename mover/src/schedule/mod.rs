@@ -12,6 +12,9 @@ pub use when::{MIN_INTERVAL, When};
 
 use std::time::Duration;
 
+/// The longest duration accepted: a year.
+const MAX_DURATION: Duration = Duration::from_secs(366 * 24 * 3600);
+
 /// A Go-style duration: "90s", "5m", "1h30m", "500ms".
 pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
     let mut rest = s.trim();
@@ -42,7 +45,12 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
             }
         };
         rest = &rest[u..];
-        total += unit * value as u32;
+        total = u32::try_from(value)
+            .ok()
+            .and_then(|v| unit.checked_mul(v))
+            .and_then(|d| total.checked_add(d))
+            .filter(|t| *t <= MAX_DURATION)
+            .ok_or_else(|| "longer than a year".to_string())?;
     }
     Ok(total)
 }

@@ -177,20 +177,30 @@ impl Schedules {
 
     /// Stops `name` and forgets it; its snapshots stay in the repository.
     pub async fn delete(&self, name: &str) -> Result<Option<Status>, String> {
-        let Some(record) = self.lock().remove(name) else {
-            return Ok(None);
+        let record = {
+            let mut records = self.lock();
+            let Some(record) = records.remove(name) else {
+                return Ok(None);
+            };
+            // Off the disk first: a caller that gives up while a run finishes leaves no
+            // record to come back at the next start.
+            match std::fs::remove_file(self.path(name)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    records.insert(name.into(), record);
+                    return Err(format!("cannot remove schedule {name:?}: {e}"));
+                }
+            }
+            record
         };
-        self.notify(name);
+        // Its task ends (it is no longer the current one for the name).
+        if let Some(n) = self.wake.lock().expect("wake lock").remove(name) {
+            n.notify_one();
+        }
         // A run in progress finishes first: its snapshot is complete or not there.
         let run = self.run_lock(name);
         let _done = run.lock().await;
-        self.wake.lock().expect("wake lock").remove(name);
-        self.running.lock().expect("running lock").remove(name);
-        match std::fs::remove_file(self.path(name)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(format!("cannot remove schedule {name:?}: {e}")),
-        }
         Ok(Some(status_of(&record)))
     }
 
@@ -218,13 +228,20 @@ impl Schedules {
         let (me, name) = (self.clone(), name.to_string());
         tokio::spawn(async move {
             loop {
-                let Some(next) = me
+                let current = me
+                    .wake
+                    .lock()
+                    .expect("wake lock")
+                    .get(&name)
+                    .is_some_and(|n| Arc::ptr_eq(n, &notify));
+                let next = me
                     .lock()
                     .get(&name)
                     .and_then(|r| r.status.as_ref())
-                    .map(|s| s.next_run_ms)
-                else {
-                    return; // deleted
+                    .map(|s| s.next_run_ms);
+                // Deleted, or deleted and made again (that one has a task of its own).
+                let (true, Some(next)) = (current, next) else {
+                    return;
                 };
                 let wait = u64::try_from(next - now_ms()).unwrap_or(0);
                 tokio::select! {
@@ -245,11 +262,23 @@ impl Schedules {
         let Some(spec) = self.lock().get(name).and_then(|r| r.spec.clone()) else {
             return Err(format!("no schedule {name:?} on this agent"));
         };
+        let when = match When::parse(&spec.schedule) {
+            Ok(w) => w,
+            Err(e) => {
+                // A record this build does not accept: said, and not retried for an hour.
+                let e = format!("schedule {name:?}: {e}");
+                self.update(name, |s| {
+                    s.state = "Failing".into();
+                    s.last_error = e.clone();
+                    s.next_run_ms = now_ms() + 3_600_000;
+                });
+                return Err(e);
+            }
+        };
         self.update(name, |s| s.state = "Running".into());
         let started = now_ms();
         tracing::info!(schedule = %name, volume = %spec.volume, repository = %spec.repository, "scheduled snapshot");
         let outcome = self.take(&spec).await;
-        let when = When::parse(&spec.schedule).map_err(|e| format!("schedule {name:?}: {e}"))?;
         let ended = now_ms();
         let status = self.update(name, |s| {
             match &outcome {
@@ -281,6 +310,9 @@ impl Schedules {
             }
             Err(e) => tracing::warn!(schedule = %name, "scheduled snapshot failed: {e}"),
         }
+        // The task sleeps until the next run computed here (a run asked for by hand
+        // moves it too).
+        self.notify(name);
         status.ok_or_else(|| format!("schedule {name:?} was deleted meanwhile"))
     }
 
@@ -323,12 +355,12 @@ impl Schedules {
             .map_err(|e| fail("cannot open repository", e))?;
         let volume = snapshot_name(spec);
         let pit = point_in_time(&export.path, &spec.name)?;
+        // Retention forgets only this schedule's snapshots, not others of the volume
+        // (by hand, or another agent's into the same repository).
+        let tag = format!("schedule={}", spec.name);
         let create = CreateOptions {
             name: Some(volume.clone()),
-            tags: vec![
-                format!("schedule={}", spec.name),
-                format!("consistency={}", pit.consistency),
-            ],
+            tags: vec![tag.clone(), format!("consistency={}", pit.consistency)],
             ..Default::default()
         };
         let snap = create_snapshot(repo.clone(), &pit.read, &create)
@@ -357,7 +389,7 @@ impl Schedules {
                 .await
                 .map_err(|e| fail("cannot list snapshots in", e))?
                 .into_iter()
-                .filter(|s| s.manifest.volume == volume)
+                .filter(|s| s.manifest.volume == volume && s.manifest.tags.contains(&tag))
                 .collect();
             for d in snapshots::retention::apply(&mine, &policy) {
                 if d.reasons.is_empty() {

@@ -103,7 +103,17 @@ mod tests {
                 minute: 30
             }
         );
-        for bad in ["10s", "hourly:60", "daily:24:00", "daily:2", "weekly", ""] {
+        for bad in [
+            "10s",
+            "hourly:60",
+            "daily:24:00",
+            "daily:2",
+            "weekly",
+            "",
+            "4294967356s",
+            "99999999h",
+            "9000h9000h",
+        ] {
             assert!(When::parse(bad).is_err(), "{bad}");
         }
         // 2026-11-25 10:20:00 UTC.
