@@ -35,10 +35,10 @@ impl schedules_server::Schedules for ScheduleControl {
                 spec.volume, r.spec.name
             )));
         }
-        let status = self
-            .schedules
-            .apply(spec)
-            .map_err(Status::invalid_argument)?;
+        let status = self.schedules.apply(spec).map_err(|e| match e {
+            crate::schedule::ApplyError::Invalid(why) => Status::invalid_argument(why),
+            crate::schedule::ApplyError::Save(why) => Status::internal(why),
+        })?;
         Ok(Response::new(status))
     }
 

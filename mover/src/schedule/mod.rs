@@ -7,7 +7,7 @@
 mod runner;
 mod when;
 
-pub use runner::Schedules;
+pub use runner::{ApplyError, Schedules};
 pub use when::{MIN_INTERVAL, When};
 
 use std::time::Duration;

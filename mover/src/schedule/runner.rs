@@ -135,11 +135,11 @@ impl Schedules {
     }
 
     /// Creates `spec`'s schedule or replaces its spec; its task runs it from now on.
-    pub fn apply(self: &Arc<Self>, spec: Spec) -> Result<Status, String> {
-        let when = self.check(&spec)?;
+    pub fn apply(self: &Arc<Self>, spec: Spec) -> Result<Status, ApplyError> {
+        let when = self.check(&spec).map_err(ApplyError::Invalid)?;
         let name = spec.name.clone();
         let mut records = self.lock();
-        let mut record = records.remove(&name).unwrap_or_else(|| Record {
+        let mut record = records.get(&name).cloned().unwrap_or_else(|| Record {
             version: RECORD_VERSION,
             spec: None,
             status: Some(Status {
@@ -151,12 +151,13 @@ impl Schedules {
         let last = (status.last_time_ms > 0).then_some(status.last_time_ms);
         status.next_run_ms = when.next(now_ms(), last);
         record.spec = Some(spec);
-        let saved = self.save(&record);
+        // Not saved: not applied (the schedule stays as it was, or absent).
+        self.save(&record)
+            .map_err(|e| ApplyError::Save(format!("cannot save schedule {name:?}: {e}")))?;
         let out = status_of(&record);
         let is_new = !self.wake.lock().expect("wake lock").contains_key(&name);
         records.insert(name.clone(), record);
         drop(records);
-        saved.map_err(|e| format!("cannot save schedule {name:?}: {e}"))?;
         if is_new {
             self.start(&name);
         } else {
@@ -468,6 +469,17 @@ impl Schedules {
         }
         out
     }
+}
+
+/// Why a schedule was not applied.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    /// The spec is wrong: what and what to do.
+    #[error("{0}")]
+    Invalid(String),
+    /// The record could not be written (the state directory).
+    #[error("{0}")]
+    Save(String),
 }
 
 /// A metric: name, type, help, and its value from a schedule's status.
