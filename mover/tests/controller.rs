@@ -1497,3 +1497,173 @@ async fn end_to_end_a_repository_class_snapshots_the_volume_into_s3_on_schedule(
         restored.to_str().unwrap(),
     ]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_class_secret_token_is_what_the_primary_presents_to_the_peer_agent() {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::core::v1::Secret;
+    let t = tempfile::tempdir().unwrap();
+    let (da, db) = (t.path().join("a"), t.path().join("b"));
+    std::fs::create_dir_all(&da).unwrap();
+    std::fs::create_dir_all(&db).unwrap();
+    let (a_img, b_img) = (da.join("vol.img"), db.join("vol.img"));
+    make_image(&a_img, E2E_LEN, 5, &[(0, 3 * MIB), (9 * MIB, MIB)]);
+    // Agent A's own token for peers is wrong: only the class secret's gets it through.
+    let wrong = da.join("wrong-token");
+    std::fs::write(&wrong, "not-the-peers-token").unwrap();
+    let a = Agent::start_with_settings(
+        &da,
+        &[],
+        None,
+        &format!("peer_token_file = \"{}\"", wrong.display()),
+    );
+    let b = Agent::start(&db, &[], None);
+    let secret = Secret {
+        metadata: kube::api::ObjectMeta {
+            uid: Some("70ce2".into()),
+            resource_version: Some("7".into()),
+            ..Default::default()
+        },
+        data: Some(
+            [(
+                "token".to_string(),
+                ByteString(common::agent::TOKEN.as_bytes().to_vec()),
+            )]
+            .into(),
+        ),
+        ..Default::default()
+    };
+    let agents = Arc::new(GrpcAgents::new(ConnectOptions {
+        token_file: Some(da.join("token")),
+        ..Default::default()
+    }));
+    let reconcile_on = |node: &str,
+                        port: u16,
+                        image: &Path,
+                        class: VolumeReplicationClass,
+                        v: VolumeReplication| {
+        let pv: PersistentVolume = serde_json::from_value(json!({
+            "metadata": {"name": "pv-1"},
+            "spec": {
+                "local": {"path": image},
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
+                ]}]}}
+            }
+        }))
+        .unwrap();
+        let mut pod = agent_pod(node);
+        pod.status.as_mut().unwrap().pod_ip = Some("127.0.0.1".into());
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let ctx = Arc::new(Context {
+            client: kube::Client::new(service, "default"),
+            group: MOVER_GROUP.into(),
+            agents: agents.clone(),
+            caches: Caches::fixed(
+                MOVER_GROUP,
+                vec![class],
+                vec![pvc(true)],
+                vec![pv],
+                vec![],
+                vec![pod],
+            ),
+            agent_port: port,
+            metrics: Default::default(),
+            recorder: None,
+        });
+        let obj = dynamic(&v, MOVER_GROUP);
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        api_server_with_secret(
+            handle,
+            serde_json::to_value(&obj).unwrap(),
+            "/api/v1/namespaces/mover-system/secrets/peer".into(),
+            serde_json::to_value(&secret).unwrap(),
+            sent.clone(),
+        );
+        async move {
+            reconcile(Arc::new(obj), ctx).await.expect("reconcile");
+            let last = sent.lock().unwrap().pop().unwrap();
+            applied_status(&last, MOVER_GROUP)
+        }
+    };
+    let to = |agent: &Agent| format!("agent://127.0.0.1:{}", agent.port);
+    let main_class = class(&[
+        ("target", &to(&b)),
+        ("schedulingInterval", "1s"),
+        (
+            "replication.storage.openshift.io/replication-secret-name",
+            "peer",
+        ),
+        (
+            "replication.storage.openshift.io/replication-secret-namespace",
+            "mover-system",
+        ),
+    ]);
+    let dr_class = class(&[("target", &to(&a)), ("schedulingInterval", "1s")]);
+
+    // The DR side first (it registers its PV), then the primary with the class secret.
+    let dr = reconcile_on(
+        "node-b",
+        b.port,
+        &b_img,
+        dr_class,
+        vr(ReplicationState::Secondary, 1, true),
+    )
+    .await;
+    assert_eq!(dr.state, Some(State::Secondary), "{:?}", dr.message);
+    let st = reconcile_on(
+        "node-a",
+        a.port,
+        &a_img,
+        main_class,
+        vr(ReplicationState::Primary, 1, true),
+    )
+    .await;
+    assert_eq!(st.state, Some(State::Primary), "{:?}", st.message);
+    let agent_a = format!("127.0.0.1:{}", a.port);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let s = loop {
+        let s = agents.get(&agent_a, "app/pg").await.unwrap().unwrap();
+        if s.last_cycle
+            .as_ref()
+            .is_some_and(|c| c.point_in_time_ms > 0)
+        {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "no cycle: {}", s.last_error);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(blake3_of(&b_img, E2E_LEN), blake3_of(&a_img, E2E_LEN));
+    let spec = s.spec.unwrap();
+    assert_eq!(spec.peer_token_version, "70ce2/7");
+    assert!(
+        spec.peer_token.is_empty(),
+        "the token is never answered back"
+    );
+
+    // Without the class's token, agent A's own cannot reach B.
+    let other = da.join("other.img");
+    make_image(&other, MIB, 6, &[(0, MIB)]);
+    let other_path = other.to_str().unwrap();
+    agents
+        .export(&agent_a, "pv-2", other_path, true)
+        .await
+        .unwrap();
+    let e = agents
+        .create(
+            &agent_a,
+            control::Spec {
+                name: "no-secret".into(),
+                volume: "pv-2".into(),
+                peer: format!("{}/pv-2", to(&b)),
+                interval_ms: 60_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        e.message.contains("secondary unreachable") || e.message.contains("token"),
+        "{e}"
+    );
+}

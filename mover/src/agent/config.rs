@@ -181,6 +181,7 @@ impl AgentConfig {
                 tls_cert: self.tls.as_ref().map(|t| t.cert.clone()),
                 tls_key: self.tls.as_ref().map(|t| t.key.clone()),
                 tls_server_name: None,
+                token: None,
             },
             retries: 3,
             ..Default::default()

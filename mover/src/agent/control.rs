@@ -65,7 +65,8 @@ impl Control {
     /// peer's history (`None` if the peer cannot be asked or does not say).
     async fn promoted_from(&self, r: &Record) -> Option<CycleRecord> {
         let peer = AgentUrl::parse(&r.spec.peer)?.ok()?;
-        let mut c = self.remote.connect_control(&peer).await.ok()?;
+        let remote = replicate::remote_for(&self.remote, &r.spec);
+        let mut c = remote.connect_control(&peer).await.ok()?;
         let s = c
             .get(control::NameRequest {
                 name: r.spec.name.clone(),
@@ -232,8 +233,14 @@ impl Control {
             )));
         }
         // The secondary must be reachable and accept writes now, not at the first cycle.
-        let mut client = self
-            .remote
+        let with_token = replicate::store::Spec {
+            peer_token: (!spec.peer_token.is_empty()).then(|| replicate::store::PeerToken {
+                token: spec.peer_token.clone(),
+                version: String::new(),
+            }),
+            ..Default::default()
+        };
+        let mut client = replicate::remote_for(&self.remote, &with_token)
             .connect(&peer)
             .await
             .map_err(|e| Status::failed_precondition(format!("secondary unreachable: {e}")))?;
@@ -267,6 +274,10 @@ impl Control {
             bwlimit: spec.bwlimit,
             chunk_size,
             freeze: (!spec.freeze.is_empty()).then(|| spec.freeze.into()),
+            peer_token: (!spec.peer_token.is_empty()).then_some(replicate::store::PeerToken {
+                token: spec.peer_token,
+                version: spec.peer_token_version,
+            }),
         })
     }
 }
@@ -371,6 +382,12 @@ impl Replication for Control {
                 }
                 if let Some(m) = &u.freeze {
                     r.spec.freeze = (!m.is_empty()).then(|| m.into());
+                }
+                if let Some(t) = &u.peer_token {
+                    r.spec.peer_token = (!t.is_empty()).then(|| replicate::store::PeerToken {
+                        token: t.clone(),
+                        version: u.peer_token_version.clone().unwrap_or_default(),
+                    });
                 }
             })
             .map_err(internal)?;

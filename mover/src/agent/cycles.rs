@@ -87,6 +87,8 @@ impl AgentService {
                 bwlimit: cycle.bwlimit,
                 chunk_size: r.chunk_size,
                 freeze: known.as_ref().and_then(|k| k.spec.freeze.clone()),
+                // Set on this side (for when it is promoted): not the primary's to change.
+                peer_token: known.as_ref().and_then(|k| k.spec.peer_token.clone()),
             },
             role: Role::Secondary,
             epoch: r.epoch,

@@ -403,6 +403,9 @@ pub struct Desired {
     pub state: ReplicationState,
     /// Resync by itself when this side is a fenced or split-brain secondary.
     pub auto_resync: bool,
+    /// The token this side's agent presents to the peer's, and its version (the class
+    /// secret's uid/resourceVersion): read by the reconciler, not here.
+    pub peer_token: Option<(String, String)>,
 }
 
 /// The resources a `VolumeReplication` names, as found (None: not found).
@@ -541,6 +544,7 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
         params,
         state: vr.spec.replication_state,
         auto_resync: vr.spec.auto_resync,
+        peer_token: None,
     })
 }
 
@@ -688,6 +692,7 @@ pub(crate) mod tests {
                 },
                 state: ReplicationState::Primary,
                 auto_resync: false,
+                peer_token: None,
             }
         );
     }

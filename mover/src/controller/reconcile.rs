@@ -344,10 +344,28 @@ pub async fn decide(
         st.message = Some(invalid.to_string());
         (st, Action::requeue(RETRY))
     };
-    let d = match resolve(vr, ctx) {
+    let mut d = match resolve(vr, ctx) {
         Ok(d) => d,
         Err(invalid) => return not_valid(st, invalid),
     };
+    // A class replicating to an agent may name a secret with the token for the peer's
+    // agents (read on every look: a rotated token reaches the agent at the next one).
+    if let (desired::Target::Agent(_), Some((ns, name))) = (&d.params.target, &d.params.secret) {
+        let wanted = "`token`: the bearer token of the peer cluster's agents";
+        let token = super::snapshots::secret_data(ctx, ns, name, wanted)
+            .await
+            .and_then(|(data, version)| match data.get("token") {
+                Some(t) => Ok((String::from_utf8_lossy(t).trim().to_string(), version)),
+                None => Err(format!("secret {ns}/{name} has no {wanted}")),
+            });
+        match token {
+            Ok(t) => d.peer_token = Some(t),
+            Err(detail) => {
+                let what = "failed to get replication secret";
+                return not_valid(st, desired::Invalid { what, detail });
+            }
+        }
+    }
     let agents = &*ctx.agents;
     // The agent serves the volume from where the kubelet put it (both sides: the
     // secondary's agent must take cycles into it before the first arrives).
@@ -426,7 +444,7 @@ pub async fn decide(
                 Ok(Some(s)) if s.role == "primary" => {
                     agents.demote(&d.agent, &d.name).await.map(|_| None)
                 }
-                Ok(Some(s)) => Ok(Some(s)),
+                Ok(Some(s)) => update_if_changed(agents, &d, s).await.map(Some),
             };
             st.last_sync_time = None;
             match outcome {
@@ -537,10 +555,14 @@ fn spec_of(d: &Desired) -> control::Spec {
         bwlimit: d.params.bwlimit,
         chunk_size: d.params.chunk_size,
         freeze: String::new(),
+        peer_token: d.peer_token.clone().map(|t| t.0).unwrap_or_default(),
+        peer_token_version: d.peer_token.clone().map(|t| t.1).unwrap_or_default(),
     }
 }
 
-/// A primary already there: change its interval or bandwidth if the class did.
+/// A relationship already there: on a primary, its interval or bandwidth if the class
+/// changed them; on either side, the peer token if the class secret's changed (a
+/// secondary keeps it for when it is promoted and replicates back).
 async fn update_if_changed(
     agents: &dyn Agents,
     d: &Desired,
@@ -548,7 +570,10 @@ async fn update_if_changed(
 ) -> Result<control::Status, AgentError> {
     let have = s.spec.clone().unwrap_or_default();
     let want = spec_of(d);
-    if have.interval_ms == want.interval_ms && have.bwlimit == want.bwlimit {
+    let primary = s.role == "primary";
+    let schedule = primary && (have.interval_ms, have.bwlimit) != (want.interval_ms, want.bwlimit);
+    let token = d.peer_token.is_some() && have.peer_token_version != want.peer_token_version;
+    if !schedule && !token {
         return Ok(s);
     }
     agents
@@ -556,11 +581,13 @@ async fn update_if_changed(
             &d.agent,
             control::UpdateRequest {
                 name: d.name.clone(),
-                interval_ms: Some(want.interval_ms),
-                bwlimit: Some(want.bwlimit),
+                interval_ms: primary.then_some(want.interval_ms),
+                bwlimit: primary.then_some(want.bwlimit),
                 paused: None,
                 // The controller sets no freeze (it does not know the mount point).
                 freeze: None,
+                peer_token: token.then_some(want.peer_token),
+                peer_token_version: token.then_some(want.peer_token_version),
             },
         )
         .await

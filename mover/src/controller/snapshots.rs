@@ -132,28 +132,12 @@ async fn access(
         d.params.secret.clone().ok_or_else(|| {
             "the class names no secret with the repository's password".to_string()
         })?;
-    let secret = Api::<Secret>::namespaced(ctx.client.clone(), &ns)
-        .get_opt(&name)
-        .await
-        .map_err(|e| format!("cannot read secret {ns}/{name}: {e}"))?
-        .ok_or_else(|| {
-            format!(
-                "secret {ns}/{name} not found: create it with the repository's `{SECRET_PASSWORD}` \
-                 (or a raw `{SECRET_KEY}`) and, for S3, {} and {}",
-                SECRET_S3_KEYS[0], SECRET_S3_KEYS[1]
-            )
-        })?;
-    let version = format!(
-        "{}/{}",
-        secret.metadata.uid.as_deref().unwrap_or_default(),
-        secret
-            .metadata
-            .resource_version
-            .as_deref()
-            .unwrap_or_default()
+    let what = format!(
+        "the repository's `{SECRET_PASSWORD}` (or a raw `{SECRET_KEY}`) and, for S3, {} and {}",
+        SECRET_S3_KEYS[0], SECRET_S3_KEYS[1]
     );
-    let data = secret.data.unwrap_or_default();
-    let get = |k: &str| data.get(k).map(|v| v.0.clone());
+    let (data, version) = secret_data(ctx, &ns, &name, &what).await?;
+    let get = |k: &str| data.get(k).cloned();
     let text = |k: &str| get(k).map(|v| String::from_utf8_lossy(&v).trim().to_string());
     let (password, raw_key) = match (get(SECRET_PASSWORD), get(SECRET_KEY)) {
         (Some(p), _) => (p.trim_ascii().to_vec(), false),
@@ -177,6 +161,32 @@ async fn access(
         s3_secret_access_key: text(SECRET_S3_KEYS[1]).unwrap_or_default(),
     };
     Ok((access, version))
+}
+
+/// A secret's data and its version (uid/resourceVersion); `wanted` says what to put in
+/// it when it is missing.
+pub async fn secret_data(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    wanted: &str,
+) -> Result<(std::collections::BTreeMap<String, Vec<u8>>, String), String> {
+    let secret = Api::<Secret>::namespaced(ctx.client.clone(), ns)
+        .get_opt(name)
+        .await
+        .map_err(|e| format!("cannot read secret {ns}/{name}: {e}"))?
+        .ok_or_else(|| format!("secret {ns}/{name} not found: create it with {wanted}"))?;
+    let version = format!(
+        "{}/{}",
+        secret.metadata.uid.as_deref().unwrap_or_default(),
+        secret
+            .metadata
+            .resource_version
+            .as_deref()
+            .unwrap_or_default()
+    );
+    let data = secret.data.unwrap_or_default();
+    Ok((data.into_iter().map(|(k, v)| (k, v.0)).collect(), version))
 }
 
 /// The last snapshot as the last sync: its time, duration, bytes stored; the RPO.

@@ -146,6 +146,10 @@ pub struct ConnectOptions {
     /// Name the agent's certificate must carry [default: the host in the URL].
     #[arg(long, value_name = "NAME")]
     pub tls_server_name: Option<String>,
+    /// The token itself, given by a caller in the process (a relationship's own token);
+    /// before --token-file.
+    #[arg(skip)]
+    pub token: Option<String>,
 }
 
 impl Default for RemoteOptions {
@@ -189,6 +193,9 @@ impl RemoteOptions {
     }
 
     fn token(&self) -> Result<Option<String>, CopyError> {
+        if let Some(t) = &self.connect.token {
+            return Ok(Some(t.clone()));
+        }
         if let Some(path) = &self.connect.token_file {
             let t = std::fs::read_to_string(path).map_err(|e| CopyError::Remote {
                 url: path.display().to_string(),

@@ -275,6 +275,8 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                 bwlimit: bwlimit.unwrap_or(0),
                 chunk_size: chunk_size.map_or(0, |c| c.get()),
                 freeze: freeze.map(|p| p.display().to_string()).unwrap_or_default(),
+                // The agent's own peer token (the controller sets one per class).
+                ..Default::default()
             };
             let s = c
                 .create(control::CreateRequest {
@@ -362,6 +364,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                         (None, true) => Some(String::new()),
                         (None, false) => None,
                     },
+                    ..Default::default()
                 })
                 .await
                 .map_err(|s| call(&url, s))?
@@ -473,6 +476,7 @@ async fn run_foreground(
                 None if src.is_dir() => 0, // a file tree: copied by file
                 None => replicate::default_chunk(chunker::BlockVolume::open(&src)?.size()).get(),
             },
+            peer_token: None,
             freeze: None,
         },
         role: Role::Primary,

@@ -18,6 +18,18 @@ pub use store::{CycleRecord, EpochChange, Halt, Record, Role, Spec, Store};
 
 use transport::control;
 
+/// How to reach `spec`'s peer: `remote` with the relationship's own token, if it has one.
+pub fn remote_for(
+    remote: &crate::remote::RemoteOptions,
+    spec: &Spec,
+) -> crate::remote::RemoteOptions {
+    let mut r = remote.clone();
+    if let Some(t) = &spec.peer_token {
+        r.connect.token = Some(t.token.clone());
+    }
+    r
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
@@ -85,6 +97,14 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
                 .freeze
                 .as_ref()
                 .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            // The token itself never leaves the agent.
+            peer_token: String::new(),
+            peer_token_version: r
+                .spec
+                .peer_token
+                .as_ref()
+                .map(|t| t.version.clone())
                 .unwrap_or_default(),
         }),
         role: runner::role_str(r.role).into(),

@@ -220,7 +220,8 @@ impl Runners {
             .map_err(|e| e.to_string())?;
         let live = self.live(name);
         let progress = live.lock().expect("live lock").progress.clone();
-        let result = cycle::run(&rec, &export.path, &self.remote, last, progress.as_ref()).await;
+        let remote = super::remote_for(&self.remote, &rec.spec);
+        let result = cycle::run(&rec, &export.path, &remote, last, progress.as_ref()).await;
         progress.total.store(0, Relaxed);
         let mut l = live.lock().expect("live lock");
         match result {

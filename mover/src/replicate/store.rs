@@ -14,7 +14,7 @@ use std::{
 pub const RECORD_VERSION: u32 = 1;
 
 /// What a relationship is: the settings users give.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Spec {
     /// The relationship's id.
@@ -32,6 +32,26 @@ pub struct Spec {
     /// A mount point frozen while the point in time is taken.
     #[serde(default)]
     pub freeze: Option<PathBuf>,
+    /// The token presented to the peer's agent for this relationship [default: the
+    /// agent's own peer token]. The relationships directory is root's only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_token: Option<PeerToken>,
+}
+
+/// A relationship's own token for the peer's agent, and the caller's name for it.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerToken {
+    /// The bearer token.
+    pub token: String,
+    /// The caller's version of it (a secret's uid/resourceVersion).
+    pub version: String,
+}
+
+impl std::fmt::Debug for PeerToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PeerToken({})", self.version)
+    }
 }
 
 /// Which side of the relationship this agent holds.
@@ -162,6 +182,11 @@ impl Store {
             cause,
         };
         fs::create_dir_all(&dir).map_err(io)?;
+        // Records may hold a peer token.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).map_err(io)?;
+        }
         let mut records = BTreeMap::new();
         for e in fs::read_dir(&dir).map_err(io)?.flatten() {
             let path = e.path();
@@ -265,6 +290,7 @@ mod tests {
                 bwlimit: 0,
                 chunk_size: 1 << 20,
                 freeze: None,
+                peer_token: None,
             },
             role: Role::Primary,
             epoch: 1,
