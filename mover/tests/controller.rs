@@ -847,20 +847,26 @@ struct Cluster {
     port: u16,
 }
 
+/// A local PV `pv-1` at `image` on `node`, and the running agent pod there (127.0.0.1).
+fn on_node(node: &str, image: &Path) -> (PersistentVolume, Pod) {
+    let pv = serde_json::from_value(json!({
+        "metadata": {"name": "pv-1"},
+        "spec": {
+            "local": {"path": image},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
+            ]}]}}
+        }
+    }))
+    .unwrap();
+    let mut pod = agent_pod(node);
+    pod.status.as_mut().unwrap().pod_ip = Some("127.0.0.1".into());
+    (pv, pod)
+}
+
 impl Cluster {
     fn new(dir: &Path, agent: &Agent, peer: &Agent, node: &str, image: &Path) -> Cluster {
-        let pv: PersistentVolume = serde_json::from_value(json!({
-            "metadata": {"name": "pv-1"},
-            "spec": {
-                "local": {"path": image},
-                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
-                ]}]}}
-            }
-        }))
-        .unwrap();
-        let mut pod = agent_pod(node);
-        pod.status.as_mut().unwrap().pod_ip = Some("127.0.0.1".into());
+        let (pv, pod) = on_node(node, image);
         let target = format!("agent://127.0.0.1:{}", peer.port);
         Cluster {
             agents: Arc::new(GrpcAgents::new(ConnectOptions {
@@ -1340,18 +1346,7 @@ async fn end_to_end_a_repository_class_snapshots_the_volume_into_s3_on_schedule(
         ..Default::default()
     };
     let secret = Mutex::new(secret_with("repo-pw\n", "1"));
-    let pv: PersistentVolume = serde_json::from_value(json!({
-        "metadata": {"name": "pv-1"},
-        "spec": {
-            "local": {"path": img},
-            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                {"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-a"]}
-            ]}]}}
-        }
-    }))
-    .unwrap();
-    let mut pod = agent_pod("node-a");
-    pod.status.as_mut().unwrap().pod_ip = Some("127.0.0.1".into());
+    let (pv, pod) = on_node("node-a", &img);
     let agents = Arc::new(GrpcAgents::new(ConnectOptions {
         token_file: Some(da.join("token")),
         ..Default::default()
@@ -1542,18 +1537,7 @@ async fn a_class_secret_token_is_what_the_primary_presents_to_the_peer_agent() {
                         image: &Path,
                         class: VolumeReplicationClass,
                         v: VolumeReplication| {
-        let pv: PersistentVolume = serde_json::from_value(json!({
-            "metadata": {"name": "pv-1"},
-            "spec": {
-                "local": {"path": image},
-                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
-                ]}]}}
-            }
-        }))
-        .unwrap();
-        let mut pod = agent_pod(node);
-        pod.status.as_mut().unwrap().pod_ip = Some("127.0.0.1".into());
+        let (pv, pod) = on_node(node, image);
         let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
         let ctx = Arc::new(Context {
             client: kube::Client::new(service, "default"),
