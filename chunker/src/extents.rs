@@ -98,6 +98,18 @@ pub fn merge_ranges(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
     merged
 }
 
+/// [`clone_file`] into `dst`, replacing what a killed run left there; `Ok(false)` where
+/// the file system has no reflinks (see [`is_no_reflink`]), so the caller reads the live
+/// file instead.
+pub fn clone_fresh(src: &Path, dst: &Path) -> io::Result<bool> {
+    let _ = std::fs::remove_file(dst);
+    match clone_file(src, dst) {
+        Ok(()) => Ok(true),
+        Err(e) if is_no_reflink(&e) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Whether an error from [`clone_file`] means "no reflinks here" (the file system has
 /// none, or source and destination are on different ones), as opposed to a real failure.
 pub fn is_no_reflink(e: &io::Error) -> bool {

@@ -65,7 +65,7 @@ impl Control {
     /// peer's history (`None` if the peer cannot be asked or does not say).
     async fn promoted_from(&self, r: &Record) -> Option<CycleRecord> {
         let peer = AgentUrl::parse(&r.spec.peer)?.ok()?;
-        let remote = replicate::remote_for(&self.remote, &r.spec);
+        let remote = replicate::remote_for(&self.remote, r.spec.own_token());
         let mut c = remote.connect_control(&peer).await.ok()?;
         let s = c
             .get(control::NameRequest {
@@ -233,14 +233,8 @@ impl Control {
             )));
         }
         // The secondary must be reachable and accept writes now, not at the first cycle.
-        let with_token = replicate::store::Spec {
-            peer_token: (!spec.peer_token.is_empty()).then(|| replicate::store::PeerToken {
-                token: spec.peer_token.clone(),
-                version: String::new(),
-            }),
-            ..Default::default()
-        };
-        let mut client = replicate::remote_for(&self.remote, &with_token)
+        let token = (!spec.peer_token.is_empty()).then_some(spec.peer_token.as_str());
+        let mut client = replicate::remote_for(&self.remote, token)
             .connect(&peer)
             .await
             .map_err(|e| Status::failed_precondition(format!("secondary unreachable: {e}")))?;

@@ -22,6 +22,7 @@ pub use control::Control;
 pub use exports::{ExportError, Exports};
 pub use fencing::{EpochStore, StaleEpoch};
 pub use metrics::Metrics;
+pub(crate) use metrics::label_value;
 pub use service::AgentService;
 
 use std::{future::Future, sync::Arc};

@@ -101,6 +101,16 @@ pub trait Agents: Send + Sync {
     async fn delete_schedule(&self, agent: &str, name: &str) -> Result<(), AgentError>;
 }
 
+/// `r`, with `Ok(None)` for an agent that answered one of `codes` (nothing of that name
+/// there, or a call an older agent does not know).
+fn unless<T>(r: Result<T, AgentError>, codes: &[tonic::Code]) -> Result<Option<T>, AgentError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if codes.contains(&e.code) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// A connection to an agent, for a client of any of its services.
 type Connection = (Channel, AttachToken);
 
@@ -240,14 +250,10 @@ impl Agents for GrpcAgents {
 
     async fn get(&self, agent: &str, name: &str) -> Result<Option<control::Status>, AgentError> {
         let req = control::NameRequest { name: name.into() };
-        match self
+        let got = self
             .call(agent, "get", name, |mut c| async move { c.get(req).await })
-            .await
-        {
-            Ok(s) => Ok(Some(s)),
-            Err(e) if e.code == tonic::Code::NotFound => Ok(None),
-            Err(e) => Err(e),
-        }
+            .await;
+        unless(got, &[tonic::Code::NotFound])
     }
 
     async fn update(
@@ -310,19 +316,15 @@ impl Agents for GrpcAgents {
 
     async fn delete(&self, agent: &str, name: &str) -> Result<(), AgentError> {
         let req = control::NameRequest { name: name.into() };
-        match self
+        let deleted = self
             .call(
                 agent,
                 "delete",
                 name,
                 |mut c| async move { c.delete(req).await },
             )
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(e) if e.code == tonic::Code::NotFound => Ok(()),
-            Err(e) => Err(e),
-        }
+            .await;
+        unless(deleted, &[tonic::Code::NotFound]).map(drop)
     }
 
     async fn export(
@@ -337,18 +339,14 @@ impl Agents for GrpcAgents {
             path: path.into(),
             block,
         };
-        match self
+        let exported = self
             .call(agent, "export", volume, |mut c| async move {
                 c.export(req).await
             })
-            .await
-        {
-            Ok(_) => Ok(()),
-            // An agent older than registered exports serves what its agent.toml lists:
-            // the relationship calls that follow say whether the volume is among them.
-            Err(e) if e.code == tonic::Code::Unimplemented => Ok(()),
-            Err(e) => Err(e),
-        }
+            .await;
+        // An agent older than registered exports serves what its agent.toml lists: the
+        // relationship calls that follow say whether the volume is among them.
+        unless(exported, &[tonic::Code::Unimplemented]).map(drop)
     }
 
     async fn schedule(
@@ -357,16 +355,12 @@ impl Agents for GrpcAgents {
         name: &str,
     ) -> Result<Option<schedule::Status>, AgentError> {
         let req = schedule::NameRequest { name: name.into() };
-        match self
+        let got = self
             .call_schedules(agent, "get schedule", name, |mut c| async move {
                 c.get(req).await
             })
-            .await
-        {
-            Ok(s) => Ok(Some(s)),
-            Err(e) if e.code == tonic::Code::NotFound => Ok(None),
-            Err(e) => Err(e),
-        }
+            .await;
+        unless(got, &[tonic::Code::NotFound])
     }
 
     async fn apply_schedule(
@@ -383,19 +377,14 @@ impl Agents for GrpcAgents {
 
     async fn delete_schedule(&self, agent: &str, name: &str) -> Result<(), AgentError> {
         let req = schedule::NameRequest { name: name.into() };
-        match self
+        let deleted = self
             .call_schedules(agent, "delete schedule", name, |mut c| async move {
                 c.delete(req).await
             })
-            .await
-        {
-            Ok(_) => Ok(()),
-            // No such schedule, or an agent older than schedules: nothing to forget.
-            Err(e) if matches!(e.code, tonic::Code::NotFound | tonic::Code::Unimplemented) => {
-                Ok(())
-            }
-            Err(e) => Err(e),
-        }
+            .await;
+        // No such schedule, or an agent older than schedules: nothing to forget.
+        let nothing = [tonic::Code::NotFound, tonic::Code::Unimplemented];
+        unless(deleted, &nothing).map(drop)
     }
 
     async fn unexport(&self, agent: &str, volume: &str) -> Result<(), AgentError> {

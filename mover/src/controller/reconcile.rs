@@ -12,7 +12,7 @@ use super::crd::{
 };
 use super::desired::{self, Desired, Inputs};
 use super::status::{self, Conditions, Health};
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Secret};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
@@ -352,7 +352,7 @@ pub async fn decide(
     // agents (read on every look: a rotated token reaches the agent at the next one).
     if let (desired::Target::Agent(_), Some((ns, name))) = (&d.params.target, &d.params.secret) {
         let wanted = "`token`: the bearer token of the peer cluster's agents";
-        let token = super::snapshots::secret_data(ctx, ns, name, wanted)
+        let token = secret_data(ctx, ns, name, wanted)
             .await
             .and_then(|(data, version)| match data.get("token") {
                 Some(t) => Ok((String::from_utf8_lossy(t).trim().to_string(), version)),
@@ -591,6 +591,32 @@ async fn update_if_changed(
             },
         )
         .await
+}
+
+/// A secret's data and its version (uid/resourceVersion); `wanted` says what to put in
+/// it when it is missing.
+pub(super) async fn secret_data(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    wanted: &str,
+) -> Result<(std::collections::BTreeMap<String, Vec<u8>>, String), String> {
+    let secret = Api::<Secret>::namespaced(ctx.client.clone(), ns)
+        .get_opt(name)
+        .await
+        .map_err(|e| format!("cannot read secret {ns}/{name}: {e}"))?
+        .ok_or_else(|| format!("secret {ns}/{name} not found: create it with {wanted}"))?;
+    let version = format!(
+        "{}/{}",
+        secret.metadata.uid.as_deref().unwrap_or_default(),
+        secret
+            .metadata
+            .resource_version
+            .as_deref()
+            .unwrap_or_default()
+    );
+    let data = secret.data.unwrap_or_default();
+    Ok((data.into_iter().map(|(k, v)| (k, v.0)).collect(), version))
 }
 
 /// Writes the whole status by server-side apply.

@@ -8,9 +8,7 @@ use super::crd::{ReplicationState, State, VolumeReplicationStatus};
 use super::desired::{Desired, RepositoryTarget};
 use super::reconcile::Context;
 use super::status::{self, Conditions, Health};
-use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::Api;
 use std::time::Duration;
 use transport::schedule;
 
@@ -136,7 +134,7 @@ async fn access(
         "the repository's `{SECRET_PASSWORD}` (or a raw `{SECRET_KEY}`) and, for S3, {} and {}",
         SECRET_S3_KEYS[0], SECRET_S3_KEYS[1]
     );
-    let (data, version) = secret_data(ctx, &ns, &name, &what).await?;
+    let (data, version) = super::reconcile::secret_data(ctx, &ns, &name, &what).await?;
     let get = |k: &str| data.get(k).cloned();
     let text = |k: &str| get(k).map(|v| String::from_utf8_lossy(&v).trim().to_string());
     let (password, raw_key) = match (get(SECRET_PASSWORD), get(SECRET_KEY)) {
@@ -161,32 +159,6 @@ async fn access(
         s3_secret_access_key: text(SECRET_S3_KEYS[1]).unwrap_or_default(),
     };
     Ok((access, version))
-}
-
-/// A secret's data and its version (uid/resourceVersion); `wanted` says what to put in
-/// it when it is missing.
-pub async fn secret_data(
-    ctx: &Context,
-    ns: &str,
-    name: &str,
-    wanted: &str,
-) -> Result<(std::collections::BTreeMap<String, Vec<u8>>, String), String> {
-    let secret = Api::<Secret>::namespaced(ctx.client.clone(), ns)
-        .get_opt(name)
-        .await
-        .map_err(|e| format!("cannot read secret {ns}/{name}: {e}"))?
-        .ok_or_else(|| format!("secret {ns}/{name} not found: create it with {wanted}"))?;
-    let version = format!(
-        "{}/{}",
-        secret.metadata.uid.as_deref().unwrap_or_default(),
-        secret
-            .metadata
-            .resource_version
-            .as_deref()
-            .unwrap_or_default()
-    );
-    let data = secret.data.unwrap_or_default();
-    Ok((data.into_iter().map(|(k, v)| (k, v.0)).collect(), version))
 }
 
 /// The last snapshot as the last sync: its time, duration, bytes stored; the RPO.

@@ -183,7 +183,7 @@ impl Hydrations {
         for (name, help, value) in series {
             out += &format!("# HELP {name} {help}\n# TYPE {name} gauge\n");
             for h in &all {
-                let export = h.name().replace('\\', "\\\\").replace('"', "\\\"");
+                let export = crate::agent::label_value(h.name());
                 out += &format!("{name}{{export=\"{export}\"}} {}\n", value(&h.progress()));
             }
         }

@@ -329,10 +329,8 @@ pub fn adopt(
         return Ok(false);
     };
     let tmp = source.with_file_name(format!("{}.adopting", stem(source, name)));
-    let _ = std::fs::remove_file(&tmp);
-    match extents::clone_file(source, &tmp) {
-        Err(e) if extents::is_no_reflink(&e) => return Ok(false),
-        other => other?,
+    if !extents::clone_fresh(source, &tmp)? {
+        return Ok(false);
     }
     let ids: Vec<u8> = kinds
         .iter()

@@ -145,11 +145,10 @@ fn take_point_in_time(
     }
     if is_file {
         let clone = clone_path(source, name);
-        let _ = std::fs::remove_file(&clone); // a leftover of a killed cycle
         let frozen = freeze_for(FREEZE_FOR_CLONE)?;
         let at_ms = now_ms();
-        match extents::clone_file(source, &clone) {
-            Ok(()) => {
+        match extents::clone_fresh(source, &clone) {
+            Ok(true) => {
                 // Thawed by the watchdog before the clone was done: not a point in time.
                 if let Some(Err(e)) = frozen.map(extents::Frozen::thaw) {
                     let _ = std::fs::remove_file(&clone);
@@ -164,7 +163,7 @@ fn take_point_in_time(
                     consistency: POINT_IN_TIME,
                 });
             }
-            Err(e) if extents::is_no_reflink(&e) => {}
+            Ok(false) => {}
             Err(e) => {
                 return Err(CopyError::BadSource {
                     path: source.into(),

@@ -18,14 +18,15 @@ pub use store::{CycleRecord, EpochChange, Halt, Record, Role, Spec, Store};
 
 use transport::control;
 
-/// How to reach `spec`'s peer: `remote` with the relationship's own token, if it has one.
+/// How to reach a relationship's peer: `remote`, presenting the relationship's own
+/// `token` where it has one.
 pub fn remote_for(
     remote: &crate::remote::RemoteOptions,
-    spec: &Spec,
+    token: Option<&str>,
 ) -> crate::remote::RemoteOptions {
     let mut r = remote.clone();
-    if let Some(t) = &spec.peer_token {
-        r.connect.token = Some(t.token.clone());
+    if let Some(t) = token {
+        r.connect.token = Some(t.into());
     }
     r
 }

@@ -220,7 +220,7 @@ impl Runners {
             .map_err(|e| e.to_string())?;
         let live = self.live(name);
         let progress = live.lock().expect("live lock").progress.clone();
-        let remote = super::remote_for(&self.remote, &rec.spec);
+        let remote = super::remote_for(&self.remote, rec.spec.own_token());
         let result = cycle::run(&rec, &export.path, &remote, last, progress.as_ref()).await;
         progress.total.store(0, Relaxed);
         let mut l = live.lock().expect("live lock");
@@ -285,7 +285,7 @@ impl Runners {
             let name = &r.spec.name;
             let label = format!(
                 "relationship=\"{}\",role=\"{}\"",
-                escape(name),
+                crate::agent::label_value(name),
                 role_str(r.role)
             );
             let live = self.live(name);
@@ -366,12 +366,6 @@ impl Runners {
         }
         out
     }
-}
-
-fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 /// The role as status and metrics spell it.

@@ -14,7 +14,7 @@ use std::{
 pub const RECORD_VERSION: u32 = 1;
 
 /// What a relationship is: the settings users give.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Spec {
     /// The relationship's id.
@@ -36,6 +36,13 @@ pub struct Spec {
     /// agent's own peer token]. The relationships directory is root's only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer_token: Option<PeerToken>,
+}
+
+impl Spec {
+    /// The token this relationship presents to the peer's agent, if it has its own.
+    pub fn own_token(&self) -> Option<&str> {
+        self.peer_token.as_ref().map(|t| t.token.as_str())
+    }
 }
 
 /// A relationship's own token for the peer's agent, and the caller's name for it.

@@ -464,7 +464,11 @@ impl Schedules {
             out += &format!("# HELP {metric} {help}\n# TYPE {metric} {kind}\n");
             for (name, r) in records.iter() {
                 let s = r.status.clone().unwrap_or_default();
-                out += &format!("{metric}{{schedule=\"{}\"}} {}\n", escape(name), value(&s));
+                out += &format!(
+                    "{metric}{{schedule=\"{}\"}} {}\n",
+                    crate::agent::label_value(name),
+                    value(&s)
+                );
             }
         }
         out
@@ -524,14 +528,13 @@ fn point_in_time(source: &Path, name: &str) -> Result<PointInTime, String> {
         return Ok(live);
     }
     let clone = source.with_file_name(hidden_name(source, name, "snap"));
-    let _ = std::fs::remove_file(&clone); // a leftover of a killed run
-    match chunker::extents::clone_file(source, &clone) {
-        Ok(()) => Ok(PointInTime {
+    match chunker::extents::clone_fresh(source, &clone) {
+        Ok(true) => Ok(PointInTime {
             read: clone.clone(),
             clone: Some(clone),
             consistency: POINT_IN_TIME,
         }),
-        Err(e) if chunker::extents::is_no_reflink(&e) => Ok(live),
+        Ok(false) => Ok(live),
         Err(e) => Err(format!(
             "cannot clone {} for a point in time: {e}",
             source.display()
@@ -556,11 +559,4 @@ fn status_of(r: &Record) -> Status {
         spec
     });
     s
-}
-
-/// A Prometheus label value.
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
