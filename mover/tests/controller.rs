@@ -828,15 +828,70 @@ const E2E_LEN: u64 = 32 * MIB;
 
 /// An API server that answers every request with `reply` and records what was sent.
 fn recording_api_server(
+    handle: tower_test::mock::Handle<Request<Body>, Response<Body>>,
+    reply: Value,
+    sent: Arc<Mutex<Vec<Sent>>>,
+) {
+    api_server_with_secret(handle, reply, None, sent);
+}
+
+/// An API server that answers a GET of `secret`'s path with its object, anything else
+/// with `reply`, and records what was sent.
+fn api_server_with_secret(
     mut handle: tower_test::mock::Handle<Request<Body>, Response<Body>>,
     reply: Value,
+    secret: Option<(String, Value)>,
     sent: Arc<Mutex<Vec<Sent>>>,
 ) {
     tokio::spawn(async move {
         while let Some(request) = handle.next_request().await {
-            answer(request, &reply, |s| sent.lock().unwrap().push(s)).await;
+            let body = match &secret {
+                Some((path, object)) if request.0.uri().path() == path => object,
+                _ => &reply,
+            };
+            answer(request, body, |s| sent.lock().unwrap().push(s)).await;
         }
     });
+}
+
+/// Reconciles `v` once as the controller of a cluster whose caches hold `classes`, the
+/// bound PVC, `pv` and the agent pod `pod` (agents on `port`), against the API server of
+/// [`api_server_with_secret`]; returns what was sent.
+async fn reconcile_in(
+    agents: Arc<GrpcAgents>,
+    classes: Vec<VolumeReplicationClass>,
+    (pv, pod): (PersistentVolume, Pod),
+    port: u16,
+    v: &VolumeReplication,
+    secret: Option<(String, Value)>,
+) -> Vec<Sent> {
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = Arc::new(Context {
+        client: kube::Client::new(service, "default"),
+        group: MOVER_GROUP.into(),
+        agents,
+        caches: Caches::fixed(
+            MOVER_GROUP,
+            classes,
+            vec![pvc(true)],
+            vec![pv],
+            vec![],
+            vec![pod],
+        ),
+        agent_port: port,
+        metrics: Default::default(),
+        recorder: None,
+    });
+    let obj = dynamic(v, MOVER_GROUP);
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    api_server_with_secret(
+        handle,
+        serde_json::to_value(&obj).unwrap(),
+        secret,
+        sent.clone(),
+    );
+    reconcile(Arc::new(obj), ctx).await.expect("reconcile");
+    std::mem::take(&mut *sent.lock().unwrap())
 }
 
 /// One cluster as its controller sees it: the PVC `app/data` bound to a local PV
@@ -884,28 +939,9 @@ impl Cluster {
 
     /// Reconciles `vr` once; returns the status written (or the old one if none was).
     async fn reconcile(&self, vr: &VolumeReplication) -> VolumeReplicationStatus {
-        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let ctx = Arc::new(Context {
-            client: kube::Client::new(service, "default"),
-            group: MOVER_GROUP.into(),
-            agents: self.agents.clone(),
-            caches: Caches::fixed(
-                MOVER_GROUP,
-                self.world.0.clone(),
-                vec![pvc(true)],
-                vec![self.world.1.clone()],
-                vec![],
-                vec![self.world.2.clone()],
-            ),
-            agent_port: self.port,
-            metrics: Default::default(),
-            recorder: None,
-        });
-        let obj = dynamic(vr, MOVER_GROUP);
-        let sent = Arc::new(Mutex::new(Vec::new()));
-        recording_api_server(handle, serde_json::to_value(&obj).unwrap(), sent.clone());
-        reconcile(Arc::new(obj), ctx).await.expect("reconcile");
-        let sent = sent.lock().unwrap();
+        let (classes, pv, pod) = self.world.clone();
+        let agents = self.agents.clone();
+        let sent = reconcile_in(agents, classes, (pv, pod), self.port, vr, None).await;
         match sent.last() {
             Some(s) => applied_status(s, MOVER_GROUP),
             None => vr.status.clone().unwrap(),
@@ -1261,24 +1297,6 @@ async fn transitions_are_recorded_as_events_and_a_failure_as_a_warning() {
     assert!(!second.iter().any(|e| e.1 == "Demoted"), "{second:?}");
 }
 
-/// An API server that answers a GET of `secret_path` with `secret`, anything else with
-/// `reply`, and records what was sent.
-fn api_server_with_secret(
-    mut handle: tower_test::mock::Handle<Request<Body>, Response<Body>>,
-    reply: Value,
-    secret_path: String,
-    secret: Value,
-    sent: Arc<Mutex<Vec<Sent>>>,
-) {
-    tokio::spawn(async move {
-        while let Some(request) = handle.next_request().await {
-            let is_secret = request.0.uri().path() == secret_path;
-            let body = if is_secret { &secret } else { &reply };
-            answer(request, body, |s| sent.lock().unwrap().push(s)).await;
-        }
-    });
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn end_to_end_a_repository_class_snapshots_the_volume_into_s3_on_schedule() {
     use k8s_openapi::ByteString;
@@ -1352,36 +1370,14 @@ async fn end_to_end_a_repository_class_snapshots_the_volume_into_s3_on_schedule(
         ..Default::default()
     }));
     let reconcile_once = |v: VolumeReplication| {
-        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let ctx = Arc::new(Context {
-            client: kube::Client::new(service, "default"),
-            group: MOVER_GROUP.into(),
-            agents: agents.clone(),
-            caches: Caches::fixed(
-                MOVER_GROUP,
-                vec![class.clone()],
-                vec![pvc(true)],
-                vec![pv.clone()],
-                vec![],
-                vec![pod.clone()],
-            ),
-            agent_port: a.port,
-            metrics: Default::default(),
-            recorder: None,
-        });
-        let obj = dynamic(&v, MOVER_GROUP);
-        let sent = Arc::new(Mutex::new(Vec::new()));
-        api_server_with_secret(
-            handle,
-            serde_json::to_value(&obj).unwrap(),
+        let secret = serde_json::to_value(&*secret.lock().unwrap()).unwrap();
+        let secret = (
             "/api/v1/namespaces/mover-system/secrets/dr-s3".into(),
-            serde_json::to_value(&*secret.lock().unwrap()).unwrap(),
-            sent.clone(),
+            secret,
         );
-        async move {
-            reconcile(Arc::new(obj), ctx).await.expect("reconcile");
-            std::mem::take(&mut *sent.lock().unwrap())
-        }
+        let (agents, world) = (agents.clone(), (pv.clone(), pod.clone()));
+        let classes = vec![class.clone()];
+        async move { reconcile_in(agents, classes, world, a.port, &v, Some(secret)).await }
     };
     let secret_reads = |sent: &[Sent]| sent.iter().filter(|s| s.uri.contains("/secrets/")).count();
 
@@ -1537,37 +1533,16 @@ async fn a_class_secret_token_is_what_the_primary_presents_to_the_peer_agent() {
                         image: &Path,
                         class: VolumeReplicationClass,
                         v: VolumeReplication| {
-        let (pv, pod) = on_node(node, image);
-        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let ctx = Arc::new(Context {
-            client: kube::Client::new(service, "default"),
-            group: MOVER_GROUP.into(),
-            agents: agents.clone(),
-            caches: Caches::fixed(
-                MOVER_GROUP,
-                vec![class],
-                vec![pvc(true)],
-                vec![pv],
-                vec![],
-                vec![pod],
-            ),
-            agent_port: port,
-            metrics: Default::default(),
-            recorder: None,
-        });
-        let obj = dynamic(&v, MOVER_GROUP);
-        let sent = Arc::new(Mutex::new(Vec::new()));
-        api_server_with_secret(
-            handle,
-            serde_json::to_value(&obj).unwrap(),
+        let world = on_node(node, image);
+        let secret = serde_json::to_value(&secret).unwrap();
+        let secret = (
             "/api/v1/namespaces/mover-system/secrets/peer".into(),
-            serde_json::to_value(&secret).unwrap(),
-            sent.clone(),
+            secret,
         );
+        let agents = agents.clone();
         async move {
-            reconcile(Arc::new(obj), ctx).await.expect("reconcile");
-            let last = sent.lock().unwrap().pop().unwrap();
-            applied_status(&last, MOVER_GROUP)
+            let sent = reconcile_in(agents, vec![class], world, port, &v, Some(secret)).await;
+            applied_status(sent.last().unwrap(), MOVER_GROUP)
         }
     };
     let to = |agent: &Agent| format!("agent://127.0.0.1:{}", agent.port);

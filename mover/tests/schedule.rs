@@ -6,7 +6,7 @@ mod common;
 use common::agent::{Agent, TOKEN, control};
 use common::{MIB, ScratchFs, blake3_of, make_image, scribble_pages};
 use snapshots::testing::{ACCESS_KEY, S3Server, SECRET_KEY};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
@@ -69,14 +69,37 @@ fn snapshots_of(s3: &S3Server, pw: &Path, volume: &str) -> Vec<serde_json::Value
         .collect()
 }
 
+/// An S3 server under `dir` with the repository REPO in it, and its password file.
+fn repository(dir: &Path) -> (S3Server, PathBuf) {
+    let s3 = S3Server::start(&dir.join("s3"));
+    s3.create_bucket("dr-vols");
+    let pw = dir.join("pw");
+    std::fs::write(&pw, "pw-for-tests\n").unwrap();
+    ok(mover(&s3, &pw, &["repo", "init", REPO]));
+    (s3, pw)
+}
+
+/// The status of schedule `name` once it has taken `runs` snapshots, none failing.
+fn after_runs(s3: &S3Server, pw: &Path, agent: &Agent, name: &str, runs: u64) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = status(s3, pw, agent, name);
+        if s["runs_ok"] == runs {
+            return s;
+        }
+        assert_eq!(s["runs_failed"], 0, "{s}");
+        assert!(
+            Instant::now() < deadline,
+            "{runs} snapshot(s) not taken: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_restart() {
     let t = tempfile::tempdir().unwrap();
-    let s3 = S3Server::start(&t.path().join("s3"));
-    s3.create_bucket("dr-vols");
-    let pw = t.path().join("pw");
-    std::fs::write(&pw, "pw-for-tests\n").unwrap();
-    ok(mover(&s3, &pw, &["repo", "init", REPO]));
+    let (s3, pw) = repository(t.path());
     // On XFS: each snapshot reads a reflink clone taken at its start.
     let xfs = ScratchFs::new("xfs", 512 * MIB);
     let img = xfs.path().join("vol.img");
@@ -131,16 +154,7 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
             &at,
         ],
     ));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let first = loop {
-        let s = status(&s3, &pw, &agent, "pg-dr");
-        if s["runs_ok"] == 1 {
-            break s;
-        }
-        assert_eq!(s["runs_failed"], 0, "{s}");
-        assert!(Instant::now() < deadline, "no first snapshot: {s}");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let first = after_runs(&s3, &pw, &agent, "pg-dr", 1);
     assert_eq!(first["state"], "Idle");
     assert_eq!(first["consistency"], "point-in-time");
     let left: Vec<_> = std::fs::read_dir(xfs.path())
@@ -282,11 +296,7 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
 #[test]
 fn an_agent_killed_before_the_manifest_leaves_no_snapshot_and_its_rerun_reuses_the_data() {
     let t = tempfile::tempdir().unwrap();
-    let s3 = S3Server::start(&t.path().join("s3"));
-    s3.create_bucket("dr-vols");
-    let pw = t.path().join("pw");
-    std::fs::write(&pw, "pw-for-tests\n").unwrap();
-    ok(mover(&s3, &pw, &["repo", "init", REPO]));
+    let (s3, pw) = repository(t.path());
     let img = t.path().join("vol.img");
     make_image(&img, SIZE, 9, &[(0, 8 * MIB), (16 * MIB, 4 * MIB)]);
     let state = t.path().join("agent");
@@ -332,18 +342,7 @@ fn an_agent_killed_before_the_manifest_leaves_no_snapshot_and_its_rerun_reuses_t
     // Restarted: the interrupted run is taken again at once; the data is already there.
     drop(agent);
     let agent = Agent::spawn(config, port, metrics_port);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let s = loop {
-        let s = status(&s3, &pw, &agent, "pg-dr");
-        if s["runs_ok"] == 1 {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no snapshot after the restart: {s}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let s = after_runs(&s3, &pw, &agent, "pg-dr", 1);
     assert_eq!(snapshots_of(&s3, &pw, "pg-dr").len(), 1);
     let stored = s["last_bytes_added"].as_u64().unwrap();
     assert!(
