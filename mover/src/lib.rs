@@ -29,7 +29,8 @@ pub use copy::{CopyOptions, CopySummary, Progress, copy_block};
 pub use error::{CopyError, Result};
 pub use hash::{HashSummary, hash_block};
 pub use snapshot::{
-    CreateOptions as SnapshotCreateOptions, RepoOptions, RestoreOptions, RestoreSummary,
-    create_snapshot, open_repository, restore_snapshot,
+    CreateOptions as SnapshotCreateOptions, INCOMPLETE_TAG, RepoOptions, RestoreOptions,
+    RestoreSummary, create_snapshot, create_tree_snapshot, open_repository, restore_snapshot,
+    restore_tree_snapshot,
 };
 pub use tree::{TreeOptions, TreeSummary, copy_tree};

@@ -207,7 +207,16 @@ fn decoders_never_panic_and_never_allocate_what_a_count_claims() {
         "new_bytes":1,"stored_bytes":1,"packs":1,"duration_secs":0.1}}"#
         .to_vec();
 
+    let tree = crate::tree::encode_tree(&crate::tree::tests::sample());
+    let tree_manifest = br#"{"version":2,"time":1,"hostname":"h","volume":"v","parent":null,
+        "content":{"type":"tree","root":"00","files":1,"dirs":1,"bytes":1},
+        "summary":{"data_chunks":1,"data_bytes":1,"zero_chunks":0,"new_chunks":1,
+        "new_bytes":1,"stored_bytes":1,"packs":1,"duration_secs":0.1,"files_read":1}}"#
+        .to_vec();
+
     // Each valid one decodes.
+    assert_eq!(crate::tree::decode_tree("t", &tree).unwrap().len(), 5);
+    serde_json::from_slice::<Manifest>(&tree_manifest).unwrap();
     assert_eq!(decode_list("l", &list).unwrap(), kinds);
     assert_eq!(parse_delta("i", &index).unwrap().len(), 8);
     assert_eq!(parse_trailer_plain("p", &trailer, 0).unwrap().len(), 6);
@@ -240,6 +249,16 @@ fn decoders_never_panic_and_never_allocate_what_a_count_claims() {
         (
             "manifest",
             &manifest,
+            Box::new(|b| drop(serde_json::from_slice::<Manifest>(b))),
+        ),
+        (
+            "tree blob",
+            &tree,
+            Box::new(|b| drop(crate::tree::decode_tree("t", b))),
+        ),
+        (
+            "tree manifest",
+            &tree_manifest,
             Box::new(|b| drop(serde_json::from_slice::<Manifest>(b))),
         ),
     ];

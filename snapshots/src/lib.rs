@@ -33,6 +33,8 @@ mod prune;
 mod repo;
 pub mod retention;
 pub mod testing;
+mod tree;
+mod tree_walk;
 mod verify;
 
 pub use backend::{
@@ -52,6 +54,8 @@ pub use manifest::{
 pub use pack::{BlobKind, FinishedPack, PackBuilder, PackEntry, PackId, pack_key};
 pub use prune::PruneReport;
 pub use repo::{InitOptions, Repository, Uploader, now_unix, now_unix_nanos};
+pub use tree::{FilePiece, NodeKind, TreeNode, decode_tree, encode_tree};
+pub use tree_walk::{TreeChange, join_path, tree_root};
 pub use verify::{DamagedSnapshot, VerifyReport};
 
 /// Lowercase hex of bytes.

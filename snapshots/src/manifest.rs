@@ -16,8 +16,10 @@ use serde::{Deserialize, Serialize};
 
 /// Chunks described by one list blob.
 pub const CHUNKS_PER_LIST: u64 = 65536;
-/// The manifest format version this build writes and reads.
-pub const MANIFEST_VERSION: u32 = 1;
+/// The newest manifest format version this build reads: 1 for block snapshots, 2 for
+/// tree snapshots (so builds that predate trees refuse them by version, not by a parse
+/// error). See [`Content::format_version`].
+pub const MANIFEST_VERSION: u32 = 2;
 const LIST_MAGIC: &[u8; 4] = b"MVCL";
 const LIST_VERSION: u32 = 1;
 
@@ -62,7 +64,44 @@ pub enum Content {
         /// List blob ids (hex), in volume order.
         lists: Vec<String>,
     },
-    // Tree volumes (a directory: files, metadata, a tree of blobs) come with a later issue.
+    /// A file tree: one tree blob per directory (see [`crate::TreeNode`]).
+    Tree {
+        /// The top tree blob (hex): one node, `.`, the snapshotted directory.
+        root: String,
+        /// Regular files (each name of a hard-linked file counted).
+        files: u64,
+        /// Directories, the top one not counted.
+        dirs: u64,
+        /// Bytes in regular files.
+        bytes: u64,
+    },
+}
+
+impl Content {
+    /// The manifest version that describes this content: 1 for block snapshots (which
+    /// every build reads), 2 for trees.
+    pub fn format_version(&self) -> u32 {
+        match self {
+            Content::Block { .. } => 1,
+            Content::Tree { .. } => 2,
+        }
+    }
+
+    /// The volume's size in bytes (a tree's: its files' bytes).
+    pub fn size(&self) -> u64 {
+        match self {
+            Content::Block { size, .. } => *size,
+            Content::Tree { bytes, .. } => *bytes,
+        }
+    }
+
+    /// `block` or `tree`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Content::Block { .. } => "block",
+            Content::Tree { .. } => "tree",
+        }
+    }
 }
 
 /// Figures of a snapshot run.
@@ -91,6 +130,20 @@ pub struct SnapshotSummary {
     pub packs: u64,
     /// Wall time.
     pub duration_secs: f64,
+    /// Trees: files read (new or changed since the parent snapshot).
+    #[serde(default)]
+    pub files_read: u64,
+    /// Trees: files taken from the parent snapshot unread (same inode, ctime, size and
+    /// mtime).
+    #[serde(default)]
+    pub files_unchanged: u64,
+    /// Trees: files that changed while read (stored as read; the next snapshot reads
+    /// them again).
+    #[serde(default)]
+    pub changed_while_read: u64,
+    /// Trees: entries that could not be read (the snapshot was not saved if any).
+    #[serde(default)]
+    pub unreadable: u64,
 }
 
 /// A snapshot: its id and manifest.

@@ -105,12 +105,21 @@ impl Repository {
         Ok(index)
     }
 
-    /// Every blob id some snapshot needs: its list blobs, their data chunks, and the
-    /// bases of those stored as deltas.
+    /// Every blob id some snapshot needs: its list blobs and their data chunks (a
+    /// tree's blobs and its files' chunks), and the bases of those stored as deltas.
     pub async fn referenced_blobs(&self, index: &Index) -> Result<HashSet<ChunkId>> {
         let mut used = HashSet::new();
+        let mut trees_seen = HashSet::new();
         for snap in self.snapshots().await? {
-            let Content::Block { lists, .. } = &snap.manifest.content;
+            let lists = match &snap.manifest.content {
+                Content::Block { lists, .. } => lists,
+                Content::Tree { .. } => {
+                    let root = crate::tree_root(&snap)?;
+                    self.tree_blobs(index, root, &mut trees_seen, &mut used)
+                        .await?;
+                    continue;
+                }
+            };
             for l in lists {
                 if let Some(id) = crate::unhex::<32>(l) {
                     used.insert(ChunkId(id));

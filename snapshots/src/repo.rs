@@ -513,7 +513,7 @@ impl Repository {
             offset: 0,
             what: e.to_string(),
         })?;
-        if v.version != MANIFEST_VERSION {
+        if v.version == 0 || v.version > MANIFEST_VERSION {
             return Err(RepoError::UnsupportedVersion {
                 key,
                 found: v.version,
@@ -567,7 +567,8 @@ impl Repository {
     }
 
     /// Writes a manifest: the commit point of a snapshot. Returns the new snapshot.
-    pub async fn save_snapshot(&self, manifest: Manifest) -> Result<Snapshot> {
+    pub async fn save_snapshot(&self, mut manifest: Manifest) -> Result<Snapshot> {
+        manifest.version = manifest.content.format_version();
         let id = crate::hex(&random::<32>());
         let plain = serde_json::to_vec(&manifest).expect("manifest serializes");
         let sealed = self.key.seal(&plain, SNAPSHOT_AAD);

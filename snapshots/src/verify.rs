@@ -26,8 +26,12 @@ pub struct DamagedSnapshot {
     pub id: String,
     /// The volume.
     pub volume: String,
-    /// Byte ranges of the volume that cannot be restored.
+    /// Byte ranges of the volume that cannot be restored (block snapshots).
     pub ranges: Vec<Range<u64>>,
+    /// Paths that cannot be restored, with why (tree snapshots; a directory whose blob
+    /// is unreadable stands for everything below it).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<(String, String)>,
 }
 
 /// What verify found.
@@ -102,8 +106,15 @@ impl Repository {
             }
         };
         report.snapshots = snaps.len();
+        let mut intact = HashSet::new();
         for snap in &snaps {
-            self.check_snapshot(snap, &index, &bad, &mut report).await;
+            match &snap.manifest.content {
+                Content::Block { .. } => self.check_snapshot(snap, &index, &bad, &mut report).await,
+                Content::Tree { .. } => {
+                    self.check_tree_snapshot(snap, &index, &bad, &mut intact, &mut report)
+                        .await
+                }
+            }
         }
         Ok(report)
     }
@@ -204,6 +215,49 @@ impl Repository {
         Ok(())
     }
 
+    /// Names the damaged paths of a tree snapshot.
+    async fn check_tree_snapshot(
+        &self,
+        snap: &Snapshot,
+        index: &Index,
+        bad: &HashSet<ChunkId>,
+        intact: &mut HashSet<ChunkId>,
+        report: &mut VerifyReport,
+    ) {
+        let mut found = Vec::new();
+        match crate::tree_root(snap) {
+            Ok(root) => {
+                self.damaged_paths(index, bad, root, Vec::new(), intact, &mut found)
+                    .await;
+            }
+            Err(e) => found.push((Vec::new(), e.to_string())),
+        }
+        if found.is_empty() {
+            return;
+        }
+        let paths: Vec<(String, String)> = found
+            .into_iter()
+            .map(|(p, why)| {
+                let p = String::from_utf8_lossy(&p).into_owned();
+                (if p.is_empty() { ".".into() } else { p }, why)
+            })
+            .collect();
+        report.problems.push(format!(
+            "snapshot {} ({}): {} damaged path(s), first {}: {}",
+            snap.short_id(),
+            snap.manifest.volume,
+            paths.len(),
+            paths[0].0,
+            paths[0].1
+        ));
+        report.damaged.push(DamagedSnapshot {
+            id: snap.id.clone(),
+            volume: snap.manifest.volume.clone(),
+            ranges: Vec::new(),
+            paths,
+        });
+    }
+
     async fn check_snapshot(
         &self,
         snap: &Snapshot,
@@ -216,7 +270,10 @@ impl Repository {
             chunk_size,
             chunks_per_list,
             lists,
-        } = &snap.manifest.content;
+        } = &snap.manifest.content
+        else {
+            return;
+        };
         let mut ranges: Vec<Range<u64>> = Vec::new();
         let mut push = |r: Range<u64>| match ranges.last_mut() {
             Some(last) if last.end == r.start => last.end = r.end,
@@ -269,6 +326,7 @@ impl Repository {
                 id: snap.id.clone(),
                 volume: snap.manifest.volume.clone(),
                 ranges,
+                paths: Vec::new(),
             });
         }
     }
@@ -276,18 +334,26 @@ impl Repository {
     /// The byte ranges that differ between two block snapshots (holes and zero chunks
     /// count as equal to each other), merged. Equal list blobs are skipped unread.
     pub async fn diff(&self, index: &Index, a: &Snapshot, b: &Snapshot) -> Result<Vec<Range<u64>>> {
-        let Content::Block {
-            size: sa,
-            chunk_size: ca,
-            chunks_per_list: na,
-            lists: la,
-        } = &a.manifest.content;
-        let Content::Block {
-            size: sb,
-            chunk_size: cb,
-            lists: lb,
-            ..
-        } = &b.manifest.content;
+        let (
+            Content::Block {
+                size: sa,
+                chunk_size: ca,
+                chunks_per_list: na,
+                lists: la,
+            },
+            Content::Block {
+                size: sb,
+                chunk_size: cb,
+                lists: lb,
+                ..
+            },
+        ) = (&a.manifest.content, &b.manifest.content)
+        else {
+            return Err(crate::RepoError::Refused {
+                what: format!("diff of {} and {}", a.short_id(), b.short_id()),
+                why: "byte ranges are for two block snapshots (trees are compared by path)".into(),
+            });
+        };
         let max = (*sa).max(*sb);
         if ca != cb {
             return Ok(std::iter::once(0..max).collect());

@@ -288,7 +288,16 @@ impl SnapshotSource {
             chunk_size,
             chunks_per_list,
             lists,
-        } = s.manifest.content;
+        } = s.manifest.content
+        else {
+            return Err(HydrateError::Source {
+                source_name: format!("{} snapshot {}", repo.location(), s.id),
+                retryable: false,
+                message: "is a file tree's snapshot; hydrate serves block volumes (restore \
+                    a tree with `mover snapshot restore`)"
+                    .into(),
+            });
+        };
         if chunks_per_list != CHUNKS_PER_LIST && lists.len() > 1 {
             return Err(HydrateError::Source {
                 source_name: format!("{} snapshot {}", repo.location(), s.id),

@@ -9,9 +9,9 @@
 use chunker::{BlockVolume, ChunkId, ChunkKind, ChunkSize, Window, for_each_window, hash_chunks};
 use rayon::prelude::*;
 use snapshots::{
-    BlobKind, BlobLoc, Bytes, CHUNKS_PER_LIST, Content, DELTA_PAGE, FinishedPack, Index,
-    MANIFEST_VERSION, Manifest, PackBuilder, PackId, RepoError, Repository, Snapshot,
-    SnapshotSummary, Uploader, encode_list, hex, make_delta,
+    BlobKind, BlobLoc, Bytes, CHUNKS_PER_LIST, Content, DELTA_PAGE, FinishedPack, Index, Manifest,
+    PackBuilder, PackId, RepoError, Repository, Snapshot, SnapshotSummary, Uploader, encode_list,
+    hex, make_delta,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -37,6 +37,9 @@ pub struct CreateOptions {
     /// Store every changed chunk whole, never as a delta of the parent snapshot's chunk.
     #[arg(long)]
     pub no_deltas: bool,
+    /// Trees: do not store extended attributes and POSIX ACLs.
+    #[arg(long)]
+    pub no_xattrs: bool,
 }
 
 impl Default for CreateOptions {
@@ -46,6 +49,7 @@ impl Default for CreateOptions {
             name: None,
             uploads: 4,
             no_deltas: false,
+            no_xattrs: false,
         }
     }
 }
@@ -57,12 +61,16 @@ struct Produced {
     size: u64,
 }
 
-/// Takes a snapshot of the block volume at `volume` into `repo`; see the module docs.
+/// Takes a snapshot of the block volume at `volume` into `repo` (see the module docs),
+/// or of the directory at `volume` ([`super::create_tree_snapshot`]).
 pub async fn create_snapshot(
     repo: Arc<Repository>,
     volume: &Path,
     opts: &CreateOptions,
 ) -> Result<Snapshot, RepoError> {
+    if std::fs::metadata(volume).is_ok_and(|m| m.is_dir()) {
+        return super::create_tree_snapshot(repo, volume, opts).await;
+    }
     let started = Instant::now();
     let vol = BlockVolume::open(volume)?;
     let name = match &opts.name {
@@ -115,7 +123,7 @@ pub async fn create_snapshot(
     produced.sum.duration_secs = started.elapsed().as_secs_f64();
     let (time, time_nanos) = snapshots::now_unix_nanos();
     let manifest = Manifest {
-        version: MANIFEST_VERSION,
+        version: 0, // set from the content when saved
         time,
         time_nanos,
         hostname: hostname(),
@@ -138,7 +146,7 @@ pub async fn create_snapshot(
     Ok(snap)
 }
 
-fn hostname() -> String {
+pub(super) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())
@@ -277,7 +285,10 @@ impl ParentChunks {
             chunks_per_list,
             lists,
             ..
-        } = content;
+        } = content
+        else {
+            return None;
+        };
         (*chunk_size == chunk.get() && *chunks_per_list > 0).then(|| ParentChunks {
             lists: lists.clone(),
             per_list: *chunks_per_list,

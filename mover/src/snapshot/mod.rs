@@ -1,4 +1,6 @@
-//! Snapshots of block volumes into a repository (local directory or S3), and restores.
+//! Snapshots of block volumes and file trees into a repository (local directory or S3),
+//! and restores. Trees: see [`tree_create`] and [`tree_restore`]; the rest of this
+//! page is about block volumes.
 //!
 //! `create` reads the volume in windows on a blocking thread (read-ahead, parallel
 //! hashing), seals only the chunks the repository's index lacks (in parallel), and hands
@@ -13,7 +15,11 @@
 mod create;
 mod options;
 mod restore;
+mod tree_create;
+mod tree_restore;
 
 pub use create::{CreateOptions, create_snapshot};
 pub use options::{RepoOptions, open_repository, open_repository_with};
 pub use restore::{RestoreOptions, RestoreSummary, restore_snapshot};
+pub use tree_create::{INCOMPLETE_TAG, create_tree_snapshot};
+pub use tree_restore::restore_tree_snapshot;

@@ -24,6 +24,16 @@ pub struct RestoreOptions {
     /// Ranged reads in flight at once.
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub reads: usize,
+    /// Trees: delete entries of DST that the snapshot does not hold.
+    #[arg(long)]
+    pub delete: bool,
+    /// Trees: restore only this path of the snapshot (relative to its top, kept below
+    /// DST; repeat for several). Directories above it get the snapshot's metadata.
+    #[arg(long, value_name = "PATH")]
+    pub include: Vec<PathBuf>,
+    /// Trees: do not restore extended attributes and POSIX ACLs.
+    #[arg(long)]
+    pub no_xattrs: bool,
 }
 
 impl Default for RestoreOptions {
@@ -31,6 +41,9 @@ impl Default for RestoreOptions {
         RestoreOptions {
             force: false,
             reads: 8,
+            delete: false,
+            include: Vec::new(),
+            no_xattrs: false,
         }
     }
 }
@@ -138,7 +151,13 @@ pub async fn restore_snapshot(
         chunk_size,
         chunks_per_list,
         lists,
-    } = &snap.manifest.content;
+    } = &snap.manifest.content
+    else {
+        return Err(RepoError::Refused {
+            what: format!("restore of snapshot {} as a block volume", snap.short_id()),
+            why: "it is a file tree's; restore it into a directory".into(),
+        });
+    };
     let (size, cs) = (*size, *chunk_size);
     if *chunks_per_list != CHUNKS_PER_LIST && lists.len() > 1 {
         return Err(RepoError::Corrupt {

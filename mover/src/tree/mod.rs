@@ -8,12 +8,12 @@
 //! holds, where that saves work: see [`content`]) and renamed over the old, so no reader
 //! ever sees a half-written file.
 
-mod content;
-mod meta;
+pub(crate) mod content;
+pub(crate) mod meta;
 mod record;
 pub(crate) mod remote;
-mod source;
-mod sync;
+pub(crate) mod source;
+pub(crate) mod sync;
 
 use crate::{CopyError, Progress, Result};
 use rustix::fs::{self, RenameFlags};

@@ -1,0 +1,626 @@
+//! `snapshot create` of a directory: file contents as FastCDC chunks in the same packs as
+//! everything else (deduplicated against the whole repository), metadata in one tree
+//! blob per directory (`snapshots::TreeNode`), written bottom-up so a directory's blob
+//! names its subdirectories' blobs. An unchanged directory encodes to the same blob as
+//! in the parent snapshot and is not stored again.
+//!
+//! Incremental: the parent snapshot's blob of each directory is read beside the
+//! directory, and a file whose inode, ctime, size and mtime are those recorded there
+//! (and whose chunks the repository still holds) keeps its recorded content unread;
+//! an entry whose inode and ctime match keeps its recorded xattrs (any xattr change
+//! moves the ctime). Directories are walked in parallel (rayon), each holding only its
+//! own listing: memory follows the largest directory and the depth, not the tree.
+//!
+//! A file that changes while read is stored as read and counted (never a torn chunk
+//! list: every chunk's id is the hash of the bytes stored), with its metadata as listed
+//! before the read, so the next snapshot reads it again. Entries that cannot be read are
+//! left out and counted; the snapshot is then tagged `incomplete`.
+
+use super::create::{CreateOptions, hostname};
+use crate::tree::{
+    content::next_data,
+    meta::{Kind, Meta},
+    source::{Listed, LocalDir, LocalSource, TreeSource},
+};
+use chunker::{CdcChunker, CdcParams, ChunkId};
+use rayon::prelude::*;
+use snapshots::{
+    BlobKind, Content, FilePiece, FinishedPack, Index, Manifest, NodeKind, PackBuilder, RepoError,
+    Repository, Snapshot, SnapshotSummary, TreeNode, Uploader, encode_tree, hex,
+};
+use std::{
+    collections::{HashMap, HashSet},
+    fs::File,
+    io::{self, Read},
+    os::unix::{ffi::OsStrExt, fs::FileExt},
+    path::{Path, PathBuf},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+    },
+    time::Instant,
+};
+use tokio::sync::mpsc;
+
+/// Files up to this size are read whole into memory and cut there; larger ones stream.
+const READ_WHOLE: u64 = 8 << 20;
+/// Tag of a snapshot that left out entries it could not read.
+pub const INCOMPLETE_TAG: &str = "incomplete";
+
+/// Takes a snapshot of the directory `dir` into `repo`; see the module docs.
+pub async fn create_tree_snapshot(
+    repo: Arc<Repository>,
+    dir: &Path,
+    opts: &CreateOptions,
+) -> Result<Snapshot, RepoError> {
+    let started = Instant::now();
+    let root = std::fs::canonicalize(dir).map_err(|e| RepoError::Refused {
+        what: format!("snapshot of {}", dir.display()),
+        why: format!("cannot open the directory: {e}"),
+    })?;
+    let name = opts
+        .name
+        .clone()
+        .unwrap_or_else(|| root.display().to_string());
+    let mut index = repo.load_dedup_index().await?;
+    repo.adopt_unindexed_packs(&mut index).await?;
+    let parent_snap = repo
+        .snapshots()
+        .await?
+        .into_iter()
+        .rfind(|s| s.manifest.volume == name);
+    let parent = parent_snap.as_ref().map(|s| s.id.clone());
+    let parent_top = match &parent_snap {
+        Some(s) if matches!(s.manifest.content, Content::Tree { .. }) => {
+            match repo.tree_node_at(&index, s, b"").await {
+                Ok(top) => top,
+                Err(e) => {
+                    tracing::warn!(parent = %s.id, error = %e, "cannot read the parent snapshot's tree: reading every file");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    tracing::info!(volume = %name, parent = ?parent, incremental = parent_top.is_some(), "snapshot: walking the tree");
+
+    let (tx, mut rx) = mpsc::channel::<FinishedPack>(2);
+    let index = Arc::new(index);
+    let producer = {
+        let (repo, index) = (repo.clone(), index.clone());
+        let rt = tokio::runtime::Handle::current();
+        let xattrs = !opts.no_xattrs;
+        tokio::task::spawn_blocking(move || {
+            let walk = Walk::new(&repo, &index, &rt, root, xattrs, tx);
+            walk.run(parent_top.as_ref())
+        })
+    };
+    let mut uploader = Uploader::new(repo.clone(), opts.uploads);
+    let mut upload_err = None;
+    while let Some(pack) = rx.recv().await {
+        if let Err(e) = uploader.add(pack).await {
+            upload_err = Some(e);
+            break;
+        }
+    }
+    drop(rx);
+    let produced = producer.await.map_err(|e| RepoError::Refused {
+        what: "snapshot reader".into(),
+        why: format!("failed: {e}"),
+    })?;
+    if let Some(e) = upload_err {
+        return Err(e);
+    }
+    let (root_id, counts) = produced?;
+    let (packs, bytes) = uploader.finish().await?;
+    let mut tags = opts.tags.clone();
+    if counts.unreadable > 0 {
+        tags.push(INCOMPLETE_TAG.into());
+    }
+    let summary = SnapshotSummary {
+        data_chunks: counts.data_chunks,
+        data_bytes: counts.data_bytes,
+        zero_chunks: counts.holes,
+        new_chunks: counts.new_chunks,
+        new_bytes: counts.new_bytes,
+        stored_bytes: bytes,
+        packs,
+        duration_secs: started.elapsed().as_secs_f64(),
+        files_read: counts.files_read,
+        files_unchanged: counts.files_unchanged,
+        changed_while_read: counts.changed_while_read,
+        unreadable: counts.unreadable,
+        ..SnapshotSummary::default()
+    };
+    let (time, time_nanos) = snapshots::now_unix_nanos();
+    let manifest = Manifest {
+        version: 0, // set from the content when saved
+        time,
+        time_nanos,
+        hostname: hostname(),
+        volume: name,
+        tags,
+        parent,
+        content: Content::Tree {
+            root: hex(&root_id.0),
+            files: counts.files,
+            dirs: counts.dirs,
+            bytes: counts.file_bytes,
+        },
+        summary,
+    };
+    crate::agent::journal::failpoint("snapshot-before-manifest");
+    let snap = repo.save_snapshot(manifest).await?;
+    tracing::info!(id = %snap.id, "snapshot saved");
+    Ok(snap)
+}
+
+/// What the walk counted.
+#[derive(Default)]
+struct Counts {
+    files: u64,
+    dirs: u64,
+    file_bytes: u64,
+    data_chunks: u64,
+    data_bytes: u64,
+    holes: u64,
+    new_chunks: u64,
+    new_bytes: u64,
+    files_read: u64,
+    files_unchanged: u64,
+    changed_while_read: u64,
+    unreadable: u64,
+}
+
+#[derive(Default)]
+struct AtomicCounts {
+    files: AtomicU64,
+    dirs: AtomicU64,
+    file_bytes: AtomicU64,
+    data_chunks: AtomicU64,
+    data_bytes: AtomicU64,
+    holes: AtomicU64,
+    new_chunks: AtomicU64,
+    new_bytes: AtomicU64,
+    files_read: AtomicU64,
+    files_unchanged: AtomicU64,
+    changed_while_read: AtomicU64,
+    unreadable: AtomicU64,
+}
+
+impl AtomicCounts {
+    fn get(&self) -> Counts {
+        Counts {
+            files: self.files.load(Relaxed),
+            dirs: self.dirs.load(Relaxed),
+            file_bytes: self.file_bytes.load(Relaxed),
+            data_chunks: self.data_chunks.load(Relaxed),
+            data_bytes: self.data_bytes.load(Relaxed),
+            holes: self.holes.load(Relaxed),
+            new_chunks: self.new_chunks.load(Relaxed),
+            new_bytes: self.new_bytes.load(Relaxed),
+            files_read: self.files_read.load(Relaxed),
+            files_unchanged: self.files_unchanged.load(Relaxed),
+            changed_while_read: self.changed_while_read.load(Relaxed),
+            unreadable: self.unreadable.load(Relaxed),
+        }
+    }
+}
+
+/// The blocking side of a tree snapshot.
+struct Walk<'a> {
+    repo: &'a Repository,
+    index: &'a Index,
+    rt: &'a tokio::runtime::Handle,
+    source: LocalSource,
+    chunker: CdcChunker,
+    xattrs: bool,
+    /// Blobs packed by this run (not in the index yet).
+    seen: Mutex<HashSet<ChunkId>>,
+    data: Mutex<PackBuilder>,
+    trees: Mutex<PackBuilder>,
+    tx: mpsc::Sender<FinishedPack>,
+    /// The upload stopped (its error is the run's): the walk stops too.
+    stopped: AtomicBool,
+    /// Contents of multiply-linked files read so far, by (device, inode), with the ctime
+    /// they were read at: their other names are not read again.
+    links: Mutex<HashMap<(u64, u64), ((i64, u32), Vec<FilePiece>)>>,
+    counts: AtomicCounts,
+}
+
+impl<'a> Walk<'a> {
+    fn new(
+        repo: &'a Repository,
+        index: &'a Index,
+        rt: &'a tokio::runtime::Handle,
+        root: PathBuf,
+        xattrs: bool,
+        tx: mpsc::Sender<FinishedPack>,
+    ) -> Self {
+        Walk {
+            repo,
+            index,
+            rt,
+            source: LocalSource::new(root),
+            chunker: CdcChunker::new(repo.chunk_key().clone(), CdcParams::default())
+                .expect("default CDC parameters"),
+            xattrs,
+            seen: Mutex::default(),
+            data: Mutex::default(),
+            trees: Mutex::default(),
+            tx,
+            stopped: AtomicBool::new(false),
+            links: Mutex::default(),
+            counts: AtomicCounts::default(),
+        }
+    }
+
+    /// Walks the tree; returns the top blob's id and the counts.
+    fn run(&self, parent_top: Option<&TreeNode>) -> Result<(ChunkId, Counts), RepoError> {
+        let root_path = self.source.root_path().to_path_buf();
+        let refused = |e: io::Error| RepoError::Refused {
+            what: format!("snapshot of {}", root_path.display()),
+            why: format!("cannot read the directory: {e}"),
+        };
+        let (meta, xattrs) = self
+            .source
+            .stat_dir(Path::new(""), self.xattrs)
+            .map_err(refused)?;
+        let root = self.source.open_root().map_err(refused)?;
+        let threads = std::thread::available_parallelism()
+            .map_or(2, |n| n.get() * 4)
+            .min(16);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .stack_size(32 << 20)
+            .thread_name(|i| format!("mover-snap-{i}"))
+            .build()
+            .map_err(|e| refused(io::Error::other(e)))?;
+        let listed = Listed {
+            name: ".".into(),
+            meta,
+            link: Vec::new(),
+            xattrs,
+        };
+        let subtree = pool.install(|| self.dir_blob(&root, &root_path, parent_top));
+        let mut top = node_of(&listed);
+        top.subtree = subtree;
+        if self.stopped.load(Relaxed) {
+            return Err(self.upload_stopped());
+        }
+        if top.subtree.is_none() {
+            return Err(refused(io::Error::other("its listing failed")));
+        }
+        let top_id = self.store_tree(&[top])?;
+        for pack in [&self.data, &self.trees] {
+            let pack = std::mem::take(&mut *pack.lock().expect("pack lock"));
+            if !pack.is_empty() {
+                self.send(pack)?;
+            }
+        }
+        Ok((top_id, self.counts.get()))
+    }
+
+    fn upload_stopped(&self) -> RepoError {
+        RepoError::Refused {
+            what: "snapshot".into(),
+            why: "the upload stopped".into(),
+        }
+    }
+
+    fn send(&self, pack: PackBuilder) -> Result<(), RepoError> {
+        self.tx
+            .blocking_send(self.repo.finish_pack(pack))
+            .map_err(|_| {
+                self.stopped.store(true, Relaxed);
+                self.upload_stopped()
+            })
+    }
+
+    /// Seals and packs a blob the repository lacks; returns whether it was new.
+    fn store(&self, kind: BlobKind, id: ChunkId, plain: &[u8]) -> Result<bool, RepoError> {
+        if self.index.contains(&id) || !self.seen.lock().expect("seen lock").insert(id) {
+            return Ok(false);
+        }
+        let sealed = self.repo.seal_blob(kind, &id, plain);
+        let pack = if kind == BlobKind::Data {
+            &self.data
+        } else {
+            &self.trees
+        };
+        let full = {
+            let mut p = pack.lock().expect("pack lock");
+            p.push(kind, id, &sealed);
+            (p.len() >= self.repo.pack_size()).then(|| std::mem::take(&mut *p))
+        };
+        if let Some(p) = full {
+            self.send(p)?;
+        }
+        Ok(true)
+    }
+
+    fn store_tree(&self, nodes: &[TreeNode]) -> Result<ChunkId, RepoError> {
+        let plain = encode_tree(nodes);
+        let id = self.repo.chunk_key().chunk_id(&plain);
+        // Tree blobs travel as list blobs (see snapshots::TreeNode).
+        self.store(BlobKind::List, id, &plain)?;
+        Ok(id)
+    }
+
+    /// Counts an entry left out and says why.
+    fn unreadable(&self, path: &Path, what: &str, e: &dyn std::fmt::Display) {
+        self.counts.unreadable.fetch_add(1, Relaxed);
+        tracing::warn!(path = %path.display(), "{what}: {e}; left out of the snapshot");
+    }
+
+    /// The blob of the directory `dir` (at `path`), given its node in the parent
+    /// snapshot; `None` if it could not be listed (or the walk stopped).
+    fn dir_blob(&self, dir: &LocalDir, path: &Path, old: Option<&TreeNode>) -> Option<ChunkId> {
+        if self.stopped.load(Relaxed) {
+            return None;
+        }
+        let mut listed = match self.source.list(dir, false) {
+            Ok(l) => l,
+            Err(e) => {
+                self.unreadable(path, "cannot list the directory", &e);
+                return None;
+            }
+        };
+        listed.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        let old_entries = old
+            .and_then(|o| o.subtree.filter(|_| o.kind == NodeKind::Dir))
+            .and_then(|sub| {
+                self.rt
+                    .block_on(self.repo.read_tree(self.index, &sub))
+                    .inspect_err(|e| tracing::warn!(path = %path.display(), error = %e, "cannot read the parent snapshot's directory: reading its files"))
+                    .ok()
+            })
+            .unwrap_or_default();
+        let find = |name: &[u8]| {
+            old_entries
+                .binary_search_by(|n| n.name.as_slice().cmp(name))
+                .ok()
+                .map(|i| &old_entries[i])
+        };
+        let nodes: Vec<Option<TreeNode>> = listed
+            .par_iter()
+            .with_max_len(16)
+            .map(|l| self.entry(dir, path, l, find(l.name.as_bytes())))
+            .collect();
+        drop(old_entries);
+        let nodes: Vec<TreeNode> = nodes.into_iter().flatten().collect();
+        match self.store_tree(&nodes) {
+            Ok(id) => Some(id),
+            Err(_) => {
+                self.stopped.store(true, Relaxed);
+                None
+            }
+        }
+    }
+
+    /// The node of one entry; `None` if it vanished or could not be read.
+    fn entry(
+        &self,
+        dir: &LocalDir,
+        dir_path: &Path,
+        l: &Listed,
+        old: Option<&TreeNode>,
+    ) -> Option<TreeNode> {
+        if self.stopped.load(Relaxed) {
+            return None;
+        }
+        let path = dir_path.join(&l.name);
+        let m = &l.meta;
+        let mut n = node_of(l);
+        let same_inode =
+            old.filter(|o| o.kind as u32 == m.kind.code() && o.ino == m.ino && o.ctime == m.ctime);
+        let gone = |e: &io::Error| e.kind() == io::ErrorKind::NotFound;
+        if let Some(o) = same_inode {
+            n.xattrs = o.xattrs.clone();
+        } else if self.xattrs {
+            match self.source.read_xattrs(dir, &l.name) {
+                Ok(x) => {
+                    n.xattrs = x
+                        .into_iter()
+                        .map(|(k, v)| (k.as_bytes().to_vec(), v))
+                        .collect()
+                }
+                Err(e) if gone(&e) => return None,
+                Err(e) => self.unreadable(&path, "cannot read xattrs (kept without them)", &e),
+            }
+        }
+        match m.kind {
+            Kind::Dir => {
+                self.counts.dirs.fetch_add(1, Relaxed);
+                let sub = match self.source.open_dir(dir, &l.name) {
+                    Ok(d) => d,
+                    Err(e) if gone(&e) => return None,
+                    Err(e) => {
+                        self.unreadable(&path, "cannot open the directory", &e);
+                        return None;
+                    }
+                };
+                n.subtree = Some(self.dir_blob(&sub, &path, old)?);
+            }
+            Kind::File => {
+                let unchanged = same_inode.filter(|o| {
+                    o.size == m.size
+                        && o.mtime == m.mtime
+                        && o.chunks().all(|c| self.index.contains(&c))
+                });
+                if let Some(o) = unchanged {
+                    n.content = o.content.clone();
+                    self.counts.files_unchanged.fetch_add(1, Relaxed);
+                } else {
+                    match self.file_content(dir, l) {
+                        Ok(c) => n.content = c,
+                        Err(e) if gone(&e) => return None,
+                        Err(e) => {
+                            self.unreadable(&path, "cannot read the file", &e);
+                            return None;
+                        }
+                    }
+                }
+                n.size = n.content.iter().map(FilePiece::len).sum();
+                self.counts.files.fetch_add(1, Relaxed);
+                self.counts.file_bytes.fetch_add(n.size, Relaxed);
+            }
+            _ => {}
+        }
+        Some(n)
+    }
+
+    /// Reads a file's content into chunks (new ones packed); a multiply-linked file
+    /// already read under another name is not read again.
+    fn file_content(&self, dir: &LocalDir, l: &Listed) -> io::Result<Vec<FilePiece>> {
+        let m = &l.meta;
+        let link_key = (m.dev, m.ino);
+        if m.nlink > 1
+            && let Some((ctime, c)) = self.links.lock().expect("links lock").get(&link_key)
+            && *ctime == m.ctime
+        {
+            return Ok(c.clone());
+        }
+        let f = self.source.open_file(dir, &l.name)?;
+        self.counts.files_read.fetch_add(1, Relaxed);
+        let pieces = self.read_pieces(&f, m)?;
+        let after = self.source.stat(&f)?;
+        if m.content_changed(&after) {
+            self.counts.changed_while_read.fetch_add(1, Relaxed);
+            tracing::warn!(file = %self.source.root_path().join(&l.name).display(), "changed while read: stored as read, read again by the next snapshot");
+        }
+        if m.nlink > 1 {
+            self.links
+                .lock()
+                .expect("links lock")
+                .insert(link_key, (m.ctime, pieces.clone()));
+        }
+        Ok(pieces)
+    }
+
+    /// The content of `f` (listed as `m`) as chunks and holes, up to the listed size or
+    /// the end of what can be read.
+    fn read_pieces(&self, f: &File, m: &Meta) -> io::Result<Vec<FilePiece>> {
+        let mut pieces = Vec::new();
+        let mut pos = 0;
+        let sparse = m.allocated < m.size;
+        while pos < m.size {
+            let (start, stop) = if sparse {
+                match next_data(f, pos, m.size)? {
+                    Some(r) => r,
+                    None => break,
+                }
+            } else {
+                (pos, m.size)
+            };
+            if start > pos {
+                pieces.push(FilePiece::Hole(start - pos));
+                self.counts.holes.fetch_add(1, Relaxed);
+            }
+            let read = self.chunk_range(f, start, stop - start, &mut pieces)?;
+            pos = start + read;
+            if read < stop - start {
+                return Ok(pieces); // the file shrank while read
+            }
+        }
+        if pos < m.size && sparse {
+            pieces.push(FilePiece::Hole(m.size - pos));
+            self.counts.holes.fetch_add(1, Relaxed);
+        }
+        Ok(pieces)
+    }
+
+    /// Cuts `len` bytes of `f` at `at` into chunks, packing new ones; returns the bytes
+    /// read (fewer if the file ended early).
+    fn chunk_range(
+        &self,
+        f: &File,
+        at: u64,
+        len: u64,
+        pieces: &mut Vec<FilePiece>,
+    ) -> io::Result<u64> {
+        let mut add = |id: ChunkId, data: &[u8]| -> io::Result<()> {
+            self.counts.data_chunks.fetch_add(1, Relaxed);
+            self.counts.data_bytes.fetch_add(data.len() as u64, Relaxed);
+            if self
+                .store(BlobKind::Data, id, data)
+                .map_err(io::Error::other)?
+            {
+                self.counts.new_chunks.fetch_add(1, Relaxed);
+                self.counts.new_bytes.fetch_add(data.len() as u64, Relaxed);
+            }
+            pieces.push(FilePiece::Data {
+                id,
+                len: data.len() as u32,
+            });
+            Ok(())
+        };
+        if len <= READ_WHOLE {
+            let mut buf = vec![0u8; len as usize];
+            let mut got = 0;
+            while got < buf.len() {
+                match f.read_at(&mut buf[got..], at + got as u64) {
+                    Ok(0) => break,
+                    Ok(n) => got += n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            buf.truncate(got);
+            for c in self.chunker.chunk_slice(&buf) {
+                add(c.id, &buf[c.offset as usize..c.offset as usize + c.len])?;
+            }
+            return Ok(got as u64);
+        }
+        let reader = ReadAt { f, at }.take(len);
+        let mut read = 0;
+        for item in self
+            .chunker
+            .chunk_stream(std::io::BufReader::with_capacity(1 << 20, reader))
+        {
+            let (c, data) = item?;
+            read += data.len() as u64;
+            add(c.id, &data)?;
+        }
+        Ok(read)
+    }
+}
+
+/// Sequential reads of a file from an offset, with `pread` (the descriptor's own offset
+/// is left alone).
+struct ReadAt<'f> {
+    f: &'f File,
+    at: u64,
+}
+
+impl Read for ReadAt<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.f.read_at(buf, self.at)?;
+        self.at += n as u64;
+        Ok(n)
+    }
+}
+
+/// A tree node with the listed metadata (content, xattrs and subtree to be filled).
+fn node_of(l: &Listed) -> TreeNode {
+    let m = &l.meta;
+    let kind = NodeKind::from_code(m.kind.code() as u8).expect("the same kind codes");
+    let mut n = TreeNode::new(l.name.as_bytes().to_vec(), kind);
+    n.mode = m.mode;
+    n.uid = m.uid;
+    n.gid = m.gid;
+    n.mtime = m.mtime;
+    n.ctime = m.ctime;
+    n.dev = m.dev;
+    n.ino = m.ino;
+    n.nlink = m.nlink;
+    n.size = if m.kind == Kind::File { m.size } else { 0 };
+    n.rdev = m.rdev;
+    n.link = l.link.clone();
+    n.xattrs = l
+        .xattrs
+        .iter()
+        .map(|(k, v)| (k.as_bytes().to_vec(), v.clone()))
+        .collect();
+    n
+}

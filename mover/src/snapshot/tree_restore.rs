@@ -1,0 +1,485 @@
+//! `snapshot restore` of a tree snapshot: the snapshot is a [`TreeSource`] for the same
+//! walk as `mover copy` (so a new DST is built hidden and renamed when complete, an
+//! existing one gets only what differs, `--delete` removes what the snapshot lacks, hard
+//! links, xattrs, holes and times are kept). Listings come from tree blobs, file
+//! contents from packs: a directory's small files with one ranged read per run of
+//! nearby blobs, a large file in windows, a changed large file patched from the chunks
+//! its old copy already holds. A damaged chunk fails its file only: the rest is
+//! restored and the run reports the failure.
+
+use crate::tree::{
+    TreeOptions, TreeSummary,
+    content::{Reuse, Written},
+    meta::{Kind, Meta, Xattrs},
+    source::{Listed, TreeSource},
+};
+use chunker::{CdcChunker, CdcParams, ChunkId};
+use snapshots::{
+    BlobLoc, Bytes, FilePiece, Index, NodeKind, PackId, RepoError, Repository, TreeNode,
+};
+use std::{
+    collections::HashMap,
+    ffi::{OsStr, OsString},
+    fs::File,
+    io,
+    os::unix::{
+        ffi::{OsStrExt, OsStringExt},
+        fs::FileExt,
+    },
+    path::{Component, Path, PathBuf},
+    sync::{Arc, Mutex},
+};
+
+/// Data a large file's restore fetches at once.
+const WINDOW: u64 = 16 << 20;
+
+/// A tree snapshot seen as a source tree.
+pub(crate) struct SnapshotTree {
+    repo: Arc<Repository>,
+    index: Arc<Index>,
+    rt: tokio::runtime::Handle,
+    label: PathBuf,
+    top: TreeNode,
+    /// Only these paths (and what is above and below them) are restored; empty: all.
+    include: Vec<PathBuf>,
+    chunker: CdcChunker,
+    /// Chunks of small files fetched ahead, until their batch is done.
+    fetched: Arc<Mutex<HashMap<ChunkId, Bytes>>>,
+}
+
+/// A directory of the snapshot: its path below the top and its entries.
+pub(crate) struct SnapDir {
+    rel: PathBuf,
+    entries: Vec<TreeNode>,
+}
+
+/// Chunks fetched for one batch of small files, dropped from the cache with it.
+pub(crate) struct Fetched {
+    cache: Arc<Mutex<HashMap<ChunkId, Bytes>>>,
+    ids: Vec<ChunkId>,
+}
+
+impl Drop for Fetched {
+    fn drop(&mut self) {
+        let mut cache = self.cache.lock().expect("fetched lock");
+        for id in &self.ids {
+            cache.remove(id);
+        }
+    }
+}
+
+fn io_err(e: RepoError) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+impl SnapshotTree {
+    /// The tree below `top` (the snapshot's `.` node) of a snapshot, labelled `label`.
+    pub(crate) fn new(
+        repo: Arc<Repository>,
+        index: Arc<Index>,
+        rt: tokio::runtime::Handle,
+        label: PathBuf,
+        top: TreeNode,
+        include: Vec<PathBuf>,
+    ) -> Self {
+        let chunker = CdcChunker::new(repo.chunk_key().clone(), CdcParams::default())
+            .expect("default CDC parameters");
+        SnapshotTree {
+            repo,
+            index,
+            rt,
+            label,
+            top,
+            include,
+            chunker,
+            fetched: Arc::default(),
+        }
+    }
+
+    fn entries_of(&self, node: &TreeNode) -> io::Result<Vec<TreeNode>> {
+        match (node.kind, node.subtree) {
+            (NodeKind::Dir, Some(sub)) => self
+                .rt
+                .block_on(self.repo.read_tree(&self.index, &sub))
+                .map_err(io_err),
+            _ => Err(io::Error::from(io::ErrorKind::NotADirectory)),
+        }
+    }
+
+    /// Whether the entry at `rel` is restored (see `include`).
+    fn wanted(&self, rel: &Path) -> bool {
+        self.include.is_empty()
+            || self
+                .include
+                .iter()
+                .any(|i| i.starts_with(rel) || rel.starts_with(i))
+    }
+
+    /// Fetches chunks' plaintext: blobs of one pack with merged ranged reads, the packs
+    /// concurrently; chunks stored as deltas one by one (rebuilt on their base).
+    fn fetch(&self, ids: &[ChunkId]) -> io::Result<HashMap<ChunkId, Bytes>> {
+        let mut by_pack: HashMap<PackId, Vec<(ChunkId, BlobLoc)>> = HashMap::new();
+        let mut deltas = Vec::new();
+        for id in ids {
+            let loc = self
+                .index
+                .get(id)
+                .ok_or_else(|| io_err(RepoError::MissingBlob { id: id.to_hex() }))?;
+            match loc.base {
+                Some(_) => deltas.push(*id),
+                None => by_pack.entry(loc.pack).or_default().push((*id, loc)),
+            }
+        }
+        self.rt.block_on(async {
+            let mut reads = tokio::task::JoinSet::new();
+            for (pack, mut blobs) in by_pack {
+                blobs.dedup_by_key(|(id, _)| *id);
+                let repo = self.repo.clone();
+                reads.spawn(async move { repo.read_blobs(&pack, blobs).await });
+            }
+            let mut out = HashMap::with_capacity(ids.len());
+            while let Some(r) = reads.join_next().await {
+                out.extend(r.map_err(io::Error::other)?.map_err(io_err)?);
+            }
+            for id in deltas {
+                let plain = self
+                    .repo
+                    .read_chunk(&self.index, &id)
+                    .await
+                    .map_err(io_err)?;
+                out.insert(id, plain);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Writes the data pieces of `f` that `skip` does not claim, fetching them in
+    /// windows; returns the bytes written.
+    fn write_pieces(
+        &self,
+        f: &TreeNode,
+        dst: &File,
+        mut skip: impl FnMut(&ChunkId, u64, u32) -> io::Result<bool>,
+    ) -> io::Result<u64> {
+        let mut want: Vec<(u64, ChunkId, u32)> = Vec::new();
+        let mut at = 0;
+        for p in &f.content {
+            if let FilePiece::Data { id, len } = p
+                && !skip(id, at, *len)?
+            {
+                want.push((at, *id, *len));
+            }
+            at += p.len();
+        }
+        let mut written = 0;
+        let mut rest = &want[..];
+        while !rest.is_empty() {
+            let mut bytes = 0;
+            let n = rest
+                .iter()
+                .take_while(|(_, _, len)| {
+                    bytes += *len as u64;
+                    bytes <= WINDOW
+                })
+                .count()
+                .max(1);
+            let (window, later) = rest.split_at(n);
+            rest = later;
+            let ahead: Vec<ChunkId> = {
+                let cache = self.fetched.lock().expect("fetched lock");
+                window
+                    .iter()
+                    .filter(|(_, id, _)| !cache.contains_key(id))
+                    .map(|(_, id, _)| *id)
+                    .collect()
+            };
+            let mut got = self.fetch(&ahead)?;
+            for (at, id, len) in window {
+                let data = match got.get(id) {
+                    Some(d) => d.clone(),
+                    None => match self.fetched.lock().expect("fetched lock").get(id) {
+                        Some(d) => d.clone(),
+                        None => {
+                            let one = self.fetch(&[*id])?;
+                            got.extend(one);
+                            got[id].clone()
+                        }
+                    },
+                };
+                if data.len() != *len as usize {
+                    return Err(io::Error::other(format!(
+                        "chunk {} holds {} bytes where the tree blob says {len}",
+                        id.to_hex(),
+                        data.len()
+                    )));
+                }
+                dst.write_all_at(&data, *at)?;
+                written += data.len() as u64;
+            }
+        }
+        Ok(written)
+    }
+}
+
+/// The metadata a walk compares and applies, from a tree node.
+fn meta_of(n: &TreeNode) -> Meta {
+    let holes: u64 = n
+        .content
+        .iter()
+        .filter_map(|p| match p {
+            FilePiece::Hole(h) => Some(*h),
+            FilePiece::Data { .. } => None,
+        })
+        .sum();
+    Meta {
+        kind: Kind::from_code(n.kind as u32).expect("the same kind codes"),
+        mode: n.mode,
+        uid: n.uid,
+        gid: n.gid,
+        size: n.size,
+        allocated: n.size - holes.min(n.size),
+        mtime: n.mtime,
+        ctime: n.ctime,
+        rdev: n.rdev,
+        dev: n.dev,
+        ino: n.ino,
+        nlink: n.nlink,
+    }
+}
+
+fn xattrs_of(n: &TreeNode) -> Xattrs {
+    n.xattrs
+        .iter()
+        .map(|(k, v)| (OsString::from_vec(k.clone()), v.clone()))
+        .collect()
+}
+
+impl TreeSource for SnapshotTree {
+    type Dir = SnapDir;
+    type File = TreeNode;
+    type Prefetch = Fetched;
+
+    fn root_path(&self) -> &Path {
+        &self.label
+    }
+
+    fn open_root(&self) -> io::Result<SnapDir> {
+        Ok(SnapDir {
+            rel: PathBuf::new(),
+            entries: self.entries_of(&self.top)?,
+        })
+    }
+
+    fn open_dir(&self, parent: &SnapDir, name: &OsStr) -> io::Result<SnapDir> {
+        let node = find(&parent.entries, name)?;
+        Ok(SnapDir {
+            rel: parent.rel.join(name),
+            entries: self.entries_of(node)?,
+        })
+    }
+
+    fn list(&self, dir: &SnapDir, xattrs: bool) -> io::Result<Vec<Listed>> {
+        Ok(dir
+            .entries
+            .iter()
+            .filter(|n| self.wanted(&dir.rel.join(OsStr::from_bytes(&n.name))))
+            .map(|n| Listed {
+                name: OsString::from_vec(n.name.clone()),
+                meta: meta_of(n),
+                link: n.link.clone(),
+                xattrs: if xattrs { xattrs_of(n) } else { Xattrs::new() },
+            })
+            .collect())
+    }
+
+    fn read_xattrs(&self, dir: &SnapDir, name: &OsStr) -> io::Result<Xattrs> {
+        Ok(xattrs_of(find(&dir.entries, name)?))
+    }
+
+    fn stat_dir(&self, rel: &Path, xattrs: bool) -> io::Result<(Meta, Xattrs)> {
+        let mut node = self.top.clone();
+        for c in rel.components() {
+            let Component::Normal(name) = c else { continue };
+            let entries = self.entries_of(&node)?;
+            node = find(&entries, name)?.clone();
+        }
+        let x = if xattrs {
+            xattrs_of(&node)
+        } else {
+            Xattrs::new()
+        };
+        Ok((meta_of(&node), x))
+    }
+
+    fn open_file(&self, dir: &SnapDir, name: &OsStr) -> io::Result<TreeNode> {
+        find(&dir.entries, name).cloned()
+    }
+
+    fn copy_whole(
+        &self,
+        f: &TreeNode,
+        dst: &File,
+        size: u64,
+        _sparse: bool,
+        _direct: bool,
+    ) -> io::Result<Written> {
+        let new_bytes = self.write_pieces(f, dst, |_, _, _| Ok(false))?;
+        dst.set_len(size)?;
+        Ok(Written {
+            new_bytes,
+            reused_bytes: 0,
+        })
+    }
+
+    fn patch(&self, f: &TreeNode, old: &File, dst: &File, size: u64) -> io::Result<Written> {
+        let mut have = HashMap::new();
+        for item in self
+            .chunker
+            .chunk_stream(io::BufReader::with_capacity(1 << 20, old))
+        {
+            let (c, _) = item?;
+            have.entry(c.id).or_insert((c.offset, c.len));
+        }
+        let mut reuse = Reuse::new(old, dst);
+        let new_bytes = self.write_pieces(f, dst, |id, at, len| match have.get(id) {
+            Some(&(from, l)) if l == len as usize => {
+                reuse.take(from, at, len as u64)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        })?;
+        let reused_bytes = reuse.finish()?;
+        dst.set_len(size)?;
+        Ok(Written {
+            new_bytes,
+            reused_bytes,
+        })
+    }
+
+    fn stat(&self, f: &TreeNode) -> io::Result<Meta> {
+        Ok(meta_of(f))
+    }
+
+    /// Compares chunk ids; a file with holes is taken to differ (rewritten).
+    fn same_content(&self, f: &TreeNode, other: &File) -> io::Result<bool> {
+        if f.content.iter().any(|p| matches!(p, FilePiece::Hole(_))) {
+            return Ok(false);
+        }
+        let mut want = f.chunks();
+        for item in self
+            .chunker
+            .chunk_stream(io::BufReader::with_capacity(1 << 20, other))
+        {
+            if want.next() != Some(item?.0.id) {
+                return Ok(false);
+            }
+        }
+        Ok(want.next().is_none())
+    }
+
+    fn prefetch(&self, dir: &SnapDir, files: &[(&OsStr, u64)]) -> Fetched {
+        let ids: Vec<ChunkId> = files
+            .iter()
+            .filter_map(|(name, _)| find(&dir.entries, name).ok())
+            .flat_map(|n| n.chunks())
+            .collect();
+        let mut fetched = Fetched {
+            cache: self.fetched.clone(),
+            ids: Vec::new(),
+        };
+        // A failed fetch is not an error here: each file then fetches its own chunks,
+        // and fails alone if one is damaged.
+        if let Ok(got) = self.fetch(&ids) {
+            fetched.ids = got.keys().copied().collect();
+            self.fetched.lock().expect("fetched lock").extend(got);
+        }
+        fetched
+    }
+}
+
+fn find<'a>(entries: &'a [TreeNode], name: &OsStr) -> io::Result<&'a TreeNode> {
+    entries
+        .binary_search_by(|n| n.name.as_slice().cmp(name.as_bytes()))
+        .map(|i| &entries[i])
+        .map_err(|_| io::Error::from(io::ErrorKind::NotFound))
+}
+
+/// Restores the tree snapshot `snap` onto the directory `dst` (see the module docs);
+/// with `--include`, only those paths (relative to the snapshot's top).
+pub async fn restore_tree_snapshot(
+    repo: Arc<Repository>,
+    snap: &snapshots::Snapshot,
+    dst: &Path,
+    opts: &super::RestoreOptions,
+) -> anyhow::Result<TreeSummary> {
+    let refused = |what: String, why: String| RepoError::Refused { what, why };
+    if opts.delete && !opts.include.is_empty() {
+        return Err(refused(
+            "--delete with --include".into(),
+            "would delete everything in DST outside the included paths; restore them \
+             without --delete"
+                .into(),
+        )
+        .into());
+    }
+    let index = Arc::new(repo.load_index().await?);
+    let mut include = Vec::new();
+    for p in &opts.include {
+        let rel: PathBuf = p
+            .components()
+            .filter(|c| !matches!(c, Component::RootDir | Component::CurDir))
+            .collect();
+        if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+            return Err(refused(
+                format!("--include {}", p.display()),
+                "may not contain `..`".into(),
+            )
+            .into());
+        }
+        if repo
+            .tree_node_at(&index, snap, rel.as_os_str().as_bytes())
+            .await?
+            .is_none()
+        {
+            return Err(refused(
+                format!("--include {}", p.display()),
+                format!(
+                    "snapshot {} has no such path (list it with `mover snapshot ls`)",
+                    snap.short_id()
+                ),
+            )
+            .into());
+        }
+        include.push(rel);
+    }
+    let top = repo
+        .tree_node_at(&index, snap, b"")
+        .await?
+        .ok_or_else(|| RepoError::Corrupt {
+            key: format!("snapshots/{}", snap.id),
+            offset: 0,
+            what: "no top directory".into(),
+        })?;
+    let options = TreeOptions {
+        delete: opts.delete,
+        no_xattrs: opts.no_xattrs,
+        ..TreeOptions::default()
+    };
+    let label = PathBuf::from(format!("snapshot {}", snap.short_id()));
+    let rt = tokio::runtime::Handle::current();
+    let dst = dst.to_path_buf();
+    let summary = tokio::task::spawn_blocking(move || {
+        let source = SnapshotTree::new(repo, index, rt, label, top, include);
+        let dest = crate::tree::Destination::prepare(&dst, None)?;
+        crate::tree::copy_tree_from(
+            &source,
+            dest,
+            &dst,
+            &options,
+            crate::tree::RecordUse::None,
+            &(),
+        )
+    })
+    .await??;
+    Ok(summary)
+}
