@@ -1,5 +1,6 @@
 //! Scheduled snapshots on a real agent into a real S3 server (s3s-fs): the first run at
-//! once, incremental runs, retention, a restart, a failing repository, bad input.
+//! once, incremental runs, retention, a restart, a failing repository, bad input, a file
+//! tree through a storm of `503 SlowDown`.
 
 mod common;
 
@@ -16,10 +17,15 @@ const REPO: &str = "s3://dr-vols/pg";
 /// `mover ARGS` as an operator runs it: the agent's token, the repository's S3 keys
 /// and password in the environment (the agent itself has neither).
 fn mover(s3: &S3Server, pw: &Path, args: &[&str]) -> Output {
+    mover_at(&s3.endpoint, pw, args)
+}
+
+/// `mover ARGS` as [`mover`] with the S3 endpoint `endpoint`.
+fn mover_at(endpoint: &str, pw: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_mover"))
         .args(args)
         .env("MOVER_TOKEN", TOKEN)
-        .env("MOVER_S3_ENDPOINT", &s3.endpoint)
+        .env("MOVER_S3_ENDPOINT", endpoint)
         .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
         .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
         .env("AWS_REGION", "us-east-1")
@@ -357,4 +363,76 @@ fn an_agent_killed_before_the_manifest_leaves_no_snapshot_and_its_rerun_reuses_t
         &["snapshot", "restore", REPO, id, restored.to_str().unwrap()],
     ));
     assert_eq!(blake3_of(&restored, SIZE), blake3_of(&img, SIZE));
+}
+
+#[test]
+fn a_file_tree_snapshots_on_schedule_through_a_storm_of_503_slowdown() {
+    use common::{slowdown::SlowDown, tree};
+    let t = tempfile::tempdir().unwrap();
+    let (s3, pw) = repository(t.path());
+    let web = t.path().join("vols/web");
+    tree::make_tree(&web, 3);
+    let state = t.path().join("agent");
+    std::fs::create_dir_all(&state).unwrap();
+    let agent = Agent::start(&state, &[("web", &web, false)], None);
+    let at = control(&agent);
+    // Requests in bursts: 2 refused, 2 passed, over and over.
+    let storm = SlowDown::start(&s3.endpoint, |n| n % 4 < 2);
+    let create = [
+        "snapshot",
+        "schedule",
+        "create",
+        "web-dr",
+        "--volume",
+        "web",
+        "--repo",
+        REPO,
+        "--schedule",
+        "6h",
+        "--keep-last",
+        "3",
+        "--agent",
+        &at,
+    ];
+    ok(mover_at(&storm.endpoint, &pw, &create));
+    let first = after_runs(&s3, &pw, &agent, "web-dr", 1);
+    assert_eq!(first["consistency"], "crash-inconsistent", "{first}");
+    let refused = storm.refused.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(refused >= 8, "only {refused} requests were refused");
+
+    let restored = t.path().join("restored");
+    let id = first["last_snapshot"].as_str().unwrap();
+    ok(mover(
+        &s3,
+        &pw,
+        &["snapshot", "restore", REPO, id, restored.to_str().unwrap()],
+    ));
+    tree::assert_same_tree(&web, &restored);
+
+    // The next run, after edits, reads only the changed files.
+    tree::edit_every_kind(&web);
+    ok(mover(
+        &s3,
+        &pw,
+        &["snapshot", "schedule", "run", "web-dr", "--agent", &at],
+    ));
+    let second = after_runs(&s3, &pw, &agent, "web-dr", 2);
+    let snaps = snapshots_of(&s3, &pw, "web-dr");
+    let last = snaps.last().unwrap();
+    assert_eq!(last["id"], second["last_snapshot"]);
+    let read = last["summary"]["files_read"].as_u64().unwrap();
+    assert!((1..=4).contains(&read), "{read} files read: {last}");
+    ok(mover(
+        &s3,
+        &pw,
+        &[
+            "snapshot",
+            "restore",
+            "--delete",
+            REPO,
+            "latest",
+            restored.to_str().unwrap(),
+        ],
+    ));
+    tree::assert_same_tree(&web, &restored);
 }

@@ -115,14 +115,7 @@ impl Schedules {
         if spec.name.is_empty() || spec.name.chars().any(char::is_control) {
             return Err("a schedule needs a name without control characters".into());
         }
-        let export = self.exports.get(&spec.volume).map_err(|e| e.to_string())?;
-        if export.path.is_dir() {
-            return Err(format!(
-                "{} is a directory (a file tree): scheduled snapshots take block volumes; \
-                 snapshots of file trees are not built yet",
-                export.path.display()
-            ));
-        }
+        self.exports.get(&spec.volume).map_err(|e| e.to_string())?;
         if spec.repository.is_empty() {
             return Err("no repository: give a directory or s3://BUCKET[/PREFIX]".into());
         }
@@ -369,6 +362,16 @@ impl Schedules {
             .map_err(|e| fail("cannot snapshot into", e))?;
         let consistency = pit.consistency;
         drop(pit);
+        if snap.manifest.summary.unreadable > 0 {
+            // Saved, but not a run to count as good (nor to forget older ones after).
+            return Err(format!(
+                "snapshot {} is incomplete: {} entries of {} could not be read (the agent's \
+                 log names them)",
+                snap.short_id(),
+                snap.manifest.summary.unreadable,
+                export.path.display()
+            ));
+        }
         let mut taken = Taken {
             snapshot: snap.id.clone(),
             bytes_added: snap.manifest.summary.stored_bytes,

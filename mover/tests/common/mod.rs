@@ -2,6 +2,7 @@
 #![allow(dead_code, missing_docs)]
 
 pub mod agent;
+pub mod slowdown;
 pub mod tree;
 
 use rand::{RngCore, SeedableRng, rngs::StdRng};
