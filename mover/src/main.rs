@@ -316,7 +316,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Replicate(cmd) => replicate_cli::run(cmd),
         Command::Hydrate(cmd) => hydrate_cli::run(cmd),
         Command::Repo(cmd) => snapshot_cli::run_repo(cmd),
-        Command::Snapshot(cmd) => snapshot_cli::run_snapshot(cmd),
+        Command::Snapshot(cmd) => {
+            bounded_malloc();
+            snapshot_cli::run_snapshot(cmd)
+        }
         #[cfg(feature = "controller")]
         Command::Controller(cmd) => run_controller(cmd),
     }
@@ -405,6 +408,27 @@ fn run_agent(config_path: &std::path::Path) -> anyhow::Result<()> {
         mover::agent::serve(config, listener, metrics, shutdown).await?;
         Ok(())
     })
+}
+
+/// Keeps a snapshot's memory to what it holds: glibc would otherwise give each of the
+/// walk's threads an arena that keeps freed chunk and pack buffers, and serve those
+/// megabyte buffers from arenas that never shrink (measured on /usr/share: 230 MB peak,
+/// 129 MB with two arenas and buffers of 1 MiB and more mapped and unmapped whole, for
+/// the same time). Settings made in the environment (`MALLOC_ARENA_MAX`,
+/// `MALLOC_MMAP_THRESHOLD_`) win.
+#[allow(unsafe_code)] // mallopt(3) has no safe wrapper; see SAFETY.
+fn bounded_malloc() {
+    let set = |var: &str| std::env::var_os(var).is_some();
+    // SAFETY: mallopt only changes allocator parameters; it is called before the
+    // snapshot's threads start, and any value is valid for these two parameters.
+    unsafe {
+        if !set("MALLOC_ARENA_MAX") {
+            libc::mallopt(libc::M_ARENA_MAX, 2);
+        }
+        if !set("MALLOC_MMAP_THRESHOLD_") {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+        }
+    }
 }
 
 fn print_copy(s: &CopySummary, json: bool) -> anyhow::Result<()> {

@@ -6,10 +6,12 @@
 #[allow(dead_code)] // the bench's process helpers, shared with mover-bench
 #[path = "../process.rs"]
 mod process;
+#[path = "../treefs.rs"]
+mod treefs;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use process::{ThenSync, drop_caches, run_checked, run_timed};
+use process::{ThenSync, drop_caches, run_timed};
 use serde::Serialize;
 use std::{
     fs,
@@ -18,6 +20,7 @@ use std::{
     path::{Path, PathBuf},
     process::{Command, ExitCode},
 };
+use treefs::{Rng, Volume, check_identical};
 
 const LONG_ABOUT: &str = "\
 Benchmarks `mover copy DIR DIR` (which looks at every destination entry, as rsync does) and
@@ -119,7 +122,11 @@ fn run(args: &Args) -> Result<bool> {
         None => std::env::current_exe()?.with_file_name("mover"),
     };
     fs::create_dir_all(&args.workdir)?;
-    let volume = Volume::make(&args.workdir, args.files, args.large_mib)?;
+    // Small files take a block or two each; four trees (source and three copies).
+    let tree = args.files * 8192 + 4 * (args.large_mib << 20);
+    let size = tree * 9 / 2 + (1 << 30);
+    let inodes = 5 * (args.files + args.files / 1000 * 10 + 1000);
+    let volume = Volume::make(&args.workdir, size, inodes)?;
     let src = volume.mnt.join("src");
     build_tree(&src, args.files, args.large_mib)?;
     let state = args.workdir.join("state");
@@ -171,106 +178,6 @@ fn run(args: &Args) -> Result<bool> {
         volume.remove()?;
     }
     Ok(steps.iter().all(|s| s.pass))
-}
-
-/// A fresh ext4 filesystem on a loop device over a sparse image, mounted; unmounted,
-/// detached and deleted on drop (also when the bench fails).
-struct Volume {
-    image: PathBuf,
-    mnt: PathBuf,
-    /// The loop device, until released.
-    dev: Option<String>,
-    mounted: bool,
-}
-
-impl Volume {
-    fn make(workdir: &Path, files: u64, large_mib: u64) -> Result<Volume> {
-        let image = workdir.join("tree.img");
-        let mnt = workdir.join("mnt");
-        // Leftovers of a run that was killed.
-        _ = Command::new("umount").arg(&mnt).output();
-        if let Ok(out) = Command::new("losetup").arg("-j").arg(&image).output() {
-            for line in String::from_utf8_lossy(&out.stdout).lines() {
-                if let Some(dev) = line.split(':').next() {
-                    _ = Command::new("losetup").args(["-d", dev]).output();
-                }
-            }
-        }
-        _ = fs::remove_file(&image);
-        // Small files take a block or two each; four trees (source and three copies).
-        let tree = files * 8192 + 4 * (large_mib << 20);
-        let size = (tree * 9 / 2 + (1 << 30)).next_multiple_of(1 << 20);
-        fs::File::create(&image)?.set_len(size)?;
-        let inodes = 5 * (files + files / 1000 * 10 + 1000);
-        eprintln!(
-            "making a fresh {} GiB ext4 filesystem ({inodes} inodes) in {}",
-            size >> 30,
-            image.display()
-        );
-        run_checked(
-            Command::new("mkfs.ext4")
-                .args(["-q", "-F", "-N", &inodes.to_string()])
-                // Inode tables written now, not by a kernel thread during the runs.
-                .args(["-E", "lazy_itable_init=0,lazy_journal_init=0"])
-                .arg(&image),
-        )?;
-        let out = run_checked(
-            Command::new("losetup")
-                .args(["-f", "--show", "--direct-io=on"])
-                .arg(&image),
-        )?;
-        let mut volume = Volume {
-            image,
-            mnt,
-            dev: Some(String::from_utf8_lossy(&out).trim().to_string()),
-            mounted: false,
-        };
-        fs::create_dir_all(&volume.mnt)?;
-        run_checked(
-            Command::new("mount")
-                .arg(volume.dev.as_ref().context("loop device")?)
-                .arg(&volume.mnt),
-        )?;
-        volume.mounted = true;
-        Ok(volume)
-    }
-
-    fn remove(mut self) -> Result<()> {
-        self.release()
-    }
-
-    fn keep(mut self) {
-        if let Some(dev) = self.dev.take() {
-            eprintln!(
-                "kept: {} on {dev}, mounted at {}",
-                self.image.display(),
-                self.mnt.display()
-            );
-        }
-    }
-
-    fn release(&mut self) -> Result<()> {
-        let Some(dev) = self.dev.take() else {
-            return Ok(());
-        };
-        if std::mem::take(&mut self.mounted) {
-            run_checked(Command::new("umount").arg(&self.mnt))?;
-        }
-        run_checked(Command::new("losetup").args(["-d", &dev]))?;
-        fs::remove_file(&self.image)?;
-        Ok(())
-    }
-}
-
-impl Drop for Volume {
-    fn drop(&mut self) {
-        if let Err(e) = self.release() {
-            eprintln!(
-                "mover-bench-tree: cannot remove {}: {e:#}",
-                self.image.display()
-            );
-        }
-    }
 }
 
 /// Where the three copies go, and the replica record.
@@ -372,47 +279,6 @@ fn timed(cmd: &mut Command) -> Result<Timed> {
         max_rss_bytes: r.max_rss_bytes,
         report: serde_json::from_slice(&r.stdout).unwrap_or_default(),
     })
-}
-
-/// rsync's own comparison, by content, of the source and mover's copy: no line means equal.
-fn check_identical(src: &Path, copy: &Path) -> Result<()> {
-    let out = run_checked(
-        Command::new("rsync")
-            .arg("-aHAXnc")
-            .arg("--delete")
-            .arg("--itemize-changes")
-            .arg(format!("{}/", src.display()))
-            .arg(format!("{}/", copy.display())),
-    )?;
-    let listing = String::from_utf8_lossy(&out);
-    let differing: Vec<&str> = listing.lines().filter(|l| !l.trim().is_empty()).collect();
-    if !differing.is_empty() {
-        bail!(
-            "mover's copy differs from the source in {} entries, e.g.:\n{}",
-            differing.len(),
-            differing[..differing.len().min(10)].join("\n")
-        );
-    }
-    Ok(())
-}
-
-/// A small deterministic generator (xorshift64*): the same tree on every machine.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn fill(&mut self, buf: &mut [u8]) {
-        for chunk in buf.chunks_mut(8) {
-            let v = self.next().to_le_bytes();
-            chunk.copy_from_slice(&v[..chunk.len()]);
-        }
-    }
 }
 
 fn small_path(root: &Path, i: u64) -> PathBuf {

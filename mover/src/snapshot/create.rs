@@ -31,8 +31,10 @@ pub struct CreateOptions {
     /// with one name form that volume's history (parents, retention).
     #[arg(long, value_name = "NAME")]
     pub name: Option<String>,
-    /// Pack uploads in flight at once.
-    #[arg(long, value_name = "N", default_value_t = 4)]
+    /// Pack uploads in flight at once (each holds a 16 MiB pack in memory: 2 keep a
+    /// snapshot under restic's peak memory at the same speed into a directory or a
+    /// nearby S3; raise it for a distant S3).
+    #[arg(long, value_name = "N", default_value_t = 2)]
     pub uploads: usize,
     /// Store every changed chunk whole, never as a delta of the parent snapshot's chunk.
     #[arg(long)]
@@ -47,7 +49,7 @@ impl Default for CreateOptions {
         CreateOptions {
             tags: Vec::new(),
             name: None,
-            uploads: 4,
+            uploads: 2,
             no_deltas: false,
             no_xattrs: false,
         }

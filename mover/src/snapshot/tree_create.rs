@@ -43,7 +43,7 @@ use std::{
 use tokio::sync::mpsc;
 
 /// Files up to this size are read whole into memory and cut there; larger ones stream.
-const READ_WHOLE: u64 = 8 << 20;
+const READ_WHOLE: u64 = 4 << 20;
 /// Tag of a snapshot that left out entries it could not read.
 pub const INCOMPLETE_TAG: &str = "incomplete";
 

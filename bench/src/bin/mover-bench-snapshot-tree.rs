@@ -1,0 +1,486 @@
+//! `mover-bench-snapshot-tree`: snapshots of a real file tree, `mover snapshot` against
+//! `restic`, in one run on the same tree. Run `--help` for what is built and checked.
+
+#[allow(dead_code)] // the bench's process helpers, shared with mover-bench
+#[path = "../process.rs"]
+mod process;
+#[allow(dead_code)] // shared with mover-bench-tree
+#[path = "../treefs.rs"]
+mod treefs;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use process::{ThenSync, drop_caches, run_checked, run_timed};
+use serde::Serialize;
+use std::{
+    fs,
+    os::unix::fs::FileExt,
+    path::{Path, PathBuf},
+    process::{Command, ExitCode},
+};
+use treefs::{Rng, Volume, check_identical};
+
+const LONG_ABOUT: &str = "\
+Benchmarks `mover snapshot create` and `mover snapshot restore` of a directory against
+`restic backup` and `restic restore`, on a real tree: the --source directories (default
+/usr and the cargo registry: hundreds of thousands of files of every size, deep
+directories) copied with `cp -a` onto a fresh ext4 filesystem (a sparse image in
+WORKDIR on a loop device with direct I/O), both repositories in WORKDIR/repos.
+Each round makes both repositories anew and times, from a dropped page cache, each tool:
+  first        the first snapshot: restic / mover >= 2x;
+  incremental  after a day of real edits (1% of files appended to, 0.5% overwritten in
+               place, a directory of the tree deleted, a copy of another one added with
+               10% of its files changed): restic / mover >= 3x;
+  restore      the latest snapshot into an absent directory on the same filesystem,
+               flushed (sync): restic / mover >= 2x;
+and records each repository's size after the incremental step (mover <= restic) and
+each run's peak memory (wait4 ru_maxrss; mover <= restic). The tools run in turn, the
+order swapped every round; each step's median of --rounds rounds counts. Every restore
+is compared with the source by `rsync -aHAXnc --delete -i` (untimed; any itemized line
+is a failure). The edits of each round differ (seeded by the round).
+Exit status: 0 all targets met, 2 some target missed, 1 error. Needs root, restic, rsync.";
+
+/// Benchmark tree snapshots against restic.
+#[derive(Debug, Parser)]
+#[command(name = "mover-bench-snapshot-tree", version, about, long_about = LONG_ABOUT)]
+struct Args {
+    /// Directory for the filesystem image, its mount, and both repositories.
+    #[arg(long, default_value = "/var/tmp/mover-bench-snapshot-tree")]
+    workdir: PathBuf,
+    /// Directories to copy into the tree (repeat) [default: /usr and the cargo registry].
+    #[arg(long = "source", value_name = "DIR")]
+    sources: Vec<PathBuf>,
+    /// Rounds; each step's median run of each tool counts.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// The mover binary [default: `mover` next to this executable].
+    #[arg(long)]
+    mover: Option<PathBuf>,
+    /// The restic binary.
+    #[arg(long, default_value = "restic")]
+    restic: PathBuf,
+    /// Where to write the results [default: WORKDIR/results.json].
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// One tool's run.
+#[derive(Debug, Clone, Serialize)]
+struct Run {
+    seconds: f64,
+    cpu_seconds: f64,
+    max_rss_bytes: u64,
+}
+
+/// One step: each tool's median run, every round's seconds, and the ratios.
+#[derive(Debug, Serialize)]
+struct Step {
+    name: &'static str,
+    target: f64,
+    restic: Run,
+    mover: Run,
+    restic_rounds: Vec<f64>,
+    mover_rounds: Vec<f64>,
+    /// restic's time / mover's.
+    speedup: f64,
+    /// mover's peak RSS / restic's (at most 1 is the target).
+    memory_ratio: f64,
+    pass: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Results {
+    sources: Vec<PathBuf>,
+    files: u64,
+    bytes: u64,
+    steps: Vec<Step>,
+    /// Repository sizes after the incremental step (median round), bytes.
+    restic_repo_bytes: u64,
+    mover_repo_bytes: u64,
+    repo_size_pass: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(2),
+        Err(e) => {
+            eprintln!("mover-bench-snapshot-tree: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+const PASSWORD: &str = "bench-password";
+
+/// The paths of one round.
+struct Paths {
+    src: PathBuf,
+    restic_repo: PathBuf,
+    restic_cache: PathBuf,
+    mover_repo: PathBuf,
+    mover_cache: PathBuf,
+    restic_restore: PathBuf,
+    mover_restore: PathBuf,
+}
+
+fn run(args: &Args) -> Result<bool> {
+    if !rustix::process::geteuid().is_root() {
+        bail!("run as root (drop_caches, loop devices, ownership)");
+    }
+    let mover = match &args.mover {
+        Some(m) => m.clone(),
+        None => std::env::current_exe()?.with_file_name("mover"),
+    };
+    let sources = if args.sources.is_empty() {
+        let mut s = vec![PathBuf::from("/usr")];
+        let home = std::env::var_os("CARGO_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
+        if let Some(reg) = home.map(|h| h.join("registry")).filter(|r| r.is_dir()) {
+            s.push(reg);
+        }
+        s
+    } else {
+        args.sources.clone()
+    };
+    let (files, bytes) = count(&sources)?;
+    eprintln!(
+        "source: {} ({files} entries, {:.2} GiB)",
+        sources
+            .iter()
+            .map(|s| s.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        bytes as f64 / (1u64 << 30) as f64
+    );
+    fs::create_dir_all(&args.workdir)?;
+    // The source, one restore at a time, and room for the edits.
+    let volume = Volume::make(
+        &args.workdir,
+        bytes * 5 / 2 + (2 << 30),
+        files * 3 + 100_000,
+    )?;
+    let src = volume.mnt.join("src");
+    fs::create_dir_all(&src)?;
+    for (i, s) in sources.iter().enumerate() {
+        let to = src.join(format!(
+            "{i}-{}",
+            s.file_name().unwrap_or_default().to_string_lossy()
+        ));
+        eprintln!("copying {} to {}", s.display(), to.display());
+        run_checked(Command::new("cp").arg("-a").arg(s).arg(&to))?;
+    }
+    let repos = args.workdir.join("repos");
+    let paths = Paths {
+        src: src.clone(),
+        restic_repo: repos.join("restic"),
+        restic_cache: repos.join("restic-cache"),
+        mover_repo: repos.join("mover"),
+        mover_cache: repos.join("mover-cache"),
+        restic_restore: volume.mnt.join("restore-restic"),
+        mover_restore: volume.mnt.join("restore-mover"),
+    };
+    let mut runs: [[Vec<Run>; 2]; 3] = Default::default();
+    let mut sizes = Vec::new();
+    for round in 0..args.rounds {
+        eprintln!("== round {} of {}", round + 1, args.rounds);
+        _ = fs::remove_dir_all(&repos);
+        fs::create_dir_all(&repos)?;
+        run_checked(restic(&args.restic, &paths).arg("init"))?;
+        run_checked(
+            Command::new(&mover)
+                .env("MOVER_PASSWORD", PASSWORD)
+                .args(["repo", "init"])
+                .arg(&paths.mover_repo),
+        )?;
+        let swap = round % 2 == 1;
+        let restic_first = || -> Result<Run> {
+            timed(
+                restic(&args.restic, &paths)
+                    .args(["backup", "--quiet"])
+                    .arg(&paths.src),
+            )
+        };
+        let mover_first = || -> Result<Run> {
+            timed(
+                mover_cmd(&mover, &paths)
+                    .args(["snapshot", "create", "--json"])
+                    .arg(&paths.mover_repo)
+                    .arg(&paths.src),
+            )
+        };
+        let (r, m) = in_turn(swap, "first", restic_first, mover_first)?;
+        runs[0][0].push(r);
+        runs[0][1].push(m);
+        edit(&paths.src, round as u64)?;
+        let (r, m) = in_turn(swap, "incremental", restic_first, mover_first)?;
+        runs[1][0].push(r);
+        runs[1][1].push(m);
+        sizes.push((du(&paths.restic_repo)?, du(&paths.mover_repo)?));
+        let restic_restore = || -> Result<Run> {
+            _ = fs::remove_dir_all(&paths.restic_restore);
+            timed(
+                restic(&args.restic, &paths)
+                    .args(["restore", "latest", "--target"])
+                    .arg(&paths.restic_restore),
+            )
+        };
+        let mover_restore = || -> Result<Run> {
+            _ = fs::remove_dir_all(&paths.mover_restore);
+            timed(
+                mover_cmd(&mover, &paths)
+                    .args(["snapshot", "restore", "--json"])
+                    .arg(&paths.mover_repo)
+                    .arg("latest")
+                    .arg(&paths.mover_restore),
+            )
+        };
+        let (r, m) = in_turn(swap, "restore", restic_restore, mover_restore)?;
+        runs[2][0].push(r);
+        runs[2][1].push(m);
+        let restic_tree = paths
+            .restic_restore
+            .join(paths.src.strip_prefix("/").unwrap_or(&paths.src));
+        check_identical(&paths.src, &paths.mover_restore)?;
+        check_identical(&paths.src, &restic_tree)?;
+        fs::remove_dir_all(&paths.mover_restore)?;
+        fs::remove_dir_all(&paths.restic_restore)?;
+    }
+    let names = ["first", "incremental", "restore"];
+    let targets = [2.0, 3.0, 2.0];
+    let mut steps = Vec::new();
+    for (i, [restic_runs, mover_runs]) in runs.into_iter().enumerate() {
+        let rounds = |v: &[Run]| v.iter().map(|r| r.seconds).collect::<Vec<_>>();
+        let (restic_rounds, mover_rounds) = (rounds(&restic_runs), rounds(&mover_runs));
+        let (restic, mover) = (median(restic_runs), median(mover_runs));
+        let speedup = restic.seconds / mover.seconds;
+        let memory_ratio = mover.max_rss_bytes as f64 / restic.max_rss_bytes.max(1) as f64;
+        steps.push(Step {
+            name: names[i],
+            target: targets[i],
+            pass: speedup >= targets[i] && memory_ratio <= 1.0,
+            restic,
+            mover,
+            restic_rounds,
+            mover_rounds,
+            speedup,
+            memory_ratio,
+        });
+    }
+    sizes.sort_by_key(|&(r, m)| m as i128 - r as i128);
+    let (restic_repo_bytes, mover_repo_bytes) = sizes[sizes.len() / 2];
+    let results = Results {
+        sources,
+        files,
+        bytes,
+        steps,
+        restic_repo_bytes,
+        mover_repo_bytes,
+        repo_size_pass: mover_repo_bytes <= restic_repo_bytes,
+    };
+    let mib = |b: u64| b as f64 / 1048576.0;
+    println!(
+        "\nstep          restic      mover  restic/mover  target   peak RSS restic / mover (mover/restic)"
+    );
+    for s in &results.steps {
+        println!(
+            "{:<12} {:>7.2}s {:>8.2}s {:>11.2}x {:>6.1}x   {:.0} / {:.0} MiB ({:.2})  {}",
+            s.name,
+            s.restic.seconds,
+            s.mover.seconds,
+            s.speedup,
+            s.target,
+            mib(s.restic.max_rss_bytes),
+            mib(s.mover.max_rss_bytes),
+            s.memory_ratio,
+            if s.pass { "PASS" } else { "FAIL" }
+        );
+    }
+    println!(
+        "repository after the incremental step: restic {:.0} MiB, mover {:.0} MiB  {}",
+        mib(results.restic_repo_bytes),
+        mib(results.mover_repo_bytes),
+        if results.repo_size_pass {
+            "PASS"
+        } else {
+            "FAIL"
+        }
+    );
+    if args.rounds > 1 {
+        println!(
+            "each tool's median of {} rounds (all in the results file)",
+            args.rounds
+        );
+    }
+    let json = args
+        .json
+        .clone()
+        .unwrap_or_else(|| args.workdir.join("results.json"));
+    fs::write(&json, serde_json::to_vec_pretty(&results)?)?;
+    println!("results: {}", json.display());
+    volume.remove()?;
+    _ = fs::remove_dir_all(&repos);
+    Ok(results.repo_size_pass && results.steps.iter().all(|s| s.pass))
+}
+
+fn restic(bin: &Path, p: &Paths) -> Command {
+    let mut c = Command::new(bin);
+    c.env("RESTIC_PASSWORD", PASSWORD)
+        .arg("--repo")
+        .arg(&p.restic_repo)
+        .arg("--cache-dir")
+        .arg(&p.restic_cache);
+    c
+}
+
+fn mover_cmd(bin: &Path, p: &Paths) -> Command {
+    let mut c = Command::new(bin);
+    c.env("MOVER_PASSWORD", PASSWORD)
+        .env("MOVER_CACHE_DIR", &p.mover_cache)
+        .env("RUST_LOG", "warn");
+    c
+}
+
+/// Runs restic's and mover's run of a step, in turn (mover first if `swap`).
+fn in_turn(
+    swap: bool,
+    step: &str,
+    restic: impl Fn() -> Result<Run>,
+    mover: impl Fn() -> Result<Run>,
+) -> Result<(Run, Run)> {
+    let say = |tool: &str, r: &Run| {
+        eprintln!(
+            "   {step}: {tool} {:.2}s, {:.0} MiB",
+            r.seconds,
+            r.max_rss_bytes as f64 / 1048576.0
+        )
+    };
+    if swap {
+        let m = mover()?;
+        say("mover", &m);
+        let r = restic()?;
+        say("restic", &r);
+        Ok((r, m))
+    } else {
+        let r = restic()?;
+        say("restic", &r);
+        let m = mover()?;
+        say("mover", &m);
+        Ok((r, m))
+    }
+}
+
+/// Runs `cmd` from a dropped page cache to a final sync(2).
+fn timed(cmd: &mut Command) -> Result<Run> {
+    drop_caches()?;
+    let r = run_timed(cmd, ThenSync::Yes)?;
+    Ok(Run {
+        seconds: r.elapsed.as_secs_f64(),
+        cpu_seconds: r.cpu.as_secs_f64(),
+        max_rss_bytes: r.max_rss_bytes,
+    })
+}
+
+/// The median run by time (the upper of an even count), with the highest peak memory.
+fn median(mut runs: Vec<Run>) -> Run {
+    let peak = runs.iter().map(|r| r.max_rss_bytes).max().unwrap_or(0);
+    runs.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
+    let mut m = runs.swap_remove(runs.len() / 2);
+    m.max_rss_bytes = peak;
+    m
+}
+
+/// Entries and bytes (apparent sizes of regular files) below `dirs`.
+fn count(dirs: &[PathBuf]) -> Result<(u64, u64)> {
+    let (mut files, mut bytes) = (0, 0);
+    let mut stack: Vec<PathBuf> = dirs.to_vec();
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).with_context(|| format!("cannot list {}", d.display()))? {
+            let e = e?;
+            let m = e.metadata()?;
+            files += 1;
+            if m.is_dir() {
+                stack.push(e.path());
+            } else if m.is_file() {
+                bytes += m.len();
+            }
+        }
+    }
+    Ok((files, bytes))
+}
+
+/// Bytes a directory occupies (`du -sb`).
+fn du(dir: &Path) -> Result<u64> {
+    let out = run_checked(Command::new("du").arg("-sb").arg(dir))?;
+    String::from_utf8_lossy(&out)
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .context("du printed no size")
+}
+
+/// A day of edits, seeded by `round`: 1% of the files appended to, 0.5% overwritten in
+/// place (4 KiB in the middle), the largest directory of the third level deleted, and a
+/// copy of the second largest added with 10% of its files changed.
+fn edit(src: &Path, round: u64) -> Result<()> {
+    eprintln!("   editing the tree");
+    let mut rng = Rng(0x5eed_0000 + round * 7919 + 1);
+    let mut files = Vec::new();
+    let mut dirs: Vec<(u64, PathBuf)> = Vec::new();
+    let mut stack = vec![(src.to_path_buf(), 0usize)];
+    while let Some((d, depth)) = stack.pop() {
+        let mut n = 0;
+        for e in fs::read_dir(&d)? {
+            let e = e?;
+            let t = e.file_type()?;
+            n += 1;
+            if t.is_dir() {
+                stack.push((e.path(), depth + 1));
+            } else if t.is_file() {
+                files.push(e.path());
+            }
+        }
+        if depth == 3 {
+            dirs.push((n, d));
+        }
+    }
+    files.sort();
+    let mut block = vec![0u8; 4096];
+    for f in &files {
+        let roll = rng.next() % 1000;
+        if roll < 15 {
+            rng.fill(&mut block);
+            let file = fs::OpenOptions::new().read(true).write(true).open(f)?;
+            let len = file.metadata()?.len();
+            let at = if roll < 10 { len } else { len / 2 };
+            file.write_all_at(&block, at)?;
+        }
+    }
+    dirs.sort();
+    let (_, doomed) = dirs.pop().context("no directory three levels down")?;
+    let (_, copied) = dirs
+        .pop()
+        .context("no second directory three levels down")?;
+    fs::remove_dir_all(&doomed)?;
+    let new = copied.with_file_name(format!(
+        "{}.new{round}",
+        copied.file_name().unwrap_or_default().to_string_lossy()
+    ));
+    run_checked(Command::new("cp").arg("-a").arg(&copied).arg(&new))?;
+    let mut stack = vec![new];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d)? {
+            let e = e?;
+            if e.file_type()?.is_dir() {
+                stack.push(e.path());
+            } else if e.file_type()?.is_file() && rng.next() % 10 == 0 {
+                rng.fill(&mut block);
+                let f = fs::OpenOptions::new().append(true).open(e.path())?;
+                f.write_all_at(&block, 0)?;
+            }
+        }
+    }
+    Ok(())
+}
