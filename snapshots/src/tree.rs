@@ -151,6 +151,15 @@ impl TreeNode {
         }
     }
 
+    /// Whether what a restore applies besides content (mode, owner, mtime, xattrs,
+    /// symlink target, device number) is the same in both.
+    pub fn same_metadata(&self, other: &TreeNode) -> bool {
+        (self.mode, self.uid, self.gid, self.mtime, self.rdev)
+            == (other.mode, other.uid, other.gid, other.mtime, other.rdev)
+            && self.xattrs == other.xattrs
+            && self.link == other.link
+    }
+
     /// The data chunks of a file's content.
     pub fn chunks(&self) -> impl Iterator<Item = ChunkId> + '_ {
         self.content.iter().filter_map(|p| match p {

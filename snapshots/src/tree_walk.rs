@@ -199,15 +199,10 @@ impl Repository {
                 out.push(TreeChange { path, what: "kind" });
                 return Ok(());
             }
-            fn meta(
-                n: &TreeNode,
-            ) -> (u32, u32, u32, (i64, u32), &[(Vec<u8>, Vec<u8>)], &[u8], u64) {
-                (n.mode, n.uid, n.gid, n.mtime, &n.xattrs, &n.link, n.rdev)
-            }
             if x.kind != NodeKind::Dir {
                 let what = if x.content != y.content || x.size != y.size {
                     "changed"
-                } else if meta(x) != meta(y) {
+                } else if !x.same_metadata(y) {
                     "metadata"
                 } else {
                     return Ok(());
@@ -215,7 +210,7 @@ impl Repository {
                 out.push(TreeChange { path, what });
                 return Ok(());
             }
-            if meta(x) != meta(y) && !path.is_empty() {
+            if !x.same_metadata(y) && !path.is_empty() {
                 out.push(TreeChange {
                     path: path.clone(),
                     what: "metadata",

@@ -237,7 +237,9 @@ async fn prune_is_two_phase_and_rechecks_before_deleting() {
     assert_eq!(rep.snapshots, 1);
     assert_eq!(b.list("index/").await.unwrap().len(), 1);
     let index = repo.load_index().await.unwrap();
-    let Content::Block { lists, .. } = &keep.manifest.content;
+    let Content::Block { lists, .. } = &keep.manifest.content else {
+        panic!("a block snapshot")
+    };
     assert_eq!(repo.read_list(&index, &lists[0]).await.unwrap().len(), 2);
 }
 
@@ -301,7 +303,9 @@ async fn prune_repacks_mostly_unused_packs() {
     assert_eq!(repo.read_blob(&index, &id).await.unwrap(), chunks[0]);
     let rep = repo.verify(true).await.unwrap();
     assert!(rep.problems.is_empty(), "{:?}", rep.problems);
-    let Content::Block { lists, .. } = &keep.manifest.content;
+    let Content::Block { lists, .. } = &keep.manifest.content else {
+        panic!("a block snapshot")
+    };
     assert_eq!(repo.read_list(&index, &lists[0]).await.unwrap().len(), 1);
     // Nothing left to do.
     let r = repo.prune(0).await.unwrap();

@@ -475,7 +475,7 @@ fn edit(src: &Path, round: u64) -> Result<()> {
             let e = e?;
             if e.file_type()?.is_dir() {
                 stack.push(e.path());
-            } else if e.file_type()?.is_file() && rng.next() % 10 == 0 {
+            } else if e.file_type()?.is_file() && rng.next().is_multiple_of(10) {
                 rng.fill(&mut block);
                 let f = fs::OpenOptions::new().append(true).open(e.path())?;
                 f.write_all_at(&block, 0)?;

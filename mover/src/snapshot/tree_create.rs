@@ -207,6 +207,9 @@ impl AtomicCounts {
     }
 }
 
+/// A multiply-linked file's content, with the ctime it was read at.
+type LinkedContent = ((i64, u32), Vec<FilePiece>);
+
 /// The blocking side of a tree snapshot.
 struct Walk<'a> {
     repo: &'a Repository,
@@ -224,7 +227,7 @@ struct Walk<'a> {
     stopped: AtomicBool,
     /// Contents of multiply-linked files read so far, by (device, inode), with the ctime
     /// they were read at: their other names are not read again.
-    links: Mutex<HashMap<(u64, u64), ((i64, u32), Vec<FilePiece>)>>,
+    links: Mutex<HashMap<(u64, u64), LinkedContent>>,
     counts: AtomicCounts,
 }
 
