@@ -201,7 +201,8 @@ fn every_kind_of_entry_round_trips_and_increments_read_only_what_changed() {
     assert!(paths.contains(&"docs/rel-link -> ../docs/big.bin"), "{ls}");
     assert!(!paths.iter().any(|p| p.starts_with("small")), "{ls}");
 
-    // Forget the first two and prune at once: the latest still restores whole.
+    // Forget the first two (the second and third taken within a second, they are ordered
+    // to the nanosecond) and prune at once: the latest still restores whole.
     ok(mover()
         .args(["snapshot", "forget", "--keep-last", "1"])
         .arg(&repo));

@@ -82,7 +82,10 @@ pub fn apply(snapshots: &[Snapshot], policy: &KeepPolicy) -> Vec<Decision> {
     }
     let mut out = Vec::new();
     for (_, mut snaps) in groups {
-        snaps.sort_by(|a, b| (b.manifest.time, &b.id).cmp(&(a.manifest.time, &a.id)));
+        // Newest first, to the nanosecond: two snapshots within one second are not
+        // ordered by their (random) ids.
+        let key = |s: &Snapshot| (s.manifest.time, s.manifest.time_nanos);
+        snaps.sort_by(|a, b| (key(b), &b.id).cmp(&(key(a), &a.id)));
         type Bucket = fn(i64) -> i64;
         let rules: [(&'static str, u32, Bucket); 4] = [
             ("hourly", policy.hourly, |t| t.div_euclid(3600)),
@@ -189,5 +192,23 @@ mod tests {
             },
         );
         assert_eq!(monthly.iter().filter(|d| !d.reasons.is_empty()).count(), 1);
+    }
+
+    #[test]
+    fn snapshots_within_one_second_are_ordered_by_nanoseconds() {
+        let mut older = snap("ff", 100);
+        older.manifest.time_nanos = 100;
+        let mut newer = snap("00", 100);
+        newer.manifest.time_nanos = 900;
+        let policy = KeepPolicy {
+            last: 1,
+            ..Default::default()
+        };
+        let kept: Vec<String> = apply(&[older, newer], &policy)
+            .into_iter()
+            .filter(|d| !d.reasons.is_empty())
+            .map(|d| d.snapshot.id)
+            .collect();
+        assert_eq!(kept, vec!["00"]);
     }
 }
