@@ -74,6 +74,10 @@ pub enum Content {
         dirs: u64,
         /// Bytes in regular files.
         bytes: u64,
+        /// Extended attributes and ACLs were read (not `--no-xattrs`): a later snapshot
+        /// may take an unchanged entry's over.
+        #[serde(default)]
+        xattrs: bool,
     },
 }
 
@@ -141,7 +145,8 @@ pub struct SnapshotSummary {
     /// them again).
     #[serde(default)]
     pub changed_while_read: u64,
-    /// Trees: entries that could not be read (the snapshot was not saved if any).
+    /// Trees: entries that could not be read and were left out (the snapshot is then
+    /// tagged `incomplete`).
     #[serde(default)]
     pub unreadable: u64,
 }

@@ -132,8 +132,11 @@ fn blob_aad(kind: BlobKind, id: &ChunkId) -> [u8; 33] {
     aad
 }
 
-/// More than any blob's plaintext (chunks are at most 8 MiB).
+/// More than any data blob's plaintext (chunks are at most 8 MiB).
 const MAX_BLOB_PLAIN: u64 = 16 << 20;
+/// The largest list blob (chunk lists, and tree blobs: a directory of ~1.8 million
+/// entries, or a file of ~6 TiB, in one blob); writers refuse larger ones.
+pub const MAX_LIST_BLOB: u64 = 256 << 20;
 
 /// Decrypts and decompresses a blob, without hashing it: for a delta's base, whose
 /// rebuilt chunk is checked against its own id (the AEAD still binds kind and id).
@@ -151,7 +154,11 @@ pub(crate) fn open_blob_unhashed(
             // One exact-size buffer: the frame records its size (bulk::compress writes it).
             // A size beyond any chunk is damage, never an allocation.
             let size = zstd::zstd_safe::get_frame_content_size(rest).ok()??;
-            if size > MAX_BLOB_PLAIN {
+            let max = match kind {
+                BlobKind::List => MAX_LIST_BLOB,
+                _ => MAX_BLOB_PLAIN,
+            };
+            if size > max {
                 return None;
             }
             zstd::bulk::decompress(rest, size as usize)

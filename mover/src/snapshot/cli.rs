@@ -90,8 +90,10 @@ pub enum SnapshotCommand {
         Tree snapshots: DST is a directory. A new one is built under a hidden name and \
         renamed into place when complete; in an existing one only entries that differ \
         (size, mtime, metadata) are written, --delete removes what the snapshot lacks, \
-        and --include restores single paths. A damaged file fails alone: the rest is \
-        restored and the exit status is 1.\n\n\
+        and --include restores single paths. A damaged file fails alone (exit status \
+        1): into an existing DST the rest is restored; a new DST stays hidden as \
+        .DST.mover-partial with the rest in it (move it into place to accept the loss). \
+        --delete is refused from a snapshot tagged `incomplete`.\n\n\
         SNAPSHOT is an id, a unique prefix of at least 4 hex digits, or `latest`.")]
     Restore {
         /// The repository.

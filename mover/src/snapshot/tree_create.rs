@@ -12,9 +12,11 @@
 //! own listing: memory follows the largest directory and the depth, not the tree.
 //!
 //! A file that changes while read is stored as read and counted (never a torn chunk
-//! list: every chunk's id is the hash of the bytes stored), with its metadata as listed
-//! before the read, so the next snapshot reads it again. Entries that cannot be read are
-//! left out and counted; the snapshot is then tagged `incomplete`.
+//! list: every chunk's id is the hash of the bytes stored), with its metadata as of the
+//! open, so the next snapshot reads it again; so is a file changed after the run's start
+//! (or just before: a later write in the same timestamp tick would not show), and an
+//! entry whose xattrs could not be read. Entries that cannot be read are left out and
+//! counted; the snapshot is then tagged `incomplete` (restore refuses `--delete` from it).
 
 use super::create::{CreateOptions, hostname};
 use crate::tree::{
@@ -25,8 +27,9 @@ use crate::tree::{
 use chunker::{CdcChunker, CdcParams, ChunkId};
 use rayon::prelude::*;
 use snapshots::{
-    BlobKind, Content, FilePiece, FinishedPack, Index, Manifest, NodeKind, PackBuilder, RepoError,
-    Repository, Snapshot, SnapshotSummary, TreeNode, Uploader, encode_tree, hex,
+    BlobKind, Content, FilePiece, FinishedPack, Index, MAX_LIST_BLOB, Manifest, NodeKind,
+    PackBuilder, RepoError, Repository, Snapshot, SnapshotSummary, TreeNode, Uploader, encode_tree,
+    hex,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -70,6 +73,10 @@ pub async fn create_tree_snapshot(
         .into_iter()
         .rfind(|s| s.manifest.volume == name);
     let parent = parent_snap.as_ref().map(|s| s.id.clone());
+    let parent_xattrs = matches!(
+        parent_snap.as_ref().map(|s| &s.manifest.content),
+        Some(Content::Tree { xattrs: true, .. })
+    );
     let parent_top = match &parent_snap {
         Some(s) if matches!(s.manifest.content, Content::Tree { .. }) => {
             match repo.tree_node_at(&index, s, b"").await {
@@ -91,7 +98,7 @@ pub async fn create_tree_snapshot(
         let rt = tokio::runtime::Handle::current();
         let xattrs = !opts.no_xattrs;
         tokio::task::spawn_blocking(move || {
-            let walk = Walk::new(&repo, &index, &rt, root, xattrs, tx);
+            let walk = Walk::new(&repo, &index, &rt, root, xattrs, parent_xattrs, tx);
             walk.run(parent_top.as_ref())
         })
     };
@@ -146,6 +153,7 @@ pub async fn create_tree_snapshot(
             files: counts.files,
             dirs: counts.dirs,
             bytes: counts.file_bytes,
+            xattrs: !opts.no_xattrs,
         },
         summary,
     };
@@ -207,8 +215,13 @@ impl AtomicCounts {
     }
 }
 
-/// A multiply-linked file's content, with the ctime it was read at.
-type LinkedContent = ((i64, u32), Vec<FilePiece>);
+/// A multiply-linked file's content, with the ctime it was read at and how many of its
+/// names are still to come.
+struct LinkedContent {
+    ctime: (i64, u32),
+    content: Vec<FilePiece>,
+    names_left: u64,
+}
 
 /// The blocking side of a tree snapshot.
 struct Walk<'a> {
@@ -218,6 +231,12 @@ struct Walk<'a> {
     source: LocalSource,
     chunker: CdcChunker,
     xattrs: bool,
+    /// The parent snapshot recorded xattrs (so an unchanged entry's may be taken over).
+    reuse_xattrs: bool,
+    /// When the walk started (Unix nanoseconds).
+    started: i128,
+    /// The first error that stops the walk (reported instead of "the upload stopped").
+    fatal: Mutex<Option<RepoError>>,
     /// Blobs packed by this run (not in the index yet).
     seen: Mutex<HashSet<ChunkId>>,
     data: Mutex<PackBuilder>,
@@ -238,6 +257,7 @@ impl<'a> Walk<'a> {
         rt: &'a tokio::runtime::Handle,
         root: PathBuf,
         xattrs: bool,
+        reuse_xattrs: bool,
         tx: mpsc::Sender<FinishedPack>,
     ) -> Self {
         Walk {
@@ -248,6 +268,12 @@ impl<'a> Walk<'a> {
             chunker: CdcChunker::new(repo.chunk_key().clone(), CdcParams::default())
                 .expect("default CDC parameters"),
             xattrs,
+            reuse_xattrs: xattrs && reuse_xattrs,
+            started: {
+                let (s, ns) = snapshots::now_unix_nanos();
+                s as i128 * 1_000_000_000 + ns as i128
+            },
+            fatal: Mutex::default(),
             seen: Mutex::default(),
             data: Mutex::default(),
             trees: Mutex::default(),
@@ -288,13 +314,16 @@ impl<'a> Walk<'a> {
         let subtree = pool.install(|| self.dir_blob(&root, &root_path, parent_top));
         let mut top = node_of(&listed);
         top.subtree = subtree;
+        if let Some(e) = self.fatal.lock().expect("fatal lock").take() {
+            return Err(e);
+        }
         if self.stopped.load(Relaxed) {
             return Err(self.upload_stopped());
         }
         if top.subtree.is_none() {
             return Err(refused(io::Error::other("its listing failed")));
         }
-        let top_id = self.store_tree(&[top])?;
+        let top_id = self.store_tree(&[top], &root_path)?;
         for pack in [&self.data, &self.trees] {
             let pack = std::mem::take(&mut *pack.lock().expect("pack lock"));
             if !pack.is_empty() {
@@ -342,8 +371,20 @@ impl<'a> Walk<'a> {
         Ok(true)
     }
 
-    fn store_tree(&self, nodes: &[TreeNode]) -> Result<ChunkId, RepoError> {
+    fn store_tree(&self, nodes: &[TreeNode], path: &Path) -> Result<ChunkId, RepoError> {
         let plain = encode_tree(nodes);
+        if plain.len() as u64 > MAX_LIST_BLOB {
+            return Err(RepoError::Refused {
+                what: format!("snapshot of {}", path.display()),
+                why: format!(
+                    "its {} entries (or a file's chunk list) take {} MiB, more than one tree \
+                     blob may hold ({} MiB)",
+                    nodes.len(),
+                    plain.len() >> 20,
+                    MAX_LIST_BLOB >> 20
+                ),
+            });
+        }
         let id = self.repo.chunk_key().chunk_id(&plain);
         // Tree blobs travel as list blobs (see snapshots::TreeNode).
         self.store(BlobKind::List, id, &plain)?;
@@ -392,9 +433,10 @@ impl<'a> Walk<'a> {
             .collect();
         drop(old_entries);
         let nodes: Vec<TreeNode> = nodes.into_iter().flatten().collect();
-        match self.store_tree(&nodes) {
+        match self.store_tree(&nodes, path) {
             Ok(id) => Some(id),
-            Err(_) => {
+            Err(e) => {
+                self.fatal.lock().expect("fatal lock").get_or_insert(e);
                 self.stopped.store(true, Relaxed);
                 None
             }
@@ -415,10 +457,11 @@ impl<'a> Walk<'a> {
         let path = dir_path.join(&l.name);
         let m = &l.meta;
         let mut n = node_of(l);
+        // Recorded ctimes of (0, 0) never match: they mark what must be read again.
         let same_inode =
             old.filter(|o| o.kind as u32 == m.kind.code() && o.ino == m.ino && o.ctime == m.ctime);
         let gone = |e: &io::Error| e.kind() == io::ErrorKind::NotFound;
-        if let Some(o) = same_inode {
+        if let Some(o) = same_inode.filter(|_| self.reuse_xattrs) {
             n.xattrs = o.xattrs.clone();
         } else if self.xattrs {
             match self.source.read_xattrs(dir, &l.name) {
@@ -429,7 +472,10 @@ impl<'a> Walk<'a> {
                         .collect()
                 }
                 Err(e) if gone(&e) => return None,
-                Err(e) => self.unreadable(&path, "cannot read xattrs (kept without them)", &e),
+                Err(e) => {
+                    self.unreadable(&path, "cannot read xattrs (kept without them)", &e);
+                    n.ctime = (0, 0);
+                }
             }
         }
         match m.kind {
@@ -455,8 +501,24 @@ impl<'a> Walk<'a> {
                     n.content = o.content.clone();
                     self.counts.files_unchanged.fetch_add(1, Relaxed);
                 } else {
-                    match self.file_content(dir, l) {
-                        Ok(c) => n.content = c,
+                    match self.file_content(dir, &path, l) {
+                        Ok((content, read)) => {
+                            if read.ino != m.ino {
+                                // Another file was renamed over the name: what was read is
+                                // recorded with its own metadata.
+                                let xattrs = std::mem::take(&mut n.xattrs);
+                                n = node_of(&Listed {
+                                    meta: read,
+                                    ..l.clone()
+                                });
+                                n.xattrs = xattrs;
+                                n.ctime = (0, 0);
+                            }
+                            n.content = content;
+                            if self.racy(&read) {
+                                n.ctime = (0, 0);
+                            }
+                        }
                         Err(e) if gone(&e) => return None,
                         Err(e) => {
                             self.unreadable(&path, "cannot read the file", &e);
@@ -473,32 +535,64 @@ impl<'a> Walk<'a> {
         Some(n)
     }
 
-    /// Reads a file's content into chunks (new ones packed); a multiply-linked file
-    /// already read under another name is not read again.
-    fn file_content(&self, dir: &LocalDir, l: &Listed) -> io::Result<Vec<FilePiece>> {
+    /// Whether a file's times are too close to this run's start to tell a later write
+    /// in the same timestamp tick (file times come from a clock that may lag by a tick,
+    /// a few ms): recorded so the next snapshot reads it again (git's "racy clean").
+    fn racy(&self, m: &Meta) -> bool {
+        const MARGIN: i128 = 50_000_000;
+        let ns = |(s, n): (i64, u32)| s as i128 * 1_000_000_000 + n as i128;
+        ns(m.ctime) >= self.started - MARGIN || ns(m.mtime) >= self.started - MARGIN
+    }
+
+    /// Reads a file's content into chunks (new ones packed); returns them with the
+    /// metadata of the file actually read. A multiply-linked file already read under
+    /// another name is not read again.
+    fn file_content(
+        &self,
+        dir: &LocalDir,
+        path: &Path,
+        l: &Listed,
+    ) -> io::Result<(Vec<FilePiece>, Meta)> {
         let m = &l.meta;
         let link_key = (m.dev, m.ino);
-        if m.nlink > 1
-            && let Some((ctime, c)) = self.links.lock().expect("links lock").get(&link_key)
-            && *ctime == m.ctime
-        {
-            return Ok(c.clone());
+        if m.nlink > 1 {
+            let mut links = self.links.lock().expect("links lock");
+            if let Some(seen) = links.get_mut(&link_key)
+                && seen.ctime == m.ctime
+            {
+                let content = seen.content.clone();
+                // Forgotten once its last name is met: memory follows the links open.
+                seen.names_left = seen.names_left.saturating_sub(1);
+                if seen.names_left == 0 {
+                    links.remove(&link_key);
+                }
+                return Ok((content, *m));
+            }
         }
         let f = self.source.open_file(dir, &l.name)?;
+        let read = self.source.stat(&f)?;
+        if read.kind != Kind::File {
+            // Replaced by something else since the listing: the next snapshot sees it.
+            return Err(io::Error::from(io::ErrorKind::NotFound));
+        }
         self.counts.files_read.fetch_add(1, Relaxed);
-        let pieces = self.read_pieces(&f, m)?;
+        let pieces = self.read_pieces(&f, &read)?;
         let after = self.source.stat(&f)?;
-        if m.content_changed(&after) {
+        if read.content_changed(&after) {
             self.counts.changed_while_read.fetch_add(1, Relaxed);
-            tracing::warn!(file = %self.source.root_path().join(&l.name).display(), "changed while read: stored as read, read again by the next snapshot");
+            tracing::warn!(file = %path.display(), "changed while read: stored as read, read again by the next snapshot");
         }
-        if m.nlink > 1 {
-            self.links
-                .lock()
-                .expect("links lock")
-                .insert(link_key, (m.ctime, pieces.clone()));
+        if read.nlink > 1 && read.ino == m.ino {
+            self.links.lock().expect("links lock").insert(
+                link_key,
+                LinkedContent {
+                    ctime: m.ctime,
+                    content: pieces.clone(),
+                    names_left: read.nlink - 1,
+                },
+            );
         }
-        Ok(pieces)
+        Ok((pieces, read))
     }
 
     /// The content of `f` (listed as `m`) as chunks and holes, up to the listed size or

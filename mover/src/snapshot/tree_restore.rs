@@ -4,8 +4,9 @@
 //! links, xattrs, holes and times are kept). Listings come from tree blobs, file
 //! contents from packs: a directory's small files with one ranged read per run of
 //! nearby blobs, a large file in windows, a changed large file patched from the chunks
-//! its old copy already holds. A damaged chunk fails its file only: the rest is
-//! restored and the run reports the failure.
+//! its old copy already holds. A damaged chunk fails its file only: into an existing
+//! directory the rest is restored; a new one stays hidden as `.DST.mover-partial` with
+//! the rest in it (the run says so and exits 1: move it into place to accept the loss).
 
 use crate::tree::{
     TreeOptions, TreeSummary,
@@ -45,6 +46,10 @@ pub(crate) struct SnapshotTree {
     chunker: CdcChunker,
     /// Chunks of small files fetched ahead, until their batch is done.
     fetched: Arc<Mutex<HashMap<ChunkId, Bytes>>>,
+    /// Ranged reads in flight at once, over all threads (`--reads`).
+    reads: Arc<tokio::sync::Semaphore>,
+    /// Directory metadata looked up by path (deferred hard links ask again and again).
+    dir_meta: Mutex<HashMap<PathBuf, (Meta, Xattrs)>>,
 }
 
 /// A directory of the snapshot: its path below the top and its entries.
@@ -81,6 +86,7 @@ impl SnapshotTree {
         label: PathBuf,
         top: TreeNode,
         include: Vec<PathBuf>,
+        reads: usize,
     ) -> Self {
         let chunker = CdcChunker::new(repo.chunk_key().clone(), CdcParams::default())
             .expect("default CDC parameters");
@@ -93,6 +99,8 @@ impl SnapshotTree {
             include,
             chunker,
             fetched: Arc::default(),
+            reads: Arc::new(tokio::sync::Semaphore::new(reads.max(1))),
+            dir_meta: Mutex::default(),
         }
     }
 
@@ -120,7 +128,10 @@ impl SnapshotTree {
     fn fetch(&self, ids: &[ChunkId]) -> io::Result<HashMap<ChunkId, Bytes>> {
         let mut by_pack: HashMap<PackId, Vec<(ChunkId, BlobLoc)>> = HashMap::new();
         let mut deltas = Vec::new();
-        for id in ids {
+        let mut ids = ids.to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        for id in &ids {
             let loc = self
                 .index
                 .get(id)
@@ -132,10 +143,12 @@ impl SnapshotTree {
         }
         self.rt.block_on(async {
             let mut reads = tokio::task::JoinSet::new();
-            for (pack, mut blobs) in by_pack {
-                blobs.dedup_by_key(|(id, _)| *id);
-                let repo = self.repo.clone();
-                reads.spawn(async move { repo.read_blobs(&pack, blobs).await });
+            for (pack, blobs) in by_pack {
+                let (repo, limit) = (self.repo.clone(), self.reads.clone());
+                reads.spawn(async move {
+                    let _permit = limit.acquire_owned().await;
+                    repo.read_blobs(&pack, blobs).await
+                });
             }
             let mut out = HashMap::with_capacity(ids.len());
             while let Some(r) = reads.join_next().await {
@@ -297,18 +310,21 @@ impl TreeSource for SnapshotTree {
     }
 
     fn stat_dir(&self, rel: &Path, xattrs: bool) -> io::Result<(Meta, Xattrs)> {
+        if let Some((m, x)) = self.dir_meta.lock().expect("dir_meta lock").get(rel) {
+            return Ok((*m, if xattrs { x.clone() } else { Xattrs::new() }));
+        }
         let mut node = self.top.clone();
         for c in rel.components() {
             let Component::Normal(name) = c else { continue };
             let entries = self.entries_of(&node)?;
             node = find(&entries, name)?.clone();
         }
-        let x = if xattrs {
-            xattrs_of(&node)
-        } else {
-            Xattrs::new()
-        };
-        Ok((meta_of(&node), x))
+        let found = (meta_of(&node), xattrs_of(&node));
+        self.dir_meta
+            .lock()
+            .expect("dir_meta lock")
+            .insert(rel.to_path_buf(), found.clone());
+        Ok((found.0, if xattrs { found.1 } else { Xattrs::new() }))
     }
 
     fn open_file(&self, dir: &SnapDir, name: &OsStr) -> io::Result<TreeNode> {
@@ -413,6 +429,21 @@ pub async fn restore_tree_snapshot(
     opts: &super::RestoreOptions,
 ) -> anyhow::Result<TreeSummary> {
     let refused = |what: String, why: String| RepoError::Refused { what, why };
+    if opts.delete
+        && snap
+            .manifest
+            .tags
+            .iter()
+            .any(|t| t == super::INCOMPLETE_TAG)
+    {
+        return Err(refused(
+            format!("--delete from snapshot {}", snap.short_id()),
+            "it is incomplete (entries that could not be read were left out of it): \
+             --delete would remove them from DST; restore without --delete"
+                .into(),
+        )
+        .into());
+    }
     if opts.delete && !opts.include.is_empty() {
         return Err(refused(
             "--delete with --include".into(),
@@ -468,8 +499,9 @@ pub async fn restore_tree_snapshot(
     let label = PathBuf::from(format!("snapshot {}", snap.short_id()));
     let rt = tokio::runtime::Handle::current();
     let dst = dst.to_path_buf();
+    let reads = opts.reads;
     let summary = tokio::task::spawn_blocking(move || {
-        let source = SnapshotTree::new(repo, index, rt, label, top, include);
+        let source = SnapshotTree::new(repo, index, rt, label, top, include, reads);
         let dest = crate::tree::Destination::prepare(&dst, None)?;
         crate::tree::copy_tree_from(
             &source,

@@ -235,7 +235,9 @@ static NOATIME: AtomicBool = AtomicBool::new(true);
 /// the first time (journal and inode-table writes on the source), as restic avoids too.
 fn open_unread(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<File> {
     use rustix::fs::{Mode, OFlags};
-    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    // NONBLOCK: a FIFO put in a file's place since the listing must not hang the walk
+    // (it changes nothing for regular files).
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
     if NOATIME.load(Relaxed) {
         match rustix::fs::openat(dir, name, flags | OFlags::NOATIME, Mode::empty()) {
             Ok(fd) => return Ok(fd.into()),
