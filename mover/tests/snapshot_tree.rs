@@ -76,6 +76,15 @@ fn create(repo: &Path, dir: &Path) -> serde_json::Value {
         .arg(dir)))
 }
 
+/// `mover snapshot restore REPO latest DST`, which must succeed.
+fn restore_latest(repo: &Path, dst: &Path) {
+    ok(mover()
+        .args(["snapshot", "restore"])
+        .arg(repo)
+        .arg("latest")
+        .arg(dst));
+}
+
 fn packs(repo: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     if let Ok(dirs) = fs::read_dir(repo.join("packs")) {
@@ -105,11 +114,7 @@ fn every_kind_of_entry_round_trips_and_increments_read_only_what_changed() {
         "hard links are read once: {first}"
     );
     let out = dir.path().join("out");
-    ok(mover()
-        .args(["snapshot", "restore"])
-        .arg(&repo)
-        .arg("latest")
-        .arg(&out));
+    restore_latest(&repo, &out);
     assert_same_tree(&src, &out);
 
     // Nothing changed: nothing read, nothing stored.
@@ -210,11 +215,7 @@ fn every_kind_of_entry_round_trips_and_increments_read_only_what_changed() {
         .args(["snapshot", "prune", "--grace", "0"])
         .arg(&repo));
     let fresh = dir.path().join("fresh");
-    ok(mover()
-        .args(["snapshot", "restore"])
-        .arg(&repo)
-        .arg("latest")
-        .arg(&fresh));
+    restore_latest(&repo, &fresh);
     assert_same_tree(&src, &fresh);
     let out = ok(mover()
         .args(["snapshot", "verify", "--read-data"])
@@ -361,11 +362,7 @@ fn kill_9_mid_snapshot_leaves_no_snapshot_and_the_rerun_adopts_the_upload() {
         "{new} bytes uploaded again after {uploaded} packs were stored"
     );
     let out = dir.path().join("out");
-    ok(mover()
-        .args(["snapshot", "restore"])
-        .arg(&repo)
-        .arg("latest")
-        .arg(&out));
+    restore_latest(&repo, &out);
     assert_same_tree(&src, &out);
 }
 
@@ -401,11 +398,7 @@ fn a_file_changing_while_read_is_stored_as_read_and_read_again_next_time() {
     );
     // Stored as read: every chunk is what was read, so it restores (ids are checked).
     let out = dir.path().join("out");
-    ok(mover()
-        .args(["snapshot", "restore"])
-        .arg(&repo)
-        .arg("latest")
-        .arg(&out));
+    restore_latest(&repo, &out);
     assert_eq!(fs::metadata(out.join("busy.db")).unwrap().len(), 96 << 20);
 
     // The next snapshot reads it again (its ctime moved) and restores it exactly.
@@ -413,11 +406,7 @@ fn a_file_changing_while_read_is_stored_as_read_and_read_again_next_time() {
     assert_eq!(next["summary"]["files_read"], 1, "{next}");
     assert_eq!(next["summary"]["changed_while_read"], 0, "{next}");
     let out2 = dir.path().join("out2");
-    ok(mover()
-        .args(["snapshot", "restore"])
-        .arg(&repo)
-        .arg("latest")
-        .arg(&out2));
+    restore_latest(&repo, &out2);
     assert_eq!(
         fs::read(out2.join("busy.db")).unwrap(),
         fs::read(&busy).unwrap()

@@ -95,31 +95,15 @@ pub async fn create_snapshot(
         .filter(|_| !opts.no_deltas)
         .and_then(|s| ParentChunks::new(&s.manifest.content, repo.chunk_size()));
 
-    let (tx, mut rx) = mpsc::channel::<FinishedPack>(2);
     let index = Arc::new(index);
-    let producer = {
+    let (mut produced, packs, bytes) = {
         let (repo, index) = (repo.clone(), index.clone());
         let rt = tokio::runtime::Handle::current();
-        tokio::task::spawn_blocking(move || produce(&repo, &index, vol, parent_chunks, &rt, tx))
+        produce_and_upload(&repo.clone(), opts.uploads, move |tx| {
+            produce(&repo, &index, vol, parent_chunks, &rt, tx)
+        })
+        .await?
     };
-    let mut uploader = Uploader::new(repo.clone(), opts.uploads);
-    let mut upload_err = None;
-    while let Some(pack) = rx.recv().await {
-        if let Err(e) = uploader.add(pack).await {
-            upload_err = Some(e);
-            break;
-        }
-    }
-    drop(rx);
-    let produced = producer.await.map_err(|e| RepoError::Refused {
-        what: "snapshot reader".into(),
-        why: format!("failed: {e}"),
-    })?;
-    if let Some(e) = upload_err {
-        return Err(e);
-    }
-    let mut produced = produced?;
-    let (packs, bytes) = uploader.finish().await?;
     produced.sum.packs = packs;
     produced.sum.stored_bytes = bytes;
     produced.sum.duration_secs = started.elapsed().as_secs_f64();
@@ -146,6 +130,37 @@ pub async fn create_snapshot(
     let snap = repo.save_snapshot(manifest).await?;
     tracing::info!(id = %snap.id, "snapshot saved");
     Ok(snap)
+}
+
+/// Runs `produce` on a blocking thread and uploads the packs it sends as they come (at
+/// most `uploads` at once, two more waiting): memory stays a few packs. Returns what
+/// it produced, and the packs and bytes uploaded.
+pub(super) async fn produce_and_upload<T: Send + 'static>(
+    repo: &Arc<Repository>,
+    uploads: usize,
+    produce: impl FnOnce(mpsc::Sender<FinishedPack>) -> Result<T, RepoError> + Send + 'static,
+) -> Result<(T, u64, u64), RepoError> {
+    let (tx, mut rx) = mpsc::channel::<FinishedPack>(2);
+    let producer = tokio::task::spawn_blocking(move || produce(tx));
+    let mut uploader = Uploader::new(repo.clone(), uploads);
+    let mut upload_err = None;
+    while let Some(pack) = rx.recv().await {
+        if let Err(e) = uploader.add(pack).await {
+            upload_err = Some(e);
+            break;
+        }
+    }
+    drop(rx);
+    let produced = producer.await.map_err(|e| RepoError::Refused {
+        what: "snapshot reader".into(),
+        why: format!("failed: {e}"),
+    })?;
+    if let Some(e) = upload_err {
+        return Err(e);
+    }
+    let produced = produced?;
+    let (packs, bytes) = uploader.finish().await?;
+    Ok((produced, packs, bytes))
 }
 
 pub(super) fn hostname() -> String {

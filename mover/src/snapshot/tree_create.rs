@@ -18,7 +18,7 @@
 //! entry whose xattrs could not be read. Entries that cannot be read are left out and
 //! counted; the snapshot is then tagged `incomplete` (restore refuses `--delete` from it).
 
-use super::create::{CreateOptions, hostname};
+use super::create::{CreateOptions, hostname, produce_and_upload};
 use crate::tree::{
     content::next_data,
     meta::{Kind, Meta},
@@ -28,8 +28,7 @@ use chunker::{CdcChunker, CdcParams, ChunkId};
 use rayon::prelude::*;
 use snapshots::{
     BlobKind, Content, FilePiece, FinishedPack, Index, MAX_LIST_BLOB, Manifest, NodeKind,
-    PackBuilder, RepoError, Repository, Snapshot, SnapshotSummary, TreeNode, Uploader, encode_tree,
-    hex,
+    PackBuilder, RepoError, Repository, Snapshot, SnapshotSummary, TreeNode, encode_tree, hex,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -91,35 +90,17 @@ pub async fn create_tree_snapshot(
     };
     tracing::info!(volume = %name, parent = ?parent, incremental = parent_top.is_some(), "snapshot: walking the tree");
 
-    let (tx, mut rx) = mpsc::channel::<FinishedPack>(2);
     let index = Arc::new(index);
-    let producer = {
+    let ((root_id, counts), packs, bytes) = {
         let (repo, index) = (repo.clone(), index.clone());
         let rt = tokio::runtime::Handle::current();
         let xattrs = !opts.no_xattrs;
-        tokio::task::spawn_blocking(move || {
+        produce_and_upload(&repo.clone(), opts.uploads, move |tx| {
             let walk = Walk::new(&repo, &index, &rt, root, xattrs, parent_xattrs, tx);
             walk.run(parent_top.as_ref())
         })
+        .await?
     };
-    let mut uploader = Uploader::new(repo.clone(), opts.uploads);
-    let mut upload_err = None;
-    while let Some(pack) = rx.recv().await {
-        if let Err(e) = uploader.add(pack).await {
-            upload_err = Some(e);
-            break;
-        }
-    }
-    drop(rx);
-    let produced = producer.await.map_err(|e| RepoError::Refused {
-        what: "snapshot reader".into(),
-        why: format!("failed: {e}"),
-    })?;
-    if let Some(e) = upload_err {
-        return Err(e);
-    }
-    let (root_id, counts) = produced?;
-    let (packs, bytes) = uploader.finish().await?;
     let mut tags = opts.tags.clone();
     if counts.unreadable > 0 {
         tags.push(INCOMPLETE_TAG.into());
