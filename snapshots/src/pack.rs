@@ -20,6 +20,7 @@ use crate::{
 };
 use bytes::Bytes;
 use chunker::ChunkId;
+use std::cell::RefCell;
 
 const MAGIC: &[u8; 4] = b"MVPK";
 const VERSION: u32 = 1;
@@ -101,7 +102,36 @@ fn worth_compressing(plain: &[u8]) -> bool {
     (0..SAMPLES).any(|i| {
         let at = i * step;
         let sample = &plain[at..(at + SAMPLE).min(plain.len())];
-        zstd::bulk::compress(sample, ZSTD_LEVEL).is_ok_and(|z| z.len() < sample.len())
+        compress(sample).is_ok_and(|z| z.len() < sample.len())
+    })
+}
+
+thread_local! {
+    /// One zstd context per thread, kept: making one per blob (and per sample) cost
+    /// more CPU than many blobs' own compression.
+    static COMPRESSOR: RefCell<Option<zstd::bulk::Compressor<'static>>> =
+        const { RefCell::new(None) };
+    static DECOMPRESSOR: RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        const { RefCell::new(None) };
+}
+
+fn compress(data: &[u8]) -> std::io::Result<Vec<u8>> {
+    COMPRESSOR.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.is_none() {
+            *c = Some(zstd::bulk::Compressor::new(ZSTD_LEVEL)?);
+        }
+        c.as_mut().expect("made above").compress(data)
+    })
+}
+
+fn decompress(data: &[u8], size: usize) -> std::io::Result<Vec<u8>> {
+    DECOMPRESSOR.with(|d| {
+        let mut d = d.borrow_mut();
+        if d.is_none() {
+            *d = Some(zstd::bulk::Decompressor::new()?);
+        }
+        d.as_mut().expect("made above").decompress(data, size)
     })
 }
 
@@ -109,7 +139,7 @@ fn worth_compressing(plain: &[u8]) -> bool {
 pub(crate) fn seal_blob(key: &MasterKey, kind: BlobKind, id: &ChunkId, plain: &[u8]) -> Vec<u8> {
     let mut msg = Vec::with_capacity(plain.len() + 1);
     let compressed = match worth_compressing(plain) {
-        true => zstd::bulk::compress(plain, ZSTD_LEVEL),
+        true => compress(plain),
         false => Err(std::io::Error::other("not worth it")),
     };
     match compressed {
@@ -161,9 +191,7 @@ pub(crate) fn open_blob_unhashed(
             if size > max {
                 return None;
             }
-            zstd::bulk::decompress(rest, size as usize)
-                .ok()
-                .map(Bytes::from)
+            decompress(rest, size as usize).ok().map(Bytes::from)
         }
         _ => None,
     }
