@@ -32,6 +32,7 @@ mod size;
 mod summary;
 mod volume;
 mod zero;
+pub mod zstd_ctx;
 
 pub use aligned::AlignedBuf;
 pub use block::{

@@ -20,7 +20,6 @@ use crate::{
 };
 use bytes::Bytes;
 use chunker::ChunkId;
-use std::cell::RefCell;
 
 const MAGIC: &[u8; 4] = b"MVPK";
 const VERSION: u32 = 1;
@@ -106,33 +105,8 @@ fn worth_compressing(plain: &[u8]) -> bool {
     })
 }
 
-thread_local! {
-    /// One zstd context per thread, kept: making one per blob (and per sample) cost
-    /// more CPU than many blobs' own compression.
-    static COMPRESSOR: RefCell<Option<zstd::bulk::Compressor<'static>>> =
-        const { RefCell::new(None) };
-    static DECOMPRESSOR: RefCell<Option<zstd::bulk::Decompressor<'static>>> =
-        const { RefCell::new(None) };
-}
-
 fn compress(data: &[u8]) -> std::io::Result<Vec<u8>> {
-    COMPRESSOR.with(|c| {
-        let mut c = c.borrow_mut();
-        if c.is_none() {
-            *c = Some(zstd::bulk::Compressor::new(ZSTD_LEVEL)?);
-        }
-        c.as_mut().expect("made above").compress(data)
-    })
-}
-
-fn decompress(data: &[u8], size: usize) -> std::io::Result<Vec<u8>> {
-    DECOMPRESSOR.with(|d| {
-        let mut d = d.borrow_mut();
-        if d.is_none() {
-            *d = Some(zstd::bulk::Decompressor::new()?);
-        }
-        d.as_mut().expect("made above").decompress(data, size)
-    })
+    chunker::zstd_ctx::compress(data, ZSTD_LEVEL)
 }
 
 /// Compresses (when it helps) and encrypts a blob.
@@ -191,7 +165,9 @@ pub(crate) fn open_blob_unhashed(
             if size > max {
                 return None;
             }
-            decompress(rest, size as usize).ok().map(Bytes::from)
+            chunker::zstd_ctx::decompress(rest, size as usize)
+                .ok()
+                .map(Bytes::from)
         }
         _ => None,
     }

@@ -3,39 +3,14 @@
 
 use crate::proto::{DataFrame, data_frame::Payload};
 use chunker::{ChunkKey, PAGE_HASH_LEN, PAGE_SIZE, is_zero, page_hashes};
-use std::cell::RefCell;
 use tonic::codegen::Bytes;
 
 /// zstd level for frames: fast enough to keep up with a network link on one core.
 const LEVEL: i32 = 1;
 
-thread_local! {
-    /// Each thread's zstd contexts: making one costs more than compressing a small file
-    /// (measured: a tree push spent a quarter of its CPU in `ZSTD_createCCtx`).
-    static COMPRESSOR: RefCell<Option<zstd::bulk::Compressor<'static>>> =
-        const { RefCell::new(None) };
-    static DECOMPRESSOR: RefCell<Option<zstd::bulk::Decompressor<'static>>> =
-        const { RefCell::new(None) };
-}
-
 /// `data` compressed at [`LEVEL`] with this thread's context.
 fn compress(data: &[u8]) -> std::io::Result<Vec<u8>> {
-    COMPRESSOR.with_borrow_mut(|c| {
-        if c.is_none() {
-            *c = Some(zstd::bulk::Compressor::new(LEVEL)?);
-        }
-        c.as_mut().expect("just made").compress(data)
-    })
-}
-
-/// `z` decompressed (at most `len` bytes) with this thread's context.
-fn decompress(z: &[u8], len: usize) -> std::io::Result<Vec<u8>> {
-    DECOMPRESSOR.with_borrow_mut(|d| {
-        if d.is_none() {
-            *d = Some(zstd::bulk::Decompressor::new()?);
-        }
-        d.as_mut().expect("just made").decompress(z, len)
-    })
+    chunker::zstd_ctx::compress(data, LEVEL)
 }
 
 /// A frame of `data` at `offset`, compressed if it pays.
@@ -99,7 +74,7 @@ pub fn content(frame: &DataFrame) -> Result<Content, String> {
     match &frame.payload {
         Some(Payload::Data(b)) if b.len() as u64 == frame.len => Ok(Content::Bytes(b.clone())),
         Some(Payload::Zstd(z)) => {
-            let out = decompress(z, frame.len as usize)
+            let out = chunker::zstd_ctx::decompress(z, frame.len as usize)
                 .map_err(|e| format!("frame at offset {}: bad zstd data: {e}", frame.offset))?;
             if out.len() as u64 != frame.len {
                 return Err(format!(

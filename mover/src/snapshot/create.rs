@@ -82,13 +82,7 @@ pub async fn create_snapshot(
             .display()
             .to_string(),
     };
-    let mut index = repo.load_dedup_index().await?;
-    repo.adopt_unindexed_packs(&mut index).await?;
-    let parent_snap = repo
-        .snapshots()
-        .await?
-        .into_iter()
-        .rfind(|s| s.manifest.volume == name);
+    let (index, parent_snap) = index_and_parent(&repo, &name).await?;
     let parent = parent_snap.as_ref().map(|s| s.id.clone());
     tracing::info!(volume = %name, parent = ?parent, indexed_blobs = index.len(), "snapshot: reading the volume");
     let parent_chunks = parent_snap
@@ -97,10 +91,10 @@ pub async fn create_snapshot(
 
     let index = Arc::new(index);
     let (mut produced, packs, bytes) = {
-        let (repo, index) = (repo.clone(), index.clone());
+        let (read_repo, index) = (repo.clone(), index.clone());
         let rt = tokio::runtime::Handle::current();
-        produce_and_upload(&repo.clone(), opts.uploads, move |tx| {
-            produce(&repo, &index, vol, parent_chunks, &rt, tx)
+        produce_and_upload(&repo, opts.uploads, move |tx| {
+            produce(&read_repo, &index, vol, parent_chunks, &rt, tx)
         })
         .await?
     };
@@ -130,6 +124,23 @@ pub async fn create_snapshot(
     let snap = repo.save_snapshot(manifest).await?;
     tracing::info!(id = %snap.id, "snapshot saved");
     Ok(snap)
+}
+
+/// What a new snapshot of volume `name` dedups against (the index, with packs that
+/// an interrupted run uploaded adopted, without those pending deletion), and its parent
+/// (the newest snapshot of the volume).
+pub(super) async fn index_and_parent(
+    repo: &Repository,
+    name: &str,
+) -> Result<(Index, Option<Snapshot>), RepoError> {
+    let mut index = repo.load_dedup_index().await?;
+    repo.adopt_unindexed_packs(&mut index).await?;
+    let parent = repo
+        .snapshots()
+        .await?
+        .into_iter()
+        .rfind(|s| s.manifest.volume == name);
+    Ok((index, parent))
 }
 
 /// Runs `produce` on a blocking thread and uploads the packs it sends as they come (at

@@ -18,7 +18,7 @@
 //! entry whose xattrs could not be read. Entries that cannot be read are left out and
 //! counted; the snapshot is then tagged `incomplete` (restore refuses `--delete` from it).
 
-use super::create::{CreateOptions, hostname, produce_and_upload};
+use super::create::{CreateOptions, hostname, index_and_parent, produce_and_upload};
 use crate::tree::{
     content::next_data,
     meta::{Kind, Meta},
@@ -64,13 +64,7 @@ pub async fn create_tree_snapshot(
         .name
         .clone()
         .unwrap_or_else(|| root.display().to_string());
-    let mut index = repo.load_dedup_index().await?;
-    repo.adopt_unindexed_packs(&mut index).await?;
-    let parent_snap = repo
-        .snapshots()
-        .await?
-        .into_iter()
-        .rfind(|s| s.manifest.volume == name);
+    let (index, parent_snap) = index_and_parent(&repo, &name).await?;
     let parent = parent_snap.as_ref().map(|s| s.id.clone());
     let parent_xattrs = matches!(
         parent_snap.as_ref().map(|s| &s.manifest.content),
@@ -92,32 +86,33 @@ pub async fn create_tree_snapshot(
 
     let index = Arc::new(index);
     let ((root_id, counts), packs, bytes) = {
-        let (repo, index) = (repo.clone(), index.clone());
+        let (walk_repo, index) = (repo.clone(), index.clone());
         let rt = tokio::runtime::Handle::current();
         let xattrs = !opts.no_xattrs;
-        produce_and_upload(&repo.clone(), opts.uploads, move |tx| {
-            let walk = Walk::new(&repo, &index, &rt, root, xattrs, parent_xattrs, tx);
+        produce_and_upload(&repo, opts.uploads, move |tx| {
+            let walk = Walk::new(&walk_repo, &index, &rt, root, xattrs, parent_xattrs, tx);
             walk.run(parent_top.as_ref())
         })
         .await?
     };
+    let n = |a: &AtomicU64| a.load(Relaxed);
     let mut tags = opts.tags.clone();
-    if counts.unreadable > 0 {
+    if n(&counts.unreadable) > 0 {
         tags.push(INCOMPLETE_TAG.into());
     }
     let summary = SnapshotSummary {
-        data_chunks: counts.data_chunks,
-        data_bytes: counts.data_bytes,
-        zero_chunks: counts.holes,
-        new_chunks: counts.new_chunks,
-        new_bytes: counts.new_bytes,
+        data_chunks: n(&counts.data_chunks),
+        data_bytes: n(&counts.data_bytes),
+        zero_chunks: n(&counts.holes),
+        new_chunks: n(&counts.new_chunks),
+        new_bytes: n(&counts.new_bytes),
         stored_bytes: bytes,
         packs,
         duration_secs: started.elapsed().as_secs_f64(),
-        files_read: counts.files_read,
-        files_unchanged: counts.files_unchanged,
-        changed_while_read: counts.changed_while_read,
-        unreadable: counts.unreadable,
+        files_read: n(&counts.files_read),
+        files_unchanged: n(&counts.files_unchanged),
+        changed_while_read: n(&counts.changed_while_read),
+        unreadable: n(&counts.unreadable),
         ..SnapshotSummary::default()
     };
     let (time, time_nanos) = snapshots::now_unix_nanos();
@@ -131,9 +126,9 @@ pub async fn create_tree_snapshot(
         parent,
         content: Content::Tree {
             root: hex(&root_id.0),
-            files: counts.files,
-            dirs: counts.dirs,
-            bytes: counts.file_bytes,
+            files: n(&counts.files),
+            dirs: n(&counts.dirs),
+            bytes: n(&counts.file_bytes),
             xattrs: !opts.no_xattrs,
         },
         summary,
@@ -147,22 +142,6 @@ pub async fn create_tree_snapshot(
 /// What the walk counted.
 #[derive(Default)]
 struct Counts {
-    files: u64,
-    dirs: u64,
-    file_bytes: u64,
-    data_chunks: u64,
-    data_bytes: u64,
-    holes: u64,
-    new_chunks: u64,
-    new_bytes: u64,
-    files_read: u64,
-    files_unchanged: u64,
-    changed_while_read: u64,
-    unreadable: u64,
-}
-
-#[derive(Default)]
-struct AtomicCounts {
     files: AtomicU64,
     dirs: AtomicU64,
     file_bytes: AtomicU64,
@@ -175,25 +154,6 @@ struct AtomicCounts {
     files_unchanged: AtomicU64,
     changed_while_read: AtomicU64,
     unreadable: AtomicU64,
-}
-
-impl AtomicCounts {
-    fn get(&self) -> Counts {
-        Counts {
-            files: self.files.load(Relaxed),
-            dirs: self.dirs.load(Relaxed),
-            file_bytes: self.file_bytes.load(Relaxed),
-            data_chunks: self.data_chunks.load(Relaxed),
-            data_bytes: self.data_bytes.load(Relaxed),
-            holes: self.holes.load(Relaxed),
-            new_chunks: self.new_chunks.load(Relaxed),
-            new_bytes: self.new_bytes.load(Relaxed),
-            files_read: self.files_read.load(Relaxed),
-            files_unchanged: self.files_unchanged.load(Relaxed),
-            changed_while_read: self.changed_while_read.load(Relaxed),
-            unreadable: self.unreadable.load(Relaxed),
-        }
-    }
 }
 
 /// A multiply-linked file's content, with the ctime it was read at and how many of its
@@ -228,7 +188,7 @@ struct Walk<'a> {
     /// Contents of multiply-linked files read so far, by (device, inode), with the ctime
     /// they were read at: their other names are not read again.
     links: Mutex<HashMap<(u64, u64), LinkedContent>>,
-    counts: AtomicCounts,
+    counts: Counts,
 }
 
 impl<'a> Walk<'a> {
@@ -261,12 +221,12 @@ impl<'a> Walk<'a> {
             tx,
             stopped: AtomicBool::new(false),
             links: Mutex::default(),
-            counts: AtomicCounts::default(),
+            counts: Counts::default(),
         }
     }
 
     /// Walks the tree; returns the top blob's id and the counts.
-    fn run(&self, parent_top: Option<&TreeNode>) -> Result<(ChunkId, Counts), RepoError> {
+    fn run(self, parent_top: Option<&TreeNode>) -> Result<(ChunkId, Counts), RepoError> {
         let root_path = self.source.root_path().to_path_buf();
         let refused = |e: io::Error| RepoError::Refused {
             what: format!("snapshot of {}", root_path.display()),
@@ -311,7 +271,7 @@ impl<'a> Walk<'a> {
                 self.send(pack)?;
             }
         }
-        Ok((top_id, self.counts.get()))
+        Ok((top_id, self.counts))
     }
 
     fn upload_stopped(&self) -> RepoError {
