@@ -322,6 +322,49 @@ fn damage_is_named_by_path_and_restore_restores_the_rest() {
     assert_eq!(fs::read(dst.join("top.txt")).unwrap(), b"top");
 }
 
+/// Large files go to a new DST with direct writes, window by window, with the
+/// unaligned end of each window carried into the next: odd sizes, data after holes at
+/// odd places and trailing holes must all come back byte for byte, and holes as holes.
+#[test]
+fn large_files_of_odd_sizes_and_holes_restore_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let (repo, src) = (dir.path().join("repo"), dir.path().join("src"));
+    fs::create_dir_all(&src).unwrap();
+    const MIB: u64 = 1 << 20;
+    // Three 16 MiB windows and an odd tail.
+    fs::write(src.join("odd.bin"), random(7, (37 * MIB + 12_345) as usize)).unwrap();
+    // Data, a hole, data from an odd offset, a trailing hole.
+    let holey = fs::File::create(src.join("holey.img")).unwrap();
+    holey.set_len(30 * MIB).unwrap();
+    holey
+        .write_all_at(&random(8, (5 * MIB) as usize), 0)
+        .unwrap();
+    holey
+        .write_all_at(&random(9, (3 * MIB + 1) as usize), 13 * MIB + 777)
+        .unwrap();
+    drop(holey);
+    // Just above the size that goes direct, and just below.
+    fs::write(src.join("just-above"), random(10, (MIB + 1) as usize)).unwrap();
+    fs::write(src.join("just-below"), random(11, (MIB - 1) as usize)).unwrap();
+    ok(mover().args(["repo", "init"]).arg(&repo));
+    create(&repo, &src);
+    let out = dir.path().join("out");
+    restore_latest(&repo, &out);
+    assert_same_tree(&src, &out);
+    for name in ["odd.bin", "holey.img", "just-above", "just-below"] {
+        assert!(
+            fs::read(src.join(name)).unwrap() == fs::read(out.join(name)).unwrap(),
+            "{name} differs"
+        );
+    }
+    use std::os::unix::fs::MetadataExt;
+    let blocks = fs::metadata(out.join("holey.img")).unwrap().blocks() * 512;
+    assert!(
+        blocks < 10 * MIB,
+        "holey.img restored with {blocks} bytes allocated: its holes were written"
+    );
+}
+
 #[test]
 fn kill_9_mid_snapshot_leaves_no_snapshot_and_the_rerun_adopts_the_upload() {
     let dir = tempfile::tempdir().unwrap();
