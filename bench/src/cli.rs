@@ -87,6 +87,11 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
 
+    /// Also write an HTML page with SVG charts into DIR: each phase's I/O over time
+    /// per tool, every ratio against its target, every run's peak memory.
+    #[arg(long, value_name = "DIR")]
+    pub report: Option<PathBuf>,
+
     /// Keep the images in WORKDIR after the run so `--skip-build` can reuse them.
     #[arg(long)]
     pub keep: bool,

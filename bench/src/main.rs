@@ -5,6 +5,7 @@
 //!
 //! Run `mover-bench --help` for what is measured and which targets are checked.
 
+mod charts;
 mod cli;
 mod daemon;
 mod diff;
@@ -79,6 +80,7 @@ fn run(args: &Args) -> Result<bool> {
             workdir: &workdir,
             scratch: scratch.clone(),
             json: &json_path,
+            report: args.report.as_deref(),
         },
         chosen,
     );
@@ -98,6 +100,8 @@ struct Places<'a> {
     scratch: PathBuf,
     /// The JSON results.
     json: &'a Path,
+    /// Where the HTML report goes, if anywhere.
+    report: Option<&'a Path>,
 }
 
 /// Which phases run.
@@ -185,7 +189,7 @@ fn measure_and_publish(
     results.load_after = load_average();
     results.bench_peak_rss_bytes = process::own_peak_rss();
     drop(device);
-    report::publish(&results, places.json)
+    report::publish(&results, places.json, places.report)
 }
 
 /// Creates the working directory and returns its canonical path (mount points are matched

@@ -22,6 +22,9 @@ pub struct Timed {
     pub cpu: Duration,
     /// Everything the child wrote on stdout.
     pub stdout: Vec<u8>,
+    /// The I/O of the child and its descendants while it ran: (seconds since the
+    /// start, bytes read and written so far, `rchar + wchar` of `/proc/PID/io`).
+    pub io_samples: Vec<(f64, u64)>,
 }
 
 /// Whether a timed run ends with a `sync(2)` that counts in its time.
@@ -65,6 +68,7 @@ pub fn run_timed(cmd: &mut Command, then_sync: ThenSync) -> Result<Timed> {
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot start `{what}`"))?;
+    let sampler = IoSampler::start(child.id(), start);
     let stderr = child.stderr.take().context("child stderr is not piped")?;
     let stderr_reader = std::thread::spawn(move || read_all(stderr));
     let mut stdout = Vec::new();
@@ -76,6 +80,7 @@ pub fn run_timed(cmd: &mut Command, then_sync: ThenSync) -> Result<Timed> {
     let (status, usage) =
         wait_with_usage(child.id()).with_context(|| format!("cannot wait for `{what}`"))?;
     let ran = start.elapsed();
+    let io_samples = sampler.finish(ran);
     let stderr = stderr_reader.join().unwrap_or_default();
     read.with_context(|| format!("cannot read the output of `{what}`"))?;
     ensure_success(&what, status, &stderr)?;
@@ -89,7 +94,100 @@ pub fn run_timed(cmd: &mut Command, then_sync: ThenSync) -> Result<Timed> {
         max_rss_bytes: usage.max_rss_bytes,
         cpu: usage.cpu,
         stdout,
+        io_samples,
     })
+}
+
+/// How often a timed run's I/O is sampled.
+const SAMPLE_EVERY: Duration = Duration::from_millis(200);
+
+/// Samples the I/O of a process tree from a thread of its own.
+struct IoSampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(f64, u64)>>,
+}
+
+impl IoSampler {
+    fn start(pid: u32, start: Instant) -> IoSampler {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            // Each process's last counters: one that exits keeps what it did.
+            let mut seen = std::collections::HashMap::<u32, u64>::new();
+            let mut samples = vec![(0.0, 0)];
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(SAMPLE_EVERY);
+                for p in descendants(pid) {
+                    if let Some(n) = process_io_chars(p) {
+                        seen.insert(p, n);
+                    }
+                }
+                samples.push((start.elapsed().as_secs_f64(), seen.values().sum()));
+            }
+            samples
+        });
+        IoSampler { stop, thread }
+    }
+
+    /// The samples, the last one at `end` (when the child was reaped).
+    fn finish(self, end: Duration) -> Vec<(f64, u64)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut samples = self.thread.join().unwrap_or_default();
+        samples.retain(|s| s.0 <= end.as_secs_f64());
+        let last = samples.last().map_or(0, |s| s.1);
+        samples.push((end.as_secs_f64(), last));
+        samples
+    }
+}
+
+/// `pid` and every live process below it.
+fn descendants(pid: u32) -> Vec<u32> {
+    let mut parent_of = Vec::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let Some(p) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+                continue;
+            };
+            // The parent is the second field after the command name's `)`.
+            let ppid = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 2..].split(' ').nth(1))
+                .and_then(|f| f.parse::<u32>().ok());
+            if let Some(pp) = ppid {
+                parent_of.push((p, pp));
+            }
+        }
+    }
+    let mut out = vec![pid];
+    let mut i = 0;
+    while i < out.len() {
+        let parent = out[i];
+        out.extend(
+            parent_of
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    out
+}
+
+/// `rchar + wchar` of `/proc/PID/io`: bytes the process read and wrote through system
+/// calls (files, pipes, sockets; page-cache hits count).
+fn process_io_chars(pid: u32) -> Option<u64> {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        io.lines()
+            .find_map(|line| line.strip_prefix(name))?
+            .trim()
+            .parse()
+            .ok()
+    };
+    Some(field("rchar:")? + field("wchar:")?)
 }
 
 /// Flushes all dirty data (`sync(2)`) and returns how long that took.
@@ -240,6 +338,26 @@ mod tests {
         assert!(timed.max_rss_bytes > 0);
         assert_eq!(timed.sync, Duration::ZERO);
         assert!(timed.cpu < Duration::from_secs(1), "{:?}", timed.cpu);
+    }
+
+    #[test]
+    fn io_samples_follow_the_childs_io_over_time() {
+        // Five writes of 10 MiB, 150 ms apart: the samples must rise in steps to at
+        // least 50 MiB, never fall, and end when the child was reaped.
+        let script = "import os, time\n\
+                      f = os.open('/dev/null', os.O_WRONLY)\n\
+                      for _ in range(5):\n    os.write(f, bytes(10 << 20)); time.sleep(0.15)\n";
+        let timed = run_timed(Command::new("python3").args(["-c", script]), ThenSync::No).unwrap();
+        let s = &timed.io_samples;
+        assert!(s.len() >= 4, "{s:?}");
+        assert!(
+            s.windows(2).all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1),
+            "{s:?}"
+        );
+        assert!(s.last().unwrap().1 >= 50 << 20, "{s:?}");
+        assert!((s.last().unwrap().0 - timed.elapsed.as_secs_f64()).abs() < 1e-6);
+        // Some sample was taken part way: the I/O is seen over time, not only at the end.
+        assert!(s.iter().any(|&(_, b)| b > 0 && b < 50 << 20), "{s:?}");
     }
 
     #[test]

@@ -458,9 +458,14 @@ struct Document<'a> {
 
 /// Prints the tables and writes the JSON to `json_path`; returns whether every target was
 /// met.
-pub fn publish(results: &Results, json_path: &Path) -> Result<bool> {
+pub fn publish(results: &Results, json_path: &Path, report_dir: Option<&Path>) -> Result<bool> {
     let summary = Summary::new(results);
-    print!("{}", render(results, &summary));
+    let table = render(results, &summary);
+    print!("{table}");
+    if let Some(dir) = report_dir {
+        write_html(dir, &summary, &table)?;
+        println!("\nHTML report: {}", dir.join("index.html").display());
+    }
     let checks = summary.checks();
     let all_passed = checks.iter().all(|c| c.pass);
     let document = Document {
@@ -471,6 +476,80 @@ pub fn publish(results: &Results, json_path: &Path) -> Result<bool> {
     write_json_file(json_path, &document)?;
     println!("\nJSON results: {}", json_path.display());
     Ok(all_passed)
+}
+
+/// The HTML report in `dir`: the table, then per phase a chart of each tool's I/O over
+/// time, the ratios against their targets, and each run's peak memory.
+fn write_html(dir: &Path, summary: &Summary, table: &str) -> Result<()> {
+    use crate::charts::{Bar, Figure, Series, bar_chart, rates, slug, throughput_chart};
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut figures = Vec::new();
+    let mut phases: Vec<&str> = Vec::new();
+    for r in &summary.rows {
+        if !phases.contains(&r.phase.as_str()) {
+            phases.push(&r.phase);
+        }
+    }
+    for phase in phases {
+        let series: Vec<Series> = summary
+            .rows
+            .iter()
+            .filter(|r| r.phase == phase && !r.run.io_samples.is_empty())
+            .map(|r| Series {
+                label: format!("{} ({:.1} s)", r.tool, r.run.seconds),
+                points: rates(&r.run.io_samples),
+            })
+            .collect();
+        if series.is_empty() {
+            continue;
+        }
+        let file = format!("{}.svg", slug(phase));
+        throughput_chart(&dir.join(&file), phase, &series)?;
+        figures.push(Figure {
+            file,
+            caption: format!("{phase}: each tool's I/O over time (its best run)"),
+        });
+    }
+    let ratios: Vec<Bar> = summary
+        .checks()
+        .into_iter()
+        .filter(|c| c.unit == Unit::Ratio)
+        .map(|c| Bar {
+            label: format!("{} {}", c.name, c.target_text()),
+            value: c.measured,
+            target: Some(c.limit),
+            pass: c.pass,
+        })
+        .collect();
+    if !ratios.is_empty() {
+        bar_chart(
+            &dir.join("ratios.svg"),
+            "ratios against targets",
+            "ratio (target: black tick)",
+            &ratios,
+        )?;
+        figures.push(Figure {
+            file: "ratios.svg".into(),
+            caption: "every ratio the bench checks: green met, red missed".into(),
+        });
+    }
+    let memory: Vec<Bar> = summary
+        .rows
+        .iter()
+        .filter(|r| r.run.max_rss_bytes > 0)
+        .map(|r| Bar {
+            label: format!("{}: {}", r.phase, r.tool),
+            value: r.run.max_rss_bytes as f64 / MIB,
+            target: r.tool.starts_with("mover").then_some(MAX_RSS_MIB),
+            pass: !r.tool.starts_with("mover") || r.run.max_rss_bytes as f64 / MIB <= MAX_RSS_MIB,
+        })
+        .collect();
+    bar_chart(&dir.join("memory.svg"), "peak memory (RSS)", "MiB", &memory)?;
+    figures.push(Figure {
+        file: "memory.svg".into(),
+        caption: "peak resident memory of every timed run".into(),
+    });
+    crate::charts::write_page(dir, "mover-bench: mover against its peers", table, &figures)
 }
 
 /// The human-readable report.

@@ -5,6 +5,7 @@ use crate::process::run_checked;
 use anyhow::{Context, Result, bail};
 use std::{
     fs,
+    os::unix::fs::FileExt,
     path::{Path, PathBuf},
     process::Command,
 };
@@ -144,4 +145,118 @@ impl Rng {
             chunk.copy_from_slice(&v[..chunk.len()]);
         }
     }
+}
+
+/// The real trees a bench copies when given none: `dirs` that exist, and the cargo
+/// registry (thousands of crates' sources: many small and mid-size files, deep trees).
+pub fn default_sources(dirs: &[&str]) -> Vec<PathBuf> {
+    let mut s: Vec<PathBuf> = dirs
+        .iter()
+        .map(PathBuf::from)
+        .filter(|d| d.is_dir())
+        .collect();
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
+    if let Some(reg) = home.map(|h| h.join("registry")).filter(|r| r.is_dir()) {
+        s.push(reg);
+    }
+    s
+}
+
+/// Copies each of `sources` with `cp -a` into `src` (as `0-NAME`, `1-NAME`, ...).
+pub fn copy_sources(sources: &[PathBuf], src: &Path) -> Result<()> {
+    fs::create_dir_all(src)?;
+    for (i, s) in sources.iter().enumerate() {
+        let to = src.join(format!(
+            "{i}-{}",
+            s.file_name().unwrap_or_default().to_string_lossy()
+        ));
+        eprintln!("copying {} to {}", s.display(), to.display());
+        run_checked(Command::new("cp").arg("-a").arg(s).arg(&to))?;
+    }
+    Ok(())
+}
+
+/// Entries and bytes (apparent sizes of regular files) below `dirs`.
+pub fn count(dirs: &[PathBuf]) -> Result<(u64, u64)> {
+    let (mut files, mut bytes) = (0, 0);
+    let mut stack: Vec<PathBuf> = dirs.to_vec();
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).with_context(|| format!("cannot list {}", d.display()))? {
+            let e = e?;
+            let m = e.metadata()?;
+            files += 1;
+            if m.is_dir() {
+                stack.push(e.path());
+            } else if m.is_file() {
+                bytes += m.len();
+            }
+        }
+    }
+    Ok((files, bytes))
+}
+
+/// A day of edits, seeded by `round`: 1% of the files appended to, 0.5% overwritten in
+/// place (4 KiB in the middle), the largest directory of the third level deleted, and a
+/// copy of the second largest added with 10% of its files changed.
+pub fn edit_real_tree(src: &Path, round: u64) -> Result<()> {
+    eprintln!("   editing the tree");
+    let mut rng = Rng(0x5eed_0000 + round * 7919 + 1);
+    let mut files = Vec::new();
+    let mut dirs: Vec<(u64, PathBuf)> = Vec::new();
+    let mut stack = vec![(src.to_path_buf(), 0usize)];
+    while let Some((d, depth)) = stack.pop() {
+        let mut n = 0;
+        for e in fs::read_dir(&d)? {
+            let e = e?;
+            let t = e.file_type()?;
+            n += 1;
+            if t.is_dir() {
+                stack.push((e.path(), depth + 1));
+            } else if t.is_file() {
+                files.push(e.path());
+            }
+        }
+        if depth == 3 {
+            dirs.push((n, d));
+        }
+    }
+    files.sort();
+    let mut block = vec![0u8; 4096];
+    for f in &files {
+        let roll = rng.next() % 1000;
+        if roll < 15 {
+            rng.fill(&mut block);
+            let file = fs::OpenOptions::new().read(true).write(true).open(f)?;
+            let len = file.metadata()?.len();
+            let at = if roll < 10 { len } else { len / 2 };
+            file.write_all_at(&block, at)?;
+        }
+    }
+    dirs.sort();
+    let (_, doomed) = dirs.pop().context("no directory three levels down")?;
+    let (_, copied) = dirs
+        .pop()
+        .context("no second directory three levels down")?;
+    fs::remove_dir_all(&doomed)?;
+    let new = copied.with_file_name(format!(
+        "{}.new{round}",
+        copied.file_name().unwrap_or_default().to_string_lossy()
+    ));
+    run_checked(Command::new("cp").arg("-a").arg(&copied).arg(&new))?;
+    let mut stack = vec![new];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d)? {
+            let e = e?;
+            if e.file_type()?.is_dir() {
+                stack.push(e.path());
+            } else if e.file_type()?.is_file() && rng.next().is_multiple_of(10) {
+                rng.fill(&mut block);
+                let f = fs::OpenOptions::new().append(true).open(e.path())?;
+                f.write_all_at(&block, 0)?;
+            }
+        }
+    }
+    Ok(())
 }

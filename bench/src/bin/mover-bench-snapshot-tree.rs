@@ -1,6 +1,9 @@
 //! `mover-bench-snapshot-tree`: snapshots of a real file tree, `mover snapshot` against
 //! `restic`, in one run on the same tree. Run `--help` for what is built and checked.
 
+#[allow(dead_code)] // shared with mover-bench
+#[path = "../charts.rs"]
+mod charts;
 #[allow(dead_code)] // the bench's process helpers, shared with mover-bench
 #[path = "../process.rs"]
 mod process;
@@ -14,11 +17,10 @@ use process::{ThenSync, drop_caches, run_checked, run_timed};
 use serde::Serialize;
 use std::{
     fs,
-    os::unix::fs::FileExt,
     path::{Path, PathBuf},
     process::{Command, ExitCode},
 };
-use treefs::{Rng, Volume, check_identical};
+use treefs::{Volume, check_identical, copy_sources, count, default_sources, edit_real_tree};
 
 const LONG_ABOUT: &str = "\
 Benchmarks `mover snapshot create` and `mover snapshot restore` of a directory against
@@ -62,6 +64,10 @@ struct Args {
     /// Where to write the results [default: WORKDIR/results.json].
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also write an HTML page with SVG charts into DIR (I/O over time of each tool in
+    /// each step's median round, speed-up and memory against the targets).
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
 }
 
 /// One tool's run.
@@ -70,6 +76,8 @@ struct Run {
     seconds: f64,
     cpu_seconds: f64,
     max_rss_bytes: u64,
+    /// (seconds, bytes read and written so far) while it ran.
+    io_samples: Vec<(f64, u64)>,
 }
 
 /// One step: each tool's median run, every round's seconds, and the ratios.
@@ -134,14 +142,7 @@ fn run(args: &Args) -> Result<bool> {
         None => std::env::current_exe()?.with_file_name("mover"),
     };
     let sources = if args.sources.is_empty() {
-        let mut s = vec![PathBuf::from("/usr")];
-        let home = std::env::var_os("CARGO_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
-        if let Some(reg) = home.map(|h| h.join("registry")).filter(|r| r.is_dir()) {
-            s.push(reg);
-        }
-        s
+        default_sources(&["/usr"])
     } else {
         args.sources.clone()
     };
@@ -163,15 +164,7 @@ fn run(args: &Args) -> Result<bool> {
         files * 3 + 100_000,
     )?;
     let src = volume.mnt.join("src");
-    fs::create_dir_all(&src)?;
-    for (i, s) in sources.iter().enumerate() {
-        let to = src.join(format!(
-            "{i}-{}",
-            s.file_name().unwrap_or_default().to_string_lossy()
-        ));
-        eprintln!("copying {} to {}", s.display(), to.display());
-        run_checked(Command::new("cp").arg("-a").arg(s).arg(&to))?;
-    }
+    copy_sources(&sources, &src)?;
     let repos = args.workdir.join("repos");
     let paths = Paths {
         src: src.clone(),
@@ -214,7 +207,7 @@ fn run(args: &Args) -> Result<bool> {
         let (r, m) = in_turn(swap, "first", restic_first, mover_first)?;
         runs[0][0].push(r);
         runs[0][1].push(m);
-        edit(&paths.src, round as u64)?;
+        edit_real_tree(&paths.src, round as u64)?;
         let (r, m) = in_turn(swap, "incremental", restic_first, mover_first)?;
         runs[1][0].push(r);
         runs[1][1].push(m);
@@ -281,11 +274,15 @@ fn run(args: &Args) -> Result<bool> {
         repo_size_pass: mover_repo_bytes <= restic_repo_bytes,
     };
     let mib = |b: u64| b as f64 / 1048576.0;
-    println!(
-        "\nstep          restic      mover  restic/mover  target   peak RSS restic / mover (mover/restic)"
-    );
+    let mut table = String::new();
+    use std::fmt::Write as _;
+    writeln!(
+        table,
+        "step          restic      mover  restic/mover  target   peak RSS restic / mover (mover/restic)"
+    )?;
     for s in &results.steps {
-        println!(
+        writeln!(
+            table,
             "{:<12} {:>7.2}s {:>8.2}s {:>11.2}x {:>6.1}x   {:.0} / {:.0} MiB ({:.2})  {}",
             s.name,
             s.restic.seconds,
@@ -296,9 +293,10 @@ fn run(args: &Args) -> Result<bool> {
             mib(s.mover.max_rss_bytes),
             s.memory_ratio,
             if s.pass { "PASS" } else { "FAIL" }
-        );
+        )?;
     }
-    println!(
+    writeln!(
+        table,
         "repository after the incremental step: restic {:.0} MiB, mover {:.0} MiB  {}",
         mib(results.restic_repo_bytes),
         mib(results.mover_repo_bytes),
@@ -307,22 +305,114 @@ fn run(args: &Args) -> Result<bool> {
         } else {
             "FAIL"
         }
-    );
+    )?;
     if args.rounds > 1 {
-        println!(
+        writeln!(
+            table,
             "each tool's median of {} rounds (all in the results file)",
             args.rounds
-        );
+        )?;
     }
+    print!("\n{table}");
     let json = args
         .json
         .clone()
         .unwrap_or_else(|| args.workdir.join("results.json"));
     fs::write(&json, serde_json::to_vec_pretty(&results)?)?;
     println!("results: {}", json.display());
+    if let Some(dir) = &args.report {
+        write_report(dir, &results, &table)?;
+        println!("report: {}", dir.join("index.html").display());
+    }
     volume.remove()?;
     _ = fs::remove_dir_all(&repos);
     Ok(results.repo_size_pass && results.steps.iter().all(|s| s.pass))
+}
+
+/// The HTML report: one I/O-over-time chart per step, the speed-ups and the memory.
+fn write_report(dir: &Path, results: &Results, table: &str) -> Result<()> {
+    use charts::{Bar, Figure, Series, bar_chart, rates, throughput_chart, write_page};
+    fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut figures = Vec::new();
+    for s in &results.steps {
+        let file = format!("{}.svg", s.name);
+        throughput_chart(
+            &dir.join(&file),
+            &format!(
+                "{}: restic {:.1} s, mover {:.1} s",
+                s.name, s.restic.seconds, s.mover.seconds
+            ),
+            &[
+                Series {
+                    label: "restic".into(),
+                    points: rates(&s.restic.io_samples),
+                },
+                Series {
+                    label: "mover".into(),
+                    points: rates(&s.mover.io_samples),
+                },
+            ],
+        )?;
+        figures.push(Figure {
+            file,
+            caption: format!(
+                "{}: I/O of each tool over time (median round, page cache dropped first)",
+                s.name
+            ),
+        });
+    }
+    let speedups: Vec<Bar> = results
+        .steps
+        .iter()
+        .map(|s| Bar {
+            label: format!("{} (restic / mover time)", s.name),
+            value: s.speedup,
+            target: Some(s.target),
+            pass: s.speedup >= s.target,
+        })
+        .collect();
+    bar_chart(
+        &dir.join("speedup.svg"),
+        "speed-up over restic",
+        "x faster (target: black tick)",
+        &speedups,
+    )?;
+    figures.push(Figure {
+        file: "speedup.svg".into(),
+        caption: "restic's time / mover's, each step's median of the rounds".into(),
+    });
+    let mib = |b: u64| b as f64 / 1048576.0;
+    let mut memory = Vec::new();
+    for s in &results.steps {
+        memory.push(Bar {
+            label: format!("{} restic", s.name),
+            value: mib(s.restic.max_rss_bytes),
+            target: None,
+            pass: true,
+        });
+        memory.push(Bar {
+            label: format!("{} mover", s.name),
+            value: mib(s.mover.max_rss_bytes),
+            target: Some(mib(s.restic.max_rss_bytes)),
+            pass: s.memory_ratio <= 1.0,
+        });
+    }
+    bar_chart(
+        &dir.join("memory.svg"),
+        "peak memory (RSS)",
+        "MiB (mover's target: restic's)",
+        &memory,
+    )?;
+    figures.push(Figure {
+        file: "memory.svg".into(),
+        caption: "peak resident memory of each tool in each step".into(),
+    });
+    write_page(
+        dir,
+        "mover-bench-snapshot-tree: mover snapshot against restic",
+        table,
+        &figures,
+    )
 }
 
 fn restic(bin: &Path, p: &Paths) -> Command {
@@ -380,6 +470,7 @@ fn timed(cmd: &mut Command) -> Result<Run> {
         seconds: r.elapsed.as_secs_f64(),
         cpu_seconds: r.cpu.as_secs_f64(),
         max_rss_bytes: r.max_rss_bytes,
+        io_samples: r.io_samples,
     })
 }
 
@@ -392,25 +483,6 @@ fn median(mut runs: Vec<Run>) -> Run {
     m
 }
 
-/// Entries and bytes (apparent sizes of regular files) below `dirs`.
-fn count(dirs: &[PathBuf]) -> Result<(u64, u64)> {
-    let (mut files, mut bytes) = (0, 0);
-    let mut stack: Vec<PathBuf> = dirs.to_vec();
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d).with_context(|| format!("cannot list {}", d.display()))? {
-            let e = e?;
-            let m = e.metadata()?;
-            files += 1;
-            if m.is_dir() {
-                stack.push(e.path());
-            } else if m.is_file() {
-                bytes += m.len();
-            }
-        }
-    }
-    Ok((files, bytes))
-}
-
 /// Bytes a directory occupies (`du -sb`).
 fn du(dir: &Path) -> Result<u64> {
     let out = run_checked(Command::new("du").arg("-sb").arg(dir))?;
@@ -419,68 +491,4 @@ fn du(dir: &Path) -> Result<u64> {
         .next()
         .and_then(|n| n.parse().ok())
         .context("du printed no size")
-}
-
-/// A day of edits, seeded by `round`: 1% of the files appended to, 0.5% overwritten in
-/// place (4 KiB in the middle), the largest directory of the third level deleted, and a
-/// copy of the second largest added with 10% of its files changed.
-fn edit(src: &Path, round: u64) -> Result<()> {
-    eprintln!("   editing the tree");
-    let mut rng = Rng(0x5eed_0000 + round * 7919 + 1);
-    let mut files = Vec::new();
-    let mut dirs: Vec<(u64, PathBuf)> = Vec::new();
-    let mut stack = vec![(src.to_path_buf(), 0usize)];
-    while let Some((d, depth)) = stack.pop() {
-        let mut n = 0;
-        for e in fs::read_dir(&d)? {
-            let e = e?;
-            let t = e.file_type()?;
-            n += 1;
-            if t.is_dir() {
-                stack.push((e.path(), depth + 1));
-            } else if t.is_file() {
-                files.push(e.path());
-            }
-        }
-        if depth == 3 {
-            dirs.push((n, d));
-        }
-    }
-    files.sort();
-    let mut block = vec![0u8; 4096];
-    for f in &files {
-        let roll = rng.next() % 1000;
-        if roll < 15 {
-            rng.fill(&mut block);
-            let file = fs::OpenOptions::new().read(true).write(true).open(f)?;
-            let len = file.metadata()?.len();
-            let at = if roll < 10 { len } else { len / 2 };
-            file.write_all_at(&block, at)?;
-        }
-    }
-    dirs.sort();
-    let (_, doomed) = dirs.pop().context("no directory three levels down")?;
-    let (_, copied) = dirs
-        .pop()
-        .context("no second directory three levels down")?;
-    fs::remove_dir_all(&doomed)?;
-    let new = copied.with_file_name(format!(
-        "{}.new{round}",
-        copied.file_name().unwrap_or_default().to_string_lossy()
-    ));
-    run_checked(Command::new("cp").arg("-a").arg(&copied).arg(&new))?;
-    let mut stack = vec![new];
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d)? {
-            let e = e?;
-            if e.file_type()?.is_dir() {
-                stack.push(e.path());
-            } else if e.file_type()?.is_file() && rng.next().is_multiple_of(10) {
-                rng.fill(&mut block);
-                let f = fs::OpenOptions::new().append(true).open(e.path())?;
-                f.write_all_at(&block, 0)?;
-            }
-        }
-    }
-    Ok(())
 }

@@ -3,6 +3,9 @@
 //! nothing changed, and a delta after a day of edits. Run `mover-bench-tree --help` for
 //! what is built and checked.
 
+#[allow(dead_code)] // shared with mover-bench
+#[path = "../charts.rs"]
+mod charts;
 #[allow(dead_code)] // the bench's process helpers, shared with mover-bench
 #[path = "../process.rs"]
 mod process;
@@ -20,7 +23,7 @@ use std::{
     path::{Path, PathBuf},
     process::{Command, ExitCode},
 };
-use treefs::{Rng, Volume, check_identical};
+use treefs::{Rng, Volume, check_identical, copy_sources, count, default_sources, edit_real_tree};
 
 const LONG_ABOUT: &str = "\
 Benchmarks `mover copy DIR DIR` (which looks at every destination entry, as rsync does) and
@@ -38,6 +41,11 @@ Three steps, each timed for the three copies from a dropped page cache to a fina
             where the host's jitter weighs most;
   delta     after edits (2% of the small files rewritten, 1% deleted, 1000 added, 1 MiB
             inserted in the middle of two large files), with --delete: rsync / mover >= 3x.
+With --real (or --source DIR...), the tree is a real one instead: the given directories
+(default /usr/share and the cargo registry: every size of file, deep directories) copied
+with `cp -a` onto the fresh filesystem, and the delta step makes a day of real edits (1%
+of files appended to, 0.5% overwritten in place, a directory deleted, a copy of another
+added with 10% of its files changed); the targets are the same.
 `mover copy --replica` runs with --delete in every step, as a mirror does.
 After each step's three timed runs both of mover's copies are checked identical to the
 source by `rsync -aHAXnc --delete -i` (untimed; any itemized line is a failure).
@@ -70,6 +78,17 @@ struct Args {
     /// The mover binary [default: `mover` next to this executable].
     #[arg(long)]
     mover: Option<PathBuf>,
+    /// Copy a real tree instead of the synthetic one: /usr/share and the cargo registry,
+    /// or the --source directories.
+    #[arg(long)]
+    real: bool,
+    /// A directory to copy into the real tree (repeat; implies --real).
+    #[arg(long = "source", value_name = "DIR")]
+    sources: Vec<PathBuf>,
+    /// Also write an HTML page with SVG charts into DIR (each tool's I/O over time in
+    /// each step, the speed-ups against the targets, peak memory).
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
 }
 
 /// One step, timed for rsync and both of mover's modes.
@@ -99,6 +118,8 @@ struct Timed {
     max_rss_bytes: u64,
     /// mover's JSON summary.
     report: serde_json::Value,
+    /// (seconds, bytes read and written so far) while it ran.
+    io_samples: Vec<(f64, u64)>,
 }
 
 fn main() -> ExitCode {
@@ -122,13 +143,39 @@ fn run(args: &Args) -> Result<bool> {
         None => std::env::current_exe()?.with_file_name("mover"),
     };
     fs::create_dir_all(&args.workdir)?;
-    // Small files take a block or two each; four trees (source and three copies).
-    let tree = args.files * 8192 + 4 * (args.large_mib << 20);
-    let size = tree * 9 / 2 + (1 << 30);
-    let inodes = 5 * (args.files + args.files / 1000 * 10 + 1000);
+    let sources = match (args.real, args.sources.is_empty()) {
+        (_, false) => args.sources.clone(),
+        (true, true) => default_sources(&["/usr/share"]),
+        (false, true) => Vec::new(),
+    };
+    // Four trees (source and three copies), small files taking a block or two each.
+    let (size, inodes) = if sources.is_empty() {
+        let tree = args.files * 8192 + 4 * (args.large_mib << 20);
+        let inodes = 5 * (args.files + args.files / 1000 * 10 + 1000);
+        (tree * 9 / 2 + (1 << 30), inodes)
+    } else {
+        let (files, bytes) = count(&sources)?;
+        eprintln!(
+            "real tree: {} ({files} entries, {:.2} GiB)",
+            sources
+                .iter()
+                .map(|s| s.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            bytes as f64 / (1u64 << 30) as f64
+        );
+        (
+            (bytes + files * 4096) * 9 / 2 + (2 << 30),
+            files * 5 + 100_000,
+        )
+    };
     let volume = Volume::make(&args.workdir, size, inodes)?;
     let src = volume.mnt.join("src");
-    build_tree(&src, args.files, args.large_mib)?;
+    if sources.is_empty() {
+        build_tree(&src, args.files, args.large_mib)?;
+    } else {
+        copy_sources(&sources, &src)?;
+    }
     let state = args.workdir.join("state");
     _ = fs::remove_dir_all(&state);
     let dsts = Dsts {
@@ -141,7 +188,11 @@ fn run(args: &Args) -> Result<bool> {
     steps.push(step("initial", 2.0, &mover, &src, &dsts, false, 1)?);
     let rounds = args.rounds as usize;
     steps.push(step("no-change", 5.0, &mover, &src, &dsts, false, rounds)?);
-    edit_tree(&src, args.files, args.large_mib)?;
+    if sources.is_empty() {
+        edit_tree(&src, args.files, args.large_mib)?;
+    } else {
+        edit_real_tree(&src, 0)?;
+    }
     steps.push(step("delta", 3.0, &mover, &src, &dsts, true, 1)?);
 
     println!(
@@ -172,12 +223,107 @@ fn run(args: &Args) -> Result<bool> {
     let json = args.workdir.join("results.json");
     fs::write(&json, serde_json::to_vec_pretty(&steps)?)?;
     println!("results: {}", json.display());
+    if let Some(dir) = &args.report {
+        write_report(dir, &steps, &sources)?;
+        println!("report: {}", dir.join("index.html").display());
+    }
     if args.keep {
         volume.keep();
     } else {
         volume.remove()?;
     }
     Ok(steps.iter().all(|s| s.pass))
+}
+
+/// The HTML report: each step's I/O over time per tool, the speed-ups, the memory.
+fn write_report(dir: &Path, steps: &[Step], sources: &[PathBuf]) -> Result<()> {
+    use charts::{Bar, Figure, Series, bar_chart, rates, throughput_chart, write_page};
+    fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut figures = Vec::new();
+    let mut table = String::new();
+    let mut speedups = Vec::new();
+    let mut memory = Vec::new();
+    let mib = |b: u64| b as f64 / 1048576.0;
+    for s in steps {
+        let runs = [
+            ("rsync -aHAX", &s.rsync),
+            ("mover", &s.mover),
+            ("mover --replica", &s.replica),
+        ];
+        table.push_str(&format!(
+            "{:<10} rsync {:.2}s  mover {:.2}s ({:.2}x)  --replica {:.2}s ({:.2}x)  target {:.1}x  {}\n",
+            s.name,
+            s.rsync.seconds,
+            s.mover.seconds,
+            s.speedup,
+            s.replica.seconds,
+            s.replica_speedup,
+            s.target,
+            if s.pass { "PASS" } else { "FAIL" }
+        ));
+        let series: Vec<Series> = runs
+            .iter()
+            .map(|(tool, t)| Series {
+                label: format!("{tool} ({:.1} s)", t.seconds),
+                points: rates(&t.io_samples),
+            })
+            .collect();
+        let file = format!("{}.svg", s.name);
+        throughput_chart(&dir.join(&file), s.name, &series)?;
+        figures.push(Figure {
+            file,
+            caption: format!(
+                "{}: each tool's I/O over time (median run, page cache dropped first)",
+                s.name
+            ),
+        });
+        for (label, value) in [("mover", s.speedup), ("mover --replica", s.replica_speedup)] {
+            speedups.push(Bar {
+                label: format!("{}: {label} (rsync / mover time)", s.name),
+                value,
+                target: Some(s.target),
+                pass: value >= s.target,
+            });
+        }
+        for (tool, t) in runs {
+            memory.push(Bar {
+                label: format!("{}: {tool}", s.name),
+                value: mib(t.max_rss_bytes),
+                target: None,
+                pass: true,
+            });
+        }
+    }
+    bar_chart(
+        &dir.join("speedup.svg"),
+        "speed-up over rsync -aHAX",
+        "x faster (target: black tick)",
+        &speedups,
+    )?;
+    bar_chart(&dir.join("memory.svg"), "peak memory (RSS)", "MiB", &memory)?;
+    figures.push(Figure {
+        file: "speedup.svg".into(),
+        caption: "rsync's time / mover's in each step".into(),
+    });
+    figures.push(Figure {
+        file: "memory.svg".into(),
+        caption: "peak resident memory of each run".into(),
+    });
+    let what = if sources.is_empty() {
+        "the synthetic tree".to_string()
+    } else {
+        sources
+            .iter()
+            .map(|s| s.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    write_page(
+        dir,
+        &format!("mover-bench-tree: mover copy against rsync on {what}"),
+        &table,
+        &figures,
+    )
 }
 
 /// Where the three copies go, and the replica record.
@@ -278,6 +424,7 @@ fn timed(cmd: &mut Command) -> Result<Timed> {
         cpu_seconds: r.cpu.as_secs_f64(),
         max_rss_bytes: r.max_rss_bytes,
         report: serde_json::from_slice(&r.stdout).unwrap_or_default(),
+        io_samples: r.io_samples,
     })
 }
 

@@ -77,6 +77,9 @@ pub struct Run {
     /// For mover: its own `--json` report, verbatim.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mover_report: Option<serde_json::Value>,
+    /// The best run's I/O over time: (seconds, bytes read and written so far).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub io_samples: Vec<(f64, u64)>,
 }
 
 impl Run {
@@ -105,6 +108,7 @@ impl Run {
             destination_allocated_bytes: None,
             differing_pages_after: None,
             mover_report: None,
+            io_samples: best.io_samples,
         };
         (run, best.stdout)
     }

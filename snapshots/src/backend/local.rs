@@ -20,9 +20,9 @@ use std::{
 #[derive(Debug, Clone)]
 pub struct LocalBackend {
     root: Arc<PathBuf>,
-    /// Packs open for ranged reads. A restore reads each pack in many ranges, and an
-    /// open per range was a twentieth of its CPU. A pack's name is the hash of its
-    /// bytes, so an open pack never goes stale; `delete` forgets it.
+    /// Packs open for ranged reads: a restore reads each pack in many ranges (49k
+    /// ranges, so 49k opens, stats and closes, for a 6 GiB tree). A pack's name is the
+    /// hash of its bytes, so an open pack never goes stale; `delete` forgets it.
     open_packs: Arc<Mutex<HashMap<String, Arc<File>>>>,
 }
 
