@@ -164,6 +164,21 @@ pub fn default_sources(dirs: &[&str]) -> Vec<PathBuf> {
     s
 }
 
+/// Counts the entries and bytes of `sources` (see [`count`]) and says so on stderr.
+pub fn describe_sources(sources: &[PathBuf]) -> Result<(u64, u64)> {
+    let (files, bytes) = count(sources)?;
+    eprintln!(
+        "source: {} ({files} entries, {:.2} GiB)",
+        sources
+            .iter()
+            .map(|s| s.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        bytes as f64 / (1u64 << 30) as f64
+    );
+    Ok((files, bytes))
+}
+
 /// Copies each of `sources` with `cp -a` into `src` (as `0-NAME`, `1-NAME`, ...).
 pub fn copy_sources(sources: &[PathBuf], src: &Path) -> Result<()> {
     fs::create_dir_all(src)?;

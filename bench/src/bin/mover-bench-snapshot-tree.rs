@@ -20,7 +20,9 @@ use std::{
     path::{Path, PathBuf},
     process::{Command, ExitCode},
 };
-use treefs::{Volume, check_identical, copy_sources, count, default_sources, edit_real_tree};
+use treefs::{
+    Volume, check_identical, copy_sources, default_sources, describe_sources, edit_real_tree,
+};
 
 const LONG_ABOUT: &str = "\
 Benchmarks `mover snapshot create` and `mover snapshot restore` of a directory against
@@ -146,16 +148,7 @@ fn run(args: &Args) -> Result<bool> {
     } else {
         args.sources.clone()
     };
-    let (files, bytes) = count(&sources)?;
-    eprintln!(
-        "source: {} ({files} entries, {:.2} GiB)",
-        sources
-            .iter()
-            .map(|s| s.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", "),
-        bytes as f64 / (1u64 << 30) as f64
-    );
+    let (files, bytes) = describe_sources(&sources)?;
     fs::create_dir_all(&args.workdir)?;
     // The source, one restore at a time, and room for the edits.
     let volume = Volume::make(

@@ -23,7 +23,9 @@ use std::{
     path::{Path, PathBuf},
     process::{Command, ExitCode},
 };
-use treefs::{Rng, Volume, check_identical, copy_sources, count, default_sources, edit_real_tree};
+use treefs::{
+    Rng, Volume, check_identical, copy_sources, default_sources, describe_sources, edit_real_tree,
+};
 
 const LONG_ABOUT: &str = "\
 Benchmarks `mover copy DIR DIR` (which looks at every destination entry, as rsync does) and
@@ -154,16 +156,7 @@ fn run(args: &Args) -> Result<bool> {
         let inodes = 5 * (args.files + args.files / 1000 * 10 + 1000);
         (tree * 9 / 2 + (1 << 30), inodes)
     } else {
-        let (files, bytes) = count(&sources)?;
-        eprintln!(
-            "real tree: {} ({files} entries, {:.2} GiB)",
-            sources
-                .iter()
-                .map(|s| s.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-            bytes as f64 / (1u64 << 30) as f64
-        );
+        let (files, bytes) = describe_sources(&sources)?;
         (
             (bytes + files * 4096) * 9 / 2 + (2 << 30),
             files * 5 + 100_000,
@@ -195,15 +188,15 @@ fn run(args: &Args) -> Result<bool> {
     }
     steps.push(step("delta", 3.0, &mover, &src, &dsts, true, 1)?);
 
-    println!(
-        "\nstep        rsync -aHAX   mover (rsync/mover)   --replica (rsync/mover)  target  \
-         peak RSS rsync / mover / --replica"
+    let mut table = String::from(
+        "step        rsync -aHAX   mover (rsync/mover)   --replica (rsync/mover)  target  \
+         peak RSS rsync / mover / --replica\n",
     );
     let mib = |b: u64| b as f64 / 1048576.0;
     for s in &steps {
-        println!(
+        table.push_str(&format!(
             "{:<10} {:>9.2}s {:>8.2}s ({:>5.2}x) {:>10.2}s ({:>5.2}x) {:>8.1}x  \
-             {:.1} / {:.1} / {:.1} MiB  {}",
+             {:.1} / {:.1} / {:.1} MiB  {}\n",
             s.name,
             s.rsync.seconds,
             s.mover.seconds,
@@ -215,16 +208,19 @@ fn run(args: &Args) -> Result<bool> {
             mib(s.mover.max_rss_bytes),
             mib(s.replica.max_rss_bytes),
             if s.pass { "PASS" } else { "FAIL" }
-        );
+        ));
     }
     if rounds > 1 {
-        println!("no-change: each tool's median of {rounds} rounds (all in the results file)");
+        table.push_str(&format!(
+            "no-change: each tool's median of {rounds} rounds (all in the results file)\n"
+        ));
     }
+    print!("\n{table}");
     let json = args.workdir.join("results.json");
     fs::write(&json, serde_json::to_vec_pretty(&steps)?)?;
     println!("results: {}", json.display());
     if let Some(dir) = &args.report {
-        write_report(dir, &steps, &sources)?;
+        write_report(dir, &steps, &sources, &table)?;
         println!("report: {}", dir.join("index.html").display());
     }
     if args.keep {
@@ -236,11 +232,10 @@ fn run(args: &Args) -> Result<bool> {
 }
 
 /// The HTML report: each step's I/O over time per tool, the speed-ups, the memory.
-fn write_report(dir: &Path, steps: &[Step], sources: &[PathBuf]) -> Result<()> {
+fn write_report(dir: &Path, steps: &[Step], sources: &[PathBuf], table: &str) -> Result<()> {
     use charts::{Bar, Figure, Series, bar_chart, rates, throughput_chart, write_page};
     fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut figures = Vec::new();
-    let mut table = String::new();
     let mut speedups = Vec::new();
     let mut memory = Vec::new();
     let mib = |b: u64| b as f64 / 1048576.0;
@@ -250,17 +245,6 @@ fn write_report(dir: &Path, steps: &[Step], sources: &[PathBuf]) -> Result<()> {
             ("mover", &s.mover),
             ("mover --replica", &s.replica),
         ];
-        table.push_str(&format!(
-            "{:<10} rsync {:.2}s  mover {:.2}s ({:.2}x)  --replica {:.2}s ({:.2}x)  target {:.1}x  {}\n",
-            s.name,
-            s.rsync.seconds,
-            s.mover.seconds,
-            s.speedup,
-            s.replica.seconds,
-            s.replica_speedup,
-            s.target,
-            if s.pass { "PASS" } else { "FAIL" }
-        ));
         let series: Vec<Series> = runs
             .iter()
             .map(|(tool, t)| Series {
@@ -321,7 +305,7 @@ fn write_report(dir: &Path, steps: &[Step], sources: &[PathBuf]) -> Result<()> {
     write_page(
         dir,
         &format!("mover-bench-tree: mover copy against rsync on {what}"),
-        &table,
+        table,
         &figures,
     )
 }

@@ -638,8 +638,12 @@ impl Flusher {
             .spawn(move || {
                 let (lock, cv) = &*flag;
                 loop {
+                    // Checked before waiting too: a restore that ends within the first
+                    // wait must not wait out the rest of it.
                     let stopped = lock.lock().expect("flusher lock");
-                    let (stopped, _) = cv.wait_timeout(stopped, FLUSH_EVERY).expect("flusher lock");
+                    let (stopped, _) = cv
+                        .wait_timeout_while(stopped, FLUSH_EVERY, |stopped| !*stopped)
+                        .expect("flusher lock");
                     if *stopped {
                         return;
                     }
