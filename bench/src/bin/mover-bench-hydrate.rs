@@ -5,6 +5,9 @@
 #[allow(dead_code)] // agents and child processes, shared with mover-bench-replicate
 #[path = "../agents.rs"]
 mod agents;
+#[allow(dead_code)] // shared with mover-bench
+#[path = "../charts.rs"]
+mod charts;
 #[allow(dead_code)] // the bench's process helpers, shared with mover-bench
 #[path = "../process.rs"]
 mod process;
@@ -63,6 +66,10 @@ struct Args {
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also write an HTML page with SVG charts into DIR (every figure against its
+    /// target, the read latencies).
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -377,7 +384,7 @@ fn run(args: &Args) -> Result<bool> {
     if let Some(p) = &args.json {
         fs::write(p, &text)?;
     }
-    eprintln!(
+    let summary = format!(
         "ttfb {:.3} s / 1 TiB {:.3} s (<= 1); fill / pull {:.2} (<= 1.2; {:.2} s vs {:.2} s); missing p99 {:.1} ms (<= 50); present / nbdkit p99 {:.2}, mean {:.2} (<= 1.5)",
         r.ttfb_volume_secs,
         r.ttfb_1tib_secs,
@@ -388,7 +395,74 @@ fn run(args: &Args) -> Result<bool> {
         r.present_over_nbdkit_p99,
         r.present_over_nbdkit_mean
     );
+    eprintln!("{summary}");
+    if let Some(dir) = &args.report {
+        write_report(dir, &r, &format!("{text}\n\n{summary}"))?;
+        eprintln!("report: {}", dir.join("index.html").display());
+    }
     Ok(ok)
+}
+
+/// The HTML report: each figure against its target (at most: a bar within its tick
+/// passes), and the latencies of the three kinds of 4 KiB reads.
+fn write_report(dir: &Path, r: &Results, text: &str) -> Result<()> {
+    use charts::{Bar, Figure, bar_chart, write_page};
+    fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let at_most = |label: &str, value: f64, limit: f64| Bar {
+        label: format!("{label} <= {limit}"),
+        value,
+        target: Some(limit),
+        pass: value <= limit,
+    };
+    let targets = [
+        at_most("time to first byte, volume (s)", r.ttfb_volume_secs, 1.0),
+        at_most("time to first byte, 1 TiB (s)", r.ttfb_1tib_secs, 1.0),
+        at_most("fill / pull time", r.fill_over_pull, 1.2),
+        at_most("present / nbdkit p99", r.present_over_nbdkit_p99, 1.5),
+        at_most("present / nbdkit mean", r.present_over_nbdkit_mean, 1.5),
+    ];
+    bar_chart(
+        &dir.join("targets.svg"),
+        "copy-on-demand against its targets",
+        "value (target: black tick)",
+        &targets,
+    )?;
+    let mut latency = Vec::new();
+    for (what, l, limit) in [
+        ("missing (fetched on demand)", &r.missing_reads, Some(50.0)),
+        ("present (hydrated)", &r.present_reads, None),
+        ("nbdkit file", &r.nbdkit_reads, None),
+    ] {
+        for (q, v) in [("p50", l.p50_ms), ("p99", l.p99_ms)] {
+            latency.push(Bar {
+                label: format!("{what} {q}"),
+                value: v,
+                target: limit.filter(|_| q == "p99"),
+                pass: limit.is_none_or(|m| q != "p99" || v <= m),
+            });
+        }
+    }
+    bar_chart(
+        &dir.join("latency.svg"),
+        "4 KiB reads over NBD",
+        "milliseconds",
+        &latency,
+    )?;
+    write_page(
+        dir,
+        "mover-bench-hydrate: copy-on-demand",
+        text,
+        &[
+            Figure {
+                file: "targets.svg".into(),
+                caption: "each figure against its target: green met, red missed".into(),
+            },
+            Figure {
+                file: "latency.svg".into(),
+                caption: "latency of single 4 KiB reads: regions not here yet, the volume once complete, and nbdkit serving the same image".into(),
+            },
+        ],
+    )
 }
 
 fn hash(path: &Path) -> Result<blake3::Hash> {
