@@ -164,6 +164,9 @@ struct LinkedContent {
     names_left: u64,
 }
 
+/// One multiply-linked inode's content, once read.
+type LinkSlot = Arc<Mutex<Option<LinkedContent>>>;
+
 /// The blocking side of a tree snapshot.
 struct Walk<'a> {
     repo: &'a Repository,
@@ -186,8 +189,10 @@ struct Walk<'a> {
     /// The upload stopped (its error is the run's): the walk stops too.
     stopped: AtomicBool,
     /// Contents of multiply-linked files read so far, by (device, inode), with the ctime
-    /// they were read at: their other names are not read again.
-    links: Mutex<HashMap<(u64, u64), LinkedContent>>,
+    /// they were read at: their other names are not read again. A slot is locked while
+    /// its inode is read, so a name met meanwhile on another thread waits for that read
+    /// instead of reading the file a second time.
+    links: Mutex<HashMap<(u64, u64), LinkSlot>>,
     counts: Counts,
 }
 
@@ -496,19 +501,21 @@ impl<'a> Walk<'a> {
     ) -> io::Result<(Vec<FilePiece>, Meta)> {
         let m = &l.meta;
         let link_key = (m.dev, m.ino);
-        if m.nlink > 1 {
+        let slot = (m.nlink > 1).then(|| {
             let mut links = self.links.lock().expect("links lock");
-            if let Some(seen) = links.get_mut(&link_key)
-                && seen.ctime == m.ctime
-            {
-                let content = seen.content.clone();
-                // Forgotten once its last name is met: memory follows the links open.
-                seen.names_left = seen.names_left.saturating_sub(1);
-                if seen.names_left == 0 {
-                    links.remove(&link_key);
-                }
-                return Ok((content, *m));
+            links.entry(link_key).or_default().clone()
+        });
+        let mut linked = slot.as_ref().map(|s| s.lock().expect("link slot lock"));
+        if let Some(Some(seen)) = linked.as_deref_mut()
+            && seen.ctime == m.ctime
+        {
+            let content = seen.content.clone();
+            // Forgotten once its last name is met: memory follows the links open.
+            seen.names_left = seen.names_left.saturating_sub(1);
+            if seen.names_left == 0 {
+                self.links.lock().expect("links lock").remove(&link_key);
             }
+            return Ok((content, *m));
         }
         let f = self.source.open_file(dir, &l.name)?;
         let read = self.source.stat(&f)?;
@@ -523,15 +530,15 @@ impl<'a> Walk<'a> {
             self.counts.changed_while_read.fetch_add(1, Relaxed);
             tracing::warn!(file = %path.display(), "changed while read: stored as read, read again by the next snapshot");
         }
-        if read.nlink > 1 && read.ino == m.ino {
-            self.links.lock().expect("links lock").insert(
-                link_key,
-                LinkedContent {
-                    ctime: m.ctime,
-                    content: pieces.clone(),
-                    names_left: read.nlink - 1,
-                },
-            );
+        if let Some(linked) = linked.as_deref_mut()
+            && read.nlink > 1
+            && read.ino == m.ino
+        {
+            *linked = Some(LinkedContent {
+                ctime: m.ctime,
+                content: pieces.clone(),
+                names_left: read.nlink - 1,
+            });
         }
         Ok((pieces, read))
     }
