@@ -103,20 +103,22 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(200);
 
 /// Samples the I/O of a process tree from a thread of its own.
 struct IoSampler {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Dropped to stop the thread at once (not after its current wait: the trailing
+    /// sync of a timed run must not start late, with writeback done meanwhile).
+    stop: std::sync::mpsc::Sender<()>,
     thread: std::thread::JoinHandle<Vec<(f64, u64)>>,
 }
 
 impl IoSampler {
     fn start(pid: u32, start: Instant) -> IoSampler {
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = stop.clone();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::spawn(move || {
             // Each process's last counters: one that exits keeps what it did.
             let mut seen = std::collections::HashMap::<u32, u64>::new();
             let mut samples = vec![(0.0, 0)];
-            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-                std::thread::sleep(SAMPLE_EVERY);
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                stopped.recv_timeout(SAMPLE_EVERY)
+            {
                 for p in descendants(pid) {
                     if let Some(n) = process_io_chars(p) {
                         seen.insert(p, n);
@@ -131,7 +133,7 @@ impl IoSampler {
 
     /// The samples, the last one at `end` (when the child was reaped).
     fn finish(self, end: Duration) -> Vec<(f64, u64)> {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        drop(self.stop);
         let mut samples = self.thread.join().unwrap_or_default();
         samples.retain(|s| s.0 <= end.as_secs_f64());
         let last = samples.last().map_or(0, |s| s.1);

@@ -36,8 +36,9 @@ use std::{
 
 /// Data a large file's restore fetches at once.
 const WINDOW: u64 = 16 << 20;
-/// Files from this size are written with direct I/O into a new DST (`mover copy`'s
-/// rule): below it, the extra open and the device waits cost more than the page cache.
+/// Files from this size are written with direct I/O into a new DST (the walk's large
+/// files, each its own task): below it, reopening the file for direct I/O and waiting
+/// for the device cost more than the page cache saves.
 const DIRECT_FILE_MIN: u64 = 1 << 20;
 
 /// A tree snapshot seen as a source tree.
@@ -616,7 +617,9 @@ pub async fn restore_tree_snapshot(
 /// from a thread of its own: left to the kernel, small files' data stays dirty until
 /// the restore's final sync, which then writes gigabytes while the CPUs wait.
 struct Flusher {
-    stop: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    /// Dropped to stop the thread at once (a restore that ends within a wait must not
+    /// wait it out).
+    stop: Option<std::sync::mpsc::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -631,30 +634,20 @@ impl Flusher {
                 _ => File::open("."),
             })
             .ok()?;
-        let stop = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
-        let flag = stop.clone();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("mover-flush".into())
             .spawn(move || {
-                let (lock, cv) = &*flag;
-                loop {
-                    // Checked before waiting too: a restore that ends within the first
-                    // wait must not wait out the rest of it.
-                    let stopped = lock.lock().expect("flusher lock");
-                    let (stopped, _) = cv
-                        .wait_timeout_while(stopped, FLUSH_EVERY, |stopped| !*stopped)
-                        .expect("flusher lock");
-                    if *stopped {
-                        return;
-                    }
-                    drop(stopped);
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(FLUSH_EVERY)
+                {
                     // Errors surface in the final sync; this one only starts early.
                     _ = rustix::fs::syncfs(&on);
                 }
             })
             .ok()?;
         Some(Flusher {
-            stop,
+            stop: Some(stop),
             thread: Some(thread),
         })
     }
@@ -662,8 +655,7 @@ impl Flusher {
 
 impl Drop for Flusher {
     fn drop(&mut self) {
-        *self.stop.0.lock().expect("flusher lock") = true;
-        self.stop.1.notify_all();
+        drop(self.stop.take());
         if let Some(t) = self.thread.take() {
             _ = t.join();
         }
