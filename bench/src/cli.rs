@@ -19,14 +19,15 @@ today.img is attached read-only to a loop device, which is the source of every m
 
 Measured: wall clock of each child, best of 3 for hashing and of 2 for copies, the tools
 taking turns. Copies include a final sync(2) (mover fsyncs) and start with the page cache
-dropped. The targets checked:
+dropped (cold); the full and delta copies run again warm: the cache dropped, then the
+source (the loop device and today.img) read into it. The targets checked:
   hash        `mover hash --threads N` vs `b3sum --num-threads N` on a page-cached image,
               N = 1 and N = nproc, best of 3: mover throughput >= 0.90x b3sum's
               (mover also hashes today.img itself, to show what the device costs);
   full copy   `mover copy` vs `cp --sparse=always` (and `dd bs=4M conv=sparse` shown):
-              mover time <= 1.10x cp's;
+              mover time <= 1.10x cp's, cold and warm;
   delta copy  destination holds yesterday's image: `mover copy` vs
-              `rsync --inplace --no-whole-file`: mover >= 5x faster, and mover's
+              `rsync --inplace --no-whole-file`: mover >= 5x faster cold and warm, and mover's
               bytes_written <= 1.10x the 4 KiB pages that differ between the images;
   memory      mover's peak RSS < 256 MiB on the full copy and on a copy of the 64 GiB
               sparse image (cp --sparse=always timed for reference). Peak RSS is the
@@ -64,7 +65,7 @@ Exit status: 0 all targets met, 2 some target missed, 1 error.
 Needs root (loop devices, mount, drop_caches), cp, dd, rsync, b3sum, mkfs.ext4, losetup,
 mount, openssl (unless --skip-agent), restic (unless --skip-snapshot), and about 3x --size
 of free space in --workdir (the snapshot phase needs another ~2x while it runs).
-Takes ~10 minutes at 4G, plus ~5 for the agent phase and ~3 for the snapshots.
+Takes ~13 minutes at 4G, plus ~5 for the agent phase and ~3 for the snapshots.
 If interrupted, the next run unmounts and detaches what the previous one left behind.";
 
 /// Benchmark `mover` against cp, dd, rsync and b3sum on loop devices.

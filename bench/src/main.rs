@@ -30,7 +30,7 @@ use clap::Parser;
 use crate::cli::Args;
 use crate::guard::LoopDevice;
 use crate::image::CachePaths;
-use crate::phases::Ctx;
+use crate::phases::{Cache, Ctx};
 use crate::progress::note;
 use crate::report::Results;
 use crate::tools::Tools;
@@ -143,16 +143,16 @@ fn measure_and_publish(
         nproc: std::thread::available_parallelism().map_or(1, usize::from),
     };
     let load_before = load_average();
-    let (hash, full_copy, delta_copy, sparse_copy) = if chosen.copies {
-        (
-            phases::hash(&ctx)?,
-            Some(phases::full_copy(&ctx)?),
-            Some(phases::delta_copy(&ctx)?),
-            Some(phases::sparse_copy(&ctx)?),
-        )
-    } else {
-        (Vec::new(), None, None, None)
-    };
+    let (mut hash, mut full_copy, mut delta_copy, mut sparse_copy) =
+        (Vec::new(), Vec::new(), Vec::new(), None);
+    if chosen.copies {
+        hash = phases::hash(&ctx)?;
+        for cache in [Cache::Cold, Cache::Warm] {
+            full_copy.push(phases::full_copy(&ctx, cache)?);
+            delta_copy.push(phases::delta_copy(&ctx, cache)?);
+        }
+        sparse_copy = Some(phases::sparse_copy(&ctx)?);
+    }
     let agent = if chosen.agent {
         Some(phases::agent_copy(&ctx)?)
     } else {

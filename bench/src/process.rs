@@ -2,8 +2,10 @@
 //! peak memory.
 
 use std::ffi::OsStr;
+use std::fs::File;
 use std::io::{self, Read};
 use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -205,6 +207,18 @@ pub fn drop_caches() -> Result<()> {
     rustix::fs::sync();
     std::fs::write("/proc/sys/vm/drop_caches", "3")
         .context("cannot drop the page cache via /proc/sys/vm/drop_caches")
+}
+
+/// Reads `path` to its end so its pages are cached; returns it still open.
+pub fn warm_cache(path: &Path) -> Result<File> {
+    let mut file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    while file
+        .read(&mut buf)
+        .with_context(|| format!("cannot read {}", path.display()))?
+        != 0
+    {}
+    Ok(file)
 }
 
 /// The bench's own peak RSS (`VmHWM`), in bytes, or 0 if unknown.

@@ -57,10 +57,10 @@ pub struct Results {
     pub images: Manifest,
     /// Hashing, per thread count (empty with --only-snapshot).
     pub hash: Vec<HashResult>,
-    /// The full copy (absent with --only-snapshot).
-    pub full_copy: Option<FullCopy>,
-    /// The delta copy (absent with --only-snapshot).
-    pub delta_copy: Option<DeltaCopy>,
+    /// The full copy, cold then warm (empty with --only-snapshot).
+    pub full_copy: Vec<FullCopy>,
+    /// The delta copy, cold then warm (empty with --only-snapshot).
+    pub delta_copy: Vec<DeltaCopy>,
     /// The sparse 64 GiB copy (absent with --only-snapshot).
     pub sparse_copy: Option<SparseCopy>,
     /// The copies over 127.0.0.1 through mover's agent and an rsync daemon (absent with
@@ -193,10 +193,10 @@ impl<'a> Summary<'a> {
             rows.push(row(&phase, &hash.mover, size, Some(check)));
             rows.push(row(&phase, &hash.mover_on_image_file, size, None));
         }
-        if let Some(full) = &results.full_copy {
+        for full in &results.full_copy {
             rows.extend(full_copy_rows(full, size));
         }
-        if let Some(delta) = &results.delta_copy {
+        for delta in &results.delta_copy {
             rows.extend(delta_copy_rows(delta, size));
         }
         if let Some(sparse) = &results.sparse_copy {
@@ -237,35 +237,37 @@ fn row<'a>(phase: &str, run: &'a Run, bytes: u64, check: Option<Check>) -> Row<'
 
 /// Rows of the full copy: cp, dd, and mover judged against cp.
 fn full_copy_rows(full: &FullCopy, size: u64) -> Vec<Row<'_>> {
+    let phase = full.cache.phase("full copy");
     let ratio = full.mover.seconds / full.cp.seconds;
     let check = Check::new(
-        "full copy: mover time / cp --sparse=always time",
+        &format!("{phase}: mover time / cp --sparse=always time"),
         ratio,
         Rule::AtMost,
         FULL_COPY_MAX_RATIO,
         Unit::Ratio,
     );
     vec![
-        row("full copy", &full.cp, size, None),
-        row("full copy", &full.dd, size, None),
-        row("full copy", &full.mover, size, Some(check)),
+        row(&phase, &full.cp, size, None),
+        row(&phase, &full.dd, size, None),
+        row(&phase, &full.mover, size, Some(check)),
     ]
 }
 
 /// Rows of the delta copy: rsync, and mover judged by its speed-up over rsync.
 fn delta_copy_rows(delta: &DeltaCopy, size: u64) -> Vec<Row<'_>> {
+    let phase = delta.cache.phase("delta copy");
     let speedup = delta.rsync.seconds / delta.mover.seconds;
     let check = Check::new(
-        "delta copy: rsync time / mover time",
+        &format!("{phase}: rsync time / mover time"),
         speedup,
         Rule::AtLeast,
         DELTA_MIN_SPEEDUP,
         Unit::Ratio,
     );
     vec![
-        row("delta copy", &delta.rsync, size, None),
-        row("delta copy", &delta.mover_unindexed, size, None),
-        row("delta copy", &delta.mover, size, Some(check)),
+        row(&phase, &delta.rsync, size, None),
+        row(&phase, &delta.mover_unindexed, size, None),
+        row(&phase, &delta.mover, size, Some(check)),
     ]
 }
 
@@ -388,10 +390,13 @@ fn snapshot_checks(snapshot: &SnapshotPhase) -> Vec<Check> {
 fn other_checks(results: &Results) -> Vec<Check> {
     let mut checks = Vec::new();
     let mut mover_copies = Vec::new();
-    if let Some(delta) = &results.delta_copy {
+    for delta in &results.delta_copy {
         let changed = delta.changed.differing_bytes().max(1) as f64;
         checks.push(Check::new(
-            "delta copy: mover bytes written / changed 4 KiB pages",
+            &format!(
+                "{}: mover bytes written / changed 4 KiB pages",
+                delta.cache.phase("delta copy")
+            ),
             delta.mover_bytes_written as f64 / changed,
             Rule::AtMost,
             DELTA_MAX_WRITE_RATIO,
@@ -399,9 +404,9 @@ fn other_checks(results: &Results) -> Vec<Check> {
         ));
         mover_copies.extend([&delta.mover_unindexed, &delta.mover]);
     }
-    if let Some(full) = &results.full_copy {
+    for full in &results.full_copy {
         checks.push(Check::new(
-            "peak RSS of mover, full copy",
+            &format!("peak RSS of mover, {}", full.cache.phase("full copy")),
             full.mover.max_rss_bytes as f64 / MIB,
             Rule::Below,
             MAX_RSS_MIB,

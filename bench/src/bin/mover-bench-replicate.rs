@@ -6,6 +6,9 @@
 #[allow(dead_code)] // agents and child processes, shared with mover-bench-hydrate
 #[path = "../agents.rs"]
 mod agents;
+#[allow(dead_code)] // the benches' SVG charts and HTML page
+#[path = "../charts.rs"]
+mod charts;
 #[allow(dead_code)] // the bench's page comparison, shared with mover-bench
 #[path = "../diff.rs"]
 mod diff;
@@ -80,6 +83,10 @@ struct Args {
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also write an HTML page with SVG charts into DIR: every figure against its target,
+    /// and each round's cycle time beside VolSync's.
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -244,7 +251,6 @@ fn run(args: &Args) -> Result<bool> {
     fs::create_dir_all(w)?;
     let _guard = Guard(w.clone());
     let size = args.size;
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
 
     eprintln!(
         "== setup: XFS for the images, ext4 with real data in a {} MiB volume",
@@ -583,24 +589,25 @@ fn run(args: &Args) -> Result<bool> {
         ),
         ("agent peak RSS <= 128 MiB", peak <= 128 << 20),
     ];
-    println!(
-        "\nmover-bench-replicate, {} MiB volume, {} rounds",
+    let mut summary = format!(
+        "mover-bench-replicate, {} MiB volume, {} rounds\n",
         mib(size),
         rounds.len()
     );
-    println!(
-        "  median cycle {median_cycle:.2} s, VolSync/mover {median_ratio:.1}x, max read {max_read:.2}%"
+    summary += &format!(
+        "  median cycle {median_cycle:.2} s, VolSync/mover {median_ratio:.1}x, max read {max_read:.2}%\n"
     );
-    println!(
-        "  RPO p99 {p99:.1} s; failback shipped {:.2}x the union; agent peak RSS {:.0} MiB",
+    summary += &format!(
+        "  RPO p99 {p99:.1} s; failback shipped {:.2}x the union; agent peak RSS {:.0} MiB\n",
         failback.shipped_over_union,
         mib(peak)
     );
     let mut met = true;
     for (what, ok) in checks {
-        println!("  [{}] {what}", if ok { "ok" } else { "MISSED" });
+        summary += &format!("  [{}] {what}\n", if ok { "ok" } else { "MISSED" });
         met &= ok;
     }
+    print!("\n{summary}");
     let results = Results {
         size,
         rounds,
@@ -616,6 +623,104 @@ fn run(args: &Args) -> Result<bool> {
     if let Some(p) = &args.json {
         fs::write(p, serde_json::to_vec_pretty(&results)?)?;
     }
+    if let Some(dir) = &args.report {
+        write_report(dir, &results, scale.max(1.0), &summary)?;
+        eprintln!("report: {}", dir.join("index.html").display());
+    }
     drop(b);
     Ok(met)
+}
+
+/// Bytes in MiB.
+fn mib(b: u64) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
+/// The HTML report: every figure against its target, and each round's cycle beside
+/// VolSync's rsync of the same change.
+fn write_report(dir: &Path, r: &Results, scale: f64, text: &str) -> Result<()> {
+    use charts::{Bar, Figure, bar_chart, write_page};
+    fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let bar = |label: &str, value: f64, limit: f64, pass: bool| Bar {
+        label: label.to_string(),
+        value,
+        target: Some(limit),
+        pass,
+    };
+    let cycle_limit = 1.5 * scale;
+    let rss = mib(r.agent_peak_rss_bytes);
+    let targets = [
+        bar(
+            &format!("median cycle (s) <= {cycle_limit:.1}"),
+            r.median_cycle_seconds,
+            cycle_limit,
+            r.median_cycle_seconds <= cycle_limit,
+        ),
+        bar(
+            "cycle reads (% of volume) <= 5",
+            r.max_read_percent,
+            5.0,
+            r.max_read_percent <= 5.0,
+        ),
+        bar(
+            "VolSync / mover time >= 10",
+            r.median_ratio,
+            10.0,
+            r.median_ratio >= 10.0,
+        ),
+        bar(
+            "RPO p99 (s) <= 15",
+            r.rpo_p99_seconds,
+            15.0,
+            r.rpo_p99_seconds <= 15.0,
+        ),
+        bar(
+            "failback shipped / union <= 1.2",
+            r.failback.shipped_over_union,
+            1.2,
+            r.failback.shipped_over_union <= 1.2,
+        ),
+        bar("agent peak RSS (MiB) <= 128", rss, 128.0, rss <= 128.0),
+    ];
+    bar_chart(
+        &dir.join("targets.svg"),
+        "replication against its targets",
+        "value (target: black tick)",
+        &targets,
+    )?;
+    let mut rounds = Vec::new();
+    for (i, round) in r.rounds.iter().enumerate() {
+        for (who, secs) in [
+            ("mover cycle", round.mover_seconds),
+            ("VolSync rsync", round.volsync_seconds),
+        ] {
+            rounds.push(Bar {
+                label: format!("round {}: {who}", i + 1),
+                value: secs,
+                target: None,
+                pass: true,
+            });
+        }
+    }
+    bar_chart(
+        &dir.join("rounds.svg"),
+        "each round: the same change shipped by mover and by VolSync's rsync",
+        "seconds",
+        &rounds,
+    )?;
+    write_page(
+        dir,
+        "mover-bench-replicate: replication cycles",
+        text,
+        &[
+            Figure {
+                file: "targets.svg".into(),
+                caption: "each figure against its target: green met, red missed".into(),
+            },
+            Figure {
+                file: "rounds.svg".into(),
+                caption: "seconds per round: a mover cycle and VolSync's snapshot + rsync of the same change".into(),
+            },
+        ],
+    )
 }

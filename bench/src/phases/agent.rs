@@ -9,7 +9,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
-use super::copy::{Prepare, Trial, race};
+use super::copy::{Cache, Prepare, Trial, race};
 use super::{Ctx, Run};
 use crate::daemon::{self, Daemon};
 use crate::diff::PageDiff;
@@ -112,7 +112,14 @@ fn full(ctx: &Ctx, servers: &Servers) -> Result<AgentFull> {
     let plain = servers.mover_trial(ctx, "mover copy to agent", Export::Full);
     let tls = servers.mover_trial(ctx, "mover copy to agent, mutual TLS", Export::FullTls);
     let mut trials = [cp, rsync, plain, tls];
-    race(ctx, "agent full copy", &mut trials, None, &ctx.images.today)?;
+    race(
+        ctx,
+        "agent full copy",
+        &mut trials,
+        None,
+        &ctx.images.today,
+        Cache::Cold,
+    )?;
     let [cp, rsync, plain, tls] = trials;
     let volume = ctx.images.manifest.size;
     let (rsync, stdout) = rsync.best();
@@ -155,6 +162,7 @@ fn delta(ctx: &Ctx, servers: &Servers) -> Result<AgentDelta> {
         &mut trials,
         yesterday,
         &ctx.images.today,
+        Cache::Cold,
     )?;
     let [rsync, cold, mover] = trials;
     let (rsync, stdout) = rsync.best();

@@ -1,4 +1,5 @@
-//! Copies timed from a dropped page cache: full, delta and sparse, mover against its peers.
+//! Copies timed from a dropped page cache, and the full and delta copies again with their
+//! source in it: full, delta and sparse, mover against its peers.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -11,15 +12,38 @@ use super::{Ctx, Run, RunOutput};
 use crate::diff::{self, PageDiff};
 use crate::image;
 use crate::mover::{self, CopyReport};
-use crate::process::{self, ThenSync, describe, drop_caches, run_timed};
+use crate::process::{self, ThenSync, describe, drop_caches, run_timed, warm_cache};
 use crate::progress::note;
 
 /// How many times each copy command runs; the best time counts.
 const COPY_RUNS: usize = 2;
 
+/// The page cache a copy starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cache {
+    /// Dropped: every source byte comes from the disk.
+    Cold,
+    /// Dropped, then the source (the loop device and today's image file) read into it: a
+    /// copy right after the workload wrote, or a second copy of the same volume.
+    Warm,
+}
+
+impl Cache {
+    /// The phase name with this state: `full copy`, `full copy warm`.
+    pub fn phase(self, name: &str) -> String {
+        match self {
+            Cache::Cold => name.to_string(),
+            Cache::Warm => format!("{name} warm"),
+        }
+    }
+}
+
 /// The full copy to an empty destination.
 #[derive(Debug, Clone, Serialize)]
 pub struct FullCopy {
+    /// The page cache the copies started from.
+    pub cache: Cache,
     /// `cp --sparse=always`.
     pub cp: Run,
     /// `dd bs=4M conv=sparse`.
@@ -31,6 +55,8 @@ pub struct FullCopy {
 /// The delta copy onto yesterday's image.
 #[derive(Debug, Clone, Serialize)]
 pub struct DeltaCopy {
+    /// The page cache the copies started from.
+    pub cache: Cache,
     /// Pages differing between yesterday's and today's image.
     pub changed: PageDiff,
     /// `rsync --inplace --no-whole-file`.
@@ -64,7 +90,7 @@ pub struct SparseCopy {
 }
 
 /// Times full copies of the source device into a new file: cp, dd and mover.
-pub fn full_copy(ctx: &Ctx) -> Result<FullCopy> {
+pub fn full_copy(ctx: &Ctx, cache: Cache) -> Result<FullCopy> {
     let (dev, dst) = (ctx.device, &ctx.scratch);
     let mut cp = Command::new(&ctx.tools.cp);
     cp.arg("--sparse=always").arg(dev).arg(dst);
@@ -77,9 +103,11 @@ pub fn full_copy(ctx: &Ctx) -> Result<FullCopy> {
         Trial::new("dd bs=4M conv=sparse", dd),
         Trial::new("mover copy", mover::copy_command(ctx.mover, dev, dst)),
     ];
-    race(ctx, "full copy", &mut trials, None, &ctx.images.today)?;
+    let phase = cache.phase("full copy");
+    race(ctx, &phase, &mut trials, None, &ctx.images.today, cache)?;
     let [cp, dd, mover] = trials;
     Ok(FullCopy {
+        cache,
         cp: cp.best().0,
         dd: dd.best().0,
         mover: mover.best_mover(ctx.images.manifest.size)?.0,
@@ -87,7 +115,7 @@ pub fn full_copy(ctx: &Ctx) -> Result<FullCopy> {
 }
 
 /// Times copies onto a destination holding yesterday's image: rsync and mover.
-pub fn delta_copy(ctx: &Ctx) -> Result<DeltaCopy> {
+pub fn delta_copy(ctx: &Ctx, cache: Cache) -> Result<DeltaCopy> {
     let (today, yesterday) = (&ctx.images.today, &ctx.images.yesterday);
     let mut rsync = Command::new(&ctx.tools.rsync);
     rsync
@@ -107,14 +135,16 @@ pub fn delta_copy(ctx: &Ctx) -> Result<DeltaCopy> {
         ),
         indexed,
     ];
-    race(ctx, "delta copy", &mut trials, Some(yesterday), today)?;
-    let [rsync, cold, indexed] = trials;
-    let (cold, _) = cold.best_mover(ctx.images.manifest.size)?;
+    let phase = cache.phase("delta copy");
+    race(ctx, &phase, &mut trials, Some(yesterday), today, cache)?;
+    let [rsync, unindexed, indexed] = trials;
+    let (unindexed, _) = unindexed.best_mover(ctx.images.manifest.size)?;
     let (mover, report) = indexed.best_mover(ctx.images.manifest.size)?;
     Ok(DeltaCopy {
+        cache,
         changed: ctx.images.manifest.diff,
         rsync: rsync.best().0,
-        mover_unindexed: cold,
+        mover_unindexed: unindexed,
         mover,
         mover_bytes_written: report.bytes_written,
         mover_bytes_zeroed: report.bytes_zeroed,
@@ -135,7 +165,7 @@ pub fn sparse_copy(ctx: &Ctx) -> Result<SparseCopy> {
             mover::copy_command(ctx.mover, sparse, &ctx.scratch),
         ),
     ];
-    race(ctx, "sparse copy", &mut trials, None, sparse)?;
+    race(ctx, "sparse copy", &mut trials, None, sparse, Cache::Cold)?;
     let [cp, mover] = trials;
     Ok(SparseCopy {
         size: manifest.sparse_size,
@@ -227,17 +257,18 @@ impl Trial {
 }
 
 /// Runs every trial [`COPY_RUNS`] times, round-robin, each from the same starting point
-/// (see [`time_copy`]).
+/// and page cache (see [`time_copy`]).
 pub(super) fn race(
     ctx: &Ctx,
     phase: &str,
     trials: &mut [Trial],
     start_from: Option<&Path>,
     source: &Path,
+    cache: Cache,
 ) -> Result<()> {
     for _ in 0..COPY_RUNS {
         for trial in trials.iter_mut() {
-            let run = time_copy(ctx, phase, trial, start_from, source)?;
+            let run = time_copy(ctx, phase, trial, start_from, source, cache)?;
             trial.runs.push(run);
         }
     }
@@ -245,14 +276,16 @@ pub(super) fn race(
 }
 
 /// Times one run of `trial`: empties its destination (or makes it a copy of
-/// `start_from`), drops the page cache, runs the command plus a sync, then checks the
-/// destination against `source` (untimed). Returns the run and the command's stdout.
+/// `start_from`), drops the page cache (and for a warm run reads the source back into
+/// it), runs the command plus a sync, then checks the destination against `source`
+/// (untimed). Returns the run and the command's stdout.
 fn time_copy(
     ctx: &Ctx,
     phase: &str,
     trial: &mut Trial,
     start_from: Option<&Path>,
     source: &Path,
+    cache: Cache,
 ) -> Result<RunOutput> {
     let (tool, dst) = (trial.tool, trial.destination(ctx).to_path_buf());
     match (&mut trial.prepare_with, start_from) {
@@ -266,6 +299,11 @@ fn time_copy(
         _ => prepare_destination(ctx, &dst, start_from.map(|p| (p, trial.prepare)))?,
     }
     drop_caches()?;
+    // Held open through the run: the last close of a block device drops its cache.
+    let _cached = match cache {
+        Cache::Cold => Vec::new(),
+        Cache::Warm => vec![warm_cache(ctx.device)?, warm_cache(&ctx.images.today)?],
+    };
     note!("{phase}: {tool}");
     let server = trial.server_pid;
     let server_before =

@@ -1,16 +1,13 @@
 //! Hashing a page-cached image: `mover hash` against `b3sum`.
 
-use std::fs::File;
-use std::io::Read;
-use std::path::Path;
 use std::process::Command;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde::Serialize;
 
 use super::{Ctx, Run, RunOutput};
 use crate::mover::{self, HashReport};
-use crate::process::{ThenSync, Timed, describe, run_timed};
+use crate::process::{ThenSync, Timed, describe, run_timed, warm_cache};
 use crate::progress::note;
 
 /// How many times each hashing command runs; the best time counts.
@@ -97,16 +94,4 @@ fn best_of_alternating(cmds: &mut [(String, Command)]) -> Result<Vec<RunOutput>>
         .zip(timings)
         .map(|((tool, cmd), timings)| Run::best(tool, describe(cmd), timings))
         .collect())
-}
-
-/// Reads `path` to its end so its pages are cached; returns it still open.
-fn warm_cache(path: &Path) -> Result<File> {
-    let mut file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let mut buf = vec![0u8; 1 << 20];
-    while file
-        .read(&mut buf)
-        .with_context(|| format!("cannot read {}", path.display()))?
-        != 0
-    {}
-    Ok(file)
 }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 pub use agent::{AgentCopy, agent_copy};
-pub use copy::{DeltaCopy, FullCopy, SparseCopy, delta_copy, full_copy, sparse_copy};
+pub use copy::{Cache, DeltaCopy, FullCopy, SparseCopy, delta_copy, full_copy, sparse_copy};
 pub use hash::{HashResult, hash};
 pub use snapshot::{SnapshotPhase, SnapshotStep, snapshot};
 
