@@ -249,7 +249,7 @@ fn hash_read(
 }
 
 /// Reads the whole volume in windows of whole chunks (holes not read), in order, on a
-/// read-ahead thread, calling `consume` for each; memory stays at a few windows.
+/// read-ahead thread, calling `consume` for each; memory stays at three windows.
 pub fn for_each_window<E: From<ChunkerError> + Send>(
     volume: &BlockVolume,
     chunk: ChunkSize,
@@ -259,8 +259,10 @@ pub fn for_each_window<E: From<ChunkerError> + Send>(
     let size = volume.size();
     let wlen = window_len(chunk) as u64;
     let mut next = 0u64;
+    // One window read ahead: the consumers (hashing, sealing) are slower than the read,
+    // so more would only hold memory (8 MiB each).
     read_ahead(
-        3,
+        1,
         |recycled: Option<Window>| {
             if next >= size {
                 return None;

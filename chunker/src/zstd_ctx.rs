@@ -37,3 +37,13 @@ pub fn decompress(z: &[u8], len: usize) -> std::io::Result<Vec<u8>> {
         d.as_mut().expect("made above").decompress(z, len)
     })
 }
+
+/// `z` decompressed into `out` with this thread's context; returns the bytes written.
+pub fn decompress_into(z: &[u8], out: &mut [u8]) -> std::io::Result<usize> {
+    DECOMPRESSOR.with_borrow_mut(|d| {
+        if d.is_none() {
+            *d = Some(zstd::bulk::Decompressor::new()?);
+        }
+        d.as_mut().expect("made above").decompress_to_buffer(z, out)
+    })
+}

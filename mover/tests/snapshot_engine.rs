@@ -130,6 +130,64 @@ async fn round_trip_incremental_and_delta_restore_local() {
     round_trip(repo, dir.path()).await;
 }
 
+/// A restore writes each run of adjacent chunks from one buffer filled in place: a
+/// chunk held at several offsets (adjacent, apart, in one run and across runs) and a
+/// short last chunk of a size that is no multiple of 4 KiB must all land exactly, on a
+/// new file and onto a damaged copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_chunks_and_an_odd_tail_restore_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = init(Arc::new(LocalBackend::new(dir.path().join("repo")))).await;
+    let img = dir.path().join("vol.img");
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut chunk = |_: u8| {
+        let mut c = vec![0u8; MIB as usize];
+        rng.fill(&mut c[..]);
+        c
+    };
+    let (a, b) = (chunk(0), chunk(1));
+    let mut data = Vec::new();
+    for c in [&a, &a, &a, &b, &a, &vec![0; MIB as usize], &b] {
+        data.extend_from_slice(c);
+    }
+    for i in 0..12 {
+        data.extend_from_slice(&chunk(i));
+    }
+    data.extend_from_slice(&a); // chunk 19: far from the others, in another run
+    data.extend_from_slice(&chunk(20)[..12_345]);
+    fs::write(&img, &data).unwrap();
+
+    let s = create_snapshot(repo.clone(), &img, &SnapshotCreateOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(s.manifest.summary.data_chunks, 20);
+    assert_eq!(
+        s.manifest.summary.new_chunks, 15,
+        "a and b are stored once each"
+    );
+
+    let out = dir.path().join("restored.img");
+    let r = restore_snapshot(repo.clone(), "latest", &out, &RestoreOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(fs::read(&out).unwrap(), data);
+    assert_eq!(r.chunks_fetched, 20, "every place of every data chunk");
+    assert_eq!(r.bytes_written, data.len() as u64 - MIB);
+
+    // Onto a copy with a repeated chunk, the odd tail and a middle chunk damaged.
+    let f = fs::OpenOptions::new().write(true).open(&out).unwrap();
+    for at in [MIB + 100, 4 * MIB, 10 * MIB + 5, 20 * MIB + 12_000] {
+        f.write_all_at(b"damage", at).unwrap();
+    }
+    drop(f);
+    let r = restore_snapshot(repo.clone(), "latest", &out, &RestoreOptions::default())
+        .await
+        .unwrap();
+    assert!(r.delta);
+    assert_eq!(r.chunks_fetched, 4);
+    assert_eq!(fs::read(&out).unwrap(), data);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_trip_incremental_and_delta_restore_s3() {
     let dir = tempfile::tempdir().unwrap();

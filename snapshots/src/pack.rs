@@ -186,6 +186,33 @@ pub(crate) fn open_blob(
     (kind == BlobKind::Delta || key.chunk_key().chunk_id(&plain) == *id).then_some(plain)
 }
 
+/// [`open_blob`] of a data blob into `out`, which must be exactly its plaintext's
+/// length: no buffer is allocated for the plaintext. `None` unless it authenticates,
+/// fits `out` exactly and hashes to `id`.
+pub(crate) fn open_data_into(
+    key: &MasterKey,
+    id: &ChunkId,
+    sealed: &[u8],
+    out: &mut [u8],
+) -> Option<()> {
+    let msg = key.open(sealed, &blob_aad(BlobKind::Data, id))?;
+    match msg.split_first()? {
+        (0, rest) if rest.len() == out.len() => out.copy_from_slice(rest),
+        (1, rest) => {
+            let size = zstd::zstd_safe::get_frame_content_size(rest).ok()??;
+            if size != out.len() as u64 {
+                return None;
+            }
+            let n = chunker::zstd_ctx::decompress_into(rest, out).ok()?;
+            if n != out.len() {
+                return None;
+            }
+        }
+        _ => return None,
+    }
+    (key.chunk_key().chunk_id(out) == *id).then_some(())
+}
+
 /// A pack being filled.
 #[derive(Debug)]
 pub struct PackBuilder {
@@ -213,7 +240,13 @@ impl Default for PackBuilder {
 impl PackBuilder {
     /// An empty pack.
     pub fn new() -> Self {
-        let mut buf = Vec::with_capacity(HEADER_LEN);
+        Self::with_capacity(HEADER_LEN)
+    }
+
+    /// An empty pack with room for `bytes`: a pack filled to its size then never
+    /// reallocates (a doubling Vec held up to twice the pack, and copied it).
+    pub fn with_capacity(bytes: usize) -> Self {
+        let mut buf = Vec::with_capacity(bytes.max(HEADER_LEN));
         buf.extend_from_slice(MAGIC);
         buf.extend_from_slice(&VERSION.to_le_bytes());
         PackBuilder {

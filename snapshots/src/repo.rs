@@ -213,6 +213,29 @@ impl Repository {
         })
     }
 
+    /// [`Repository::open_blob`] of a data blob into `out`, which must be exactly its
+    /// length (a restore fills its write buffer so, with no buffer per chunk).
+    pub fn open_data_into(
+        &self,
+        id: &ChunkId,
+        loc: &BlobLoc,
+        sealed: &[u8],
+        out: &mut [u8],
+    ) -> Result<()> {
+        crate::pack::open_data_into(&self.key, id, sealed, out).ok_or_else(|| {
+            RepoError::Corrupt {
+                key: pack_key(&loc.pack),
+                offset: loc.offset as u64,
+                what: format!(
+                    "blob {} ({} bytes) fails authentication, does not match its id, or is not the {} bytes the snapshot holds there",
+                    id.to_hex(),
+                    loc.len,
+                    out.len()
+                ),
+            }
+        })
+    }
+
     /// Decrypts a delta's base blob without hashing it: the chunk rebuilt from it is
     /// checked against its own id by [`Repository::rebuild_chunk`], which is enough (and
     /// saves hashing every base twice).

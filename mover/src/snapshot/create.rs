@@ -144,14 +144,15 @@ pub(super) async fn index_and_parent(
 }
 
 /// Runs `produce` on a blocking thread and uploads the packs it sends as they come (at
-/// most `uploads` at once, two more waiting): memory stays a few packs. Returns what
+/// most `uploads` at once, one more waiting): memory stays a few packs. Returns what
 /// it produced, and the packs and bytes uploaded.
 pub(super) async fn produce_and_upload<T: Send + 'static>(
     repo: &Arc<Repository>,
     uploads: usize,
     produce: impl FnOnce(mpsc::Sender<FinishedPack>) -> Result<T, RepoError> + Send + 'static,
 ) -> Result<(T, u64, u64), RepoError> {
-    let (tx, mut rx) = mpsc::channel::<FinishedPack>(2);
+    // One pack waiting: each is 16 MiB, and the reader fills the next meanwhile.
+    let (tx, mut rx) = mpsc::channel::<FinishedPack>(1);
     let producer = tokio::task::spawn_blocking(move || produce(tx));
     let mut uploader = Uploader::new(repo.clone(), uploads);
     let mut upload_err = None;
@@ -195,7 +196,10 @@ fn produce(
     let size = vol.size();
     let pack_size = repo.pack_size();
     let mut seen = HashSet::new();
-    let mut data_pack = PackBuilder::new();
+    // A data pack closes at the first blob past its size: room for that blob and the
+    // pack's trailer.
+    let data_pack_room = pack_size + chunk.bytes() + (64 << 10);
+    let mut data_pack = PackBuilder::with_capacity(data_pack_room);
     let mut list_pack = PackBuilder::new();
     let mut kinds_acc: Vec<ChunkKind> = Vec::with_capacity(CHUNKS_PER_LIST as usize);
     let mut lists = Vec::new();
@@ -273,7 +277,10 @@ fn produce(
             sum.new_chunks += 1;
             sum.new_bytes += ranges[*i].len() as u64;
             if data_pack.len() >= pack_size {
-                send(std::mem::take(&mut data_pack))?;
+                send(std::mem::replace(
+                    &mut data_pack,
+                    PackBuilder::with_capacity(data_pack_room),
+                ))?;
             }
         }
         for k in kinds {
