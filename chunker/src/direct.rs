@@ -421,7 +421,7 @@ pub struct DirectWriter {
     /// Taken around [`DirectWriter::write_filled`]'s buffered writes: parallel buffered
     /// writes to one file contend for its inode lock, and the kernel spins on it
     /// (measured in restores: more system time than all the decryption).
-    turn: std::sync::Mutex<()>,
+    turn: Mutex<()>,
 }
 
 impl DirectWriter {
@@ -430,7 +430,7 @@ impl DirectWriter {
         Ok(DirectWriter {
             buffered: file.try_clone()?,
             direct: DirectFile::reopen(file, true),
-            turn: std::sync::Mutex::new(()),
+            turn: Mutex::new(()),
         })
     }
 
@@ -452,8 +452,9 @@ impl DirectWriter {
         Ok(())
     }
 
-    /// Lets `fill` write `len` bytes (at most [`FILL_MAX`]) into an aligned buffer, then
-    /// writes them at `offset`: the aligned head directly, without a copy. So a writer
+    /// Lets `fill` write `len` bytes (at most [`FILL_MAX`]) into an aligned buffer (it
+    /// must write every byte: the buffer is reused), then writes them at `offset`: the
+    /// aligned head directly, without a copy. So a writer
     /// that produces its data piece by piece (a restore opening chunks) holds one piece,
     /// not its data and a bounce copy of it. Callers may fill in parallel; buffered
     /// writes take turns. The outer error is the write's; the inner, `fill`'s (then

@@ -129,6 +129,8 @@ const WINDOW_CHUNKS: usize = 64;
 /// flight this bounds the restore's memory (a task holds its group's sealed blobs, and
 /// while it writes, a shared buffer of the group's plain size: 4 MiB at 1 MiB chunks).
 const READ_GROUP: usize = 4;
+// Every chunk fits one filled write.
+const _: () = assert!(FILL_MAX >= chunker::ChunkSize::MAX as usize);
 
 /// A corrupt blob stops the restore before anything of it is written; says so.
 fn stopped(e: RepoError) -> RepoError {
