@@ -207,10 +207,13 @@ impl BlockVolume {
             offset: at,
             cause,
         };
-        let mut done = self
-            .direct
-            .read_at(buf, offset)
-            .map_err(|e| read_error(offset, e))?;
+        let mut done = if crate::direct::all_cached(&self.file, offset, buf.len()) {
+            0
+        } else {
+            self.direct
+                .read_at(buf, offset)
+                .map_err(|e| read_error(offset, e))?
+        };
         while done < buf.len() {
             let at = offset + done as u64;
             match self.file.read_at(&mut buf[done..], at) {
