@@ -562,17 +562,22 @@ mod tests {
         (0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
     }
 
-    #[test]
-    fn large_small_and_unaligned_writes_and_reads_all_land() {
-        // On the repository's own disk: /tmp may be a tmpfs without O_DIRECT.
+    /// A new empty file on the repository's own disk (/tmp may be a tmpfs without
+    /// O_DIRECT), and its directory, removed when dropped.
+    fn scratch_file() -> (tempfile::TempDir, File) {
         let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
-        let path = dir.path().join("img");
         let file = File::options()
             .read(true)
             .write(true)
             .create_new(true)
-            .open(&path)
+            .open(dir.path().join("img"))
             .unwrap();
+        (dir, file)
+    }
+
+    #[test]
+    fn large_small_and_unaligned_writes_and_reads_all_land() {
+        let (_dir, file) = scratch_file();
         file.set_len((32 << 20) + 1000).unwrap();
         let w = DirectWriter::new(&file).unwrap();
         // Direct with an unaligned tail, small, unaligned offset, a piece boundary.
@@ -640,14 +645,7 @@ mod tests {
 
     #[test]
     fn filled_writes_land_from_many_threads_and_a_failed_fill_writes_nothing() {
-        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
-        let path = dir.path().join("img");
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .unwrap();
+        let (_dir, file) = scratch_file();
         let w = DirectWriter::new(&file).unwrap();
         // Three times as many writers as bounce buffers, each filling pieces of odd
         // lengths at its own offsets (an aligned one, a short one, an unaligned one).
