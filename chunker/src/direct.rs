@@ -543,11 +543,6 @@ impl DirectWriter {
         Ok(Ok(()))
     }
 
-    /// Whether large writes bypass the page cache.
-    pub fn is_direct(&self) -> bool {
-        self.direct.usable.load(Relaxed)
-    }
-
     /// The file, for everything but data writes (hole punching, syncs).
     pub fn file(&self) -> &File {
         &self.buffered
@@ -691,10 +686,8 @@ mod tests {
 
     #[test]
     fn cached_ranges_are_told_from_ranges_on_the_device() {
-        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
-        let path = dir.path().join("img");
-        std::fs::write(&path, pattern(8 << 20, 3)).unwrap();
-        let file = File::open(&path).unwrap();
+        let (_dir, file) = scratch_file();
+        file.write_all_at(&pattern(8 << 20, 3), 0).unwrap();
         file.sync_all().unwrap();
         // Just written: every page is cached, an unaligned range's too.
         let cached = all_cached(&file, 0, 8 << 20);
