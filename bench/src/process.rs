@@ -79,10 +79,13 @@ pub fn run_timed(cmd: &mut Command, then_sync: ThenSync) -> Result<Timed> {
         .take()
         .context("child stdout is not piped")?
         .read_to_end(&mut stdout);
-    let (status, usage) =
-        wait_with_usage(child.id()).with_context(|| format!("cannot wait for `{what}`"))?;
+    // The child's counters stay readable until it is reaped: take the last sample of
+    // an exited, unreaped child, so that I/O of its last moments is not lost.
+    wait_exited(child.id()).with_context(|| format!("cannot wait for `{what}`"))?;
     let ran = start.elapsed();
     let io_samples = sampler.finish(ran);
+    let (status, usage) =
+        wait_with_usage(child.id()).with_context(|| format!("cannot wait for `{what}`"))?;
     let stderr = stderr_reader.join().unwrap_or_default();
     read.with_context(|| format!("cannot read the output of `{what}`"))?;
     ensure_success(&what, status, &stderr)?;
@@ -118,27 +121,32 @@ impl IoSampler {
             // Each process's last counters: one that exits keeps what it did.
             let mut seen = std::collections::HashMap::<u32, u64>::new();
             let mut samples = vec![(0.0, 0)];
-            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
-                stopped.recv_timeout(SAMPLE_EVERY)
-            {
+            let mut sample = |samples: &mut Vec<(f64, u64)>| {
                 for p in descendants(pid) {
                     if let Some(n) = process_io_chars(p) {
                         seen.insert(p, n);
                     }
                 }
                 samples.push((start.elapsed().as_secs_f64(), seen.values().sum()));
+            };
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                stopped.recv_timeout(SAMPLE_EVERY)
+            {
+                sample(&mut samples);
             }
+            sample(&mut samples);
             samples
         });
         IoSampler { stop, thread }
     }
 
-    /// The samples, the last one at `end` (when the child was reaped).
+    /// The samples, the last one taken now and placed at `end` (when the child exited;
+    /// call this before reaping it, while its counters can still be read).
     fn finish(self, end: Duration) -> Vec<(f64, u64)> {
         drop(self.stop);
         let mut samples = self.thread.join().unwrap_or_default();
+        let last = samples.pop().map_or(0, |s| s.1);
         samples.retain(|s| s.0 <= end.as_secs_f64());
-        let last = samples.last().map_or(0, |s| s.1);
         samples.push((end.as_secs_f64(), last));
         samples
     }
@@ -304,12 +312,33 @@ struct Usage {
     cpu: Duration,
 }
 
+/// Waits until child `pid` has exited, leaving it unreaped (`waitid` with `WNOWAIT`).
+#[allow(unsafe_code)] // See the SAFETY comment.
+fn wait_exited(pid: u32) -> io::Result<()> {
+    let id = libc::id_t::from(pid);
+    loop {
+        // SAFETY: `info` is a live, writable local; WNOWAIT leaves the child unreaped,
+        // so the later wait4 still reaps it and collects its status and usage.
+        // `siginfo_t` is plain C data, for which all-zero bytes are valid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let done =
+            unsafe { libc::waitid(libc::P_PID, id, &mut info, libc::WEXITED | libc::WNOWAIT) };
+        if done == 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
 /// Reaps the child `pid` and returns its exit status, peak RSS and CPU time.
 ///
 /// `std::process::Child::wait` throws the child's `rusage` away, and
 /// `getrusage(RUSAGE_CHILDREN)` reports the maximum over *every* child reaped so far (an
 /// earlier `cp` or `rsync` would mask mover's figure), so this calls `wait4(2)` directly.
-#[allow(unsafe_code)] // The one FFI call the bench needs; see the SAFETY comments.
+#[allow(unsafe_code)] // See the SAFETY comments.
 fn wait_with_usage(pid: u32) -> io::Result<(ExitStatus, Usage)> {
     let pid = libc::pid_t::try_from(pid).map_err(io::Error::other)?;
     let mut status: libc::c_int = 0;
