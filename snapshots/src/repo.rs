@@ -656,7 +656,9 @@ pub(crate) fn join_err(e: tokio::task::JoinError) -> RepoError {
 #[derive(Debug)]
 pub struct Uploader {
     repo: Arc<Repository>,
-    tasks: JoinSet<Result<FinishedPack>>,
+    /// Each upload ends with its pack's name, entries and size: not its bytes, which
+    /// are freed as soon as they are stored, not when the upload is joined.
+    tasks: JoinSet<Result<(PackId, Vec<PackEntry>, u64)>>,
     max_in_flight: usize,
     pending: Vec<(PackId, PackEntry)>,
     /// Packs uploaded.
@@ -683,24 +685,34 @@ impl Uploader {
 
     /// Starts uploading a pack, first waiting while too many are in flight.
     pub async fn add(&mut self, pack: FinishedPack) -> Result<()> {
+        self.add_holding(pack, ()).await
+    }
+
+    /// Like [`Uploader::add`], and keeps `hold` until the upload ends (a permit that
+    /// bounds how many finished packs the caller has made).
+    pub async fn add_holding(
+        &mut self,
+        pack: FinishedPack,
+        hold: impl Send + 'static,
+    ) -> Result<()> {
         while self.tasks.len() >= self.max_in_flight {
             self.join_one().await?;
         }
         let repo = self.repo.clone();
         self.tasks.spawn(async move {
+            let _hold = hold;
             repo.put_pack(&pack).await?;
-            Ok(pack)
+            Ok((pack.id, pack.entries, pack.data.len() as u64))
         });
         Ok(())
     }
 
     async fn join_one(&mut self) -> Result<()> {
         if let Some(r) = self.tasks.join_next().await {
-            let pack = r.map_err(join_err)??;
+            let (id, entries, len) = r.map_err(join_err)??;
             self.packs += 1;
-            self.bytes += pack.data.len() as u64;
-            self.pending
-                .extend(pack.entries.iter().map(|e| (pack.id, *e)));
+            self.bytes += len;
+            self.pending.extend(entries.into_iter().map(|e| (id, e)));
             if self.pending.len() >= INDEX_FLUSH_ENTRIES {
                 self.repo.write_index(&self.pending).await?;
                 self.pending.clear();

@@ -19,7 +19,7 @@ use std::{
     sync::Arc,
     time::Instant,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 /// Options of `mover snapshot create`.
 #[derive(Clone, Debug, clap::Args)]
@@ -143,25 +143,60 @@ pub(super) async fn index_and_parent(
     Ok((index, parent))
 }
 
+/// Hands finished packs to the uploader, each only once an upload slot is free: at
+/// most `uploads` finished packs exist at once, all being uploaded, beside those still
+/// being filled. (Measured before: with finished packs queued for a slot, an incremental
+/// block snapshot held 4-5 packs of 16 MiB at its peak.)
+#[derive(Clone)]
+pub(super) struct PackSender {
+    tx: mpsc::Sender<(FinishedPack, OwnedSemaphorePermit)>,
+    slots: Arc<Semaphore>,
+    rt: tokio::runtime::Handle,
+}
+
+impl PackSender {
+    /// Waits (blocking the thread) for a free upload slot, then hands `pack` over;
+    /// `Err` when the upload has stopped.
+    pub fn send(&self, pack: FinishedPack) -> Result<(), RepoError> {
+        let stopped = || RepoError::Refused {
+            what: "snapshot".into(),
+            why: "the upload stopped".into(),
+        };
+        let slot = self
+            .rt
+            .block_on(self.slots.clone().acquire_owned())
+            .map_err(|_| stopped())?;
+        self.tx.blocking_send((pack, slot)).map_err(|_| stopped())
+    }
+}
+
 /// Runs `produce` on a blocking thread and uploads the packs it sends as they come (at
-/// most `uploads` at once, one more waiting): memory stays a few packs. Returns what
+/// most `uploads` at once, see [`PackSender`]): memory stays a few packs. Returns what
 /// it produced, and the packs and bytes uploaded.
 pub(super) async fn produce_and_upload<T: Send + 'static>(
     repo: &Arc<Repository>,
     uploads: usize,
-    produce: impl FnOnce(mpsc::Sender<FinishedPack>) -> Result<T, RepoError> + Send + 'static,
+    produce: impl FnOnce(PackSender) -> Result<T, RepoError> + Send + 'static,
 ) -> Result<(T, u64, u64), RepoError> {
-    // One pack waiting: each is 16 MiB, and the reader fills the next meanwhile.
-    let (tx, mut rx) = mpsc::channel::<FinishedPack>(1);
-    let producer = tokio::task::spawn_blocking(move || produce(tx));
+    let uploads = uploads.max(1);
+    let (tx, mut rx) = mpsc::channel(1);
+    let slots = Arc::new(Semaphore::new(uploads));
+    let sender = PackSender {
+        tx,
+        slots: slots.clone(),
+        rt: tokio::runtime::Handle::current(),
+    };
+    let producer = tokio::task::spawn_blocking(move || produce(sender));
     let mut uploader = Uploader::new(repo.clone(), uploads);
     let mut upload_err = None;
-    while let Some(pack) = rx.recv().await {
-        if let Err(e) = uploader.add(pack).await {
+    while let Some((pack, slot)) = rx.recv().await {
+        if let Err(e) = uploader.add_holding(pack, slot).await {
             upload_err = Some(e);
             break;
         }
     }
+    // A producer waiting for a slot must not wait for uploads that will not end.
+    slots.close();
     drop(rx);
     let produced = producer.await.map_err(|e| RepoError::Refused {
         what: "snapshot reader".into(),
@@ -189,7 +224,7 @@ fn produce(
     vol: BlockVolume,
     mut parent: Option<ParentChunks>,
     rt: &tokio::runtime::Handle,
-    tx: mpsc::Sender<FinishedPack>,
+    tx: PackSender,
 ) -> Result<Produced, RepoError> {
     let chunk = repo.chunk_size();
     let key = repo.chunk_key();
@@ -204,13 +239,7 @@ fn produce(
     let mut kinds_acc: Vec<ChunkKind> = Vec::with_capacity(CHUNKS_PER_LIST as usize);
     let mut lists = Vec::new();
     let mut sum = SnapshotSummary::default();
-    let send = |pack: PackBuilder| -> Result<(), RepoError> {
-        tx.blocking_send(repo.finish_pack(pack))
-            .map_err(|_| RepoError::Refused {
-                what: "snapshot".into(),
-                why: "the upload stopped".into(),
-            })
-    };
+    let send = |pack: PackBuilder| tx.send(repo.finish_pack(pack));
     let mut flush_list = |kinds: &[ChunkKind],
                           list_pack: &mut PackBuilder,
                           seen: &mut HashSet<chunker::ChunkId>|
@@ -426,4 +455,49 @@ fn seal_new(
         }
     }
     (repo.seal_blob(BlobKind::Data, id, plain), None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use snapshots::{Credentials, Fault, FaultBackend, InitOptions, MemoryBackend};
+    use std::time::Duration;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_finished_pack_waits_for_a_free_upload_slot() {
+        let backend = Arc::new(FaultBackend::new(Arc::new(MemoryBackend::new())));
+        let creds = Credentials::Password("pw".into());
+        let opts = InitOptions::default();
+        let repo = Arc::new(
+            Repository::init(backend.clone(), &creds, &opts)
+                .await
+                .unwrap(),
+        );
+        // Slow uploads: a producer that did not wait would run ahead of them.
+        backend.set_always(Some(Fault::Delay(Duration::from_millis(40))));
+        let stored_before = backend.counts().put_bytes;
+        let (seal_repo, counts) = (repo.clone(), backend.clone());
+        let ((sizes, stored_at_send), packs, _) = produce_and_upload(&repo, 1, move |tx| {
+            let (mut sizes, mut stored_at_send) = (Vec::new(), Vec::new());
+            for n in 0..4u8 {
+                let mut pack = PackBuilder::new();
+                let plain = vec![n; 1000 + usize::from(n)];
+                let id = seal_repo.chunk_key().chunk_id(&plain);
+                let sealed = seal_repo.seal_blob(BlobKind::Data, &id, &plain);
+                pack.push(BlobKind::Data, id, &sealed);
+                let pack = seal_repo.finish_pack(pack);
+                sizes.push(pack.data.len() as u64);
+                tx.send(pack)?;
+                stored_at_send.push(counts.counts().put_bytes - stored_before);
+            }
+            Ok((sizes, stored_at_send))
+        })
+        .await
+        .unwrap();
+        assert_eq!(packs, 4);
+        // With one upload slot, pack n is handed over only once packs 0..n are stored,
+        // and pack n itself (40 ms to store) is not yet.
+        let stored_before_each: Vec<u64> = (0..4).map(|n| sizes[..n].iter().sum()).collect();
+        assert_eq!(stored_at_send, stored_before_each);
+    }
 }

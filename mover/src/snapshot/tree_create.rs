@@ -18,7 +18,7 @@
 //! entry whose xattrs could not be read. Entries that cannot be read are left out and
 //! counted; the snapshot is then tagged `incomplete` (restore refuses `--delete` from it).
 
-use super::create::{CreateOptions, hostname, index_and_parent, produce_and_upload};
+use super::create::{CreateOptions, PackSender, hostname, index_and_parent, produce_and_upload};
 use crate::tree::{
     content::next_data,
     meta::{Kind, Meta},
@@ -27,8 +27,8 @@ use crate::tree::{
 use chunker::{CdcChunker, CdcParams, ChunkId};
 use rayon::prelude::*;
 use snapshots::{
-    BlobKind, Content, FilePiece, FinishedPack, Index, MAX_LIST_BLOB, Manifest, NodeKind,
-    PackBuilder, RepoError, Repository, Snapshot, SnapshotSummary, TreeNode, encode_tree, hex,
+    BlobKind, Content, FilePiece, Index, MAX_LIST_BLOB, Manifest, NodeKind, PackBuilder, RepoError,
+    Repository, Snapshot, SnapshotSummary, TreeNode, encode_tree, hex,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -42,7 +42,6 @@ use std::{
     },
     time::Instant,
 };
-use tokio::sync::mpsc;
 
 /// Files up to this size are read whole into memory and cut there; larger ones stream.
 const READ_WHOLE: u64 = 4 << 20;
@@ -185,7 +184,7 @@ struct Walk<'a> {
     seen: Mutex<HashSet<ChunkId>>,
     data: Mutex<PackBuilder>,
     trees: Mutex<PackBuilder>,
-    tx: mpsc::Sender<FinishedPack>,
+    tx: PackSender,
     /// The upload stopped (its error is the run's): the walk stops too.
     stopped: AtomicBool,
     /// Contents of multiply-linked files read so far, by (device, inode), with the ctime
@@ -204,7 +203,7 @@ impl<'a> Walk<'a> {
         root: PathBuf,
         xattrs: bool,
         reuse_xattrs: bool,
-        tx: mpsc::Sender<FinishedPack>,
+        tx: PackSender,
     ) -> Self {
         Walk {
             repo,
@@ -287,12 +286,9 @@ impl<'a> Walk<'a> {
     }
 
     fn send(&self, pack: PackBuilder) -> Result<(), RepoError> {
-        self.tx
-            .blocking_send(self.repo.finish_pack(pack))
-            .map_err(|_| {
-                self.stopped.store(true, Relaxed);
-                self.upload_stopped()
-            })
+        self.tx.send(self.repo.finish_pack(pack)).inspect_err(|_| {
+            self.stopped.store(true, Relaxed);
+        })
     }
 
     /// Seals and packs a blob the repository lacks; returns whether it was new.

@@ -6,7 +6,6 @@
 use super::{Backend, ObjectInfo, check_key, range_error};
 use crate::error::{RepoError, Result};
 use bytes::Bytes;
-use chunker::direct::DirectWriter;
 use std::{
     collections::HashMap,
     fs::{self, File},
@@ -237,9 +236,13 @@ impl Backend for LocalBackend {
             let tmp = dir.join(format!(".tmp.{name}.{}", crate::hex(&nonce)));
             let write = || -> std::io::Result<()> {
                 let f = File::create_new(&tmp)?;
-                // Packs are written once and read rarely: past the page cache.
-                DirectWriter::new(&f)?.write_all_at(&data, 0)?;
+                // Packs are written once and read rarely: their pages leave the cache
+                // once stored. (Not O_DIRECT: the pack's bytes are not page-aligned in
+                // memory, and a direct write would copy them into an 8 MiB aligned
+                // buffer, measured as 8 MiB of a snapshot's peak memory.)
+                std::io::Write::write_all(&mut &f, &data)?;
                 f.sync_all()?;
+                let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
                 fs::rename(&tmp, &path)?;
                 sync_dir(&dir)
             };
