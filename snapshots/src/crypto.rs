@@ -6,19 +6,74 @@
 //! `nonce (24 random bytes) || ciphertext || tag`: with 192-bit random nonces a repeat is
 //! out of reach (2^-96 after 2^48 messages), so no counter state has to be kept.
 
-use chacha20poly1305::{
-    KeyInit, XChaCha20Poly1305, XNonce,
-    aead::{Aead, Payload},
-};
 use chunker::ChunkKey;
+use ring::aead::{Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey};
 
 /// Bytes a seal adds: the nonce and the tag.
 pub(crate) const SEAL_OVERHEAD: usize = 24 + 16;
 
+/// An XChaCha20-Poly1305 key. The cipher is the extended-nonce construction over ring's
+/// ChaCha20-Poly1305 (HChaCha20 of the key and the nonce's first 16 bytes is the
+/// message key; the last 8 bytes are the nonce): the same bytes as the `chacha20poly1305`
+/// crate's `XChaCha20Poly1305` (a test checks both ways), at about twice its speed on
+/// x86 (measured: sealing and opening were a quarter of a restore's CPU time).
+#[derive(Clone)]
+pub(crate) struct XChaCha {
+    key: [u8; 32],
+}
+
+impl XChaCha {
+    pub fn new(key: [u8; 32]) -> Self {
+        XChaCha { key }
+    }
+
+    /// The message key and inner nonce for an extended nonce.
+    fn message_key(&self, nonce: &[u8; 24]) -> (LessSafeKey, Nonce) {
+        use chacha20::cipher::consts::U10;
+        let (head, tail) = nonce.split_at(16);
+        let sub = chacha20::hchacha::<U10>(&self.key.into(), head.into());
+        let key = UnboundKey::new(&CHACHA20_POLY1305, &sub).expect("a 32-byte key");
+        let mut inner = [0u8; 12];
+        inner[4..].copy_from_slice(tail);
+        (LessSafeKey::new(key), Nonce::assume_unique_for_key(inner))
+    }
+
+    /// `nonce || ciphertext || tag` of `msg` under a fresh random nonce, `aad` bound.
+    pub fn seal(&self, msg: &[u8], aad: &[u8]) -> Vec<u8> {
+        let nonce: [u8; 24] = random();
+        let mut out = Vec::with_capacity(SEAL_OVERHEAD + msg.len());
+        out.extend_from_slice(&nonce);
+        out.extend_from_slice(msg);
+        let (key, inner) = self.message_key(&nonce);
+        let tag = key
+            .seal_in_place_separate_tag(inner, Aad::from(aad), &mut out[24..])
+            .expect("ChaCha20-Poly1305 sealing cannot fail for in-memory buffers");
+        out.extend_from_slice(tag.as_ref());
+        out
+    }
+
+    /// The message of a sealed one; `None` if it was altered or sealed with another
+    /// key or `aad`.
+    pub fn open(&self, sealed: &[u8], aad: &[u8]) -> Option<Vec<u8>> {
+        if sealed.len() < SEAL_OVERHEAD {
+            return None;
+        }
+        let (nonce, body) = sealed.split_at(24);
+        let (key, inner) = self.message_key(nonce.try_into().ok()?);
+        let mut buf = body.to_vec();
+        let len = key
+            .open_in_place(inner, Aad::from(aad), &mut buf)
+            .ok()?
+            .len();
+        buf.truncate(len);
+        Some(buf)
+    }
+}
+
 /// The keys of an open repository.
 #[derive(Clone)]
 pub(crate) struct MasterKey {
-    cipher: XChaCha20Poly1305,
+    cipher: XChaCha,
     chunk_key: ChunkKey,
 }
 
@@ -34,7 +89,7 @@ impl MasterKey {
         let enc = blake3::derive_key("mover repository 2026 encryption key v1", secret);
         let id = blake3::derive_key("mover repository 2026 chunk id key v1", secret);
         MasterKey {
-            cipher: XChaCha20Poly1305::new(&enc.into()),
+            cipher: XChaCha::new(enc),
             chunk_key: ChunkKey::from_bytes(id),
         }
     }
@@ -46,12 +101,12 @@ impl MasterKey {
 
     /// Encrypts `msg`, binding `aad` (not stored) to it.
     pub fn seal(&self, msg: &[u8], aad: &[u8]) -> Vec<u8> {
-        seal_with(&self.cipher, msg, aad)
+        self.cipher.seal(msg, aad)
     }
 
     /// Decrypts a sealed message; `None` if it was altered or sealed with other keys/aad.
     pub fn open(&self, sealed: &[u8], aad: &[u8]) -> Option<Vec<u8>> {
-        open_with(&self.cipher, sealed, aad)
+        self.cipher.open(sealed, aad)
     }
 }
 
@@ -60,32 +115,6 @@ pub(crate) fn random<const N: usize>() -> [u8; N] {
     let mut b = [0u8; N];
     getrandom::fill(&mut b).expect("the OS random number generator failed");
     b
-}
-
-pub(crate) fn seal_with(cipher: &XChaCha20Poly1305, msg: &[u8], aad: &[u8]) -> Vec<u8> {
-    let nonce: [u8; 24] = random();
-    let ct = cipher
-        .encrypt(XNonce::from_slice(&nonce), Payload { msg, aad })
-        .expect("XChaCha20-Poly1305 encryption cannot fail for in-memory buffers");
-    let mut out = Vec::with_capacity(24 + ct.len());
-    out.extend_from_slice(&nonce);
-    out.extend_from_slice(&ct);
-    out
-}
-
-pub(crate) fn open_with(cipher: &XChaCha20Poly1305, sealed: &[u8], aad: &[u8]) -> Option<Vec<u8>> {
-    if sealed.len() < SEAL_OVERHEAD {
-        return None;
-    }
-    let (nonce, ct) = sealed.split_at(24);
-    cipher
-        .decrypt(XNonce::from_slice(nonce), Payload { msg: ct, aad })
-        .ok()
-}
-
-/// A cipher under a 32-byte wrapping key (for key files).
-pub(crate) fn wrapping_cipher(key: &[u8; 32]) -> XChaCha20Poly1305 {
-    XChaCha20Poly1305::new(key.into())
 }
 
 #[cfg(test)]
@@ -104,5 +133,40 @@ mod tests {
         assert!(MasterKey::from_secret(&[8; 32]).open(&s, b"aad").is_none());
         // Two seals of the same message differ (fresh nonces).
         assert_ne!(k.seal(b"hello", b"aad"), s);
+    }
+
+    #[test]
+    fn seals_are_xchacha20_poly1305_both_ways() {
+        use chacha20poly1305::{
+            KeyInit, XChaCha20Poly1305, XNonce,
+            aead::{Aead, Payload},
+        };
+        let key = [9u8; 32];
+        let (ours, reference) = (XChaCha::new(key), XChaCha20Poly1305::new(&key.into()));
+        for len in [0usize, 1, 63, 64, 65, 4096, 1 << 20] {
+            let msg: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
+            let sealed = ours.seal(&msg, b"aad");
+            let (nonce, body) = sealed.split_at(24);
+            let payload = Payload {
+                msg: body,
+                aad: b"aad",
+            };
+            let opened = reference.decrypt(XNonce::from_slice(nonce), payload);
+            assert_eq!(opened.as_deref(), Ok(&msg[..]), "{len} bytes");
+            let nonce = [len as u8; 24];
+            let payload = Payload {
+                msg: &msg,
+                aad: b"aad",
+            };
+            let theirs = reference
+                .encrypt(XNonce::from_slice(&nonce), payload)
+                .unwrap();
+            let sealed = [&nonce[..], &theirs].concat();
+            assert_eq!(
+                ours.open(&sealed, b"aad").as_deref(),
+                Some(&msg[..]),
+                "{len} bytes"
+            );
+        }
     }
 }

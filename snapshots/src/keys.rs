@@ -6,7 +6,7 @@
 //! BLAKE3 key derivation. Any key object that opens gives the repository's keys.
 
 use crate::{
-    crypto::{SEAL_OVERHEAD, open_with, random, seal_with, wrapping_cipher},
+    crypto::{SEAL_OVERHEAD, XChaCha, random},
     error::{RepoError, Result},
 };
 use serde::{Deserialize, Serialize};
@@ -108,7 +108,7 @@ pub(crate) fn new_key_object(creds: &Credentials, secret: &[u8; 32], now: i64) -
         Credentials::RawKey(_) => ("raw", 0, 0, 0),
     };
     let wk = wrapping_key(creds, kdf, &salt, m, t, p).expect("valid argon2 parameters");
-    let sealed = seal_with(&wrapping_cipher(&wk), secret, KEY_AAD);
+    let sealed = XChaCha::new(wk).seal(secret, KEY_AAD);
     KeyObject {
         version: KEY_VERSION,
         kdf: kdf.into(),
@@ -147,7 +147,8 @@ pub(crate) fn open_key_object(
     let Some(wk) = wrapping_key(creds, &ko.kdf, &salt, ko.m_cost, ko.t_cost, ko.p_cost) else {
         return Ok(None);
     };
-    Ok(open_with(&wrapping_cipher(&wk), &wrapped, KEY_AAD)
+    Ok(XChaCha::new(wk)
+        .open(&wrapped, KEY_AAD)
         .and_then(|s| <[u8; 32]>::try_from(s.as_slice()).ok()))
 }
 
