@@ -144,9 +144,10 @@ pub(super) async fn index_and_parent(
 }
 
 /// Hands finished packs to the uploader, each only once an upload slot is free: at
-/// most `uploads` finished packs exist at once, all being uploaded, beside those still
-/// being filled. (Measured before: with finished packs queued for a slot, an incremental
-/// block snapshot held 4-5 packs of 16 MiB at its peak.)
+/// most `uploads` packs are being uploaded, and a thread that finished a pack holds it
+/// until a slot frees (it makes no new one meanwhile). No queue of finished packs builds
+/// up between them (measured before: an incremental block snapshot held 4-5 packs of
+/// 16 MiB at its peak; now `uploads` + 1).
 #[derive(Clone)]
 pub(super) struct PackSender {
     tx: mpsc::Sender<(FinishedPack, OwnedSemaphorePermit)>,

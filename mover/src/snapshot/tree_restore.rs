@@ -595,7 +595,7 @@ pub async fn restore_tree_snapshot(
     let label = PathBuf::from(format!("snapshot {}", snap.short_id()));
     let rt = tokio::runtime::Handle::current();
     let dst = dst.to_path_buf();
-    let reads = opts.reads;
+    let reads = opts.reads.unwrap_or(super::restore::TREE_READS);
     let summary = tokio::task::spawn_blocking(move || {
         let source = SnapshotTree::new(repo, index, rt, label, top, include, reads);
         let _flusher = Flusher::start(&dst);
