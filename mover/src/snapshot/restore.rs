@@ -20,7 +20,7 @@ use std::{
 use tokio::{sync::Semaphore, task::JoinSet};
 
 /// Options of `mover snapshot restore`.
-#[derive(Clone, Debug, clap::Args)]
+#[derive(Clone, Debug, Default, clap::Args)]
 pub struct RestoreOptions {
     /// Write to a DST block device even if it is mounted or held by another user.
     #[arg(long)]
@@ -41,18 +41,6 @@ pub struct RestoreOptions {
     /// Trees: do not restore extended attributes and POSIX ACLs.
     #[arg(long)]
     pub no_xattrs: bool,
-}
-
-impl Default for RestoreOptions {
-    fn default() -> Self {
-        RestoreOptions {
-            force: false,
-            reads: None,
-            delete: false,
-            include: Vec::new(),
-            no_xattrs: false,
-        }
-    }
 }
 
 /// What a restore did.
