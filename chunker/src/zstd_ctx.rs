@@ -30,20 +30,22 @@ pub fn compress(data: &[u8], level: i32) -> std::io::Result<Vec<u8>> {
 
 /// `z` decompressed (at most `len` bytes) with this thread's context.
 pub fn decompress(z: &[u8], len: usize) -> std::io::Result<Vec<u8>> {
-    DECOMPRESSOR.with_borrow_mut(|d| {
-        if d.is_none() {
-            *d = Some(zstd::bulk::Decompressor::new()?);
-        }
-        d.as_mut().expect("made above").decompress(z, len)
-    })
+    with_decompressor(|d| d.decompress(z, len))
 }
 
 /// `z` decompressed into `out` with this thread's context; returns the bytes written.
 pub fn decompress_into(z: &[u8], out: &mut [u8]) -> std::io::Result<usize> {
+    with_decompressor(|d| d.decompress_to_buffer(z, out))
+}
+
+/// Runs `f` with this thread's decompression context, made on first use.
+fn with_decompressor<T>(
+    f: impl FnOnce(&mut zstd::bulk::Decompressor<'static>) -> std::io::Result<T>,
+) -> std::io::Result<T> {
     DECOMPRESSOR.with_borrow_mut(|d| {
         if d.is_none() {
             *d = Some(zstd::bulk::Decompressor::new()?);
         }
-        d.as_mut().expect("made above").decompress_to_buffer(z, out)
+        f(d.as_mut().expect("made above"))
     })
 }
