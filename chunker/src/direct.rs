@@ -557,16 +557,26 @@ mod tests {
         (0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
     }
 
-    /// A new empty file on the repository's own disk (/tmp may be a tmpfs without
-    /// O_DIRECT), and its directory, removed when dropped.
-    fn scratch_file() -> (tempfile::TempDir, File) {
-        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
-        let file = File::options()
+    /// A directory on the repository's own disk (/tmp may be a tmpfs without
+    /// O_DIRECT), removed when dropped.
+    fn scratch_dir() -> tempfile::TempDir {
+        tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap()
+    }
+
+    /// A new empty file `name` in `dir`, open for reading and writing.
+    fn new_file(dir: &tempfile::TempDir, name: &str) -> File {
+        File::options()
             .read(true)
             .write(true)
             .create_new(true)
-            .open(dir.path().join("img"))
-            .unwrap();
+            .open(dir.path().join(name))
+            .unwrap()
+    }
+
+    /// A new empty file in a [`scratch_dir`], and the directory.
+    fn scratch_file() -> (tempfile::TempDir, File) {
+        let dir = scratch_dir();
+        let file = new_file(&dir, "img");
         (dir, file)
     }
 
@@ -711,15 +721,8 @@ mod tests {
 
     #[test]
     fn a_pipelined_copy_moves_the_aligned_body_and_leaves_the_rest() {
-        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
-        let open = |name: &str| {
-            File::options()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .open(dir.path().join(name))
-                .unwrap()
-        };
+        let dir = scratch_dir();
+        let open = |name: &str| new_file(&dir, name);
         let (src, dst) = (open("src"), open("dst"));
         // Several pieces, an odd last one, and an unaligned tail.
         let data = pattern((3 * COPY_PIECE) + (5 << 10) + 123, 9);
