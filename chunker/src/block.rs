@@ -278,7 +278,7 @@ pub fn for_each_window<E: From<ChunkerError> + Send>(
     )
 }
 
-/// Window size when hashing through a memory map: the mapping is prefaulted in one go.
+/// Window size when hashing through a memory map.
 const MAP_WINDOW: u64 = 64 << 20;
 
 /// Hashing straight from the page cache through per-window memory maps.
@@ -313,7 +313,12 @@ fn hash_mapped(
     Ok(())
 }
 
-/// Maps `len` bytes of the volume at `offset` (page aligned) read-only, prefaulted.
+/// Maps `len` bytes of the volume at `offset` (page aligned) read-only.
+///
+/// Not prefaulted (`MAP_POPULATE`): that faults the whole window in on this one thread
+/// while the hashing threads wait; left to page faults, each hashing thread maps its own
+/// chunks (16 pages a fault) in parallel. Measured on a cached 4 GiB loop device at 2
+/// threads, median of 7: 0.46 s against 0.52 s prefaulted (b3sum on the image: 0.55 s).
 #[allow(unsafe_code)]
 fn map_window(volume: &BlockVolume, offset: u64, len: usize) -> std::io::Result<memmap2::Mmap> {
     // SAFETY: the mapping is read-only and private to this function's caller, which only
@@ -324,7 +329,6 @@ fn map_window(volume: &BlockVolume, offset: u64, len: usize) -> std::io::Result<
         memmap2::MmapOptions::new()
             .offset(offset)
             .len(len)
-            .populate()
             .map(volume.file())
     }
 }
