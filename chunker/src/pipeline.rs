@@ -39,6 +39,51 @@ pub fn read_ahead<T: Send, E: Send>(
     })
 }
 
+/// Like [`read_ahead`], with a middle stage on a thread of its own: `read` runs up to
+/// `depth` items ahead of `process`, which runs up to `depth` items ahead of `consume`.
+/// So a copy reads the next window while it hashes this one and writes the one before
+/// (with [`read_ahead`] alone, the device sits idle while a window is hashed). Memory
+/// stays bounded to `2 × depth + 3` items; the first error on any stage stops all three.
+pub fn read_process_ahead<T: Send, E: Send>(
+    depth: usize,
+    mut read: impl FnMut(Option<T>) -> Option<Result<T, E>> + Send,
+    mut process: impl FnMut(&mut T) -> Result<(), E> + Send,
+    consume: impl FnMut(&mut T) -> Result<(), E>,
+) -> Result<(), E> {
+    let (read_tx, read_rx) = mpsc::sync_channel::<Result<T, E>>(depth.max(1));
+    let (empty_tx, empty_rx) = mpsc::channel::<T>();
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            loop {
+                match read(empty_rx.try_recv().ok()) {
+                    None => break,
+                    Some(item) => {
+                        let failed = item.is_err();
+                        // The later stages hung up (one failed): stop reading.
+                        if read_tx.send(item).is_err() || failed {
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+        read_ahead(
+            depth,
+            move |recycled: Option<T>| {
+                if let Some(item) = recycled {
+                    let _ = empty_tx.send(item);
+                }
+                let mut item = match read_rx.recv().ok()? {
+                    Ok(item) => item,
+                    Err(e) => return Some(Err(e)),
+                };
+                Some(process(&mut item).map(|()| item))
+            },
+            consume,
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,5 +127,54 @@ mod tests {
             |_| Err("write failed".to_string()),
         );
         assert_eq!(err, Err("write failed".to_string()));
+    }
+
+    #[test]
+    fn three_stages_deliver_in_order_recycle_and_stop_on_any_error() {
+        let mut n = 0;
+        let mut fresh = 0;
+        let mut seen = vec![];
+        read_process_ahead(
+            1,
+            |recycled: Option<Vec<u32>>| {
+                n += 1;
+                let mut item = recycled.unwrap_or_else(|| {
+                    fresh += 1;
+                    Vec::new()
+                });
+                item.clear();
+                item.push(n);
+                (n <= 100).then_some(Ok::<_, String>(item))
+            },
+            |item| {
+                item.push(item[0] * 2);
+                Ok(())
+            },
+            |item| {
+                seen.push((item[0], item[1]));
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(seen, (1..=100).map(|i| (i, 2 * i)).collect::<Vec<_>>());
+        assert!(fresh <= 6, "items are reused, not made anew: {fresh} made");
+
+        for failing_stage in 0..3 {
+            let fail_at = |stage: usize, x: u32| match stage == failing_stage && x == 5 {
+                true => Err(format!("stage {stage} failed")),
+                false => Ok(()),
+            };
+            let mut n = 0;
+            let err = read_process_ahead(
+                2,
+                |_| {
+                    n += 1;
+                    Some(fail_at(0, n).map(|()| n))
+                },
+                |x| fail_at(1, *x),
+                |x| fail_at(2, *x),
+            );
+            assert_eq!(err, Err(format!("stage {failing_stage} failed")));
+        }
     }
 }

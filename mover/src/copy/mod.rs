@@ -18,7 +18,7 @@ pub(crate) use dest::{Destination, Origin, prepare as prepare_destination};
 use crate::error::{CopyError, Result, write_error};
 use chunker::{
     BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, MerkleBuilder, VolumeKind, Window,
-    direct::DirectWriter, hash_volume, is_zero, read_ahead, read_window, read_window_where,
+    direct::DirectWriter, hash_volume, is_zero, read_process_ahead, read_window, read_window_where,
 };
 use index::{Identity, IndexReader, IndexWriter};
 use plan::{DstChunk, Op, SrcChunk, plan_chunk, push_merged};
@@ -205,8 +205,18 @@ pub fn copy_block(
     progress.begin("copy", size);
     let window_len = chunk.bytes().max(8 << 20) as u64;
     let mut next = 0u64;
-    read_ahead(
-        2,
+    let unindexed = saved.is_none();
+    let plan = ReadPlan {
+        source: &source,
+        dest: &dest,
+        chunk,
+        key: &key,
+        hashing,
+    };
+    // Three stages, so the source is read while the last window is hashed and the one
+    // before is written.
+    read_process_ahead(
+        1,
         |recycled: Option<WindowPair>| {
             if next >= size {
                 return None;
@@ -215,16 +225,10 @@ pub fn copy_block(
             let len = window_len.min(size - next) as usize;
             let offset = next;
             next += len as u64;
-            let plan = ReadPlan {
-                source: &source,
-                dest: &dest,
-                chunk,
-                key: &key,
-                hashing,
-            };
-            let r = plan.read(saved.as_mut(), offset, len, &mut pair);
+            let r = plan.read(unindexed, offset, len, &mut pair);
             Some(r.map(|()| pair))
         },
+        |pair: &mut WindowPair| plan.examine(saved.as_mut(), pair),
         |pair: &mut WindowPair| {
             let mut ops = Vec::new();
             for (i, r) in pair.src.chunk_ranges(chunk).enumerate() {
@@ -312,19 +316,13 @@ struct ReadPlan<'a> {
 }
 
 impl ReadPlan<'_> {
-    /// Reads the source window at `offset`, classifies (and when hashing, hashes) its
-    /// chunks in parallel, and reads the destination chunks that must be compared: none
-    /// for a fresh image, the changed ones when a saved index is valid, else all.
-    fn read(
-        &self,
-        saved: Option<&mut IndexReader>,
-        offset: u64,
-        len: usize,
-        pair: &mut WindowPair,
-    ) -> Result<()> {
+    /// Reads the source window at `offset` and, when the destination must be compared
+    /// in full (it is not new, and `unindexed`: it has no valid saved index), the
+    /// destination's window beside it.
+    fn read(&self, unindexed: bool, offset: u64, len: usize, pair: &mut WindowPair) -> Result<()> {
         let (chunk, dest) = (self.chunk, self.dest);
         let dst_win = pair.dst.get_or_insert_with(Window::default);
-        let read_all_dst = !dest.fresh && saved.is_none();
+        let read_all_dst = !dest.fresh && unindexed;
         let (a, b) = rayon::join(
             || read_window(self.source, chunk, offset, len, &mut pair.src),
             || match read_all_dst {
@@ -334,6 +332,14 @@ impl ReadPlan<'_> {
         );
         a?;
         b?;
+        Ok(())
+    }
+
+    /// Classifies (and when hashing, hashes) the chunks of a window [`ReadPlan::read`]
+    /// filled, in parallel; with a saved index, marks the chunks it shows unchanged and
+    /// reads the destination's other chunks, to be compared.
+    fn examine(&self, saved: Option<&mut IndexReader>, pair: &mut WindowPair) -> Result<()> {
+        let (chunk, dest) = (self.chunk, self.dest);
         let src = &pair.src;
         let classify = |(i, r): (usize, Range<usize>)| {
             let data = &src.buf[r];
@@ -370,6 +376,8 @@ impl ReadPlan<'_> {
                 *same = saved.next().is_ok_and(|old| old == *kind);
             }
             let same = &pair.same;
+            let (offset, len) = (pair.src.offset, pair.src.buf.len());
+            let dst_win = pair.dst.get_or_insert_with(Window::default);
             read_window_where(&dest.volume, chunk, offset, len, |i| !same[i], dst_win)?;
         }
         if dest.fresh {
