@@ -1,11 +1,12 @@
 //! One-shot copy of a block volume onto another, writing only what differs.
 //!
-//! The source is read in windows by a read-ahead thread, which also classifies (and,
-//! when a saved index is kept or `--verify` asked, hashes) its chunks in parallel and
-//! reads the destination chunks that must be compared: none for a new sparse image, only
-//! the changed ones when the destination's saved index ([`index`]) is valid, else all.
-//! The writer plans each chunk page by page ([`plan`]) and applies the merged writes and
-//! hole punches in order. An interrupted copy is finished by rerunning it: equal pages
+//! Three stages run side by side, a window or two apart: a reader thread reads the
+//! source in windows; a second thread classifies (and, when a saved index is kept or
+//! `--verify` asked, hashes) each window's chunks in parallel and reads the destination
+//! chunks that must be compared: none for a new sparse image, only the changed ones when
+//! the destination's saved index ([`index`]) is valid, else all (read beside the
+//! source). The writer plans each chunk page by page ([`plan`]) and applies the merged
+//! writes and hole punches in order. An interrupted copy is finished by rerunning it: equal pages
 //! are read, never rewritten.
 
 mod dest;
