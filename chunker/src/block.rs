@@ -552,7 +552,8 @@ mod tests {
         let all = std::fs::read(&path).unwrap();
         // Scattered single chunks, runs of several, and the short last chunk: more runs
         // than are read at once.
-        let wanted = |i: usize| i % 7 == 0 || (20..26).contains(&i) || i % 11 == 3 || i == 128;
+        let wanted =
+            |i: usize| i.is_multiple_of(7) || (20..26).contains(&i) || i % 11 == 3 || i == 128;
         for (off, len) in [(0u64, (8usize << 20) + 5000), (1 << 20, 2 << 20)] {
             let mut win = Window::default();
             win.buf.resize(len);

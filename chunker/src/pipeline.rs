@@ -7,27 +7,13 @@ use std::sync::mpsc;
 /// returns `None` at the end. The first error on either side stops both and is returned.
 pub fn read_ahead<T: Send, E: Send>(
     depth: usize,
-    mut produce: impl FnMut(Option<T>) -> Option<Result<T, E>> + Send,
+    produce: impl FnMut(Option<T>) -> Option<Result<T, E>> + Send,
     mut consume: impl FnMut(&mut T) -> Result<(), E>,
 ) -> Result<(), E> {
     let (full_tx, full_rx) = mpsc::sync_channel::<Result<T, E>>(depth.max(1));
     let (empty_tx, empty_rx) = mpsc::channel::<T>();
     std::thread::scope(|scope| {
-        scope.spawn(move || {
-            loop {
-                let recycled = empty_rx.try_recv().ok();
-                match produce(recycled) {
-                    None => break,
-                    Some(item) => {
-                        let failed = item.is_err();
-                        // The consumer hung up (it failed): stop reading.
-                        if full_tx.send(item).is_err() || failed {
-                            break;
-                        }
-                    }
-                }
-            }
-        });
+        scope.spawn(move || produce_into(produce, empty_rx, full_tx));
         // Own the receiver here so an early return drops it, which unblocks the producer.
         let full_rx = full_rx;
         for item in full_rx.iter() {
@@ -46,27 +32,14 @@ pub fn read_ahead<T: Send, E: Send>(
 /// stays bounded to `2 × depth + 3` items; the first error on any stage stops all three.
 pub fn read_process_ahead<T: Send, E: Send>(
     depth: usize,
-    mut read: impl FnMut(Option<T>) -> Option<Result<T, E>> + Send,
+    read: impl FnMut(Option<T>) -> Option<Result<T, E>> + Send,
     mut process: impl FnMut(&mut T) -> Result<(), E> + Send,
     consume: impl FnMut(&mut T) -> Result<(), E>,
 ) -> Result<(), E> {
     let (read_tx, read_rx) = mpsc::sync_channel::<Result<T, E>>(depth.max(1));
     let (empty_tx, empty_rx) = mpsc::channel::<T>();
     std::thread::scope(|scope| {
-        scope.spawn(move || {
-            loop {
-                match read(empty_rx.try_recv().ok()) {
-                    None => break,
-                    Some(item) => {
-                        let failed = item.is_err();
-                        // The later stages hung up (one failed): stop reading.
-                        if read_tx.send(item).is_err() || failed {
-                            break;
-                        }
-                    }
-                }
-            }
-        });
+        scope.spawn(move || produce_into(read, empty_rx, read_tx));
         read_ahead(
             depth,
             move |recycled: Option<T>| {
@@ -82,6 +55,21 @@ pub fn read_process_ahead<T: Send, E: Send>(
             consume,
         )
     })
+}
+
+/// Sends what `produce` makes (given back items from `recycled` to reuse) to `out`, until
+/// it makes nothing more, fails, or the receiving stage hangs up (it failed).
+fn produce_into<T, E>(
+    mut produce: impl FnMut(Option<T>) -> Option<Result<T, E>>,
+    recycled: mpsc::Receiver<T>,
+    out: mpsc::SyncSender<Result<T, E>>,
+) {
+    while let Some(item) = produce(recycled.try_recv().ok()) {
+        let failed = item.is_err();
+        if out.send(item).is_err() || failed {
+            break;
+        }
+    }
 }
 
 #[cfg(test)]
