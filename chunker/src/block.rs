@@ -7,7 +7,7 @@ use crate::{
     id::ChunkKey,
     merkle::MerkleBuilder,
     merkle::leaf_hash,
-    pipeline::read_ahead,
+    pipeline::{in_lanes, read_ahead},
     size::ChunkSize,
     volume::BlockVolume,
     zero::is_zero,
@@ -157,27 +157,11 @@ fn read_marked(
             .into_iter()
             .try_for_each(|(at, buf)| volume.read_exact_at(buf, at));
     }
-    let lanes = slices.len().min(RUNS_IN_FLIGHT);
-    let mut per_lane: Vec<Vec<(u64, &mut [u8])>> = (0..lanes).map(|_| Vec::new()).collect();
-    for (n, slice) in slices.into_iter().enumerate() {
-        per_lane[n % lanes].push(slice);
-    }
-    std::thread::scope(|scope| {
-        let lanes: Vec<_> = per_lane
-            .into_iter()
-            .map(|lane| {
-                scope.spawn(move || {
-                    lane.into_iter()
-                        .try_for_each(|(at, buf)| volume.read_exact_at(buf, at))
-                })
-            })
-            .collect();
-        lanes
-            .into_iter()
-            .map(|lane| lane.join().expect("a chunk reader thread panicked"))
-            .collect::<Result<Vec<()>>>()
-            .map(|_| ())
+    in_lanes(slices, RUNS_IN_FLIGHT, |(at, buf)| {
+        volume.read_exact_at(buf, at)
     })
+    .into_iter()
+    .collect()
 }
 
 /// Flags the chunks of [offset, offset+len) that lie entirely inside holes.

@@ -142,32 +142,9 @@ impl DirectFile {
             vec![read_piece(buf, offset)]
         } else {
             let pieces: Vec<(usize, &mut [u8])> = buf.chunks_mut(READ_PIECE).enumerate().collect();
-            let lanes = pieces.len().min(READ_DEPTH);
-            let mut per_lane: Vec<Vec<(usize, &mut [u8])>> =
-                (0..lanes).map(|_| Vec::new()).collect();
-            for (i, piece) in pieces {
-                per_lane[i % lanes].push((i, piece));
-            }
-            let mut results: Vec<(usize, io::Result<usize>)> = std::thread::scope(|scope| {
-                let workers: Vec<_> = per_lane
-                    .into_iter()
-                    .map(|lane| {
-                        scope.spawn(move || {
-                            lane.into_iter()
-                                .map(|(i, piece)| {
-                                    (i, read_piece(piece, offset + (i * READ_PIECE) as u64))
-                                })
-                                .collect::<Vec<_>>()
-                        })
-                    })
-                    .collect();
-                workers
-                    .into_iter()
-                    .flat_map(|w| w.join().expect("a direct read thread panicked"))
-                    .collect()
-            });
-            results.sort_by_key(|(i, _)| *i);
-            results.into_iter().map(|(_, r)| r).collect()
+            crate::pipeline::in_lanes(pieces, READ_DEPTH, |(i, piece)| {
+                read_piece(piece, offset + (i * READ_PIECE) as u64)
+            })
         };
         // The bytes read from the start: up to the first short or failed piece.
         let mut done = 0;

@@ -72,6 +72,40 @@ fn produce_into<T, E>(
     }
 }
 
+/// Applies `f` to every item on up to `lanes` threads at once, the items dealt out in
+/// turn and each thread taking its share in order; returns the results in the items'
+/// order. For blocking reads: one request at a time leaves the device idle between them.
+pub(crate) fn in_lanes<I: Send, R: Send>(
+    items: Vec<I>,
+    lanes: usize,
+    f: impl Fn(I) -> R + Sync,
+) -> Vec<R> {
+    let lanes = lanes.clamp(1, items.len().max(1));
+    let mut per_lane: Vec<Vec<(usize, I)>> = (0..lanes).map(|_| Vec::new()).collect();
+    for (n, item) in items.into_iter().enumerate() {
+        per_lane[n % lanes].push((n, item));
+    }
+    let f = &f;
+    let mut results: Vec<(usize, R)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = per_lane
+            .into_iter()
+            .map(|lane| {
+                scope.spawn(move || {
+                    lane.into_iter()
+                        .map(|(n, item)| (n, f(item)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a lane thread panicked"))
+            .collect()
+    });
+    results.sort_by_key(|(n, _)| *n);
+    results.into_iter().map(|(_, r)| r).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

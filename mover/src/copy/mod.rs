@@ -6,8 +6,8 @@
 //! chunks that must be compared: none for a new sparse image, only the changed ones when
 //! the destination's saved index ([`index`]) is valid, else all (read beside the
 //! source). The writer plans each chunk page by page ([`plan`]) and applies the merged
-//! writes and hole punches in order. An interrupted copy is finished by rerunning it: equal pages
-//! are read, never rewritten.
+//! writes and hole punches in order. An interrupted copy is finished by rerunning it:
+//! equal pages are read, never rewritten.
 
 mod dest;
 pub(crate) mod index;
