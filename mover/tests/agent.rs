@@ -627,3 +627,25 @@ fn compress_never_sends_raw_and_always_compresses() {
     assert_eq!(blake3_of(&src, len), blake3_of(&back, len));
     assert!(j["wire_bytes"].as_u64().unwrap() < written / 10, "{j}");
 }
+
+#[test]
+fn an_agent_whose_port_was_taken_meanwhile_starts_on_fresh_ports() {
+    let t = tempfile::tempdir().unwrap();
+    let vol = t.path().join("vol.img");
+    std::fs::File::create(&vol)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let first = Agent::start(t.path(), &[("vol", &vol, false)], None);
+    let (config, port, metrics_port) = (first.config.clone(), first.port, first.metrics_port);
+    drop(first);
+    // Someone else takes the metrics port between the pick and the agent's bind.
+    let taken = std::net::TcpListener::bind(("127.0.0.1", metrics_port)).unwrap();
+    let agent = Agent::spawn(config, port, metrics_port);
+    assert_ne!(agent.metrics_port, metrics_port, "moved off the taken port");
+    assert!(
+        agent.http_get("/metrics").contains("mover_"),
+        "the agent serves"
+    );
+    drop(taken);
+}

@@ -101,32 +101,61 @@ impl Agent {
         Agent::spawn_with_env(config, port, metrics_port, &[])
     }
 
+    /// Starts the agent of `config` and waits until it listens on both of its ports.
+    ///
+    /// A port [`free_port`] picked can be taken (by another test's agent or outgoing
+    /// connection) before the agent binds it; the agent then exits at once. It is started
+    /// again on fresh ports, written into `config`, twice at most.
     pub fn spawn_with_env(
         config: PathBuf,
-        port: u16,
-        metrics_port: u16,
+        mut port: u16,
+        mut metrics_port: u16,
         env: &[(&str, &str)],
     ) -> Agent {
-        let child = Command::new(env!("CARGO_BIN_EXE_mover"))
-            .args(["agent", "--config", config.to_str().unwrap()])
-            .env(
-                "RUST_LOG",
-                std::env::var("MOVER_TEST_AGENT_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .envs(env.iter().copied())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "agent did not start listening");
-            std::thread::sleep(Duration::from_millis(20));
+        let listening = |p: u16| TcpStream::connect(("127.0.0.1", p)).is_ok();
+        for attempt in 1..=3 {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_mover"))
+                .args(["agent", "--config", config.to_str().unwrap()])
+                .env(
+                    "RUST_LOG",
+                    std::env::var("MOVER_TEST_AGENT_LOG").unwrap_or_else(|_| "warn".into()),
+                )
+                .envs(env.iter().copied())
+                .spawn()
+                .unwrap();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let exited = loop {
+                if let Some(status) = child.try_wait().unwrap() {
+                    break status;
+                }
+                // The metrics port is bound last: both answering means the agent is up.
+                if listening(port) && listening(metrics_port) {
+                    return Agent {
+                        child,
+                        port,
+                        metrics_port,
+                        config,
+                    };
+                }
+                assert!(Instant::now() < deadline, "agent did not start listening");
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            eprintln!("agent exited before listening ({exited}), attempt {attempt}: new ports");
+            let (new_port, new_metrics) = (free_port(), free_port());
+            let text = std::fs::read_to_string(&config)
+                .unwrap()
+                .replace(
+                    &format!("127.0.0.1:{port}\""),
+                    &format!("127.0.0.1:{new_port}\""),
+                )
+                .replace(
+                    &format!("127.0.0.1:{metrics_port}\""),
+                    &format!("127.0.0.1:{new_metrics}\""),
+                );
+            std::fs::write(&config, text).unwrap();
+            (port, metrics_port) = (new_port, new_metrics);
         }
-        Agent {
-            child,
-            port,
-            metrics_port,
-            config,
-        }
+        panic!("agent exited before listening three times");
     }
 
     /// The value of the agent's counter or gauge `name` on /metrics.
