@@ -337,8 +337,8 @@ fn killed_in_place_copy_leaves_a_marker_until_finished() {
     );
 }
 
-/// The saved index of a destination image lets a delta copy read only changed chunks
-/// from it; any outside write to the image, or damage to the index, makes the next copy
+/// The saved index of a destination image (chunk ids and page CVs) lets a delta copy
+/// write the changed pages without reading the destination at all; any outside write to the image, or damage to the index, makes the next copy
 /// compare in full instead of trusting it.
 #[test]
 fn saved_index_limits_destination_reads_and_is_never_trusted_when_stale() {
@@ -364,7 +364,7 @@ fn saved_index_limits_destination_reads_and_is_never_trusted_when_stale() {
     let changed = scribble_pages(&src, 31, 40, 0..4 * MIB);
     let second = copy();
     assert_eq!(second["used_saved_index"], true);
-    assert!(second["destination_bytes_read"].as_u64().unwrap() <= 4 * MIB);
+    assert_eq!(second["destination_bytes_read"], 0, "the page CVs tell");
     assert_eq!(second["bytes_written"], changed * PAGE);
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
 
@@ -392,7 +392,7 @@ fn saved_index_limits_destination_reads_and_is_never_trusted_when_stale() {
         .unwrap()
         .path();
     let mut bytes = std::fs::read(&idx).unwrap();
-    bytes[9 * 32] ^= 0x40; // the entry of chunk 9, inside the changed range
+    bytes[9 * (32 + 256 * 32)] ^= 0x40; // the entry of chunk 9, inside the changed range
     std::fs::write(&idx, bytes).unwrap();
     let fourth = copy();
     assert_eq!(fourth["used_saved_index"], false);
@@ -418,5 +418,81 @@ fn saved_index_is_found_with_relative_paths() {
     scribble_pages(&t.path().join("src.img"), 34, 3, 0..MIB);
     let second = copy();
     assert_eq!(second["used_saved_index"], true);
-    assert_eq!(second["destination_bytes_read"], MIB);
+    assert_eq!(second["destination_bytes_read"], 0);
+}
+
+/// Copy after copy onto the same image, the saved page CVs alone decide which pages are
+/// written: changed pages, cleared pages and chunks, zero chunks that gain data, a short
+/// last chunk. Each copy must be exact and write no more than what changed.
+#[test]
+fn generations_of_deltas_by_saved_page_cvs_stay_exact() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dst) = (t.path().join("src.img"), t.path().join("dst.img"));
+    let len = 40 * MIB + 5000; // the last chunk: a page and a short one
+    make_image(&src, len, 40, &[(0, 24 * MIB), (32 * MIB, 8 * MIB + 5000)]);
+    let copy = || {
+        let s = json_of(&mover(
+            t.path(),
+            &[
+                "copy",
+                src.to_str().unwrap(),
+                dst.to_str().unwrap(),
+                "--json",
+            ],
+        ));
+        assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
+        s
+    };
+    assert_eq!(copy()["destination_bytes_read"], 0);
+    for generation in 0..4u64 {
+        let seed = 41 + generation * 10;
+        let mut changed = scribble_pages(&src, seed, 50, 0..24 * MIB);
+        // Pages cleared inside a data chunk, and a whole chunk cleared.
+        write_zeros(&src, (generation + 2) * MIB + 8192, 3 * PAGE);
+        write_zeros(&src, (10 + generation) * MIB, MIB);
+        // A zero chunk (never written) gains data; the short last page changes.
+        changed += scribble_pages(
+            &src,
+            seed + 1,
+            5,
+            (25 + generation) * MIB..(26 + generation) * MIB,
+        );
+        make_image_part(&src, len - 100, 100, seed + 2);
+        changed += 1;
+        let s = copy();
+        assert_eq!(s["used_saved_index"], true, "generation {generation}");
+        assert_eq!(s["destination_bytes_read"], 0, "generation {generation}");
+        let written = s["bytes_written"].as_u64().unwrap();
+        assert!(
+            written <= changed * PAGE && written > 0,
+            "generation {generation}: wrote {written} for {changed} changed pages"
+        );
+        assert!(
+            s["bytes_zeroed"].as_u64().unwrap() >= MIB,
+            "generation {generation}"
+        );
+        let again = copy();
+        assert_eq!(
+            (
+                again["bytes_written"].as_u64(),
+                again["bytes_zeroed"].as_u64()
+            ),
+            (Some(0), Some(0))
+        );
+    }
+}
+
+/// Overwrites `n` bytes at `offset` with seeded random data.
+fn make_image_part(path: &Path, offset: u64, n: usize, seed: u64) {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; n];
+    let mut x = seed | 1;
+    for b in &mut buf {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    let f = std::fs::File::options().write(true).open(path).unwrap();
+    f.write_all_at(&buf, offset).unwrap();
 }

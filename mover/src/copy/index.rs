@@ -10,11 +10,18 @@
 //! invalidates the index, and so does a damaged index file (whole-file checksum, checked
 //! before any entry is used). Block devices get no index: their writes leave no trace.
 //!
-//! File layout (version 1): one 32-byte entry per chunk (all zeros for a zero chunk),
-//! then a fixed trailer: identity, chunk size, volume size, entry count, key
-//! fingerprint, the BLAKE3 of everything before it, and the magic.
+//! A local copy also saves the 4 KiB page CVs of every data chunk ([`UnitHasher::pages`],
+//! merged they give the chunk's id), so the next copy tells which pages of a changed
+//! chunk differ from the CVs of the source's pages alone, without reading the
+//! destination. Unchanged chunks carry their CVs over from the old index.
+//!
+//! File layout (version 2): one 32-byte entry per chunk (all zeros for a zero chunk),
+//! in a paged index followed, for a data chunk longer than a page, by its page CVs (32
+//! bytes each); then a fixed trailer: identity, chunk size, volume size, entry count,
+//! flags (1: paged), key fingerprint, the BLAKE3 of everything before it, and the magic.
+//! Older versions are not trusted: the destination is then compared in full once.
 
-use chunker::{ChunkId, ChunkKey, ChunkKind, ChunkSize};
+use chunker::{ChunkId, ChunkKey, ChunkKind, ChunkSize, PAGE_SIZE, cv::Cv};
 use std::{
     fs::{self, File},
     io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write},
@@ -22,9 +29,22 @@ use std::{
     path::{Path, PathBuf},
 };
 
-const MAGIC: &[u8; 8] = b"MVIDX\0v1";
-/// identity (6 × 8) + chunk + volume + count (3 × 8) + key fingerprint (32) + checksum (32) + magic (8)
-const TRAILER_LEN: usize = 48 + 24 + 32 + 32 + 8;
+const MAGIC: &[u8; 8] = b"MVIDX\0v2";
+/// identity (6 × 8) + chunk + volume + count + flags (4 × 8) + key fingerprint (32) +
+/// checksum (32) + magic (8)
+const TRAILER_LEN: usize = 48 + 32 + 32 + 32 + 8;
+/// The flag of an index that holds page CVs.
+const PAGED: u64 = 1;
+
+/// How many page CVs a paged index holds for a data chunk of `len` bytes: none for a
+/// chunk of one page or less, whose id is not a merge of CVs.
+pub(crate) fn page_count(len: usize) -> usize {
+    if len > PAGE_SIZE {
+        len.div_ceil(PAGE_SIZE)
+    } else {
+        0
+    }
+}
 
 /// What identifies an image's exact state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,8 +100,13 @@ pub(crate) fn key_fingerprint(key: &ChunkKey) -> [u8; 32] {
 
 /// Reads a saved index entry by entry, in chunk order.
 pub(crate) struct IndexReader {
-    entries: BufReader<File>,
+    /// The entries, not the trailer.
+    entries: BufReader<std::io::Take<File>>,
+    /// Entries not read yet.
     remaining: u64,
+    chunk: u64,
+    size: u64,
+    paged: bool,
 }
 
 impl IndexReader {
@@ -105,15 +130,18 @@ impl IndexReader {
         let word = |i: usize| i64::from_le_bytes(t[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
         let saved = Identity([word(0), word(1), word(2), word(3), word(4), word(5)]);
         let (saved_chunk, saved_size, count) = (word(6) as u64, word(7) as u64, word(8) as u64);
-        let fingerprint = &t[72..104];
-        let checksum = &t[104..136];
-        let ok = &t[136..144] == MAGIC
+        let flags = word(9) as u64;
+        let fingerprint = &t[80..112];
+        let checksum = &t[112..144];
+        let entries = len - TRAILER_LEN as u64;
+        let ok = &t[144..152] == MAGIC
             && saved == identity
             && saved_chunk == chunk.get()
             && saved_size == size
             && count == size.div_ceil(chunk.get())
+            && flags & !PAGED == 0
             && fingerprint == key_fingerprint(key)
-            && len == count * 32 + TRAILER_LEN as u64;
+            && (entries == count * 32 || (flags & PAGED != 0 && entries >= count * 32));
         if !ok {
             return None;
         }
@@ -128,26 +156,58 @@ impl IndexReader {
         }
         f.seek(SeekFrom::Start(0)).ok()?;
         Some(IndexReader {
-            entries: BufReader::with_capacity(1 << 16, f),
+            entries: BufReader::with_capacity(1 << 16, f.take(entries)),
             remaining: count,
+            chunk: chunk.get(),
+            size,
+            paged: flags & PAGED != 0,
         })
+    }
+
+    /// Whether the index holds the page CVs of its data chunks.
+    pub fn has_pages(&self) -> bool {
+        self.paged
     }
 
     /// The saved kind of the next chunk.
     pub fn next(&mut self) -> std::io::Result<ChunkKind> {
+        let (kind, pages) = self.next_entry()?;
+        let skip = pages as u64 * 32;
+        if std::io::copy(&mut (&mut self.entries).take(skip), &mut std::io::sink())? != skip {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(kind)
+    }
+
+    /// The saved kind of the next chunk, and in `pages` its page CVs (none for a zero
+    /// chunk, a chunk of one page, or an index without them).
+    pub fn next_with_pages(&mut self, pages: &mut Vec<Cv>) -> std::io::Result<ChunkKind> {
+        pages.clear();
+        let (kind, n) = self.next_entry()?;
+        pages.resize(n, [0; 32]);
+        self.entries.read_exact(pages.as_flattened_mut())?;
+        Ok(kind)
+    }
+
+    /// The next entry's kind, and how many page CVs follow it.
+    fn next_entry(&mut self) -> std::io::Result<(ChunkKind, usize)> {
+        let count = self.size.div_ceil(self.chunk);
         if self.remaining == 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
                 "index has fewer entries than chunks",
             ));
         }
+        let at = (count - self.remaining) * self.chunk;
         self.remaining -= 1;
         let mut e = [0u8; 32];
         self.entries.read_exact(&mut e)?;
         Ok(if e == [0; 32] {
-            ChunkKind::Zero
+            (ChunkKind::Zero, 0)
         } else {
-            ChunkKind::Data(ChunkId(e))
+            let len = self.chunk.min(self.size - at) as usize;
+            let pages = if self.paged { page_count(len) } else { 0 };
+            (ChunkKind::Data(ChunkId(e)), pages)
         })
     }
 }
@@ -159,10 +219,12 @@ pub(crate) struct IndexWriter {
     tmp: PathBuf,
     path: PathBuf,
     count: u64,
+    paged: bool,
 }
 
 impl IndexWriter {
-    /// Removes any index at `path` (the destination is about to change) and starts a new one.
+    /// Removes any index at `path` (the destination is about to change) and starts a new
+    /// one, of chunk ids alone.
     pub fn create(path: PathBuf) -> std::io::Result<IndexWriter> {
         match fs::remove_file(&path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
@@ -177,18 +239,56 @@ impl IndexWriter {
             tmp,
             path,
             count: 0,
+            paged: false,
         })
     }
 
-    /// Appends the next chunk's kind.
+    /// Like [`IndexWriter::create`], for an index that also holds page CVs
+    /// ([`IndexWriter::push_paged`]).
+    pub fn create_paged(path: PathBuf) -> std::io::Result<IndexWriter> {
+        let mut w = Self::create(path)?;
+        w.paged = true;
+        Ok(w)
+    }
+
+    /// Appends the next chunk's kind, in an index without page CVs.
     pub fn push(&mut self, kind: &ChunkKind) -> std::io::Result<()> {
+        debug_assert!(!self.paged, "a paged index needs push_paged");
+        self.entry(kind, &[])
+    }
+
+    /// Appends the next chunk's kind (a chunk of `len` bytes) and, for a data chunk, its
+    /// page CVs ([`page_count`] of them), in a paged index.
+    pub fn push_paged(
+        &mut self,
+        kind: &ChunkKind,
+        len: usize,
+        pages: &[Cv],
+    ) -> std::io::Result<()> {
+        let want = match kind {
+            ChunkKind::Zero => 0,
+            ChunkKind::Data(_) => page_count(len),
+        };
+        if !self.paged || pages.len() != want {
+            // A wrong count would shift every later entry: refuse, and the index is dropped.
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{} page CVs given for a chunk of {len} bytes", pages.len()),
+            ));
+        }
+        self.entry(kind, pages)
+    }
+
+    fn entry(&mut self, kind: &ChunkKind, pages: &[Cv]) -> std::io::Result<()> {
         let e = match kind {
             ChunkKind::Zero => [0u8; 32],
             ChunkKind::Data(id) => id.0,
         };
         self.hasher.update(&e);
+        self.hasher.update(pages.as_flattened());
         self.count += 1;
-        self.out.write_all(&e)
+        self.out.write_all(&e)?;
+        self.out.write_all(pages.as_flattened())
     }
 
     /// Seals the index for the image in the state `identity` and makes it durable.
@@ -203,7 +303,8 @@ impl IndexWriter {
         for w in identity.0 {
             t.extend_from_slice(&w.to_le_bytes());
         }
-        for w in [chunk.get(), size, self.count] {
+        let flags = if self.paged { PAGED } else { 0 };
+        for w in [chunk.get(), size, self.count, flags] {
             t.extend_from_slice(&w.to_le_bytes());
         }
         t.extend_from_slice(&key_fingerprint(key));
@@ -240,6 +341,51 @@ mod tests {
         )
         .unwrap();
         path
+    }
+
+    #[test]
+    fn a_paged_index_round_trips_its_page_cvs_and_refuses_a_wrong_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let image = File::create(dir.path().join("img")).unwrap();
+        let key = ChunkKey::local();
+        let chunk: ChunkSize = "64K".parse().unwrap();
+        let size = (64 << 10) * 2 + 5000; // a last chunk of a page and a short one
+        let cv = |b: u8| [b; 32];
+        let entries = [
+            (ChunkKind::Data(key.chunk_id(b"a")), vec![cv(1); 16]),
+            (ChunkKind::Zero, vec![]),
+            (ChunkKind::Data(key.chunk_id(b"b")), vec![cv(2), cv(3)]),
+        ];
+        let path = dir.path().join("index/p.idx");
+        let mut w = IndexWriter::create_paged(path.clone()).unwrap();
+        let lens = [64 << 10, 64 << 10, 5000];
+        assert!(
+            w.push_paged(&entries[0].0, lens[0], &[cv(1)]).is_err(),
+            "count"
+        );
+        for ((kind, pages), len) in entries.iter().zip(lens) {
+            w.push_paged(kind, len, pages).unwrap();
+        }
+        w.commit(Identity::of(&image).unwrap(), chunk, size, &key)
+            .unwrap();
+        let open = || {
+            IndexReader::open_valid(&path, Identity::of(&image).unwrap(), chunk, size, &key)
+                .unwrap()
+        };
+        let mut r = open();
+        assert!(r.has_pages());
+        let mut pages = vec![cv(9)];
+        for (kind, want) in &entries {
+            assert_eq!(&r.next_with_pages(&mut pages).unwrap(), kind);
+            assert_eq!(&pages, want);
+        }
+        assert!(r.next_with_pages(&mut pages).is_err());
+        // Read without pages, they are skipped.
+        let mut r = open();
+        for (kind, _) in &entries {
+            assert_eq!(&r.next().unwrap(), kind);
+        }
+        assert!(r.next().is_err());
     }
 
     #[test]

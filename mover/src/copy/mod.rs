@@ -3,10 +3,10 @@
 //! Three stages run side by side, a window or two apart: a reader thread reads the
 //! source in windows; a second thread classifies (and, when a saved index is kept or
 //! `--verify` asked, hashes) each window's chunks in parallel and reads the destination
-//! chunks that must be compared: none for a new sparse image, only the changed ones when
-//! the destination's saved index ([`index`]) is valid, else all (read beside the
-//! source). The writer plans each chunk page by page ([`plan`]) and applies the merged
-//! writes and hole punches in order. An interrupted copy is finished by rerunning it:
+//! chunks that must be compared: none for a new sparse image, or when the destination's
+//! saved index ([`index`]) is valid (its page CVs tell which pages of a changed chunk
+//! differ), else all (read beside the source). The writer plans each chunk page by page
+//! ([`plan`]) and applies the merged writes and hole punches in order. An interrupted copy is finished by rerunning it:
 //! equal pages are read, never rewritten.
 
 mod dest;
@@ -19,7 +19,9 @@ pub(crate) use dest::{Destination, Origin, prepare as prepare_destination};
 use crate::error::{CopyError, Result, write_error};
 use chunker::{
     BlockVolume, ChunkId, ChunkKey, ChunkKind, ChunkSize, MerkleBuilder, VolumeKind, Window,
-    direct::DirectWriter, hash_volume, is_zero, read_process_ahead, read_window, read_window_where,
+    cv::{Cv, UnitHasher},
+    direct::DirectWriter,
+    hash_volume, is_zero, read_process_ahead, read_window, read_window_where,
 };
 use index::{Identity, IndexReader, IndexWriter};
 use plan::{DstChunk, Op, SrcChunk, plan_chunk, push_merged};
@@ -148,10 +150,29 @@ struct WindowPair {
     zero: Vec<bool>,
     /// Per chunk, when hashing: its kind with id (empty when not hashing).
     ids: Vec<ChunkKind>,
-    /// Per chunk: known equal in the destination (from its saved index): nothing to do.
-    same: Vec<bool>,
+    /// Per chunk, when a saved index is kept: the source's page CVs (empty for a zero
+    /// chunk, and for an unchanged one whose CVs the saved index has).
+    pages: Vec<Vec<Cv>>,
+    /// Per chunk, with a valid saved index: its entry (`None`: unreadable) and page CVs.
+    saved: Vec<Option<ChunkKind>>,
+    saved_pages: Vec<Vec<Cv>>,
+    /// Per chunk: what is known of the destination there.
+    known: Vec<Known>,
     /// The destination's window; `None` when the destination reads as zeros.
     dst: Option<Window>,
+}
+
+/// What is known of a destination chunk before it is compared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Known {
+    /// Equal to the source's (its saved index says so): nothing to do.
+    Same,
+    /// Reads as zeros (its saved index says so): not read.
+    Zeros,
+    /// Not all zeros, its pages known by their CVs in its saved index: not read.
+    Pages,
+    /// As in the destination's window: read there, or zeros where it was not read.
+    InWindow,
 }
 
 /// Copies the block volume `src` onto `dst` (created if missing), writing only the pages
@@ -182,7 +203,7 @@ pub fn copy_block(
         .flatten()
         .and_then(|id| IndexReader::open_valid(&index_path, id, chunk, size, &key));
     let mut new_index = if is_image {
-        IndexWriter::create(index_path.clone())
+        IndexWriter::create_paged(index_path.clone())
             .inspect_err(warn_no_index)
             .ok()
     } else {
@@ -213,6 +234,10 @@ pub fn copy_block(
         chunk,
         key: &key,
         hashing,
+        pager: is_image
+            .then(|| UnitHasher::pages(&key, chunk.bytes()))
+            .flatten(),
+        carry: saved.as_ref().is_some_and(|s| s.has_pages()),
     };
     // Three stages, so the source is read while the last window is hashed and the one
     // before is written.
@@ -247,24 +272,35 @@ pub fn copy_block(
                     if let Some(m) = merkle.as_mut() {
                         m.push(kind, len);
                     }
+                    // An unchanged chunk's page CVs come from the saved index.
+                    let pages = match (kind, pair.known[i]) {
+                        (ChunkKind::Zero, _) => &[][..],
+                        (_, Known::Same) if plan.carry => &pair.saved_pages[i][..],
+                        _ => &pair.pages[i][..],
+                    };
                     if let Some(w) = &mut new_index
-                        && let Err(e) = w.push(kind)
+                        && let Err(e) = w.push_paged(kind, r.len(), pages)
                     {
                         warn_no_index(&e);
                         new_index = None;
                     }
-                }
-                if pair.same[i] {
-                    continue;
                 }
                 let src_chunk = if pair.zero[i] {
                     SrcChunk::Zero(r.len())
                 } else {
                     SrcChunk::Data(&pair.src.buf[r.clone()])
                 };
-                let dst_chunk = match &pair.dst {
-                    Some(d) if !d.unread[i] => DstChunk::Bytes(&d.buf[r.clone()]),
-                    _ => DstChunk::Zeros,
+                let dst_chunk = match pair.known[i] {
+                    Known::Same => continue,
+                    Known::Zeros => DstChunk::Zeros,
+                    Known::Pages => DstChunk::Pages {
+                        saved: &pair.saved_pages[i],
+                        source: &pair.pages[i],
+                    },
+                    Known::InWindow => match &pair.dst {
+                        Some(d) if !d.unread[i] => DstChunk::Bytes(&d.buf[r.clone()]),
+                        _ => DstChunk::Zeros,
+                    },
                 };
                 let mut chunk_ops = Vec::new();
                 plan_chunk(src_chunk, dst_chunk, &mut chunk_ops);
@@ -314,6 +350,10 @@ struct ReadPlan<'a> {
     chunk: ChunkSize,
     key: &'a ChunkKey,
     hashing: bool,
+    /// Hashes page CVs for the saved index (image destinations).
+    pager: Option<UnitHasher>,
+    /// The saved index has page CVs: unchanged chunks carry theirs over.
+    carry: bool,
 }
 
 impl ReadPlan<'_> {
@@ -337,25 +377,39 @@ impl ReadPlan<'_> {
     }
 
     /// Classifies (and when hashing, hashes) the chunks of a window [`ReadPlan::read`]
-    /// filled, in parallel; with a saved index, marks the chunks it shows unchanged and
-    /// reads the destination's other chunks, to be compared.
+    /// filled, in parallel; with a saved index, tells from it what is known of each
+    /// destination chunk, and reads the few it cannot tell.
     fn examine(&self, saved: Option<&mut IndexReader>, pair: &mut WindowPair) -> Result<()> {
         let (chunk, dest) = (self.chunk, self.dest);
-        let src = &pair.src;
-        let classify = |(i, r): (usize, Range<usize>)| {
-            let data = &src.buf[r];
-            let zero = src.unread[i] || is_zero(data);
-            let id = self.hashing.then(|| match zero {
-                true => ChunkKind::Zero,
-                false => ChunkKind::Data(self.key.chunk_id(data)),
-            });
-            (zero, id)
-        };
+        let n = pair.src.chunk_ranges(chunk).count();
+        pair.saved.clear();
+        pair.saved_pages.resize_with(n, Vec::new);
+        let indexed = saved.is_some();
+        match saved {
+            // An unreadable index entry just means: compare this chunk.
+            Some(saved) => pair.saved.extend(
+                (pair.saved_pages.iter_mut().take(n)).map(|p| saved.next_with_pages(p).ok()),
+            ),
+            None => pair.saved.resize(n, None),
+        }
+        let (src, saved, saved_pages) = (&pair.src, &pair.saved, &pair.saved_pages);
+        let classify =
+            |(i, r): (usize, Range<usize>)| -> (bool, Option<ChunkKind>, Vec<Cv>, Known) {
+                let data = &src.buf[r];
+                let zero = src.unread[i] || is_zero(data);
+                if !self.hashing {
+                    return (zero, None, Vec::new(), Known::InWindow);
+                }
+                let (kind, pages) = self.hash(data, zero, saved[i]);
+                let pager = self.pager.as_ref();
+                let known = known(pager, data.len(), saved[i], &saved_pages[i], kind, &pages);
+                (zero, Some(kind), pages, known)
+            };
         let ranges = src.chunk_ranges(chunk).enumerate();
         // Hashing needs every core. Without it, classifying is a zero check per chunk:
         // run it inline, since idle rayon workers spinning between windows would steal
         // the CPU that the kernel's writeback and loop-device threads need.
-        let classified: Vec<(bool, Option<ChunkKind>)> = match self.hashing {
+        let classified: Vec<_> = match self.hashing {
             true => ranges
                 .collect::<Vec<_>>()
                 .into_par_iter()
@@ -365,26 +419,87 @@ impl ReadPlan<'_> {
         };
         pair.zero.clear();
         pair.ids.clear();
-        for (zero, kind) in &classified {
-            pair.zero.push(*zero);
+        pair.pages.clear();
+        pair.known.clear();
+        for (zero, kind, pages, known) in classified {
+            pair.zero.push(zero);
             pair.ids.extend(kind);
+            pair.pages.push(pages);
+            pair.known.push(known);
         }
-        pair.same.clear();
-        pair.same.resize(classified.len(), false);
-        if let Some(saved) = saved {
-            for (same, kind) in pair.same.iter_mut().zip(&pair.ids) {
-                // An unreadable index entry just means: compare this chunk.
-                *same = saved.next().is_ok_and(|old| old == *kind);
-            }
-            let same = &pair.same;
+        if indexed {
+            let known = &pair.known;
             let (offset, len) = (pair.src.offset, pair.src.buf.len());
             let dst_win = pair.dst.get_or_insert_with(Window::default);
-            read_window_where(&dest.volume, chunk, offset, len, |i| !same[i], dst_win)?;
+            read_window_where(
+                &dest.volume,
+                chunk,
+                offset,
+                len,
+                |i| known[i] == Known::InWindow,
+                dst_win,
+            )?;
         }
         if dest.fresh {
             pair.dst = None;
         }
         Ok(())
+    }
+
+    /// A source chunk's kind and, for the saved index, its page CVs: computed in the
+    /// same pass (merged, they give its id), except that with a saved index that has
+    /// them an unchanged chunk's are carried over, so only changed chunks cost a page
+    /// by page hash.
+    fn hash(&self, data: &[u8], zero: bool, saved: Option<ChunkKind>) -> (ChunkKind, Vec<Cv>) {
+        if zero {
+            return (ChunkKind::Zero, Vec::new());
+        }
+        match self.pager.as_ref().filter(|p| p.merges(data.len())) {
+            Some(p) if !(self.carry && saved.is_some()) => {
+                let pages = p.cvs(data);
+                (p.kind(&pages, data.len()), pages)
+            }
+            pager => {
+                let kind = ChunkKind::Data(self.key.chunk_id(data));
+                let pages = match pager {
+                    Some(p) if saved != Some(kind) => p.cvs(data),
+                    _ => Vec::new(),
+                };
+                (kind, pages)
+            }
+        }
+    }
+}
+
+/// What the destination's saved index (entry `saved`, page CVs `saved_pages`) tells
+/// of a chunk of `len` bytes where the source holds `kind`, with page CVs `pages`
+/// (made by `pager`).
+fn known(
+    pager: Option<&UnitHasher>,
+    len: usize,
+    saved: Option<ChunkKind>,
+    saved_pages: &[Cv],
+    kind: ChunkKind,
+    pages: &[Cv],
+) -> Known {
+    match saved {
+        None => Known::InWindow,
+        Some(old) if old == kind => Known::Same,
+        Some(ChunkKind::Zero) => Known::Zeros,
+        // Not all zeros: a zero source chunk clears it whatever its pages hold.
+        Some(_) if kind == ChunkKind::Zero => Known::Pages,
+        // The saved CVs are used only if they merge into the saved id: a record
+        // that does not is never trusted to skip a page.
+        Some(old) => match pager {
+            Some(p)
+                if !pages.is_empty()
+                    && saved_pages.len() == pages.len()
+                    && p.kind(saved_pages, len) == old =>
+            {
+                Known::Pages
+            }
+            _ => Known::InWindow,
+        },
     }
 }
 
@@ -564,6 +679,60 @@ fn warn_if_source_mounted(source: &BlockVolume) {
             source = %source.path().display(),
             %mountpoint,
             "the source is mounted: unless it is frozen (fsfreeze) or read-only, the copy may not be consistent"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn saved_page_cvs_are_trusted_only_when_they_merge_into_the_saved_id() {
+        let key = ChunkKey::local();
+        let len = 64 << 10;
+        let pager = UnitHasher::pages(&key, len).unwrap();
+        let (old, new) = (vec![1u8; len], vec![2u8; len]);
+        let (old_pages, new_pages) = (pager.cvs(&old), pager.cvs(&new));
+        let old_kind = pager.kind(&old_pages, len);
+        let new_kind = pager.kind(&new_pages, len);
+        let p = Some(&pager);
+        let known = |saved, saved_pages: &[Cv], kind, pages: &[Cv]| {
+            known(p, len, saved, saved_pages, kind, pages)
+        };
+        assert_eq!(known(None, &[], new_kind, &new_pages), Known::InWindow);
+        assert_eq!(known(Some(new_kind), &[], new_kind, &[]), Known::Same);
+        assert_eq!(
+            known(Some(ChunkKind::Zero), &[], new_kind, &new_pages),
+            Known::Zeros
+        );
+        assert_eq!(
+            known(Some(old_kind), &old_pages, new_kind, &new_pages),
+            Known::Pages
+        );
+        assert_eq!(
+            known(Some(old_kind), &[], ChunkKind::Zero, &[]),
+            Known::Pages
+        );
+        // A page CV that does not merge into the saved id: the chunk is read.
+        let mut torn = old_pages.clone();
+        torn[3][0] ^= 1;
+        assert_eq!(
+            known(Some(old_kind), &torn, new_kind, &new_pages),
+            Known::InWindow
+        );
+        // No CVs saved (an index written by an agent), or none hashed: read.
+        assert_eq!(
+            known(Some(old_kind), &[], new_kind, &new_pages),
+            Known::InWindow
+        );
+        assert_eq!(
+            known(Some(old_kind), &old_pages, new_kind, &[]),
+            Known::InWindow
+        );
+        assert_eq!(
+            super::known(None, len, Some(old_kind), &old_pages, new_kind, &new_pages),
+            Known::InWindow
         );
     }
 }

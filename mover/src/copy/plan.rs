@@ -1,6 +1,6 @@
 //! What to do with one chunk: a pure function of the source and destination bytes.
 
-use chunker::{PAGE_SIZE, differing_pages, is_zero};
+use chunker::{PAGE_SIZE, cv::Cv, differing_pages, is_zero};
 use std::ops::Range;
 
 /// One change to apply to the destination, as a byte range within the chunk.
@@ -28,6 +28,10 @@ pub enum DstChunk<'a> {
     Zeros,
     /// These bytes, read from the destination.
     Bytes(&'a [u8]),
+    /// Not all zeros, and known by the CVs of its pages saved in its index (not read):
+    /// `saved` are its pages', `source` the source's, page for page. Equal CVs are
+    /// equal pages.
+    Pages { saved: &'a [Cv], source: &'a [Cv] },
 }
 
 /// The ops that make `dst` equal `src`, page by page. Zero pages of the source are
@@ -40,9 +44,32 @@ pub fn plan_chunk(src: SrcChunk<'_>, dst: DstChunk<'_>, ops: &mut Vec<Op>) {
                 ops.push(Op::Zero(0..len));
             }
         }
+        (SrcChunk::Zero(len), DstChunk::Pages { .. }) => ops.push(Op::Zero(0..len)),
         (SrcChunk::Data(src), DstChunk::Zeros) => data_pages(src, 0..src.len(), ops),
         (SrcChunk::Data(src), DstChunk::Bytes(d)) => {
             for run in differing_pages(src, d, PAGE_SIZE) {
+                split_zero_pages(src, run, ops);
+            }
+        }
+        (SrcChunk::Data(src), DstChunk::Pages { saved, source }) => {
+            if saved.len() != source.len() || source.len() != src.len().div_ceil(PAGE_SIZE) {
+                debug_assert!(false, "page CVs do not match the chunk");
+                return split_zero_pages(src, 0..src.len(), ops);
+            }
+            let mut runs: Vec<Range<usize>> = Vec::new();
+            for (p, _) in saved
+                .iter()
+                .zip(source)
+                .enumerate()
+                .filter(|(_, (a, b))| a != b)
+            {
+                let page = p * PAGE_SIZE..((p + 1) * PAGE_SIZE).min(src.len());
+                match runs.last_mut() {
+                    Some(last) if last.end == page.start => last.end = page.end,
+                    _ => runs.push(page),
+                }
+            }
+            for run in runs {
                 split_zero_pages(src, run, ops);
             }
         }
@@ -158,6 +185,52 @@ mod tests {
             vec![Op::Zero(0..2 * P)]
         );
         assert!(plan(&src, DstChunk::Bytes(&page_image(&[0, 0]))).is_empty());
+    }
+
+    #[test]
+    fn by_page_cvs_writes_the_pages_whose_cvs_differ_and_zeroes_cleared_ones() {
+        let key = chunker::ChunkKey::local();
+        let h = chunker::cv::UnitHasher::pages(&key, 6 * P).unwrap();
+        let mut src = page_image(&[1, 9, 0, 3, 4, 8]);
+        src.truncate(5 * P + 100); // a short last page
+        let mut dst = page_image(&[1, 2, 7, 3, 4, 5]);
+        dst.truncate(5 * P + 100);
+        let (saved, source) = (h.cvs(&dst), h.cvs(&src));
+        let by_cvs = plan(
+            &src,
+            DstChunk::Pages {
+                saved: &saved,
+                source: &source,
+            },
+        );
+        assert_eq!(by_cvs, plan(&src, DstChunk::Bytes(&dst)), "as if read");
+        assert_eq!(
+            by_cvs,
+            vec![
+                Op::Write(P..2 * P),
+                Op::Zero(2 * P..3 * P),
+                Op::Write(5 * P..5 * P + 100)
+            ]
+        );
+        let same = plan(
+            &src,
+            DstChunk::Pages {
+                saved: &source,
+                source: &source,
+            },
+        );
+        assert!(same.is_empty());
+        let zero = vec![0u8; src.len()];
+        assert_eq!(
+            plan(
+                &zero,
+                DstChunk::Pages {
+                    saved: &saved,
+                    source: &[]
+                }
+            ),
+            vec![Op::Zero(0..src.len())]
+        );
     }
 
     #[test]

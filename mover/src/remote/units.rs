@@ -170,7 +170,7 @@ pub(crate) fn kinds(
             (Read::Whole, Some(_)) if !UnitHasher::covers(r.len()) => {
                 return classify(key, data, hole);
             }
-            (Read::Whole, Some(f)) if hole => f.hasher().zero_cvs(r.len()),
+            (Read::Whole, Some(f)) if hole => f.hasher().zero_cvs(r.len()).into_owned(),
             (Read::Whole, Some(f)) => f.hasher().cvs(data),
             (Read::Units { cvs, written }, Some(f)) => {
                 let mut cvs = cvs.clone();
