@@ -6,8 +6,8 @@
 //! chunks that must be compared: none for a new sparse image, or when the destination's
 //! saved index ([`index`]) is valid (its page CVs tell which pages of a changed chunk
 //! differ), else all (read beside the source). The writer plans each chunk page by page
-//! ([`plan`]) and applies the merged writes and hole punches in order. An interrupted copy is finished by rerunning it:
-//! equal pages are read, never rewritten.
+//! ([`plan`]) and applies the merged writes and hole punches in order. An interrupted
+//! copy is finished by rerunning it: equal pages are read, never rewritten.
 
 mod dest;
 pub(crate) mod index;
@@ -169,7 +169,8 @@ enum Known {
     Same,
     /// Reads as zeros (its saved index says so): not read.
     Zeros,
-    /// Not all zeros, its pages known by their CVs in its saved index: not read.
+    /// Not all zeros, its pages known by their CVs in its saved index (or the source's
+    /// chunk is zero, so its pages do not matter): not read.
     Pages,
     /// As in the destination's window: read there, or zeros where it was not read.
     InWindow,
