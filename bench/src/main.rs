@@ -142,27 +142,6 @@ fn measure_and_publish(
         workdir: places.workdir,
         nproc: std::thread::available_parallelism().map_or(1, usize::from),
     };
-    let load_before = load_average();
-    let (mut hash, mut full_copy, mut delta_copy, mut sparse_copy) =
-        (Vec::new(), Vec::new(), Vec::new(), None);
-    if chosen.copies {
-        hash = phases::hash(&ctx)?;
-        for cache in [Cache::Cold, Cache::Warm] {
-            full_copy.push(phases::full_copy(&ctx, cache)?);
-            delta_copy.push(phases::delta_copy(&ctx, cache)?);
-        }
-        sparse_copy = Some(phases::sparse_copy(&ctx)?);
-    }
-    let agent = if chosen.agent {
-        Some(phases::agent_copy(&ctx)?)
-    } else {
-        None
-    };
-    let snapshot = if chosen.snapshot {
-        Some(phases::snapshot(&ctx)?)
-    } else {
-        None
-    };
     let mut results = Results {
         bench_version: env!("CARGO_PKG_VERSION"),
         started_unix_secs,
@@ -176,16 +155,38 @@ fn measure_and_publish(
             .unwrap_or_default(),
         source_device: device.path().to_path_buf(),
         images: images.manifest.clone(),
-        hash,
-        full_copy,
-        delta_copy,
-        sparse_copy,
-        agent,
-        snapshot,
+        hash: Vec::new(),
+        full_copy: Vec::new(),
+        delta_copy: Vec::new(),
+        sparse_copy: None,
+        agent: None,
+        snapshot: None,
         bench_peak_rss_bytes: 0,
-        load_before,
+        load_before: load_average(),
         load_after: String::new(),
     };
+    // The JSON is rewritten after every phase, so a run stopped (or failed) midway keeps
+    // the figures of the phases it finished.
+    let save = |r: &Results| report::save_unfinished(r, places.json);
+    if chosen.copies {
+        results.hash = phases::hash(&ctx)?;
+        save(&results)?;
+        for cache in [Cache::Cold, Cache::Warm] {
+            results.full_copy.push(phases::full_copy(&ctx, cache)?);
+            save(&results)?;
+            results.delta_copy.push(phases::delta_copy(&ctx, cache)?);
+            save(&results)?;
+        }
+        results.sparse_copy = Some(phases::sparse_copy(&ctx)?);
+        save(&results)?;
+    }
+    if chosen.agent {
+        results.agent = Some(phases::agent_copy(&ctx)?);
+        save(&results)?;
+    }
+    if chosen.snapshot {
+        results.snapshot = Some(phases::snapshot(&ctx)?);
+    }
     results.load_after = load_average();
     results.bench_peak_rss_bytes = process::own_peak_rss();
     drop(device);

@@ -459,6 +459,21 @@ struct Document<'a> {
     results: &'a Results,
     checks: Vec<Check>,
     all_passed: bool,
+    /// Every chosen phase ran (false while the bench runs, or if it stopped midway).
+    finished: bool,
+}
+
+/// Writes the JSON of the phases finished so far, marked unfinished.
+pub fn save_unfinished(results: &Results, json_path: &Path) -> Result<()> {
+    let checks = Summary::new(results).checks();
+    let all_passed = checks.iter().all(|c| c.pass);
+    let document = Document {
+        results,
+        checks,
+        all_passed,
+        finished: false,
+    };
+    write_json_file(json_path, &document)
 }
 
 /// Prints the tables and writes the JSON to `json_path`; returns whether every target was
@@ -477,6 +492,7 @@ pub fn publish(results: &Results, json_path: &Path, report_dir: Option<&Path>) -
         results,
         checks,
         all_passed,
+        finished: true,
     };
     write_json_file(json_path, &document)?;
     println!("\nJSON results: {}", json_path.display());

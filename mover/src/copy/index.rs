@@ -216,7 +216,7 @@ impl IndexReader {
 pub(crate) struct IndexWriter {
     out: BufWriter<File>,
     hasher: blake3::Hasher,
-    tmp: PathBuf,
+    tmp: RemoveOnDrop,
     path: PathBuf,
     count: u64,
     paged: bool,
@@ -236,7 +236,7 @@ impl IndexWriter {
         Ok(IndexWriter {
             out,
             hasher: blake3::Hasher::new(),
-            tmp,
+            tmp: RemoveOnDrop(tmp),
             path,
             count: 0,
             paged: false,
@@ -313,7 +313,17 @@ impl IndexWriter {
         t.extend_from_slice(MAGIC);
         self.out.write_all(&t)?;
         let f = self.out.into_inner().map_err(|e| e.into_error())?;
-        publish(&f, &self.tmp, &self.path)
+        publish(&f, &self.tmp.0, &self.path)
+    }
+}
+
+/// Removes its file when dropped: an index never committed (a failed copy, a full disk)
+/// leaves no partial file behind (once committed, the file is gone from there already).
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        _ = fs::remove_file(&self.0);
     }
 }
 
@@ -386,6 +396,12 @@ mod tests {
             assert_eq!(&r.next().unwrap(), kind);
         }
         assert!(r.next().is_err());
+
+        // A writer dropped before its commit (a failed copy) leaves nothing behind.
+        let mut w = IndexWriter::create_paged(path.clone()).unwrap();
+        w.push_paged(&entries[0].0, lens[0], &entries[0].1).unwrap();
+        drop(w);
+        assert_eq!(fs::read_dir(path.parent().unwrap()).unwrap().count(), 0);
     }
 
     #[test]

@@ -428,7 +428,7 @@ impl ReadPlan<'_> {
             pair.pages.push(pages);
             pair.known.push(known);
         }
-        if indexed {
+        if indexed && pair.known.contains(&Known::InWindow) {
             let known = &pair.known;
             let (offset, len) = (pair.src.offset, pair.src.buf.len());
             let dst_win = pair.dst.get_or_insert_with(Window::default);
@@ -440,6 +440,9 @@ impl ReadPlan<'_> {
                 |i| known[i] == Known::InWindow,
                 dst_win,
             )?;
+        } else if indexed {
+            // Nothing to read: no window (its buffer would be cleared for nothing).
+            pair.dst = None;
         }
         if dest.fresh {
             pair.dst = None;
