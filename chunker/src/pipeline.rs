@@ -25,28 +25,53 @@ pub fn read_ahead<T: Send, E: Send>(
     })
 }
 
-/// Like [`read_ahead`], with a middle stage on a thread of its own: `read` runs up to
-/// `depth` items ahead of `process`, which runs up to `depth` items ahead of `consume`.
-/// So a copy reads the next window while it hashes this one and writes the one before
-/// (with [`read_ahead`] alone, the device sits idle while a window is hashed). Memory
-/// stays bounded to `2 × depth + 3` items; the first error on any stage stops all three.
+/// Like [`read_ahead`], with a middle stage on a thread of its own and `readers` reader
+/// threads taking turns: item `k` is made by `read(k, recycled)` on reader `k % readers`
+/// (`None`: there is no item `k`, the end), up to `depth` items ahead; `process` runs on
+/// the items in order, up to `depth` items ahead of `consume`. So a copy reads the next
+/// windows while it hashes this one and writes the one before (with [`read_ahead`]
+/// alone, the device sits idle while a window is hashed), and two readers keep the
+/// device busy while one of them waits for the last piece of its window. Memory stays
+/// bounded to `readers × (depth + 1) + depth + 2` items; the first error on any stage
+/// stops them all.
 pub fn read_process_ahead<T: Send, E: Send>(
     depth: usize,
-    read: impl FnMut(Option<T>) -> Option<Result<T, E>> + Send,
+    readers: usize,
+    read: impl Fn(usize, Option<T>) -> Option<Result<T, E>> + Sync,
     mut process: impl FnMut(&mut T) -> Result<(), E> + Send,
     consume: impl FnMut(&mut T) -> Result<(), E>,
 ) -> Result<(), E> {
-    let (read_tx, read_rx) = mpsc::sync_channel::<Result<T, E>>(depth.max(1));
-    let (empty_tx, empty_rx) = mpsc::channel::<T>();
+    let readers = readers.max(1);
+    let read = &read;
     std::thread::scope(|scope| {
-        scope.spawn(move || produce_into(read, empty_rx, read_tx));
+        // Per reader: its items out, and the items given back for it to reuse.
+        let mut outs = Vec::new();
+        let mut recycle = Vec::new();
+        for first in 0..readers {
+            let (read_tx, read_rx) = mpsc::sync_channel::<Result<T, E>>(depth.max(1));
+            let (empty_tx, empty_rx) = mpsc::channel::<T>();
+            let mut k = first;
+            let turn = move |recycled| {
+                let item = read(k, recycled);
+                k += readers;
+                item
+            };
+            scope.spawn(move || produce_into(turn, empty_rx, read_tx));
+            outs.push(read_rx);
+            recycle.push(empty_tx);
+        }
+        let mut k = 0;
         read_ahead(
             depth,
             move |recycled: Option<T>| {
                 if let Some(item) = recycled {
-                    let _ = empty_tx.send(item);
+                    // It was item k - 1 - depth or so: any reader may reuse it.
+                    let _ = recycle[k % readers].send(item);
                 }
-                let mut item = match read_rx.recv().ok()? {
+                // A reader that hung up made its last item: the end.
+                let item = outs[k % readers].recv().ok()?;
+                k += 1;
+                let mut item = match item {
                     Ok(item) => item,
                     Err(e) => return Some(Err(e)),
                 };
@@ -153,50 +178,60 @@ mod tests {
 
     #[test]
     fn three_stages_deliver_in_order_recycle_and_stop_on_any_error() {
-        let mut n = 0;
-        let mut fresh = 0;
-        let mut seen = vec![];
-        read_process_ahead(
-            1,
-            |recycled: Option<Vec<u32>>| {
-                n += 1;
-                let mut item = recycled.unwrap_or_else(|| {
-                    fresh += 1;
-                    Vec::new()
-                });
-                item.clear();
-                item.push(n);
-                (n <= 100).then_some(Ok::<_, String>(item))
-            },
-            |item| {
-                item.push(item[0] * 2);
-                Ok(())
-            },
-            |item| {
-                seen.push((item[0], item[1]));
-                Ok(())
-            },
-        )
-        .unwrap();
-        assert_eq!(seen, (1..=100).map(|i| (i, 2 * i)).collect::<Vec<_>>());
-        assert!(fresh <= 6, "items are reused, not made anew: {fresh} made");
-
-        for failing_stage in 0..3 {
-            let fail_at = |stage: usize, x: u32| match stage == failing_stage && x == 5 {
-                true => Err(format!("stage {stage} failed")),
-                false => Ok(()),
-            };
-            let mut n = 0;
-            let err = read_process_ahead(
-                2,
-                |_| {
-                    n += 1;
-                    Some(fail_at(0, n).map(|()| n))
+        use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+        for readers in [1, 2, 3] {
+            let fresh = AtomicUsize::new(0);
+            let mut seen = vec![];
+            read_process_ahead(
+                1,
+                readers,
+                |k, recycled: Option<Vec<u32>>| {
+                    let n = k as u32 + 1;
+                    let mut item = recycled.unwrap_or_else(|| {
+                        fresh.fetch_add(1, Relaxed);
+                        Vec::new()
+                    });
+                    item.clear();
+                    item.push(n);
+                    (n <= 100).then_some(Ok::<_, String>(item))
                 },
-                |x| fail_at(1, *x),
-                |x| fail_at(2, *x),
+                |item| {
+                    item.push(item[0] * 2);
+                    Ok(())
+                },
+                |item| {
+                    seen.push((item[0], item[1]));
+                    Ok(())
+                },
+            )
+            .unwrap();
+            assert_eq!(seen, (1..=100).map(|i| (i, 2 * i)).collect::<Vec<_>>());
+            let bound = readers * 2 + 3;
+            let made = fresh.load(Relaxed);
+            assert!(
+                made <= bound,
+                "{readers} readers: {made} items made, at most {bound}"
             );
-            assert_eq!(err, Err(format!("stage {failing_stage} failed")));
+        }
+
+        for readers in [1, 2] {
+            for failing_stage in 0..3 {
+                let fail_at = |stage: usize, x: u32| match stage == failing_stage && x == 5 {
+                    true => Err(format!("stage {stage} failed")),
+                    false => Ok(()),
+                };
+                let err = read_process_ahead(
+                    2,
+                    readers,
+                    |k, _| {
+                        let n = k as u32 + 1;
+                        Some(fail_at(0, n).map(|()| n))
+                    },
+                    |x| fail_at(1, *x),
+                    |x| fail_at(2, *x),
+                );
+                assert_eq!(err, Err(format!("stage {failing_stage} failed")));
+            }
         }
     }
 }
