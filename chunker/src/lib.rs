@@ -15,8 +15,8 @@
 //! - [`extents`]: reflink clones of image files, the ranges written between two, fs freeze.
 //!
 //! The crate is synchronous (no tokio): hashing runs on rayon, reads on a read-ahead
-//! thread ([`read_ahead`], or [`read_process_ahead`] with a middle stage of its own) so
-//! I/O overlaps hashing with bounded memory.
+//! thread ([`read_ahead`], or [`read_process_ahead`] with several readers and a middle
+//! stage of its own) so I/O overlaps hashing with bounded memory.
 
 mod aligned;
 mod block;
