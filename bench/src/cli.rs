@@ -19,9 +19,8 @@ today.img is attached read-only to a loop device, which is the source of every m
 
 Measured: wall clock of each child, best of 3 for hashing and of 2 for copies, the tools
 taking turns. Copies include a final sync(2) (mover fsyncs) and start with the page cache
-dropped (cold) after an 8 s pause (so no run pays for the writes of the one before);
-the full and delta copies run again warm: the cache dropped, then the source (the loop
-device and today.img) read into it. The targets checked:
+dropped (cold); the full and delta copies run again warm: the cache dropped, then the
+source (the loop device and today.img) read into it. The targets checked:
   hash        `mover hash --threads N` vs `b3sum --num-threads N` on a page-cached image,
               N = 1 and N = nproc, best of 3: mover throughput >= 0.90x b3sum's
               (mover also hashes today.img itself, to show what the device costs);

@@ -465,15 +465,26 @@ struct Document<'a> {
 
 /// Writes the JSON of the phases finished so far, marked unfinished.
 pub fn save_unfinished(results: &Results, json_path: &Path) -> Result<()> {
-    let checks = Summary::new(results).checks();
+    write_document(results, &Summary::new(results), json_path, false).map(|_| ())
+}
+
+/// Writes the JSON document to `json_path`; returns whether every target was met.
+fn write_document(
+    results: &Results,
+    summary: &Summary,
+    json_path: &Path,
+    finished: bool,
+) -> Result<bool> {
+    let checks = summary.checks();
     let all_passed = checks.iter().all(|c| c.pass);
     let document = Document {
         results,
         checks,
         all_passed,
-        finished: false,
+        finished,
     };
-    write_json_file(json_path, &document)
+    write_json_file(json_path, &document)?;
+    Ok(all_passed)
 }
 
 /// Prints the tables and writes the JSON to `json_path`; returns whether every target was
@@ -486,15 +497,7 @@ pub fn publish(results: &Results, json_path: &Path, report_dir: Option<&Path>) -
         write_html(dir, &summary, &table)?;
         println!("\nHTML report: {}", dir.join("index.html").display());
     }
-    let checks = summary.checks();
-    let all_passed = checks.iter().all(|c| c.pass);
-    let document = Document {
-        results,
-        checks,
-        all_passed,
-        finished: true,
-    };
-    write_json_file(json_path, &document)?;
+    let all_passed = write_document(results, &summary, json_path, true)?;
     println!("\nJSON results: {}", json_path.display());
     Ok(all_passed)
 }

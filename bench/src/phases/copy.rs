@@ -17,10 +17,6 @@ use crate::progress::note;
 
 /// How many times each copy command runs; the best time counts.
 const COPY_RUNS: usize = 2;
-/// The pause before each timed copy: on a VM the host may still be flushing the gigabytes
-/// the run before wrote when the next one starts (in every run so far cp's first cold
-/// copy, the only one that follows no writer, took 3.5-5.5 s, its second 6-7.5 s).
-const SETTLE: std::time::Duration = std::time::Duration::from_secs(8);
 
 /// The page cache a copy starts from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -303,7 +299,6 @@ fn time_copy(
         _ => prepare_destination(ctx, &dst, start_from.map(|p| (p, trial.prepare)))?,
     }
     drop_caches()?;
-    std::thread::sleep(SETTLE);
     // Held open through the run: the last close of a block device drops its cache.
     let _cached = match cache {
         Cache::Cold => Vec::new(),
