@@ -44,7 +44,7 @@ pub use cdc::{CdcChunk, CdcChunker, CdcParams};
 pub use error::{ChunkerError, Result};
 pub use id::{ChunkId, ChunkKey};
 pub use merkle::{MerkleBuilder, leaf_hash};
-pub use pages::{PAGE_HASH_LEN, PAGE_SIZE, differing_pages, page_hashes};
+pub use pages::{PAGE_HASH_LEN, PAGE_SIZE, differing_pages, page_hashes, page_runs};
 pub use pipeline::{read_ahead, read_process_ahead};
 pub use size::{ChunkSize, parse_size};
 pub use summary::{GROUP_CHUNKS, Summary};

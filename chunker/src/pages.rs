@@ -24,14 +24,23 @@ pub fn differing_pages(a: &[u8], b: &[u8], page: usize) -> Vec<Range<usize>> {
         b.len(),
         "compared buffers must have the same length"
     );
+    page_runs(a.len(), page, |r| a[r.clone()] != b[r])
+}
+
+/// The byte ranges of the pages of `len` bytes (the last one may be short) for which
+/// `differs` holds, given each page's range, adjacent ones merged into one range.
+pub fn page_runs(
+    len: usize,
+    page: usize,
+    differs: impl Fn(Range<usize>) -> bool,
+) -> Vec<Range<usize>> {
     let mut runs: Vec<Range<usize>> = Vec::new();
-    for (i, (pa, pb)) in a.chunks(page).zip(b.chunks(page)).enumerate() {
-        if pa != pb {
-            let start = i * page;
-            let end = start + pa.len();
+    for start in (0..len).step_by(page) {
+        let this = start..(start + page).min(len);
+        if differs(this.clone()) {
             match runs.last_mut() {
-                Some(last) if last.end == start => last.end = end,
-                _ => runs.push(start..end),
+                Some(last) if last.end == start => last.end = this.end,
+                _ => runs.push(this),
             }
         }
     }

@@ -1,6 +1,6 @@
 //! What to do with one chunk: a pure function of the source and destination bytes.
 
-use chunker::{PAGE_SIZE, cv::Cv, differing_pages, is_zero};
+use chunker::{PAGE_SIZE, cv::Cv, differing_pages, is_zero, page_runs};
 use std::ops::Range;
 
 /// One change to apply to the destination, as a byte range within the chunk.
@@ -56,19 +56,9 @@ pub fn plan_chunk(src: SrcChunk<'_>, dst: DstChunk<'_>, ops: &mut Vec<Op>) {
                 debug_assert!(false, "page CVs do not match the chunk");
                 return split_zero_pages(src, 0..src.len(), ops);
             }
-            let mut runs: Vec<Range<usize>> = Vec::new();
-            for (p, _) in saved
-                .iter()
-                .zip(source)
-                .enumerate()
-                .filter(|(_, (a, b))| a != b)
-            {
-                let page = p * PAGE_SIZE..((p + 1) * PAGE_SIZE).min(src.len());
-                match runs.last_mut() {
-                    Some(last) if last.end == page.start => last.end = page.end,
-                    _ => runs.push(page),
-                }
-            }
+            let differs =
+                |r: Range<usize>| saved[r.start / PAGE_SIZE] != source[r.start / PAGE_SIZE];
+            let runs = page_runs(src.len(), PAGE_SIZE, differs);
             for run in runs {
                 split_zero_pages(src, run, ops);
             }
