@@ -261,7 +261,11 @@ mod tests {
 
     #[test]
     fn a_server_that_exits_is_reported_with_its_log() {
-        let port = free_port().unwrap();
+        // The port is held, bound but not listening and without SO_REUSEADDR: connecting
+        // to it is refused, and no test running beside this one can listen on it (one
+        // did, once, and this server was taken for listening before it exited).
+        let (port, _held) = reserved_port();
+        assert!(TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_err());
         let dir = std::env::temp_dir().join(format!("mover-bench-exit-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let log = dir.join("server.log");
@@ -272,5 +276,14 @@ mod tests {
             .to_string();
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(err.contains("cannot bind"), "{err}");
+    }
+
+    /// A port of 127.0.0.1 bound by the returned socket, which does not listen.
+    fn reserved_port() -> (u16, rustix::fd::OwnedFd) {
+        use rustix::net::{AddressFamily, SocketType, bind, getsockname, socket};
+        let socket = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+        bind(&socket, &SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).unwrap();
+        let bound = SocketAddr::try_from(getsockname(&socket).unwrap()).unwrap();
+        (bound.port(), socket)
     }
 }

@@ -654,7 +654,8 @@ fn bad_relationship_specs_are_refused_with_what_to_fix() {
         create(&["--volume", "vol", "--secondary", &sec, "--interval", "0s"]),
         "too short",
     );
-    let dead = format!("agent://127.0.0.1:{}/vol", free_port());
+    let (dead_port, _held) = common::agent::refusing_port();
+    let dead = format!("agent://127.0.0.1:{dead_port}/vol");
     refused(
         create(&["--volume", "vol", "--secondary", &dead]),
         "secondary unreachable",

@@ -26,6 +26,17 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A port of 127.0.0.1 that refuses connections for as long as the returned socket lives:
+/// bound, not listening, and without SO_REUSEADDR, so no agent of a test running beside
+/// can listen on it (a port [`free_port`] found free could be taken).
+pub fn refusing_port() -> (u16, rustix::fd::OwnedFd) {
+    use rustix::net::{AddressFamily, SocketType, bind, getsockname, socket};
+    let socket = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    bind(&socket, &std::net::SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+    let bound = std::net::SocketAddr::try_from(getsockname(&socket).unwrap()).unwrap();
+    (bound.port(), socket)
+}
+
 impl Agent {
     /// Starts an agent exporting `exports` (name, path, read_only) with token auth and,
     /// if given, mutual TLS from `tls` (cert, key, ca).
