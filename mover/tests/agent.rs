@@ -9,6 +9,10 @@ use std::{
     net::{TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::Child,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering::SeqCst},
+    },
     time::{Duration, Instant},
 };
 
@@ -389,33 +393,57 @@ fn killed_receiver_or_sender_resumes_without_resending_what_arrived() {
     );
 }
 
-/// A TCP proxy that forwards to `to` and cuts both directions once `cut_after` bytes
-/// went client → server on the first connection; later connections pass untouched.
+/// A TCP proxy that forwards to `to` and, once `cut_after` bytes went client → server
+/// (over all its connections, as a push spreads its streams over several), cuts every
+/// connection open at that moment; connections made after the cut pass untouched.
 fn cutting_proxy(to: u16, cut_after: u64) -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
+    let cut = Arc::new(Cut {
+        sent: AtomicU64::new(0),
+        limit: cut_after,
+        before: Mutex::new(Some(Vec::new())),
+    });
     std::thread::spawn(move || {
-        for (n, conn) in listener.incoming().enumerate() {
+        for conn in listener.incoming() {
             let Ok(client) = conn else { return };
             let server = TcpStream::connect(("127.0.0.1", to)).unwrap();
-            let limit = if n == 0 { cut_after } else { u64::MAX };
+            let counted = match cut.before.lock().unwrap().as_mut() {
+                Some(open) => {
+                    open.push(client.try_clone().unwrap());
+                    open.push(server.try_clone().unwrap());
+                    Some(cut.clone())
+                }
+                None => None,
+            };
             let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-            std::thread::spawn(move || pump(client, server, limit));
-            std::thread::spawn(move || pump(s2, c2, u64::MAX));
+            std::thread::spawn(move || pump(client, server, counted));
+            std::thread::spawn(move || pump(s2, c2, None));
         }
     });
     port
 }
 
-fn pump(mut from: TcpStream, mut to: TcpStream, limit: u64) {
+/// The cut of [`cutting_proxy`]: bytes sent so far, and the connections to cut (`None`
+/// once cut).
+struct Cut {
+    sent: AtomicU64,
+    limit: u64,
+    before: Mutex<Option<Vec<TcpStream>>>,
+}
+
+fn pump(mut from: TcpStream, mut to: TcpStream, cut: Option<Arc<Cut>>) {
     let mut buf = vec![0u8; 1 << 16];
-    let mut total = 0u64;
     while let Ok(n) = from.read(&mut buf) {
         if n == 0 || to.write_all(&buf[..n]).is_err() {
             break;
         }
-        total += n as u64;
-        if total >= limit {
+        if let Some(cut) = &cut
+            && cut.sent.fetch_add(n as u64, SeqCst) + n as u64 >= cut.limit
+        {
+            for s in cut.before.lock().unwrap().take().unwrap_or_default() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
             break;
         }
     }
@@ -440,9 +468,9 @@ fn a_cut_connection_is_retried_and_continues() {
     ));
     assert_eq!(blake3_of(&src, len), blake3_of(&dst, len));
     // The summary is the last attempt's: it re-sent at most what was in flight at the
-    // cut (one HTTP/2 connection window, plus the agent's write queue of 16 frames of up
-    // to a chunk) besides what had not been sent at all.
-    let in_flight = u64::from(transport::CONNECTION_WINDOW) + 16 * MIB;
+    // cut (a stream window on each of the four streams' connections, plus the agent's
+    // write queue of 16 frames of up to a chunk) besides what had not been sent at all.
+    let in_flight = 4 * u64::from(transport::STREAM_WINDOW) + 16 * MIB;
     let last = j["bytes_written"].as_u64().unwrap();
     assert!(
         last <= len - cut + in_flight,

@@ -88,7 +88,7 @@ pub struct RemoteOptions {
     /// Fencing epoch of this writer; the agent refuses epochs lower than the highest seen.
     #[arg(long, default_value_t = 1)]
     pub epoch: u64,
-    /// Parallel data streams.
+    /// Parallel data streams, each over a connection of its own.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub streams: u32,
     /// Bandwidth limit in bytes per second on the wire, e.g. 100M [default: none].

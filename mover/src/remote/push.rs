@@ -255,14 +255,21 @@ async fn attempt(
         });
 
     // Data streams: each takes frames from a bounded channel, so a slow link slows the
-    // reader instead of filling memory.
+    // reader instead of filling memory. Each has a connection of its own (the first the
+    // session's), as do the comparisons of the groups it carries: one HTTP/2 connection
+    // is one task, which alone encrypts (TLS) everything it sends, and one TCP flow,
+    // which alone backs off on a lossy link.
     let limiter = remote.bwlimit.map(|r| Arc::new(RateLimiter::new(r)));
     let mut senders = Vec::new();
     let mut streams = Vec::new();
-    for _ in 0..remote.streams {
+    let mut clients = vec![client.clone()];
+    for _ in 1..remote.streams {
+        clients.push(remote.connect(url).await?);
+    }
+    for c in &clients {
         let (tx, rx) = mpsc::channel::<proto::WriteFrame>(8);
         senders.push(tx);
-        let mut c = client.clone();
+        let mut c = c.clone();
         streams.push(tokio::spawn(async move {
             c.write(tokio_stream::wrappers::ReceiverStream::new(rx))
                 .await
@@ -337,13 +344,14 @@ async fn attempt(
                 while inflight.len() >= senders.len() {
                     joined(inflight.join_next().await)?;
                 }
+                let stream = (g % senders.len() as u64) as usize;
                 let ship = Ship {
-                    client: client.clone(),
+                    client: clients[stream].clone(),
                     url: url.clone(),
                     session: session.clone(),
                     key: key.clone(),
                     epoch: remote.epoch,
-                    tx: senders[(g % senders.len() as u64) as usize].clone(),
+                    tx: senders[stream].clone(),
                     limiter: limiter.clone(),
                     sent: sent.clone(),
                     compress: remote.compress,
