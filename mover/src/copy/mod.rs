@@ -373,14 +373,16 @@ impl ReadPlan<'_> {
     /// destination's window beside it.
     fn read(&self, unindexed: bool, offset: u64, len: usize, pair: &mut WindowPair) -> Result<()> {
         let (chunk, dest) = (self.chunk, self.dest);
+        if dest.fresh || !unindexed {
+            // A new image has nothing to compare; with an index, `examine` reads only
+            // what the index cannot tell.
+            read_window(self.source, chunk, offset, len, &mut pair.src)?;
+            return Ok(());
+        }
         let dst_win = pair.dst.get_or_insert_with(Window::default);
-        let read_all_dst = !dest.fresh && unindexed;
         let (a, b) = rayon::join(
             || read_window(self.source, chunk, offset, len, &mut pair.src),
-            || match read_all_dst {
-                true => read_window(&dest.volume, chunk, offset, len, dst_win),
-                false => Ok(()),
-            },
+            || read_window(&dest.volume, chunk, offset, len, dst_win),
         );
         a?;
         b?;
@@ -452,9 +454,6 @@ impl ReadPlan<'_> {
             )?;
         } else if indexed {
             // Nothing to read: no window (its buffer would be cleared for nothing).
-            pair.dst = None;
-        }
-        if dest.fresh {
             pair.dst = None;
         }
         Ok(())
