@@ -6,9 +6,9 @@
 //! shared block lands in a fresh block (copy on write), two clones of one image share the
 //! physical blocks of every range not written between them, and the file system's extent
 //! maps (`FIEMAP`) tell which ranges those are without reading a byte
-//! ([`changed_ranges`]). For an application-consistent point in time, the file system can
-//! be frozen around the clone ([`freeze`]); a watchdog thaws it after a deadline even if
-//! the holder is stuck.
+//! ([`changed_ranges`]). Freezing a file system around the clone, for an application-
+//! consistent point in time, is mover's (`mover::node::freeze`): it is about the node,
+//! not about chunks.
 //!
 //! Where reflinks are missing ([`is_no_reflink`]) or `FIEMAP` is (`Ok(None)`), the caller
 //! falls back to the saved index or a Merkle comparison.
@@ -18,10 +18,7 @@ use std::{
     io,
     ops::Range,
     os::{fd::AsRawFd, unix::fs::OpenOptionsExt},
-    path::{Path, PathBuf},
-    sync::{Arc, Condvar, Mutex, PoisonError},
-    thread::JoinHandle,
-    time::{Duration, Instant},
+    path::Path,
 };
 
 /// Creates `dst`, which must not exist, as a reflink clone of `src` (mode 0600), and
@@ -40,7 +37,7 @@ pub fn clone_file(src: &Path, dst: &Path) -> io::Result<()> {
     let done = rustix::fs::ioctl_ficlone(&to, &from)
         .map_err(io::Error::from)
         .and_then(|()| to.sync_all())
-        .and_then(|()| sync_parent(dst));
+        .and_then(|()| crate::durable::sync_dir(crate::durable::parent_of(dst)));
     if let Err(e) = done {
         drop(to);
         let _ = std::fs::remove_file(dst);
@@ -121,14 +118,6 @@ pub fn is_no_reflink(e: &io::Error) -> bool {
         )
 }
 
-/// Fsyncs the directory holding `path`, so a new entry in it survives a crash.
-fn sync_parent(path: &Path) -> io::Result<()> {
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    File::open(parent)?.sync_all()
-}
 
 /// The byte ranges (logical offsets, sorted, merged) where `new` does not share the
 /// physical blocks of `old` at the same offset, over `0..max(len(old), len(new))`: what
@@ -452,216 +441,10 @@ impl Iterator for ExtentMap<'_> {
     }
 }
 
-/// `FIFREEZE`: `_IOWR('X', 119, int)`.
-const FIFREEZE: u32 = 0xC004_5877;
-/// `FITHAW`: `_IOWR('X', 120, int)`.
-const FITHAW: u32 = 0xC004_5878;
-
-/// Calls `FIFREEZE` or `FITHAW` on an fd of the file system.
-#[allow(unsafe_code)] // libc and rustix wrap neither ioctl; see SAFETY.
-fn freeze_ioctl(dir: &File, request: u32) -> io::Result<()> {
-    // SAFETY: FIFREEZE and FITHAW take no argument (the kernel ignores the third one, so
-    // no memory is read or written through it); the fd is valid for the borrow of `dir`.
-    let rc = unsafe { libc::ioctl(dir.as_raw_fd(), request as _, 0) };
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
-}
-
-/// Thaws the file system holding `mount_point`; one that is not frozen is left alone.
-///
-/// For recovery: an agent killed while holding a [`Frozen`] leaves its file system frozen
-/// (the kernel does not thaw it when the process dies), so the agent thaws the file
-/// systems it may have frozen when it starts again.
-pub fn thaw(mount_point: &Path) -> io::Result<()> {
-    let dir = File::open(mount_point)?;
-    match freeze_ioctl(&dir, FITHAW) {
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
-        other => other,
-    }
-}
-
-/// A frozen file system: writes to it block until it is thawed, which happens when this
-/// is dropped or [thawed](Frozen::thaw), or by a watchdog thread once the deadline given
-/// to [`freeze`] passes, whichever comes first.
-#[must_use = "the file system is thawed as soon as this is dropped"]
-pub struct Frozen {
-    shared: Arc<FreezeState>,
-    watchdog: Option<JoinHandle<()>>,
-}
-
-/// What the guard and its watchdog share.
-struct FreezeState {
-    mount_point: PathBuf,
-    hold: Mutex<Hold>,
-    wake: Condvar,
-}
-
-/// Whether the freeze is still held.
-enum Hold {
-    /// Frozen, through this fd of the file system.
-    Frozen(File),
-    /// Thawed, by whichever side got there first. The fd is closed by then, so a leaked
-    /// guard does not keep the file system busy (it could not be unmounted).
-    Thawed(ThawedBy),
-}
-
-/// Who thawed the file system.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum ThawedBy {
-    Holder,
-    Watchdog,
-}
-
-impl FreezeState {
-    /// Thaws unless already thawed (never twice: the second would thaw a freeze that
-    /// someone else has taken since). Returns who had thawed it and the thaw's error.
-    fn thaw(&self, by: ThawedBy) -> (ThawedBy, io::Result<()>) {
-        let mut hold = self.hold.lock().unwrap_or_else(PoisonError::into_inner);
-        let dir = match std::mem::replace(&mut *hold, Hold::Thawed(by)) {
-            Hold::Frozen(dir) => dir,
-            Hold::Thawed(first) => {
-                *hold = Hold::Thawed(first);
-                return (first, Ok(()));
-            }
-        };
-        self.wake.notify_all();
-        let result = match freeze_ioctl(&dir, FITHAW) {
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
-            other => other,
-        };
-        (by, result)
-    }
-
-    fn is_frozen(&self) -> bool {
-        let hold = self.hold.lock().unwrap_or_else(PoisonError::into_inner);
-        matches!(*hold, Hold::Frozen(_))
-    }
-}
-
-/// Freezes the file system mounted at `mount_point` (any directory on it will do), for
-/// an application-consistent point in time: the kernel flushes it and blocks new writes
-/// until the returned guard thaws it. A watchdog thaws it after `max` whatever the
-/// guard's holder does, so a stuck or leaking holder cannot leave it frozen for longer.
-/// `max` counts from the start of the call: the flush that freezing starts with already
-/// holds writers back.
-///
-/// Needs `CAP_SYS_ADMIN`. A file system already frozen by someone else fails with
-/// `EBUSY` and is left as it is.
-pub fn freeze(mount_point: &Path, max: Duration) -> io::Result<Frozen> {
-    let dir = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECTORY)
-        .open(mount_point)?;
-    let started = Instant::now();
-    freeze_ioctl(&dir, FIFREEZE)?;
-    let shared = Arc::new(FreezeState {
-        mount_point: mount_point.to_path_buf(),
-        hold: Mutex::new(Hold::Frozen(dir)),
-        wake: Condvar::new(),
-    });
-    let watched = Arc::clone(&shared);
-    let watchdog = std::thread::Builder::new()
-        .name("thaw-watchdog".into())
-        .spawn(move || watchdog(&watched, started + max));
-    match watchdog {
-        Ok(handle) => {
-            tracing::debug!(mount_point = %mount_point.display(), "file system frozen");
-            Ok(Frozen {
-                shared,
-                watchdog: Some(handle),
-            })
-        }
-        Err(e) => {
-            let _ = shared.thaw(ThawedBy::Holder);
-            Err(e)
-        }
-    }
-}
-
-/// Waits until `state` is thawed or `deadline` passes, and thaws it in the latter case.
-fn watchdog(state: &FreezeState, deadline: Instant) {
-    let mut hold = state.hold.lock().unwrap_or_else(PoisonError::into_inner);
-    while matches!(*hold, Hold::Frozen(_)) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            drop(hold);
-            if let (ThawedBy::Watchdog, result) = state.thaw(ThawedBy::Watchdog) {
-                tracing::warn!(
-                    mount_point = %state.mount_point.display(),
-                    error = result.err().map(tracing::field::display),
-                    "file system held frozen past its deadline: thawed by the watchdog"
-                );
-            }
-            return;
-        }
-        hold = state
-            .wake
-            .wait_timeout(hold, left)
-            .unwrap_or_else(PoisonError::into_inner)
-            .0;
-    }
-}
-
-impl Frozen {
-    /// Whether the file system is still frozen by this guard (the watchdog has not
-    /// thawed it).
-    pub fn is_frozen(&self) -> bool {
-        self.shared.is_frozen()
-    }
-
-    /// Thaws the file system now. Fails with [`io::ErrorKind::TimedOut`] if the watchdog
-    /// had already thawed it: whatever was taken under the freeze may then not be
-    /// consistent, and should be taken again.
-    pub fn thaw(mut self) -> io::Result<()> {
-        let (by, result) = self.shared.thaw(ThawedBy::Holder);
-        self.join_watchdog();
-        if by == ThawedBy::Watchdog {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!(
-                    "{} was thawed by the watchdog before its holder was done",
-                    self.shared.mount_point.display()
-                ),
-            ));
-        }
-        result
-    }
-
-    fn join_watchdog(&mut self) {
-        if let Some(handle) = self.watchdog.take() {
-            let _ = handle.join();
-        }
-    }
-}
-
-impl Drop for Frozen {
-    fn drop(&mut self) {
-        if let (ThawedBy::Holder, Err(e)) = self.shared.thaw(ThawedBy::Holder) {
-            tracing::warn!(
-                mount_point = %self.shared.mount_point.display(),
-                error = %e,
-                "cannot thaw file system"
-            );
-        }
-        self.join_watchdog();
-    }
-}
-
-impl std::fmt::Debug for Frozen {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Frozen")
-            .field("mount_point", &self.shared.mount_point)
-            .field("frozen", &self.is_frozen())
-            .finish()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
     use rand::{Rng, SeedableRng, rngs::StdRng};
     use std::{
         os::unix::fs::{FileExt, MetadataExt},
@@ -673,7 +456,7 @@ mod tests {
     const BLOCK: u64 = 4096;
 
     /// A file system on a loop device over a sparse image in a temporary directory,
-    /// mounted on another; thawed, unmounted and detached on drop, even after a panic.
+    /// mounted on another; unmounted and detached on drop, even after a panic.
     struct Scratch {
         mount: PathBuf,
         device: Option<PathBuf>,
@@ -728,7 +511,6 @@ mod tests {
     impl Drop for Scratch {
         fn drop(&mut self) {
             if self.mounted {
-                let _ = thaw(&self.mount);
                 let _ = Command::new("umount").arg(&self.mount).status();
             }
             if let Some(device) = &self.device {
@@ -1008,72 +790,6 @@ mod tests {
         }
     }
 
-    /// Writes and fsyncs `path` on another thread; the receiver gets the time it took.
-    fn write_elsewhere(path: PathBuf) -> mpsc::Receiver<Duration> {
-        let (tx, rx) = mpsc::channel();
-        thread::spawn(move || {
-            let started = Instant::now();
-            let file = OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&path)
-                .unwrap();
-            file.write_all_at(b"after the freeze", 0).unwrap();
-            file.sync_all().unwrap();
-            let _ = tx.send(started.elapsed());
-        });
-        rx
-    }
-
-    #[test]
-    fn freeze_blocks_writes_until_dropped_or_the_deadline() {
-        let Some(fs) = Scratch::xfs() else { return };
-        std::fs::write(fs.path("before"), b"x").unwrap();
-
-        // Thawed on drop.
-        let frozen = freeze(&fs.mount, Duration::from_secs(30)).unwrap();
-        assert!(frozen.is_frozen());
-        let done = write_elsewhere(fs.path("one"));
-        assert!(
-            done.recv_timeout(Duration::from_millis(300)).is_err(),
-            "a write went through a frozen file system"
-        );
-        // A second freeze of a frozen file system is refused and leaves it frozen.
-        let again = freeze(&fs.mount, Duration::from_secs(30)).unwrap_err();
-        assert_eq!(again.raw_os_error(), Some(libc::EBUSY), "{again:?}");
-        drop(frozen);
-        done.recv_timeout(Duration::from_secs(5))
-            .expect("the write completes once thawed");
-        assert_eq!(std::fs::read(fs.path("one")).unwrap(), b"after the freeze");
-
-        // Leaked: the watchdog thaws it after `max`.
-        let started = Instant::now();
-        std::mem::forget(freeze(&fs.mount, Duration::from_millis(200)).unwrap());
-        let took = write_elsewhere(fs.path("two"))
-            .recv_timeout(Duration::from_secs(5))
-            .expect("the watchdog thaws a leaked freeze");
-        // Not the write's own wait: on a loaded machine its thread may start late, even
-        // after the thaw. A write that went through at once would finish before 200 ms.
-        assert!(
-            started.elapsed() >= Duration::from_millis(200),
-            "the write finished {:?} after the freeze (it waited {took:?}): was it frozen at all?",
-            started.elapsed()
-        );
-
-        // Held too long: thawing reports that the watchdog got there first.
-        let frozen = freeze(&fs.mount, Duration::from_millis(50)).unwrap();
-        thread::sleep(Duration::from_millis(150));
-        assert!(!frozen.is_frozen());
-        let err = frozen.thaw().unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err:?}");
-        // Thawed in time: no error.
-        freeze(&fs.mount, Duration::from_secs(30))
-            .unwrap()
-            .thaw()
-            .unwrap();
-        std::fs::write(fs.path("three"), b"y").unwrap();
-    }
 
     fn ext(logical: u64, physical: u64, len: u64) -> io::Result<Extent> {
         Ok(Extent {

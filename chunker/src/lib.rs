@@ -12,7 +12,8 @@
 //!   outsider cannot confirm content by hash.
 //! - A volume's chunk list folds into a Merkle summary ([`MerkleBuilder`]) in O(log n)
 //!   memory, and [`differing_pages`] finds the 4 KiB pages that differ inside a chunk.
-//! - [`extents`]: reflink clones of image files, the ranges written between two, fs freeze.
+//! - [`extents`]: reflink clones of image files, the ranges written between two.
+//! - [`durable`]: the workspace's one durable write (tmp, fsync, rename, fsync(dir)).
 //!
 //! The crate is synchronous (no tokio): hashing runs on rayon, reads on a read-ahead
 //! thread ([`read_ahead`], or [`read_process_ahead`] with several readers and a middle
@@ -23,6 +24,7 @@ mod block;
 mod cdc;
 pub mod cv;
 pub mod direct;
+pub mod durable;
 mod error;
 pub mod extents;
 mod id;

@@ -136,6 +136,16 @@ pub enum CopyError {
         /// The OS error.
         cause: std::io::Error,
     },
+    /// A replication cycle failed in a way the next one cannot mend.
+    #[error("relationship {relationship}: {message}")]
+    CycleFailed {
+        /// The relationship.
+        relationship: String,
+        /// What went wrong.
+        message: String,
+        /// The cycle's error was a refusal of bad input.
+        refusal: bool,
+    },
     /// The state directory (interrupted-copy markers) could not be used.
     #[error(
         "state directory {path}: {cause} (set --state-dir or MOVER_STATE_DIR to a writable directory)"
@@ -172,6 +182,7 @@ impl CopyError {
                 | CopyError::DestinationInUse { .. }
                 | CopyError::BadDestination { .. }
                 | CopyError::BadSource { .. }
+                | CopyError::CycleFailed { refusal: true, .. }
         ) || matches!(
             self,
             CopyError::Volume(ChunkerError::Open { .. } | ChunkerError::NotABlockVolume { .. })

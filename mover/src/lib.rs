@@ -16,9 +16,11 @@ pub mod agent;
 #[cfg(feature = "controller")]
 pub mod controller;
 mod copy;
+mod endpoints;
 mod error;
 mod hash;
 pub mod hydrate;
+pub mod node;
 pub mod remote;
 pub mod replicate;
 pub mod schedule;
@@ -26,6 +28,7 @@ mod snapshot;
 mod tree;
 
 pub use copy::{CopyOptions, CopySummary, Progress, copy_block};
+pub use endpoints::{Copied, EndpointError, copy_endpoints};
 pub use error::{CopyError, Result};
 pub use hash::{HashSummary, hash_block};
 pub use snapshot::{

@@ -1,21 +1,12 @@
 //! The `mover` binary: parses arguments, sets up logging and progress, calls the engine,
 //! and maps errors to exit codes. All the work lives in the `mover` library.
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
-use mover::remote::AgentUrl;
-use mover::{CopyError, CopyOptions, CopySummary, HashSummary, Progress, TreeSummary};
-use std::{io::IsTerminal, path::PathBuf, process::ExitCode, sync::Mutex};
+use cli::OutputArgs;
+use mover::{CopyError, CopyOptions, EndpointError};
+use std::{path::PathBuf, process::ExitCode};
 
-#[path = "hydrate/cli.rs"]
-mod hydrate_cli;
-#[path = "replicate/cli.rs"]
-mod replicate_cli;
-#[path = "schedule/cli.rs"]
-mod schedule_cli;
-#[path = "snapshot/cli.rs"]
-mod snapshot_cli;
+mod cli;
 
 /// Exit code for refused input (nothing was written) and usage errors.
 const EXIT_REFUSED: u8 = 2;
@@ -162,16 +153,16 @@ Examples:
   mover replicate demote pg --agent agent://node-a:7070
   mover replicate promote pg --agent agent://node-b:7070"
     )]
-    Replicate(replicate_cli::ReplicateCommand),
+    Replicate(cli::replicate::ReplicateCommand),
     /// Copy-on-demand: an export served over NBD at once while its data arrives.
     #[command(subcommand)]
-    Hydrate(hydrate_cli::HydrateCommand),
+    Hydrate(cli::hydrate::HydrateCommand),
     /// Manage snapshot repositories (a directory or an S3 bucket).
     #[command(subcommand)]
-    Repo(snapshot_cli::RepoCommand),
+    Repo(cli::snapshot::RepoCommand),
     /// Snapshots of block volumes: create, list, restore, diff, verify, forget, prune.
     #[command(subcommand)]
-    Snapshot(snapshot_cli::SnapshotCommand),
+    Snapshot(cli::snapshot::SnapshotCommand),
     /// The Kubernetes controller: VolumeReplication resources drive the agents.
     #[cfg(feature = "controller")]
     #[command(subcommand)]
@@ -196,17 +187,6 @@ enum ControllerCommand {
     Run(Box<mover::controller::RunOptions>),
 }
 
-/// How results are shown.
-#[derive(clap::Args)]
-struct OutputArgs {
-    /// Print one JSON object with the results on stdout instead of text.
-    #[arg(long)]
-    json: bool,
-    /// Never draw a progress bar (it is drawn only when stderr is a terminal).
-    #[arg(long)]
-    no_progress: bool,
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
@@ -225,31 +205,32 @@ fn main() -> ExitCode {
     }
 }
 
+
+
 /// The one place where errors become exit codes.
 fn exit_code(err: &anyhow::Error) -> u8 {
-    match err.downcast_ref::<CopyError>() {
+    let copy_error = err.downcast_ref::<CopyError>().or_else(|| {
+        match err.downcast_ref::<EndpointError>() {
+            Some(EndpointError::Copy(e)) => Some(e),
+            _ => None,
+        }
+    });
+    match copy_error {
         Some(CopyError::VerifyFailed { .. } | CopyError::TreeVerifyFailed { .. }) => {
             EXIT_VERIFY_FAILED
         }
         Some(e) if e.is_refusal() => EXIT_REFUSED,
-        _ if err.downcast_ref::<Unsupported>().is_some() => EXIT_REFUSED,
-        _ if err.downcast_ref::<Refused>().is_some() => EXIT_REFUSED,
-        _ => snapshot_cli::exit_code(err),
+        _ if err
+            .downcast_ref::<EndpointError>()
+            .is_some_and(EndpointError::is_refusal) =>
+        {
+            EXIT_REFUSED
+        }
+        _ => cli::snapshot::exit_code(err),
     }
 }
 
-/// An endpoint kind this build does not handle yet.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "{0}: not supported by this build; copy endpoints are local devices, image files, or agent://HOST:PORT/VOLUME"
-)]
-struct Unsupported(String);
-
-/// Options that do not go together; nothing was written.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-struct Refused(String);
-
+/// Calls the runner of the command.
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Copy {
@@ -259,346 +240,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             tree,
             remote,
             output,
-        } => {
-            let bar = Bar::new(&output);
-            let context = || format!("copy {} -> {}", src.display(), dst.display());
-            let url = |p: &std::path::Path| AgentUrl::parse(&p.to_string_lossy()).transpose();
-            let (from, to) = (url(&src)?, url(&dst)?);
-            if tree.replica && (from.is_some() || to.is_some()) {
-                anyhow::bail!(Refused(
-                    "--replica is for local DIR to DIR copies only (no record is kept of an \
-                     agent's tree yet); drop --replica to copy with an agent"
-                        .into()
-                ));
-            }
-            let tree = mover::TreeOptions {
-                verify: options.verify,
-                state_dir: Some(options.state_dir()),
-                ..tree
-            };
-            let summary = if std::fs::metadata(&src).is_ok_and(|m| m.is_dir()) {
-                Some(match &to {
-                    Some(to) => mover::remote::push_tree(&src, to, &tree, &remote, &bar),
-                    None if dst.to_string_lossy().contains("://") => {
-                        anyhow::bail!(Unsupported(dst.display().to_string()))
-                    }
-                    None => mover::copy_tree(&src, &dst, &tree, &bar),
-                })
-            } else if let (Some(from), None) = (&from, &to)
-                && mover::remote::is_tree(from, &remote).with_context(context)?
-            {
-                Some(mover::remote::pull_tree(from, &dst, &tree, &remote, &bar))
-            } else {
-                None
-            };
-            if let Some(summary) = summary {
-                let summary = summary.with_context(context)?;
-                bar.done();
-                return print_tree(&summary, output.json);
-            }
-            let summary = copy(&src, &dst, &options, &remote, &bar).with_context(context)?;
-            bar.done();
-            print_copy(&summary, output.json)
-        }
-        Command::Agent { config } => run_agent(&config),
+        } => cli::copy::run_copy(&src, &dst, &options, &tree, &remote, &output),
+        Command::Agent { config } => cli::agent::run_agent(&config),
         Command::Hash {
             volume,
             chunk_size,
             threads,
             output,
-        } => {
-            let bar = Bar::new(&output);
-            let summary = mover::hash_block(&volume, chunk_size, threads, &bar)
-                .with_context(|| format!("hash {}", volume.display()))?;
-            bar.done();
-            print_hash(&summary, output.json)
-        }
-        Command::Replicate(cmd) => replicate_cli::run(cmd),
-        Command::Hydrate(cmd) => hydrate_cli::run(cmd),
-        Command::Repo(cmd) => snapshot_cli::run_repo(cmd),
+        } => cli::copy::run_hash(&volume, chunk_size, threads, &output),
+        Command::Replicate(cmd) => cli::replicate::run(cmd),
+        Command::Hydrate(cmd) => cli::hydrate::run(cmd),
+        Command::Repo(cmd) => cli::snapshot::run_repo(cmd),
         Command::Snapshot(cmd) => {
-            let restore = matches!(cmd, snapshot_cli::SnapshotCommand::Restore { .. });
-            bounded_malloc(!restore);
-            snapshot_cli::run_snapshot(cmd)
+            let restore = matches!(cmd, cli::snapshot::SnapshotCommand::Restore { .. });
+            cli::bounded_malloc(!restore);
+            cli::snapshot::run_snapshot(cmd)
         }
         #[cfg(feature = "controller")]
-        Command::Controller(cmd) => run_controller(cmd),
-    }
-}
-
-/// `mover controller ...`.
-#[cfg(feature = "controller")]
-fn run_controller(cmd: ControllerCommand) -> anyhow::Result<()> {
-    match cmd {
-        ControllerCommand::Crds { group, out } => {
-            for path in mover::controller::write_crds(&group, &out)
-                .with_context(|| format!("cannot write the CRDs into {}", out.display()))?
-            {
-                println!("{}", path.display());
-            }
-            Ok(())
-        }
-        ControllerCommand::Run(options) => {
-            let runtime =
-                tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-            runtime.block_on(mover::controller::run(*options))?;
-            Ok(())
-        }
-    }
-}
-
-/// Dispatches a copy by the kinds of its endpoints: local, or to/from an agent.
-fn copy(
-    src: &std::path::Path,
-    dst: &std::path::Path,
-    options: &CopyOptions,
-    remote: &mover::remote::RemoteOptions,
-    bar: &Bar,
-) -> anyhow::Result<CopySummary> {
-    let url = |p: &std::path::Path| AgentUrl::parse(&p.to_string_lossy()).transpose();
-    let (from, to) = (url(src)?, url(dst)?);
-    for p in [src, dst] {
-        let s = p.to_string_lossy();
-        if s.contains("://") && !s.starts_with("agent://") {
-            return Err(Unsupported(s.into_owned()).into());
-        }
-    }
-    let runtime = || tokio::runtime::Runtime::new().context("cannot start the async runtime");
-    Ok(match (from, to) {
-        (None, None) => mover::copy_block(src, dst, options, bar)?,
-        (None, Some(to)) => {
-            runtime()?.block_on(mover::remote::push(src, &to, options, remote, bar))?
-        }
-        (Some(from), None) => {
-            runtime()?.block_on(mover::remote::pull(&from, dst, options, remote, bar))?
-        }
-        (Some(_), Some(_)) => {
-            anyhow::bail!(Unsupported(
-                "agent-to-agent copies: run the copy on one of the two nodes".into()
-            ))
-        }
-    })
-}
-
-/// `mover agent`: serves until SIGINT or SIGTERM.
-fn run_agent(config_path: &std::path::Path) -> anyhow::Result<()> {
-    let config = mover::agent::AgentConfig::load(config_path)?;
-    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-    runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(config.listen)
-            .await
-            .with_context(|| format!("cannot listen on {}", config.listen))?;
-        let metrics = match config.metrics_listen {
-            Some(addr) => Some(
-                tokio::net::TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("cannot listen for metrics on {addr}"))?,
-            ),
-            None => None,
-        };
-        let shutdown = async {
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .expect("SIGTERM handler");
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {},
-                _ = term.recv() => {},
-            }
-            tracing::info!("shutting down: finishing calls in flight");
-        };
-        mover::agent::serve(config, listener, metrics, shutdown).await?;
-        Ok(())
-    })
-}
-
-/// Keeps a snapshot's memory to what it holds: glibc would otherwise give each of the
-/// walk's threads an arena that keeps freed chunk and pack buffers, and serve those
-/// megabyte buffers from arenas that never shrink (measured on /usr/share: 230 MB peak,
-/// 129 MB with two arenas and buffers of 1 MiB and more mapped and unmapped whole, for
-/// the same time). A restore (`map_big: false`) keeps glibc's own threshold, which
-/// rises to the sizes freed: its chunk and read buffers are then reused, where mapping
-/// each one anew cost a page fault and a zeroed page per 4 KiB (a third more system
-/// time on a 6 GiB tree). Settings made in the environment (`MALLOC_ARENA_MAX`,
-/// `MALLOC_MMAP_THRESHOLD_`) win.
-#[allow(unsafe_code)] // mallopt(3) has no safe wrapper; see SAFETY.
-fn bounded_malloc(map_big: bool) {
-    let set = |var: &str| std::env::var_os(var).is_some();
-    // SAFETY: mallopt only changes allocator parameters; it is called before the
-    // snapshot's threads start, and any value is valid for these two parameters.
-    unsafe {
-        if !set("MALLOC_ARENA_MAX") {
-            libc::mallopt(libc::M_ARENA_MAX, 2);
-        }
-        if map_big && !set("MALLOC_MMAP_THRESHOLD_") {
-            libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
-        }
-    }
-}
-
-fn print_copy(s: &CopySummary, json: bool) -> anyhow::Result<()> {
-    if json {
-        println!("{}", serde_json::to_string(s)?);
-        return Ok(());
-    }
-    println!(
-        "copied {} -> {}: {} in {:.2}s ({}/s){}",
-        s.source.display(),
-        s.destination.display(),
-        human(s.volume_bytes),
-        s.duration_secs,
-        human(s.throughput_bytes_per_sec as u64),
-        if s.resumed {
-            ", finishing an interrupted copy"
-        } else {
-            ""
-        }
-    );
-    println!(
-        "  read {} of source, {} of destination; wrote {} ({} pages), zeroed {}; {} of zeros skipped",
-        human(s.source_bytes_read),
-        human(s.destination_bytes_read),
-        human(s.bytes_written),
-        s.pages_written,
-        human(s.bytes_zeroed),
-        human(s.zero_bytes_skipped),
-    );
-    if let Some(root) = &s.root {
-        println!("  verified: destination read back equals source (root {root})");
-    }
-    Ok(())
-}
-
-/// Prints a tree copy's summary; an incomplete copy is an error (exit 1) after it.
-fn print_tree(s: &TreeSummary, json: bool) -> anyhow::Result<()> {
-    if json {
-        println!("{}", serde_json::to_string(s)?);
-    } else {
-        println!(
-            "copied tree {} -> {}: {} files ({}), {} dirs, {} symlinks, {} hard links, {} special in {:.2}s{}",
-            s.source.display(),
-            s.destination.display(),
-            s.files,
-            human(s.source_bytes),
-            s.dirs,
-            s.symlinks,
-            s.hard_links,
-            s.specials,
-            s.duration_secs,
-            if s.resumed {
-                ", finishing an interrupted copy"
-            } else {
-                ""
-            }
-        );
-        println!(
-            "  {} entries written whole, {} files patched, {} unchanged, {} with new metadata, {} deleted; \
-             wrote {} of file data, reused {} from older copies",
-            s.entries_copied,
-            s.files_patched,
-            s.entries_unchanged,
-            s.metadata_updated,
-            s.entries_deleted,
-            human(s.bytes_written),
-            human(s.bytes_reused),
-        );
-        for w in &s.warnings {
-            eprintln!("mover: warning: {w}");
-        }
-    }
-    if !s.is_complete() {
-        anyhow::bail!(
-            "{} entries could not be copied (errors above); fix them and rerun: \
-             what is already copied is not copied again{}",
-            s.failed,
-            if s.destination.exists() {
-                ""
-            } else {
-                "; until then the copy stays hidden under .NAME.mover-partial"
-            }
-        );
-    }
-    Ok(())
-}
-
-fn print_hash(s: &HashSummary, json: bool) -> anyhow::Result<()> {
-    if json {
-        println!("{}", serde_json::to_string(s)?);
-        return Ok(());
-    }
-    println!("{}  {}", s.root, s.volume.display());
-    println!(
-        "  {} in {} chunks of {}: {} data chunks ({}), {} zero chunks; {:.2}s ({}/s)",
-        human(s.volume_bytes),
-        s.data_chunks + s.zero_chunks,
-        human(s.chunk_size),
-        s.data_chunks,
-        human(s.data_bytes),
-        s.zero_chunks,
-        s.duration_secs,
-        human(s.throughput_bytes_per_sec as u64)
-    );
-    Ok(())
-}
-
-/// Bytes in binary units, e.g. "1.50 GiB".
-fn human(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = bytes as f64;
-    let mut unit = 0;
-    while v >= 1024.0 && unit < UNITS.len() - 1 {
-        v /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.2} {}", UNITS[unit])
-    }
-}
-
-/// A progress bar on stderr, drawn only on a terminal.
-struct Bar(Option<Mutex<ProgressBar>>);
-
-impl Bar {
-    fn new(output: &OutputArgs) -> Self {
-        let show = !output.no_progress && std::io::stderr().is_terminal();
-        Bar(show.then(|| Mutex::new(ProgressBar::hidden())))
-    }
-
-    fn done(&self) {
-        if let Some(bar) = &self.0 {
-            bar.lock().expect("progress bar lock").finish_and_clear();
-        }
-    }
-}
-
-impl Progress for Bar {
-    fn begin(&self, phase: &'static str, total: u64) {
-        if let Some(bar) = &self.0 {
-            let mut bar = bar.lock().expect("progress bar lock");
-            bar.finish_and_clear();
-            // A total of 0 means unknown (a tree is copied as it is walked): no bar, no eta.
-            let template = if total == 0 {
-                "{prefix:>7} {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}"
-            } else {
-                "{prefix:>7} [{bar:40}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}"
-            };
-            *bar = ProgressBar::new(total).with_style(
-                ProgressStyle::with_template(template)
-                    .expect("valid template")
-                    .progress_chars("=> "),
-            );
-            if total == 0 {
-                bar.enable_steady_tick(std::time::Duration::from_millis(200));
-            }
-            bar.set_prefix(phase);
-        }
-    }
-
-    fn update(&self, done: u64) {
-        if let Some(bar) = &self.0 {
-            bar.lock().expect("progress bar lock").set_position(done);
-        }
+        Command::Controller(cmd) => cli::agent::run_controller(cmd),
     }
 }
 

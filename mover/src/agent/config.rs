@@ -1,5 +1,6 @@
 //! `agent.toml`: what an agent listens on, how peers authenticate, and what it exports.
 
+use crate::node::Export;
 use serde::Deserialize;
 use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf};
 
@@ -61,18 +62,6 @@ pub struct TlsConfig {
     pub key: PathBuf,
     /// CA certificate that signs the peers' certificates.
     pub ca: PathBuf,
-}
-
-/// One exported volume.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Export {
-    /// A block device or image file (created on first write if missing), or a directory:
-    /// a file tree (a tree pushed into a path not made yet creates it).
-    pub path: PathBuf,
-    /// Peers may read but never write it.
-    #[serde(default)]
-    pub read_only: bool,
 }
 
 fn default_state_dir() -> PathBuf {

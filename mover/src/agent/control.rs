@@ -92,7 +92,7 @@ impl Control {
     async fn common_by_hashing(
         &self,
         r: &Record,
-        export: &crate::agent::config::Export,
+        export: &crate::node::Export,
     ) -> Result<Option<CycleRecord>, Status> {
         let key = transport::relationship_key(&r.spec.name);
         let local_root = blocking(|| -> Result<String, String> {
@@ -258,7 +258,7 @@ impl Control {
             )));
         }
         if !spec.freeze.is_empty() {
-            replicate::cycle::check_freeze(Path::new(&spec.freeze), &export.path).map_err(bad)?;
+            crate::node::freeze::check_freeze(Path::new(&spec.freeze), &export.path).map_err(bad)?;
         }
         Ok(Spec {
             name: spec.name,
@@ -354,7 +354,7 @@ impl Replication for Control {
                     "a file tree's cycles are file-consistent and cannot be frozen",
                 ));
             }
-            replicate::cycle::check_freeze(Path::new(m), &export.path)
+            crate::node::freeze::check_freeze(Path::new(m), &export.path)
                 .map_err(Status::invalid_argument)?;
         }
         if u.interval_ms.is_some_and(|i| i < MIN_INTERVAL_MS) {

@@ -102,10 +102,3 @@ impl Metrics {
         out
     }
 }
-
-/// A Prometheus label value, escaped (backslash, double quote, newline).
-pub(crate) fn label_value(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}

@@ -6,10 +6,8 @@
 mod config;
 mod control;
 mod cycles;
-mod exports;
 mod fencing;
 mod hydration;
-pub(crate) mod journal;
 mod live;
 mod metrics;
 mod pages;
@@ -17,13 +15,15 @@ mod schedules;
 mod service;
 mod trees;
 
-pub use config::{AgentConfig, ConfigError, Export, TlsConfig};
+pub use crate::node::{Export, ExportError, Exports};
+pub use config::{AgentConfig, ConfigError, TlsConfig};
 pub use control::Control;
-pub use exports::{ExportError, Exports};
 pub use fencing::{EpochStore, StaleEpoch};
 pub use metrics::Metrics;
-pub(crate) use metrics::label_value;
 pub use service::AgentService;
+
+// The secondary's journal is replication's; the agent's handlers apply it.
+use crate::replicate::journal;
 
 use std::{future::Future, sync::Arc};
 use tokio::net::TcpListener;
@@ -108,7 +108,7 @@ pub async fn serve(
     // (the kernel does not thaw it when the process dies): thaw those of its
     // relationships before anything else, or their applications stay blocked.
     for m in store.all().iter().filter_map(|r| r.spec.freeze.as_ref()) {
-        match chunker::extents::thaw(m) {
+        match crate::node::freeze::thaw(m) {
             Ok(()) => tracing::debug!(mount = %m.display(), "thawed (if it was frozen)"),
             Err(e) => tracing::warn!(mount = %m.display(), "cannot thaw: {e}"),
         }

@@ -1,7 +1,7 @@
 //! The Transfer service: sessions on exported volumes.
 
 use super::{
-    config::Export,
+    Export,
     cycles::{CycleSession, CycleTarget},
     fencing::{EpochStore, StaleEpochOrIo},
     journal::{self, Journal},

@@ -2,7 +2,7 @@
 //! into the export here; pulls serve the export to a client that walks it.
 
 use super::{
-    config::Export,
+    Export,
     cycles::CycleTarget,
     journal::{self, AppliedCycle},
     service::AgentService,

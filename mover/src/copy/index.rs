@@ -21,6 +21,8 @@
 //! flags (1: paged), key fingerprint, the BLAKE3 of everything before it, and the magic.
 //! Older versions are not trusted: the destination is then compared in full once.
 
+// TEMP(merge): agent/pages.rs still names index::publish.
+pub(crate) use chunker::durable::publish;
 use chunker::{ChunkId, ChunkKey, ChunkKind, ChunkSize, PAGE_SIZE, cv::Cv};
 use std::{
     fs::{self, File},
@@ -327,13 +329,6 @@ impl Drop for RemoveOnDrop {
     }
 }
 
-/// Makes the state record `file`, written at `tmp`, durable and puts it at `path` (in
-/// the same directory), durably too.
-pub(crate) fn publish(file: &File, tmp: &Path, path: &Path) -> std::io::Result<()> {
-    file.sync_all()?;
-    fs::rename(tmp, path)?;
-    File::open(path.parent().expect("index paths have a parent"))?.sync_all()
-}
 
 #[cfg(test)]
 mod tests {

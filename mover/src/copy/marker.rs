@@ -6,9 +6,9 @@
 //! verification), so an interrupted copy is reported, and finished, by the next run.
 
 use crate::error::{CopyError, Result};
+use chunker::durable::{parent_of, sync_dir, write_durably};
 use std::{
-    fs::{self, File},
-    io::Write,
+    fs,
     path::{Path, PathBuf},
 };
 
@@ -40,15 +40,8 @@ impl Marker {
             "source": fs::canonicalize(src).unwrap_or_else(|_| src.to_path_buf()),
             "state": "copy in progress: the destination is not a complete copy until this file is gone",
         });
-        let tmp = path.with_extension("tmp");
-        let write = || -> std::io::Result<()> {
-            let mut f = File::create(&tmp)?;
-            f.write_all(serde_json::to_string_pretty(&body)?.as_bytes())?;
-            f.sync_all()?;
-            fs::rename(&tmp, &path)?;
-            File::open(&dir)?.sync_all()
-        };
-        write().map_err(err(&path))?;
+        let text = serde_json::to_string_pretty(&body).map_err(|e| err(&path)(e.into()))?;
+        write_durably(&path, text.as_bytes()).map_err(err(&path))?;
         Ok((Marker { path }, existed))
     }
 
@@ -59,9 +52,6 @@ impl Marker {
             cause,
         };
         fs::remove_file(&self.path).map_err(err)?;
-        if let Some(dir) = self.path.parent() {
-            File::open(dir).and_then(|d| d.sync_all()).map_err(err)?;
-        }
-        Ok(())
+        sync_dir(parent_of(&self.path)).map_err(err)
     }
 }

@@ -8,10 +8,11 @@ use super::{
     source::{AgentSource, RegionSource, SnapshotSource},
 };
 use crate::{
-    agent::{Exports, journal::write_durably},
+    node::{Exports, write_durably},
     remote::{AgentUrl, RemoteOptions},
     snapshot::RepoOptions,
 };
+use chunker::durable::sync_dir;
 use serde::{Deserialize, Serialize};
 use std::{
     collections::{HashMap, HashSet},
@@ -183,7 +184,7 @@ impl Hydrations {
         for (name, help, value) in series {
             out += &format!("# HELP {name} {help}\n# TYPE {name} gauge\n");
             for h in &all {
-                let export = crate::agent::label_value(h.name());
+                let export = crate::node::label_value(h.name());
                 out += &format!("{name}{{export=\"{export}\"}} {}\n", value(&h.progress()));
             }
         }
@@ -451,7 +452,9 @@ impl Hydrations {
                 tracing::warn!(path = %p.display(), "cannot remove: {e}");
             }
         }
-        sync_dir(&self.dir);
+        if let Err(e) = sync_dir(&self.dir) {
+            tracing::warn!(dir = %self.dir.display(), "cannot sync: {e}");
+        }
     }
 
     /// Writes a record atomically (temporary file, fsync, rename, fsync of the directory).
@@ -474,12 +477,6 @@ impl Hydrations {
 fn load_record(path: &Path) -> Result<Record, String> {
     let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
     serde_json::from_slice(&bytes).map_err(|e| e.to_string())
-}
-
-fn sync_dir(dir: &Path) {
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
 }
 
 fn parse_agent_url(url: &str) -> Result<AgentUrl, HydrateError> {
@@ -571,9 +568,8 @@ fn prepare_local(path: &Path, size: u64, overwrite: bool) -> Result<bool, String
             f.set_len(size)
                 .and_then(|()| f.sync_all())
                 .map_err(|e| format!("cannot size {}: {e}", path.display()))?;
-            if let Some(d) = path.parent() {
-                sync_dir(d);
-            }
+            sync_dir(chunker::durable::parent_of(path))
+                .map_err(|e| format!("cannot sync the directory of {}: {e}", path.display()))?;
             Ok(true)
         }
         Err(e) => Err(format!("cannot inspect {}: {e}", path.display())),

@@ -18,7 +18,7 @@
 //! the clone may differ from that cycle, which the next cycle reads. A commit renames the
 //! clone to the new cycle, and the new ids make the pending record stale.
 
-use crate::agent::journal::write_durably;
+use crate::node::write_durably;
 use crate::copy::index::{Identity, IndexReader, IndexWriter, index_path};
 use crate::remote::KnownChunks;
 use chunker::{BlockVolume, ChunkId, ChunkKind, ChunkSize, cv::CvFile, extents};
@@ -191,7 +191,7 @@ impl Base {
         let pending = extents::merge_ranges([&self.pending[..], &differ].concat());
         save_pending(&pending_path(source, name), self.cycle, &pending)?;
         self.pending = pending;
-        crate::agent::journal::failpoint("catch-up-recorded");
+        crate::node::failpoint("catch-up-recorded");
         extents::reclone_ranges(&image, &clone, &differ)?;
         tracing::debug!(
             relationship = name,

@@ -11,6 +11,7 @@ use crate::{
     error::CopyError,
     remote::{AgentUrl, CyclePush, RemoteOptions, STALE_BASE, push_cycle, push_tree_cycle},
 };
+use crate::node::freeze::{self, Frozen, check_freeze};
 use chunker::{ChunkId, ChunkSize, extents};
 use std::{
     path::{Path, PathBuf},
@@ -39,7 +40,7 @@ struct PointInTime {
     clone: Option<PathBuf>,
     /// `read` is the base's clone, caught up with the image.
     caught_up: bool,
-    frozen: Option<extents::Frozen>,
+    frozen: Option<Frozen>,
     at_ms: i64,
     consistency: &'static str,
 }
@@ -58,34 +59,6 @@ fn clone_path(source: &Path, name: &str) -> PathBuf {
     source.with_file_name(base::hidden_name(source, name, "pit"))
 }
 
-/// Checks that `mount` is the mount point of a file system other than the one holding
-/// `source`: freezing a plain directory would freeze whatever file system it is on (the
-/// root, say), and freezing the file system that holds the image would block its clone.
-pub fn check_freeze(mount: &Path, source: &Path) -> Result<(), String> {
-    use std::os::unix::fs::MetadataExt;
-    let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev());
-    let m = dev(mount).map_err(|e| format!("freeze {}: {e}", mount.display()))?;
-    let parent = mount.parent().map_or(Ok(u64::MAX), dev).unwrap_or(u64::MAX);
-    if m == parent {
-        return Err(format!(
-            "freeze {}: not a mount point; give the directory where the volume's file \
-             system is mounted",
-            mount.display()
-        ));
-    }
-    if let Some(dir) = source.parent()
-        && dev(dir).is_ok_and(|d| d == m)
-    {
-        return Err(format!(
-            "freeze {}: that file system holds the volume {} itself; freeze the file \
-             system inside the volume (where the application writes)",
-            mount.display(),
-            source.display()
-        ));
-    }
-    Ok(())
-}
-
 fn take_point_in_time(
     source: &Path,
     name: &str,
@@ -101,7 +74,7 @@ fn take_point_in_time(
     };
     let freeze_for = |max| {
         freeze
-            .map(|m| extents::freeze(m, max).map_err(|e| freeze_err(m, e)))
+            .map(|m| freeze::freeze(m, max).map_err(|e| freeze_err(m, e)))
             .transpose()
     };
     if let Some(m) = freeze {
@@ -120,7 +93,7 @@ fn take_point_in_time(
         let at_ms = now_ms();
         match base.catch_up(source, name) {
             Ok(true) => {
-                if let Some(Err(e)) = frozen.map(extents::Frozen::thaw) {
+                if let Some(Err(e)) = frozen.map(Frozen::thaw) {
                     return Err(thawed_early(e));
                 }
                 return Ok(PointInTime {
@@ -150,7 +123,7 @@ fn take_point_in_time(
         match extents::clone_fresh(source, &clone) {
             Ok(true) => {
                 // Thawed by the watchdog before the clone was done: not a point in time.
-                if let Some(Err(e)) = frozen.map(extents::Frozen::thaw) {
+                if let Some(Err(e)) = frozen.map(Frozen::thaw) {
                     let _ = std::fs::remove_file(&clone);
                     return Err(thawed_early(e));
                 }

@@ -5,15 +5,18 @@
 //! ([`runner`]): a point in time of the source (a reflink clone of an image, optionally
 //! with its filesystem frozen while the clone is taken; else the live volume), the pages
 //! that differ from the secondary (Merkle comparison), shipped and committed there as one
-//! atomic cycle (the secondary's journal, `agent::journal`). Both sides keep a durable
+//! atomic cycle (the secondary's journal, [`journal`]). Both sides keep a durable
 //! record of the relationship ([`store`]); epochs fence a demoted or stale primary.
 
 pub mod base;
 pub mod cycle;
+pub mod journal;
+pub mod local;
 pub mod runner;
 pub mod store;
 
-pub use runner::Runners;
+pub use local::{LocalRun, run_local};
+pub use runner::{CycleFailure, CycleOutcome, Runners};
 pub use store::{CycleRecord, EpochChange, Halt, Record, Role, Spec, Store};
 
 use transport::control;
@@ -31,16 +34,20 @@ pub fn remote_for(
     r
 }
 
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
+pub use crate::node::now_ms;
 
 /// The minimum interval between cycles.
 pub const MIN_INTERVAL_MS: u64 = 1000;
+
+/// Refuses an interval shorter than cycles may run ([`MIN_INTERVAL_MS`]).
+pub fn check_interval(ms: u64) -> Result<(), String> {
+    if ms < MIN_INTERVAL_MS {
+        return Err(format!(
+            "interval {ms} ms is too short: cycles run at most once a second (give e.g. 30s)"
+        ));
+    }
+    Ok(())
+}
 
 /// A relationship's chunk size unless given: small chunks, since a cycle reads every
 /// chunk a write touched (128K read a quarter of what 1M did on the bench's database

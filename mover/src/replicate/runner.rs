@@ -10,7 +10,7 @@ use super::{
     cycle,
     store::{CycleRecord, Halt, Role, Store},
 };
-use crate::{agent::Exports, error::CopyError, remote::RemoteOptions};
+use crate::{error::CopyError, node::Exports, remote::RemoteOptions};
 use std::{
     collections::{BTreeMap, HashMap},
     sync::{
@@ -19,7 +19,7 @@ use std::{
     },
     time::Duration,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc, oneshot};
 
 /// Upper bounds (seconds) of the cycle duration histogram's buckets.
 const DURATION_BUCKETS: [f64; 10] = [0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0];
@@ -77,6 +77,26 @@ enum Command {
     Wake,
 }
 
+/// How a cycle ended, as [`Runners::subscribe`] tells it.
+#[derive(Clone, Debug)]
+pub struct CycleOutcome {
+    /// The relationship.
+    pub relationship: String,
+    /// The committed cycle, or why none was.
+    pub result: Result<CycleRecord, CycleFailure>,
+}
+
+/// A cycle that failed.
+#[derive(Clone, Debug)]
+pub struct CycleFailure {
+    /// What went wrong.
+    pub error: String,
+    /// Whether the next cycle may succeed without anyone changing anything.
+    pub retryable: bool,
+    /// Whether the cycle was refused for bad input (nothing was written).
+    pub refusal: bool,
+}
+
 /// The relationships' tasks of one agent.
 pub struct Runners {
     store: Arc<Store>,
@@ -84,6 +104,7 @@ pub struct Runners {
     remote: RemoteOptions,
     tasks: Mutex<HashMap<String, mpsc::Sender<Command>>>,
     live: Mutex<HashMap<String, Arc<Mutex<Live>>>>,
+    outcomes: broadcast::Sender<CycleOutcome>,
 }
 
 impl Runners {
@@ -95,7 +116,13 @@ impl Runners {
             remote,
             tasks: Mutex::default(),
             live: Mutex::default(),
+            outcomes: broadcast::channel(16).0,
         })
+    }
+
+    /// The outcome of every cycle from now on, of every relationship.
+    pub fn subscribe(&self) -> broadcast::Receiver<CycleOutcome> {
+        self.outcomes.subscribe()
     }
 
     /// The in-process state of `name`.
@@ -197,27 +224,42 @@ impl Runners {
         tracing::debug!(relationship = %name, "relationship task ended");
     }
 
-    /// One cycle of `name`; its outcome is recorded in the store and in [`Live`].
+    /// One cycle of `name`; its outcome is recorded in the store and in [`Live`], and
+    /// told to subscribers.
     async fn cycle(&self, name: &str, last: bool) -> Result<CycleRecord, String> {
+        let result = self.run_cycle(name, last).await;
+        let _ = self.outcomes.send(CycleOutcome {
+            relationship: name.into(),
+            result: result.clone(),
+        });
+        result.map_err(|f| f.error)
+    }
+
+    async fn run_cycle(&self, name: &str, last: bool) -> Result<CycleRecord, CycleFailure> {
+        let permanent = |error: String| CycleFailure {
+            error,
+            retryable: false,
+            refusal: false,
+        };
         let rec = self
             .store
             .get(name)
-            .ok_or_else(|| format!("relationship {name:?} is gone"))?;
+            .ok_or_else(|| permanent(format!("relationship {name:?} is gone")))?;
         if rec.role != Role::Primary {
-            return Err(format!(
+            return Err(permanent(format!(
                 "this side of {name:?} is the secondary: cycles run on the primary"
-            ));
+            )));
         }
         if let Some(halt) = rec.halt {
-            return Err(format!(
+            return Err(permanent(format!(
                 "{name:?} is halted ({halt:?}): another side was promoted; run `mover \
                  replicate resync {name}` here to make this side its secondary"
-            ));
+            )));
         }
         let export = self
             .exports
             .get(&rec.spec.volume)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| permanent(e.to_string()))?;
         let live = self.live(name);
         let progress = live.lock().expect("live lock").progress.clone();
         let remote = super::remote_for(&self.remote, rec.spec.own_token());
@@ -245,12 +287,13 @@ impl Runners {
                             r.role = Role::Secondary;
                         }
                     })
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| permanent(e.to_string()))?;
                 tracing::info!(relationship = %name, cycle = c.id, shipped = c.bytes_shipped, ms = c.duration_ms, "cycle committed");
                 Ok(c)
             }
             Err(e) => {
                 let msg = e.to_string();
+                let (retryable, refusal) = (e.is_retryable(), e.is_refusal());
                 l.degraded = true;
                 l.last_error = msg.clone();
                 l.cycles_failed += 1;
@@ -259,11 +302,15 @@ impl Runners {
                     tracing::warn!(relationship = %name, "fenced: {msg}");
                     self.store
                         .update(name, |r| r.halt = Some(Halt::Fenced))
-                        .map_err(|e| e.to_string())?;
+                        .map_err(|e| permanent(e.to_string()))?;
                 } else {
                     tracing::warn!(relationship = %name, "cycle failed: {msg}");
                 }
-                Err(msg)
+                Err(CycleFailure {
+                    error: msg,
+                    retryable,
+                    refusal,
+                })
             }
         }
     }
@@ -285,7 +332,7 @@ impl Runners {
             let name = &r.spec.name;
             let label = format!(
                 "relationship=\"{}\",role=\"{}\"",
-                crate::agent::label_value(name),
+                crate::node::label_value(name),
                 role_str(r.role)
             );
             let live = self.live(name);

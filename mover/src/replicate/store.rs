@@ -1,7 +1,7 @@
 //! Relationship records, kept durably in the agent's state directory (one JSON file per
 //! relationship under `STATE/relationships/`, written tmp → fsync → rename → fsync(dir)).
 
-use crate::agent::journal::write_durably;
+use crate::node::write_durably;
 use serde::{Deserialize, Serialize};
 use std::{
     collections::BTreeMap,

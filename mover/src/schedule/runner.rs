@@ -2,7 +2,7 @@
 
 use super::When;
 use crate::{
-    agent::{Exports, journal::write_durably},
+    node::{Exports, write_durably},
     replicate::{
         base::hidden_name,
         cycle::{CRASH_INCONSISTENT, POINT_IN_TIME},
@@ -469,7 +469,7 @@ impl Schedules {
                 let s = r.status.clone().unwrap_or_default();
                 out += &format!(
                     "{metric}{{schedule=\"{}\"}} {}\n",
-                    crate::agent::label_value(name),
+                    crate::node::label_value(name),
                     value(&s)
                 );
             }

@@ -120,7 +120,7 @@ pub async fn create_snapshot(
     };
     // The manifest is the commit point: a crash here leaves only packs and their index,
     // which the next run finds (and dedups against) and prune collects.
-    crate::agent::journal::failpoint("snapshot-before-manifest");
+    crate::node::failpoint("snapshot-before-manifest");
     let snap = repo.save_snapshot(manifest).await?;
     tracing::info!(id = %snap.id, "snapshot saved");
     Ok(snap)

@@ -132,7 +132,7 @@ pub async fn create_tree_snapshot(
         },
         summary,
     };
-    crate::agent::journal::failpoint("snapshot-before-manifest");
+    crate::node::failpoint("snapshot-before-manifest");
     let snap = repo.save_snapshot(manifest).await?;
     tracing::info!(id = %snap.id, "snapshot saved");
     Ok(snap)

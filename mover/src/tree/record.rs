@@ -468,7 +468,7 @@ impl RecordWriter {
         tail.extend_from_slice(hasher.finalize().as_bytes());
         tail.extend_from_slice(MAGIC);
         out.file.write_all(&tail)?;
-        crate::copy::index::publish(&out.file, &self.tmp, &self.path)
+        chunker::durable::publish(&out.file, &self.tmp, &self.path)
     }
 }
 

@@ -6,6 +6,7 @@
 use super::{Backend, ObjectInfo, check_key, range_error};
 use crate::error::{RepoError, Result};
 use bytes::Bytes;
+use chunker::durable::{publish, sync_dir};
 use std::{
     collections::HashMap,
     fs::{self, File},
@@ -108,10 +109,6 @@ fn read_range(file: &File, r: Range<u64>) -> std::io::Result<Vec<u8>> {
         }
     }
     Ok(buf)
-}
-
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    File::open(dir)?.sync_all()
 }
 
 /// Creates `dir` and any missing parents, fsyncing each parent that gained an entry.
@@ -241,10 +238,9 @@ impl Backend for LocalBackend {
                 // memory, and a direct write would copy them into an 8 MiB aligned
                 // buffer, measured as 8 MiB of a snapshot's peak memory.)
                 std::io::Write::write_all(&mut &f, &data)?;
-                f.sync_all()?;
+                publish(&f, &tmp, &path)?;
                 let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
-                fs::rename(&tmp, &path)?;
-                sync_dir(&dir)
+                Ok(())
             };
             write().inspect_err(|_| {
                 let _ = fs::remove_file(&tmp);

@@ -4,7 +4,7 @@
 use super::human;
 use anyhow::Context;
 use mover::remote::{AgentUrl, ConnectOptions, RemoteOptions, parse_rate, status_error};
-use mover::replicate::{self, Record, Role, Spec, Store};
+use mover::replicate;
 use std::{path::PathBuf, time::Duration};
 use transport::control;
 
@@ -458,66 +458,33 @@ async fn run_foreground(
     let peer = AgentUrl::parse(&dst).ok_or_else(|| {
         anyhow::anyhow!("{dst}: the secondary must be agent://HOST:PORT/EXPORT")
     })??;
-    let name = remote
-        .relationship
-        .clone()
-        .unwrap_or_else(|| format!("run/{}", peer.volume));
-    let store = Store::open(&state_dir.join("run"))?;
-    let mut record = store.get(&name).unwrap_or(Record {
-        version: replicate::store::RECORD_VERSION,
-        spec: Spec {
-            name: name.clone(),
-            volume: src.display().to_string(),
-            peer: peer.to_string(),
-            interval_ms: interval.as_millis() as u64,
-            bwlimit: remote.bwlimit.unwrap_or(0),
-            chunk_size: match chunk_size {
-                Some(c) => c.get(),
-                None if src.is_dir() => 0, // a file tree: copied by file
-                None => replicate::default_chunk(chunker::BlockVolume::open(&src)?.size()).get(),
-            },
-            peer_token: None,
-            freeze: None,
-        },
-        role: Role::Primary,
-        epoch: remote.epoch,
-        paused: false,
-        halt: None,
-        last_cycle: None,
-        this_side: String::new(),
-        history: Vec::new(),
-    });
-    record.spec.freeze = freeze;
-    record.spec.interval_ms = interval.as_millis() as u64;
-    let mut done = 0u64;
-    loop {
-        let started = tokio::time::Instant::now();
-        let c = replicate::cycle::run(&record, &src, &remote, false, &()).await;
-        match c {
-            Ok(c) => {
-                println!(
-                    "cycle {}: {} read, {} shipped in {:.2}s ({}); RPO {:.1}s",
-                    c.id,
-                    human(c.bytes_read),
-                    human(c.bytes_shipped),
-                    c.duration_ms as f64 / 1000.0,
-                    c.consistency,
-                    (replicate::now_ms() - c.point_in_time_ms) as f64 / 1000.0
-                );
-                record.last_cycle = Some(c);
-                store.put(record.clone())?;
-            }
-            Err(e) if e.is_retryable() => {
-                eprintln!("mover: cycle failed, retrying next interval: {e}")
-            }
-            Err(e) => return Err(e.into()),
+    let run = replicate::LocalRun {
+        src,
+        peer,
+        interval,
+        cycles,
+        chunk_size,
+        freeze,
+        state_dir,
+        remote,
+    };
+    replicate::run_local(run, |outcome| match &outcome.result {
+        Ok(c) => println!(
+            "cycle {}: {} read, {} shipped in {:.2}s ({}); RPO {:.1}s",
+            c.id,
+            human(c.bytes_read),
+            human(c.bytes_shipped),
+            c.duration_ms as f64 / 1000.0,
+            c.consistency,
+            (mover::node::now_ms() - c.point_in_time_ms) as f64 / 1000.0
+        ),
+        Err(f) if f.retryable => {
+            eprintln!("mover: cycle failed, retrying next interval: {}", f.error)
         }
-        done += 1;
-        if cycles.is_some_and(|n| done >= n) {
-            return Ok(());
-        }
-        tokio::time::sleep_until(started + interval).await;
-    }
+        Err(_) => {}
+    })
+    .await?;
+    Ok(())
 }
 
 fn rpo(s: &control::Status) -> String {

@@ -2,13 +2,24 @@
 //! registers through the control API (`Export`) under one of the config's
 //! `volume_roots`, kept in `STATE/exports.json` across restarts.
 
-use super::config::Export;
 use serde::{Deserialize, Serialize};
 use std::{
     collections::BTreeMap,
     path::{Component, Path, PathBuf},
     sync::{Arc, RwLock},
 };
+
+/// One exported volume.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Export {
+    /// A block device or image file (created on first write if missing), or a directory:
+    /// a file tree (a tree pushed into a path not made yet creates it).
+    pub path: PathBuf,
+    /// Peers may read but never write it.
+    #[serde(default)]
+    pub read_only: bool,
+}
 
 /// A volume registered through the control API.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -259,7 +270,7 @@ impl Exports {
             return Ok(());
         };
         let bytes = serde_json::to_vec_pretty(table).expect("exports serialize");
-        super::journal::write_durably(file, &bytes).map_err(|cause| ExportError::Save {
+        chunker::durable::write_durably(file, &bytes).map_err(|cause| ExportError::Save {
             path: file.clone(),
             cause,
         })

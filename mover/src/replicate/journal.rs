@@ -17,8 +17,11 @@
 //! - `commit.json`: the commit record (version 1), present from commit until applied.
 //! - `applied.json`: the last applied cycle (version 1).
 
-pub(crate) use crate::replicate::now_ms;
-use crate::{copy::zero_range, replicate::CycleRecord};
+use super::CycleRecord;
+use crate::{
+    copy::zero_range,
+    node::{failpoint, now_ms, write_durably},
+};
 use serde::{Deserialize, Serialize};
 use std::{
     collections::HashMap,
@@ -140,29 +143,6 @@ fn read_applied(dir: &Path) -> Option<AppliedCycle> {
     serde_json::from_str::<AppliedCycle>(&text)
         .ok()
         .filter(|a| a.version == RECORD_VERSION)
-}
-
-/// Writes `bytes` to `path` durably: tmp, fsync, rename, fsync(dir).
-pub(crate) fn write_durably(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let dir = path.parent().expect("a state file has a parent");
-    fs::create_dir_all(dir)?;
-    let tmp = path.with_extension("tmp");
-    let mut f = File::create(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    fs::rename(&tmp, path)?;
-    File::open(dir)?.sync_all()
-}
-
-/// Aborts the process (as `kill -9` would) at a named step, when the environment
-/// variable `MOVER_FAILPOINT` names it: how the tests crash an agent exactly there.
-pub(crate) fn failpoint(step: &str) {
-    static WANTED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    let wanted = WANTED.get_or_init(|| std::env::var("MOVER_FAILPOINT").ok());
-    if wanted.as_deref() == Some(step) {
-        eprintln!("mover: failpoint {step}: aborting");
-        std::process::abort();
-    }
 }
 
 /// A cycle's journal being written.

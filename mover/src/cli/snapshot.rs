@@ -1,7 +1,7 @@
 //! The `mover repo` and `mover snapshot` subcommands (part of the binary: argument
 //! parsing and printing; the work is in `mover::snapshot` and the `snapshots` crate).
 
-use super::{human, print_tree};
+use super::{copy::print_tree, human};
 use anyhow::Context;
 use mover::{RepoOptions, RestoreOptions, RestoreSummary, SnapshotCreateOptions};
 use snapshots::{Content, InitOptions, RepoError, Repository, Snapshot, retention::KeepPolicy};
@@ -195,7 +195,7 @@ pub enum SnapshotCommand {
     },
     /// Snapshots taken by an agent on a schedule, with retention and prune.
     #[command(subcommand)]
-    Schedule(crate::schedule_cli::ScheduleCommand),
+    Schedule(super::schedule::ScheduleCommand),
 }
 
 /// Retention rules (`snapshot forget`, `snapshot schedule create`).
@@ -270,7 +270,7 @@ pub fn run_snapshot(cmd: SnapshotCommand) -> anyhow::Result<()> {
 
 async fn run_snapshot_async(cmd: SnapshotCommand) -> anyhow::Result<()> {
     match cmd {
-        SnapshotCommand::Schedule(cmd) => crate::schedule_cli::run(cmd).await?,
+        SnapshotCommand::Schedule(cmd) => super::schedule::run(cmd).await?,
         SnapshotCommand::Create {
             repo,
             volume,

@@ -1,7 +1,7 @@
 //! `mover snapshot schedule ...`: the CLI of an agent's scheduled snapshots.
 
 use super::human;
-use crate::replicate_cli::AgentArg;
+use super::replicate::AgentArg;
 use mover::remote::status_error;
 use std::path::PathBuf;
 use transport::schedule as proto;
@@ -37,7 +37,7 @@ pub enum ScheduleCommand {
         #[arg(long, value_name = "WHEN")]
         schedule: String,
         #[command(flatten)]
-        keep: crate::snapshot_cli::KeepArgs,
+        keep: super::snapshot::KeepArgs,
         /// Prune the repository after every N snapshots (0: never).
         #[arg(long, value_name = "N", default_value_t = 0)]
         prune_every: u32,

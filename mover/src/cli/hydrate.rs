@@ -1,6 +1,6 @@
 //! `mover hydrate ...`: the CLI of the agents' hydration control API.
 
-use super::{human, replicate_cli::AgentArg};
+use super::{human, replicate::AgentArg};
 use anyhow::Context;
 use mover::remote::{AgentUrl, parse_rate, status_error};
 use std::{path::PathBuf, time::Duration};

@@ -1,0 +1,149 @@
+//! `mover copy` and `mover hash`: run the library call, print the summary.
+
+use super::{Bar, OutputArgs, human};
+use anyhow::Context;
+use mover::{Copied, CopyOptions, CopySummary, HashSummary, TreeOptions, TreeSummary};
+use std::path::{Path, PathBuf};
+
+/// `mover copy SRC DST`.
+pub fn run_copy(
+    src: &Path,
+    dst: &Path,
+    options: &CopyOptions,
+    tree: &TreeOptions,
+    remote: &mover::remote::RemoteOptions,
+    output: &OutputArgs,
+) -> anyhow::Result<()> {
+    let bar = Bar::new(output);
+    let copied = mover::copy_endpoints(src, dst, options, tree, remote, &bar);
+    let copied = match copied {
+        // Refused before anything was looked at: the message says it all.
+        Err(e @ mover::EndpointError::Refused(_)) => return Err(e.into()),
+        r => r.with_context(|| format!("copy {} -> {}", src.display(), dst.display()))?,
+    };
+    bar.done();
+    match copied {
+        Copied::Block(s) => print_copy(&s, output.json),
+        Copied::Tree(s) => print_tree(&s, output.json),
+    }
+}
+
+/// `mover hash VOLUME`.
+pub fn run_hash(
+    volume: &PathBuf,
+    chunk_size: chunker::ChunkSize,
+    threads: Option<usize>,
+    output: &OutputArgs,
+) -> anyhow::Result<()> {
+    let bar = Bar::new(output);
+    let summary = mover::hash_block(volume, chunk_size, threads, &bar)
+        .with_context(|| format!("hash {}", volume.display()))?;
+    bar.done();
+    print_hash(&summary, output.json)
+}
+
+fn print_copy(s: &CopySummary, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(s)?);
+        return Ok(());
+    }
+    println!(
+        "copied {} -> {}: {} in {:.2}s ({}/s){}",
+        s.source.display(),
+        s.destination.display(),
+        human(s.volume_bytes),
+        s.duration_secs,
+        human(s.throughput_bytes_per_sec as u64),
+        if s.resumed {
+            ", finishing an interrupted copy"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "  read {} of source, {} of destination; wrote {} ({} pages), zeroed {}; {} of zeros skipped",
+        human(s.source_bytes_read),
+        human(s.destination_bytes_read),
+        human(s.bytes_written),
+        s.pages_written,
+        human(s.bytes_zeroed),
+        human(s.zero_bytes_skipped),
+    );
+    if let Some(root) = &s.root {
+        println!("  verified: destination read back equals source (root {root})");
+    }
+    Ok(())
+}
+
+/// Prints a tree copy's summary; an incomplete copy is an error (exit 1) after it.
+pub fn print_tree(s: &TreeSummary, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(s)?);
+    } else {
+        println!(
+            "copied tree {} -> {}: {} files ({}), {} dirs, {} symlinks, {} hard links, {} special in {:.2}s{}",
+            s.source.display(),
+            s.destination.display(),
+            s.files,
+            human(s.source_bytes),
+            s.dirs,
+            s.symlinks,
+            s.hard_links,
+            s.specials,
+            s.duration_secs,
+            if s.resumed {
+                ", finishing an interrupted copy"
+            } else {
+                ""
+            }
+        );
+        println!(
+            "  {} entries written whole, {} files patched, {} unchanged, {} with new metadata, {} deleted; \
+             wrote {} of file data, reused {} from older copies",
+            s.entries_copied,
+            s.files_patched,
+            s.entries_unchanged,
+            s.metadata_updated,
+            s.entries_deleted,
+            human(s.bytes_written),
+            human(s.bytes_reused),
+        );
+        for w in &s.warnings {
+            eprintln!("mover: warning: {w}");
+        }
+    }
+    if !s.is_complete() {
+        anyhow::bail!(
+            "{} entries could not be copied (errors above); fix them and rerun: \
+             what is already copied is not copied again{}",
+            s.failed,
+            if s.destination.exists() {
+                ""
+            } else {
+                "; until then the copy stays hidden under .NAME.mover-partial"
+            }
+        );
+    }
+    Ok(())
+}
+
+fn print_hash(s: &HashSummary, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(s)?);
+        return Ok(());
+    }
+    println!("{}  {}", s.root, s.volume.display());
+    println!(
+        "  {} in {} chunks of {}: {} data chunks ({}), {} zero chunks; {:.2}s ({}/s)",
+        human(s.volume_bytes),
+        s.data_chunks + s.zero_chunks,
+        human(s.chunk_size),
+        s.data_chunks,
+        human(s.data_bytes),
+        s.zero_chunks,
+        s.duration_secs,
+        human(s.throughput_bytes_per_sec as u64)
+    );
+    Ok(())
+}
+

@@ -1,0 +1,248 @@
+//! Freezing a file system for an application-consistent point in time: writes block
+//! while a clone (or, without reflinks, a whole read) is taken. A watchdog thaws it
+//! after a deadline even if the holder is stuck, so applications never hang on mover.
+
+use std::{
+    fs::{File, OpenOptions},
+    io,
+    os::{fd::AsRawFd, unix::fs::OpenOptionsExt},
+    path::{Path, PathBuf},
+    sync::{Arc, Condvar, Mutex, PoisonError},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+/// Checks that `mount` is the mount point of a file system other than the one holding
+/// `source`: freezing a plain directory would freeze whatever file system it is on (the
+/// root, say), and freezing the file system that holds the image would block its clone.
+pub fn check_freeze(mount: &Path, source: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev());
+    let m = dev(mount).map_err(|e| format!("freeze {}: {e}", mount.display()))?;
+    let parent = mount.parent().map_or(Ok(u64::MAX), dev).unwrap_or(u64::MAX);
+    if m == parent {
+        return Err(format!(
+            "freeze {}: not a mount point; give the directory where the volume's file \
+             system is mounted",
+            mount.display()
+        ));
+    }
+    if let Some(dir) = source.parent()
+        && dev(dir).is_ok_and(|d| d == m)
+    {
+        return Err(format!(
+            "freeze {}: that file system holds the volume {} itself; freeze the file \
+             system inside the volume (where the application writes)",
+            mount.display(),
+            source.display()
+        ));
+    }
+    Ok(())
+}
+
+/// `FIFREEZE`: `_IOWR('X', 119, int)`.
+const FIFREEZE: u32 = 0xC004_5877;
+/// `FITHAW`: `_IOWR('X', 120, int)`.
+const FITHAW: u32 = 0xC004_5878;
+
+/// Calls `FIFREEZE` or `FITHAW` on an fd of the file system.
+#[allow(unsafe_code)] // libc and rustix wrap neither ioctl; see SAFETY.
+fn freeze_ioctl(dir: &File, request: u32) -> io::Result<()> {
+    // SAFETY: FIFREEZE and FITHAW take no argument (the kernel ignores the third one, so
+    // no memory is read or written through it); the fd is valid for the borrow of `dir`.
+    let rc = unsafe { libc::ioctl(dir.as_raw_fd(), request as _, 0) };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Thaws the file system holding `mount_point`; one that is not frozen is left alone.
+///
+/// For recovery: an agent killed while holding a [`Frozen`] leaves its file system frozen
+/// (the kernel does not thaw it when the process dies), so the agent thaws the file
+/// systems it may have frozen when it starts again.
+pub fn thaw(mount_point: &Path) -> io::Result<()> {
+    let dir = File::open(mount_point)?;
+    match freeze_ioctl(&dir, FITHAW) {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+        other => other,
+    }
+}
+
+/// A frozen file system: writes to it block until it is thawed, which happens when this
+/// is dropped or [thawed](Frozen::thaw), or by a watchdog thread once the deadline given
+/// to [`freeze`] passes, whichever comes first.
+#[must_use = "the file system is thawed as soon as this is dropped"]
+pub struct Frozen {
+    shared: Arc<FreezeState>,
+    watchdog: Option<JoinHandle<()>>,
+}
+
+/// What the guard and its watchdog share.
+struct FreezeState {
+    mount_point: PathBuf,
+    hold: Mutex<Hold>,
+    wake: Condvar,
+}
+
+/// Whether the freeze is still held.
+enum Hold {
+    /// Frozen, through this fd of the file system.
+    Frozen(File),
+    /// Thawed, by whichever side got there first. The fd is closed by then, so a leaked
+    /// guard does not keep the file system busy (it could not be unmounted).
+    Thawed(ThawedBy),
+}
+
+/// Who thawed the file system.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ThawedBy {
+    Holder,
+    Watchdog,
+}
+
+impl FreezeState {
+    /// Thaws unless already thawed (never twice: the second would thaw a freeze that
+    /// someone else has taken since). Returns who had thawed it and the thaw's error.
+    fn thaw(&self, by: ThawedBy) -> (ThawedBy, io::Result<()>) {
+        let mut hold = self.hold.lock().unwrap_or_else(PoisonError::into_inner);
+        let dir = match std::mem::replace(&mut *hold, Hold::Thawed(by)) {
+            Hold::Frozen(dir) => dir,
+            Hold::Thawed(first) => {
+                *hold = Hold::Thawed(first);
+                return (first, Ok(()));
+            }
+        };
+        self.wake.notify_all();
+        let result = match freeze_ioctl(&dir, FITHAW) {
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+            other => other,
+        };
+        (by, result)
+    }
+
+    fn is_frozen(&self) -> bool {
+        let hold = self.hold.lock().unwrap_or_else(PoisonError::into_inner);
+        matches!(*hold, Hold::Frozen(_))
+    }
+}
+
+/// Freezes the file system mounted at `mount_point` (any directory on it will do), for
+/// an application-consistent point in time: the kernel flushes it and blocks new writes
+/// until the returned guard thaws it. A watchdog thaws it after `max` whatever the
+/// guard's holder does, so a stuck or leaking holder cannot leave it frozen for longer.
+/// `max` counts from the start of the call: the flush that freezing starts with already
+/// holds writers back.
+///
+/// Needs `CAP_SYS_ADMIN`. A file system already frozen by someone else fails with
+/// `EBUSY` and is left as it is.
+pub fn freeze(mount_point: &Path, max: Duration) -> io::Result<Frozen> {
+    let dir = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY)
+        .open(mount_point)?;
+    let started = Instant::now();
+    freeze_ioctl(&dir, FIFREEZE)?;
+    let shared = Arc::new(FreezeState {
+        mount_point: mount_point.to_path_buf(),
+        hold: Mutex::new(Hold::Frozen(dir)),
+        wake: Condvar::new(),
+    });
+    let watched = Arc::clone(&shared);
+    let watchdog = std::thread::Builder::new()
+        .name("thaw-watchdog".into())
+        .spawn(move || watchdog(&watched, started + max));
+    match watchdog {
+        Ok(handle) => {
+            tracing::debug!(mount_point = %mount_point.display(), "file system frozen");
+            Ok(Frozen {
+                shared,
+                watchdog: Some(handle),
+            })
+        }
+        Err(e) => {
+            let _ = shared.thaw(ThawedBy::Holder);
+            Err(e)
+        }
+    }
+}
+
+/// Waits until `state` is thawed or `deadline` passes, and thaws it in the latter case.
+fn watchdog(state: &FreezeState, deadline: Instant) {
+    let mut hold = state.hold.lock().unwrap_or_else(PoisonError::into_inner);
+    while matches!(*hold, Hold::Frozen(_)) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            drop(hold);
+            if let (ThawedBy::Watchdog, result) = state.thaw(ThawedBy::Watchdog) {
+                tracing::warn!(
+                    mount_point = %state.mount_point.display(),
+                    error = result.err().map(tracing::field::display),
+                    "file system held frozen past its deadline: thawed by the watchdog"
+                );
+            }
+            return;
+        }
+        hold = state
+            .wake
+            .wait_timeout(hold, left)
+            .unwrap_or_else(PoisonError::into_inner)
+            .0;
+    }
+}
+
+impl Frozen {
+    /// Whether the file system is still frozen by this guard (the watchdog has not
+    /// thawed it).
+    pub fn is_frozen(&self) -> bool {
+        self.shared.is_frozen()
+    }
+
+    /// Thaws the file system now. Fails with [`io::ErrorKind::TimedOut`] if the watchdog
+    /// had already thawed it: whatever was taken under the freeze may then not be
+    /// consistent, and should be taken again.
+    pub fn thaw(mut self) -> io::Result<()> {
+        let (by, result) = self.shared.thaw(ThawedBy::Holder);
+        self.join_watchdog();
+        if by == ThawedBy::Watchdog {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "{} was thawed by the watchdog before its holder was done",
+                    self.shared.mount_point.display()
+                ),
+            ));
+        }
+        result
+    }
+
+    fn join_watchdog(&mut self) {
+        if let Some(handle) = self.watchdog.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        if let (ThawedBy::Holder, Err(e)) = self.shared.thaw(ThawedBy::Holder) {
+            tracing::warn!(
+                mount_point = %self.shared.mount_point.display(),
+                error = %e,
+                "cannot thaw file system"
+            );
+        }
+        self.join_watchdog();
+    }
+}
+
+impl std::fmt::Debug for Frozen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Frozen")
+            .field("mount_point", &self.shared.mount_point)
+            .field("frozen", &self.is_frozen())
+            .finish()
+    }
+}

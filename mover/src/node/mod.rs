@@ -1,0 +1,24 @@
+//! Node state: what every job and the agent share about this node. The volumes it
+//! exports, the durable write, failpoints, metric labels, and the filesystem freeze a
+//! point-in-time source takes.
+//!
+//! The floor under the jobs (shared/DESIGN.md §2): nothing here imports a job, the
+//! agent or the controller.
+
+pub mod exports;
+mod failpoint;
+pub mod freeze;
+mod labels;
+
+pub use chunker::durable::write_durably;
+pub use exports::{Export, ExportError, Exports};
+pub use failpoint::failpoint;
+pub use labels::label_value;
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,93 @@
+//! Freezing a file system (mover::node::freeze) on a real XFS on a loop device: writes
+//! block until the freeze is dropped, thawed, or its watchdog's deadline passes. Needs
+//! root, as CI has.
+
+mod common;
+
+use common::{MIB, ScratchFs};
+use mover::node::freeze::freeze;
+use std::{
+    fs::OpenOptions,
+    io,
+    os::unix::fs::FileExt,
+    path::PathBuf,
+    sync::mpsc,
+    thread,
+    time::{Duration, Instant},
+};
+
+/// Writes and fsyncs `path` on another thread; the receiver gets the time it took.
+fn write_elsewhere(path: PathBuf) -> mpsc::Receiver<Duration> {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let started = Instant::now();
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        file.write_all_at(b"after the freeze", 0).unwrap();
+        file.sync_all().unwrap();
+        let _ = tx.send(started.elapsed());
+    });
+    rx
+}
+
+#[test]
+fn freeze_blocks_writes_until_dropped_or_the_deadline() {
+    let fs = ScratchFs::new("xfs", 320 * MIB);
+    let at = |name: &str| fs.path().join(name);
+    // Thawed before the unmount even if an assertion fails while frozen.
+    struct ThawOnDrop<'a>(&'a std::path::Path);
+    impl Drop for ThawOnDrop<'_> {
+        fn drop(&mut self) {
+            let _ = mover::node::freeze::thaw(self.0);
+        }
+    }
+    let _thaw = ThawOnDrop(fs.path());
+    std::fs::write(at("before"), b"x").unwrap();
+
+    // Thawed on drop.
+    let frozen = freeze(fs.path(), Duration::from_secs(30)).unwrap();
+    assert!(frozen.is_frozen());
+    let done = write_elsewhere(at("one"));
+    assert!(
+        done.recv_timeout(Duration::from_millis(300)).is_err(),
+        "a write went through a frozen file system"
+    );
+    // A second freeze of a frozen file system is refused and leaves it frozen.
+    let again = freeze(fs.path(), Duration::from_secs(30)).unwrap_err();
+    assert_eq!(again.raw_os_error(), Some(libc::EBUSY), "{again:?}");
+    drop(frozen);
+    done.recv_timeout(Duration::from_secs(5))
+        .expect("the write completes once thawed");
+    assert_eq!(std::fs::read(at("one")).unwrap(), b"after the freeze");
+
+    // Leaked: the watchdog thaws it after `max`.
+    let started = Instant::now();
+    std::mem::forget(freeze(fs.path(), Duration::from_millis(200)).unwrap());
+    let took = write_elsewhere(at("two"))
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the watchdog thaws a leaked freeze");
+    // Not the write's own wait: on a loaded machine its thread may start late, even
+    // after the thaw. A write that went through at once would finish before 200 ms.
+    assert!(
+        started.elapsed() >= Duration::from_millis(200),
+        "the write finished {:?} after the freeze (it waited {took:?}): was it frozen at all?",
+        started.elapsed()
+    );
+
+    // Held too long: thawing reports that the watchdog got there first.
+    let frozen = freeze(fs.path(), Duration::from_millis(50)).unwrap();
+    thread::sleep(Duration::from_millis(150));
+    assert!(!frozen.is_frozen());
+    let err = frozen.thaw().unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err:?}");
+    // Thawed in time: no error.
+    freeze(fs.path(), Duration::from_secs(30))
+        .unwrap()
+        .thaw()
+        .unwrap();
+    std::fs::write(at("three"), b"y").unwrap();
+}
