@@ -69,7 +69,13 @@ mod tests {
         let blocker = dir.path().join("file");
         fs::write(&blocker, b"x").unwrap();
         let err = write_durably(&blocker.join("under/a/file"), b"y").unwrap_err();
-        assert!(matches!(err.kind(), io::ErrorKind::NotADirectory | io::ErrorKind::AlreadyExists), "{err:?}");
+        assert!(
+            matches!(
+                err.kind(),
+                io::ErrorKind::NotADirectory | io::ErrorKind::AlreadyExists
+            ),
+            "{err:?}"
+        );
         assert_eq!(fs::read(&blocker).unwrap(), b"x");
     }
 }

@@ -118,7 +118,6 @@ pub fn is_no_reflink(e: &io::Error) -> bool {
         )
 }
 
-
 /// The byte ranges (logical offsets, sorted, merged) where `new` does not share the
 /// physical blocks of `old` at the same offset, over `0..max(len(old), len(new))`: what
 /// was written between two reflink clones of one image (or since a clone, if `new` is the
@@ -444,13 +443,11 @@ impl Iterator for ExtentMap<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::PathBuf;
     use rand::{Rng, SeedableRng, rngs::StdRng};
+    use std::path::PathBuf;
     use std::{
         os::unix::fs::{FileExt, MetadataExt},
         process::Command,
-        sync::mpsc,
-        thread,
     };
 
     const BLOCK: u64 = 4096;
@@ -789,7 +786,6 @@ mod tests {
             std::panic::resume_unwind(panic);
         }
     }
-
 
     fn ext(logical: u64, physical: u64, len: u64) -> io::Result<Extent> {
         Ok(Extent {

@@ -2,8 +2,7 @@
 //! volume, a file tree, an agent's export) choose the job.
 
 use crate::{
-    CopyError, CopyOptions, CopySummary, Progress, TreeOptions, TreeSummary, copy_block,
-    copy_tree,
+    CopyError, CopyOptions, CopySummary, Progress, TreeOptions, TreeSummary, copy_block, copy_tree,
     remote::{self, AgentUrl, RemoteOptions},
 };
 use std::path::Path;

@@ -205,16 +205,14 @@ fn main() -> ExitCode {
     }
 }
 
-
-
 /// The one place where errors become exit codes.
 fn exit_code(err: &anyhow::Error) -> u8 {
-    let copy_error = err.downcast_ref::<CopyError>().or_else(|| {
-        match err.downcast_ref::<EndpointError>() {
-            Some(EndpointError::Copy(e)) => Some(e),
-            _ => None,
-        }
-    });
+    let copy_error =
+        err.downcast_ref::<CopyError>()
+            .or_else(|| match err.downcast_ref::<EndpointError>() {
+                Some(EndpointError::Copy(e)) => Some(e),
+                _ => None,
+            });
     match copy_error {
         Some(CopyError::VerifyFailed { .. } | CopyError::TreeVerifyFailed { .. }) => {
             EXIT_VERIFY_FAILED

@@ -258,7 +258,8 @@ impl Control {
             )));
         }
         if !spec.freeze.is_empty() {
-            crate::node::freeze::check_freeze(Path::new(&spec.freeze), &export.path).map_err(bad)?;
+            crate::node::freeze::check_freeze(Path::new(&spec.freeze), &export.path)
+                .map_err(bad)?;
         }
         Ok(Spec {
             name: spec.name,

@@ -54,4 +54,3 @@ pub fn run_controller(cmd: crate::ControllerCommand) -> anyhow::Result<()> {
         }
     }
 }
-

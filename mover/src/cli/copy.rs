@@ -3,7 +3,7 @@
 use super::{Bar, OutputArgs, human};
 use anyhow::Context;
 use mover::{Copied, CopyOptions, CopySummary, HashSummary, TreeOptions, TreeSummary};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// `mover copy SRC DST`.
 pub fn run_copy(
@@ -30,7 +30,7 @@ pub fn run_copy(
 
 /// `mover hash VOLUME`.
 pub fn run_hash(
-    volume: &PathBuf,
+    volume: &Path,
     chunk_size: chunker::ChunkSize,
     threads: Option<usize>,
     output: &OutputArgs,
@@ -146,4 +146,3 @@ fn print_hash(s: &HashSummary, json: bool) -> anyhow::Result<()> {
     );
     Ok(())
 }
-

@@ -109,4 +109,3 @@ impl Progress for Bar {
         }
     }
 }
-

@@ -78,7 +78,7 @@ pub enum ReplicateCommand {
         #[arg(long, value_name = "URL")]
         secondary: String,
         /// Time between the starts of two cycles (e.g. 30s, 5m); the RPO is about twice this.
-        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        #[arg(long, default_value = "30s", value_parser = mover::node::parse_duration)]
         interval: Duration,
         /// Bandwidth limit on the wire, e.g. 100M (bytes per second) [default: none].
         #[arg(long, value_name = "RATE", value_parser = parse_rate)]
@@ -114,7 +114,7 @@ pub enum ReplicateCommand {
         /// The relationship.
         name: String,
         /// Time between the starts of two cycles.
-        #[arg(long, value_parser = parse_duration)]
+        #[arg(long, value_parser = mover::node::parse_duration)]
         interval: Option<Duration>,
         /// Bandwidth limit on the wire (0: none).
         #[arg(long, value_name = "RATE", value_parser = parse_rate)]
@@ -204,7 +204,7 @@ pub enum ReplicateCommand {
         /// The secondary volume: agent://HOST:PORT/EXPORT.
         dst: String,
         /// Time between the starts of two cycles.
-        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        #[arg(long, default_value = "30s", value_parser = mover::node::parse_duration)]
         interval: Duration,
         /// Stop after this many cycles [default: run until interrupted].
         #[arg(long)]
@@ -226,24 +226,6 @@ pub enum ReplicateCommand {
         #[command(flatten)]
         remote: RemoteOptions,
     },
-}
-
-/// Parses `500ms`, `30s`, `5m`, `1h` (a bare number is seconds).
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (n, unit) = t.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("{s:?}: expected e.g. 30s, 5m, 1h"))?;
-    let ms = match unit {
-        "ms" => n,
-        "" | "s" => n * 1000,
-        "m" => n * 60_000,
-        "h" => n * 3_600_000,
-        _ => return Err(format!("{s:?}: unit must be ms, s, m or h")),
-    };
-    Ok(Duration::from_millis(ms))
 }
 
 /// Runs a `mover replicate` subcommand.

@@ -114,6 +114,23 @@ fn unless<T>(r: Result<T, AgentError>, codes: &[tonic::Code]) -> Result<Option<T
 /// A connection to an agent, for a client of any of its services.
 type Connection = (Channel, AttachToken);
 
+/// A client of one of the agent's gRPC APIs, made on a shared connection.
+trait AgentApi {
+    fn on(channel: Channel, auth: AttachToken) -> Self;
+}
+
+impl AgentApi for ControlClient {
+    fn on(channel: Channel, auth: AttachToken) -> Self {
+        ReplicationClient::with_interceptor(channel, auth)
+    }
+}
+
+impl AgentApi for ScheduleClient {
+    fn on(channel: Channel, auth: AttachToken) -> Self {
+        SchedulesClient::with_interceptor(channel, auth)
+    }
+}
+
 /// [`Agents`] over gRPC, one cached connection per agent.
 pub struct GrpcAgents {
     remote: RemoteOptions,
@@ -161,8 +178,9 @@ impl GrpcAgents {
         Ok(c)
     }
 
-    /// Runs one call of the relationship control API.
-    async fn call<T, F, Fut>(
+    /// Runs one call of one of the agent's APIs (the client type `C` says which) on
+    /// the agent's connection; a transport failure drops the connection.
+    async fn call<C: AgentApi, T, F, Fut>(
         &self,
         agent: &str,
         op: &'static str,
@@ -170,47 +188,12 @@ impl GrpcAgents {
         f: F,
     ) -> Result<T, AgentError>
     where
-        F: FnOnce(ControlClient) -> Fut,
+        F: FnOnce(C) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        self.call_with(agent, op, name, |(ch, auth)| {
-            f(ReplicationClient::with_interceptor(ch, auth))
-        })
-        .await
-    }
-
-    /// Runs one call of the scheduled-snapshot API.
-    async fn call_schedules<T, F, Fut>(
-        &self,
-        agent: &str,
-        op: &'static str,
-        name: &str,
-        f: F,
-    ) -> Result<T, AgentError>
-    where
-        F: FnOnce(ScheduleClient) -> Fut,
-        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    {
-        self.call_with(agent, op, name, |(ch, auth)| {
-            f(SchedulesClient::with_interceptor(ch, auth))
-        })
-        .await
-    }
-
-    /// Runs one call on the agent's connection; a transport failure drops it.
-    async fn call_with<T, F, Fut>(
-        &self,
-        agent: &str,
-        op: &'static str,
-        name: &str,
-        f: F,
-    ) -> Result<T, AgentError>
-    where
-        F: FnOnce(Connection) -> Fut,
-        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    {
-        let c = self.client(agent, op, name).await?;
-        f(c).await
+        let (channel, auth) = self.client(agent, op, name).await?;
+        f(C::on(channel, auth))
+            .await
             .map(|r| r.into_inner())
             .map_err(|s| AgentError {
                 agent: agent.into(),
@@ -242,7 +225,7 @@ impl Agents for GrpcAgents {
             spec: Some(spec),
             self_address: agent.into(),
         };
-        self.call(agent, "create", &name, |mut c| async move {
+        self.call(agent, "create", &name, |mut c: ControlClient| async move {
             c.create(req).await
         })
         .await
@@ -251,7 +234,9 @@ impl Agents for GrpcAgents {
     async fn get(&self, agent: &str, name: &str) -> Result<Option<control::Status>, AgentError> {
         let req = control::NameRequest { name: name.into() };
         let got = self
-            .call(agent, "get", name, |mut c| async move { c.get(req).await })
+            .call(agent, "get", name, |mut c: ControlClient| async move {
+                c.get(req).await
+            })
             .await;
         unless(got, &[tonic::Code::NotFound])
     }
@@ -262,7 +247,7 @@ impl Agents for GrpcAgents {
         req: control::UpdateRequest,
     ) -> Result<control::Status, AgentError> {
         let name = req.name.clone();
-        self.call(agent, "update", &name, |mut c| async move {
+        self.call(agent, "update", &name, |mut c: ControlClient| async move {
             c.update(req).await
         })
         .await
@@ -278,7 +263,7 @@ impl Agents for GrpcAgents {
             name: name.into(),
             force,
         };
-        self.call(agent, "promote", name, |mut c| async move {
+        self.call(agent, "promote", name, |mut c: ControlClient| async move {
             c.promote(req).await
         })
         .await
@@ -286,12 +271,9 @@ impl Agents for GrpcAgents {
 
     async fn demote(&self, agent: &str, name: &str) -> Result<control::Status, AgentError> {
         let req = control::NameRequest { name: name.into() };
-        self.call(
-            agent,
-            "demote",
-            name,
-            |mut c| async move { c.demote(req).await },
-        )
+        self.call(agent, "demote", name, |mut c: ControlClient| async move {
+            c.demote(req).await
+        })
         .await
     }
 
@@ -305,24 +287,18 @@ impl Agents for GrpcAgents {
             name: name.into(),
             discard_local,
         };
-        self.call(
-            agent,
-            "resync",
-            name,
-            |mut c| async move { c.resync(req).await },
-        )
+        self.call(agent, "resync", name, |mut c: ControlClient| async move {
+            c.resync(req).await
+        })
         .await
     }
 
     async fn delete(&self, agent: &str, name: &str) -> Result<(), AgentError> {
         let req = control::NameRequest { name: name.into() };
         let deleted = self
-            .call(
-                agent,
-                "delete",
-                name,
-                |mut c| async move { c.delete(req).await },
-            )
+            .call(agent, "delete", name, |mut c: ControlClient| async move {
+                c.delete(req).await
+            })
             .await;
         unless(deleted, &[tonic::Code::NotFound]).map(drop)
     }
@@ -340,7 +316,7 @@ impl Agents for GrpcAgents {
             block,
         };
         let exported = self
-            .call(agent, "export", volume, |mut c| async move {
+            .call(agent, "export", volume, |mut c: ControlClient| async move {
                 c.export(req).await
             })
             .await;
@@ -356,9 +332,12 @@ impl Agents for GrpcAgents {
     ) -> Result<Option<schedule::Status>, AgentError> {
         let req = schedule::NameRequest { name: name.into() };
         let got = self
-            .call_schedules(agent, "get schedule", name, |mut c| async move {
-                c.get(req).await
-            })
+            .call(
+                agent,
+                "get schedule",
+                name,
+                |mut c: ScheduleClient| async move { c.get(req).await },
+            )
             .await;
         unless(got, &[tonic::Code::NotFound])
     }
@@ -369,18 +348,24 @@ impl Agents for GrpcAgents {
         spec: schedule::Spec,
     ) -> Result<schedule::Status, AgentError> {
         let name = spec.name.clone();
-        self.call_schedules(agent, "apply schedule", &name, |mut c| async move {
-            c.apply(spec).await
-        })
+        self.call(
+            agent,
+            "apply schedule",
+            &name,
+            |mut c: ScheduleClient| async move { c.apply(spec).await },
+        )
         .await
     }
 
     async fn delete_schedule(&self, agent: &str, name: &str) -> Result<(), AgentError> {
         let req = schedule::NameRequest { name: name.into() };
         let deleted = self
-            .call_schedules(agent, "delete schedule", name, |mut c| async move {
-                c.delete(req).await
-            })
+            .call(
+                agent,
+                "delete schedule",
+                name,
+                |mut c: ScheduleClient| async move { c.delete(req).await },
+            )
             .await;
         // No such schedule, or an agent older than schedules: nothing to forget.
         let nothing = [tonic::Code::NotFound, tonic::Code::Unimplemented];
@@ -391,9 +376,12 @@ impl Agents for GrpcAgents {
         let req = control::NameRequest {
             name: volume.into(),
         };
-        self.call(agent, "unexport", volume, |mut c| async move {
-            c.unexport(req).await
-        })
+        self.call(
+            agent,
+            "unexport",
+            volume,
+            |mut c: ControlClient| async move { c.unexport(req).await },
+        )
         .await
         .map(|_| ())
     }

@@ -256,7 +256,7 @@ fn valid_host_port(s: &str) -> bool {
 
 /// A Go-style duration as csi-addons' schedulingInterval uses: "90s", "5m", "1h30m".
 pub fn parse_interval(s: &str) -> Result<Duration, String> {
-    let total = crate::schedule::parse_go_duration(s)?;
+    let total = crate::node::parse_duration(s)?;
     if total < Duration::from_secs(1) {
         return Err("shorter than 1s: cycles run at most once a second".into());
     }

@@ -329,7 +329,6 @@ impl Drop for RemoveOnDrop {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,12 +5,14 @@
 //! The floor under the jobs (shared/DESIGN.md §2): nothing here imports a job, the
 //! agent or the controller.
 
+mod duration;
 pub mod exports;
 mod failpoint;
 pub mod freeze;
 mod labels;
 
 pub use chunker::durable::write_durably;
+pub use duration::parse_duration;
 pub use exports::{Export, ExportError, Exports};
 pub use failpoint::failpoint;
 pub use labels::label_value;

@@ -18,8 +18,8 @@
 //! the clone may differ from that cycle, which the next cycle reads. A commit renames the
 //! clone to the new cycle, and the new ids make the pending record stale.
 
-use crate::node::write_durably;
 use crate::copy::index::{Identity, IndexReader, IndexWriter, index_path};
+use crate::node::write_durably;
 use crate::remote::KnownChunks;
 use chunker::{BlockVolume, ChunkId, ChunkKind, ChunkSize, cv::CvFile, extents};
 use std::{

@@ -6,12 +6,12 @@ use super::{
     now_ms,
     store::{CycleRecord, Record},
 };
+use crate::node::freeze::{self, Frozen, check_freeze};
 use crate::{
     CopyOptions, Progress,
     error::CopyError,
     remote::{AgentUrl, CyclePush, RemoteOptions, STALE_BASE, push_cycle, push_tree_cycle},
 };
-use crate::node::freeze::{self, Frozen, check_freeze};
 use chunker::{ChunkId, ChunkSize, extents};
 use std::{
     path::{Path, PathBuf},

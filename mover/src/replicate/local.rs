@@ -71,7 +71,9 @@ pub async fn run_local(
             why: format!(
                 "relationship {name:?} in {} is {}: this side no longer runs its cycles",
                 store_dir.display(),
-                record.halt.map_or("a secondary".into(), |h| format!("halted ({h:?})"))
+                record
+                    .halt
+                    .map_or("a secondary".into(), |h| format!("halted ({h:?})"))
             ),
         });
     }

@@ -49,7 +49,7 @@ impl When {
                 minute: number(m, 59, "minute")?,
             });
         }
-        let every = super::parse_go_duration(s).map_err(|e| {
+        let every = crate::node::parse_duration(s).map_err(|e| {
             format!("{s:?}: {e}; a schedule is an interval (30m, 1h), hourly:MM or daily:HH:MM")
         })?;
         if every < MIN_INTERVAL {
