@@ -17,7 +17,8 @@
 //!
 //! The crate is synchronous (no tokio): hashing runs on rayon, reads on a read-ahead
 //! thread ([`read_ahead`], or [`read_process_ahead`] with several readers and a middle
-//! stage of its own) so I/O overlaps hashing with bounded memory.
+//! stage of its own; [`read_in_turns`] is those readers alone) so I/O overlaps hashing
+//! with bounded memory.
 
 mod aligned;
 mod block;
@@ -47,7 +48,7 @@ pub use error::{ChunkerError, Result};
 pub use id::{ChunkId, ChunkKey};
 pub use merkle::{MerkleBuilder, leaf_hash};
 pub use pages::{PAGE_HASH_LEN, PAGE_SIZE, differing_pages, page_hashes, page_runs};
-pub use pipeline::{read_ahead, read_process_ahead};
+pub use pipeline::{Turns, read_ahead, read_in_turns, read_process_ahead};
 pub use size::{ChunkSize, parse_size};
 pub use summary::{GROUP_CHUNKS, Summary};
 pub use volume::{BlockVolume, VolumeKind};

@@ -41,6 +41,40 @@ pub fn read_process_ahead<T: Send, E: Send>(
     mut process: impl FnMut(&mut T) -> Result<(), E> + Send,
     consume: impl FnMut(&mut T) -> Result<(), E>,
 ) -> Result<(), E> {
+    read_in_turns(depth, readers, read, |mut turns| {
+        read_ahead(
+            depth,
+            move |recycled: Option<T>| {
+                if let Some(item) = recycled {
+                    // It was item k - 1 - depth or so: any reader may reuse it.
+                    turns.recycle(item);
+                }
+                // A reader that hung up made its last item: the end.
+                let mut item = match turns.next()? {
+                    Ok(item) => item,
+                    Err(e) => return Some(Err(e)),
+                };
+                Some(process(&mut item).map(|()| item))
+            },
+            consume,
+        )
+    })
+}
+
+/// The reader stage of [`read_process_ahead`] on its own, for a caller with later stages
+/// of its own: `readers` reader threads take turns, item `k` made by `read(k, recycled)`
+/// on reader `k % readers` (`None`: there is no item `k`, the end), each reader up to
+/// `depth` items ahead of the one `body` takes next. `body` runs on this thread and takes
+/// the items in order from its [`Turns`]; once it returns (and drops them), a reader
+/// waiting to hand over an item stops, and this returns what `body` did. A reader stops
+/// after its first error. Memory stays bounded to `readers × (depth + 1)` items besides
+/// those `body` holds.
+pub fn read_in_turns<T: Send, E: Send, R>(
+    depth: usize,
+    readers: usize,
+    read: impl Fn(usize, Option<T>) -> Option<Result<T, E>> + Sync,
+    body: impl FnOnce(Turns<T, E>) -> R,
+) -> R {
     let readers = readers.max(1);
     let read = &read;
     std::thread::scope(|scope| {
@@ -60,26 +94,41 @@ pub fn read_process_ahead<T: Send, E: Send>(
             outs.push(read_rx);
             recycle.push(empty_tx);
         }
-        let mut k = 0;
-        read_ahead(
-            depth,
-            move |recycled: Option<T>| {
-                if let Some(item) = recycled {
-                    // It was item k - 1 - depth or so: any reader may reuse it.
-                    let _ = recycle[k % readers].send(item);
-                }
-                // A reader that hung up made its last item: the end.
-                let item = outs[k % readers].recv().ok()?;
-                k += 1;
-                let mut item = match item {
-                    Ok(item) => item,
-                    Err(e) => return Some(Err(e)),
-                };
-                Some(process(&mut item).map(|()| item))
-            },
-            consume,
-        )
+        body(Turns {
+            outs,
+            recycle,
+            next: 0,
+        })
     })
+}
+
+/// The items of [`read_in_turns`]' readers, in order: an iterator of each item or the
+/// error that stopped its reader. It ends (`None`) where the reader whose turn it is has
+/// hung up: it made its last item, or it died. Dropping it stops the readers.
+pub struct Turns<T, E> {
+    /// Per reader: its items.
+    outs: Vec<mpsc::Receiver<Result<T, E>>>,
+    /// Per reader: the items given back for it to reuse.
+    recycle: Vec<mpsc::Sender<T>>,
+    /// The number of the next item.
+    next: usize,
+}
+
+impl<T, E> Turns<T, E> {
+    /// Gives `item` back to be reused by the reader of the next item.
+    pub fn recycle(&self, item: T) {
+        let _ = self.recycle[self.next % self.recycle.len()].send(item);
+    }
+}
+
+impl<T, E> Iterator for Turns<T, E> {
+    type Item = Result<T, E>;
+
+    fn next(&mut self) -> Option<Result<T, E>> {
+        let item = self.outs[self.next % self.outs.len()].recv().ok()?;
+        self.next += 1;
+        Some(item)
+    }
 }
 
 /// Sends what `produce` makes (given back items from `recycled` to reuse) to `out`, until
@@ -232,6 +281,47 @@ mod tests {
                 );
                 assert_eq!(err, Err(format!("stage {failing_stage} failed")));
             }
+        }
+    }
+
+    #[test]
+    fn turns_deliver_in_order_end_and_stop_the_readers_when_dropped() {
+        for readers in [1, 3] {
+            // Every item, in order, then the end.
+            let all: Vec<_> = read_in_turns(
+                1,
+                readers,
+                |k, _: Option<usize>| (k < 50).then_some(Ok::<_, String>(k)),
+                |turns| turns.collect::<Result<Vec<_>, _>>(),
+            )
+            .unwrap();
+            assert_eq!(all, (0..50).collect::<Vec<_>>());
+
+            // A body that stops early returns although the readers would go on forever.
+            let first = read_in_turns(
+                1,
+                readers,
+                |k, _: Option<usize>| Some(Ok::<_, String>(k)),
+                |turns| turns.take(5).collect::<Result<Vec<_>, _>>(),
+            )
+            .unwrap();
+            assert_eq!(first, vec![0, 1, 2, 3, 4]);
+
+            // A reader's error arrives in its turn.
+            let seen: Vec<_> = read_in_turns(
+                1,
+                readers,
+                |k, _: Option<usize>| {
+                    Some(if k == 7 {
+                        Err(format!("read {k} failed"))
+                    } else {
+                        Ok(k)
+                    })
+                },
+                |turns| turns.take(8).collect(),
+            );
+            assert_eq!(seen[..7], (0..7).map(Ok).collect::<Vec<_>>()[..]);
+            assert_eq!(seen[7], Err("read 7 failed".to_string()));
         }
     }
 }

@@ -117,12 +117,12 @@ pub enum CopyError {
         differing: u64,
     },
     /// A peer agent refused or failed a call, or could not be reached.
-    #[error("agent {url}: {code}: {message}{}", remote_hint(code))]
+    #[error("agent {url}: {code}: {message}{}", remote_hint(*code))]
     Remote {
         /// The agent URL (or the file involved).
         url: String,
-        /// What kind of failure ("unavailable", "unauthenticated", "refused", ...).
-        code: String,
+        /// What kind of failure (unavailable, unauthenticated, refused, ...).
+        code: RemoteCode,
         /// The agent's or the transport's message.
         message: String,
     },
@@ -163,7 +163,9 @@ impl CopyError {
     pub fn is_retryable(&self) -> bool {
         match self {
             CopyError::Volume(e) => e.is_retryable(),
-            CopyError::Remote { code, .. } => matches!(code.as_str(), "unavailable" | "timeout"),
+            CopyError::Remote { code, .. } => {
+                matches!(code, RemoteCode::Unavailable | RemoteCode::Timeout)
+            }
             CopyError::Write { cause, .. } => matches!(
                 cause.kind(),
                 std::io::ErrorKind::Interrupted | std::io::ErrorKind::TimedOut
@@ -187,16 +189,91 @@ impl CopyError {
             self,
             CopyError::Volume(ChunkerError::Open { .. } | ChunkerError::NotABlockVolume { .. })
         ) || matches!(self, CopyError::Remote { code, .. }
-                if !matches!(code.as_str(), "unavailable" | "timeout" | "error" | "protocol" | "stale base"))
+                if !matches!(code, RemoteCode::Unavailable | RemoteCode::Timeout | RemoteCode::Error
+                    | RemoteCode::Protocol | RemoteCode::StaleBase))
+    }
+}
+
+/// What kind of failure a [`CopyError::Remote`] is: the agent's answer (a gRPC status
+/// code, mapped by `remote::status_error`) or what failed on this side before or after
+/// the call. It prints as the word every message and `--json` output has always used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RemoteCode {
+    /// The agent rejected the token or the client certificate.
+    Unauthenticated,
+    /// The agent refused the call to this client.
+    PermissionDenied,
+    /// The agent has no such volume, relationship or session.
+    NotFound,
+    /// What the call would create exists already.
+    Exists,
+    /// The agent refused the call as things are (e.g. a stale epoch).
+    Refused,
+    /// The agent could not be reached, or the call was cut off: retryable.
+    Unavailable,
+    /// The call took too long: retryable.
+    Timeout,
+    /// The agent found the request malformed or out of range.
+    BadRequest,
+    /// Any other failure of the agent, or of this side's transfer task.
+    Error,
+    /// The agent answered something this side cannot use.
+    Protocol,
+    /// The secondary differs in a chunk a cycle did not read (it trusted the previous
+    /// cycle's index): the cycle must be pushed again comparing every chunk.
+    StaleBase,
+    /// The token could not be read or used.
+    Token,
+    /// The TLS files could not be loaded or used.
+    Tls,
+    /// The agent's URL makes no endpoint.
+    Url,
+    /// The async runtime could not be started.
+    Runtime,
+    /// The agent's answer could not be decoded.
+    BadAnswer,
+}
+
+impl RemoteCode {
+    /// The word messages print for this code.
+    fn as_str(self) -> &'static str {
+        match self {
+            RemoteCode::Unauthenticated => "unauthenticated",
+            RemoteCode::PermissionDenied => "permission denied",
+            RemoteCode::NotFound => "not found",
+            RemoteCode::Exists => "exists",
+            RemoteCode::Refused => "refused",
+            RemoteCode::Unavailable => "unavailable",
+            RemoteCode::Timeout => "timeout",
+            RemoteCode::BadRequest => "bad request",
+            RemoteCode::Error => "error",
+            RemoteCode::Protocol => "protocol",
+            RemoteCode::StaleBase => "stale base",
+            RemoteCode::Token => "token",
+            RemoteCode::Tls => "tls",
+            RemoteCode::Url => "url",
+            RemoteCode::Runtime => "runtime",
+            RemoteCode::BadAnswer => "bad answer",
+        }
+    }
+}
+
+impl std::fmt::Display for RemoteCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
 /// What to do about a remote failure of kind `code`.
-fn remote_hint(code: &str) -> &'static str {
+fn remote_hint(code: RemoteCode) -> &'static str {
     match code {
-        "unauthenticated" => " (check --token-file / MOVER_TOKEN, or the TLS certificates)",
-        "unavailable" => " (is the agent running and reachable? rerunning continues the transfer)",
-        "tls" => " (check --tls-ca, --tls-cert and --tls-key)",
+        RemoteCode::Unauthenticated => {
+            " (check --token-file / MOVER_TOKEN, or the TLS certificates)"
+        }
+        RemoteCode::Unavailable => {
+            " (is the agent running and reachable? rerunning continues the transfer)"
+        }
+        RemoteCode::Tls => " (check --tls-ca, --tls-cert and --tls-key)",
         _ => "",
     }
 }
@@ -222,5 +299,75 @@ pub(crate) fn write_error(
         offset,
         cause,
         hint,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_codes_print_as_the_words_messages_always_used() {
+        let words = [
+            (RemoteCode::Unauthenticated, "unauthenticated"),
+            (RemoteCode::PermissionDenied, "permission denied"),
+            (RemoteCode::NotFound, "not found"),
+            (RemoteCode::Exists, "exists"),
+            (RemoteCode::Refused, "refused"),
+            (RemoteCode::Unavailable, "unavailable"),
+            (RemoteCode::Timeout, "timeout"),
+            (RemoteCode::BadRequest, "bad request"),
+            (RemoteCode::Error, "error"),
+            (RemoteCode::Protocol, "protocol"),
+            (RemoteCode::StaleBase, "stale base"),
+            (RemoteCode::Token, "token"),
+            (RemoteCode::Tls, "tls"),
+            (RemoteCode::Url, "url"),
+            (RemoteCode::Runtime, "runtime"),
+            (RemoteCode::BadAnswer, "bad answer"),
+        ];
+        for (code, word) in words {
+            assert_eq!(code.to_string(), word);
+        }
+        let e = |code| CopyError::Remote {
+            url: "agent://b:7070/v".into(),
+            code,
+            message: "m".into(),
+        };
+        assert_eq!(
+            e(RemoteCode::Unavailable).to_string(),
+            "agent agent://b:7070/v: unavailable: m (is the agent running and reachable? \
+             rerunning continues the transfer)"
+        );
+        assert_eq!(
+            e(RemoteCode::Unauthenticated).to_string(),
+            "agent agent://b:7070/v: unauthenticated: m (check --token-file / MOVER_TOKEN, or \
+             the TLS certificates)"
+        );
+        assert_eq!(
+            e(RemoteCode::Tls).to_string(),
+            "agent agent://b:7070/v: tls: m (check --tls-ca, --tls-cert and --tls-key)"
+        );
+        assert_eq!(
+            e(RemoteCode::StaleBase).to_string(),
+            "agent agent://b:7070/v: stale base: m"
+        );
+        // Retryable and refusal as the words were: only unavailable and timeout retry;
+        // everything but those, error, protocol and stale base is a refusal.
+        for (code, word) in words {
+            assert_eq!(
+                e(code).is_retryable(),
+                matches!(word, "unavailable" | "timeout"),
+                "{word}"
+            );
+            assert_eq!(
+                e(code).is_refusal(),
+                !matches!(
+                    word,
+                    "unavailable" | "timeout" | "error" | "protocol" | "stale base"
+                ),
+                "{word}"
+            );
+        }
     }
 }

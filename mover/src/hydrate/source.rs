@@ -3,7 +3,7 @@
 //! size), with only the data: the caller makes the region zero first where it must.
 
 use super::HydrateError;
-use crate::remote::{AgentUrl, RemoteOptions, status_error};
+use crate::remote::{AgentUrl, RemoteCode, RemoteOptions, status_error};
 use chunker::ChunkKind;
 use snapshots::{Bytes, CHUNKS_PER_LIST, Content as SnapContent, Index, Repository};
 use std::{
@@ -171,7 +171,7 @@ impl AgentSource {
             let frame = frame.map_err(|s| status_error(url, s))?;
             let protocol = |message: String| crate::CopyError::Remote {
                 url: url.to_string(),
-                code: "protocol".into(),
+                code: RemoteCode::Protocol,
                 message,
             };
             if frame.offset < start || frame.offset.saturating_add(frame.len) > end {

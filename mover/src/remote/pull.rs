@@ -9,7 +9,7 @@ use crate::{
         CopyOptions, CopySummary, Origin, Progress, finish_destination, prepare_destination,
         read_back_root, zero_range,
     },
-    error::{CopyError, Result, write_error},
+    error::{CopyError, RemoteCode, Result, write_error},
 };
 use chunker::{BlockVolume, GROUP_CHUNKS, PAGE_SIZE, Window, direct::DirectWriter, page_hashes};
 use std::{path::Path, sync::Arc, time::Instant};
@@ -201,7 +201,7 @@ async fn fetch_group(
             sum.wire_bytes += frames::wire_len(&frame);
             let content = frames::content(&frame).map_err(|m| CopyError::Remote {
                 url: url.to_string(),
-                code: "protocol".into(),
+                code: RemoteCode::Protocol,
                 message: m,
             })?;
             if frame
@@ -211,7 +211,7 @@ async fn fetch_group(
             {
                 return Err(CopyError::Remote {
                     url: url.to_string(),
-                    code: "protocol".into(),
+                    code: RemoteCode::Protocol,
                     message: format!("frame at offset {} is past the end", frame.offset),
                 });
             }

@@ -6,7 +6,7 @@ use super::{
 };
 use crate::{
     copy::{CopyOptions, CopySummary, Progress},
-    error::{CopyError, Result},
+    error::{CopyError, RemoteCode, Result},
 };
 use chunker::{
     BlockVolume, ChunkId, ChunkKind, GROUP_CHUNKS, MerkleBuilder, PAGE_HASH_LEN, PAGE_SIZE,
@@ -103,7 +103,7 @@ fn joined(r: Option<std::result::Result<Result<()>, tokio::task::JoinError>>) ->
         Some(Ok(Err(e))) => Err(e),
         Some(Err(join)) => Err(CopyError::Remote {
             url: String::new(),
-            code: "error".into(),
+            code: RemoteCode::Error,
             message: format!("a transfer task failed: {join}"),
         }),
     }
@@ -393,7 +393,7 @@ async fn attempt(
             Err(join) => {
                 return Err(CopyError::Remote {
                     url: url.to_string(),
-                    code: "error".into(),
+                    code: RemoteCode::Error,
                     message: join.to_string(),
                 });
             }
@@ -439,16 +439,12 @@ async fn attempt(
     Ok((sum, ids.into()))
 }
 
-/// The error code when the secondary differs in a chunk a cycle did not read (it trusted
-/// the previous cycle's index): the cycle must be pushed again comparing every chunk.
-pub const STALE_BASE: &str = "stale base";
-
 /// The secondary differs in a chunk this cycle did not read (it trusted the previous
 /// cycle's index): the cycle fails rather than ship what it has not read.
 fn not_read(url: &AgentUrl, g: u64) -> CopyError {
     CopyError::Remote {
         url: url.to_string(),
-        code: STALE_BASE.into(),
+        code: RemoteCode::StaleBase,
         message: format!(
             "group {g} differs on the secondary in a chunk this cycle did not read: the \
              secondary changed after the previous cycle was applied"
@@ -597,7 +593,7 @@ async fn group_frames(
     .await
     .map_err(|e| CopyError::Remote {
         url: url.to_string(),
-        code: "error".into(),
+        code: RemoteCode::Error,
         message: e.to_string(),
     })?;
     Ok(frames)

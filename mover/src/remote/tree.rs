@@ -7,7 +7,7 @@
 //! renames, a hidden new tree), so a rerun after a drop finishes the copy, and the
 //! client retries on its own (`--retries`).
 
-use super::{AgentUrl, Backoff, RemoteOptions, status_error, with_retries};
+use super::{AgentUrl, Backoff, RemoteCode, RemoteOptions, status_error, with_retries};
 use crate::{
     CopyError, Progress, TreeOptions, TreeSummary,
     tree::{
@@ -33,7 +33,7 @@ const QUEUE: usize = 64;
 fn runtime() -> Result<tokio::runtime::Runtime, CopyError> {
     tokio::runtime::Runtime::new().map_err(|e| CopyError::Remote {
         url: "local".into(),
-        code: "runtime".into(),
+        code: RemoteCode::Runtime,
         message: format!("cannot start the async runtime: {e}"),
     })
 }
@@ -139,12 +139,12 @@ async fn push_once(
     match serve_calls(Arc::new(served), calls, tx).await {
         Ok(Some(json)) => serde_json::from_slice(&json).map_err(|e| CopyError::Remote {
             url: url.to_string(),
-            code: "bad answer".into(),
+            code: RemoteCode::BadAnswer,
             message: format!("the agent's summary is not readable: {e}"),
         }),
         Ok(None) => Err(CopyError::Remote {
             url: url.to_string(),
-            code: "unavailable".into(),
+            code: RemoteCode::Unavailable,
             message: "the agent ended the push without a summary".into(),
         }),
         Err(status) => Err(status_error(url, status)),
@@ -216,7 +216,7 @@ fn pull_once(
     if let Some(why) = source.lost() {
         return Err(CopyError::Remote {
             url: url.to_string(),
-            code: "unavailable".into(),
+            code: RemoteCode::Unavailable,
             message: format!("{why}; a rerun finishes the copy"),
         });
     }

@@ -10,7 +10,7 @@ use crate::node::freeze::{self, Frozen, check_freeze};
 use crate::{
     CopyOptions, Progress,
     error::CopyError,
-    remote::{AgentUrl, CyclePush, RemoteOptions, STALE_BASE, push_cycle, push_tree_cycle},
+    remote::{AgentUrl, CyclePush, RemoteCode, RemoteOptions, push_cycle, push_tree_cycle},
 };
 use chunker::{ChunkId, ChunkSize, extents};
 use std::{
@@ -296,7 +296,11 @@ pub async fn run(
         cvs,
     };
     let (sum, ids) = match push_cycle(&pit.read, &peer, &copy, &remote, &push, progress).await {
-        Err(CopyError::Remote { code, message, .. }) if code == STALE_BASE => {
+        Err(CopyError::Remote {
+            code: RemoteCode::StaleBase,
+            message,
+            ..
+        }) => {
             tracing::warn!(relationship = %spec.name, "{message}: comparing every chunk");
             push.base = None;
             push_cycle(&pit.read, &peer, &copy, &remote, &push, progress).await?

@@ -425,5 +425,5 @@ pub fn role_str(r: Role) -> &'static str {
 
 /// Whether `e` is the peer refusing this side's epoch as stale (another side promoted).
 fn is_stale_epoch(e: &CopyError) -> bool {
-    matches!(e, CopyError::Remote { code, message, .. } if code == "refused" && message.starts_with("stale epoch"))
+    matches!(e, CopyError::Remote { code: crate::error::RemoteCode::Refused, message, .. } if message.starts_with("stale epoch"))
 }
