@@ -15,6 +15,9 @@ mod metrics;
 mod pages;
 mod schedules;
 mod service;
+mod session;
+mod session_writer;
+mod status;
 mod trees;
 
 pub use config::{AgentConfig, ConfigError, Export, TlsConfig};
