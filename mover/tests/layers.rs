@@ -122,7 +122,11 @@ fn import_graph() -> BTreeMap<(String, String), BTreeSet<String>> {
     rust_files(&src, &mut files);
     let mut arrows: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
     for file in files {
-        let rel = file.strip_prefix(&src).unwrap().to_string_lossy().into_owned();
+        let rel = file
+            .strip_prefix(&src)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
         // The binary sits above every floor.
         if rel == "main.rs" || rel == "lib.rs" || rel.starts_with("cli/") {
             continue;
@@ -202,7 +206,11 @@ fn folders_on_one_floor_never_import_each_other_both_ways() {
 fn the_graph_sees_the_imports_it_checks() {
     // The parser must find known arrows, or the two checks above would pass on nothing.
     let graph = import_graph();
-    for (from, to) in [("agent", "replicate"), ("replicate", "node"), ("copy", "error")] {
+    for (from, to) in [
+        ("agent", "replicate"),
+        ("replicate", "node"),
+        ("copy", "error"),
+    ] {
         assert!(
             graph.contains_key(&(from.to_string(), to.to_string())),
             "{from} -> {to} not found: the parser misses imports"

@@ -2,9 +2,10 @@
 //! update, delete, sync, promote, demote, resync), for the CLI and the controller.
 
 use super::{
-    journal,
-    service::{AgentService, blocking, internal},
+    service::{AgentService, blocking},
+    status::{ServiceError, answer, internal},
 };
+use crate::replicate::journal;
 use crate::{
     remote::{AgentUrl, RemoteOptions},
     replicate::{
@@ -30,9 +31,9 @@ pub struct Control {
 }
 
 impl Control {
-    fn record(&self, name: &str) -> Result<Record, Status> {
+    fn record(&self, name: &str) -> Result<Record, ServiceError> {
         self.service.store.get(name).ok_or_else(|| {
-            Status::not_found(format!(
+            ServiceError::NotFound(format!(
                 "no relationship {name:?} on this agent (a secondary learns a relationship \
                  from its first cycle); `mover replicate list` shows those it has"
             ))
@@ -93,7 +94,7 @@ impl Control {
         &self,
         r: &Record,
         export: &crate::node::Export,
-    ) -> Result<Option<CycleRecord>, Status> {
+    ) -> Result<Option<CycleRecord>, ServiceError> {
         let key = transport::relationship_key(&r.spec.name);
         let local_root = blocking(|| -> Result<String, String> {
             let v = BlockVolume::open(&export.path).map_err(|e| e.to_string())?;
@@ -167,25 +168,20 @@ impl Control {
         }
     }
 
-    fn reply(&self, name: &str) -> Result<Response<control::Status>, Status> {
-        Ok(Response::new(self.status(&self.record(name)?)))
+    fn reply(&self, name: &str) -> Result<control::Status, ServiceError> {
+        Ok(self.status(&self.record(name)?))
     }
 
     /// Checks a new relationship's spec; returns it with defaults filled in.
-    async fn check_spec(&self, spec: control::Spec) -> Result<Spec, Status> {
-        let bad = |why: String| Status::invalid_argument(why);
+    async fn check_spec(&self, spec: control::Spec) -> Result<Spec, ServiceError> {
+        let bad = ServiceError::InvalidArgument;
         if spec.name.is_empty() || spec.name.chars().any(|c| c.is_control()) {
             return Err(bad(
                 "a relationship needs a name without control characters".into(),
             ));
         }
         let export = self.service.export(&spec.volume)?;
-        if spec.interval_ms < MIN_INTERVAL_MS {
-            return Err(bad(format!(
-                "interval {} ms is too short: cycles run at most once a second (give e.g. 30s)",
-                spec.interval_ms
-            )));
-        }
+        replicate::check_interval(spec.interval_ms).map_err(bad)?;
         let peer = AgentUrl::parse(&spec.peer)
             .ok_or_else(|| {
                 bad(format!(
@@ -208,7 +204,7 @@ impl Control {
             0
         } else {
             let size = blocking(|| BlockVolume::open(&export.path))
-                .map_err(|e| Status::failed_precondition(format!("the primary volume: {e}")))?
+                .map_err(|e| ServiceError::FailedPrecondition(format!("the primary volume: {e}")))?
                 .size();
             if spec.chunk_size == 0 {
                 replicate::default_chunk(size)
@@ -224,7 +220,7 @@ impl Control {
             .into_iter()
             .find(|o| o.spec.volume == spec.volume)
         {
-            return Err(Status::failed_precondition(format!(
+            return Err(ServiceError::FailedPrecondition(format!(
                 "export {:?} is already the {} of relationship {:?}; a volume belongs to one \
                  relationship",
                 spec.volume,
@@ -237,17 +233,19 @@ impl Control {
         let mut client = replicate::remote_for(&self.remote, token)
             .connect(&peer)
             .await
-            .map_err(|e| Status::failed_precondition(format!("secondary unreachable: {e}")))?;
+            .map_err(|e| ServiceError::FailedPrecondition(format!("secondary unreachable: {e}")))?;
         let d = client
             .describe(transport::proto::DescribeRequest {
                 volume: peer.volume.clone(),
             })
             .await
-            .map_err(|s| Status::failed_precondition(format!("secondary {peer}: {}", s.message())))?
+            .map_err(|s| {
+                ServiceError::FailedPrecondition(format!("secondary {peer}: {}", s.message()))
+            })?
             .into_inner();
         let kind = |t: bool| if t { "a file tree" } else { "a block volume" };
         if d.tree != tree || d.read_only {
-            return Err(Status::failed_precondition(format!(
+            return Err(ServiceError::FailedPrecondition(format!(
                 "secondary {peer} is {}: it cannot receive {}",
                 if d.read_only {
                     "exported read-only"
@@ -283,49 +281,52 @@ impl Replication for Control {
         &self,
         req: Request<control::CreateRequest>,
     ) -> Result<Response<control::Status>, Status> {
-        let r = req.into_inner();
-        let spec = r
-            .spec
-            .ok_or_else(|| Status::invalid_argument("a relationship spec is required"))?;
-        if self.service.store.get(&spec.name).is_some() {
-            return Err(Status::already_exists(format!(
-                "relationship {:?} exists on this agent; `mover replicate status {}` shows it",
-                spec.name, spec.name
-            )));
-        }
-        let spec = self.check_spec(spec).await?;
-        let address = self.advertise.clone().unwrap_or(r.self_address);
-        if address.is_empty() {
-            return Err(Status::invalid_argument(
-                "this agent's address is unknown: set `advertise` in its config",
-            ));
-        }
-        // A relationship re-created under an old name continues its epochs.
-        let epoch = self.service.epochs.highest(&spec.name).max(1);
-        self.service.check_epoch(&spec.name, epoch)?;
-        let record = Record {
-            version: RECORD_VERSION,
-            this_side: format!("agent://{address}/{}", spec.volume),
-            spec,
-            role: Role::Primary,
-            epoch,
-            paused: false,
-            halt: None,
-            last_cycle: None,
-            history: Vec::new(),
-        };
-        let name = record.spec.name.clone();
-        self.service.store.put(record).map_err(internal)?;
-        self.runners.start(&name);
-        tracing::info!(relationship = %name, "relationship created");
-        self.reply(&name)
+        answer(async {
+            let r = req.into_inner();
+            let spec = r.spec.ok_or_else(|| {
+                ServiceError::InvalidArgument("a relationship spec is required".into())
+            })?;
+            if self.service.store.get(&spec.name).is_some() {
+                return Err(ServiceError::AlreadyExists(format!(
+                    "relationship {:?} exists on this agent; `mover replicate status {}` shows it",
+                    spec.name, spec.name
+                )));
+            }
+            let spec = self.check_spec(spec).await?;
+            let address = self.advertise.clone().unwrap_or(r.self_address);
+            if address.is_empty() {
+                return Err(ServiceError::InvalidArgument(
+                    "this agent's address is unknown: set `advertise` in its config".into(),
+                ));
+            }
+            // A relationship re-created under an old name continues its epochs.
+            let epoch = self.service.epochs.highest(&spec.name).max(1);
+            self.service.check_epoch(&spec.name, epoch)?;
+            let record = Record {
+                version: RECORD_VERSION,
+                this_side: format!("agent://{address}/{}", spec.volume),
+                spec,
+                role: Role::Primary,
+                epoch,
+                paused: false,
+                halt: None,
+                last_cycle: None,
+                history: Vec::new(),
+            };
+            let name = record.spec.name.clone();
+            self.service.store.put(record).map_err(internal)?;
+            self.runners.start(&name);
+            tracing::info!(relationship = %name, "relationship created");
+            self.reply(&name)
+        })
+        .await
     }
 
     async fn get(
         &self,
         req: Request<control::NameRequest>,
     ) -> Result<Response<control::Status>, Status> {
-        self.reply(&req.into_inner().name)
+        answer(async { self.reply(&req.into_inner().name) }).await
     }
 
     async fn list(
@@ -346,354 +347,377 @@ impl Replication for Control {
         &self,
         req: Request<control::UpdateRequest>,
     ) -> Result<Response<control::Status>, Status> {
-        let u = req.into_inner();
-        let r = self.record(&u.name)?;
-        if let Some(m) = u.freeze.as_deref().filter(|m| !m.is_empty()) {
-            let export = self.service.export(&r.spec.volume)?;
-            if export.path.is_dir() {
-                return Err(Status::invalid_argument(
-                    "a file tree's cycles are file-consistent and cannot be frozen",
+        answer(async {
+            let u = req.into_inner();
+            let r = self.record(&u.name)?;
+            if let Some(m) = u.freeze.as_deref().filter(|m| !m.is_empty()) {
+                let export = self.service.export(&r.spec.volume)?;
+                if export.path.is_dir() {
+                    return Err(ServiceError::InvalidArgument(
+                        "a file tree's cycles are file-consistent and cannot be frozen".into(),
+                    ));
+                }
+                crate::node::freeze::check_freeze(Path::new(m), &export.path)
+                    .map_err(ServiceError::InvalidArgument)?;
+            }
+            if u.interval_ms.is_some_and(|i| i < MIN_INTERVAL_MS) {
+                return Err(ServiceError::InvalidArgument(
+                    "interval too short: cycles run at most once a second".into(),
                 ));
             }
-            crate::node::freeze::check_freeze(Path::new(m), &export.path)
-                .map_err(Status::invalid_argument)?;
-        }
-        if u.interval_ms.is_some_and(|i| i < MIN_INTERVAL_MS) {
-            return Err(Status::invalid_argument(
-                "interval too short: cycles run at most once a second",
-            ));
-        }
-        self.service
-            .store
-            .update(&u.name, |r| {
-                if let Some(i) = u.interval_ms {
-                    r.spec.interval_ms = i;
-                }
-                if let Some(b) = u.bwlimit {
-                    r.spec.bwlimit = b;
-                }
-                if let Some(p) = u.paused {
-                    r.paused = p;
-                }
-                if let Some(m) = &u.freeze {
-                    r.spec.freeze = (!m.is_empty()).then(|| m.into());
-                }
-                if let Some(t) = &u.peer_token {
-                    r.spec.peer_token = (!t.is_empty()).then(|| replicate::store::PeerToken {
-                        token: t.clone(),
-                        version: u.peer_token_version.clone().unwrap_or_default(),
-                    });
-                }
-            })
-            .map_err(internal)?;
-        if self.record(&u.name)?.role == Role::Primary {
-            self.runners.start(&u.name);
-        }
-        self.reply(&u.name)
+            self.service
+                .store
+                .update(&u.name, |r| {
+                    if let Some(i) = u.interval_ms {
+                        r.spec.interval_ms = i;
+                    }
+                    if let Some(b) = u.bwlimit {
+                        r.spec.bwlimit = b;
+                    }
+                    if let Some(p) = u.paused {
+                        r.paused = p;
+                    }
+                    if let Some(m) = &u.freeze {
+                        r.spec.freeze = (!m.is_empty()).then(|| m.into());
+                    }
+                    if let Some(t) = &u.peer_token {
+                        r.spec.peer_token = (!t.is_empty()).then(|| replicate::store::PeerToken {
+                            token: t.clone(),
+                            version: u.peer_token_version.clone().unwrap_or_default(),
+                        });
+                    }
+                })
+                .map_err(internal)?;
+            if self.record(&u.name)?.role == Role::Primary {
+                self.runners.start(&u.name);
+            }
+            self.reply(&u.name)
+        })
+        .await
     }
 
     async fn delete(
         &self,
         req: Request<control::NameRequest>,
     ) -> Result<Response<control::Status>, Status> {
-        let name = req.into_inner().name;
-        let r = self.record(&name)?;
-        let status = self.status(&r);
-        self.runners.stop(&name);
-        self.forget_base(&r);
-        self.service.close_sessions_on(&r.spec.volume).await?;
-        self.service.store.remove(&name).map_err(internal)?;
-        let dir = journal::cycles_dir(self.service.state_dir(), &name);
-        journal::discard(&dir);
-        let _ = std::fs::remove_dir_all(&dir);
-        tracing::info!(relationship = %name, "relationship deleted");
-        Ok(Response::new(status))
+        answer(async {
+            let name = req.into_inner().name;
+            let r = self.record(&name)?;
+            let status = self.status(&r);
+            self.runners.stop(&name);
+            self.forget_base(&r);
+            self.service.close_sessions_on(&r.spec.volume).await?;
+            self.service.store.remove(&name).map_err(internal)?;
+            let dir = journal::cycles_dir(self.service.state_dir(), &name);
+            journal::discard(&dir);
+            let _ = std::fs::remove_dir_all(&dir);
+            tracing::info!(relationship = %name, "relationship deleted");
+            Ok(status)
+        })
+        .await
     }
 
     async fn sync(
         &self,
         req: Request<control::NameRequest>,
     ) -> Result<Response<control::Status>, Status> {
-        let name = req.into_inner().name;
-        let r = self.record(&name)?;
-        if r.role != Role::Primary {
-            return Err(Status::failed_precondition(format!(
-                "this side of {name:?} is the secondary; cycles run on the primary ({})",
-                r.spec.peer
-            )));
-        }
-        self.runners
-            .cycle_now(&name, false)
-            .await
-            .map_err(Status::aborted)?;
-        self.reply(&name)
+        answer(async {
+            let name = req.into_inner().name;
+            let r = self.record(&name)?;
+            if r.role != Role::Primary {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "this side of {name:?} is the secondary; cycles run on the primary ({})",
+                    r.spec.peer
+                )));
+            }
+            self.runners
+                .cycle_now(&name, false)
+                .await
+                .map_err(ServiceError::Aborted)?;
+            self.reply(&name)
+        })
+        .await
     }
 
     async fn promote(
         &self,
         req: Request<control::PromoteRequest>,
     ) -> Result<Response<control::Status>, Status> {
-        let p = req.into_inner();
-        let r = self.record(&p.name)?;
-        if r.role == Role::Primary && r.halt.is_none() {
-            return self.reply(&p.name); // already primary: promote is idempotent
-        }
-        // No writer may be half way through a cycle while the roles change.
-        self.service.close_sessions_on(&r.spec.volume).await?;
-        let dir = journal::cycles_dir(self.service.state_dir(), &p.name);
-        journal::discard(&dir);
-        if dir.join("commit.json").exists() {
-            journal::apply(&dir).map_err(|e| {
-                Status::internal(format!(
-                    "cannot apply the committed cycle in {}: {e}",
-                    dir.display()
-                ))
-            })?;
-        }
-        let applied = journal::applied(&dir);
-        match (&applied, p.force) {
-            (None, false) => {
-                return Err(Status::failed_precondition(format!(
-                    "{:?} has no complete cycle here yet: the volume is not a point in time of \
-                     the primary. Wait for the first cycle, or promote --force to use it as is",
-                    p.name
-                )));
+        answer(async {
+            let p = req.into_inner();
+            let r = self.record(&p.name)?;
+            if r.role == Role::Primary && r.halt.is_none() {
+                return self.reply(&p.name); // already primary: promote is idempotent
             }
-            (Some(a), false) if !a.r#final => {
-                return Err(Status::failed_precondition(format!(
-                    "the last cycle applied here ({}) is not the final cycle of a demote: the \
-                     primary may still be writing. Demote it first (planned failover), or \
-                     promote --force if it is gone",
-                    a.id
-                )));
+            // No writer may be half way through a cycle while the roles change.
+            self.service.close_sessions_on(&r.spec.volume).await?;
+            let dir = journal::cycles_dir(self.service.state_dir(), &p.name);
+            journal::discard(&dir);
+            if dir.join("commit.json").exists() {
+                journal::apply(&dir).map_err(|e| {
+                    ServiceError::Internal(format!(
+                        "cannot apply the committed cycle in {}: {e}",
+                        dir.display()
+                    ))
+                })?;
             }
-            _ => {}
-        }
-        let epoch = self.service.epochs.highest(&p.name).max(r.epoch) + 1;
-        self.service.check_epoch(&p.name, epoch)?;
-        let common = applied.as_ref().map_or(0, |a| a.id);
-        self.service
-            .store
-            .update(&p.name, |rec| {
-                rec.role = Role::Primary;
-                rec.epoch = epoch;
-                rec.halt = None;
-                rec.last_cycle = applied.as_ref().map(CycleRecord::from);
-                rec.history.push(EpochChange {
-                    epoch,
-                    last_common_cycle: common,
-                    root: applied.as_ref().map(|a| a.root.clone()).unwrap_or_default(),
-                });
-                // How peers reach this side: `advertise` if set, else the address the
-                // old primary used (recorded with its cycles).
-                if let Some(a) = &self.advertise {
-                    rec.this_side = format!("agent://{a}/{}", rec.spec.volume);
+            let applied = journal::applied(&dir);
+            match (&applied, p.force) {
+                (None, false) => {
+                    return Err(ServiceError::FailedPrecondition(format!(
+                        "{:?} has no complete cycle here yet: the volume is not a point in time of \
+                         the primary. Wait for the first cycle, or promote --force to use it as is",
+                        p.name
+                    )));
                 }
-            })
-            .map_err(internal)?;
-        // Its first cycle as primary reads only what is written from now on.
-        if let (Some(a), Ok(e), Ok(chunk)) = (
-            &applied,
-            self.service.export(&r.spec.volume),
-            ChunkSize::new(r.spec.chunk_size),
-        ) {
-            let state = self.service.state_dir();
-            let cycle = a.id;
-            match blocking(|| {
-                replicate::base::adopt(state, &e.path, &p.name, chunk, cycle, &a.root)
-            }) {
-                Ok(true) => {
-                    tracing::debug!(relationship = %p.name, cycle, "kept a clone of the cycle promoted from");
-                    // Unit CVs for its cycles (a secondary keeps none), in the background.
-                    let (path, name) = (e.path.clone(), p.name.clone());
-                    std::thread::spawn(move || {
-                        super::pages::lower_priority();
-                        match replicate::base::record_cvs(&path, &name, chunk) {
-                            Ok(n) => {
-                                tracing::debug!(relationship = %name, chunks = n, "unit CVs recorded")
-                            }
-                            Err(e) => {
-                                tracing::warn!(relationship = %name, "cannot record unit CVs ({e}); changed chunks are read whole")
-                            }
-                        }
+                (Some(a), false) if !a.r#final => {
+                    return Err(ServiceError::FailedPrecondition(format!(
+                        "the last cycle applied here ({}) is not the final cycle of a demote: the \
+                         primary may still be writing. Demote it first (planned failover), or \
+                         promote --force if it is gone",
+                        a.id
+                    )));
+                }
+                _ => {}
+            }
+            let epoch = self.service.epochs.highest(&p.name).max(r.epoch) + 1;
+            self.service.check_epoch(&p.name, epoch)?;
+            let common = applied.as_ref().map_or(0, |a| a.id);
+            self.service
+                .store
+                .update(&p.name, |rec| {
+                    rec.role = Role::Primary;
+                    rec.epoch = epoch;
+                    rec.halt = None;
+                    rec.last_cycle = applied.as_ref().map(CycleRecord::from);
+                    rec.history.push(EpochChange {
+                        epoch,
+                        last_common_cycle: common,
+                        root: applied.as_ref().map(|a| a.root.clone()).unwrap_or_default(),
                     });
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(relationship = %p.name, "cannot keep a clone of the cycle promoted from: {e}")
+                    // How peers reach this side: `advertise` if set, else the address the
+                    // old primary used (recorded with its cycles).
+                    if let Some(a) = &self.advertise {
+                        rec.this_side = format!("agent://{a}/{}", rec.spec.volume);
+                    }
+                })
+                .map_err(internal)?;
+            // Its first cycle as primary reads only what is written from now on.
+            if let (Some(a), Ok(e), Ok(chunk)) = (
+                &applied,
+                self.service.export(&r.spec.volume),
+                ChunkSize::new(r.spec.chunk_size),
+            ) {
+                let state = self.service.state_dir();
+                let cycle = a.id;
+                match blocking(|| {
+                    replicate::base::adopt(state, &e.path, &p.name, chunk, cycle, &a.root)
+                }) {
+                    Ok(true) => {
+                        tracing::debug!(relationship = %p.name, cycle, "kept a clone of the cycle promoted from");
+                        // Unit CVs for its cycles (a secondary keeps none), in the background.
+                        let (path, name) = (e.path.clone(), p.name.clone());
+                        std::thread::spawn(move || {
+                            super::pages::lower_priority();
+                            match replicate::base::record_cvs(&path, &name, chunk) {
+                                Ok(n) => {
+                                    tracing::debug!(relationship = %name, chunks = n, "unit CVs recorded")
+                                }
+                                Err(e) => {
+                                    tracing::warn!(relationship = %name, "cannot record unit CVs ({e}); changed chunks are read whole")
+                                }
+                            }
+                        });
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(relationship = %p.name, "cannot keep a clone of the cycle promoted from: {e}")
+                    }
                 }
             }
-        }
-        self.runners.start(&p.name);
-        tracing::info!(relationship = %p.name, epoch, force = p.force, "promoted");
-        self.reply(&p.name)
+            self.runners.start(&p.name);
+            tracing::info!(relationship = %p.name, epoch, force = p.force, "promoted");
+            self.reply(&p.name)
+        })
+        .await
     }
 
     async fn demote(
         &self,
         req: Request<control::NameRequest>,
     ) -> Result<Response<control::Status>, Status> {
-        let name = req.into_inner().name;
-        let r = self.record(&name)?;
-        if r.role == Role::Secondary {
-            return self.reply(&name); // already secondary
-        }
-        let last =
-            self.runners.cycle_now(&name, true).await.map_err(|e| {
-                Status::aborted(format!("the final cycle failed, still primary: {e}"))
+        answer(async {
+            let name = req.into_inner().name;
+            let r = self.record(&name)?;
+            if r.role == Role::Secondary {
+                return self.reply(&name); // already secondary
+            }
+            let last = self.runners.cycle_now(&name, true).await.map_err(|e| {
+                ServiceError::Aborted(format!("the final cycle failed, still primary: {e}"))
             })?;
-        self.runners.stop(&name);
-        // This side now holds the final cycle (and whatever was written after its clone:
-        // shipped back by the new primary): later cycles into it are staged.
-        let r = self.record(&name)?;
-        let written = self.settle(&r).await;
-        self.forget_base(&r);
-        let dir = journal::cycles_dir(self.service.state_dir(), &name);
-        let mut applied = journal::AppliedCycle::of(&name, &last, r.epoch);
-        applied.dirty = written
-            .unwrap_or_default()
-            .iter()
-            .map(|w| (w.start, w.end))
-            .collect();
-        journal::record_applied(&dir, &applied).map_err(internal)?;
-        tracing::info!(relationship = %name, cycle = last.id, "demoted after a final cycle");
-        self.reply(&name)
+            self.runners.stop(&name);
+            // This side now holds the final cycle (and whatever was written after its clone:
+            // shipped back by the new primary): later cycles into it are staged.
+            let r = self.record(&name)?;
+            let written = self.settle(&r).await;
+            self.forget_base(&r);
+            let dir = journal::cycles_dir(self.service.state_dir(), &name);
+            let mut applied = journal::AppliedCycle::of(&name, &last, r.epoch);
+            applied.dirty = written
+                .unwrap_or_default()
+                .iter()
+                .map(|w| (w.start, w.end))
+                .collect();
+            journal::record_applied(&dir, &applied).map_err(internal)?;
+            tracing::info!(relationship = %name, cycle = last.id, "demoted after a final cycle");
+            self.reply(&name)
+        })
+        .await
     }
 
     async fn resync(
         &self,
         req: Request<control::ResyncRequest>,
     ) -> Result<Response<control::Status>, Status> {
-        let q = req.into_inner();
-        let r = self.record(&q.name)?;
-        if r.role == Role::Secondary {
-            return self.reply(&q.name);
-        }
-        if r.halt.is_none() && !q.discard_local {
-            return Err(Status::failed_precondition(format!(
-                "this side is the active primary of {:?}; for a planned failover demote it, \
-                 or resync --discard-local to throw its data away for the peer's",
-                q.name
-            )));
-        }
-        self.runners.stop(&q.name);
-        let export = self.service.export(&r.spec.volume)?;
-        // Did this side write after the last cycle both sides hold? Its clone of that
-        // cycle says where, without reading the volume (and seals an index for it).
-        if export.path.is_dir() && !q.discard_local {
-            return Err(Status::failed_precondition(format!(
-                "this side of {:?} is a file tree: mover cannot tell whether it was written \
-                 since its last cycle. Save what you need from it, then `resync \
-                 --discard-local`: the peer's cycles then make it equal to the peer's tree \
-                 (only files that differ are sent)",
-                q.name
-            )));
-        }
-        let settled = self.settle(&r).await;
-        let mut dirty = Vec::new();
-        let common = match (settled, &r.last_cycle) {
-            _ if export.path.is_dir() => None,
-            (Some(written), Some(c)) if written.is_empty() => Some(c.clone()),
-            (Some(written), Some(c)) if q.discard_local => {
-                // The new primary ships these back with its own changes.
-                dirty = written.iter().map(|w| (w.start, w.end)).collect();
-                Some(c.clone())
+        answer(async {
+            let q = req.into_inner();
+            let r = self.record(&q.name)?;
+            if r.role == Role::Secondary {
+                return self.reply(&q.name);
             }
-            _ => self.common_by_hashing(&r, &export).await?,
-        };
-        let unchanged = common.is_some();
-        if !unchanged && !q.discard_local {
+            if r.halt.is_none() && !q.discard_local {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "this side is the active primary of {:?}; for a planned failover demote it, \
+                     or resync --discard-local to throw its data away for the peer's",
+                    q.name
+                )));
+            }
+            self.runners.stop(&q.name);
+            let export = self.service.export(&r.spec.volume)?;
+            // Did this side write after the last cycle both sides hold? Its clone of that
+            // cycle says where, without reading the volume (and seals an index for it).
+            if export.path.is_dir() && !q.discard_local {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "this side of {:?} is a file tree: mover cannot tell whether it was written \
+                     since its last cycle. Save what you need from it, then `resync \
+                     --discard-local`: the peer's cycles then make it equal to the peer's tree \
+                     (only files that differ are sent)",
+                    q.name
+                )));
+            }
+            let settled = self.settle(&r).await;
+            let mut dirty = Vec::new();
+            let common = match (settled, &r.last_cycle) {
+                _ if export.path.is_dir() => None,
+                (Some(written), Some(c)) if written.is_empty() => Some(c.clone()),
+                (Some(written), Some(c)) if q.discard_local => {
+                    // The new primary ships these back with its own changes.
+                    dirty = written.iter().map(|w| (w.start, w.end)).collect();
+                    Some(c.clone())
+                }
+                _ => self.common_by_hashing(&r, &export).await?,
+            };
+            let unchanged = common.is_some();
+            if !unchanged && !q.discard_local {
+                self.service
+                    .store
+                    .update(&q.name, |rec| rec.halt = Some(Halt::SplitBrain))
+                    .map_err(internal)?;
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "split brain: this side of {:?} was written after its last common cycle with \
+                     the peer ({}), and the peer was promoted since. Save what you need from this \
+                     volume, then `resync --discard-local` to replace it with the peer's data",
+                    q.name,
+                    r.last_cycle
+                        .as_ref()
+                        .map_or("none".into(), |c| c.id.to_string())
+                )));
+            }
+            // From here on this side is the secondary: its clone of its last cycle goes (kept
+            // until now for a retry after a refusal).
+            self.forget_base(&r);
+            let dir = journal::cycles_dir(self.service.state_dir(), &q.name);
+            if let Some(c) = &common {
+                let mut applied = journal::AppliedCycle::of(&q.name, c, r.epoch);
+                applied.dirty = dirty;
+                journal::record_applied(&dir, &applied).map_err(internal)?;
+            } else {
+                journal::forget_applied(&dir).map_err(internal)?;
+            }
             self.service
                 .store
-                .update(&q.name, |rec| rec.halt = Some(Halt::SplitBrain))
+                .update(&q.name, |rec| {
+                    rec.role = Role::Secondary;
+                    rec.halt = None;
+                })
                 .map_err(internal)?;
-            return Err(Status::failed_precondition(format!(
-                "split brain: this side of {:?} was written after its last common cycle with \
-                 the peer ({}), and the peer was promoted since. Save what you need from this \
-                 volume, then `resync --discard-local` to replace it with the peer's data",
-                q.name,
-                r.last_cycle
-                    .as_ref()
-                    .map_or("none".into(), |c| c.id.to_string())
-            )));
-        }
-        // From here on this side is the secondary: its clone of its last cycle goes (kept
-        // until now for a retry after a refusal).
-        self.forget_base(&r);
-        let dir = journal::cycles_dir(self.service.state_dir(), &q.name);
-        if let Some(c) = &common {
-            let mut applied = journal::AppliedCycle::of(&q.name, c, r.epoch);
-            applied.dirty = dirty;
-            journal::record_applied(&dir, &applied).map_err(internal)?;
-        } else {
-            journal::forget_applied(&dir).map_err(internal)?;
-        }
-        self.service
-            .store
-            .update(&q.name, |rec| {
-                rec.role = Role::Secondary;
-                rec.halt = None;
-            })
-            .map_err(internal)?;
-        tracing::info!(relationship = %q.name, discard_local = q.discard_local, "resynced: now secondary");
-        self.reply(&q.name)
+            tracing::info!(relationship = %q.name, discard_local = q.discard_local, "resynced: now secondary");
+            self.reply(&q.name)
+        })
+        .await
     }
 
     async fn export(
         &self,
         req: Request<control::ExportRequest>,
     ) -> Result<Response<control::ExportResponse>, Status> {
-        let q = req.into_inner();
-        let path = std::path::PathBuf::from(&q.path);
-        let exports = &self.service.exports;
-        // A registration moved to another path while in use would pull the volume from
-        // under its relationship: refused until that is deleted.
-        if let Some(was) = exports.registered_path(&q.name).filter(|p| *p != path)
-            && let Some(user) = self.user_of(&q.name)
-        {
-            return Err(Status::failed_precondition(format!(
-                "export {:?} is registered at {} and used by {user}: delete that first to \
-                 register it at {}",
-                q.name,
-                was.display(),
-                path.display()
-            )));
-        }
-        let before = exports.registered_path(&q.name);
-        let registered = exports
-            .register(&q.name, &path, q.block)
-            .map_err(|e| match e {
-                crate::agent::ExportError::Save { .. } => internal(e),
-                _ => Status::permission_denied(e.to_string()),
-            })?;
-        // Registered again on every look of the controller: only a change is news.
-        if registered && before.as_deref() != Some(path.as_path()) {
-            tracing::info!(export = %q.name, path = %path.display(), block = q.block, "export registered");
-        }
-        Ok(Response::new(self.export_reply(&q.name, registered)))
+        answer(async {
+            let q = req.into_inner();
+            let path = std::path::PathBuf::from(&q.path);
+            let exports = &self.service.exports;
+            // A registration moved to another path while in use would pull the volume from
+            // under its relationship: refused until that is deleted.
+            if let Some(was) = exports.registered_path(&q.name).filter(|p| *p != path)
+                && let Some(user) = self.user_of(&q.name)
+            {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "export {:?} is registered at {} and used by {user}: delete that first to \
+                     register it at {}",
+                    q.name,
+                    was.display(),
+                    path.display()
+                )));
+            }
+            let before = exports.registered_path(&q.name);
+            let registered = exports
+                .register(&q.name, &path, q.block)
+                .map_err(|e| match e {
+                    crate::agent::ExportError::Save { .. } => internal(e),
+                    _ => ServiceError::PermissionDenied(e.to_string()),
+                })?;
+            // Registered again on every look of the controller: only a change is news.
+            if registered && before.as_deref() != Some(path.as_path()) {
+                tracing::info!(export = %q.name, path = %path.display(), block = q.block, "export registered");
+            }
+            Ok(self.export_reply(&q.name, registered))
+        })
+        .await
     }
 
     async fn unexport(
         &self,
         req: Request<control::NameRequest>,
     ) -> Result<Response<control::ExportResponse>, Status> {
-        let name = req.into_inner().name;
-        let exports = &self.service.exports;
-        if exports.registered_path(&name).is_none() {
-            // Named in agent.toml, or not registered (any more): nothing to do.
-            return Ok(Response::new(self.export_reply(&name, false)));
-        }
-        if let Some(user) = self.user_of(&name) {
-            return Err(Status::failed_precondition(format!(
-                "export {name:?} is used by {user}: delete that first"
-            )));
-        }
-        exports.unregister(&name).map_err(internal)?;
-        tracing::info!(export = %name, "export unregistered");
-        Ok(Response::new(control::ExportResponse {
-            name,
-            path: String::new(),
-            registered: false,
-        }))
+        answer(async {
+            let name = req.into_inner().name;
+            let exports = &self.service.exports;
+            if exports.registered_path(&name).is_none() {
+                // Named in agent.toml, or not registered (any more): nothing to do.
+                return Ok(self.export_reply(&name, false));
+            }
+            if let Some(user) = self.user_of(&name) {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "export {name:?} is used by {user}: delete that first"
+                )));
+            }
+            exports.unregister(&name).map_err(internal)?;
+            tracing::info!(export = %name, "export unregistered");
+            Ok(control::ExportResponse {
+                name,
+                path: String::new(),
+                registered: false,
+            })
+        })
+        .await
     }
 }

@@ -2,16 +2,13 @@
 //! the relationship record the secondary keeps (so it can be promoted), and the commit
 //! of a cycle (journaled, or direct for the first sync).
 
-use super::{
-    journal::{self, AppliedCycle, Journal},
-    service::AgentService,
-};
+use super::{service::AgentService, status::ServiceError};
+use crate::replicate::journal::{self, AppliedCycle, Journal};
 use crate::replicate::{Record, Role, Spec, store::RECORD_VERSION};
 use std::{
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
 };
-use tonic::Status;
 use transport::proto;
 
 /// Where a cycle is written: the relationship, the export, the writer's epoch and the
@@ -43,11 +40,11 @@ impl AgentService {
         &self,
         r: &CycleTarget<'_>,
         cycle: &proto::Cycle,
-    ) -> Result<bool, Status> {
+    ) -> Result<bool, ServiceError> {
         let known = self.store.get(r.relationship);
         if let Some(k) = &known {
             if k.role == Role::Primary {
-                return Err(self.refuse(Status::failed_precondition(format!(
+                return Err(self.refuse(ServiceError::FailedPrecondition(format!(
                     "volume {:?} is the primary of relationship {:?} on this agent (epoch {}): \
                      a peer may not write into it. For a planned failover demote it first; \
                      after a forced promote of the peer run `mover replicate resync {}` here",
@@ -55,7 +52,7 @@ impl AgentService {
                 ))));
             }
             if k.spec.volume != r.volume {
-                return Err(self.refuse(Status::failed_precondition(format!(
+                return Err(self.refuse(ServiceError::FailedPrecondition(format!(
                     "relationship {:?} replicates into export {:?} on this agent, not {:?}",
                     k.spec.name, k.spec.volume, r.volume
                 ))));
@@ -67,7 +64,7 @@ impl AgentService {
             .into_iter()
             .find(|o| o.spec.volume == r.volume && o.spec.name != r.relationship)
         {
-            return Err(self.refuse(Status::failed_precondition(format!(
+            return Err(self.refuse(ServiceError::FailedPrecondition(format!(
                 "export {:?} already belongs to relationship {:?} ({}); one relationship per volume",
                 r.volume,
                 other.spec.name,
@@ -108,7 +105,7 @@ impl AgentService {
         if known.as_ref() != Some(&record) {
             self.store
                 .put(record)
-                .map_err(|e| Status::internal(e.to_string()))?;
+                .map_err(|e| ServiceError::Internal(e.to_string()))?;
         }
         Ok(known.is_some())
     }

@@ -3,8 +3,7 @@
 
 use std::{
     collections::HashMap,
-    fs::{self, File},
-    io::Write,
+    fs,
     path::{Path, PathBuf},
     sync::Mutex,
 };
@@ -88,14 +87,8 @@ impl EpochStore {
 
     /// Writes the epoch file durably: tmp, fsync, rename, fsync(dir).
     fn persist(&self, relationship: &str, epoch: u64) -> std::io::Result<()> {
-        let path = self.path(relationship);
-        let tmp = path.with_extension("tmp");
         let body = serde_json::json!({"version": EPOCH_VERSION, "relationship": relationship, "epoch": epoch});
-        let mut f = File::create(&tmp)?;
-        f.write_all(body.to_string().as_bytes())?;
-        f.sync_all()?;
-        fs::rename(&tmp, &path)?;
-        File::open(&self.dir)?.sync_all()
+        crate::node::write_durably(&self.path(relationship), body.to_string().as_bytes())
     }
 }
 

@@ -2,10 +2,12 @@
 //! they are, hydrating ones through their hydration), and the Hydration control service
 //! (`mover hydrate start|status|wait|cancel`).
 
-use super::Exports;
+use super::{
+    Exports,
+    status::{ServiceError, answer},
+};
 use crate::hydrate::{
-    HydrateError, HydratingVolume, Hydration, Hydrations, LocalVolume, Phase, SourceSpec,
-    StartRequest,
+    HydratingVolume, Hydration, Hydrations, LocalVolume, Phase, SourceSpec, StartRequest,
 };
 use std::{path::PathBuf, sync::Arc};
 use tonic::{Request, Response, Status};
@@ -100,20 +102,12 @@ impl HydrationControl {
         }
     }
 
-    fn get(&self, export: &str) -> Result<Arc<Hydration>, Status> {
+    fn get(&self, export: &str) -> Result<Arc<Hydration>, ServiceError> {
         self.hydrations.get(export).ok_or_else(|| {
-            Status::not_found(format!(
+            ServiceError::NotFound(format!(
                 "export {export:?} has no hydration on this agent (finished ones are forgotten when the agent restarts)"
             ))
         })
-    }
-}
-
-fn to_status(e: HydrateError) -> Status {
-    match &e {
-        HydrateError::Refused { .. } => Status::failed_precondition(e.to_string()),
-        HydrateError::Source { .. } => Status::unavailable(e.to_string()),
-        HydrateError::Local { .. } => Status::internal(e.to_string()),
     }
 }
 
@@ -123,52 +117,57 @@ impl hydration_server::Hydration for HydrationControl {
         &self,
         req: Request<proto::StartRequest>,
     ) -> Result<Response<proto::Status>, Status> {
-        let r = req.into_inner();
-        if let Some(rel) = self.store.all().iter().find(|x| x.spec.volume == r.export) {
-            return Err(Status::failed_precondition(format!(
-                "export {} is the volume of replication relationship {}: delete it first (`mover replicate delete`)",
-                r.export, rel.spec.name
-            )));
-        }
-        let opt = |s: String| (!s.is_empty()).then_some(s);
-        let source = match r.source {
-            Some(proto::start_request::Source::Agent(url)) => SourceSpec::Agent { url },
-            Some(proto::start_request::Source::Snapshot(s)) => SourceSpec::Snapshot {
-                repo: s.repo,
-                snapshot: s.snapshot,
-                s3_endpoint: opt(s.s3_endpoint),
-                s3_region: opt(s.s3_region),
-                s3_virtual_host: s.s3_virtual_host,
-                password_file: opt(s.password_file).map(PathBuf::from),
-                key_file: opt(s.key_file).map(PathBuf::from),
-            },
-            None => {
-                return Err(Status::invalid_argument(
-                    "no source: give an agent URL or a snapshot",
-                ));
+        answer(async {
+            let r = req.into_inner();
+            if let Some(rel) = self.store.all().iter().find(|x| x.spec.volume == r.export) {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "export {} is the volume of replication relationship {}: delete it first (`mover replicate delete`)",
+                    r.export, rel.spec.name
+                )));
             }
-        };
-        let h = self
-            .hydrations
-            .start(StartRequest {
-                export: r.export,
-                source,
-                region_size: r.region_size,
-                bwlimit: (r.bwlimit > 0).then_some(r.bwlimit),
-                concurrency: r.concurrency as usize,
-                overwrite: r.overwrite,
-            })
-            .await
-            .map_err(to_status)?;
-        Ok(Response::new(self.status(&h)))
+            let opt = |s: String| (!s.is_empty()).then_some(s);
+            let source = match r.source {
+                Some(proto::start_request::Source::Agent(url)) => SourceSpec::Agent { url },
+                Some(proto::start_request::Source::Snapshot(s)) => SourceSpec::Snapshot {
+                    repo: s.repo,
+                    snapshot: s.snapshot,
+                    s3_endpoint: opt(s.s3_endpoint),
+                    s3_region: opt(s.s3_region),
+                    s3_virtual_host: s.s3_virtual_host,
+                    password_file: opt(s.password_file).map(PathBuf::from),
+                    key_file: opt(s.key_file).map(PathBuf::from),
+                },
+                None => {
+                    return Err(ServiceError::InvalidArgument(
+                        "no source: give an agent URL or a snapshot".into(),
+                    ));
+                }
+            };
+            let h = self
+                .hydrations
+                .start(StartRequest {
+                    export: r.export,
+                    source,
+                    region_size: r.region_size,
+                    bwlimit: (r.bwlimit > 0).then_some(r.bwlimit),
+                    concurrency: r.concurrency as usize,
+                    overwrite: r.overwrite,
+                })
+                .await?;
+            Ok(self.status(&h))
+        })
+        .await
     }
 
     async fn get(
         &self,
         req: Request<proto::NameRequest>,
     ) -> Result<Response<proto::Status>, Status> {
-        let h = self.get(&req.into_inner().export)?;
-        Ok(Response::new(self.status(&h)))
+        answer(async {
+            let h = self.get(&req.into_inner().export)?;
+            Ok(self.status(&h))
+        })
+        .await
     }
 
     async fn list(
@@ -189,11 +188,10 @@ impl hydration_server::Hydration for HydrationControl {
         &self,
         req: Request<proto::NameRequest>,
     ) -> Result<Response<proto::Status>, Status> {
-        let h = self
-            .hydrations
-            .cancel(&req.into_inner().export)
-            .await
-            .map_err(to_status)?;
-        Ok(Response::new(self.status(&h)))
+        answer(async {
+            let h = self.hydrations.cancel(&req.into_inner().export).await?;
+            Ok(self.status(&h))
+        })
+        .await
     }
 }

@@ -13,17 +13,18 @@ mod metrics;
 mod pages;
 mod schedules;
 mod service;
+mod session;
+mod session_writer;
+mod status;
 mod trees;
 
 pub use crate::node::{Export, ExportError, Exports};
+use crate::replicate::journal;
 pub use config::{AgentConfig, ConfigError, TlsConfig};
 pub use control::Control;
 pub use fencing::{EpochStore, StaleEpoch};
 pub use metrics::Metrics;
 pub use service::AgentService;
-
-// The secondary's journal is replication's; the agent's handlers apply it.
-use crate::replicate::journal;
 
 use std::{future::Future, sync::Arc};
 use tokio::net::TcpListener;

@@ -302,7 +302,7 @@ impl PageIndex {
         let len = self.size.div_ceil(PAGE_SIZE as u64) * PAGE_HASH_LEN as u64;
         self.file
             .write_all_at(&trailer(identity, self.size, &self.key), len)?;
-        index::publish(&self.file, &self.work, &self.saved)
+        chunker::durable::publish(&self.file, &self.work, &self.saved)
     }
 
     /// The first page and the count of `[offset, offset + len)` when that range is whole

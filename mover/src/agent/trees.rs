@@ -1,12 +1,8 @@
 //! File-tree exports (an export whose path is a directory): pushes walk the client's tree
 //! into the export here; pulls serve the export to a client that walks it.
 
-use super::{
-    Export,
-    cycles::CycleTarget,
-    journal::{self, AppliedCycle},
-    service::AgentService,
-};
+use super::{Export, cycles::CycleTarget, service::AgentService, status::ServiceError};
+use crate::replicate::journal::{self, AppliedCycle};
 use crate::tree::{
     self,
     remote::{Pending, RemoteSource, Served, route_answers, serve_calls},
@@ -19,7 +15,7 @@ use std::{
 };
 use tokio::sync::mpsc;
 use tokio_stream::{Stream, StreamExt, wrappers::ReceiverStream};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Status, Streaming};
 use transport::proto::{self, tree_answer::Answer, tree_call::Op};
 
 /// What a push sends the client: calls for its tree, then the summary.
@@ -46,29 +42,29 @@ impl AgentService {
     pub(super) async fn describe_export(
         &self,
         req: Request<proto::DescribeRequest>,
-    ) -> Result<Response<proto::DescribeResponse>, Status> {
+    ) -> Result<proto::DescribeResponse, ServiceError> {
         let export = self.export(&req.get_ref().volume)?;
-        Ok(Response::new(proto::DescribeResponse {
+        Ok(proto::DescribeResponse {
             tree: export.path.is_dir(),
             read_only: export.read_only,
-        }))
+        })
     }
 
     /// The tree export `name`: a directory (or, for a push, a path not made yet).
-    fn tree_export(&self, name: &str, write: bool) -> Result<Export, Status> {
+    fn tree_export(&self, name: &str, write: bool) -> Result<Export, ServiceError> {
         let export = self.export(name)?;
         if write {
             self.check_writable(name, &export)?;
         }
         match std::fs::metadata(&export.path) {
             Ok(m) if m.is_dir() => Ok(export),
-            Ok(_) => Err(self.refuse(Status::failed_precondition(format!(
+            Ok(_) => Err(self.refuse(ServiceError::FailedPrecondition(format!(
                 "volume {name:?} is a block volume ({}), not a file tree: copy a device or \
                  image file to or from it, not a directory",
                 export.path.display()
             )))),
             Err(e) if write && e.kind() == std::io::ErrorKind::NotFound => Ok(export),
-            Err(e) => Err(Status::failed_precondition(format!(
+            Err(e) => Err(ServiceError::FailedPrecondition(format!(
                 "volume {name:?} ({}) cannot be read: {e}",
                 export.path.display()
             ))),
@@ -78,7 +74,7 @@ impl AgentService {
     pub(super) async fn push_tree(
         &self,
         req: Request<Streaming<proto::TreeAnswer>>,
-    ) -> Result<Response<CallStream>, Status> {
+    ) -> Result<CallStream, ServiceError> {
         let peer = req
             .remote_addr()
             .map_or_else(|| "a peer".into(), |a| a.to_string());
@@ -95,7 +91,9 @@ impl AgentService {
             .await?;
         let export = self.tree_export(&open.volume, true)?;
         if open.relationship.is_empty() {
-            return Err(self.refuse(Status::invalid_argument("a relationship id is required")));
+            return Err(self.refuse(ServiceError::InvalidArgument(
+                "a relationship id is required".into(),
+            )));
         }
         self.check_epoch(&open.relationship, open.epoch)?;
         let busy = self.claim(&open.volume)?;
@@ -113,7 +111,7 @@ impl AgentService {
                 let dir = journal::cycles_dir(self.state_dir(), &open.relationship);
                 std::fs::create_dir_all(&dir)
                     .and_then(|()| journal::forget_applied(&dir))
-                    .map_err(|e| Status::internal(format!("{}: {e}", dir.display())))?;
+                    .map_err(|e| ServiceError::Internal(format!("{}: {e}", dir.display())))?;
                 let applied =
                     AppliedCycle::of_cycle(&open.relationship, c, open.epoch, String::new());
                 Some((dir, applied))
@@ -152,20 +150,20 @@ impl AgentService {
                     .bytes_received
                     .fetch_add(summary.bytes_written, Relaxed);
             }
-            let last = match result {
+            let last: Result<proto::TreeCall, Status> = match result {
                 Ok(summary) => match serde_json::to_vec(&summary) {
                     Ok(json) => Ok(proto::TreeCall {
                         id: 0,
                         op: Some(Op::Done(json.into())),
                         xattrs: false,
                     }),
-                    Err(e) => Err(Status::internal(e.to_string())),
+                    Err(e) => Err(ServiceError::Internal(e.to_string()).into()),
                 },
-                Err(e) => Err(Status::failed_precondition(e.to_string())),
+                Err(e) => Err(ServiceError::FailedPrecondition(e.to_string()).into()),
             };
             _ = tx.blocking_send(last);
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Box::pin(ReceiverStream::new(rx)))
     }
 
     /// The open message a tree stream must begin with; `opened` finds it in the first
@@ -175,23 +173,28 @@ impl AgentService {
         incoming: &mut (impl Stream<Item = Result<T, Status>> + Unpin),
         what: &str,
         opened: impl FnOnce(T) -> Option<proto::TreeOpen>,
-    ) -> Result<proto::TreeOpen, Status> {
-        match incoming.next().await.transpose()? {
+    ) -> Result<proto::TreeOpen, ServiceError> {
+        match incoming
+            .next()
+            .await
+            .transpose()
+            .map_err(ServiceError::Stream)?
+        {
             Some(first) => opened(first),
             None => None,
         }
         .ok_or_else(|| {
-            self.refuse(Status::invalid_argument(format!(
+            self.refuse(ServiceError::InvalidArgument(format!(
                 "a tree {what} must begin with its open message"
             )))
         })
     }
 
     /// One push per export at a time: two walks would race on the same names.
-    fn claim(&self, name: &str) -> Result<Busy, Status> {
+    fn claim(&self, name: &str) -> Result<Busy, ServiceError> {
         let mut set = self.trees_busy.lock().expect("busy lock");
         if !set.insert(name.to_string()) {
-            return Err(self.refuse(Status::failed_precondition(format!(
+            return Err(self.refuse(ServiceError::FailedPrecondition(format!(
                 "volume {name:?} is being written by another push; retry when it is done"
             ))));
         }
@@ -204,7 +207,7 @@ impl AgentService {
     pub(super) async fn pull_tree(
         &self,
         req: Request<Streaming<proto::TreeCall>>,
-    ) -> Result<Response<AnswerStream>, Status> {
+    ) -> Result<AnswerStream, ServiceError> {
         let mut incoming = req.into_inner();
         let open = self
             .first_open(
@@ -218,8 +221,9 @@ impl AgentService {
             .await?;
         let export = self.tree_export(&open.volume, false)?;
         let bwlimit = (open.bwlimit > 0).then_some(open.bwlimit);
-        let served = Served::open(&export.path, bwlimit)
-            .map_err(|e| Status::failed_precondition(format!("{}: {e}", export.path.display())))?;
+        let served = Served::open(&export.path, bwlimit).map_err(|e| {
+            ServiceError::FailedPrecondition(format!("{}: {e}", export.path.display()))
+        })?;
         self.metrics.sessions_opened.fetch_add(1, Relaxed);
         self.metrics.sessions_active.fetch_add(1, Relaxed);
         let (tx, rx) = mpsc::channel(QUEUE);
@@ -234,6 +238,6 @@ impl AgentService {
                 .bytes_sent
                 .fetch_add(served.sent.load(Relaxed), Relaxed);
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+        Ok(Box::pin(ReceiverStream::new(rx).map(Ok)))
     }
 }

@@ -21,8 +21,7 @@
 //! flags (1: paged), key fingerprint, the BLAKE3 of everything before it, and the magic.
 //! Older versions are not trusted: the destination is then compared in full once.
 
-// TEMP(merge): agent/pages.rs still names index::publish.
-pub(crate) use chunker::durable::publish;
+use chunker::durable::publish;
 use chunker::{ChunkId, ChunkKey, ChunkKind, ChunkSize, PAGE_SIZE, cv::Cv};
 use std::{
     fs::{self, File},

@@ -101,6 +101,33 @@ pub async fn create_snapshot(
     produced.sum.packs = packs;
     produced.sum.stored_bytes = bytes;
     produced.sum.duration_secs = started.elapsed().as_secs_f64();
+    let content = Content::Block {
+        size: produced.size,
+        chunk_size: repo.chunk_size().get(),
+        chunks_per_list: CHUNKS_PER_LIST,
+        lists: produced.lists,
+    };
+    save_manifest(
+        &repo,
+        name,
+        opts.tags.clone(),
+        parent,
+        content,
+        produced.sum,
+    )
+    .await
+}
+
+/// Saves the manifest of a new snapshot of volume `name`, stamped with the time now and
+/// this host's name, and returns the snapshot.
+pub(super) async fn save_manifest(
+    repo: &Repository,
+    name: String,
+    tags: Vec<String>,
+    parent: Option<String>,
+    content: Content,
+    summary: SnapshotSummary,
+) -> Result<Snapshot, RepoError> {
     let (time, time_nanos) = snapshots::now_unix_nanos();
     let manifest = Manifest {
         version: 0, // set from the content when saved
@@ -108,15 +135,10 @@ pub async fn create_snapshot(
         time_nanos,
         hostname: hostname(),
         volume: name,
-        tags: opts.tags.clone(),
+        tags,
         parent,
-        content: Content::Block {
-            size: produced.size,
-            chunk_size: repo.chunk_size().get(),
-            chunks_per_list: CHUNKS_PER_LIST,
-            lists: produced.lists,
-        },
-        summary: produced.sum,
+        content,
+        summary,
     };
     // The manifest is the commit point: a crash here leaves only packs and their index,
     // which the next run finds (and dedups against) and prune collects.
@@ -211,7 +233,7 @@ pub(super) async fn produce_and_upload<T: Send + 'static>(
     Ok((produced, packs, bytes))
 }
 
-pub(super) fn hostname() -> String {
+fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())

@@ -18,7 +18,9 @@
 //! entry whose xattrs could not be read. Entries that cannot be read are left out and
 //! counted; the snapshot is then tagged `incomplete` (restore refuses `--delete` from it).
 
-use super::create::{CreateOptions, PackSender, hostname, index_and_parent, produce_and_upload};
+use super::create::{
+    CreateOptions, PackSender, index_and_parent, produce_and_upload, save_manifest,
+};
 use crate::tree::{
     content::next_data,
     meta::{Kind, Meta},
@@ -27,7 +29,7 @@ use crate::tree::{
 use chunker::{CdcChunker, CdcParams, ChunkId};
 use rayon::prelude::*;
 use snapshots::{
-    BlobKind, Content, FilePiece, Index, MAX_LIST_BLOB, Manifest, NodeKind, PackBuilder, RepoError,
+    BlobKind, Content, FilePiece, Index, MAX_LIST_BLOB, NodeKind, PackBuilder, RepoError,
     Repository, Snapshot, SnapshotSummary, TreeNode, encode_tree, hex,
 };
 use std::{
@@ -114,28 +116,14 @@ pub async fn create_tree_snapshot(
         unreadable: n(&counts.unreadable),
         ..SnapshotSummary::default()
     };
-    let (time, time_nanos) = snapshots::now_unix_nanos();
-    let manifest = Manifest {
-        version: 0, // set from the content when saved
-        time,
-        time_nanos,
-        hostname: hostname(),
-        volume: name,
-        tags,
-        parent,
-        content: Content::Tree {
-            root: hex(&root_id.0),
-            files: n(&counts.files),
-            dirs: n(&counts.dirs),
-            bytes: n(&counts.file_bytes),
-            xattrs: !opts.no_xattrs,
-        },
-        summary,
+    let content = Content::Tree {
+        root: hex(&root_id.0),
+        files: n(&counts.files),
+        dirs: n(&counts.dirs),
+        bytes: n(&counts.file_bytes),
+        xattrs: !opts.no_xattrs,
     };
-    crate::node::failpoint("snapshot-before-manifest");
-    let snap = repo.save_snapshot(manifest).await?;
-    tracing::info!(id = %snap.id, "snapshot saved");
-    Ok(snap)
+    save_manifest(&repo, name, tags, parent, content, summary).await
 }
 
 /// What the walk counted.
