@@ -8,9 +8,12 @@ use std::{path::PathBuf, process::ExitCode};
 
 mod cli;
 
+/// Exit code for a failure part way (rerunning resumes).
+const EXIT_FAILED: u8 = 1;
 /// Exit code for refused input (nothing was written) and usage errors.
 const EXIT_REFUSED: u8 = 2;
-/// Exit code for a copy whose read-back did not match the source.
+/// Exit code for a copy whose read-back did not match the source, or damaged data in
+/// a repository.
 const EXIT_VERIFY_FAILED: u8 = 3;
 
 #[derive(Parser)]
@@ -224,7 +227,11 @@ fn exit_code(err: &anyhow::Error) -> u8 {
         {
             EXIT_REFUSED
         }
-        _ => cli::snapshot::exit_code(err),
+        _ => match err.downcast_ref::<snapshots::RepoError>() {
+            Some(e) if e.is_corruption() => EXIT_VERIFY_FAILED,
+            Some(e) if e.is_refusal() => EXIT_REFUSED,
+            _ => EXIT_FAILED,
+        },
     }
 }
 

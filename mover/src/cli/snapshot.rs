@@ -739,13 +739,3 @@ fn print_restore(s: &RestoreSummary, json: bool) -> anyhow::Result<()> {
     );
     Ok(())
 }
-
-/// Exit code for an error: 2 refused input, 3 verification failed or damaged data,
-/// 1 otherwise.
-pub fn exit_code(err: &anyhow::Error) -> u8 {
-    match err.downcast_ref::<RepoError>() {
-        Some(e) if e.is_corruption() => 3,
-        Some(e) if e.is_refusal() => 2,
-        _ => 1,
-    }
-}
