@@ -29,7 +29,7 @@ mod tree;
 
 pub use copy::{CopyOptions, CopySummary, Progress, copy_block};
 pub use endpoints::{Copied, EndpointError, copy_endpoints};
-pub use error::{CopyError, Result};
+pub use error::{CopyError, RemoteCode, Result};
 pub use hash::{HashSummary, hash_block};
 pub use snapshot::{
     CreateOptions as SnapshotCreateOptions, INCOMPLETE_TAG, RepoOptions, RestoreOptions,

@@ -3,7 +3,10 @@
 //! size), with only the data: the caller makes the region zero first where it must.
 
 use super::HydrateError;
-use crate::remote::{AgentUrl, RemoteCode, RemoteOptions, status_error};
+use crate::{
+    error::RemoteCode,
+    remote::{AgentUrl, RemoteOptions, status_error},
+};
 use chunker::ChunkKind;
 use snapshots::{Bytes, CHUNKS_PER_LIST, Content as SnapContent, Index, Repository};
 use std::{

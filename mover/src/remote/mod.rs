@@ -17,7 +17,6 @@ mod tree;
 mod units;
 mod url;
 
-pub use crate::error::RemoteCode;
 pub(crate) use connect::{Client, Session, open_session};
 pub use connect::{
     Compress, ConnectOptions, ControlClient, HydrateClient, RemoteOptions, ScheduleClient,

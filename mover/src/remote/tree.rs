@@ -7,7 +7,8 @@
 //! renames, a hidden new tree), so a rerun after a drop finishes the copy, and the
 //! client retries on its own (`--retries`).
 
-use super::{AgentUrl, Backoff, RemoteCode, RemoteOptions, status_error, with_retries};
+use super::{AgentUrl, Backoff, RemoteOptions, status_error, with_retries};
+use crate::error::RemoteCode;
 use crate::{
     CopyError, Progress, TreeOptions, TreeSummary,
     tree::{
