@@ -6,11 +6,11 @@ use super::{
     now_ms,
     store::{CycleRecord, Record},
 };
-use crate::node::freeze::{self, Frozen, check_freeze};
 use crate::{
     CopyOptions, Progress,
-    error::CopyError,
-    remote::{AgentUrl, CyclePush, RemoteCode, RemoteOptions, push_cycle, push_tree_cycle},
+    error::{CopyError, RemoteCode},
+    node::freeze::{self, Frozen, check_freeze},
+    remote::{AgentUrl, CyclePush, RemoteOptions, push_cycle, push_tree_cycle},
 };
 use chunker::{ChunkId, ChunkSize, extents};
 use std::{
