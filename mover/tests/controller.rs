@@ -752,6 +752,50 @@ async fn primary_secondary_primary_demotes_then_promotes_with_a_new_epoch() {
 }
 
 #[tokio::test]
+async fn resync_on_an_active_primary_is_refused_and_a_fenced_side_is_discarded() {
+    // An active primary: its data is the volume of record, so nothing is thrown away.
+    let agents = Arc::new(FakeAgents::default());
+    agents.set(AGENT, status("app/pg", "primary", "Replicating", 3));
+    let sent = run_once(
+        MOVER_GROUP,
+        World::default(),
+        agents.clone(),
+        &vr(ReplicationState::Resync, 2, true),
+        1,
+    )
+    .await;
+    assert_eq!(agents.calls(), [format!("get {AGENT} app/pg")]);
+    let st = applied_status(&sent[0], MOVER_GROUP);
+    let (completed, reason, _) = condition(&st, "Completed");
+    assert_eq!((completed, reason), ("False", "FailedToResync"));
+    let message = st.message.as_deref().unwrap_or_default();
+    assert!(
+        message.contains("active primary") && message.contains("replicationState: secondary"),
+        "{message}"
+    );
+    assert!(condition(&st, "Degraded").2.contains("active primary"));
+
+    // The same side once fenced by the peer's promotion: resync discards its writes.
+    let agents = Arc::new(FakeAgents::default());
+    agents.set(AGENT, status("app/pg", "primary", "Fenced", 3));
+    run_once(
+        MOVER_GROUP,
+        World::default(),
+        agents.clone(),
+        &vr(ReplicationState::Resync, 2, true),
+        1,
+    )
+    .await;
+    assert_eq!(
+        agents.calls(),
+        [
+            format!("get {AGENT} app/pg"),
+            format!("resync {AGENT} app/pg discard_local=true")
+        ]
+    );
+}
+
+#[tokio::test]
 async fn a_refused_promotion_is_forced_as_csi_addons_does_in_the_csi_addons_group() {
     let agents = Arc::new(FakeAgents {
         refuse_promote: true,

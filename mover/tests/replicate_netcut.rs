@@ -246,13 +246,15 @@ struct Setup {
 
 fn setup() -> Option<Setup> {
     if !rustix::process::geteuid().is_root() {
-        eprintln!("SKIPPED: the network-cut test needs root (network namespaces)");
+        common::skip_unless_ci("the network-cut test needs root (network namespaces)");
         return None;
     }
     let net = match NetPair::new() {
         Ok(n) => n,
         Err(e) => {
-            eprintln!("SKIPPED: cannot make network namespaces with `ip netns`: {e}");
+            common::skip_unless_ci(&format!(
+                "cannot make network namespaces with `ip netns`: {e}"
+            ));
             return None;
         }
     };

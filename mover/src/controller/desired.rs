@@ -7,7 +7,9 @@
 use super::crd::{
     ReplicationState, VolumeReplication, VolumeReplicationClass, VolumeReplicationSpec,
 };
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{
+    Node, NodeSelectorRequirement, NodeSelectorTerm, PersistentVolume, PersistentVolumeClaim, Pod,
+};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use std::time::Duration;
 
@@ -280,29 +282,47 @@ pub struct Placement {
 /// The kubelet's directory of CSI volumes on a node.
 const KUBELET_CSI: &str = "/var/lib/kubelet/plugins/kubernetes.io/csi";
 
-/// Finds where a bound PVC's volume lives. Local and hostPath PVs name their node in
-/// their node affinity; attached (CSI) volumes are on the node of their VolumeAttachment.
+/// Finds where a bound PVC's volume lives: on the one node its node affinity selects
+/// (any term, any label: `kubernetes.io/hostname` for local PVs, a CSI driver's own
+/// topology key such as TopoLVM's, matched against the Node labels), else on the node
+/// of its attached VolumeAttachment (CSI volumes whose affinity selects several nodes,
+/// or none).
 pub fn placement(
     pvc: &PersistentVolumeClaim,
     pv: &PersistentVolume,
     attachments: &[VolumeAttachment],
+    nodes: &[Node],
 ) -> Result<Placement, Invalid> {
     let pv_name = kube::ResourceExt::name_any(pv);
     let spec = pv.spec.clone().unwrap_or_default();
     let block = pvc.spec.as_ref().and_then(|s| s.volume_mode.as_deref()) == Some("Block");
-    let affinity_node = spec
+    let terms = spec
         .node_affinity
         .as_ref()
         .and_then(|a| a.required.as_ref())
-        .and_then(|r| {
-            r.node_selector_terms.iter().find_map(|t| {
-                t.match_expressions.iter().flatten().find_map(|e| {
-                    (e.key == "kubernetes.io/hostname" && e.operator == "In")
-                        .then(|| e.values.as_ref().and_then(|v| v.first().cloned()))
-                        .flatten()
-                })
+        .map(|r| r.node_selector_terms.as_slice())
+        .unwrap_or_default();
+    let selected: Vec<String> = nodes
+        .iter()
+        .filter(|n| terms.iter().any(|t| term_selects(t, n)))
+        .map(kube::ResourceExt::name_any)
+        .collect();
+    // Without Node objects to match (a cache not yet filled, a test), a hostname term
+    // names its node by itself.
+    let hostname = || {
+        terms.iter().find_map(|t| {
+            t.match_expressions.iter().flatten().find_map(|e| {
+                (e.key == "kubernetes.io/hostname" && e.operator == "In")
+                    .then(|| e.values.as_ref().and_then(|v| v.first().cloned()))
+                    .flatten()
             })
-        });
+        })
+    };
+    let affinity_node = match selected.as_slice() {
+        [one] => Some(one.clone()),
+        [] if nodes.is_empty() => hostname(),
+        _ => None,
+    };
     let attached_node = || {
         attachments
             .iter()
@@ -338,12 +358,19 @@ pub fn placement(
         ));
     };
     let node = node.ok_or_else(|| {
+        let affinity = match selected.len() {
+            0 => "its node affinity selects no node".to_string(),
+            n => format!(
+                "its node affinity selects {n} nodes ({})",
+                selected.join(", ")
+            ),
+        };
         invalid(
             "failed to find PVC",
             format!(
-                "PersistentVolume {pv_name} is on no node: it has no kubernetes.io/hostname node \
-                 affinity and no attached VolumeAttachment; start a pod that uses the \
-                 PersistentVolumeClaim so that it is attached"
+                "PersistentVolume {pv_name} is on no node: {affinity} and it has no attached \
+                 VolumeAttachment; start a pod that uses the PersistentVolumeClaim so that it \
+                 is attached"
             ),
         )
     })?;
@@ -353,6 +380,43 @@ pub fn placement(
         pv: pv_name,
         block,
     })
+}
+
+/// Whether a node selector term selects `node`: every expression on its labels and
+/// every field (`metadata.name`) holds.
+fn term_selects(term: &NodeSelectorTerm, node: &Node) -> bool {
+    let labels = node.metadata.labels.clone().unwrap_or_default();
+    let name = kube::ResourceExt::name_any(node);
+    let exprs = term.match_expressions.as_deref().unwrap_or_default();
+    let fields = term.match_fields.as_deref().unwrap_or_default();
+    // An empty term selects nothing, as the scheduler reads it.
+    (!exprs.is_empty() || !fields.is_empty())
+        && exprs
+            .iter()
+            .all(|e| requirement_holds(e, labels.get(&e.key).map(String::as_str)))
+        && fields
+            .iter()
+            .all(|f| f.key == "metadata.name" && requirement_holds(f, Some(name.as_str())))
+}
+
+/// A node selector requirement on `value` (the label's, or None where it is unset).
+fn requirement_holds(r: &NodeSelectorRequirement, value: Option<&str>) -> bool {
+    let values = r.values.as_deref().unwrap_or_default();
+    let number = |s: &str| s.parse::<i64>().ok();
+    match r.operator.as_str() {
+        "In" => value.is_some_and(|v| values.iter().any(|w| w == v)),
+        "NotIn" => value.is_none_or(|v| values.iter().all(|w| w != v)),
+        "Exists" => value.is_some(),
+        "DoesNotExist" => value.is_none(),
+        "Gt" | "Lt" => match (
+            value.and_then(number),
+            values.first().and_then(|w| number(w)),
+        ) {
+            (Some(v), Some(w)) => (r.operator == "Gt" && v > w) || (r.operator == "Lt" && v < w),
+            _ => false,
+        },
+        _ => false,
+    }
 }
 
 /// The address (HOST:PORT) of the running agent pod on `node`.
@@ -418,6 +482,8 @@ pub struct Inputs<'a> {
     pub pv: Option<&'a PersistentVolume>,
     /// Every VolumeAttachment (only read for attached volumes).
     pub attachments: &'a [VolumeAttachment],
+    /// Every Node (their names and labels: what node affinities select).
+    pub nodes: &'a [Node],
     /// The agent DaemonSet's pods.
     pub agents: &'a [Pod],
     /// The agents' gRPC port.
@@ -529,7 +595,7 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
             format!("PersistentVolume {volume_name} of PersistentVolumeClaim {pvc_name} not found"),
         )
     })?;
-    let place = placement(pvc, pv, input.attachments)?;
+    let place = placement(pvc, pv, input.attachments, input.nodes)?;
     let agent = agent_on(&place.node, input.agents, input.agent_port)?;
     Ok(Desired {
         name: relationship_name(vr),
@@ -651,6 +717,7 @@ pub(crate) mod tests {
             pvc,
             pv,
             attachments: &[],
+            nodes: &[],
             agents,
             agent_port: 7070,
         }
@@ -701,25 +768,132 @@ pub(crate) mod tests {
     fn attached_csi_volume_is_on_the_node_of_its_attachment() {
         let (claim, pv) = (pvc(true), csi_pv());
         let vas = [attachment("node-x", false), attachment("node-c", true)];
-        let p = placement(&claim, &pv, &vas).unwrap();
+        let p = placement(&claim, &pv, &vas, &[]).unwrap();
         assert_eq!(p.node, "node-c");
         assert_eq!(
             p.path,
             "/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/pv-1/dev"
         );
-        let e = placement(&claim, &pv, &vas[..1]).unwrap_err();
+        let e = placement(&claim, &pv, &vas[..1], &[]).unwrap_err();
         assert!(e.detail.contains("is on no node"), "{e}");
         // A file system: the kubelet's staging directory, named by the volume handle's
         // SHA-256 (`printf 0001-abc | sha256sum`).
         let mut fs_claim = claim.clone();
         fs_claim.spec.as_mut().unwrap().volume_mode = Some("Filesystem".into());
-        let p = placement(&fs_claim, &pv, &vas).unwrap();
+        let p = placement(&fs_claim, &pv, &vas, &[]).unwrap();
         assert!(!p.block);
         assert_eq!(
             p.path,
             "/var/lib/kubelet/plugins/kubernetes.io/csi/rbd.csi.ceph.com/\
              67f422977015836e425cb2f4ab79118b5bc14dcab64698c1d1040d1b77359fb3/globalmount"
         );
+    }
+
+    fn node(name: &str, labels: &[(&str, &str)]) -> Node {
+        let labels: serde_json::Map<String, serde_json::Value> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), json!(v)))
+            .collect();
+        serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).unwrap()
+    }
+
+    fn pv_with_affinity(source: serde_json::Value, terms: serde_json::Value) -> PersistentVolume {
+        let mut spec = json!({"nodeAffinity": {"required": {"nodeSelectorTerms": terms}}});
+        spec.as_object_mut()
+            .unwrap()
+            .extend(source.as_object().unwrap().clone());
+        serde_json::from_value(json!({"metadata": {"name": "pv-1"}, "spec": spec})).unwrap()
+    }
+
+    #[test]
+    fn a_volume_is_on_the_one_node_any_affinity_term_selects() {
+        let nodes = [
+            node(
+                "node-a",
+                &[
+                    ("kubernetes.io/hostname", "node-a"),
+                    ("topology.topolvm.io/node", "a"),
+                    ("zone", "z1"),
+                ],
+            ),
+            node(
+                "node-b",
+                &[
+                    ("kubernetes.io/hostname", "node-b"),
+                    ("topology.topolvm.io/node", "b"),
+                    ("zone", "z1"),
+                ],
+            ),
+            node(
+                "node-c",
+                &[
+                    ("kubernetes.io/hostname", "node-c"),
+                    ("zone", "z2"),
+                    ("disks", "8"),
+                ],
+            ),
+        ];
+        let csi = json!({"csi": {"driver": "topolvm.io", "volumeHandle": "h"}});
+        let claim = pvc(true);
+        // TopoLVM: its own topology key, no VolumeAttachment (attachRequired: false).
+        let topolvm = pv_with_affinity(
+            csi.clone(),
+            json!([{"matchExpressions": [
+                {"key": "topology.topolvm.io/node", "operator": "In", "values": ["b"]}
+            ]}]),
+        );
+        assert_eq!(
+            placement(&claim, &topolvm, &[], &nodes).unwrap().node,
+            "node-b"
+        );
+        // The second term selects; the first selects nothing.
+        let second = pv_with_affinity(
+            csi.clone(),
+            json!([
+                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z9"]}]},
+                {"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["z1"]},
+                                      {"key": "disks", "operator": "Gt", "values": ["4"]}]}
+            ]),
+        );
+        assert_eq!(
+            placement(&claim, &second, &[], &nodes).unwrap().node,
+            "node-c"
+        );
+        // By field: metadata.name.
+        let by_name = pv_with_affinity(
+            csi.clone(),
+            json!([{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": ["node-a"]}
+            ]}]),
+        );
+        assert_eq!(
+            placement(&claim, &by_name, &[], &nodes).unwrap().node,
+            "node-a"
+        );
+        // A zone selects two nodes: the attachment says which one has it.
+        let zonal = pv_with_affinity(
+            csi,
+            json!([{"matchExpressions": [
+                {"key": "zone", "operator": "In", "values": ["z1"]},
+                {"key": "topology.topolvm.io/node", "operator": "Exists"}
+            ]}]),
+        );
+        let e = placement(&claim, &zonal, &[], &nodes).unwrap_err();
+        assert!(e.detail.contains("selects 2 nodes (node-a, node-b)"), "{e}");
+        let va = attachment("node-b", true);
+        assert_eq!(
+            placement(&claim, &zonal, &[va], &nodes).unwrap().node,
+            "node-b"
+        );
+        // A local PV whose term selects no node says so.
+        let nowhere = pv_with_affinity(
+            json!({"local": {"path": "/mnt/disks/x"}}),
+            json!([{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": ["gone"]}
+            ]}]),
+        );
+        let e = placement(&claim, &nowhere, &[], &nodes).unwrap_err();
+        assert!(e.detail.contains("selects no node"), "{e}");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::crd::{
 };
 use super::desired::{self, Desired, Inputs};
 use super::status::{self, Conditions, Health};
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Secret};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod, Secret};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
@@ -70,6 +70,8 @@ pub struct Caches {
     pub attachments: Store<VolumeAttachment>,
     /// The agent DaemonSet's pods.
     pub agents: Store<Pod>,
+    /// Nodes, their metadata only (names and labels: what node affinities select).
+    pub nodes: Store<Node>,
 }
 
 impl Caches {
@@ -111,6 +113,7 @@ impl Caches {
             pvs: fill((), pvs),
             attachments: fill((), attachments),
             agents: fill((), agents),
+            nodes: fill((), Vec::new()),
         }
     }
 }
@@ -200,6 +203,7 @@ struct Held {
     pv: Option<Arc<PersistentVolume>>,
     attachments: Vec<VolumeAttachment>,
     agents: Vec<Pod>,
+    nodes: Vec<Node>,
 }
 
 fn hold(vr: &VolumeReplication, ctx: &Context) -> Held {
@@ -234,11 +238,19 @@ fn hold(vr: &VolumeReplication, ctx: &Context) -> Held {
         .iter()
         .map(|p| (**p).clone())
         .collect();
+    let nodes = ctx
+        .caches
+        .nodes
+        .state()
+        .iter()
+        .map(|n| (**n).clone())
+        .collect();
     Held {
         pvc,
         pv,
         attachments,
         agents,
+        nodes,
     }
 }
 
@@ -251,6 +263,7 @@ fn resolve(vr: &VolumeReplication, ctx: &Context) -> Result<Desired, desired::In
         pvc: held.pvc.as_deref(),
         pv: held.pv.as_deref(),
         attachments: &held.attachments,
+        nodes: &held.nodes,
         agents: &held.agents,
         agent_port: ctx.agent_port,
     };
@@ -284,7 +297,13 @@ async fn apply(
 ) -> Result<Action, Error> {
     let vr = parse(obj)?;
     let (st, action) = decide(&vr, ctx, now()).await;
-    if !status::unchanged(vr.status.as_ref(), &st) {
+    // The RPO grows between cycles by itself; it is written when it moved by a whole
+    // interval (a cycle is late), so a read RPO is never more than an interval stale.
+    let rpo_step = ctx
+        .class(&vr.spec.volume_replication_class)
+        .and_then(|c| desired::class_params(&c).ok())
+        .map_or(desired::DEFAULT_INTERVAL, |p| p.interval);
+    if !status::unchanged(vr.status.as_ref(), &st, rpo_step) {
         write_status(api, &vr, &ctx.group, &st).await?;
         publish_transitions(ctx, obj, &vr, &st).await;
     }
@@ -467,7 +486,27 @@ pub async fn decide(
         }
         ReplicationState::Resync => {
             c.remove(status::types::REPLICATING);
-            match agents.resync(&d.agent, &d.name, true).await {
+            // Discard this side's data only where it is not the volume of record: an
+            // active primary is refused, as csi-addons refuses it (agent/control.rs
+            // guards the same, but the controller must not ask it to skip the guard).
+            let discard = match agents.get(&d.agent, &d.name).await {
+                Ok(Some(s)) => match resync_discards(&s) {
+                    Ok(discard) => Ok(discard),
+                    Err(refused) => {
+                        c.failed_resync("failed to resync volume", &refused);
+                        st.state = Some(current(&st));
+                        st.message = Some(refused);
+                        return (st, Action::requeue(RETRY));
+                    }
+                },
+                Ok(None) => Ok(false),
+                Err(e) => Err(e),
+            };
+            let resynced = match discard {
+                Ok(discard) => agents.resync(&d.agent, &d.name, discard).await,
+                Err(e) => Err(e),
+            };
+            match resynced {
                 Err(e) => {
                     c.failed_resync("failed to resync volume", &e.to_string());
                     st.state = Some(current(&st));
@@ -538,6 +577,23 @@ async fn secondary(
     } else {
         st.message = Some("volume is degraded".into());
         (st, Action::requeue(RETRY))
+    }
+}
+
+/// Whether `replicationState: resync` may discard this side's writes: yes on a demoted
+/// secondary, or a primary that was fenced or split from its peer (it is no longer the
+/// volume of record); an active primary is refused with what to do instead.
+pub fn resync_discards(s: &control::Status) -> Result<bool, String> {
+    let name = s.spec.as_ref().map(|s| s.name.as_str()).unwrap_or_default();
+    match (s.role.as_str(), s.state.as_str()) {
+        ("secondary", _) => Ok(true),
+        (_, "Fenced" | "SplitBrain") => Ok(true),
+        _ => Err(format!(
+            "relationship {name} is the active primary here: replicationState resync would \
+             throw its data away for the peer's, so it is refused (as csi-addons refuses it). \
+             For a planned failover set replicationState: secondary; to follow the peer after \
+             a split, set secondary (with autoResync) once the peer is primary"
+        )),
     }
 }
 

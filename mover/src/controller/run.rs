@@ -4,7 +4,11 @@ use super::agents::GrpcAgents;
 use super::crd;
 use super::reconcile::{self, Caches, Context};
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::ResourceExt;
 use kube::api::{Api, DynamicObject};
+use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
 use std::sync::Arc;
@@ -65,6 +69,9 @@ pub enum RunError {
         /// What failed.
         source: kube_lease_manager::LeaseManagerError,
     },
+    /// A watch cache stopped before its first list arrived.
+    #[error("a watch cache stopped before it was filled")]
+    CachesStopped,
     /// Another replica took the lease: this one stops (and is restarted as a standby)
     /// rather than act next to it.
     #[error("lost the leader lease to another replica; stopping")]
@@ -100,7 +107,47 @@ where
 {
     let writer = reflector::store::Writer::new(dyntype);
     let reader = writer.as_reader();
-    let run = reflector::reflector(writer, watcher(api, config))
+    // managedFields and the last-applied annotation are most of a small object's size
+    // and never read here: with 10,000 PVCs they are most of the controller's memory.
+    let run = reflector::reflector(
+        writer,
+        watcher(api, config).modify(|o| {
+            o.managed_fields_mut().clear();
+            o.annotations_mut()
+                .remove("kubectl.kubernetes.io/last-applied-configuration");
+        }),
+    )
+    .default_backoff()
+    .for_each(|_| futures::future::ready(()));
+    (reader, run)
+}
+
+/// A cache of the Nodes' metadata only (names and labels: what node affinities select).
+/// A metadata-only watch: a Node's status (images, conditions) is most of its size.
+fn node_cache(client: kube::Client) -> (Store<Node>, impl std::future::Future<Output = ()> + Send) {
+    use futures::TryStreamExt;
+    use watcher::Event;
+    let writer = reflector::store::Writer::<Node>::default();
+    let reader = writer.as_reader();
+    let node = |m: PartialObjectMeta<Node>| Node {
+        metadata: ObjectMeta {
+            name: m.metadata.name,
+            uid: m.metadata.uid,
+            resource_version: m.metadata.resource_version,
+            labels: m.metadata.labels,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let api = Api::<PartialObjectMeta<Node>>::all_with(client, &Default::default());
+    let events = watcher(api, watcher::Config::default()).map_ok(move |e| match e {
+        Event::Apply(m) => Event::Apply(node(m)),
+        Event::Delete(m) => Event::Delete(node(m)),
+        Event::InitApply(m) => Event::InitApply(node(m)),
+        Event::Init => Event::Init,
+        Event::InitDone => Event::InitDone,
+    });
+    let run = reflector::reflector(writer, events)
         .default_backoff()
         .for_each(|_| futures::future::ready(()));
     (reader, run)
@@ -134,6 +181,7 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         watcher::Config::default().labels(&options.agent_selector),
         (),
     );
+    let (nodes, w6) = node_cache(client.clone());
     let listener = tokio::net::TcpListener::bind(options.metrics_listen)
         .await
         .map_err(|source| RunError::Listen {
@@ -163,6 +211,7 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             pvs,
             attachments,
             agents,
+            nodes,
         },
         agent_port: options.agent_port,
         metrics,
@@ -179,6 +228,21 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
     tokio::spawn(w3);
     tokio::spawn(w4);
     tokio::spawn(w5);
+    tokio::spawn(w6);
+    // No reconcile before every cache holds its first full list: a VR looked at with
+    // an empty cache would be marked Degraded ("PVC not found") for nothing, with a
+    // Warning event and a status write each, on every start and leader change.
+    let caches = &ctx.caches;
+    let ready = async {
+        caches.classes.wait_until_ready().await?;
+        caches.pvcs.wait_until_ready().await?;
+        caches.pvs.wait_until_ready().await?;
+        caches.attachments.wait_until_ready().await?;
+        caches.agents.wait_until_ready().await?;
+        caches.nodes.wait_until_ready().await
+    };
+    ready.await.map_err(|_| RunError::CachesStopped)?;
+    tracing::info!("watch caches synced");
     // Replicas keep their caches warm; only the Lease holder reconciles.
     let mut leader = if options.no_leader_election {
         None

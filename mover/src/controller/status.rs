@@ -316,13 +316,26 @@ pub fn apply_report(status: &mut VolumeReplicationStatus, s: &transport::control
 }
 
 /// True when writing `new` over `old` would change nothing but what moves by itself:
-/// the times of this reconcile, the RPO and the running cycle's progress. Such a write
-/// is skipped: it would cost an API request per resource per look and, since a status
-/// write is itself a watch event, make the controller look again at once.
-pub fn unchanged(old: Option<&VolumeReplicationStatus>, new: &VolumeReplicationStatus) -> bool {
+/// the times of this reconcile, the running cycle's progress, and the RPO by less than
+/// `rpo_step` (at least [`MIN_RPO_STEP`]). Such a write is skipped: it would cost an API
+/// request per resource per look and, since a status write is itself a watch event,
+/// make the controller look again at once. So rpoSeconds is written with each new cycle
+/// and, while a cycle is late, once per `rpo_step`: at most two writes per resource per
+/// minute, none between cycles on time.
+pub fn unchanged(
+    old: Option<&VolumeReplicationStatus>,
+    new: &VolumeReplicationStatus,
+    rpo_step: Duration,
+) -> bool {
     let Some(old) = old else {
         return false;
     };
+    let step = rpo_step.max(MIN_RPO_STEP).as_secs_f64();
+    match (old.rpo_seconds, new.rpo_seconds) {
+        (Some(a), Some(b)) if (b - a).abs() >= step => return false,
+        (None, Some(_)) | (Some(_), None) => return false,
+        _ => {}
+    }
     let steady = |s: &VolumeReplicationStatus| VolumeReplicationStatus {
         last_start_time: None,
         last_completion_time: None,
@@ -332,6 +345,9 @@ pub fn unchanged(old: Option<&VolumeReplicationStatus>, new: &VolumeReplicationS
     };
     steady(old) == steady(new)
 }
+
+/// The smallest RPO change that is written by itself (see [`unchanged`]).
+pub const MIN_RPO_STEP: Duration = Duration::from_secs(30);
 
 /// The events a status change is worth: one per condition whose status or reason
 /// changed (a promotion, a failed demotion, a volume going degraded and back), as
@@ -453,19 +469,34 @@ mod tests {
             observed_generation: Some(1),
             ..Default::default()
         };
+        let minute = Duration::from_secs(60);
         let mut new = old.clone();
         new.rpo_seconds = Some(9.0);
         new.last_start_time = Some(t(2));
-        assert!(unchanged(Some(&old), &new));
-        assert!(!unchanged(None, &new));
+        assert!(unchanged(Some(&old), &new, minute));
+        assert!(!unchanged(None, &new, minute));
+        // A late cycle: the RPO has grown by a whole interval, and is written.
+        new.rpo_seconds = Some(63.0);
+        assert!(
+            !unchanged(Some(&old), &new, minute),
+            "a stale RPO is written"
+        );
+        assert!(unchanged(Some(&old), &new, Duration::from_secs(300)));
+        // Short intervals: at most one RPO-only write per 30 s.
+        new.rpo_seconds = Some(20.0);
+        assert!(unchanged(Some(&old), &new, Duration::from_secs(5)));
+        new.rpo_seconds = Some(9.0);
         new.observed_generation = Some(2);
         assert!(
-            !unchanged(Some(&old), &new),
+            !unchanged(Some(&old), &new, minute),
             "a new generation is always written"
         );
         new.observed_generation = Some(1);
         new.last_sync_time = Some(t(5));
-        assert!(!unchanged(Some(&old), &new), "a new cycle is written");
+        assert!(
+            !unchanged(Some(&old), &new, minute),
+            "a new cycle is written"
+        );
     }
 
     #[test]

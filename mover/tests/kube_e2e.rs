@@ -1,0 +1,624 @@
+//! End to end on a real Kubernetes control plane (etcd, kube-apiserver and
+//! kube-controller-manager built from their Go modules: `deploy/test-cluster/build.sh`):
+//! the install as `kubectl apply --server-side -k` takes it, the API server's own
+//! validation of VolumeReplications, the controller's RBAC as the real authorizer sees
+//! it, and two clusters replicating a volume through `mover controller run` processes.
+//!
+//! No kubelet runs here. Its part is emulated through the API, and only that: Node
+//! objects are created as a kubelet registers its node, and the agent pods are marked
+//! Running with their IP as a kubelet reports them; the agents themselves are real
+//! `mover agent` processes, one per "node", on their own loopback address.
+#![cfg(feature = "controller")]
+
+mod common;
+
+use common::cluster::Cluster;
+use common::{MIB, blake3_of, make_image, scribble_pages};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// One control plane at a time: they are heavy for a two-core machine.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn apply_kustomization(c: &Cluster, dir: &str) {
+    let path = repo().join(dir);
+    c.kubectl_ok(&[
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-k",
+        path.to_str().unwrap(),
+    ]);
+}
+
+fn wait_established(c: &Cluster, crds: &[&str]) {
+    let mut args = vec!["wait", "--for=condition=Established", "--timeout=60s"];
+    let names: Vec<String> = crds.iter().map(|n| format!("crd/{n}")).collect();
+    args.extend(names.iter().map(String::as_str));
+    c.kubectl_ok(&args);
+}
+
+/// `kubectl apply --server-side` of `yaml` that must be refused; returns the error.
+fn refused(c: &Cluster, yaml: &str) -> String {
+    let out = c.kubectl_as(
+        &c.kubeconfig,
+        &["apply", "--server-side", "-f", "-"],
+        Some(yaml),
+    );
+    assert!(
+        !out.status.success(),
+        "the API server accepted:\n{yaml}\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn vr_yaml(name: &str, state: &str, class: &str, pvc: Option<&str>) -> String {
+    let source = pvc.map_or(String::new(), |p| {
+        format!("  dataSource:\n    kind: PersistentVolumeClaim\n    name: {p}\n")
+    });
+    format!(
+        "apiVersion: replication.mover/v1alpha1\nkind: VolumeReplication\nmetadata:\n  name: {name}\n  namespace: app\nspec:\n  volumeReplicationClass: {class}\n  replicationState: {state}\n{source}"
+    )
+}
+
+#[test]
+fn the_install_applies_and_the_api_server_refuses_bad_volume_replications() {
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let Some(c) = Cluster::start(t.path(), "install") else {
+        return;
+    };
+    // The mtls overlay's Certificates and Issuers need cert-manager's CRDs (cert-manager
+    // itself is installed separately, as the overlay says).
+    c.kubectl_ok(&[
+        "apply",
+        "--server-side",
+        "-f",
+        c.bin.join("crds").to_str().unwrap(),
+    ]);
+    wait_established(
+        &c,
+        &["certificates.cert-manager.io", "issuers.cert-manager.io"],
+    );
+    for dir in [
+        "deploy/base",
+        "deploy/overlays/mtls",
+        "deploy/overlays/csi-addons",
+    ] {
+        apply_kustomization(&c, dir);
+    }
+    wait_established(
+        &c,
+        &[
+            "volumereplications.replication.mover",
+            "volumereplicationclasses.replication.mover",
+            "volumereplications.replication.storage.openshift.io",
+            "volumereplicationclasses.replication.storage.openshift.io",
+        ],
+    );
+    c.kubectl_ok(&["create", "namespace", "app"]);
+    apply_kustomization(&c, "deploy/examples");
+
+    // The API server itself refuses what the controller could only mark invalid.
+    let bad_state = refused(
+        &c,
+        &vr_yaml("bad-state", "sideways", "mover-dr", Some("pvc")),
+    );
+    assert!(
+        bad_state.contains("spec.replicationState") && bad_state.contains("\"primary\""),
+        "{bad_state}"
+    );
+    let no_source = refused(&c, &vr_yaml("no-source", "primary", "mover-dr", None));
+    assert!(
+        no_source.contains("spec.dataSource") && no_source.contains("Required"),
+        "{no_source}"
+    );
+    // The example VolumeReplication (app/pg-data) exists: its immutable fields stay.
+    let moved = refused(
+        &c,
+        &vr_yaml("pg-data", "primary", "mover-dr", Some("other")),
+    );
+    assert!(moved.contains("dataSource is immutable"), "{moved}");
+    let reclassed = refused(
+        &c,
+        &vr_yaml("pg-data", "primary", "other-class", Some("pg-data")),
+    );
+    assert!(
+        reclassed.contains("volumeReplicationClass is immutable"),
+        "{reclassed}"
+    );
+    // What may change does: the state.
+    c.apply(&vr_yaml(
+        "pg-data",
+        "secondary",
+        "mover-dr",
+        Some("pg-data"),
+    ));
+    let state = c.kubectl_ok(&[
+        "get",
+        "vr",
+        "-n",
+        "app",
+        "pg-data",
+        "-o",
+        "jsonpath={.spec.replicationState}",
+    ]);
+    assert_eq!(state, "secondary");
+}
+
+/// The rules `kubectl auth can-i --list` gives the controller in mover-system, as
+/// deploy/README.md documents them (the block after `<!-- can-i mover-controller -->`).
+fn documented_rules() -> Vec<String> {
+    let readme = std::fs::read_to_string(repo().join("deploy/README.md")).unwrap();
+    let (_, after) = readme
+        .split_once("<!-- can-i mover-controller -->")
+        .expect("deploy/README.md documents the controller's rules");
+    let block = after
+        .split("```")
+        .nth(1)
+        .expect("a fenced block follows the marker");
+    normalize(block.trim_start_matches("text"))
+}
+
+/// The rule lines of a `can-i --list` table, with single spaces, sorted, without the
+/// header.
+fn normalize(table: &str) -> Vec<String> {
+    let mut rules: Vec<String> = table
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .filter(|l| !l.is_empty() && !l.starts_with("Resources "))
+        .collect();
+    rules.sort();
+    rules
+}
+
+#[test]
+fn the_controller_may_do_what_deploy_documents_and_no_more() {
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let Some(c) = Cluster::start(t.path(), "rbac") else {
+        return;
+    };
+    apply_kustomization(&c, "deploy/base");
+    let listed = c.kubectl_ok(&[
+        "auth",
+        "can-i",
+        "--list",
+        "--as=system:serviceaccount:mover-system:mover-controller",
+        "-n",
+        "mover-system",
+    ]);
+    assert_eq!(
+        normalize(&listed),
+        documented_rules(),
+        "the controller's rules differ from deploy/README.md's; the real list:\n{listed}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Two clusters.
+
+const VOLUME_LEN: u64 = 32 * MIB;
+const CONTROLLER_USER: &str = "system:serviceaccount:mover-system:mover-controller";
+/// The relationship's name on both clusters' agents (RamenDR names a VolumeReplication
+/// alike in both).
+const RELATIONSHIP: &str = "app/data";
+
+/// A real `mover agent` on a "node": its own loopback address, the cluster's agent port.
+struct NodeAgent {
+    child: Child,
+    ip: String,
+    metrics_port: u16,
+    dir: PathBuf,
+}
+
+impl NodeAgent {
+    fn start(dir: &Path, ip: &str, port: u16) -> NodeAgent {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("token"), common::agent::TOKEN).unwrap();
+        let metrics_port = common::agent::free_port();
+        let config = dir.join("agent.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "listen = \"{ip}:{port}\"\nmetrics_listen = \"{ip}:{metrics_port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\nvolume_roots = [\"{}\"]\n",
+                dir.join("state").display(),
+                dir.join("token").display(),
+                dir.display()
+            ),
+        )
+        .unwrap();
+        let log = std::fs::File::create(dir.join("agent.log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(["agent", "--config", config.to_str().unwrap()])
+            .env("RUST_LOG", "info")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect((ip, metrics_port)).is_err() {
+            assert!(Instant::now() < deadline, "agent on {ip} did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        NodeAgent {
+            child,
+            ip: ip.into(),
+            metrics_port,
+            dir: dir.into(),
+        }
+    }
+}
+
+impl Drop for NodeAgent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `mover controller run` process with the mover-controller ServiceAccount's token.
+struct Controller {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One cluster: its control plane with mover installed, two nodes with an agent each,
+/// a PVC `app/data` bound to a local PV on the first node, a class replicating to the
+/// peer's first node.
+struct Site {
+    cluster: Cluster,
+    agents: Vec<NodeAgent>,
+    port: u16,
+    image: PathBuf,
+    controllers: Vec<Controller>,
+}
+
+impl Site {
+    /// `subnet` picks the agents' loopback addresses: 127.0.SUBNET.1 and .2.
+    fn start(dir: &Path, name: &str, subnet: u8) -> Option<Site> {
+        let cluster = Cluster::start(dir, name)?;
+        apply_kustomization(&cluster, "deploy/base");
+        wait_established(&cluster, &["volumereplications.replication.mover"]);
+        let port = common::agent::free_port();
+        let mut agents = Vec::new();
+        for n in 1..=2 {
+            let node = format!("{name}-node{n}");
+            let ip = format!("127.0.{subnet}.{n}");
+            agents.push(NodeAgent::start(&cluster.dir.join(&node), &ip, port));
+            // The kubelet's part: register the Node, and report the agent pod Running.
+            cluster.apply(&format!(
+                "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node}\n  labels:\n    kubernetes.io/hostname: {node}\n    topology.kubernetes.io/zone: {name}-zone{n}\n"
+            ));
+            cluster.apply(&format!(
+                "apiVersion: v1\nkind: Pod\nmetadata:\n  name: mover-agent-{n}\n  namespace: mover-system\n  labels:\n    app.kubernetes.io/name: mover-agent\nspec:\n  nodeName: {node}\n  automountServiceAccountToken: false\n  containers:\n  - name: agent\n    image: mover\n"
+            ));
+            cluster.kubectl_ok(&[
+                "patch",
+                "pod",
+                &format!("mover-agent-{n}"),
+                "-n",
+                "mover-system",
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                &json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}})
+                    .to_string(),
+            ]);
+        }
+        let image = agents[0].dir.join("data.img");
+        let site = Site {
+            cluster,
+            agents,
+            port,
+            image,
+            controllers: Vec::new(),
+        };
+        site.cluster.kubectl_ok(&["create", "namespace", "app"]);
+        // A local PV on node 1, bound by kube-controller-manager's PV binder.
+        site.cluster.apply(&format!(
+            r#"apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata:
+  name: local
+provisioner: kubernetes.io/no-provisioner
+volumeBindingMode: Immediate
+---
+apiVersion: v1
+kind: PersistentVolume
+metadata:
+  name: {name}-pv-data
+spec:
+  capacity:
+    storage: 32Mi
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  persistentVolumeReclaimPolicy: Retain
+  local:
+    path: {image}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - key: kubernetes.io/hostname
+          operator: In
+          values: [{name}-node1]
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: data
+  namespace: app
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  resources:
+    requests:
+      storage: 32Mi
+"#,
+            image = site.image.display()
+        ));
+        site.wait("the PVC bound by kube-controller-manager", |s| {
+            s.get("pvc", "app", "data")["status"]["phase"] == "Bound"
+        });
+        Some(site)
+    }
+
+    /// The class replicating to `peer`'s first node.
+    fn class_to(&self, peer: &Site) -> String {
+        format!(
+            "apiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: 2s\n    target: agent://{}:{}\n",
+            peer.agents[0].ip, peer.port
+        )
+    }
+
+    /// Starts a controller replica named `identity` (leader election on).
+    fn start_controller(&mut self, identity: &str) {
+        let kubeconfig = self.cluster.dir.join(format!("{identity}.kubeconfig"));
+        self.cluster
+            .service_account_kubeconfig("mover-system", "mover-controller", &kubeconfig);
+        let log = self.cluster.dir.join(format!("{identity}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(["controller", "run"])
+            .args(["--agent-port", &self.port.to_string()])
+            .args([
+                "--metrics-listen",
+                &format!("127.0.0.1:{}", common::agent::free_port()),
+            ])
+            .args([
+                "--token-file",
+                self.agents[0].dir.join("token").to_str().unwrap(),
+            ])
+            .env("KUBECONFIG", &kubeconfig)
+            .env("HOSTNAME", identity)
+            .env("POD_NAME", identity)
+            .env("RUST_LOG", "info,kube=warn")
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        self.controllers.push(Controller { child, log });
+    }
+
+    fn get(&self, kind: &str, namespace: &str, name: &str) -> Value {
+        let out = self
+            .cluster
+            .kubectl(&["get", kind, "-n", namespace, name, "-o", "json"]);
+        if !out.status.success() {
+            return Value::Null;
+        }
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    fn vr(&self) -> Value {
+        self.get("volumereplication", "app", "data")
+    }
+
+    fn set_state(&self, state: &str) {
+        self.cluster
+            .apply(&vr_yaml("data", state, "dr", Some("data")));
+    }
+
+    fn wait(&self, what: &str, cond: impl Fn(&Site) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !cond(self) {
+            if Instant::now() > deadline {
+                let logs: String = self
+                    .controllers
+                    .iter()
+                    .map(|c| {
+                        let text = std::fs::read_to_string(&c.log).unwrap_or_default();
+                        let lines: Vec<_> = text.lines().collect();
+                        lines[lines.len().saturating_sub(20)..].join("\n")
+                    })
+                    .collect();
+                panic!(
+                    "cluster {}: waited 120 s for {what}\nVR: {}\ncontroller log:\n{logs}\n{}",
+                    self.cluster.name,
+                    serde_json::to_string_pretty(&self.vr()["status"]).unwrap(),
+                    self.cluster.logs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// The VR's condition `ty`: (status, reason).
+    fn condition(&self, ty: &str) -> (String, String) {
+        let vr = self.vr();
+        let c = vr["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == ty)
+            .cloned()
+            .unwrap_or(Value::Null);
+        (
+            c["status"].as_str().unwrap_or("").into(),
+            c["reason"].as_str().unwrap_or("").into(),
+        )
+    }
+
+    /// The bytes the first node's agent shipped as primary.
+    fn shipped(&self) -> u64 {
+        let url = format!(
+            "http://{}:{}/metrics",
+            self.agents[0].ip, self.agents[0].metrics_port
+        );
+        let text = http_get(&url);
+        let name = format!(
+            "mover_replication_bytes_shipped_total{{relationship=\"{RELATIONSHIP}\",role=\"primary\"}}"
+        );
+        text.lines()
+            .find_map(|l| l.strip_prefix(&name))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0) as u64
+    }
+}
+
+fn http_get(url: &str) -> String {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").unwrap();
+    let (host, path) = rest.split_once('/').unwrap();
+    let mut s = std::net::TcpStream::connect(host).unwrap();
+    write!(
+        s,
+        "GET /{path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn completed(s: &Site, reason: &str) -> bool {
+    s.condition("Completed") == ("True".into(), reason.into())
+}
+
+#[test]
+fn two_clusters_replicate_fail_over_and_back_through_volume_replications() {
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let Some(mut a) = Site::start(t.path(), "a", 10) else {
+        return;
+    };
+    let Some(mut b) = Site::start(t.path(), "b", 20) else {
+        return;
+    };
+    make_image(
+        &a.image,
+        VOLUME_LEN,
+        7,
+        &[(0, 4 * MIB), (20 * MIB, 2 * MIB)],
+    );
+    make_image(&b.image, VOLUME_LEN, 0, &[]);
+    a.cluster.apply(&a.class_to(&b));
+    b.cluster.apply(&b.class_to(&a));
+    a.start_controller("a-controller-1");
+    b.start_controller("b-controller-1");
+
+    // RamenDR creates the secondary first, then the primary.
+    b.set_state("secondary");
+    b.wait("the secondary VR marked Secondary", |s| {
+        s.vr()["status"]["state"] == "Secondary"
+    });
+    a.set_state("primary");
+    a.wait("the primary VR Promoted with a lastSyncTime", |s| {
+        completed(s, "Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
+    });
+    b.wait("the secondary healthy once a cycle is applied", |s| {
+        s.condition("Degraded") == ("False".into(), "Healthy".into())
+    });
+    assert_eq!(
+        blake3_of(&b.image, VOLUME_LEN),
+        blake3_of(&a.image, VOLUME_LEN)
+    );
+    let first_sync = a.vr()["status"]["lastSyncTime"].clone();
+    scribble_pages(&a.image, 3, 30, 0..VOLUME_LEN);
+    a.wait("lastSyncTime to advance", |s| {
+        s.vr()["status"]["lastSyncTime"] != first_sync
+    });
+
+    // Planned failover in RamenDR's order: A to secondary (a final cycle ships what was
+    // written since), then B to primary.
+    scribble_pages(&a.image, 4, 20, 0..VOLUME_LEN);
+    let want = blake3_of(&a.image, VOLUME_LEN);
+    a.set_state("secondary");
+    a.wait("A demoted", |s| completed(s, "Demoted"));
+    b.set_state("primary");
+    b.wait("B promoted", |s| completed(s, "Promoted"));
+    assert_eq!(
+        blake3_of(&b.image, VOLUME_LEN),
+        want,
+        "the final cycle arrived"
+    );
+    assert_eq!(
+        b.vr()["status"]["epoch"],
+        2,
+        "the promotion raised the epoch"
+    );
+
+    // Failback by delta: B's writes reach A, exactly the pages written.
+    let shipped_before = b.shipped();
+    let pages = scribble_pages(&b.image, 5, 25, 0..VOLUME_LEN);
+    let want = blake3_of(&b.image, VOLUME_LEN);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while blake3_of(&a.image, VOLUME_LEN) != want {
+        assert!(Instant::now() < deadline, "B's writes never reached A");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    b.set_state("secondary");
+    b.wait("B demoted", |s| completed(s, "Demoted"));
+    a.set_state("primary");
+    a.wait("A promoted again", |s| completed(s, "Promoted"));
+    assert_eq!(
+        blake3_of(&a.image, VOLUME_LEN),
+        blake3_of(&b.image, VOLUME_LEN)
+    );
+    let shipped = b.shipped() - shipped_before;
+    assert!(
+        shipped >= pages * 4096 && shipped <= pages * 4096 * 2,
+        "B shipped {shipped} bytes for {pages} pages written: by delta"
+    );
+
+    // Every request the controllers made was allowed by their RBAC (the API server's
+    // audit log of the mover-controller ServiceAccount).
+    for s in [&a, &b] {
+        let events = s.cluster.audit(CONTROLLER_USER);
+        assert!(
+            events.len() > 10,
+            "the audit log has the controller's requests"
+        );
+        let denied: Vec<_> = events
+            .iter()
+            .filter(|e| e["responseStatus"]["code"] == 403)
+            .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
+            .collect();
+        assert!(denied.is_empty(), "forbidden: {denied:#?}");
+    }
+}
