@@ -304,28 +304,80 @@ impl Site {
         wait_established(&cluster, &["volumereplications.replication.mover"]);
         let port = common::agent::free_port();
         let mut agents = Vec::new();
+        let mut ips = std::collections::HashMap::new();
         for n in 1..=2 {
             let node = format!("{name}-node{n}");
             let ip = format!("127.0.{subnet}.{n}");
             agents.push(NodeAgent::start(&cluster.dir.join(&node), &ip, port));
-            // The kubelet's part: register the Node, and report the agent pod Running.
+            // The kubelet's part: register the Node.
             cluster.apply(&format!(
                 "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node}\n  labels:\n    kubernetes.io/hostname: {node}\n    topology.kubernetes.io/zone: {name}-zone{n}\n"
             ));
-            cluster.apply(&format!(
-                "apiVersion: v1\nkind: Pod\nmetadata:\n  name: mover-agent-{n}\n  namespace: mover-system\n  labels:\n    app.kubernetes.io/name: mover-agent\nspec:\n  nodeName: {node}\n  automountServiceAccountToken: false\n  containers:\n  - name: agent\n    image: mover\n"
-            ));
+            ips.insert(node, ip);
+        }
+        // kube-controller-manager's DaemonSet controller makes an agent pod per node.
+        // No scheduler or kubelet runs: bind each to its node (the scheduler's part)
+        // and report it Running with the node's address (the kubelet's part; the agents
+        // run in the host network). The agent processes themselves are real.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let pods = loop {
+            let out = cluster.kubectl_ok(&[
+                "get",
+                "pods",
+                "-n",
+                "mover-system",
+                "-l",
+                "app.kubernetes.io/name=mover-agent",
+                "-o",
+                "json",
+            ]);
+            let list: Value = serde_json::from_str(&out).unwrap();
+            let pods = list["items"].as_array().cloned().unwrap_or_default();
+            if pods.len() == 2 {
+                break pods;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the DaemonSet made {} agent pods, not 2\n{}",
+                pods.len(),
+                cluster.logs()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        for pod in pods {
+            let name = pod["metadata"]["name"].as_str().unwrap();
+            let node = pod["spec"]["affinity"]["nodeAffinity"]
+                ["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+                ["matchFields"][0]["values"][0]
+                .as_str()
+                .expect("a DaemonSet pod names its node in its affinity")
+                .to_string();
+            cluster.kubectl_as(
+                &cluster.kubeconfig,
+                &["create", "-f", "-"],
+                Some(
+                    &json!({
+                        "apiVersion": "v1", "kind": "Binding",
+                        "metadata": {"name": name, "namespace": "mover-system"},
+                        "target": {"apiVersion": "v1", "kind": "Node", "name": node}
+                    })
+                    .to_string(),
+                ),
+            );
+            let ip = &ips[&node];
             cluster.kubectl_ok(&[
                 "patch",
                 "pod",
-                &format!("mover-agent-{n}"),
+                name,
                 "-n",
                 "mover-system",
                 "--subresource=status",
                 "--type=merge",
                 "-p",
-                &json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}})
-                    .to_string(),
+                &json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+                                   "hostIP": ip,
+                                   "conditions": [{"type": "Ready", "status": "True"}]}})
+                .to_string(),
             ]);
         }
         let image = agents[0].dir.join("data.img");
@@ -337,7 +389,9 @@ impl Site {
             controllers: Vec::new(),
         };
         site.cluster.kubectl_ok(&["create", "namespace", "app"]);
-        // A local PV on node 1, bound by kube-controller-manager's PV binder.
+        // A local PV on node 1, bound by kube-controller-manager's PV binder. Named alike
+        // in both clusters, as RamenDR restores PVs: the class's target is the peer
+        // agent, and the export there is named after the PV.
         site.cluster.apply(&format!(
             r#"apiVersion: storage.k8s.io/v1
 kind: StorageClass
@@ -349,7 +403,7 @@ volumeBindingMode: Immediate
 apiVersion: v1
 kind: PersistentVolume
 metadata:
-  name: {name}-pv-data
+  name: pv-data
 spec:
   capacity:
     storage: 32Mi
@@ -457,10 +511,15 @@ spec:
                         lines[lines.len().saturating_sub(20)..].join("\n")
                     })
                     .collect();
+                let pods = self
+                    .cluster
+                    .kubectl(&["get", "pods", "-A", "-o", "wide"])
+                    .stdout;
                 panic!(
-                    "cluster {}: waited 120 s for {what}\nVR: {}\ncontroller log:\n{logs}\n{}",
+                    "cluster {}: waited 120 s for {what}\nVR: {}\npods:\n{}\ncontroller log:\n{logs}\n{}",
                     self.cluster.name,
                     serde_json::to_string_pretty(&self.vr()["status"]).unwrap(),
+                    String::from_utf8_lossy(&pods),
                     self.cluster.logs()
                 );
             }
@@ -484,20 +543,25 @@ spec:
         )
     }
 
-    /// The bytes the first node's agent shipped as primary.
-    fn shipped(&self) -> u64 {
+    /// The first node's agent's /metrics.
+    fn metrics(&self) -> String {
         let url = format!(
             "http://{}:{}/metrics",
             self.agents[0].ip, self.agents[0].metrics_port
         );
-        let text = http_get(&url);
-        let name = format!(
-            "mover_replication_bytes_shipped_total{{relationship=\"{RELATIONSHIP}\",role=\"primary\"}}"
-        );
-        text.lines()
-            .find_map(|l| l.strip_prefix(&name))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(0.0) as u64
+        http_get(&url)
+    }
+
+    /// The bytes the first node's agent shipped for the relationship (its series is
+    /// labelled with the current role: summed over both).
+    fn shipped(&self) -> u64 {
+        let series =
+            format!("mover_replication_bytes_shipped_total{{relationship=\"{RELATIONSHIP}\",");
+        self.metrics()
+            .lines()
+            .filter(|l| l.starts_with(&series))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
     }
 }
 
@@ -603,7 +667,12 @@ fn two_clusters_replicate_fail_over_and_back_through_volume_replications() {
     let shipped = b.shipped() - shipped_before;
     assert!(
         shipped >= pages * 4096 && shipped <= pages * 4096 * 2,
-        "B shipped {shipped} bytes for {pages} pages written: by delta"
+        "B shipped {shipped} bytes for {pages} pages written: by delta\n{}",
+        b.metrics()
+            .lines()
+            .filter(|l| l.contains("shipped"))
+            .collect::<Vec<_>>()
+            .join("\n")
     );
 
     // Every request the controllers made was allowed by their RBAC (the API server's

@@ -32,11 +32,12 @@ fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
     })
 }
 
-/// Selects rustls' ring crypto for the process. Other dependencies (the S3 client) bring
+/// Selects rustls' ring crypto for the process (call it before any TLS client or server
+/// starts: the Kubernetes client too). Other dependencies (the S3 client) bring
 /// aws-lc-rs too, and rustls refuses to guess between two providers. AES-128-GCM is
 /// offered first: a volume's every byte is encrypted and decrypted on both agents, and
 /// it needs 10 AES rounds a block to AES-256's 14, at a strength no attack comes near.
-fn install_crypto_provider() {
+pub fn install_crypto_provider() {
     use rustls::CipherSuite::TLS13_AES_128_GCM_SHA256;
     let mut provider = rustls::crypto::ring::default_provider();
     provider

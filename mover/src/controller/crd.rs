@@ -228,7 +228,13 @@ pub struct RelationshipRef {
 
 /// The names of a kind in a group: for API paths and dynamic objects.
 pub fn api_resource(group: &str, kind: &str) -> kube::core::ApiResource {
-    let plural = format!("{}s", kind.to_ascii_lowercase());
+    // English plurals, as the CRDs name them: volumereplicationclass-es.
+    let lower = kind.to_ascii_lowercase();
+    let plural = if lower.ends_with('s') {
+        format!("{lower}es")
+    } else {
+        format!("{lower}s")
+    };
     kube::core::ApiResource {
         group: group.into(),
         version: VERSION.into(),
@@ -296,6 +302,11 @@ mod tests {
                 let yaml = yaml.replace("replication.storage.openshift.io/replication-secret", "");
                 assert!(!yaml.contains(other), "{file} mentions {other}");
             }
+        }
+        // The paths the controller uses are the plurals the CRDs serve.
+        for crd in crds(MOVER_GROUP) {
+            let ar = api_resource(MOVER_GROUP, &crd.spec.names.kind);
+            assert_eq!(ar.plural, crd.spec.names.plural);
         }
         assert_eq!(crds(MOVER_GROUP)[0].spec.scope, "Cluster");
         assert_eq!(crds(MOVER_GROUP)[1].spec.scope, "Namespaced");

@@ -155,6 +155,9 @@ fn node_cache(client: kube::Client) -> (Store<Node>, impl std::future::Future<Ou
 
 /// Runs the controller until SIGINT or SIGTERM.
 pub async fn run(options: RunOptions) -> Result<(), RunError> {
+    // The API server is reached over TLS, and rustls will not pick between the two
+    // crypto providers the dependencies bring.
+    transport::tls::install_crypto_provider();
     let client = kube::Client::try_default()
         .await
         .map_err(RunError::Client)?;
