@@ -414,6 +414,7 @@ async fn run_once(
         agent_port: 7070,
         metrics: Default::default(),
         recorder: None,
+        leftovers: None,
     });
     let obj = dynamic(vr, group);
     let server = api_server(handle, n, serde_json::to_value(&obj).unwrap());
@@ -925,6 +926,7 @@ async fn reconcile_in(
         agent_port: port,
         metrics: Default::default(),
         recorder: None,
+        leftovers: None,
     });
     let obj = dynamic(v, MOVER_GROUP);
     let sent = Arc::new(Mutex::new(Vec::new()));
@@ -1206,6 +1208,7 @@ async fn a_thousand_volume_replications_cost_one_request_each_per_new_cycle_and_
         agent_port: 7070,
         metrics: Default::default(),
         recorder: None,
+        leftovers: None,
     });
     let sent = Arc::new(Mutex::new(Vec::new()));
     recording_api_server(handle, json!({}), sent.clone());
@@ -1281,6 +1284,7 @@ async fn transitions_are_recorded_as_events_and_a_failure_as_a_warning() {
         agent_port: 7070,
         metrics: Default::default(),
         recorder: Some(recorder),
+        leftovers: None,
     });
     let sent = Arc::new(Mutex::new(Vec::new()));
     let obj = dynamic(&vr(ReplicationState::Secondary, 2, true), MOVER_GROUP);

@@ -214,6 +214,10 @@ fn the_controller_may_do_what_deploy_documents_and_no_more() {
 // Two clusters.
 
 const VOLUME_LEN: u64 = 32 * MIB;
+/// The controllers' `--lease-duration` here.
+const LEASE: Duration = Duration::from_secs(6);
+/// The controllers' `--deletion-grace` here.
+const DELETION_GRACE: Duration = Duration::from_secs(5);
 const CONTROLLER_USER: &str = "system:serviceaccount:mover-system:mover-controller";
 /// The relationship's name on both clusters' agents (RamenDR names a VolumeReplication
 /// alike in both).
@@ -261,6 +265,35 @@ impl NodeAgent {
             ip: ip.into(),
             metrics_port,
             dir: dir.into(),
+        }
+    }
+}
+
+impl NodeAgent {
+    /// Kills the agent (SIGKILL): its node is down.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts it again on the same address, state and volumes.
+    fn restart(&mut self, port: u16) {
+        self.kill();
+        let again = NodeAgent::start(&self.dir, &self.ip, port);
+        *self = again;
+    }
+
+    /// `mover replicate status RELATIONSHIP` on this agent: its output, or its error.
+    fn relationship(&self, port: u16) -> Result<String, String> {
+        let out = Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(["replicate", "status", RELATIONSHIP, "--json", "--agent"])
+            .arg(format!("agent://{}:{port}", self.ip))
+            .env("MOVER_TOKEN", common::agent::TOKEN)
+            .output()
+            .unwrap();
+        match out.status.success() {
+            true => Ok(String::from_utf8_lossy(&out.stdout).into()),
+            false => Err(String::from_utf8_lossy(&out.stderr).into()),
         }
     }
 }
@@ -468,6 +501,12 @@ spec:
                 "--token-file",
                 self.agents[0].dir.join("token").to_str().unwrap(),
             ])
+            // Short bounds, so the takeover and deletion tests finish soon.
+            .args(["--lease-duration", &format!("{}s", LEASE.as_secs())])
+            .args([
+                "--deletion-grace",
+                &format!("{}s", DELETION_GRACE.as_secs()),
+            ])
             .env("KUBECONFIG", &kubeconfig)
             .env("HOSTNAME", identity)
             .env("POD_NAME", identity)
@@ -584,16 +623,11 @@ fn completed(s: &Site, reason: &str) -> bool {
     s.condition("Completed") == ("True".into(), reason.into())
 }
 
-#[test]
-fn two_clusters_replicate_fail_over_and_back_through_volume_replications() {
-    let _one = serial();
-    let t = tempfile::tempdir().unwrap();
-    let Some(mut a) = Site::start(t.path(), "a", 10) else {
-        return;
-    };
-    let Some(mut b) = Site::start(t.path(), "b", 20) else {
-        return;
-    };
+/// Two clusters with mover installed and a controller each; A's VR primary and B's
+/// secondary, replicating (`None` when the control plane is not built).
+fn replicating_pair(dir: &Path) -> Option<(Site, Site)> {
+    let mut a = Site::start(dir, "a", 10)?;
+    let mut b = Site::start(dir, "b", 20)?;
     make_image(
         &a.image,
         VOLUME_LEN,
@@ -622,6 +656,16 @@ fn two_clusters_replicate_fail_over_and_back_through_volume_replications() {
         blake3_of(&b.image, VOLUME_LEN),
         blake3_of(&a.image, VOLUME_LEN)
     );
+    Some((a, b))
+}
+
+#[test]
+fn two_clusters_replicate_fail_over_and_back_through_volume_replications() {
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let Some((a, b)) = replicating_pair(t.path()) else {
+        return;
+    };
     let first_sync = a.vr()["status"]["lastSyncTime"].clone();
     scribble_pages(&a.image, 3, 30, 0..VOLUME_LEN);
     a.wait("lastSyncTime to advance", |s| {
@@ -689,5 +733,198 @@ fn two_clusters_replicate_fail_over_and_back_through_volume_replications() {
             .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
             .collect();
         assert!(denied.is_empty(), "forbidden: {denied:#?}");
+    }
+}
+
+/// The VR's conditions as (type, status, reason, lastTransitionTime).
+fn conditions(s: &Site) -> Vec<(String, String, String, String)> {
+    let vr = s.vr();
+    let mut all: Vec<_> = vr["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| {
+            let f = |k: &str| c[k].as_str().unwrap_or("").to_string();
+            (f("type"), f("status"), f("reason"), f("lastTransitionTime"))
+        })
+        .collect();
+    all.sort();
+    all
+}
+
+fn controller_log(c: &Controller) -> String {
+    std::fs::read_to_string(&c.log).unwrap_or_default()
+}
+
+#[test]
+fn a_standby_controller_takes_over_and_an_api_server_restart_loses_nothing() {
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let Some((mut a, _b)) = replicating_pair(t.path()) else {
+        return;
+    };
+    a.start_controller("a-controller-2");
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        controller_log(&a.controllers[1]).contains("waiting for the leader lease"),
+        "the second replica waits: {}",
+        controller_log(&a.controllers[1])
+    );
+    let before = conditions(&a);
+
+    // kill -9 the leader: the standby takes over once the Lease runs out.
+    let killed = Instant::now();
+    let _ = a.controllers[0].child.kill();
+    let _ = a.controllers[0].child.wait();
+    let deadline = killed + LEASE + Duration::from_secs(10);
+    while !controller_log(&a.controllers[1]).contains("holding the leader lease") {
+        assert!(
+            Instant::now() < deadline,
+            "the standby did not take over: {}",
+            controller_log(&a.controllers[1])
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let takeover = killed.elapsed();
+    eprintln!(
+        "takeover after kill -9 of the leader: {:.1} s",
+        takeover.as_secs_f64()
+    );
+    assert!(takeover <= LEASE + Duration::from_secs(3), "{takeover:?}");
+    let sync = a.vr()["status"]["lastSyncTime"].clone();
+    scribble_pages(&a.image, 9, 10, 0..VOLUME_LEN);
+    a.wait("lastSyncTime to advance under the new leader", |s| {
+        s.vr()["status"]["lastSyncTime"] != sync
+    });
+    // No condition flapped: the new leader wrote from full caches.
+    assert_eq!(
+        conditions(&a),
+        before,
+        "the conditions moved across the takeover"
+    );
+
+    // The API server restarts (SIGKILL) while cycles run: the watches resume and the
+    // status keeps up, with no more writes than cycles.
+    let writes = |s: &Site| {
+        s.cluster
+            .audit(CONTROLLER_USER)
+            .iter()
+            .filter(|e| e["verb"] == "patch" && e["objectRef"]["subresource"] == "status")
+            .count()
+    };
+    let writes_before = writes(&a);
+    a.cluster.stop_apiserver();
+    std::thread::sleep(Duration::from_secs(3));
+    a.cluster.start_apiserver();
+    let restarted = Instant::now();
+    let sync = a.vr()["status"]["lastSyncTime"].clone();
+    scribble_pages(&a.image, 10, 10, 0..VOLUME_LEN);
+    a.wait(
+        "lastSyncTime to advance after the API server restart",
+        |s| s.vr()["status"]["lastSyncTime"] != sync,
+    );
+    std::thread::sleep(Duration::from_secs(4));
+    let cycles = restarted.elapsed().as_secs() / 2 + 2;
+    let written = writes(&a) - writes_before;
+    assert!(
+        written as u64 <= cycles,
+        "{written} status writes for about {cycles} cycles after the restart"
+    );
+    assert_eq!(
+        conditions(&a),
+        before,
+        "the conditions moved across the restart"
+    );
+}
+
+#[test]
+fn deletion_finishes_with_its_agent_down_and_the_leftover_is_removed_when_it_returns() {
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let Some((mut a, mut b)) = replicating_pair(t.path()) else {
+        return;
+    };
+    // A's node is down; its VR is deleted.
+    a.agents[0].kill();
+    let asked = Instant::now();
+    a.cluster
+        .kubectl_ok(&["delete", "vr", "-n", "app", "data", "--wait=false"]);
+    let bound = DELETION_GRACE + Duration::from_secs(5 + 10);
+    while !a.vr().is_null() {
+        assert!(
+            asked.elapsed() < bound,
+            "the VR is still there after {bound:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "deletion with the agent down: {:.1} s",
+        asked.elapsed().as_secs_f64()
+    );
+    let events = a.cluster.kubectl_ok(&[
+        "get",
+        "events",
+        "-n",
+        "app",
+        "--field-selector",
+        "reason=LeftOnAgent",
+        "-o",
+        "json",
+    ]);
+    assert!(
+        events.contains("relationship app/data") && events.contains("Warning"),
+        "a Warning event names what was left: {events}"
+    );
+    // B's namespace is deleted with its VR in it, B's node down too.
+    b.agents[0].kill();
+    let asked = Instant::now();
+    b.cluster
+        .kubectl_ok(&["delete", "namespace", "app", "--wait=false"]);
+    while b
+        .cluster
+        .kubectl(&["get", "namespace", "app"])
+        .status
+        .success()
+    {
+        assert!(
+            asked.elapsed() < bound + Duration::from_secs(30),
+            "namespace app is still there: {}",
+            b.cluster
+                .kubectl_ok(&["get", "namespace", "app", "-o", "yaml"])
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    eprintln!(
+        "namespace deletion with the agent down: {:.1} s",
+        asked.elapsed().as_secs_f64()
+    );
+
+    // The agents come back: the leaders remove what was left, and only that.
+    for s in [&mut a, &mut b] {
+        let port = s.port;
+        assert!(s.agents[0].relationship(port).is_err(), "the agent is down");
+        s.agents[0].restart(port);
+        assert!(
+            s.agents[0].relationship(port).is_ok(),
+            "the relationship was left"
+        );
+        let deadline = Instant::now() + Duration::from_secs(45);
+        while s.agents[0].relationship(port).is_ok() {
+            assert!(Instant::now() < deadline, "the leftover was never removed");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let record = s.cluster.kubectl_ok(&[
+            "get",
+            "configmap",
+            "-n",
+            "mover-system",
+            "mover-controller-leftovers",
+            "-o",
+            "jsonpath={.data}",
+        ]);
+        assert!(
+            record.is_empty() || record == "{}",
+            "the record is emptied: {record}"
+        );
     }
 }

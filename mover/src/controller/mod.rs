@@ -8,6 +8,8 @@
 //! - [`agents`]: the agents' relationship control API behind a small trait.
 //! - [`metrics`]: reconciles, failures, relationships by state, RPO (Prometheus).
 //! - [`reconcile`]: finalizer, agent calls, status by server-side apply.
+//! - [`leftovers`]: what a deletion left on an agent that was down, removed when it
+//!   answers again.
 //! - [`run()`]: watch caches and the controller loop (`mover controller run`).
 //!
 //! Only built with the `controller` cargo feature (on by default): an agent-only build
@@ -16,6 +18,7 @@
 pub mod agents;
 pub mod crd;
 pub mod desired;
+pub mod leftovers;
 pub mod metrics;
 pub mod reconcile;
 mod run;

@@ -11,6 +11,7 @@ use super::crd::{
     VolumeReplicationStatus,
 };
 use super::desired::{self, Desired, Inputs};
+use super::leftovers::{Leftover, Leftovers};
 use super::status::{self, Conditions, Health};
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod, Secret};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
@@ -32,6 +33,8 @@ pub const FINALIZER: &str = "replication.mover/relationship";
 pub const FIELD_MANAGER: &str = "mover";
 /// How soon a resource that could not be acted on is looked at again.
 pub const RETRY: Duration = Duration::from_secs(30);
+/// When a deletion whose agent did not answer is retried.
+pub const DELETE_RETRY: Duration = Duration::from_secs(5);
 
 /// Why a reconcile failed (it is retried).
 #[derive(Debug, thiserror::Error)]
@@ -134,6 +137,9 @@ pub struct Context {
     pub metrics: Arc<super::metrics::Metrics>,
     /// Records events for transitions (none in tests that count requests).
     pub recorder: Option<kube::runtime::events::Recorder>,
+    /// How long a deletion waits for an unreachable agent before it finishes anyway,
+    /// leaving the relationship in `leftovers` (None: it waits for the agent).
+    pub leftovers: Option<(Duration, Arc<Leftovers>)>,
 }
 
 impl Context {
@@ -182,6 +188,11 @@ pub fn error_policy(obj: Arc<DynamicObject>, error: &Error, ctx: Arc<Context>) -
         .failures
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     tracing::warn!(vr = %obj.name_any(), ns = ?obj.namespace(), %error, "reconcile failed");
+    // A deletion waiting for its agent looks again soon: it ends within the deletion
+    // grace and this.
+    if obj.metadata.deletion_timestamp.is_some() {
+        return Action::requeue(DELETE_RETRY);
+    }
     Action::requeue(RETRY)
 }
 
@@ -696,6 +707,18 @@ async fn write_status(
     Ok(())
 }
 
+/// How long ago the resource's deletion was asked for.
+fn deleting_for(obj: &DynamicObject) -> Duration {
+    obj.metadata
+        .deletion_timestamp
+        .as_ref()
+        .and_then(|t| {
+            let since = k8s_openapi::jiff::Timestamp::now().duration_since(t.0);
+            Duration::try_from(since).ok()
+        })
+        .unwrap_or_default()
+}
+
 /// The resource is being deleted: forget the relationship on the agent that holds it.
 async fn cleanup(obj: &DynamicObject, ctx: &Context) -> Result<Action, Error> {
     let vr = parse(obj)?;
@@ -707,8 +730,50 @@ async fn cleanup(obj: &DynamicObject, ctx: &Context) -> Result<Action, Error> {
     };
     if let Some((agent, name, volume)) = target {
         // Whichever the class was: a relationship, or a schedule (its snapshots stay).
-        ctx.agents.delete(&agent, &name).await?;
-        ctx.agents.delete_schedule(&agent, &name).await?;
+        let deleted = async {
+            ctx.agents.delete(&agent, &name).await?;
+            ctx.agents.delete_schedule(&agent, &name).await
+        };
+        match (deleted.await, &ctx.leftovers) {
+            (Ok(()), _) => {}
+            // The agent is down past the grace: finish the deletion, and leave the
+            // relationship to the sweep that removes it once the agent is back.
+            (Err(e), Some((grace, leftovers)))
+                if !e.is_refusal() && deleting_for(obj) >= *grace =>
+            {
+                let left = Leftover {
+                    agent: agent.clone(),
+                    relationship: name.clone(),
+                    export: volume.clone(),
+                    owner: key(obj),
+                };
+                leftovers.record(&left).await?;
+                let note = format!(
+                    "relationship {name} and export {volume} are left on agent {agent}, which \
+                     did not answer for {}s ({e}); the controller removes them when it answers \
+                     again (ConfigMap {})",
+                    grace.as_secs(),
+                    super::leftovers::CONFIGMAP
+                );
+                tracing::warn!(vr = %key(obj), "{note}");
+                if let Some(recorder) = &ctx.recorder {
+                    let event = kube::runtime::events::Event {
+                        type_: kube::runtime::events::EventType::Warning,
+                        reason: "LeftOnAgent".into(),
+                        note: Some(note),
+                        action: "Delete".into(),
+                        secondary: None,
+                    };
+                    let reference = obj.object_ref(&ctx.vr_resource());
+                    if let Err(e) = recorder.publish(&event, &reference).await {
+                        tracing::warn!(vr = %key(obj), error = %e, "cannot record an event");
+                    }
+                }
+                ctx.metrics.forget(&key(obj));
+                return Ok(Action::await_change());
+            }
+            (Err(e), _) => return Err(e.into()),
+        }
         tracing::info!(%agent, relationship = %name, "relationship deleted");
         // Best effort: another relationship or a hydration may still use the export.
         match ctx.agents.unexport(&agent, &volume).await {

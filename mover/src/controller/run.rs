@@ -2,6 +2,7 @@
 
 use super::agents::GrpcAgents;
 use super::crd;
+use super::leftovers::Leftovers;
 use super::reconcile::{self, Caches, Context};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
@@ -36,6 +37,15 @@ pub struct RunOptions {
     /// Act at once, without electing a leader (one replica only, or outside a cluster).
     #[arg(long)]
     pub no_leader_election: bool,
+    /// How long the leader's Lease holds without renewal: a standby replica takes over
+    /// this long after the leader died (client-go's default, 15s; it renews well before).
+    #[arg(long, default_value = "15s", value_parser = lease_seconds)]
+    pub lease_duration: u64,
+    /// How long the deletion of a VolumeReplication waits for an agent that does not
+    /// answer. Then it finishes, with a Warning event naming what was left on the agent;
+    /// the leader removes it once the agent answers again.
+    #[arg(long, default_value = "60s", value_parser = crate::node::parse_duration)]
+    pub deletion_grace: std::time::Duration,
     /// Where /metrics (Prometheus) and /healthz are served.
     #[arg(long, default_value = "0.0.0.0:9471")]
     pub metrics_listen: std::net::SocketAddr,
@@ -218,6 +228,10 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         },
         agent_port: options.agent_port,
         metrics,
+        leftovers: Some((
+            options.deletion_grace,
+            Arc::new(Leftovers::new(client.clone(), &options.lease_namespace)),
+        )),
         recorder: Some(kube::runtime::events::Recorder::new(
             client.clone(),
             kube::runtime::events::Reporter {
@@ -250,9 +264,22 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
     let mut leader = if options.no_leader_election {
         None
     } else {
-        Some(elect(&client, &options.lease_namespace).await?)
+        Some(elect(&client, &options.lease_namespace, options.lease_duration).await?)
     };
     tracing::info!(group = %ctx.group, "controller started");
+    // The leader removes what deletions left on agents that were down, once they answer.
+    if let Some((grace, leftovers)) = ctx.leftovers.clone() {
+        let agents = ctx.agents.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(grace.min(std::time::Duration::from_secs(30)));
+            loop {
+                every.tick().await;
+                if let Err(e) = leftovers.sweep(&*agents).await {
+                    tracing::warn!(error = %e, "cannot read or update the leftovers record");
+                }
+            }
+        });
+    }
     let controller = Controller::new_with(vrs, watcher::Config::default(), vr)
         .shutdown_on_signal()
         .run(reconcile::reconcile, reconcile::error_policy, ctx)
@@ -274,17 +301,33 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
     Ok(())
 }
 
+/// `--lease-duration`: whole seconds, at least 2 (a renewal must fit in it).
+fn lease_seconds(s: &str) -> Result<u64, String> {
+    let d = crate::node::parse_duration(s)?;
+    match d.as_secs() {
+        n if n >= 2 => Ok(n),
+        _ => Err(format!("{s:?} is shorter than 2 seconds")),
+    }
+}
+
 /// Waits until this replica holds the Lease `mover-controller`; the returned channel
 /// says when it no longer does.
 async fn elect(
     client: &kube::Client,
     namespace: &str,
+    duration: u64,
 ) -> Result<tokio::sync::watch::Receiver<bool>, RunError> {
     let identity = std::env::var("HOSTNAME").unwrap_or_else(|_| "mover-controller".into());
     let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), "mover-controller")
         .with_namespace(namespace)
-        .with_identity(identity.clone())
-        .with_field_manager(super::reconcile::FIELD_MANAGER)
+        // Renewed a third of the duration before it ends. The field manager is the
+        // library's, one per identity: server-side apply's conflicts are what keep two
+        // replicas from taking the Lease at once, and a shared manager has none.
+        .with_parameters(kube_lease_manager::LeaseParams::new(
+            identity.clone(),
+            duration,
+            (duration / 3).max(1),
+        ))
         .build()
         .await
         .map_err(|source| RunError::Lease {
