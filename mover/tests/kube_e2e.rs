@@ -233,6 +233,11 @@ struct NodeAgent {
 
 impl NodeAgent {
     fn start(dir: &Path, ip: &str, port: u16) -> NodeAgent {
+        NodeAgent::start_with(dir, ip, port, "")
+    }
+
+    /// Starts it with `extra` appended to its config (e.g. `[exports.NAME]` sections).
+    fn start_with(dir: &Path, ip: &str, port: u16, extra: &str) -> NodeAgent {
         std::fs::create_dir_all(dir).unwrap();
         std::fs::write(dir.join("token"), common::agent::TOKEN).unwrap();
         let metrics_port = common::agent::free_port();
@@ -240,7 +245,7 @@ impl NodeAgent {
         std::fs::write(
             &config,
             format!(
-                "listen = \"{ip}:{port}\"\nmetrics_listen = \"{ip}:{metrics_port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\nvolume_roots = [\"{}\"]\n",
+                "listen = \"{ip}:{port}\"\nmetrics_listen = \"{ip}:{metrics_port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\nvolume_roots = [\"{}\"]\n{extra}",
                 dir.join("state").display(),
                 dir.join("token").display(),
                 dir.display()
@@ -336,91 +341,25 @@ impl Site {
         apply_kustomization(&cluster, "deploy/base");
         wait_established(&cluster, &["volumereplications.replication.mover"]);
         let port = common::agent::free_port();
-        let mut agents = Vec::new();
-        let mut ips = std::collections::HashMap::new();
-        for n in 1..=2 {
-            let node = format!("{name}-node{n}");
-            let ip = format!("127.0.{subnet}.{n}");
-            agents.push(NodeAgent::start(&cluster.dir.join(&node), &ip, port));
-            // The kubelet's part: register the Node.
-            cluster.apply(&format!(
-                "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node}\n  labels:\n    kubernetes.io/hostname: {node}\n    topology.kubernetes.io/zone: {name}-zone{n}\n"
-            ));
-            ips.insert(node, ip);
-        }
-        // kube-controller-manager's DaemonSet controller makes an agent pod per node.
-        // No scheduler or kubelet runs: bind each to its node (the scheduler's part)
-        // and report it Running with the node's address (the kubelet's part; the agents
-        // run in the host network). The agent processes themselves are real.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let pods = loop {
-            let out = cluster.kubectl_ok(&[
-                "get",
-                "pods",
-                "-n",
-                "mover-system",
-                "-l",
-                "app.kubernetes.io/name=mover-agent",
-                "-o",
-                "json",
-            ]);
-            let list: Value = serde_json::from_str(&out).unwrap();
-            let pods = list["items"].as_array().cloned().unwrap_or_default();
-            if pods.len() == 2 {
-                break pods;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the DaemonSet made {} agent pods, not 2\n{}",
-                pods.len(),
-                cluster.logs()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        };
-        for pod in pods {
-            let name = pod["metadata"]["name"].as_str().unwrap();
-            let node = pod["spec"]["affinity"]["nodeAffinity"]
-                ["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
-                ["matchFields"][0]["values"][0]
-                .as_str()
-                .expect("a DaemonSet pod names its node in its affinity")
-                .to_string();
-            cluster.kubectl_as(
-                &cluster.kubeconfig,
-                &["create", "-f", "-"],
-                Some(
-                    &json!({
-                        "apiVersion": "v1", "kind": "Binding",
-                        "metadata": {"name": name, "namespace": "mover-system"},
-                        "target": {"apiVersion": "v1", "kind": "Node", "name": node}
-                    })
-                    .to_string(),
-                ),
-            );
-            let ip = &ips[&node];
-            cluster.kubectl_ok(&[
-                "patch",
-                "pod",
-                name,
-                "-n",
-                "mover-system",
-                "--subresource=status",
-                "--type=merge",
-                "-p",
-                &json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
-                                   "hostIP": ip,
-                                   "conditions": [{"type": "Ready", "status": "True"}]}})
-                .to_string(),
-            ]);
-        }
-        let image = agents[0].dir.join("data.img");
-        let site = Site {
+        let agents = (1..=2)
+            .map(|n| {
+                let node = format!("{name}-node{n}");
+                NodeAgent::start(
+                    &cluster.dir.join(&node),
+                    &format!("127.0.{subnet}.{n}"),
+                    port,
+                )
+            })
+            .collect();
+        let mut site = Site {
             cluster,
             agents,
             port,
-            image,
+            image: PathBuf::new(),
             controllers: Vec::new(),
         };
+        site.image = site.agents[0].dir.join("data.img");
+        site.run_agent_pods(name);
         site.cluster.kubectl_ok(&["create", "namespace", "app"]);
         // A local PV on node 1, bound by kube-controller-manager's PV binder. Named alike
         // in both clusters, as RamenDR restores PVs: the class's target is the peer
@@ -475,6 +414,88 @@ spec:
         Some(site)
     }
 
+    /// Registers a Node per agent (`NAME-node1`, ...) and runs the DaemonSet's agent
+    /// pods on them.
+    fn run_agent_pods(&self, name: &str) {
+        let cluster = &self.cluster;
+        let mut ips = std::collections::HashMap::new();
+        for (i, agent) in self.agents.iter().enumerate() {
+            let n = i + 1;
+            let node = format!("{name}-node{n}");
+            // The kubelet's part: register the Node.
+            cluster.apply(&format!(
+                "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node}\n  labels:\n    kubernetes.io/hostname: {node}\n    topology.kubernetes.io/zone: {name}-zone{n}\n"
+            ));
+            ips.insert(node, agent.ip.clone());
+        }
+        // kube-controller-manager's DaemonSet controller makes an agent pod per node.
+        // No scheduler or kubelet runs: bind each to its node (the scheduler's part)
+        // and report it Running with the node's address (the kubelet's part; the agents
+        // run in the host network). The agent processes themselves are real.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let pods = loop {
+            let out = cluster.kubectl_ok(&[
+                "get",
+                "pods",
+                "-n",
+                "mover-system",
+                "-l",
+                "app.kubernetes.io/name=mover-agent",
+                "-o",
+                "json",
+            ]);
+            let list: Value = serde_json::from_str(&out).unwrap();
+            let pods = list["items"].as_array().cloned().unwrap_or_default();
+            if pods.len() == self.agents.len() {
+                break pods;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the DaemonSet made {} agent pods, not {}\n{}",
+                pods.len(),
+                self.agents.len(),
+                cluster.logs()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        for pod in pods {
+            let name = pod["metadata"]["name"].as_str().unwrap();
+            let node = pod["spec"]["affinity"]["nodeAffinity"]
+                ["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+                ["matchFields"][0]["values"][0]
+                .as_str()
+                .expect("a DaemonSet pod names its node in its affinity")
+                .to_string();
+            cluster.kubectl_as(
+                &cluster.kubeconfig,
+                &["create", "-f", "-"],
+                Some(
+                    &json!({
+                        "apiVersion": "v1", "kind": "Binding",
+                        "metadata": {"name": name, "namespace": "mover-system"},
+                        "target": {"apiVersion": "v1", "kind": "Node", "name": node}
+                    })
+                    .to_string(),
+                ),
+            );
+            let ip = &ips[&node];
+            cluster.kubectl_ok(&[
+                "patch",
+                "pod",
+                name,
+                "-n",
+                "mover-system",
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                &json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+                                   "hostIP": ip,
+                                   "conditions": [{"type": "Ready", "status": "True"}]}})
+                .to_string(),
+            ]);
+        }
+    }
+
     /// The class replicating to `peer`'s first node.
     fn class_to(&self, peer: &Site) -> String {
         format!(
@@ -510,7 +531,7 @@ spec:
             .env("KUBECONFIG", &kubeconfig)
             .env("HOSTNAME", identity)
             .env("POD_NAME", identity)
-            .env("RUST_LOG", "info,kube=warn")
+            .env("RUST_LOG", "info,kube=warn,mover::controller::reconcile=debug")
             .stdout(file.try_clone().unwrap())
             .stderr(file)
             .spawn()
@@ -927,4 +948,186 @@ fn deletion_finishes_with_its_agent_down_and_the_leftover_is_removed_when_it_ret
             "the record is emptied: {record}"
         );
     }
+}
+
+/// The CPU time process `pid` used so far (user + system), in seconds.
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap().split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+/// The peak resident size of process `pid` (VmHWM), in MiB.
+fn peak_rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    kib / 1024.0
+}
+
+#[test]
+fn a_thousand_volume_replications_on_a_real_api_server() {
+    // MOVER_E2E_VRS: fewer, to look at the costs by hand.
+    let n: usize = std::env::var("MOVER_E2E_VRS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    const INTERVAL: Duration = Duration::from_secs(60);
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let Some(cluster) = Cluster::start(t.path(), "scale") else {
+        return;
+    };
+    apply_kustomization(&cluster, "deploy/base");
+    wait_established(&cluster, &["volumereplications.replication.mover"]);
+    // node1 holds the volumes (small sparse images); node2's agent serves the peers'
+    // copies as exports of its own config (what the secondary cluster's controller
+    // would register), so each relationship cycles for real.
+    let port = common::agent::free_port();
+    let (src, dst) = (cluster.dir.join("node1"), cluster.dir.join("node2"));
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::create_dir_all(&dst).unwrap();
+    let mut peer_exports = String::new();
+    let mut objects = String::new();
+    for i in 0..n {
+        for dir in [&src, &dst] {
+            std::fs::File::create(dir.join(format!("v{i}.img")))
+                .unwrap()
+                .set_len(MIB)
+                .unwrap();
+        }
+        peer_exports += &format!(
+            "[exports.pv-{i}]\npath = \"{}\"\n",
+            dst.join(format!("v{i}.img")).display()
+        );
+        objects += &format!(
+            r#"---
+apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: pv-{i}}}
+spec:
+  capacity: {{storage: 1Mi}}
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  claimRef: {{namespace: app, name: data-{i}}}
+  local: {{path: {path}}}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {{key: kubernetes.io/hostname, operator: In, values: [scale-node1]}}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: data-{i}, namespace: app}}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  volumeName: pv-{i}
+  resources: {{requests: {{storage: 1Mi}}}}
+---
+apiVersion: replication.mover/v1alpha1
+kind: VolumeReplication
+metadata: {{name: vr-{i}, namespace: app}}
+spec:
+  volumeReplicationClass: dr
+  replicationState: primary
+  dataSource: {{kind: PersistentVolumeClaim, name: data-{i}}}
+"#,
+            path = src.join(format!("v{i}.img")).display()
+        );
+    }
+    let node1 = NodeAgent::start(&src, "127.0.30.1", port);
+    let node2 = NodeAgent::start_with(&dst, "127.0.30.2", port, &peer_exports);
+    let mut site = Site {
+        cluster,
+        agents: vec![node1, node2],
+        port,
+        image: src.join("v0.img"),
+        controllers: Vec::new(),
+    };
+    site.run_agent_pods("scale");
+    site.cluster.kubectl_ok(&["create", "namespace", "app"]);
+    site.cluster.apply(&format!(
+        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: local\nprovisioner: kubernetes.io/no-provisioner\nvolumeBindingMode: Immediate\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: {}s\n    target: agent://127.0.30.2:{port}\n",
+        INTERVAL.as_secs()
+    ));
+    let created = Instant::now();
+    site.cluster.apply(&objects);
+    site.start_controller("scale-controller");
+    let synced = |s: &Site| {
+        let out = s.cluster.kubectl_ok(&[
+            "get",
+            "vr",
+            "-n",
+            "app",
+            "-o",
+            "jsonpath={range .items[*]}{.status.lastSyncTime}{\"\\n\"}{end}",
+        ]);
+        out.lines().filter(|l| !l.is_empty()).count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while synced(&site) < n {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} VolumeReplications synced",
+            synced(&site)
+        );
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    eprintln!(
+        "{n} VolumeReplications created and first synced in {:.0} s; CPU s: controller {:.1}, agents {:.1} + {:.1}",
+        created.elapsed().as_secs_f64(),
+        cpu_secs(site.controllers[0].child.id()),
+        cpu_secs(site.agents[0].child.id()),
+        cpu_secs(site.agents[1].child.id()),
+    );
+
+    // Steady state: count the controller's requests over two intervals, from the API
+    // server's own audit log.
+    let requests = |s: &Site| {
+        s.cluster
+            .audit(CONTROLLER_USER)
+            .iter()
+            .filter(|e| e["verb"] != "watch")
+            .count()
+    };
+    let before = requests(&site);
+    std::thread::sleep(2 * INTERVAL);
+    let made = requests(&site) - before;
+    let per_vr_per_interval = made as f64 / n as f64 / 2.0;
+    let pid = site.controllers[0].child.id();
+    let rss = peak_rss_mib(pid);
+    eprintln!(
+        "{n} VolumeReplications: {made} controller requests in two intervals of {} s: {per_vr_per_interval:.2} per VR per interval; controller peak RSS {rss:.0} MiB",
+        INTERVAL.as_secs()
+    );
+    let mut kinds = std::collections::BTreeMap::<String, usize>::new();
+    for e in site.cluster.audit(CONTROLLER_USER).iter().skip(before) {
+        let key = format!(
+            "{} {} {} {}",
+            e["verb"],
+            e["objectRef"]["resource"],
+            e["objectRef"]["subresource"],
+            e["responseStatus"]["code"]
+        );
+        *kinds.entry(key).or_default() += 1;
+    }
+    let log = controller_log(&site.controllers[0]);
+    let writes: Vec<_> = log.lines().filter(|l| l.contains("status write")).collect();
+    assert!(
+        per_vr_per_interval <= 2.0,
+        "{per_vr_per_interval:.2} requests per VR per interval: {kinds:#?}\nlast status writes:\n{}",
+        writes[writes.len().saturating_sub(30)..].join("\n")
+    );
+    assert!(
+        rss <= 100.0,
+        "controller peak RSS {rss:.0} MiB with {n} VolumeReplications"
+    );
 }

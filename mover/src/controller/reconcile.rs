@@ -315,6 +315,7 @@ async fn apply(
         .and_then(|c| desired::class_params(&c).ok())
         .map_or(desired::DEFAULT_INTERVAL, |p| p.interval);
     if !status::unchanged(vr.status.as_ref(), &st, rpo_step) {
+        tracing::debug!(vr = %key(obj), changed = ?status::changed_fields(vr.status.as_ref(), &st), "status write");
         write_status(api, &vr, &ctx.group, &st).await?;
         publish_transitions(ctx, obj, &vr, &st).await;
     }

@@ -336,14 +336,40 @@ pub fn unchanged(
         (None, Some(_)) | (Some(_), None) => return false,
         _ => {}
     }
-    let steady = |s: &VolumeReplicationStatus| VolumeReplicationStatus {
-        last_start_time: None,
-        last_completion_time: None,
-        rpo_seconds: None,
-        progress: None,
-        ..s.clone()
+    // Compared as written: times have whole seconds there (lastSyncTime is known to
+    // the millisecond here), and a write that changes nothing on the server is a
+    // request all the same.
+    let steady = |s: &VolumeReplicationStatus| {
+        serde_json::to_value(VolumeReplicationStatus {
+            last_start_time: None,
+            last_completion_time: None,
+            rpo_seconds: None,
+            progress: None,
+            ..s.clone()
+        })
+        .ok()
     };
     steady(old) == steady(new)
+}
+
+/// The top-level status fields that differ between `old` and `new` (for the debug log
+/// of each status write).
+pub fn changed_fields(
+    old: Option<&VolumeReplicationStatus>,
+    new: &VolumeReplicationStatus,
+) -> Vec<String> {
+    let old = serde_json::to_value(old.cloned().unwrap_or_default()).unwrap_or_default();
+    let new = serde_json::to_value(new).unwrap_or_default();
+    let (Some(o), Some(n)) = (old.as_object(), new.as_object()) else {
+        return Vec::new();
+    };
+    let mut keys: Vec<_> = o.keys().chain(n.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| o.get(*k) != n.get(*k))
+        .cloned()
+        .collect()
 }
 
 /// The smallest RPO change that is written by itself (see [`unchanged`]).
@@ -497,6 +523,12 @@ mod tests {
             !unchanged(Some(&old), &new, minute),
             "a new cycle is written"
         );
+        // The same cycle known to the millisecond here, read back in whole seconds.
+        let mut read_back = new.clone();
+        new.last_sync_time = Some(time_ms(5_250));
+        assert!(unchanged(Some(&read_back), &new, minute), "written as it was");
+        read_back.last_sync_time = Some(time_ms(4_000));
+        assert!(!unchanged(Some(&read_back), &new, minute));
     }
 
     #[test]
