@@ -252,6 +252,10 @@ fn mutual_tls_admits_only_clients_of_the_trusted_ca() {
         !plain.status.success(),
         "a client without TLS must be refused"
     );
+    // It is told why, and not retried (exit 2: refused).
+    let e = String::from_utf8_lossy(&plain.stderr);
+    assert!(e.contains("the agent requires TLS"), "{e}");
+    assert_eq!(plain.status.code(), Some(2), "{e}");
 }
 
 #[test]

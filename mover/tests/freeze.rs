@@ -5,7 +5,7 @@
 mod common;
 
 use common::{MIB, ScratchFs};
-use mover::node::freeze::freeze;
+use mover::node::freeze::{freeze, is_mount_point};
 use std::{
     fs::OpenOptions,
     io,
@@ -90,4 +90,18 @@ fn freeze_blocks_writes_until_dropped_or_the_deadline() {
         .thaw()
         .unwrap();
     std::fs::write(at("three"), b"y").unwrap();
+}
+
+#[test]
+fn a_freeze_target_is_a_mount_point_only_while_mounted() {
+    // A cycle skips (and says so) a freeze target that is no longer mounted: the
+    // workload stopped and unmounted it for a planned demote.
+    let fs = ScratchFs::new("xfs", 320 * MIB);
+    let mount = fs.path().to_path_buf();
+    assert!(is_mount_point(&mount));
+    let plain = tempfile::tempdir().unwrap();
+    assert!(!is_mount_point(plain.path()), "a plain directory");
+    assert!(!is_mount_point(&plain.path().join("gone")), "a missing one");
+    drop(fs);
+    assert!(!is_mount_point(&mount), "unmounted");
 }

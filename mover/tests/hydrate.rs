@@ -394,6 +394,14 @@ fn an_unreachable_source_gives_eio_for_missing_regions_only_then_the_fill_comple
     wait_until("degraded", 30, || {
         status(&p.dst, "dst")["phase"] == "Degraded"
     });
+    // The client's failed read is counted as a failure, not as a fetch.
+    let s = status(&p.dst, "dst");
+    let (fetched, failed) = (
+        s["foreground_fetches"].as_u64().unwrap(),
+        s["foreground_failures"].as_u64().unwrap(),
+    );
+    assert!(failed >= 1, "{s}");
+    assert_eq!(fetched, 0, "nothing was fetched for the client: {s}");
     // It comes back on the same port: the fill completes.
     let fresh = Agent::spawn(p.src.config.clone(), p.src.port, p.src.metrics_port);
     std::mem::forget(std::mem::replace(&mut p.src, fresh));
@@ -670,4 +678,42 @@ fn a_cancelled_hydration_stops_serving_and_a_new_start_resumes_it() {
         std::fs::read(&p.dst_img).unwrap() == want,
         "the resumed hydration is the source plus the write made before the cancel"
     );
+}
+
+#[test]
+fn nbd_lists_only_what_opens_and_shows_no_host_paths() {
+    let p = Pair::new();
+    let list = |dir: &Path| {
+        let out = tool("nbdinfo", &["--json", "--list", &uri(dir, "")]);
+        assert!(
+            out.status.success(),
+            "nbdinfo --list: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["exports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                let name = e["export-name"].as_str().unwrap().to_string();
+                (name, e["description"].as_str().unwrap_or("").to_string())
+            })
+            .collect::<Vec<_>>()
+    };
+    // The destination's image does not exist before its hydration: not listed, and the
+    // listing still succeeds.
+    assert_eq!(list(&p.b()), []);
+    let src = list(&p.dir.path().join("a"));
+    assert_eq!(src, [("src".to_string(), "block volume".to_string())]);
+    p.start(&["--bwlimit", "1M", "--concurrency", "1"]);
+    let dst = list(&p.b());
+    assert_eq!(dst.len(), 1, "{dst:?}");
+    assert!(dst[0].1.starts_with("hydrating from agent://"), "{dst:?}");
+    for (_, description) in src.iter().chain(&dst) {
+        assert!(
+            !description.contains(p.dir.path().to_str().unwrap()),
+            "{description}"
+        );
+    }
 }

@@ -531,7 +531,10 @@ spec:
             .env("KUBECONFIG", &kubeconfig)
             .env("HOSTNAME", identity)
             .env("POD_NAME", identity)
-            .env("RUST_LOG", "info,kube=warn,mover::controller::reconcile=debug")
+            .env(
+                "RUST_LOG",
+                "info,kube=warn,mover::controller::reconcile=debug",
+            )
             .stdout(file.try_clone().unwrap())
             .stderr(file)
             .spawn()
@@ -953,17 +956,27 @@ fn deletion_finishes_with_its_agent_down_and_the_leftover_is_removed_when_it_ret
 /// The CPU time process `pid` used so far (user + system), in seconds.
 fn cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let fields: Vec<&str> = stat.rsplit(')').next().unwrap().split_whitespace().collect();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
     let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
     ticks / 100.0
 }
 
 /// The peak resident size of process `pid` (VmHWM), in MiB.
 fn peak_rss_mib(pid: u32) -> f64 {
+    proc_status_mib(pid, "VmHWM:")
+}
+
+/// A size line of /proc/PID/status (e.g. `VmRSS:`), in MiB.
+fn proc_status_mib(pid: u32, field: &str) -> f64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let kib: f64 = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap();
     kib / 1024.0
@@ -1104,6 +1117,14 @@ spec:
     let per_vr_per_interval = made as f64 / n as f64 / 2.0;
     let pid = site.controllers[0].child.id();
     let rss = peak_rss_mib(pid);
+    let now = proc_status_mib(pid, "VmRSS:");
+    let (anon, file) = (
+        proc_status_mib(pid, "RssAnon:"),
+        proc_status_mib(pid, "RssFile:"),
+    );
+    eprintln!(
+        "controller RSS now {now:.0} MiB ({anon:.0} MiB anonymous, {file:.0} MiB of the binary and files), peak {rss:.0} MiB"
+    );
     eprintln!(
         "{n} VolumeReplications: {made} controller requests in two intervals of {} s: {per_vr_per_interval:.2} per VR per interval; controller peak RSS {rss:.0} MiB",
         INTERVAL.as_secs()
@@ -1130,4 +1151,74 @@ spec:
         rss <= 100.0,
         "controller peak RSS {rss:.0} MiB with {n} VolumeReplications"
     );
+}
+
+#[test]
+fn a_forced_failover_with_the_primary_cluster_gone_then_its_return_and_resync() {
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let Some((mut a, b)) = replicating_pair(t.path()) else {
+        return;
+    };
+    let replicated = blake3_of(&b.image, VOLUME_LEN);
+    // Cluster A is gone: its API server, its controller and its agents.
+    for c in &mut a.controllers {
+        let _ = c.child.kill();
+        let _ = c.child.wait();
+    }
+    a.controllers.clear();
+    a.cluster.stop_apiserver();
+    for agent in &mut a.agents {
+        agent.kill();
+    }
+    // RamenDR promotes B alone: no final cycle can come, so the promotion is forced.
+    b.set_state("primary");
+    b.wait("B promoted without its peer", |s| completed(s, "Promoted"));
+    assert_eq!(b.vr()["status"]["epoch"], 2);
+    assert_eq!(
+        blake3_of(&b.image, VOLUME_LEN),
+        replicated,
+        "B holds the last cycle"
+    );
+    scribble_pages(&b.image, 21, 40, 0..VOLUME_LEN);
+    // While A is away, B's cycles fail: B's VR says so once its RPO is late.
+    b.wait("B's VR not replicating while its peer is gone", |s| {
+        s.condition("Replicating").0 == "False"
+    });
+
+    // A returns as it was, still primary in its own eyes, with writes of its own.
+    scribble_pages(&a.image, 22, 10, 0..VOLUME_LEN);
+    a.cluster.start_apiserver();
+    let port = a.port;
+    for agent in &mut a.agents {
+        agent.restart(port);
+    }
+    a.start_controller("a-controller-2");
+    // Its cycle is refused by B (a newer epoch): fenced, and reported as degraded.
+    a.wait("A's VR degraded and not replicating: fenced by B", |s| {
+        s.condition("Degraded").0 == "True"
+            && s.condition("Replicating").0 == "False"
+            && s.vr()["status"]["conditions"]
+                .to_string()
+                .contains("Fenced")
+    });
+    // RamenDR makes A the secondary with autoResync: its own writes are discarded, and
+    // B's volume comes back to it.
+    a.cluster.apply(&format!(
+        "{}  autoResync: true\n",
+        vr_yaml("data", "secondary", "dr", Some("data"))
+    ));
+    let want = blake3_of(&b.image, VOLUME_LEN);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while blake3_of(&a.image, VOLUME_LEN) != want {
+        assert!(Instant::now() < deadline, "A was never resynced from B");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    a.wait("A healthy as B's secondary", |s| {
+        s.vr()["status"]["state"] == "Secondary"
+            && s.condition("Degraded") == ("False".into(), "Healthy".into())
+    });
+    b.wait("B replicating again", |s| {
+        s.condition("Replicating").0 == "True"
+    });
 }

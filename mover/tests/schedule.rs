@@ -116,15 +116,23 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
     let at = control(&agent);
 
     // Bad input is refused with what to fix; nothing is created.
-    for (args, want) in [
-        (vec!["--volume", "nope", "--schedule", "1h"], "not exported"),
+    // Refused input exits 2, as `--help` says: a bad schedule before anything is sent,
+    // a volume the agent does not export with the agent's reason.
+    for (args, want, code) in [
+        (
+            vec!["--volume", "nope", "--schedule", "1h"],
+            "not exported",
+            2,
+        ),
         (
             vec!["--volume", "pg", "--schedule", "10s"],
             "shorter than 60s",
+            2,
         ),
         (
             vec!["--volume", "pg", "--schedule", "weekly"],
             "hourly:MM or daily:HH:MM",
+            2,
         ),
     ] {
         let mut all = vec![
@@ -132,8 +140,8 @@ fn an_agent_snapshots_on_schedule_keeps_what_retention_says_and_survives_a_resta
         ];
         all.extend(args);
         let out = mover(&s3, &pw, &all);
-        assert!(!out.status.success());
         let e = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{e}");
         assert!(e.contains(want), "{want}: {e}");
     }
 

@@ -29,16 +29,20 @@ impl NbdExports for NbdExportsOf {
             .into_iter()
             .filter_map(|n| Some((self.exports.get(&n).ok()?, n)))
             .filter(|(e, _)| !e.path.is_dir())
-            .map(|(e, n)| {
+            // Only what NBD_OPT_GO would open: a listed export that then refuses to open
+            // fails the client's whole listing (`nbdinfo --list` exits 1).
+            .filter(|(e, n)| match self.hydrations.get(n) {
+                Some(h) => h.progress().phase != Phase::Cancelled,
+                None => e.path.exists(),
+            })
+            .map(|(_, n)| {
                 let n = &n;
+                // No host paths: they are the node's business, not the client's.
                 let what = match self.hydrations.get(n).map(|h| (h.progress(), h.source())) {
-                    Some((p, src)) if p.phase != Phase::Complete => format!(
-                        "{} hydrating from {src}: {}/{} regions",
-                        e.path.display(),
-                        p.present,
-                        p.regions
-                    ),
-                    _ => e.path.display().to_string(),
+                    Some((p, src)) if p.phase != Phase::Complete => {
+                        format!("hydrating from {src}: {}/{} regions", p.present, p.regions)
+                    }
+                    _ => "block volume".to_string(),
                 };
                 (n.clone(), what)
             })
@@ -91,6 +95,7 @@ impl HydrationControl {
             present: p.present,
             bytes_fetched: p.bytes_fetched,
             foreground_fetches: p.foreground_fetches,
+            foreground_failures: p.foreground_failures,
             regions_written: p.regions_written,
             elapsed_secs: p.elapsed_secs,
             last_error: p.last_error.unwrap_or_default(),

@@ -39,8 +39,9 @@ Examples:
         /// snapshot's chunk size is used for snapshots).
         #[arg(long, value_name = "SIZE", default_value = "1M")]
         region_size: chunker::ChunkSize,
-        /// Bandwidth limit of the background filler, e.g. 100M (bytes/s); a client's
-        /// reads are never held back.
+        /// Bandwidth limit of the background filler, in bytes per second with binary
+        /// units: 100M is 100 MiB/s (K, M, G: KiB, MiB, GiB); a client's reads are never
+        /// held back.
         #[arg(long, value_name = "RATE", value_parser = parse_rate)]
         bwlimit: Option<u64>,
         /// Filler requests in flight.
@@ -291,6 +292,7 @@ fn print_status(s: &proto::Status, json: bool) {
             "present": s.present,
             "bytes_fetched": s.bytes_fetched,
             "foreground_fetches": s.foreground_fetches,
+            "foreground_failures": s.foreground_failures,
             "regions_written": s.regions_written,
             "elapsed_secs": s.elapsed_secs,
             "last_error": s.last_error,
@@ -300,7 +302,7 @@ fn print_status(s: &proto::Status, json: bool) {
         return;
     }
     println!(
-        "{}: {} from {}\n  {}/{} regions of {} ({:.1}%), {} fetched ({} regions for clients, {} written whole by clients), {:.1} s",
+        "{}: {} from {}\n  {}/{} regions of {} ({:.1}%), {} fetched ({} regions for clients{}, {} written whole by clients), {:.1} s",
         s.export,
         s.phase,
         s.source,
@@ -310,6 +312,10 @@ fn print_status(s: &proto::Status, json: bool) {
         100.0 * s.present as f64 / s.regions.max(1) as f64,
         human(s.bytes_fetched),
         s.foreground_fetches,
+        match s.foreground_failures {
+            0 => String::new(),
+            n => format!(", {n} failed"),
+        },
         s.regions_written,
         s.elapsed_secs
     );

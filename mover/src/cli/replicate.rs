@@ -80,7 +80,9 @@ pub enum ReplicateCommand {
         /// Time between the starts of two cycles (e.g. 30s, 5m); the RPO is about twice this.
         #[arg(long, default_value = "30s", value_parser = mover::node::parse_duration)]
         interval: Duration,
-        /// Bandwidth limit on the wire, e.g. 100M (bytes per second) [default: none].
+        /// Bandwidth limit on the wire, in bytes per second with binary units: 100M is
+        /// 100 MiB/s (K, M, G: KiB, MiB, GiB). The average over a cycle stays under it
+        /// [default: none].
         #[arg(long, value_name = "RATE", value_parser = parse_rate)]
         bwlimit: Option<u64>,
         /// Chunk size (a power of two from 64K to 8M) [default: 128K, larger from 4 GiB
@@ -116,7 +118,8 @@ pub enum ReplicateCommand {
         /// Time between the starts of two cycles.
         #[arg(long, value_parser = mover::node::parse_duration)]
         interval: Option<Duration>,
-        /// Bandwidth limit on the wire (0: none).
+        /// Bandwidth limit on the wire, in bytes per second with binary units: 100M is
+        /// 100 MiB/s (0: none).
         #[arg(long, value_name = "RATE", value_parser = parse_rate)]
         bwlimit: Option<u64>,
         /// Stop running cycles until --resume.
@@ -549,8 +552,12 @@ fn print_status(s: &control::Status, json: bool) {
             human(s.progress_total)
         );
     }
+    let limit = match spec.bwlimit {
+        0 => "no bandwidth limit".to_string(),
+        b => format!("bandwidth limit {}/s", human(b)),
+    };
     println!(
-        "  cycles: {} ok, {} failed, {} intervals missed; every {:.1}s",
+        "  cycles: {} ok, {} failed, {} intervals missed; every {:.1}s; {limit}",
         s.cycles_ok,
         s.cycles_failed,
         s.missed_intervals,

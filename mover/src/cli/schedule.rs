@@ -33,8 +33,9 @@ pub enum ScheduleCommand {
         /// The repository as the agent's node sees it: a directory, or s3://BUCKET[/PREFIX].
         #[arg(long, value_name = "REPO")]
         repo: String,
-        /// When: an interval ("30m", "6h"), "hourly:MM" or "daily:HH:MM" (UTC).
-        #[arg(long, value_name = "WHEN")]
+        /// When: an interval ("30m", "6h"; at least 1m), "hourly:MM" or "daily:HH:MM"
+        /// (UTC). Refused input exits 2, as any bad argument.
+        #[arg(long, value_name = "WHEN", value_parser = checked_schedule)]
         schedule: String,
         #[command(flatten)]
         keep: super::snapshot::KeepArgs,
@@ -108,8 +109,6 @@ pub async fn run(cmd: ScheduleCommand) -> anyhow::Result<()> {
             s3_region,
             agent: _,
         } => {
-            mover::schedule::When::parse(&schedule)
-                .map_err(|e| anyhow::anyhow!("--schedule {e}"))?;
             let (password, raw_key) = secret(password_file, key_file)?;
             let env = |k: &str| std::env::var(k).unwrap_or_default();
             let spec = proto::Spec {
@@ -262,4 +261,10 @@ fn json(s: &proto::Status) -> serde_json::Value {
         "last_error": s.last_error,
         "consistency": s.consistency,
     })
+}
+
+/// `--schedule`, checked as the agent will parse it: a bad one is a usage error (exit 2)
+/// before anything is sent.
+fn checked_schedule(s: &str) -> Result<String, String> {
+    mover::schedule::When::parse(s).map(|_| s.to_string())
 }

@@ -200,7 +200,10 @@ impl GrpcAgents {
                 op,
                 name: name.into(),
                 code: s.code(),
-                message: s.message().into(),
+                message: match crate::remote::tls_hint(s.message()) {
+                    Some(hint) => format!("{hint} ({})", s.message()),
+                    None => s.message().into(),
+                },
             })
             .inspect_err(|e| {
                 if e.code == tonic::Code::Unavailable {

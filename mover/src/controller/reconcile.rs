@@ -451,6 +451,14 @@ pub async fn decide(
                     c.promoted();
                     let (h, detail) = status::health(&s);
                     c.replicating(h, &detail);
+                    if is_split(&s) {
+                        c.split(&format!(
+                            "relationship {}: another cluster's side was promoted past this \
+                             one; set replicationState secondary (with autoResync) to follow it, \
+                             discarding the writes made here since",
+                            s.state
+                        ));
+                    }
                     status::apply_report(&mut st, &s);
                     st.state = Some(State::Primary);
                     st.message = Some(status::marked(state));
@@ -472,7 +480,9 @@ pub async fn decide(
                 Err(e) => Err(e),
                 // No cycle has arrived yet: a secondary waiting for its first cycle.
                 Ok(None) => Ok(None),
-                Ok(Some(s)) if s.role == "primary" => {
+                // A primary fenced or split by the peer's promotion has no final cycle to
+                // hand over: it is a split secondary (resynced with autoResync).
+                Ok(Some(s)) if s.role == "primary" && !is_split(&s) => {
                     agents.demote(&d.agent, &d.name).await.map(|_| None)
                 }
                 Ok(Some(s)) => update_if_changed(agents, &d, s).await.map(Some),
@@ -557,7 +567,7 @@ async fn secondary(
     let mut c = Conditions::new(&mut st.conditions, generation, kind, now.clone());
     st.epoch = Some(s.epoch as i64);
     st.state = Some(State::Secondary);
-    let split = matches!(s.state.as_str(), "Fenced" | "SplitBrain");
+    let split = is_split(&s);
     if split && !d.auto_resync {
         c.demoted();
         st.message = Some(format!(
@@ -599,7 +609,7 @@ pub fn resync_discards(s: &control::Status) -> Result<bool, String> {
     let name = s.spec.as_ref().map(|s| s.name.as_str()).unwrap_or_default();
     match (s.role.as_str(), s.state.as_str()) {
         ("secondary", _) => Ok(true),
-        (_, "Fenced" | "SplitBrain") => Ok(true),
+        _ if is_split(s) => Ok(true),
         _ => Err(format!(
             "relationship {name} is the active primary here: replicationState resync would \
              throw its data away for the peer's, so it is refused (as csi-addons refuses it). \
@@ -607,6 +617,11 @@ pub fn resync_discards(s: &control::Status) -> Result<bool, String> {
              a split, set secondary (with autoResync) once the peer is primary"
         )),
     }
+}
+
+/// The peer was promoted past this side (fenced) or both wrote (split brain).
+fn is_split(s: &control::Status) -> bool {
+    matches!(s.state.as_str(), "Fenced" | "SplitBrain")
 }
 
 /// A secondary holding a complete cycle and following the primary.

@@ -143,6 +143,13 @@ impl<'a> Conditions<'a> {
         self.not_resyncing();
     }
 
+    /// A primary the peer's promotion fenced, or split from: it no longer replicates, and
+    /// its writes since are not on the peer. Degraded, saying what to do.
+    pub fn split(&mut self, detail: &str) {
+        let m = format!("{} {}: {detail}", self.source, messages::DEGRADED);
+        self.set(types::DEGRADED, "True", reasons::VOLUME_DEGRADED, m);
+    }
+
     /// setFailedPromotionCondition.
     pub fn failed_promotion(&mut self, completed: &str, detail: &str) {
         self.set(
@@ -526,7 +533,10 @@ mod tests {
         // The same cycle known to the millisecond here, read back in whole seconds.
         let mut read_back = new.clone();
         new.last_sync_time = Some(time_ms(5_250));
-        assert!(unchanged(Some(&read_back), &new, minute), "written as it was");
+        assert!(
+            unchanged(Some(&read_back), &new, minute),
+            "written as it was"
+        );
         read_back.last_sync_time = Some(time_ms(4_000));
         assert!(!unchanged(Some(&read_back), &new, minute));
     }

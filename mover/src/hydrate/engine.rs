@@ -86,6 +86,8 @@ pub struct Progress {
     pub bytes_fetched: u64,
     /// Regions fetched because a client needed them.
     pub foreground_fetches: u64,
+    /// Regions a client needed whose fetch failed (each attempt; the client got EIO).
+    pub foreground_failures: u64,
     /// Regions a client's write covered whole (never fetched).
     pub regions_written: u64,
     /// Seconds since this run of the hydration started.
@@ -119,6 +121,7 @@ pub struct Hydration {
     last_client_io: AtomicU64,
     bytes_fetched: AtomicU64,
     foreground_fetches: AtomicU64,
+    foreground_failures: AtomicU64,
     regions_written: AtomicU64,
     health: Mutex<(Phase, Option<String>)>,
     stop: watch::Sender<bool>,
@@ -203,6 +206,7 @@ impl Hydration {
             last_client_io: AtomicU64::new(0),
             bytes_fetched: AtomicU64::new(0),
             foreground_fetches: AtomicU64::new(0),
+            foreground_failures: AtomicU64::new(0),
             regions_written: AtomicU64::new(0),
             health: Mutex::new((phase, None)),
             stop: watch::channel(false).0,
@@ -260,6 +264,7 @@ impl Hydration {
             size: self.size,
             bytes_fetched: self.bytes_fetched.load(Relaxed),
             foreground_fetches: self.foreground_fetches.load(Relaxed),
+            foreground_failures: self.foreground_failures.load(Relaxed),
             regions_written: self.regions_written.load(Relaxed),
             elapsed_secs: self.started.elapsed().as_secs_f64(),
             last_error,
@@ -343,12 +348,15 @@ impl Hydration {
                 return Ok(());
             }
             if !mine.regions.is_empty() {
-                self.foreground_fetches
-                    .fetch_add(mine.regions.len() as u64, Relaxed);
+                // Counted once fetched: a source that is down fails every attempt, and
+                // those are failures, not fetches.
+                let n = mine.regions.len() as u64;
                 self.fill(&mine.regions, true).await.map_err(|e| {
+                    self.foreground_failures.fetch_add(n, Relaxed);
                     self.set_phase(Phase::Degraded, Some(e.to_string()));
                     io::Error::from_raw_os_error(libc::EIO)
                 })?;
+                self.foreground_fetches.fetch_add(n, Relaxed);
                 mine.present = true;
             }
             drop(mine);

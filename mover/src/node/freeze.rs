@@ -12,6 +12,18 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// Whether `path` is where a file system is mounted (its device differs from its
+/// parent's). False once the file system is unmounted, or the directory is gone.
+pub fn is_mount_point(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev());
+    match (dev(path), path.parent().map(dev)) {
+        (Ok(m), Some(Ok(parent))) => m != parent,
+        (Ok(_), None) => true, // "/"
+        _ => false,
+    }
+}
+
 /// Checks that `mount` is the mount point of a file system other than the one holding
 /// `source`: freezing a plain directory would freeze whatever file system it is on (the
 /// root, say), and freezing the file system that holds the image would block its clone.

@@ -32,7 +32,9 @@ pub struct RemoteOptions {
     /// Parallel data streams, each over a connection of its own.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub streams: u32,
-    /// Bandwidth limit in bytes per second on the wire, e.g. 100M [default: none].
+    /// Bandwidth limit on the wire, in bytes per second with binary units: 100M is
+    /// 100 MiB/s (K, M, G: KiB, MiB, GiB). The average over the copy stays under it
+    /// [default: none].
     #[arg(long, value_name = "RATE", value_parser = parse_rate)]
     pub bwlimit: Option<u64>,
     /// Attempts on a dropped connection or an unavailable agent, with backoff; each

@@ -26,7 +26,7 @@ pub use groups::KnownChunks;
 pub(crate) use groups::{Group, RemoteGroups, read_groups, tree};
 pub use pull::pull;
 pub use push::{CyclePush, push, push_cycle};
-pub use status::status_error;
 pub(crate) use status::{Backoff, timed, with_retries};
+pub use status::{status_error, tls_hint};
 pub use tree::{is_tree, pull_tree, push_tree, push_tree_cycle};
 pub use url::AgentUrl;

@@ -46,11 +46,28 @@ pub fn status_error(url: &AgentUrl, s: tonic::Status) -> CopyError {
     if let Some(src) = std::error::Error::source(&s) {
         message += &format!(" ({})", error_chain(src));
     }
+    if let Some(hint) = tls_hint(&message) {
+        // Not retried: every attempt would meet the same TLS server.
+        return CopyError::Remote {
+            url: url.to_string(),
+            code: RemoteCode::Refused,
+            message: format!("{hint} ({message})"),
+        };
+    }
     CopyError::Remote {
         url: url.to_string(),
         code,
         message,
     }
+}
+
+/// What a plaintext client's error means when the agent speaks TLS: the server's TLS
+/// record, read as an HTTP/2 frame, has an impossible size.
+pub fn tls_hint(message: &str) -> Option<&'static str> {
+    message.contains("frame with invalid size").then_some(
+        "the agent requires TLS (it answered in TLS, not plaintext HTTP/2): pass --tls-ca, \
+         --tls-cert and --tls-key (or MOVER_TLS_CA, MOVER_TLS_CERT, MOVER_TLS_KEY)",
+    )
 }
 
 /// The retry policy of every transfer: up to `retries` attempts while the error is

@@ -77,6 +77,19 @@ fn take_point_in_time(
             .map(|m| freeze::freeze(m, max).map_err(|e| freeze_err(m, e)))
             .transpose()
     };
+    // Unmounted since it was set (a workload stopped for a planned demote): nothing
+    // writes through it, so there is nothing to freeze. Skipped, and said.
+    let freeze = match freeze {
+        Some(m) if !freeze::is_mount_point(m) => {
+            tracing::warn!(
+                relationship = name,
+                mount = %m.display(),
+                "the freeze target is not mounted now: nothing writes through it, freeze skipped"
+            );
+            None
+        }
+        f => f,
+    };
     if let Some(m) = freeze {
         check_freeze(m, source).map_err(|why| CopyError::BadSource {
             path: m.into(),

@@ -61,6 +61,10 @@ pub fn default_chunk(size: u64) -> chunker::ChunkSize {
     chunker::ChunkSize::new(wanted).expect("a power of two from 128K to 8M")
 }
 
+/// A primary whose last cycle is older than this many intervals is `Degraded`, whatever
+/// the cycle in flight says about itself (a silent network cut stalls it quietly).
+pub const LATE_INTERVALS: u64 = 3;
+
 /// The state status reports, from the record and what this process saw.
 pub fn state_of(r: &Record, live: &runner::Live) -> &'static str {
     match (r.role, r.halt) {
@@ -68,10 +72,24 @@ pub fn state_of(r: &Record, live: &runner::Live) -> &'static str {
         (_, Some(Halt::Fenced)) => "Fenced",
         (Role::Secondary, None) => "Secondary",
         (Role::Primary, None) if r.paused => "Paused",
-        (Role::Primary, None) if live.degraded => "Degraded",
+        (Role::Primary, None) if live.degraded || late(r).is_some() => "Degraded",
         (Role::Primary, None) if r.last_cycle.is_none() => "Resyncing",
         (Role::Primary, None) => "Replicating",
     }
+}
+
+/// Why a primary is late: its RPO (seconds) is past [`LATE_INTERVALS`] intervals.
+pub fn late(r: &Record) -> Option<String> {
+    let last = r.last_cycle.as_ref()?;
+    let rpo_ms = now_ms() - last.point_in_time_ms;
+    let bound_ms = (LATE_INTERVALS * r.spec.interval_ms) as i64;
+    (r.role == Role::Primary && r.halt.is_none() && !r.paused && rpo_ms > bound_ms).then(|| {
+        format!(
+            "RPO {}s is past {LATE_INTERVALS} intervals ({}s): no cycle has completed since",
+            rpo_ms / 1000,
+            bound_ms / 1000
+        )
+    })
 }
 
 /// A cycle record as the control API reports it.
@@ -121,7 +139,11 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
         last_cycle: last.map(cycle_report),
         rpo_seconds: last.map_or(-1.0, |c| (now - c.point_in_time_ms) as f64 / 1000.0),
         consistency: last.map(|c| c.consistency.clone()).unwrap_or_default(),
-        last_error: live.last_error.clone(),
+        // The cycle's own error, else why it is late.
+        last_error: match (live.last_error.is_empty(), late(r)) {
+            (true, Some(why)) => why,
+            _ => live.last_error.clone(),
+        },
         missed_intervals: live.missed_intervals,
         cycles_ok: live.cycles_ok,
         cycles_failed: live.cycles_failed,
@@ -143,5 +165,56 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
             })
             .collect(),
         paused: r.paused,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn primary(interval_ms: u64, last_cycle_age_ms: Option<i64>) -> Record {
+        Record {
+            version: store::RECORD_VERSION,
+            spec: Spec {
+                name: "app/pg".into(),
+                volume: "pg".into(),
+                peer: "agent://dr:7070/pg".into(),
+                interval_ms,
+                bwlimit: 0,
+                chunk_size: 128 << 10,
+                freeze: None,
+                peer_token: None,
+            },
+            role: Role::Primary,
+            epoch: 1,
+            paused: false,
+            halt: None,
+            last_cycle: last_cycle_age_ms.map(|age| CycleRecord {
+                id: 4,
+                point_in_time_ms: now_ms() - age,
+                ..Default::default()
+            }),
+            this_side: "agent://here:7070/pg".into(),
+            history: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_primary_whose_rpo_passes_three_intervals_is_degraded_with_the_reason() {
+        let live = runner::Live::default();
+        let on_time = primary(10_000, Some(25_000));
+        assert_eq!(state_of(&on_time, &live), "Replicating");
+        assert!(late(&on_time).is_none());
+        let stalled = primary(10_000, Some(31_000));
+        assert_eq!(state_of(&stalled, &live), "Degraded");
+        let why = late(&stalled).unwrap();
+        assert!(why.contains("RPO 31s is past 3 intervals (30s)"), "{why}");
+        assert_eq!(status(&stalled, &live, None).last_error, why);
+        // Paused or fenced: late by intent, said otherwise.
+        let mut paused = primary(10_000, Some(60_000));
+        paused.paused = true;
+        assert_eq!(state_of(&paused, &live), "Paused");
+        // No cycle yet: the first one is running, not late.
+        assert_eq!(state_of(&primary(10_000, None), &live), "Resyncing");
     }
 }

@@ -48,6 +48,31 @@ pub struct Live {
     pub progress: Arc<CycleProgress>,
 }
 
+/// A cycle whose progress has not moved for this long is cancelled and retried: a
+/// silent network cut (dropped packets, no reset) can outlast the transport's keepalive
+/// while a stream waits on flow control.
+pub const STALL: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Resolves once `progress` has not moved for `stall` (never while it moves); returns
+/// how long it stood still.
+async fn stalled(progress: &CycleProgress, stall: std::time::Duration) -> std::time::Duration {
+    let tick = stall / 12;
+    let mut seen = (progress.done.load(Relaxed), progress.total.load(Relaxed));
+    let mut still = std::time::Duration::ZERO;
+    loop {
+        tokio::time::sleep(tick).await;
+        let now = (progress.done.load(Relaxed), progress.total.load(Relaxed));
+        if now == seen {
+            still += tick;
+            if still >= stall {
+                return still;
+            }
+        } else {
+            (seen, still) = (now, std::time::Duration::ZERO);
+        }
+    }
+}
+
 /// Progress of the cycle running now.
 #[derive(Default)]
 pub struct CycleProgress {
@@ -263,7 +288,19 @@ impl Runners {
         let live = self.live(name);
         let progress = live.lock().expect("live lock").progress.clone();
         let remote = super::remote_for(&self.remote, rec.spec.own_token());
-        let result = cycle::run(&rec, &export.path, &remote, last, progress.as_ref()).await;
+        let run = cycle::run(&rec, &export.path, &remote, last, progress.as_ref());
+        let result = tokio::select! {
+            r = run => r,
+            stalled = stalled(&progress, STALL) => Err(crate::CopyError::Remote {
+                url: rec.spec.peer.clone(),
+                code: crate::RemoteCode::Unavailable,
+                message: format!(
+                    "the cycle made no progress for {}s (the peer is unreachable, or the \
+                     network cut without a reset); cancelled, it is retried",
+                    stalled.as_secs()
+                ),
+            }),
+        };
         progress.total.store(0, Relaxed);
         let mut l = live.lock().expect("live lock");
         match result {
@@ -426,4 +463,33 @@ pub fn role_str(r: Role) -> &'static str {
 /// Whether `e` is the peer refusing this side's epoch as stale (another side promoted).
 fn is_stale_epoch(e: &CopyError) -> bool {
     matches!(e, CopyError::Remote { code: crate::error::RemoteCode::Refused, message, .. } if message.starts_with("stale epoch"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[tokio::test]
+    async fn a_cycle_is_called_stalled_only_once_its_progress_stands_still() {
+        let progress = Arc::new(CycleProgress::default());
+        let stall = Duration::from_millis(240);
+        // Moving for 0.6 s: not stalled; then still: stalled one `stall` later.
+        let p = progress.clone();
+        let mover = tokio::spawn(async move {
+            for i in 1..=30 {
+                p.done.store(i, Relaxed);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        let started = Instant::now();
+        let still = stalled(&progress, stall).await;
+        let waited = started.elapsed();
+        mover.await.unwrap();
+        assert!(still >= stall);
+        assert!(
+            waited >= Duration::from_millis(600) + stall - Duration::from_millis(40),
+            "called stalled while it moved: after {waited:?}"
+        );
+    }
 }
