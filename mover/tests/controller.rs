@@ -415,6 +415,7 @@ async fn run_once(
         metrics: Default::default(),
         recorder: None,
         leftovers: None,
+        secrets: None,
     });
     let obj = dynamic(vr, group);
     let server = api_server(handle, n, serde_json::to_value(&obj).unwrap());
@@ -927,6 +928,7 @@ async fn reconcile_in(
         metrics: Default::default(),
         recorder: None,
         leftovers: None,
+        secrets: None,
     });
     let obj = dynamic(v, MOVER_GROUP);
     let sent = Arc::new(Mutex::new(Vec::new()));
@@ -1209,6 +1211,7 @@ async fn a_thousand_volume_replications_cost_one_request_each_per_new_cycle_and_
         metrics: Default::default(),
         recorder: None,
         leftovers: None,
+        secrets: None,
     });
     let sent = Arc::new(Mutex::new(Vec::new()));
     recording_api_server(handle, json!({}), sent.clone());
@@ -1285,6 +1288,7 @@ async fn transitions_are_recorded_as_events_and_a_failure_as_a_warning() {
         metrics: Default::default(),
         recorder: Some(recorder),
         leftovers: None,
+        secrets: None,
     });
     let sent = Arc::new(Mutex::new(Vec::new()));
     let obj = dynamic(&vr(ReplicationState::Secondary, 2, true), MOVER_GROUP);

@@ -8,6 +8,7 @@
 //! - [`agents`]: the agents' relationship control API behind a small trait.
 //! - [`metrics`]: reconciles, failures, relationships by state, RPO (Prometheus).
 //! - [`reconcile`]: finalizer, agent calls, status by server-side apply.
+//! - [`secrets`]: the secrets classes name, each watched, read from the cache.
 //! - [`leftovers`]: what a deletion left on an agent that was down, removed when it
 //!   answers again.
 //! - [`run()`]: watch caches and the controller loop (`mover controller run`).
@@ -22,6 +23,7 @@ pub mod leftovers;
 pub mod metrics;
 pub mod reconcile;
 mod run;
+pub mod secrets;
 pub mod snapshots;
 pub mod status;
 

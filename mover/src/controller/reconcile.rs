@@ -12,6 +12,7 @@ use super::crd::{
 };
 use super::desired::{self, Desired, Inputs};
 use super::leftovers::{Leftover, Leftovers};
+use super::secrets::SecretWatches;
 use super::status::{self, Conditions, Health};
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod, Secret};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
@@ -140,6 +141,8 @@ pub struct Context {
     /// How long a deletion waits for an unreachable agent before it finishes anyway,
     /// leaving the relationship in `leftovers` (None: it waits for the agent).
     pub leftovers: Option<(Duration, Arc<Leftovers>)>,
+    /// Watches of the secrets classes name (None: each read is a GET).
+    pub secrets: Option<Arc<SecretWatches>>,
 }
 
 impl Context {
@@ -684,11 +687,15 @@ pub(super) async fn secret_data(
     name: &str,
     wanted: &str,
 ) -> Result<(std::collections::BTreeMap<String, Vec<u8>>, String), String> {
-    let secret = Api::<Secret>::namespaced(ctx.client.clone(), ns)
-        .get_opt(name)
-        .await
-        .map_err(|e| format!("cannot read secret {ns}/{name}: {e}"))?
-        .ok_or_else(|| format!("secret {ns}/{name} not found: create it with {wanted}"))?;
+    // From its watch (no request at rest); without one (tests), asked for.
+    let secret = match &ctx.secrets {
+        Some(watches) => watches.get(ns, name).await?,
+        None => Api::<Secret>::namespaced(ctx.client.clone(), ns)
+            .get_opt(name)
+            .await
+            .map_err(|e| format!("cannot read secret {ns}/{name}: {e}"))?,
+    }
+    .ok_or_else(|| format!("secret {ns}/{name} not found: create it with {wanted}"))?;
     let version = format!(
         "{}/{}",
         secret.metadata.uid.as_deref().unwrap_or_default(),

@@ -4,6 +4,7 @@ use super::agents::GrpcAgents;
 use super::crd;
 use super::leftovers::Leftovers;
 use super::reconcile::{self, Caches, Context};
+use super::secrets::SecretWatches;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -231,6 +232,7 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         },
         agent_port: options.agent_port,
         metrics,
+        secrets: Some(Arc::new(SecretWatches::new(client.clone()))),
         leftovers: Some((
             options.deletion_grace,
             Arc::new(Leftovers::new(client.clone(), &options.lease_namespace)),
@@ -283,7 +285,17 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             }
         });
     }
-    let controller = Controller::new_with(vrs, watcher::Config::default(), vr)
+    // The VolumeReplications' own cache, slimmed as the others: their managedFields
+    // (the status the controller applies, field by field) were half its memory.
+    let writer = reflector::store::Writer::new(vr.clone());
+    let vr_cache = writer.as_reader();
+    let vr_events = reflector::reflector(
+        writer,
+        watcher(vrs, watcher::Config::default()).modify(slim),
+    )
+    .default_backoff()
+    .applied_objects();
+    let controller = Controller::for_stream_with(vr_events, vr_cache, vr)
         // A bounded number of reconciles at once: on a start with 1,000 resources, all
         // of them at once held 1,000 agent calls' buffers (a 150 MiB peak).
         .with_config(kube::runtime::controller::Config::default().concurrency(RECONCILES_AT_ONCE))

@@ -173,30 +173,14 @@ mod tests {
     use super::*;
 
     fn primary(interval_ms: u64, last_cycle_age_ms: Option<i64>) -> Record {
-        Record {
-            version: store::RECORD_VERSION,
-            spec: Spec {
-                name: "app/pg".into(),
-                volume: "pg".into(),
-                peer: "agent://dr:7070/pg".into(),
-                interval_ms,
-                bwlimit: 0,
-                chunk_size: 128 << 10,
-                freeze: None,
-                peer_token: None,
-            },
-            role: Role::Primary,
-            epoch: 1,
-            paused: false,
-            halt: None,
-            last_cycle: last_cycle_age_ms.map(|age| CycleRecord {
-                id: 4,
-                point_in_time_ms: now_ms() - age,
-                ..Default::default()
-            }),
-            this_side: "agent://here:7070/pg".into(),
-            history: Vec::new(),
-        }
+        let mut r = store::tests::record("app/pg");
+        r.spec.interval_ms = interval_ms;
+        r.last_cycle = last_cycle_age_ms.map(|age| CycleRecord {
+            id: 4,
+            point_in_time_ms: now_ms() - age,
+            ..Default::default()
+        });
+        r
     }
 
     #[test]

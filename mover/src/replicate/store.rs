@@ -283,10 +283,12 @@ impl Store {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn record(name: &str) -> Record {
+    /// A primary's record of `name`, every cycle still to come (shared with the other
+    /// tests of `replicate`).
+    pub(crate) fn record(name: &str) -> Record {
         Record {
             version: RECORD_VERSION,
             spec: Spec {
