@@ -626,7 +626,13 @@ fn nbdcopy_into_a_hydrating_export_needs_no_fetch_of_what_it_overwrites() {
         s["bytes_fetched"].as_u64().unwrap() < 8 * MIB,
         "the regions nbdcopy wrote whole were not fetched: {s}"
     );
-    assert!(s["regions_written"].as_u64().unwrap() > 900, "{s}");
+    // Every region is accounted for: written whole by nbdcopy, fetched by the filler
+    // before nbdcopy got there, one of the source's 256 hole regions the filler may mark
+    // present first (no fetch: how many depends on how soon nbdcopy starts, on a loaded
+    // machine late), or one of the 64 of local.img's hole (zeroed, not written).
+    let written = s["regions_written"].as_u64().unwrap();
+    let fetched = s["bytes_fetched"].as_u64().unwrap() / (64 << 10);
+    assert!(written + fetched >= 1024 - 256 - 64, "{s}");
 }
 
 #[test]
