@@ -385,7 +385,7 @@ pub fn placement(
 /// Whether a node selector term selects `node`: every expression on its labels and
 /// every field (`metadata.name`) holds.
 fn term_selects(term: &NodeSelectorTerm, node: &Node) -> bool {
-    let labels = node.metadata.labels.clone().unwrap_or_default();
+    let labels = node.metadata.labels.as_ref();
     let name = kube::ResourceExt::name_any(node);
     let exprs = term.match_expressions.as_deref().unwrap_or_default();
     let fields = term.match_fields.as_deref().unwrap_or_default();
@@ -393,7 +393,7 @@ fn term_selects(term: &NodeSelectorTerm, node: &Node) -> bool {
     (!exprs.is_empty() || !fields.is_empty())
         && exprs
             .iter()
-            .all(|e| requirement_holds(e, labels.get(&e.key).map(String::as_str)))
+            .all(|e| requirement_holds(e, labels.and_then(|l| l.get(&e.key)).map(String::as_str)))
         && fields
             .iter()
             .all(|f| f.key == "metadata.name" && requirement_holds(f, Some(name.as_str())))

@@ -349,9 +349,20 @@ async fn publish_transitions(
     };
     let reference = obj.object_ref(&ctx.vr_resource());
     for event in status::transitions(vr.status.as_ref(), st, action) {
-        if let Err(e) = recorder.publish(&event, &reference).await {
-            tracing::warn!(vr = %key(obj), error = %e, "cannot record an event");
-        }
+        publish(recorder, obj, &reference, &event).await;
+    }
+}
+
+/// Records `event` about `obj` (best effort: a failed event is logged, never a failed
+/// reconcile).
+async fn publish(
+    recorder: &kube::runtime::events::Recorder,
+    obj: &DynamicObject,
+    reference: &k8s_openapi::api::core::v1::ObjectReference,
+    event: &kube::runtime::events::Event,
+) {
+    if let Err(e) = recorder.publish(event, reference).await {
+        tracing::warn!(vr = %key(obj), error = %e, "cannot record an event");
     }
 }
 
@@ -514,9 +525,9 @@ pub async fn decide(
             // Discard this side's data only where it is not the volume of record: an
             // active primary is refused, as csi-addons refuses it (agent/control.rs
             // guards the same, but the controller must not ask it to skip the guard).
-            let discard = match agents.get(&d.agent, &d.name).await {
+            let resynced = match agents.get(&d.agent, &d.name).await {
                 Ok(Some(s)) => match resync_discards(&s) {
-                    Ok(discard) => Ok(discard),
+                    Ok(discard) => agents.resync(&d.agent, &d.name, discard).await,
                     Err(refused) => {
                         c.failed_resync("failed to resync volume", &refused);
                         st.state = Some(current(&st));
@@ -524,11 +535,7 @@ pub async fn decide(
                         return (st, Action::requeue(RETRY));
                     }
                 },
-                Ok(None) => Ok(false),
-                Err(e) => Err(e),
-            };
-            let resynced = match discard {
-                Ok(discard) => agents.resync(&d.agent, &d.name, discard).await,
+                Ok(None) => agents.resync(&d.agent, &d.name, false).await,
                 Err(e) => Err(e),
             };
             match resynced {
@@ -610,10 +617,9 @@ async fn secondary(
 /// volume of record); an active primary is refused with what to do instead.
 pub fn resync_discards(s: &control::Status) -> Result<bool, String> {
     let name = s.spec.as_ref().map(|s| s.name.as_str()).unwrap_or_default();
-    match (s.role.as_str(), s.state.as_str()) {
-        ("secondary", _) => Ok(true),
-        _ if is_split(s) => Ok(true),
-        _ => Err(format!(
+    match s.role == "secondary" || is_split(s) {
+        true => Ok(true),
+        false => Err(format!(
             "relationship {name} is the active primary here: replicationState resync would \
              throw its data away for the peer's, so it is refused (as csi-addons refuses it). \
              For a planned failover set replicationState: secondary; to follow the peer after \
@@ -788,9 +794,7 @@ async fn cleanup(obj: &DynamicObject, ctx: &Context) -> Result<Action, Error> {
                         secondary: None,
                     };
                     let reference = obj.object_ref(&ctx.vr_resource());
-                    if let Err(e) = recorder.publish(&event, &reference).await {
-                        tracing::warn!(vr = %key(obj), error = %e, "cannot record an event");
-                    }
+                    publish(recorder, obj, &reference, &event).await;
                 }
                 ctx.metrics.forget(&key(obj));
                 return Ok(Action::await_change());

@@ -13,15 +13,15 @@ use std::{
 };
 
 /// Whether `path` is where a file system is mounted (its device differs from its
-/// parent's). False once the file system is unmounted, or the directory is gone.
+/// parent's, or its parent cannot be read). False once the file system is unmounted,
+/// or the directory is gone.
 pub fn is_mount_point(path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev());
-    match (dev(path), path.parent().map(dev)) {
-        (Ok(m), Some(Ok(parent))) => m != parent,
-        (Ok(_), None) => true, // "/"
-        _ => false,
-    }
+    let Ok(m) = dev(path) else {
+        return false;
+    };
+    path.parent().map_or(Ok(u64::MAX), dev).unwrap_or(u64::MAX) != m
 }
 
 /// Checks that `mount` is the mount point of a file system other than the one holding
@@ -31,8 +31,7 @@ pub fn check_freeze(mount: &Path, source: &Path) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev());
     let m = dev(mount).map_err(|e| format!("freeze {}: {e}", mount.display()))?;
-    let parent = mount.parent().map_or(Ok(u64::MAX), dev).unwrap_or(u64::MAX);
-    if m == parent {
+    if !is_mount_point(mount) {
         return Err(format!(
             "freeze {}: not a mount point; give the directory where the volume's file \
              system is mounted",
