@@ -48,18 +48,67 @@ pub fn install_crypto_provider() {
 }
 
 impl TlsFiles {
+    /// Reads the three files.
+    pub fn load(&self) -> Result<TlsPem, TlsError> {
+        Ok(TlsPem {
+            cert: read("certificate", &self.cert)?,
+            key: read("key", &self.key)?,
+            ca: read("CA", &self.ca)?,
+        })
+    }
+
     /// Server side: present our certificate and require clients signed by the CA.
     pub fn server(&self) -> Result<ServerTlsConfig, TlsError> {
+        Ok(self.load()?.server(false))
+    }
+
+    /// A TLS acceptor for raw streams (NBD over TCP): see [`TlsPem::acceptor`].
+    pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
+        self.load()?.acceptor()
+    }
+
+    /// Client side: trust only the CA, present our certificate, and expect the server
+    /// to be named `server_name` in its certificate.
+    pub fn client(&self, server_name: &str) -> Result<ClientTlsConfig, TlsError> {
+        Ok(self.load()?.client(server_name))
+    }
+}
+
+/// The PEM contents of one side's TLS files, in memory: a certificate the agent obtained
+/// from its cluster's signer, or one the controller made itself.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TlsPem {
+    /// This side's certificate chain.
+    pub cert: Vec<u8>,
+    /// This side's private key.
+    pub key: Vec<u8>,
+    /// The CA that signs the peers' certificates.
+    pub ca: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsPem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.write_str("TlsPem { .. }")
+    }
+}
+
+impl TlsPem {
+    /// Server side: present our certificate; check client certificates against the CA.
+    /// With `client_auth_optional`, a client may present none (it must then show a
+    /// bearer token: a peer cluster's agents, whose certificates another CA signs).
+    pub fn server(&self, client_auth_optional: bool) -> ServerTlsConfig {
         install_crypto_provider();
-        let id = Identity::from_pem(read("certificate", &self.cert)?, read("key", &self.key)?);
-        Ok(ServerTlsConfig::new()
-            .identity(id)
-            .client_ca_root(Certificate::from_pem(read("CA", &self.ca)?)))
+        ServerTlsConfig::new()
+            .identity(Identity::from_pem(&self.cert, &self.key))
+            .client_ca_root(Certificate::from_pem(&self.ca))
+            .client_auth_optional(client_auth_optional)
     }
 
     /// A TLS acceptor for raw streams (NBD over TCP): present our certificate and
-    /// require clients signed by the CA, as [`TlsFiles::server`] does for gRPC.
+    /// require clients signed by the CA.
     pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
+        let here = Path::new("(in memory)");
         use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
         install_crypto_provider();
         let bad = |what: &'static str, path: &Path, why: String| TlsError {
@@ -68,9 +117,9 @@ impl TlsFiles {
             cause: std::io::Error::new(std::io::ErrorKind::InvalidData, why),
         };
         let pem_certs =
-            |what: &'static str, path: &Path| -> Result<Vec<CertificateDer<'static>>, TlsError> {
-                let bytes = read(what, path)?;
-                let certs = CertificateDer::pem_slice_iter(&bytes)
+            |what: &'static str, bytes: &[u8]| -> Result<Vec<CertificateDer<'static>>, TlsError> {
+                let path = here;
+                let certs = CertificateDer::pem_slice_iter(bytes)
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| bad(what, path, e.to_string()))?;
                 if certs.is_empty() {
@@ -79,32 +128,36 @@ impl TlsFiles {
                 Ok(certs)
             };
         let chain = pem_certs("certificate", &self.cert)?;
-        let key = PrivateKeyDer::from_pem_slice(&read("key", &self.key)?)
-            .map_err(|e| bad("key", &self.key, e.to_string()))?;
+        let key = PrivateKeyDer::from_pem_slice(&self.key)
+            .map_err(|e| bad("key", here, e.to_string()))?;
         let mut roots = rustls::RootCertStore::empty();
         for ca in pem_certs("CA", &self.ca)? {
             roots
                 .add(ca)
-                .map_err(|e| bad("CA", &self.ca, e.to_string()))?;
+                .map_err(|e| bad("CA", here, e.to_string()))?;
         }
         let verifier = rustls::server::WebPkiClientVerifier::builder(roots.into())
             .build()
-            .map_err(|e| bad("CA", &self.ca, e.to_string()))?;
+            .map_err(|e| bad("CA", here, e.to_string()))?;
         let config = rustls::ServerConfig::builder()
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain, key)
-            .map_err(|e| bad("certificate", &self.cert, e.to_string()))?;
+            .map_err(|e| bad("certificate", here, e.to_string()))?;
         Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)))
     }
 
     /// Client side: trust only the CA, present our certificate, and expect the server
     /// to be named `server_name` in its certificate.
-    pub fn client(&self, server_name: &str) -> Result<ClientTlsConfig, TlsError> {
-        install_crypto_provider();
-        let id = Identity::from_pem(read("certificate", &self.cert)?, read("key", &self.key)?);
-        Ok(ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(read("CA", &self.ca)?))
-            .identity(id)
-            .domain_name(server_name))
+    pub fn client(&self, server_name: &str) -> ClientTlsConfig {
+        client_trusting(&self.ca, server_name).identity(Identity::from_pem(&self.cert, &self.key))
     }
+}
+
+/// Client side without a certificate of our own (a bearer token authenticates us):
+/// trust only `ca` and expect the server to be named `server_name` in its certificate.
+pub fn client_trusting(ca: &[u8], server_name: &str) -> ClientTlsConfig {
+    install_crypto_provider();
+    ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca))
+        .domain_name(server_name)
 }

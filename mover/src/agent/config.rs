@@ -16,12 +16,24 @@ pub struct AgentConfig {
     /// Where fencing epochs and copy markers are kept.
     #[serde(default = "default_state_dir")]
     pub state_dir: PathBuf,
-    /// A file holding the bearer token peers must present.
+    /// A file holding the bearer token of the control role: registering exports,
+    /// relationships, schedules, hydrations (an operator; the controller proves the role
+    /// with its certificate instead).
     #[serde(default)]
     pub token_file: Option<PathBuf>,
-    /// Mutual TLS: this agent's certificate and key, and the CA that signs its peers'.
+    /// A file of bearer tokens of the replication role, one per line (a second line lets
+    /// a rotation overlap): what peer clusters' agents present. They may run cycles,
+    /// hydrations and pulls against the exports their relationship names, nothing else.
+    #[serde(default)]
+    pub replication_token_file: Option<PathBuf>,
+    /// TLS: this agent's certificate and key and the CA that signs its cluster's, from
+    /// files or from the cluster's signer.
     #[serde(default)]
     pub tls: Option<TlsConfig>,
+    /// This agent's node: the name its certificate carries and peers check
+    /// [default: env NODE_NAME].
+    #[serde(default)]
+    pub node_name: Option<String>,
     /// Volumes peers may read or write, by name. Nothing else is reachable, except what
     /// the controller registers under `volume_roots`.
     #[serde(default)]
@@ -52,16 +64,37 @@ pub struct AgentConfig {
     pub nbd_listen: Option<SocketAddr>,
 }
 
-/// PEM files for mutual TLS.
+/// Where the agent's TLS certificate comes from: PEM files, or the cluster's signer.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TlsConfig {
-    /// Certificate chain.
-    pub cert: PathBuf,
+    /// Certificate chain (with `key` and `ca`).
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
     /// Private key.
-    pub key: PathBuf,
-    /// CA certificate that signs the peers' certificates.
-    pub ca: PathBuf,
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+    /// CA certificate that signs the cluster's certificates (its agents', its
+    /// controller's).
+    #[serde(default)]
+    pub ca: Option<PathBuf>,
+    /// Obtain a certificate for this node from the mover controller through the
+    /// Kubernetes CSR API (signer `replication.mover/agent`), kept in STATE_DIR/tls and
+    /// requested again at start when a third of its life is left. Needs `node_name` and
+    /// a ServiceAccount token bound to the agent's pod.
+    #[serde(default)]
+    pub from_kubernetes: bool,
+}
+
+impl TlsConfig {
+    /// The files, when the certificate comes from files.
+    pub fn files(&self) -> Option<transport::tls::TlsFiles> {
+        Some(transport::tls::TlsFiles {
+            cert: self.cert.clone()?,
+            key: self.key.clone()?,
+            ca: self.ca.clone()?,
+        })
+    }
 }
 
 fn default_state_dir() -> PathBuf {
@@ -106,6 +139,29 @@ impl AgentConfig {
                 "neither token_file nor [tls] is set: an agent never serves volumes to unauthenticated peers".into(),
             ));
         }
+        if let Some(tls) = &config.tls {
+            let files = [&tls.cert, &tls.key, &tls.ca].iter().filter(|f| f.is_some()).count();
+            match (tls.from_kubernetes, files) {
+                (true, 0) | (false, 3) => {}
+                (true, _) => {
+                    return Err(invalid(
+                        "[tls] sets from_kubernetes and files: choose one".into(),
+                    ));
+                }
+                (false, _) => {
+                    return Err(invalid(
+                        "[tls] needs cert, key and ca (or from_kubernetes = true)".into(),
+                    ));
+                }
+            }
+            if tls.from_kubernetes && config.node_name().is_none() {
+                return Err(invalid(
+                    "[tls] from_kubernetes needs the node's name: set node_name or the \
+                     NODE_NAME environment variable (the downward API's spec.nodeName)"
+                        .into(),
+                ));
+            }
+        }
         if config.nbd_listen.is_some() && config.tls.is_none() {
             return Err(invalid(
                 "nbd_listen needs [tls]: NBD carries no token, so over TCP only clients \
@@ -147,6 +203,38 @@ impl AgentConfig {
         Ok(config)
     }
 
+    /// This agent's node name (`node_name`, else env NODE_NAME).
+    pub fn node_name(&self) -> Option<String> {
+        self.node_name
+            .clone()
+            .or_else(|| std::env::var("NODE_NAME").ok())
+            .filter(|n| !n.is_empty())
+    }
+
+    /// The replication role's tokens, from `replication_token_file`.
+    pub fn replication_tokens(&self) -> Result<Vec<String>, ConfigError> {
+        let Some(path) = &self.replication_token_file else {
+            return Ok(Vec::new());
+        };
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
+            path: path.clone(),
+            cause,
+        })?;
+        let tokens: Vec<String> = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(String::from)
+            .collect();
+        if tokens.is_empty() {
+            return Err(ConfigError::Invalid {
+                path: path.clone(),
+                why: "the replication token file is empty".into(),
+            });
+        }
+        Ok(tokens)
+    }
+
     /// Where the NBD server listens.
     pub fn nbd_socket(&self) -> PathBuf {
         self.nbd_socket
@@ -154,8 +242,12 @@ impl AgentConfig {
             .unwrap_or_else(|| self.state_dir.join("nbd.sock"))
     }
 
-    /// How this agent reaches peers when it replicates to them.
-    pub fn peer_options(&self) -> Result<crate::remote::RemoteOptions, ConfigError> {
+    /// How this agent reaches peers when it replicates to them: its certificate (`tls`)
+    /// to peers of its cluster; a relationship's own token and CA to another cluster's.
+    pub fn peer_options(
+        &self,
+        tls: Option<&transport::tls::TlsPem>,
+    ) -> Result<crate::remote::RemoteOptions, ConfigError> {
         let token_file = self.peer_token_file.clone().or(self.token_file.clone());
         if let Some(path) = &token_file {
             std::fs::metadata(path).map_err(|cause| ConfigError::Read {
@@ -166,11 +258,8 @@ impl AgentConfig {
         Ok(crate::remote::RemoteOptions {
             connect: crate::remote::ConnectOptions {
                 token_file,
-                tls_ca: self.tls.as_ref().map(|t| t.ca.clone()),
-                tls_cert: self.tls.as_ref().map(|t| t.cert.clone()),
-                tls_key: self.tls.as_ref().map(|t| t.key.clone()),
-                tls_server_name: None,
-                token: None,
+                tls_pem: tls.cloned(),
+                ..Default::default()
             },
             retries: 3,
             ..Default::default()

@@ -66,7 +66,7 @@ impl Control {
     /// peer's history (`None` if the peer cannot be asked or does not say).
     async fn promoted_from(&self, r: &Record) -> Option<CycleRecord> {
         let peer = AgentUrl::parse(&r.spec.peer)?.ok()?;
-        let remote = replicate::remote_for(&self.remote, r.spec.own_token());
+        let remote = replicate::remote_for(&self.remote, r.spec.peer_token.as_ref());
         let mut c = remote.connect_control(&peer).await.ok()?;
         let s = c
             .get(control::NameRequest {
@@ -229,8 +229,12 @@ impl Control {
             )));
         }
         // The secondary must be reachable and accept writes now, not at the first cycle.
-        let token = (!spec.peer_token.is_empty()).then_some(spec.peer_token.as_str());
-        let mut client = replicate::remote_for(&self.remote, token)
+        let peer_token = (!spec.peer_token.is_empty()).then(|| replicate::store::PeerToken {
+            token: spec.peer_token.clone(),
+            version: spec.peer_token_version.clone(),
+            ca: (!spec.peer_ca.is_empty()).then(|| spec.peer_ca.clone()),
+        });
+        let mut client = replicate::remote_for(&self.remote, peer_token.as_ref())
             .connect(&peer)
             .await
             .map_err(|e| ServiceError::FailedPrecondition(format!("secondary unreachable: {e}")))?;
@@ -267,10 +271,7 @@ impl Control {
             bwlimit: spec.bwlimit,
             chunk_size,
             freeze: (!spec.freeze.is_empty()).then(|| spec.freeze.into()),
-            peer_token: (!spec.peer_token.is_empty()).then_some(replicate::store::PeerToken {
-                token: spec.peer_token,
-                version: spec.peer_token_version,
-            }),
+            peer_token,
         })
     }
 }
@@ -281,6 +282,7 @@ impl Replication for Control {
         &self,
         req: Request<control::CreateRequest>,
     ) -> Result<Response<control::Status>, Status> {
+        super::control_only(&req, "create")?;
         answer(async {
             let r = req.into_inner();
             let spec = r.spec.ok_or_else(|| {
@@ -331,8 +333,9 @@ impl Replication for Control {
 
     async fn list(
         &self,
-        _req: Request<control::ListRequest>,
+        req: Request<control::ListRequest>,
     ) -> Result<Response<control::ListResponse>, Status> {
+        super::control_only(&req, "list")?;
         let relationships = self
             .service
             .store
@@ -347,6 +350,7 @@ impl Replication for Control {
         &self,
         req: Request<control::UpdateRequest>,
     ) -> Result<Response<control::Status>, Status> {
+        super::control_only(&req, "update")?;
         answer(async {
             let u = req.into_inner();
             let r = self.record(&u.name)?;
@@ -384,6 +388,7 @@ impl Replication for Control {
                         r.spec.peer_token = (!t.is_empty()).then(|| replicate::store::PeerToken {
                             token: t.clone(),
                             version: u.peer_token_version.clone().unwrap_or_default(),
+                            ca: u.peer_ca.clone().filter(|c| !c.is_empty()),
                         });
                     }
                 })
@@ -400,6 +405,7 @@ impl Replication for Control {
         &self,
         req: Request<control::NameRequest>,
     ) -> Result<Response<control::Status>, Status> {
+        super::control_only(&req, "delete")?;
         answer(async {
             let name = req.into_inner().name;
             let r = self.record(&name)?;
@@ -421,6 +427,7 @@ impl Replication for Control {
         &self,
         req: Request<control::NameRequest>,
     ) -> Result<Response<control::Status>, Status> {
+        super::control_only(&req, "sync")?;
         answer(async {
             let name = req.into_inner().name;
             let r = self.record(&name)?;
@@ -443,6 +450,7 @@ impl Replication for Control {
         &self,
         req: Request<control::PromoteRequest>,
     ) -> Result<Response<control::Status>, Status> {
+        super::control_only(&req, "promote")?;
         answer(async {
             let p = req.into_inner();
             let r = self.record(&p.name)?;
@@ -546,6 +554,7 @@ impl Replication for Control {
         &self,
         req: Request<control::NameRequest>,
     ) -> Result<Response<control::Status>, Status> {
+        super::control_only(&req, "demote")?;
         answer(async {
             let name = req.into_inner().name;
             let r = self.record(&name)?;
@@ -579,6 +588,7 @@ impl Replication for Control {
         &self,
         req: Request<control::ResyncRequest>,
     ) -> Result<Response<control::Status>, Status> {
+        super::control_only(&req, "resync")?;
         answer(async {
             let q = req.into_inner();
             let r = self.record(&q.name)?;
@@ -661,6 +671,7 @@ impl Replication for Control {
         &self,
         req: Request<control::ExportRequest>,
     ) -> Result<Response<control::ExportResponse>, Status> {
+        super::control_only(&req, "export")?;
         answer(async {
             let q = req.into_inner();
             let path = std::path::PathBuf::from(&q.path);
@@ -678,9 +689,20 @@ impl Replication for Control {
                     path.display()
                 )));
             }
+            if let Some(was) = exports
+                .registered_for(&q.name)
+                .filter(|r| *r != q.relationship)
+                && let Some(user) = self.user_of(&q.name)
+            {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "export {:?} is registered for relationship {was:?} and used by {user}: \
+                     delete that first to register it for {:?}",
+                    q.name, q.relationship
+                )));
+            }
             let before = exports.registered_path(&q.name);
             let registered = exports
-                .register(&q.name, &path, q.block)
+                .register(&q.name, &path, q.block, &q.relationship)
                 .map_err(|e| match e {
                     crate::agent::ExportError::Save { .. } => internal(e),
                     _ => ServiceError::PermissionDenied(e.to_string()),
@@ -698,6 +720,7 @@ impl Replication for Control {
         &self,
         req: Request<control::NameRequest>,
     ) -> Result<Response<control::ExportResponse>, Status> {
+        super::control_only(&req, "unexport")?;
         answer(async {
             let name = req.into_inner().name;
             let exports = &self.service.exports;

@@ -3,10 +3,12 @@
 //! separate HTTP port; and to local clients over NBD on a Unix socket, hydrating
 //! exports included (copy-on-demand).
 
+mod certificate;
 mod config;
 mod control;
 mod cycles;
 mod fencing;
+mod health;
 mod hydration;
 mod live;
 mod metrics;
@@ -30,9 +32,12 @@ use std::{future::Future, sync::Arc};
 use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
 use transport::{
-    MAX_MESSAGE, auth::RequireToken, control::replication_server::ReplicationServer,
-    hydrate::hydration_server::HydrationServer, proto::transfer_server::TransferServer,
-    tls::TlsFiles,
+    MAX_MESSAGE,
+    auth::{Authorize, Caller, Credentials, Role},
+    control::replication_server::ReplicationServer,
+    hydrate::hydration_server::HydrationServer,
+    proto::transfer_server::TransferServer,
+    tls::TlsPem,
 };
 
 /// Why the agent could not run.
@@ -44,6 +49,9 @@ pub enum AgentError {
     /// TLS files could not be loaded.
     #[error(transparent)]
     Tls(#[from] transport::tls::TlsError),
+    /// No certificate from the cluster's signer.
+    #[error(transparent)]
+    Certificate(#[from] certificate::CertificateError),
     /// The server failed.
     #[error("agent server: {0}")]
     Serve(String),
@@ -65,7 +73,21 @@ pub async fn serve(
     metrics_listener: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AgentError> {
-    let token = config.token()?;
+    let credentials = Arc::new(Credentials {
+        control_token: config.token()?,
+        replication_tokens: config.replication_tokens()?,
+        client_certificates: config.tls.is_some(),
+    });
+    let tls: Option<TlsPem> = match &config.tls {
+        None => None,
+        Some(t) => match t.files() {
+            Some(files) => Some(files.load()?),
+            None => {
+                let node = config.node_name().unwrap_or_default();
+                Some(certificate::obtain(&config.state_dir, &node, CERTIFICATE_WAIT).await?)
+            }
+        },
+    };
     let metrics = Arc::new(Metrics::default());
     let state_err = |cause| AgentError::State {
         path: config.state_dir.clone(),
@@ -104,7 +126,7 @@ pub async fn serve(
         )
         .map_err(state_err)?,
     );
-    let remote = config.peer_options()?;
+    let remote = config.peer_options(tls.as_ref())?;
     // An agent killed while a file system was frozen for a cycle's clone left it frozen
     // (the kernel does not thaw it when the process dies): thaw those of its
     // relationships before anything else, or their applications stay blocked.
@@ -145,14 +167,12 @@ pub async fn serve(
         .max_frame_size(transport::MAX_FRAME)
         .http2_keepalive_interval(Some(transport::KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(transport::KEEPALIVE_TIMEOUT));
-    if let Some(tls) = &config.tls {
-        let files = TlsFiles {
-            cert: tls.cert.clone(),
-            key: tls.key.clone(),
-            ca: tls.ca.clone(),
-        };
+    if let Some(pem) = &tls {
+        // Peer clusters' agents carry certificates of their own cluster's CA: they
+        // connect without one and prove themselves with a replication token.
+        let optional = !credentials.replication_tokens.is_empty();
         builder = builder
-            .tls_config(files.server()?)
+            .tls_config(pem.server(optional))
             .map_err(|e| AgentError::Serve(e.to_string()))?;
     }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -173,13 +193,8 @@ pub async fn serve(
             }
         });
     }
-    if let (Some(addr), Some(tls)) = (config.nbd_listen, &config.tls) {
-        let files = TlsFiles {
-            cert: tls.cert.clone(),
-            key: tls.key.clone(),
-            ca: tls.ca.clone(),
-        };
-        let acceptor = files.acceptor()?;
+    if let (Some(addr), Some(pem)) = (config.nbd_listen, &tls) {
+        let acceptor = pem.acceptor()?;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| AgentError::Serve(format!("cannot listen for NBD on {addr}: {e}")))?;
@@ -206,44 +221,73 @@ pub async fn serve(
     };
     if let Some(l) = metrics_listener {
         let mut stop = stop_rx.clone();
+        let health = Arc::new(health::Health {
+            state_dir: config.state_dir.clone(),
+            grpc: listener.local_addr().map_err(|e| AgentError::Serve(e.to_string()))?,
+            tls: tls.clone(),
+            node: config.node_name(),
+            runners: runners.clone(),
+        });
         tokio::spawn(serve_metrics(
             l,
             metrics,
             runners.clone(),
             hydrations.clone(),
             schedules.clone(),
+            health,
             async move {
                 let _ = stop.changed().await;
             },
         ));
     }
-    tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), exports = exports.names().len(), tls = config.tls.is_some(), nbd = %nbd_socket.display(), "agent serving");
+    tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), exports = exports.names().len(), tls = tls.is_some(), nbd = %nbd_socket.display(), "agent serving");
     // The builder's tcp_nodelay does not reach connections from a given listener: without
     // it, Nagle's algorithm and the peer's delayed ACK hold small replies for ~40 ms
     // (the tail of a copy-on-demand read of a missing region).
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let authorize = |needs, service| Authorize::new(credentials.clone(), needs, service);
     let result = builder
         .add_service(InterceptedService::new(
             server,
-            RequireToken::new(token.clone()),
+            authorize(Role::Replication, "transfers"),
         ))
+        // Its calls check the control role themselves, but for Get (a peer asks what
+        // the other side of its relationship holds).
         .add_service(InterceptedService::new(
             ReplicationServer::new(control),
-            RequireToken::new(token.clone()),
+            authorize(Role::Replication, "the relationship control API"),
         ))
         .add_service(InterceptedService::new(
             HydrationServer::new(hydration_control),
-            RequireToken::new(token.clone()),
+            authorize(Role::Control, "the hydration control API"),
         ))
         .add_service(InterceptedService::new(
             transport::schedule::schedules_server::SchedulesServer::new(schedule_control),
-            RequireToken::new(token),
+            authorize(Role::Control, "the scheduled-snapshot API"),
         ))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .map_err(|e| AgentError::Serve(e.to_string()));
     let _ = stop_tx.send(true);
     result
+}
+
+/// How long an agent waits at start for its certificate from the cluster's signer.
+const CERTIFICATE_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Refuses a call of the relationship control API from a caller without the control
+/// role (the service admits the replication role for Get alone).
+pub(super) fn control_only<T>(req: &tonic::Request<T>, call: &str) -> Result<(), tonic::Status> {
+    match req.extensions().get::<Caller>() {
+        Some(c) if c.role < Role::Control => Err(tonic::Status::permission_denied(format!(
+            "{} may not call {call} of the relationship control API: the replication role \
+             only runs cycles, hydrations and pulls against the exports its relationship \
+             names; this takes the control role (the controller's certificate, or the \
+             agent's token_file)",
+            c.who
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// /metrics (Prometheus text) and /healthz on their own port.
@@ -253,6 +297,7 @@ async fn serve_metrics(
     runners: Arc<crate::replicate::Runners>,
     hydrations: Arc<crate::hydrate::Hydrations>,
     schedules: Arc<crate::schedule::Schedules>,
+    health: Arc<health::Health>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     use axum::{Router, routing::get};
@@ -269,7 +314,13 @@ async fn serve_metrics(
                 async move { m.render() + &r.render() + &h.render() + &s.render() }
             }),
         )
-        .route("/healthz", get(|| async { "ok\n" }));
+        .route(
+            "/healthz",
+            get(move || {
+                let health = health.clone();
+                async move { health.check().await }
+            }),
+        );
     if let Err(e) = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await

@@ -104,6 +104,30 @@ impl AgentService {
         Ok(export)
     }
 
+    /// Whether `caller` may open the export `name` for `relationship` (see
+    /// `Exports::check_served_for`): a volume the controller registered for no
+    /// relationship is the control role's alone; a relationship this agent holds on the
+    /// volume vouches for it too (one registered before exports named their relationship).
+    pub(super) fn check_served(
+        &self,
+        name: &str,
+        relationship: &str,
+        caller: Option<&transport::auth::Caller>,
+    ) -> Result<(), ServiceError> {
+        let control = caller.is_none_or(|c| c.role == transport::auth::Role::Control);
+        let registered_for_none = self.exports.registered_for(name).as_deref() == Some("");
+        let held = self
+            .store
+            .get(relationship)
+            .is_some_and(|r| r.spec.volume == name);
+        if held || (control && registered_for_none) {
+            return Ok(());
+        }
+        self.exports
+            .check_served_for(name, relationship)
+            .map_err(|e| self.refuse(ServiceError::PermissionDenied(e)))
+    }
+
     /// Refuses a read-only export as a destination.
     pub(super) fn check_writable(&self, name: &str, export: &Export) -> Result<(), ServiceError> {
         if export.read_only {
@@ -142,7 +166,9 @@ impl Transfer for AgentService {
                 .remote_addr()
                 .map(|a| a.to_string())
                 .unwrap_or_else(|| "a peer".into());
+            let caller = req.extensions().get::<transport::auth::Caller>().cloned();
             let r = req.into_inner();
+            self.check_served(&r.volume, &r.relationship, caller.as_ref())?;
             let export = self.export(&r.volume)?;
             let chunk = ChunkSize::new(r.chunk_size)
                 .map_err(|e| self.refuse(ServiceError::InvalidArgument(e.to_string())))?;

@@ -78,6 +78,7 @@ impl AgentService {
         let peer = req
             .remote_addr()
             .map_or_else(|| "a peer".into(), |a| a.to_string());
+        let caller = req.extensions().get::<transport::auth::Caller>().cloned();
         let mut incoming = req.into_inner();
         let open = self
             .first_open(
@@ -89,6 +90,7 @@ impl AgentService {
                 },
             )
             .await?;
+        self.check_served(&open.volume, &open.relationship, caller.as_ref())?;
         let export = self.tree_export(&open.volume, true)?;
         if open.relationship.is_empty() {
             return Err(self.refuse(ServiceError::InvalidArgument(
@@ -208,6 +210,7 @@ impl AgentService {
         &self,
         req: Request<Streaming<proto::TreeCall>>,
     ) -> Result<AnswerStream, ServiceError> {
+        let caller = req.extensions().get::<transport::auth::Caller>().cloned();
         let mut incoming = req.into_inner();
         let open = self
             .first_open(
@@ -219,6 +222,7 @@ impl AgentService {
                 },
             )
             .await?;
+        self.check_served(&open.volume, &open.relationship, caller.as_ref())?;
         let export = self.tree_export(&open.volume, false)?;
         let bwlimit = (open.bwlimit > 0).then_some(open.bwlimit);
         let served = Served::open(&export.path, bwlimit).map_err(|e| {

@@ -75,13 +75,15 @@ pub trait Agents: Send + Sync {
     ) -> Result<control::Status, AgentError>;
     /// Forgets the relationship on `agent` (the volume stays); absent is fine.
     async fn delete(&self, agent: &str, name: &str) -> Result<(), AgentError>;
-    /// Makes `agent` serve `path` (on its node) as the export `volume`: idempotent.
+    /// Makes `agent` serve `path` (on its node) as the export `volume`, to the
+    /// relationship `relationship` only: idempotent.
     async fn export(
         &self,
         agent: &str,
         volume: &str,
         path: &str,
         block: bool,
+        relationship: &str,
     ) -> Result<(), AgentError>;
     /// Makes `agent` stop serving the export `volume` it was given by [`Agents::export`].
     async fn unexport(&self, agent: &str, volume: &str) -> Result<(), AgentError>;
@@ -312,11 +314,13 @@ impl Agents for GrpcAgents {
         volume: &str,
         path: &str,
         block: bool,
+        relationship: &str,
     ) -> Result<(), AgentError> {
         let req = control::ExportRequest {
             name: volume.into(),
             path: path.into(),
             block,
+            relationship: relationship.into(),
         };
         let exported = self
             .call(agent, "export", volume, |mut c: ControlClient| async move {

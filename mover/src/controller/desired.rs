@@ -470,6 +470,8 @@ pub struct Desired {
     /// The token this side's agent presents to the peer's, and its version (the class
     /// secret's uid/resourceVersion): read by the reconciler, not here.
     pub peer_token: Option<(String, String)>,
+    /// The peer cluster's CA (PEM), from the same secret (`ca.crt`).
+    pub peer_ca: Option<String>,
 }
 
 /// The resources a `VolumeReplication` names, as found (None: not found).
@@ -611,6 +613,7 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
         state: vr.spec.replication_state,
         auto_resync: vr.spec.auto_resync,
         peer_token: None,
+        peer_ca: None,
     })
 }
 
@@ -760,6 +763,7 @@ pub(crate) mod tests {
                 state: ReplicationState::Primary,
                 auto_resync: false,
                 peer_token: None,
+                peer_ca: None,
             }
         );
     }

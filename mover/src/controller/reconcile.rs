@@ -396,15 +396,22 @@ pub async fn decide(
     // A class replicating to an agent may name a secret with the token for the peer's
     // agents (read on every look: a rotated token reaches the agent at the next one).
     if let (desired::Target::Agent(_), Some((ns, name))) = (&d.params.target, &d.params.secret) {
-        let wanted = "`token`: the bearer token of the peer cluster's agents";
+        let wanted = "`token`: the peer cluster's replication token (and `ca.crt`, its CA)";
         let token = secret_data(ctx, ns, name, wanted)
             .await
             .and_then(|(data, version)| match data.get("token") {
-                Some(t) => Ok((String::from_utf8_lossy(t).trim().to_string(), version)),
+                Some(t) => Ok((
+                    (String::from_utf8_lossy(t).trim().to_string(), version),
+                    data.get("ca.crt")
+                        .map(|c| String::from_utf8_lossy(c).into_owned()),
+                )),
                 None => Err(format!("secret {ns}/{name} has no {wanted}")),
             });
         match token {
-            Ok(t) => d.peer_token = Some(t),
+            Ok((t, ca)) => {
+                d.peer_token = Some(t);
+                d.peer_ca = ca;
+            }
             Err(detail) => {
                 let what = "failed to get replication secret";
                 return not_valid(st, desired::Invalid { what, detail });
@@ -414,7 +421,10 @@ pub async fn decide(
     let agents = &*ctx.agents;
     // The agent serves the volume from where the kubelet put it (both sides: the
     // secondary's agent must take cycles into it before the first arrives).
-    match agents.export(&d.agent, &d.volume, &d.path, d.block).await {
+    match agents
+        .export(&d.agent, &d.volume, &d.path, d.block, &d.name)
+        .await
+    {
         Ok(()) => {}
         // Refused (outside volume_roots, in use elsewhere): the setup is wrong.
         Err(e) if e.is_refusal() => {
@@ -649,6 +659,7 @@ fn spec_of(d: &Desired) -> control::Spec {
         freeze: String::new(),
         peer_token: d.peer_token.clone().map(|t| t.0).unwrap_or_default(),
         peer_token_version: d.peer_token.clone().map(|t| t.1).unwrap_or_default(),
+        peer_ca: d.peer_ca.clone().unwrap_or_default(),
     }
 }
 
@@ -680,6 +691,7 @@ async fn update_if_changed(
                 freeze: None,
                 peer_token: token.then_some(want.peer_token),
                 peer_token_version: token.then_some(want.peer_token_version),
+                peer_ca: token.then_some(want.peer_ca),
             },
         )
         .await

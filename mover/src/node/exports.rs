@@ -28,6 +28,9 @@ struct Registered {
     /// `path` may be a directory of device entries (the kubelet's per-pod entries of a
     /// block PersistentVolume): the first one is the volume.
     block: bool,
+    /// The relationship it is served for ("": none).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    relationship: String,
 }
 
 /// Why a volume is not served, or cannot be registered.
@@ -169,7 +172,13 @@ impl Exports {
     /// written: a symlink under a root is followed when the volume is opened (local
     /// volume provisioners link /mnt/disks/X to /dev/disk/by-id/...), so a root must be
     /// a directory only the node's administrator writes.
-    pub fn register(&self, name: &str, path: &Path, block: bool) -> Result<bool, ExportError> {
+    pub fn register(
+        &self,
+        name: &str,
+        path: &Path,
+        block: bool,
+        relationship: &str,
+    ) -> Result<bool, ExportError> {
         let refused = |why: String| ExportError::Refused {
             name: name.into(),
             path: path.into(),
@@ -223,6 +232,7 @@ impl Exports {
         let want = Registered {
             path: path.into(),
             block,
+            relationship: relationship.into(),
         };
         let mut registered = self.inner.registered.write().expect("exports lock");
         if let Some((other, _)) = registered
@@ -246,6 +256,32 @@ impl Exports {
     /// The path `name` is registered at (`None`: not registered, or named in agent.toml).
     pub fn registered_path(&self, name: &str) -> Option<PathBuf> {
         self.registered().get(name).map(|r| r.path.clone())
+    }
+
+    /// The relationship `name` is registered for (`None`: not registered, or named in
+    /// agent.toml; `Some("")`: for none).
+    pub fn registered_for(&self, name: &str) -> Option<String> {
+        self.registered().get(name).map(|r| r.relationship.clone())
+    }
+
+    /// Whether a peer may open `name` for `relationship`: an export agent.toml names is
+    /// the administrator's choice and served to any; a registered one only to the
+    /// relationship it was registered for. The refusal names the rule.
+    pub fn check_served_for(&self, name: &str, relationship: &str) -> Result<(), String> {
+        match self.registered_for(name) {
+            None => Ok(()),
+            Some(r) if r == relationship => Ok(()),
+            Some(r) => Err(format!(
+                "volume {name:?} is registered for {}, not for relationship {relationship:?}: \
+                 an agent serves a volume the controller registered only to the relationship \
+                 it was registered for",
+                if r.is_empty() {
+                    "no relationship".to_string()
+                } else {
+                    format!("relationship {r:?}")
+                }
+            )),
+        }
     }
 
     /// Forgets the registration of `name`; false if there was none.
@@ -372,7 +408,7 @@ mod tests {
             ("golden", root.join("pv-1")),
             ("a/b", root.join("pv-1")),
         ] {
-            let e = exports.register(name, &path, false).unwrap_err();
+            let e = exports.register(name, &path, false, "").unwrap_err();
             assert!(
                 matches!(e, ExportError::Refused { .. }),
                 "{name} {path:?}: {e}"
@@ -381,7 +417,7 @@ mod tests {
         // The configured export is confirmed, not registered.
         assert!(
             !exports
-                .register("golden", Path::new("/srv/golden.img"), false)
+                .register("golden", Path::new("/srv/golden.img"), false, "")
                 .unwrap()
         );
         // A second name for a volume already served (a writable alias of a read-only
@@ -399,13 +435,13 @@ mod tests {
         let other_state = tempfile::tempdir().unwrap();
         let aliased = Exports::open(with_ro, vec![root.clone()], other_state.path()).unwrap();
         let e = aliased
-            .register("alias", &image, false)
+            .register("alias", &image, false, "")
             .unwrap_err()
             .to_string();
         assert!(e.contains("has one name"), "{e}");
-        assert!(exports.register("pv-9", &image, false).unwrap());
+        assert!(exports.register("pv-9", &image, false, "").unwrap());
         let e = exports
-            .register("pv-9b", &image, false)
+            .register("pv-9b", &image, false, "")
             .unwrap_err()
             .to_string();
         assert!(e.contains("registered as \"pv-9\""), "{e}");
@@ -413,7 +449,7 @@ mod tests {
 
         // A block volume's device directory: no device yet, then the first entry.
         let dir = root.join("pv-1/dev");
-        assert!(exports.register("pv-1", &dir, true).unwrap());
+        assert!(exports.register("pv-1", &dir, true, "").unwrap());
         assert!(matches!(
             exports.get("pv-1"),
             Err(ExportError::NoDevice { .. })
@@ -434,7 +470,12 @@ mod tests {
         assert!(e.contains("not exported") && e.contains("golden"), "{e}");
 
         // Roots narrowed since: what lies outside them is not served any more.
-        assert!(again.register("pv-2", &root.join("pv-1"), false).unwrap());
+        assert!(again.register("pv-2", &root.join("pv-1"), false, "r/2").unwrap());
+        // Served to the relationship it was registered for only; a configured one to any.
+        assert!(again.check_served_for("pv-2", "r/2").is_ok());
+        let e = again.check_served_for("pv-2", "r/3").unwrap_err();
+        assert!(e.contains("only to the relationship it was registered for"), "{e}");
+        assert!(again.check_served_for("golden", "anything").is_ok());
         let narrowed = Exports::open(
             configured.clone(),
             vec![root.join("elsewhere")],
@@ -445,7 +486,7 @@ mod tests {
 
         // No roots: registering says how to allow it.
         let none = Exports::fixed(configured.clone());
-        let e = none.register("pv-1", &dir, true).unwrap_err().to_string();
+        let e = none.register("pv-1", &dir, true, "").unwrap_err().to_string();
         assert!(e.contains("volume_roots"), "{e}");
     }
 }

@@ -76,19 +76,29 @@ pub struct ConnectOptions {
     /// File holding the agent's bearer token [env: MOVER_TOKEN_FILE; or the token itself in MOVER_TOKEN].
     #[arg(long, value_name = "FILE", env = "MOVER_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
-    /// CA certificate (PEM) that signs the agent's certificate; enables mutual TLS
-    /// together with --tls-cert and --tls-key.
-    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    /// CA certificate (PEM) that signs the agent's certificate: enables TLS. With
+    /// --tls-cert and --tls-key, this client proves itself by certificate (mutual TLS);
+    /// without, by its bearer token.
+    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
     /// This client's certificate (PEM), signed by a CA the agent trusts.
-    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CERT")]
+    #[arg(long, value_name = "FILE", env = "MOVER_TLS_CERT", requires_all = ["tls_ca", "tls_key"])]
     pub tls_cert: Option<PathBuf>,
     /// This client's private key (PEM).
     #[arg(long, value_name = "FILE", env = "MOVER_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
-    /// Name the agent's certificate must carry [default: the host in the URL].
+    /// Name the agent's certificate must carry [default: the NAME of
+    /// agent://NAME@HOST:PORT/VOLUME, else HOST].
     #[arg(long, value_name = "NAME")]
     pub tls_server_name: Option<String>,
+    /// TLS material in memory, given by a caller in the process (an agent's certificate
+    /// from its cluster's signer, the controller's own); before the --tls-* files.
+    #[arg(skip)]
+    pub tls_pem: Option<transport::tls::TlsPem>,
+    /// A peer cluster's CA (PEM), given by a relationship: trust it alone and present no
+    /// certificate (the relationship's token authenticates); before everything else.
+    #[arg(skip)]
+    pub tls_peer_ca: Option<Vec<u8>>,
     /// The token itself, given by a caller in the process (a relationship's own token);
     /// before --token-file.
     #[arg(skip)]
@@ -187,25 +197,40 @@ impl RemoteOptions {
             code,
             message,
         };
-        let tls = match (
-            &self.connect.tls_ca,
-            &self.connect.tls_cert,
-            &self.connect.tls_key,
-        ) {
-            (Some(ca), Some(cert), Some(key)) => {
-                let files = TlsFiles {
-                    cert: cert.clone(),
-                    key: key.clone(),
-                    ca: ca.clone(),
-                };
-                let name = self.connect.tls_server_name.as_deref().unwrap_or(&url.host);
-                Some(
-                    files
-                        .client(name)
-                        .map_err(|e| remote(RemoteCode::Tls, e.to_string()))?,
+        let c = &self.connect;
+        let name = c
+            .tls_server_name
+            .as_deref()
+            .or(url.tls_name.as_deref())
+            .unwrap_or(&url.host);
+        let read = |path: &PathBuf| {
+            std::fs::read(path).map_err(|e| {
+                remote(
+                    RemoteCode::Tls,
+                    format!("cannot read TLS file {}: {e}", path.display()),
                 )
+            })
+        };
+        let tls = if let Some(ca) = &c.tls_peer_ca {
+            Some(transport::tls::client_trusting(ca, name))
+        } else if let Some(pem) = &c.tls_pem {
+            Some(pem.client(name))
+        } else {
+            match (&c.tls_ca, &c.tls_cert, &c.tls_key) {
+                (Some(ca), Some(cert), Some(key)) => {
+                    let files = TlsFiles {
+                        cert: cert.clone(),
+                        key: key.clone(),
+                        ca: ca.clone(),
+                    };
+                    let pem = files
+                        .load()
+                        .map_err(|e| remote(RemoteCode::Tls, e.to_string()))?;
+                    Some(pem.client(name))
+                }
+                (Some(ca), _, _) => Some(transport::tls::client_trusting(&read(ca)?, name)),
+                _ => None,
             }
-            _ => None,
         };
         let scheme = if tls.is_some() { "https" } else { "http" };
         let mut endpoint = Channel::from_shared(format!("{scheme}://{}:{}", url.host, url.port))

@@ -22,14 +22,17 @@ pub use store::{CycleRecord, EpochChange, Halt, Record, Role, Spec, Store};
 use transport::control;
 
 /// How to reach a relationship's peer: `remote`, presenting the relationship's own
-/// `token` where it has one.
+/// token where it has one, and trusting only the peer cluster's CA where it names one.
 pub fn remote_for(
     remote: &crate::remote::RemoteOptions,
-    token: Option<&str>,
+    peer: Option<&store::PeerToken>,
 ) -> crate::remote::RemoteOptions {
     let mut r = remote.clone();
-    if let Some(t) = token {
-        r.connect.token = Some(t.into());
+    if let Some(p) = peer {
+        r.connect.token = Some(p.token.clone());
+        if let Some(ca) = &p.ca {
+            r.connect.tls_peer_ca = Some(ca.clone().into_bytes());
+        }
     }
     r
 }
@@ -126,6 +129,7 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
                 .unwrap_or_default(),
             // The token itself never leaves the agent.
             peer_token: String::new(),
+            peer_ca: String::new(),
             peer_token_version: r
                 .spec
                 .peer_token

@@ -46,6 +46,8 @@ pub struct Live {
     pub duration_sum: f64,
     /// The running cycle's progress: bytes compared, of the total.
     pub progress: Arc<CycleProgress>,
+    /// When the running cycle started (`None`: none runs).
+    pub busy_since: Option<std::time::Instant>,
 }
 
 /// A cycle whose progress has not moved for this long is cancelled and retried: a
@@ -80,15 +82,19 @@ pub struct CycleProgress {
     pub done: AtomicU64,
     /// Bytes in the volume (0: no cycle running).
     pub total: AtomicU64,
+    /// When it last moved (Unix ms).
+    pub moved_ms: AtomicU64,
 }
 
 impl crate::Progress for CycleProgress {
     fn begin(&self, _phase: &'static str, total: u64) {
         self.total.store(total, Relaxed);
         self.done.store(0, Relaxed);
+        self.moved_ms.store(super::now_ms() as u64, Relaxed);
     }
     fn update(&self, done: u64) {
         self.done.store(done, Relaxed);
+        self.moved_ms.store(super::now_ms() as u64, Relaxed);
     }
 }
 
@@ -180,6 +186,24 @@ impl Runners {
         let (tx, rx) = mpsc::channel(8);
         tasks.insert(name.into(), tx);
         tokio::spawn(self.clone().run(name.to_string(), rx));
+    }
+
+    /// Relationships whose running cycle neither moved nor ended for `bound`: the stall
+    /// watchdog cancels a cycle after [`STALL`], so past twice that the task is wedged.
+    pub fn stuck(&self, bound: Duration) -> Vec<String> {
+        let now_ms = super::now_ms() as u64;
+        let live = self.live.lock().expect("live lock");
+        live.iter()
+            .filter(|(_, l)| {
+                let l = l.lock().expect("live lock");
+                let Some(since) = l.busy_since else {
+                    return false;
+                };
+                let moved_ago = now_ms.saturating_sub(l.progress.moved_ms.load(Relaxed));
+                since.elapsed() > bound && Duration::from_millis(moved_ago) > bound
+            })
+            .map(|(name, _)| name.clone())
+            .collect()
     }
 
     /// Stops the task of `name` (a cycle under way is abandoned: the secondary drops it).
@@ -287,8 +311,9 @@ impl Runners {
             .map_err(|e| permanent(e.to_string()))?;
         let live = self.live(name);
         let progress = live.lock().expect("live lock").progress.clone();
-        let remote = super::remote_for(&self.remote, rec.spec.own_token());
+        let remote = super::remote_for(&self.remote, rec.spec.peer_token.as_ref());
         let run = cycle::run(&rec, &export.path, &remote, last, progress.as_ref());
+        live.lock().expect("live lock").busy_since = Some(std::time::Instant::now());
         let result = tokio::select! {
             r = run => r,
             stalled = stalled(&progress, STALL) => Err(crate::CopyError::Remote {
@@ -303,6 +328,7 @@ impl Runners {
         };
         progress.total.store(0, Relaxed);
         let mut l = live.lock().expect("live lock");
+        l.busy_since = None;
         match result {
             Ok(c) => {
                 l.degraded = false;

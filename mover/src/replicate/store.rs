@@ -38,13 +38,6 @@ pub struct Spec {
     pub peer_token: Option<PeerToken>,
 }
 
-impl Spec {
-    /// The token this relationship presents to the peer's agent, if it has its own.
-    pub fn own_token(&self) -> Option<&str> {
-        self.peer_token.as_ref().map(|t| t.token.as_str())
-    }
-}
-
 /// A relationship's own token for the peer's agent, and the caller's name for it.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -53,6 +46,9 @@ pub struct PeerToken {
     pub token: String,
     /// The caller's version of it (a secret's uid/resourceVersion).
     pub version: String,
+    /// The peer cluster's CA (PEM), trusted alone for this relationship's peer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca: Option<String>,
 }
 
 impl std::fmt::Debug for PeerToken {
