@@ -3,7 +3,7 @@
 //! separate HTTP port; and to local clients over NBD on a Unix socket, hydrating
 //! exports included (copy-on-demand).
 
-mod certificate;
+pub mod certificate;
 mod config;
 mod control;
 mod cycles;

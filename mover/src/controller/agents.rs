@@ -133,10 +133,14 @@ impl AgentApi for ScheduleClient {
     }
 }
 
+/// The name an agent's certificate must carry, from its host (its node's name).
+pub type ServerNames = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
+
 /// [`Agents`] over gRPC, one cached connection per agent.
 pub struct GrpcAgents {
     remote: RemoteOptions,
     clients: Mutex<HashMap<String, Connection>>,
+    server_names: Option<ServerNames>,
 }
 
 impl GrpcAgents {
@@ -148,7 +152,14 @@ impl GrpcAgents {
                 ..RemoteOptions::default()
             },
             clients: Mutex::new(HashMap::new()),
+            server_names: None,
         }
+    }
+
+    /// Checks each agent's certificate against the name `names` gives for its host.
+    pub fn with_server_names(mut self, names: ServerNames) -> Self {
+        self.server_names = Some(names);
+        self
     }
 
     async fn client(
@@ -168,9 +179,14 @@ impl GrpcAgents {
             message,
         };
         // The control API ignores the volume part of an agent URL.
-        let url = AgentUrl::parse(&format!("agent://{agent}/-"))
+        let mut url = AgentUrl::parse(&format!("agent://{agent}/-"))
             .ok_or_else(|| fail("not HOST:PORT".into()))?
             .map_err(|e| fail(e.to_string()))?;
+        if let Some(names) = &self.server_names {
+            url.tls_name = Some(names(&url.host).ok_or_else(|| {
+                fail("no agent pod has this address: its certificate's name is unknown".into())
+            })?);
+        }
         let c = self
             .remote
             .channel(&url)

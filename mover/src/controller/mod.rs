@@ -19,6 +19,7 @@
 pub mod agents;
 pub mod crd;
 pub mod desired;
+pub mod issuer;
 pub mod leftovers;
 pub mod metrics;
 pub mod reconcile;

@@ -50,7 +50,23 @@ pub struct RunOptions {
     /// Where /metrics (Prometheus) and /healthz are served.
     #[arg(long, default_value = "0.0.0.0:9471")]
     pub metrics_listen: std::net::SocketAddr,
-    /// Authentication and TLS towards the agents.
+    /// The namespaces whose Secrets classes may name (a Role in each lets the
+    /// controller read them; see deploy/README.md) [default: the controller's own].
+    #[arg(long = "secret-namespace", value_name = "NAMESPACE")]
+    pub secret_namespaces: Vec<String>,
+    /// The agents' ServiceAccount (NAMESPACE/NAME is implied by --agent-namespace):
+    /// only its pod-bound tokens get agent certificates.
+    #[arg(long, default_value = "mover-agent")]
+    pub agent_service_account: String,
+    /// Talk to agents in plaintext with --token-file, and sign no certificates. By
+    /// default the controller runs the cluster's mover CA (Secret mover-ca in its
+    /// namespace): it signs the agents' certificate requests (signer
+    /// replication.mover/agent) and reaches agents over TLS with a certificate of its own,
+    /// checking each agent's against its node's name.
+    #[arg(long)]
+    pub insecure_plaintext: bool,
+    /// Authentication and TLS towards the agents (with --insecure-plaintext, or to
+    /// override the cluster CA with files).
     #[command(flatten)]
     pub connect: crate::remote::ConnectOptions,
 }
@@ -83,6 +99,9 @@ pub enum RunError {
         /// What failed.
         source: kube_lease_manager::LeaseManagerError,
     },
+    /// The cluster's mover CA could not be loaded or made.
+    #[error(transparent)]
+    Authority(super::issuer::AuthorityError),
     /// A watch cache stopped before its first list arrived.
     #[error("a watch cache stopped before it was filled")]
     CachesStopped,
@@ -218,10 +237,39 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             tracing::error!(error = %e, "metrics server stopped");
         }
     });
+    let mut connect = options.connect.clone();
+    let authority = if options.insecure_plaintext {
+        None
+    } else {
+        let a = super::issuer::Authority::load_or_create(&client, &options.lease_namespace)
+            .await
+            .map_err(RunError::Authority)?;
+        connect.tls_pem = Some(
+            a.controller_identity()
+                .map_err(|e| RunError::Authority(super::issuer::AuthorityError::new(&options.lease_namespace, e.to_string())))?,
+        );
+        Some(Arc::new(a))
+    };
+    let mut grpc_agents = GrpcAgents::new(connect);
+    if authority.is_some() {
+        // Agents run in the host network: an agent pod's address is its node's.
+        let pods: Store<k8s_openapi::api::core::v1::Pod> = agents.clone();
+        grpc_agents = grpc_agents.with_server_names(Box::new(move |host: &str| {
+            pods.state().iter().find_map(|p| {
+                let ip = p.status.as_ref()?.pod_ip.as_deref()?;
+                (ip == host).then(|| p.spec.as_ref()?.node_name.clone())?
+            })
+        }));
+    }
+    let secret_namespaces = if options.secret_namespaces.is_empty() {
+        vec![options.lease_namespace.clone()]
+    } else {
+        options.secret_namespaces.clone()
+    };
     let ctx = Arc::new(Context {
         client: client.clone(),
         group,
-        agents: Arc::new(GrpcAgents::new(options.connect.clone())),
+        agents: Arc::new(grpc_agents),
         caches: Caches {
             classes,
             pvcs,
@@ -232,7 +280,7 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         },
         agent_port: options.agent_port,
         metrics,
-        secrets: Some(Arc::new(SecretWatches::new(client.clone()))),
+        secrets: Some(Arc::new(SecretWatches::new(client.clone(), secret_namespaces))),
         leftovers: Some((
             options.deletion_grace,
             Arc::new(Leftovers::new(client.clone(), &options.lease_namespace)),
@@ -272,6 +320,14 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         Some(elect(&client, &options.lease_namespace, options.lease_duration).await?)
     };
     tracing::info!(group = %ctx.group, "controller started");
+    // The leader signs the agents' certificate requests.
+    if let Some(authority) = authority {
+        let user = format!(
+            "system:serviceaccount:{}:{}",
+            options.agent_namespace, options.agent_service_account
+        );
+        tokio::spawn(super::issuer::sign_requests(client.clone(), authority, user));
+    }
     // The leader removes what deletions left on agents that were down, once they answer.
     if let Some((grace, leftovers)) = ctx.leftovers.clone() {
         let agents = ctx.agents.clone();

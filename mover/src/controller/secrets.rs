@@ -16,14 +16,18 @@ const FIRST_LIST: Duration = Duration::from_secs(10);
 /// Watches of the secrets asked for so far, started on first use.
 pub struct SecretWatches {
     client: kube::Client,
+    /// The namespaces whose secrets the controller may read (a Role in each).
+    namespaces: Vec<String>,
     stores: Mutex<HashMap<(String, String), Store<Secret>>>,
 }
 
 impl SecretWatches {
-    /// No watch yet: each starts with the first read of its secret.
-    pub fn new(client: kube::Client) -> Self {
+    /// No watch yet: each starts with the first read of its secret, in `namespaces`
+    /// only.
+    pub fn new(client: kube::Client, namespaces: Vec<String>) -> Self {
         SecretWatches {
             client,
+            namespaces,
             stores: Mutex::new(HashMap::new()),
         }
     }
@@ -31,6 +35,15 @@ impl SecretWatches {
     /// The secret `namespace/name` as its watch last saw it (`None`: it does not exist);
     /// an error if the watch could not list it in time (RBAC, API server down).
     pub async fn get(&self, namespace: &str, name: &str) -> Result<Option<Secret>, String> {
+        if !self.namespaces.iter().any(|n| n == namespace) {
+            return Err(format!(
+                "secret {namespace}/{name} is in a namespace the controller does not read \
+                 secrets in ({}): move the secret there, or add {namespace} to the \
+                 controller's --secret-namespace and give it the Role of deploy/README.md \
+                 in {namespace}",
+                self.namespaces.join(", ")
+            ));
+        }
         let key = (namespace.to_string(), name.to_string());
         let store = {
             let mut stores = self.stores.lock().expect("secret stores lock");
