@@ -143,7 +143,10 @@ fn the_checker_notices_a_missing_or_retyped_field() {
 
 #[test]
 fn deploy_agent_configs_load() {
-    for file in ["deploy/base/agent.toml", "deploy/overlays/mtls/agent.toml"] {
+    for file in [
+        "deploy/base/agent.toml",
+        "deploy/overlays/insecure-plaintext/agent.toml",
+    ] {
         let config = mover::agent::AgentConfig::load(&repo().join(file))
             .unwrap_or_else(|e| panic!("{file}: {e}"));
         assert_eq!(
@@ -166,5 +169,12 @@ fn deploy_agent_configs_load() {
                 "{file}: volume_roots lacks {root}"
             );
         }
+        // Peer clusters present a token of the replication role.
+        assert!(config.replication_token_file.is_some(), "{file}");
     }
+    let base = mover::agent::AgentConfig::load(&repo().join("deploy/base/agent.toml")).unwrap();
+    assert!(
+        base.tls.as_ref().is_some_and(|t| t.from_kubernetes) && base.token_file.is_none(),
+        "the base install is TLS with certificates from the cluster's signer, no shared token"
+    );
 }

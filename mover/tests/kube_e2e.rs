@@ -83,21 +83,9 @@ fn the_install_applies_and_the_api_server_refuses_bad_volume_replications() {
     let Some(c) = Cluster::start(t.path(), "install") else {
         return;
     };
-    // The mtls overlay's Certificates and Issuers need cert-manager's CRDs (cert-manager
-    // itself is installed separately, as the overlay says).
-    c.kubectl_ok(&[
-        "apply",
-        "--server-side",
-        "-f",
-        c.bin.join("crds").to_str().unwrap(),
-    ]);
-    wait_established(
-        &c,
-        &["certificates.cert-manager.io", "issuers.cert-manager.io"],
-    );
     for dir in [
         "deploy/base",
-        "deploy/overlays/mtls",
+        "deploy/overlays/insecure-plaintext",
         "deploy/overlays/csi-addons",
     ] {
         apply_kustomization(&c, dir);

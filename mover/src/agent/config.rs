@@ -154,13 +154,6 @@ impl AgentConfig {
                     ));
                 }
             }
-            if tls.from_kubernetes && config.node_name().is_none() {
-                return Err(invalid(
-                    "[tls] from_kubernetes needs the node's name: set node_name or the \
-                     NODE_NAME environment variable (the downward API's spec.nodeName)"
-                        .into(),
-                ));
-            }
         }
         if config.nbd_listen.is_some() && config.tls.is_none() {
             return Err(invalid(

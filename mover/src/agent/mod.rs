@@ -83,7 +83,12 @@ pub async fn serve(
         Some(t) => match t.files() {
             Some(files) => Some(files.load()?),
             None => {
-                let node = config.node_name().unwrap_or_default();
+                let node = config.node_name().ok_or_else(|| ConfigError::Invalid {
+                    path: "agent.toml".into(),
+                    why: "[tls] from_kubernetes needs the node's name: set node_name or the \
+                          NODE_NAME environment variable (the downward API's spec.nodeName)"
+                        .into(),
+                })?;
                 Some(certificate::obtain(&config.state_dir, &node, CERTIFICATE_WAIT).await?)
             }
         },
