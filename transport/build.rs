@@ -12,6 +12,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "proto/replication.proto",
                 "proto/hydrate.proto",
                 "proto/schedule.proto",
+                "proto/locate.proto",
             ],
             &["proto"],
         )?;

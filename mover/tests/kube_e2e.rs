@@ -202,10 +202,21 @@ fn the_controller_may_do_what_deploy_documents_and_no_more() {
 // Two clusters.
 
 const VOLUME_LEN: u64 = 32 * MIB;
-/// The secret holding the peer agents' token (the agents here share theirs).
-const PEER_SECRET: &str = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: dr-peer\n  namespace: mover-system\nstringData:\n  token: t0ken-for-tests\n";
-/// A class's parameters naming [`PEER_SECRET`].
+/// A class's parameters naming the secret `dr-peer` (the peer cluster's replication
+/// token and CA).
 const SECRET_PARAMS: &str = "    replication.storage.openshift.io/replication-secret-name: dr-peer\n    replication.storage.openshift.io/replication-secret-namespace: mover-system\n";
+
+/// The secret `dr-peer` with `token` and, for a peer cluster, its CA.
+fn peer_secret(token: &str, ca: Option<&str>) -> String {
+    let mut data = json!({"token": token});
+    if let Some(ca) = ca {
+        data["ca.crt"] = json!(ca);
+    }
+    json!({"apiVersion": "v1", "kind": "Secret",
+           "metadata": {"name": "dr-peer", "namespace": "mover-system"},
+           "stringData": data})
+    .to_string()
+}
 
 /// The controllers' `--lease-duration` here.
 const LEASE: Duration = Duration::from_secs(6);
@@ -216,58 +227,93 @@ const CONTROLLER_USER: &str = "system:serviceaccount:mover-system:mover-controll
 /// alike in both).
 const RELATIONSHIP: &str = "app/data";
 
-/// A real `mover agent` on a "node": its own loopback address, the cluster's agent port.
+/// A real `mover agent` on a "node": its own loopback address, the cluster's agent port,
+/// TLS with a certificate from its cluster's controller (through the CSR API, with a
+/// ServiceAccount token bound to its pod, as the kubelet projects it).
 struct NodeAgent {
     child: Child,
     ip: String,
+    node: String,
     metrics_port: u16,
     dir: PathBuf,
+    extra: String,
 }
 
 impl NodeAgent {
-    fn start(dir: &Path, ip: &str, port: u16) -> NodeAgent {
-        NodeAgent::start_with(dir, ip, port, "")
-    }
-
-    /// Starts it with `extra` appended to its config (e.g. `[exports.NAME]` sections).
-    fn start_with(dir: &Path, ip: &str, port: u16, extra: &str) -> NodeAgent {
+    /// Starts the agent of `node` (its pod's token in DIR/agent.kubeconfig) with `extra`
+    /// appended to its config (e.g. `[exports.NAME]` sections), without waiting for its
+    /// certificate: see [`NodeAgent::wait_ready`].
+    fn spawn(dir: &Path, ip: &str, node: &str, port: u16, extra: &str) -> NodeAgent {
         std::fs::create_dir_all(dir).unwrap();
+        // The operator's token (the control role), for `mover replicate status` here.
         std::fs::write(dir.join("token"), common::agent::TOKEN).unwrap();
         let metrics_port = common::agent::free_port();
         let config = dir.join("agent.toml");
         std::fs::write(
             &config,
             format!(
-                "listen = \"{ip}:{port}\"\nmetrics_listen = \"{ip}:{metrics_port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\nvolume_roots = [\"{}\"]\n{extra}",
+                "listen = \"{ip}:{port}\"\nmetrics_listen = \"{ip}:{metrics_port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\nreplication_token_file = \"{}\"\nnode_name = \"{node}\"\nvolume_roots = [\"{}\"]\n{extra}\n[tls]\nfrom_kubernetes = true\n",
                 dir.join("state").display(),
                 dir.join("token").display(),
+                dir.parent().unwrap().join("replication-token").display(),
                 dir.display()
             ),
         )
         .unwrap();
-        let log = std::fs::File::create(dir.join("agent.log")).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("agent.log"))
+            .unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_mover"))
             .args(["agent", "--config", config.to_str().unwrap()])
             .env("RUST_LOG", "info")
+            .env("KUBECONFIG", dir.join("agent.kubeconfig"))
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect((ip, metrics_port)).is_err() {
-            assert!(Instant::now() < deadline, "agent on {ip} did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
         NodeAgent {
             child,
             ip: ip.into(),
+            node: node.into(),
             metrics_port,
             dir: dir.into(),
+            extra: extra.into(),
         }
     }
-}
 
-impl NodeAgent {
+    /// Waits until it serves (its certificate signed).
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::net::TcpStream::connect((self.ip.as_str(), self.metrics_port)).is_err() {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "agent {} exited ({status}):\n{}",
+                    self.node,
+                    std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent {} did not start:\n{}",
+                self.node,
+                std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Its URL as peers and the controller reach it: the name its certificate carries.
+    fn url(&self, port: u16) -> String {
+        format!("agent://{}@{}:{port}", self.node, self.ip)
+    }
+
+    /// The CA it trusts (its cluster's), as it keeps it.
+    fn ca(&self) -> PathBuf {
+        self.dir.join("state/tls/ca.crt")
+    }
+
     /// Kills the agent (SIGKILL): its node is down.
     fn kill(&mut self) {
         let _ = self.child.kill();
@@ -277,15 +323,19 @@ impl NodeAgent {
     /// Starts it again on the same address, state and volumes.
     fn restart(&mut self, port: u16) {
         self.kill();
-        let again = NodeAgent::start(&self.dir, &self.ip, port);
+        let mut again = NodeAgent::spawn(&self.dir, &self.ip, &self.node, port, &self.extra);
+        again.wait_ready();
         *self = again;
     }
 
-    /// `mover replicate status RELATIONSHIP` on this agent: its output, or its error.
+    /// `mover replicate status RELATIONSHIP` on this agent over TLS (the operator's
+    /// token): its output, or its error.
     fn relationship(&self, port: u16) -> Result<String, String> {
         let out = Command::new(env!("CARGO_BIN_EXE_mover"))
             .args(["replicate", "status", RELATIONSHIP, "--json", "--agent"])
-            .arg(format!("agent://{}:{port}", self.ip))
+            .arg(self.url(port))
+            .arg("--tls-ca")
+            .arg(self.ca())
             .env("MOVER_TOKEN", common::agent::TOKEN)
             .output()
             .unwrap();
@@ -301,6 +351,106 @@ impl Drop for NodeAgent {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Registers a Node per agent (`NAME-node1`, ...) and runs the DaemonSet's agent
+/// pods on them; returns each node's pod.
+fn run_agent_pods(cluster: &Cluster, name: &str, nodes: &[(String, String, String)]) -> std::collections::HashMap<String, String> {
+    let mut ips = std::collections::HashMap::new();
+    let mut names = std::collections::HashMap::new();
+    for (i, (node, ip, _)) in nodes.iter().enumerate() {
+        let n = i + 1;
+        // The kubelet's part: register the Node.
+        cluster.apply(&format!(
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node}\n  labels:\n    kubernetes.io/hostname: {node}\n    topology.kubernetes.io/zone: {name}-zone{n}\n"
+        ));
+        ips.insert(node.clone(), ip.clone());
+    }
+    // kube-controller-manager's DaemonSet controller makes an agent pod per node.
+    // No scheduler or kubelet runs: bind each to its node (the scheduler's part)
+    // and report it Running with the node's address (the kubelet's part; the agents
+    // run in the host network). The agent processes themselves are real.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let pods = loop {
+        let out = cluster.kubectl_ok(&[
+            "get",
+            "pods",
+            "-n",
+            "mover-system",
+            "-l",
+            "app.kubernetes.io/name=mover-agent",
+            "-o",
+            "json",
+        ]);
+        let list: Value = serde_json::from_str(&out).unwrap();
+        let pods = list["items"].as_array().cloned().unwrap_or_default();
+        if pods.len() == nodes.len() {
+            break pods;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the DaemonSet made {} agent pods, not {}\n{}",
+            pods.len(),
+            nodes.len(),
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    for pod in pods {
+        let name = pod["metadata"]["name"].as_str().unwrap();
+        let node = pod["spec"]["affinity"]["nodeAffinity"]
+            ["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+            ["matchFields"][0]["values"][0]
+            .as_str()
+            .expect("a DaemonSet pod names its node in its affinity")
+            .to_string();
+        cluster.kubectl_as(
+            &cluster.kubeconfig,
+            &["create", "-f", "-"],
+            Some(
+                &json!({
+                    "apiVersion": "v1", "kind": "Binding",
+                    "metadata": {"name": name, "namespace": "mover-system"},
+                    "target": {"apiVersion": "v1", "kind": "Node", "name": node}
+                })
+                .to_string(),
+            ),
+        );
+        let ip = &ips[&node];
+        names.insert(node.clone(), name.to_string());
+        cluster.kubectl_ok(&[
+            "patch",
+            "pod",
+            name,
+            "-n",
+            "mover-system",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+                               "hostIP": ip,
+                               "conditions": [{"type": "Ready", "status": "True"}]}})
+            .to_string(),
+        ]);
+    }
+    names
+}
+
+/// Registers the nodes (NAME, IP, extra config), runs the agent pods on them and starts
+/// their agents, each with a ServiceAccount token bound to its pod (the kubelet's
+/// projected token). They serve once a controller has signed their certificates.
+fn start_agents(cluster: &Cluster, name: &str, nodes: &[(String, String, String)], port: u16) -> Vec<NodeAgent> {
+    std::fs::write(cluster.dir.join("replication-token"), format!("repl-{name}")).unwrap();
+    let pods = run_agent_pods(cluster, name, nodes);
+    nodes
+        .iter()
+        .map(|(node, ip, extra)| {
+            let dir = cluster.dir.join(node);
+            std::fs::create_dir_all(&dir).unwrap();
+            cluster.pod_kubeconfig("mover-system", "mover-agent", &pods[node], &dir.join("agent.kubeconfig"));
+            NodeAgent::spawn(&dir, ip, node, port, extra)
+        })
+        .collect()
 }
 
 /// A `mover controller run` process with the mover-controller ServiceAccount's token.
@@ -334,16 +484,13 @@ impl Site {
         apply_kustomization(&cluster, "deploy/base");
         wait_established(&cluster, &["volumereplications.replication.mover"]);
         let port = common::agent::free_port();
-        let agents = (1..=2)
+        let nodes: Vec<(String, String, String)> = (1..=2)
             .map(|n| {
                 let node = format!("{name}-node{n}");
-                NodeAgent::start(
-                    &cluster.dir.join(&node),
-                    &format!("127.0.{subnet}.{n}"),
-                    port,
-                )
+                (node, format!("127.0.{subnet}.{n}"), String::new())
             })
             .collect();
+        let agents = start_agents(&cluster, name, &nodes, port);
         let mut site = Site {
             cluster,
             agents,
@@ -352,7 +499,6 @@ impl Site {
             controllers: Vec::new(),
         };
         site.image = site.agents[0].dir.join("data.img");
-        site.run_agent_pods(name);
         site.cluster.kubectl_ok(&["create", "namespace", "app"]);
         // A local PV on node 1, bound by kube-controller-manager's PV binder. Named alike
         // in both clusters, as RamenDR restores PVs: the class's target is the peer
@@ -407,94 +553,15 @@ spec:
         Some(site)
     }
 
-    /// Registers a Node per agent (`NAME-node1`, ...) and runs the DaemonSet's agent
-    /// pods on them.
-    fn run_agent_pods(&self, name: &str) {
-        let cluster = &self.cluster;
-        let mut ips = std::collections::HashMap::new();
-        for (i, agent) in self.agents.iter().enumerate() {
-            let n = i + 1;
-            let node = format!("{name}-node{n}");
-            // The kubelet's part: register the Node.
-            cluster.apply(&format!(
-                "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node}\n  labels:\n    kubernetes.io/hostname: {node}\n    topology.kubernetes.io/zone: {name}-zone{n}\n"
-            ));
-            ips.insert(node, agent.ip.clone());
-        }
-        // kube-controller-manager's DaemonSet controller makes an agent pod per node.
-        // No scheduler or kubelet runs: bind each to its node (the scheduler's part)
-        // and report it Running with the node's address (the kubelet's part; the agents
-        // run in the host network). The agent processes themselves are real.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let pods = loop {
-            let out = cluster.kubectl_ok(&[
-                "get",
-                "pods",
-                "-n",
-                "mover-system",
-                "-l",
-                "app.kubernetes.io/name=mover-agent",
-                "-o",
-                "json",
-            ]);
-            let list: Value = serde_json::from_str(&out).unwrap();
-            let pods = list["items"].as_array().cloned().unwrap_or_default();
-            if pods.len() == self.agents.len() {
-                break pods;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the DaemonSet made {} agent pods, not {}\n{}",
-                pods.len(),
-                self.agents.len(),
-                cluster.logs()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        };
-        for pod in pods {
-            let name = pod["metadata"]["name"].as_str().unwrap();
-            let node = pod["spec"]["affinity"]["nodeAffinity"]
-                ["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
-                ["matchFields"][0]["values"][0]
-                .as_str()
-                .expect("a DaemonSet pod names its node in its affinity")
-                .to_string();
-            cluster.kubectl_as(
-                &cluster.kubeconfig,
-                &["create", "-f", "-"],
-                Some(
-                    &json!({
-                        "apiVersion": "v1", "kind": "Binding",
-                        "metadata": {"name": name, "namespace": "mover-system"},
-                        "target": {"apiVersion": "v1", "kind": "Node", "name": node}
-                    })
-                    .to_string(),
-                ),
-            );
-            let ip = &ips[&node];
-            cluster.kubectl_ok(&[
-                "patch",
-                "pod",
-                name,
-                "-n",
-                "mover-system",
-                "--subresource=status",
-                "--type=merge",
-                "-p",
-                &json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
-                                   "hostIP": ip,
-                                   "conditions": [{"type": "Ready", "status": "True"}]}})
-                .to_string(),
-            ]);
-        }
-    }
-
-    /// The class replicating to `peer`'s first node, with the peer agents' token in a
-    /// secret it names (read through a watch: see `PEER_SECRET`).
+    /// The class replicating to `peer`'s first node, with the peer cluster's
+    /// replication token and CA in the secret it names (read through a watch).
     fn class_to(&self, peer: &Site) -> String {
+        let ca = std::fs::read_to_string(peer.agents[0].ca()).unwrap();
+        let token = format!("repl-{}", peer.cluster.name);
         format!(
-            "{PEER_SECRET}---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: 2s\n    target: agent://{}:{}\n{SECRET_PARAMS}",
-            peer.agents[0].ip, peer.port
+            "{}\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: 2s\n    target: {}\n{SECRET_PARAMS}",
+            peer_secret(&token, Some(&ca)),
+            peer.agents[0].url(peer.port)
         )
     }
 
@@ -511,10 +578,6 @@ spec:
             .args([
                 "--metrics-listen",
                 &format!("127.0.0.1:{}", common::agent::free_port()),
-            ])
-            .args([
-                "--token-file",
-                self.agents[0].dir.join("token").to_str().unwrap(),
             ])
             // Short bounds, so the takeover and deletion tests finish soon.
             .args(["--lease-duration", &format!("{}s", LEASE.as_secs())])
@@ -534,6 +597,10 @@ spec:
             .spawn()
             .unwrap();
         self.controllers.push(Controller { child, log });
+        // The first one signs the agents' certificates: they serve from then on.
+        for a in &mut self.agents {
+            a.wait_ready();
+        }
     }
 
     fn get(&self, kind: &str, namespace: &str, name: &str) -> Value {
@@ -653,10 +720,10 @@ fn replicating_pair(dir: &Path) -> Option<(Site, Site)> {
         &[(0, 4 * MIB), (20 * MIB, 2 * MIB)],
     );
     make_image(&b.image, VOLUME_LEN, 0, &[]);
-    a.cluster.apply(&a.class_to(&b));
-    b.cluster.apply(&b.class_to(&a));
     a.start_controller("a-controller-1");
     b.start_controller("b-controller-1");
+    a.cluster.apply(&a.class_to(&b));
+    b.cluster.apply(&b.class_to(&a));
 
     // RamenDR creates the secondary first, then the primary.
     b.set_state("secondary");
@@ -752,6 +819,142 @@ fn two_clusters_replicate_fail_over_and_back_through_volume_replications() {
             .collect();
         assert!(denied.is_empty(), "forbidden: {denied:#?}");
     }
+    default_install_refusals(&a, &b);
+}
+
+/// `mover ARGS` with `token` (the control or a replication token): stdout, or stderr.
+fn mover_cli(args: &[&str], token: &str) -> Result<String, String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_mover"))
+        .args(args)
+        .env("MOVER_TOKEN", token)
+        .output()
+        .unwrap();
+    match out.status.success() {
+        true => Ok(String::from_utf8_lossy(&out.stdout).into()),
+        false => Err(String::from_utf8_lossy(&out.stderr).into()),
+    }
+}
+
+/// The cluster CA's key and certificate, as an administrator reads them.
+fn cluster_ca(s: &Site) -> (String, String) {
+    let field = |k: &str| {
+        s.cluster.kubectl_ok(&[
+            "get",
+            "secret",
+            "mover-ca",
+            "-n",
+            "mover-system",
+            "-o",
+            &format!("go-template={{{{index .data \"{k}\" | base64decode}}}}"),
+        ])
+    };
+    (field("ca.key"), field("ca.crt"))
+}
+
+/// The default install's agents answer only TLS, checked by name against their
+/// cluster's CA, and refuse a wrong CA, a wrong name, an expired certificate, a peer
+/// cluster's token used for the control API, and a peer reading an export for another
+/// relationship; none of them writes anything.
+fn default_install_refusals(a: &Site, b: &Site) {
+    let agent = &a.agents[0];
+    let (url, port) = (agent.url(a.port), a.port);
+    let ca = agent.ca();
+    let ca = ca.to_str().unwrap();
+    let status = |url: &str, tls: &[&str], token: &str| {
+        let mut args = vec!["replicate", "status", RELATIONSHIP, "--json", "--agent", url];
+        args.extend_from_slice(tls);
+        mover_cli(&args, token)
+    };
+    // The operator's token over TLS with the right CA and name: answered.
+    assert!(agent.relationship(port).is_ok());
+    // Plaintext: no answer.
+    let plain = format!("agent://{}:{port}", agent.ip);
+    let e = status(&plain, &[], common::agent::TOKEN).unwrap_err();
+    assert!(!e.contains("\"role\""), "a plaintext client was answered: {e}");
+    // The peer cluster's CA does not vouch for this cluster's agents.
+    let other_ca = b.agents[0].ca();
+    let e = status(&url, &["--tls-ca", other_ca.to_str().unwrap()], common::agent::TOKEN)
+        .unwrap_err();
+    assert!(e.contains("UnknownIssuer"), "wrong CA: {e}");
+    // The certificate of node 1 is not node 2's.
+    let wrong_name = format!("agent://{}@{}:{port}", a.agents[1].node, agent.ip);
+    let e = status(&wrong_name, &["--tls-ca", ca], common::agent::TOKEN).unwrap_err();
+    assert!(e.contains("NotValidForName"), "wrong name: {e}");
+    // An expired certificate of the right CA, with no token: refused.
+    let (ca_key, ca_crt) = cluster_ca(a);
+    let issuer = rcgen::Issuer::from_ca_cert_pem(
+        &ca_crt,
+        rcgen::KeyPair::from_pem(&ca_key).unwrap(),
+    )
+    .unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.subject_alt_names.push(rcgen::SanType::URI(
+        transport::auth::CONTROLLER_URI.try_into().unwrap(),
+    ));
+    p.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    p.not_after = rcgen::date_time_ymd(2021, 1, 1);
+    let cert = p.signed_by(&key, &issuer).unwrap();
+    let dir = a.cluster.dir.join("expired");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tls.crt"), cert.pem()).unwrap();
+    std::fs::write(dir.join("tls.key"), key.serialize_pem()).unwrap();
+    let (crt, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    let expired = [
+        "--tls-ca",
+        ca,
+        "--tls-cert",
+        crt.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+    ];
+    let e = status(&url, &expired, "").unwrap_err();
+    assert!(!e.contains("\"role\""), "an expired certificate was answered: {e}");
+    // The peer cluster's token (the replication role) may not register an export, and
+    // nothing is registered.
+    let exports = agent.dir.join("state/exports.json");
+    let before = std::fs::read_to_string(&exports).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let peer = mover::controller::agents::GrpcAgents::new(mover::remote::ConnectOptions {
+        token: Some(format!("repl-{}", a.cluster.name)),
+        tls_ca: Some(agent.ca()),
+        tls_server_name: Some(agent.node.clone()),
+        ..Default::default()
+    });
+    let e = rt
+        .block_on(mover::controller::agents::Agents::export(
+            &peer,
+            &format!("{}:{port}", agent.ip),
+            "stolen",
+            "/etc",
+            false,
+            "app/data",
+        ))
+        .unwrap_err();
+    assert_eq!(e.code, tonic::Code::PermissionDenied, "{e}");
+    assert!(e.message.contains("may not call export"), "{e}");
+    assert_eq!(std::fs::read_to_string(&exports).unwrap(), before);
+    // A peer may read the PV only for the relationship it is registered for.
+    let dest = a.cluster.dir.join("stolen.img");
+    let source = format!("{url}/pv-data");
+    let e = mover_cli(
+        &[
+            "copy",
+            &source,
+            dest.to_str().unwrap(),
+            "--relationship",
+            "other",
+            "--tls-ca",
+            ca,
+        ],
+        &format!("repl-{}", a.cluster.name),
+    )
+    .unwrap_err();
+    assert!(
+        e.contains("only to the relationship it was registered for"),
+        "{e}"
+    );
+    assert!(!dest.exists(), "a refused copy left {}", dest.display());
 }
 
 /// The VR's conditions as (type, status, reason, lastTransitionTime).
@@ -995,7 +1198,7 @@ fn a_thousand_volume_replications_on_a_real_api_server() {
     // copies as exports of its own config (what the secondary cluster's controller
     // would register), so each relationship cycles for real.
     let port = common::agent::free_port();
-    let (src, dst) = (cluster.dir.join("node1"), cluster.dir.join("node2"));
+    let (src, dst) = (cluster.dir.join("scale-node1"), cluster.dir.join("scale-node2"));
     std::fs::create_dir_all(&src).unwrap();
     std::fs::create_dir_all(&dst).unwrap();
     let mut peer_exports = String::new();
@@ -1050,20 +1253,23 @@ spec:
             path = src.join(format!("v{i}.img")).display()
         );
     }
-    let node1 = NodeAgent::start(&src, "127.0.30.1", port);
-    let node2 = NodeAgent::start_with(&dst, "127.0.30.2", port, &peer_exports);
+    let nodes = [
+        ("scale-node1".to_string(), "127.0.30.1".to_string(), String::new()),
+        ("scale-node2".to_string(), "127.0.30.2".to_string(), peer_exports),
+    ];
+    let agents = start_agents(&cluster, "scale", &nodes, port);
     let mut site = Site {
         cluster,
-        agents: vec![node1, node2],
+        agents,
         port,
         image: src.join("v0.img"),
         controllers: Vec::new(),
     };
-    site.run_agent_pods("scale");
     site.cluster.kubectl_ok(&["create", "namespace", "app"]);
     site.cluster.apply(&format!(
-        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: local\nprovisioner: kubernetes.io/no-provisioner\nvolumeBindingMode: Immediate\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: {}s\n    target: agent://127.0.30.2:{port}\n{SECRET_PARAMS}---\n{PEER_SECRET}",
-        INTERVAL.as_secs()
+        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: local\nprovisioner: kubernetes.io/no-provisioner\nvolumeBindingMode: Immediate\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: {}s\n    target: agent://scale-node2@127.0.30.2:{port}\n{SECRET_PARAMS}---\n{}",
+        INTERVAL.as_secs(),
+        peer_secret("repl-scale", None)
     ));
     let created = Instant::now();
     site.cluster.apply(&objects);

@@ -3,8 +3,9 @@
 //! - [`proto`]: the protocol, generated from `proto/transfer.proto` (tonic + prost).
 //! - [`control`]: the relationship control API, from `proto/replication.proto`.
 //! - [`hydrate`]: the hydration control API, from `proto/hydrate.proto`.
-//! - [`auth`]: bearer-token checking for servers and attaching for clients.
-//! - [`tls`]: mutual TLS configuration from PEM files (rustls).
+//! - [`locate`]: where a peer cluster keeps a relationship's volume, from `proto/locate.proto`.
+//! - [`auth`]: the control and replication roles, by bearer token or certificate.
+//! - [`tls`]: TLS configuration from PEM files or memory (rustls).
 //! - [`frames`]: packing volume data into frames, zstd-compressed only when it shrinks.
 //! - [`nbd`]: the NBD protocol, server side, over any byte stream.
 //! - [`RateLimiter`]: a token bucket for `--bwlimit`.
@@ -30,6 +31,12 @@ pub mod proto {
 #[allow(missing_docs, clippy::all)]
 pub mod control {
     tonic::include_proto!("mover.replication.v1");
+}
+
+/// Where a peer cluster keeps a relationship's volume (`proto/locate.proto`).
+#[allow(missing_docs, clippy::all)]
+pub mod locate {
+    tonic::include_proto!("mover.locate.v1");
 }
 
 /// The hydration control API (`proto/hydrate.proto`), client and server.

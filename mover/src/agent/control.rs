@@ -24,6 +24,8 @@ pub struct Control {
     pub(super) runners: Arc<Runners>,
     /// `HOST:PORT` peers reach this agent at, from the config (else the caller's view).
     pub(super) advertise: Option<String>,
+    /// The name this agent's certificate carries (its node's): peers check it.
+    pub(super) tls_name: Option<String>,
     /// How this agent reaches peers.
     pub(super) remote: RemoteOptions,
     /// Scheduled snapshots: an export one of them takes is in use.
@@ -31,6 +33,15 @@ pub struct Control {
 }
 
 impl Control {
+    /// How peers reach `volume` here: `agent://[NAME@]ADDRESS/VOLUME`, with the name
+    /// this agent's certificate carries.
+    fn side_url(&self, address: &str, volume: &str) -> String {
+        match &self.tls_name {
+            Some(n) if !address.contains('@') => format!("agent://{n}@{address}/{volume}"),
+            _ => format!("agent://{address}/{volume}"),
+        }
+    }
+
     fn record(&self, name: &str) -> Result<Record, ServiceError> {
         self.service.store.get(name).ok_or_else(|| {
             ServiceError::NotFound(format!(
@@ -65,8 +76,10 @@ impl Control {
     /// The cycle the peer was promoted from when it fenced this side's epoch, from the
     /// peer's history (`None` if the peer cannot be asked or does not say).
     async fn promoted_from(&self, r: &Record) -> Option<CycleRecord> {
-        let peer = AgentUrl::parse(&r.spec.peer)?.ok()?;
         let remote = replicate::remote_for(&self.remote, r.spec.peer_token.as_ref());
+        let peer = crate::remote::locate(&r.spec.peer, &r.spec.name, &remote)
+            .await
+            .ok()?;
         let mut c = remote.connect_control(&peer).await.ok()?;
         let s = c
             .get(control::NameRequest {
@@ -182,14 +195,17 @@ impl Control {
         }
         let export = self.service.export(&spec.volume)?;
         replicate::check_interval(spec.interval_ms).map_err(bad)?;
-        let peer = AgentUrl::parse(&spec.peer)
-            .ok_or_else(|| {
-                bad(format!(
-                    "secondary {:?} is not agent://HOST:PORT/VOLUME",
-                    spec.peer
-                ))
-            })?
-            .map_err(|e| bad(e.to_string()))?;
+        if !spec.peer.starts_with(crate::remote::CLUSTER_SCHEME) {
+            AgentUrl::parse(&spec.peer)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "secondary {:?} is neither agent://HOST:PORT/VOLUME nor \
+                         cluster://HOST:PORT",
+                        spec.peer
+                    ))
+                })?
+                .map_err(|e| bad(e.to_string()))?;
+        }
         // A file tree replicates file by file: no chunk size, nothing to freeze (a
         // freeze would stop the application for the whole walk).
         let tree = std::fs::metadata(&export.path).is_ok_and(|m| m.is_dir());
@@ -234,10 +250,13 @@ impl Control {
             version: spec.peer_token_version.clone(),
             ca: (!spec.peer_ca.is_empty()).then(|| spec.peer_ca.clone()),
         });
-        let mut client = replicate::remote_for(&self.remote, peer_token.as_ref())
-            .connect(&peer)
+        let remote = replicate::remote_for(&self.remote, peer_token.as_ref());
+        let unreachable =
+            |e: crate::CopyError| ServiceError::FailedPrecondition(format!("secondary unreachable: {e}"));
+        let peer = crate::remote::locate(&spec.peer, &spec.name, &remote)
             .await
-            .map_err(|e| ServiceError::FailedPrecondition(format!("secondary unreachable: {e}")))?;
+            .map_err(unreachable)?;
+        let mut client = remote.connect(&peer).await.map_err(unreachable)?;
         let d = client
             .describe(transport::proto::DescribeRequest {
                 volume: peer.volume.clone(),
@@ -266,7 +285,7 @@ impl Control {
         Ok(Spec {
             name: spec.name,
             volume: spec.volume,
-            peer: peer.to_string(),
+            peer: spec.peer,
             interval_ms: spec.interval_ms,
             bwlimit: spec.bwlimit,
             chunk_size,
@@ -306,7 +325,7 @@ impl Replication for Control {
             self.service.check_epoch(&spec.name, epoch)?;
             let record = Record {
                 version: RECORD_VERSION,
-                this_side: format!("agent://{address}/{}", spec.volume),
+                this_side: self.side_url(&address, &spec.volume),
                 spec,
                 role: Role::Primary,
                 epoch,
@@ -506,7 +525,7 @@ impl Replication for Control {
                     // How peers reach this side: `advertise` if set, else the address the
                     // old primary used (recorded with its cycles).
                     if let Some(a) = &self.advertise {
-                        rec.this_side = format!("agent://{a}/{}", rec.spec.volume);
+                        rec.this_side = self.side_url(a, &rec.spec.volume);
                     }
                 })
                 .map_err(internal)?;

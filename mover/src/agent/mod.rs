@@ -159,6 +159,7 @@ pub async fn serve(
         service: service.clone(),
         runners: runners.clone(),
         advertise: config.advertise.clone(),
+        tls_name: tls.as_ref().and_then(|_| config.node_name()),
         remote,
         schedules: schedules.clone(),
     };

@@ -15,7 +15,9 @@ use std::time::Duration;
 
 /// Class parameter: time between the starts of two cycles ("5m", "30s").
 pub const PARAM_INTERVAL: &str = "schedulingInterval";
-/// Class parameter: where replicas go: agent://HOST:PORT (the peer cluster's agents).
+/// Class parameter: where replicas go: cluster://HOST:PORT (the peer cluster's Locator,
+/// which says which of its agents holds each secondary), agent://[NODE@]HOST:PORT (one
+/// agent of the peer cluster), or a snapshot repository.
 pub const PARAM_TARGET: &str = "target";
 /// Class parameter: bytes per second on the wire ("100M").
 pub const PARAM_BANDWIDTH: &str = "bandwidth";
@@ -81,8 +83,10 @@ pub struct ClassParams {
 /// Where a class sends a volume.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Target {
-    /// Replication to the peer cluster's agent: HOST:PORT.
+    /// Replication to one agent of the peer cluster: [NODE@]HOST:PORT.
     Agent(String),
+    /// Replication to a peer cluster, its Locator at HOST:PORT.
+    Cluster(String),
     /// Scheduled snapshots into a repository.
     Repository(RepositoryTarget),
 }
@@ -122,13 +126,16 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
                 what,
                 format!(
                     "VolumeReplicationClass {name} has no {PARAM_TARGET} parameter: set it to \
-                     agent://HOST:PORT of the peer cluster's mover agents, or to a snapshot \
+                     cluster://HOST:PORT of the peer cluster's mover Locator, or to a snapshot \
                      repository (s3://BUCKET/PREFIX, or a directory on the nodes)"
                 ),
             ));
         }
         Some(t) if t.starts_with("s3://") || t.starts_with('/') => {
             Target::Repository(repository_target(&name, t, p)?)
+        }
+        Some(t) if t.starts_with("cluster://") && valid_host_port(t[10..].trim_end_matches('/')) => {
+            Target::Cluster(t[10..].trim_end_matches('/').to_string())
         }
         Some(t) => match t.strip_prefix("agent://") {
             Some(hp) if valid_host_port(hp.trim_end_matches('/')) => {
@@ -139,8 +146,9 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
                     what,
                     format!(
                         "VolumeReplicationClass {name}: unknown {PARAM_TARGET} {t:?}: use \
-                         agent://HOST:PORT (the peer cluster's agents), s3://BUCKET/PREFIX or \
-                         an absolute directory (a snapshot repository)"
+                         cluster://HOST:PORT (the peer cluster's Locator), agent://HOST:PORT \
+                         (one of its agents), s3://BUCKET/PREFIX or an absolute directory (a \
+                         snapshot repository)"
                     ),
                 ));
             }
@@ -452,6 +460,8 @@ pub struct Desired {
     pub name: String,
     /// The agent of the node holding the volume: HOST:PORT.
     pub agent: String,
+    /// That node: the name the agent's certificate carries.
+    pub node: String,
     /// The export on that agent (named after the PersistentVolume).
     pub volume: String,
     /// The volume's device or directory on the node.
@@ -602,8 +612,10 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
     Ok(Desired {
         name: relationship_name(vr),
         agent,
+        node: place.node.clone(),
         peer: match &params.target {
             Target::Agent(hp) => format!("agent://{hp}/{}", place.pv),
+            Target::Cluster(hp) => format!("cluster://{hp}"),
             Target::Repository(r) => r.url.clone(),
         },
         volume: place.pv,
@@ -749,6 +761,7 @@ pub(crate) mod tests {
             Desired {
                 name: "app/pg".into(),
                 agent: "10.0.0.1:7070".into(),
+                node: "node-a".into(),
                 volume: "pv-1".into(),
                 path: "/dev/vg0/pv-1".into(),
                 block: true,

@@ -119,6 +119,22 @@ impl Authority {
         })
     }
 
+    /// A fresh server certificate for this controller's Locator, naming
+    /// [`crate::remote::LOCATOR_NAME`] (what peer clusters' agents check).
+    pub fn locator_identity(&self) -> Result<TlsPem, rcgen::Error> {
+        let key = KeyPair::generate()?;
+        let mut p = CertificateParams::new(vec![crate::remote::LOCATOR_NAME.to_string()])?;
+        p.distinguished_name.push(DnType::CommonName, crate::remote::LOCATOR_NAME);
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        (p.not_before, p.not_after) = validity(LIFETIME);
+        let cert = p.signed_by(&key, &self.issuer()?)?;
+        Ok(TlsPem {
+            cert: cert.pem().into_bytes(),
+            key: key.serialize_pem().into_bytes(),
+            ca: self.ca_pem.clone().into_bytes(),
+        })
+    }
+
     /// Checks an agent's request and signs it: the certificate names `node`, as DNS
     /// name and agent URI, for server and client use. Returns the certificate then the
     /// CA (PEM), or why it is denied.

@@ -21,6 +21,7 @@ pub mod crd;
 pub mod desired;
 pub mod issuer;
 pub mod leftovers;
+pub mod locator;
 pub mod metrics;
 pub mod reconcile;
 mod run;

@@ -164,7 +164,7 @@ impl Context {
     }
 }
 
-fn typed<K: serde::de::DeserializeOwned>(obj: &DynamicObject) -> Result<K, serde_json::Error> {
+pub(super) fn typed<K: serde::de::DeserializeOwned>(obj: &DynamicObject) -> Result<K, serde_json::Error> {
     serde_json::to_value(obj).and_then(serde_json::from_value)
 }
 
@@ -269,7 +269,7 @@ fn hold(vr: &VolumeReplication, ctx: &Context) -> Held {
 }
 
 /// The desired relationship, or why not.
-fn resolve(vr: &VolumeReplication, ctx: &Context) -> Result<Desired, desired::Invalid> {
+pub(super) fn resolve(vr: &VolumeReplication, ctx: &Context) -> Result<Desired, desired::Invalid> {
     let class = ctx.class(&vr.spec.volume_replication_class);
     let held = hold(vr, ctx);
     let inputs = Inputs {
@@ -395,7 +395,9 @@ pub async fn decide(
     };
     // A class replicating to an agent may name a secret with the token for the peer's
     // agents (read on every look: a rotated token reaches the agent at the next one).
-    if let (desired::Target::Agent(_), Some((ns, name))) = (&d.params.target, &d.params.secret) {
+    if let (desired::Target::Agent(_) | desired::Target::Cluster(_), Some((ns, name))) =
+        (&d.params.target, &d.params.secret)
+    {
         let wanted = "`token`: the peer cluster's replication token (and `ca.crt`, its CA)";
         let token = secret_data(ctx, ns, name, wanted)
             .await

@@ -65,6 +65,16 @@ pub struct RunOptions {
     /// checking each agent's against its node's name.
     #[arg(long)]
     pub insecure_plaintext: bool,
+    /// Where the Locator listens: peer clusters' agents ask it which agent holds a
+    /// relationship's secondary (their class's target is cluster://ADDRESS; expose it to
+    /// them with a LoadBalancer or NodePort Service). Served only with
+    /// --replication-token-file.
+    #[arg(long, default_value = "0.0.0.0:7471")]
+    pub locator_listen: std::net::SocketAddr,
+    /// The replication tokens (one per line) peer clusters present to the Locator: the
+    /// agents' replication_token_file.
+    #[arg(long, value_name = "FILE")]
+    pub replication_token_file: Option<std::path::PathBuf>,
     /// Authentication and TLS towards the agents (with --insecure-plaintext, or to
     /// override the cluster CA with files).
     #[command(flatten)]
@@ -250,6 +260,16 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         );
         Some(Arc::new(a))
     };
+    let locator_tls = authority
+        .as_ref()
+        .map(|a| a.locator_identity())
+        .transpose()
+        .map_err(|e| {
+            RunError::Authority(super::issuer::AuthorityError::new(
+                &options.lease_namespace,
+                e.to_string(),
+            ))
+        })?;
     let mut grpc_agents = GrpcAgents::new(connect);
     if authority.is_some() {
         // Agents run in the host network: an agent pod's address is its node's.
@@ -313,6 +333,23 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
     };
     ready.await.map_err(|_| RunError::CachesStopped)?;
     tracing::info!("watch caches synced");
+    // Every replica answers peer clusters' agents (a standby from caches of its own).
+    if let Some(file) = &options.replication_token_file {
+        let (vrs, w) = cache(
+            Api::<DynamicObject>::all_with(client.clone(), &vr),
+            watcher::Config::default(),
+            vr.clone(),
+        );
+        tokio::spawn(w);
+        vrs.wait_until_ready()
+            .await
+            .map_err(|_| RunError::CachesStopped)?;
+        let service = super::locator::LocatorService {
+            vrs,
+            ctx: ctx.clone(),
+        };
+        serve_locator(options.locator_listen, file, locator_tls, service).await?;
+    }
     // Replicas keep their caches warm; only the Lease holder reconciles.
     let mut leader = if options.no_leader_election {
         None
@@ -372,6 +409,57 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             }
         }
     }
+    Ok(())
+}
+
+/// Serves the Locator on `addr` (TLS with `tls`), to callers with a token in
+/// `token_file`.
+async fn serve_locator(
+    addr: std::net::SocketAddr,
+    token_file: &std::path::Path,
+    tls: Option<transport::tls::TlsPem>,
+    service: super::locator::LocatorService,
+) -> Result<(), RunError> {
+    use transport::auth::{Authorize, Credentials, Role};
+    let text = std::fs::read_to_string(token_file).map_err(|source| RunError::Listen {
+        addr,
+        source: std::io::Error::new(
+            source.kind(),
+            format!("cannot read --replication-token-file {}: {source}", token_file.display()),
+        ),
+    })?;
+    let credentials = Arc::new(Credentials {
+        replication_tokens: text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(String::from)
+            .collect(),
+        ..Default::default()
+    });
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| RunError::Listen { addr, source })?;
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(pem) = &tls {
+        builder = builder
+            .tls_config(pem.server(true))
+            .map_err(|e| RunError::Listen {
+                addr,
+                source: std::io::Error::other(e.to_string()),
+            })?;
+    }
+    let router = builder.add_service(tonic::service::interceptor::InterceptedService::new(
+        transport::locate::locator_server::LocatorServer::new(service),
+        Authorize::new(credentials, Role::Replication, "the Locator"),
+    ));
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    tracing::info!(%addr, tls = tls.is_some(), "locator serving");
+    tokio::spawn(async move {
+        if let Err(e) = router.serve_with_incoming(incoming).await {
+            tracing::error!(error = %e, "locator stopped");
+        }
+    });
     Ok(())
 }
 

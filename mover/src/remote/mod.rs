@@ -10,6 +10,7 @@
 
 mod connect;
 mod groups;
+mod locate;
 mod pull;
 mod push;
 mod status;
@@ -23,6 +24,7 @@ pub use connect::{
     parse_rate,
 };
 pub use groups::KnownChunks;
+pub use locate::{CLUSTER_SCHEME, LOCATOR_NAME, locate};
 pub(crate) use groups::{Group, RemoteGroups, read_groups, tree};
 pub use pull::pull;
 pub use push::{CyclePush, push, push_cycle};

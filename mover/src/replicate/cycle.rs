@@ -193,7 +193,7 @@ async fn run_tree(
         consistency: FILE_CONSISTENT.into(),
         r#final: last,
         primary: record.this_side.clone(),
-        secondary: spec.peer.clone(),
+        secondary: peer.to_string(),
         interval_ms: spec.interval_ms,
         bwlimit: spec.bwlimit,
     };
@@ -232,10 +232,8 @@ pub async fn run(
     progress: &dyn Progress,
 ) -> Result<CycleRecord, CopyError> {
     let spec = &record.spec;
-    let peer = AgentUrl::parse(&spec.peer).ok_or_else(|| CopyError::BadDestination {
-        path: spec.peer.clone().into(),
-        why: "not an agent URL; expected agent://HOST:PORT/VOLUME".into(),
-    })??;
+    // A peer cluster's Locator says where the secondary is now (it may have moved).
+    let peer = crate::remote::locate(&spec.peer, &spec.name, remote).await?;
     let started_ms = now_ms();
     let t0 = Instant::now();
     if source.is_dir() {
@@ -264,7 +262,7 @@ pub async fn run(
         consistency: pit.consistency.into(),
         r#final: last,
         primary: record.this_side.clone(),
-        secondary: spec.peer.clone(),
+        secondary: peer.to_string(),
         interval_ms: spec.interval_ms,
         bwlimit: spec.bwlimit,
     };

@@ -252,6 +252,23 @@ impl Cluster {
         self.write_kubeconfig(path, User::Token(token.trim()));
     }
 
+    /// A kubeconfig at `path` with a token of ServiceAccount `namespace/name` bound to
+    /// the pod `pod`, as the kubelet projects it into the pod: the API server then
+    /// records the pod's node with each request (the `extra` of a CSR).
+    pub fn pod_kubeconfig(&self, namespace: &str, name: &str, pod: &str, path: &Path) {
+        let token = self.kubectl_ok(&[
+            "create",
+            "token",
+            name,
+            "-n",
+            namespace,
+            "--duration=2h",
+            "--bound-object-kind=Pod",
+            &format!("--bound-object-name={pod}"),
+        ]);
+        self.write_kubeconfig(path, User::Token(token.trim()));
+    }
+
     fn write_kubeconfig(&self, path: &Path, user: User<'_>) {
         let user = match user {
             User::Certificate(name) => format!(

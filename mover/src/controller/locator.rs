@@ -1,0 +1,51 @@
+//! The Locator a peer cluster's agents ask where this cluster keeps a relationship's
+//! volume (`proto/locate.proto`): from the controller's caches, so every replica
+//! answers (a standby's caches are warm) and an answer costs the API server nothing.
+
+use super::desired::relationship_name;
+use super::reconcile::{Context, resolve, typed};
+use super::crd::VolumeReplication;
+use kube::api::DynamicObject;
+use kube::runtime::reflector::Store;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+use transport::locate::{LocateRequest, LocateResponse, locator_server::Locator};
+
+/// The Locator of this cluster.
+pub struct LocatorService {
+    /// The VolumeReplications' cache.
+    pub vrs: Store<DynamicObject>,
+    /// The caches a relationship's placement is read from.
+    pub ctx: Arc<Context>,
+}
+
+#[tonic::async_trait]
+impl Locator for LocatorService {
+    async fn locate(
+        &self,
+        req: Request<LocateRequest>,
+    ) -> Result<Response<LocateResponse>, Status> {
+        let name = req.into_inner().relationship;
+        let vr = self
+            .vrs
+            .state()
+            .iter()
+            .filter(|o| o.metadata.deletion_timestamp.is_none())
+            .filter_map(|o| typed::<VolumeReplication>(o).ok())
+            .find(|v| relationship_name(v) == name)
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "no VolumeReplication of relationship {name:?} in this cluster: create the \
+                     secondary's (the same replicationHandle, or the same namespace and name)"
+                ))
+            })?;
+        let d = resolve(&vr, &self.ctx).map_err(|i| {
+            Status::failed_precondition(format!(
+                "the secondary of relationship {name:?} cannot be placed here yet: {i}"
+            ))
+        })?;
+        Ok(Response::new(LocateResponse {
+            volume: format!("agent://{}@{}/{}", d.node, d.agent, d.volume),
+        }))
+    }
+}
