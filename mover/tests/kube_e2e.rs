@@ -237,6 +237,8 @@ struct NodeAgent {
     metrics_port: u16,
     dir: PathBuf,
     extra: String,
+    /// Earlier starts in its log (each says "agent serving").
+    starts: usize,
 }
 
 impl NodeAgent {
@@ -260,6 +262,9 @@ impl NodeAgent {
             ),
         )
         .unwrap();
+        let starts = std::fs::read_to_string(dir.join("agent.log"))
+            .map(|l| l.matches("agent serving").count())
+            .unwrap_or(0);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -280,13 +285,18 @@ impl NodeAgent {
             metrics_port,
             dir: dir.into(),
             extra: extra.into(),
+            starts,
         }
     }
 
-    /// Waits until it serves (its certificate signed).
+    /// Waits until it serves (its certificate signed; its ports are bound before).
     fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(60);
-        while std::net::TcpStream::connect((self.ip.as_str(), self.metrics_port)).is_err() {
+        let serving = |a: &NodeAgent| {
+            std::fs::read_to_string(a.dir.join("agent.log"))
+                .is_ok_and(|log| log.matches("agent serving").count() > a.starts)
+        };
+        while !serving(self) {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!(
                     "agent {} exited ({status}):\n{}",
@@ -475,6 +485,8 @@ struct Site {
     port: u16,
     image: PathBuf,
     controllers: Vec<Controller>,
+    /// The first controller's Locator port (what peer clusters' classes name).
+    locator: u16,
 }
 
 impl Site {
@@ -497,6 +509,7 @@ impl Site {
             port,
             image: PathBuf::new(),
             controllers: Vec::new(),
+            locator: common::agent::free_port(),
         };
         site.image = site.agents[0].dir.join("data.img");
         site.cluster.kubectl_ok(&["create", "namespace", "app"]);
@@ -553,15 +566,22 @@ spec:
         Some(site)
     }
 
-    /// The class replicating to `peer`'s first node, with the peer cluster's
-    /// replication token and CA in the secret it names (read through a watch).
+    /// The class replicating to the cluster `peer` (its Locator), with the peer
+    /// cluster's replication token and CA in the secret it names (read through a watch):
+    /// what an administrator copies between clusters, and nothing else.
     fn class_to(&self, peer: &Site) -> String {
-        let ca = std::fs::read_to_string(peer.agents[0].ca()).unwrap();
+        let ca = std::fs::read_to_string(peer.agents[0].ca()).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e}\n{}",
+                peer.agents[0].ca().display(),
+                std::fs::read_to_string(peer.agents[0].dir.join("agent.log")).unwrap_or_default()
+            )
+        });
         let token = format!("repl-{}", peer.cluster.name);
         format!(
-            "{}\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: 2s\n    target: {}\n{SECRET_PARAMS}",
+            "{}\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: 2s\n    target: cluster://127.0.0.1:{}\n{SECRET_PARAMS}",
             peer_secret(&token, Some(&ca)),
-            peer.agents[0].url(peer.port)
+            peer.locator
         )
     }
 
@@ -578,6 +598,19 @@ spec:
             .args([
                 "--metrics-listen",
                 &format!("127.0.0.1:{}", common::agent::free_port()),
+            ])
+            .arg("--replication-token-file")
+            .arg(self.cluster.dir.join("replication-token"))
+            .args([
+                "--locator-listen",
+                &format!(
+                    "127.0.0.1:{}",
+                    if self.controllers.is_empty() {
+                        self.locator
+                    } else {
+                        common::agent::free_port()
+                    }
+                ),
             ])
             // Short bounds, so the takeover and deletion tests finish soon.
             .args(["--lease-duration", &format!("{}s", LEASE.as_secs())])
@@ -875,11 +908,11 @@ fn default_install_refusals(a: &Site, b: &Site) {
     let other_ca = b.agents[0].ca();
     let e = status(&url, &["--tls-ca", other_ca.to_str().unwrap()], common::agent::TOKEN)
         .unwrap_err();
-    assert!(e.contains("UnknownIssuer"), "wrong CA: {e}");
+    assert!(e.contains("UnknownIssuer") && e.contains("not accepted"), "wrong CA: {e}");
     // The certificate of node 1 is not node 2's.
     let wrong_name = format!("agent://{}@{}:{port}", a.agents[1].node, agent.ip);
     let e = status(&wrong_name, &["--tls-ca", ca], common::agent::TOKEN).unwrap_err();
-    assert!(e.contains("NotValidForName"), "wrong name: {e}");
+    assert!(e.contains("not valid for name \"a-node2\""), "wrong name: {e}");
     // An expired certificate of the right CA, with no token: refused.
     let (ca_key, ca_crt) = cluster_ca(a);
     let issuer = rcgen::Issuer::from_ca_cert_pem(
@@ -1264,6 +1297,7 @@ spec:
         port,
         image: src.join("v0.img"),
         controllers: Vec::new(),
+        locator: common::agent::free_port(),
     };
     site.cluster.kubectl_ok(&["create", "namespace", "app"]);
     site.cluster.apply(&format!(

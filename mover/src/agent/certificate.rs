@@ -117,6 +117,8 @@ pub async fn obtain(state_dir: &Path, node: &str, wait: Duration) -> Result<TlsP
         .serialize_request(&key)
         .and_then(|r| r.pem())
         .map_err(|e| fail(e.to_string()))?;
+    // rustls will not pick between the two crypto providers the dependencies bring.
+    transport::tls::install_crypto_provider();
     let client = kube::Client::try_default().await.map_err(|e| {
         fail(format!(
             "no Kubernetes credentials ({e}): the agent pod needs its ServiceAccount token \

@@ -188,7 +188,10 @@ fn validity(life: std::time::Duration) -> (time::OffsetDateTime, time::OffsetDat
 fn new_ca() -> Result<(String, KeyPair), rcgen::Error> {
     let key = KeyPair::generate()?;
     let mut p = CertificateParams::new(Vec::<String>::new())?;
-    p.distinguished_name.push(DnType::CommonName, "mover CA");
+    // Named apart from other clusters' mover CAs, so a wrong one is told as such.
+    let id = blake3::hash(key.public_key_raw()).to_hex();
+    p.distinguished_name
+        .push(DnType::CommonName, format!("mover CA {}", &id[..12]));
     p.is_ca = IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
     p.key_usages = vec![
         rcgen::KeyUsagePurpose::KeyCertSign,

@@ -248,10 +248,20 @@ impl RemoteOptions {
                 .map_err(|e| remote(RemoteCode::Tls, e.to_string()))?;
         }
         let channel = endpoint.connect().await.map_err(|e| {
-            remote(
-                RemoteCode::Unavailable,
-                format!("cannot connect: {}", error_chain(&e)),
-            )
+            let chain = error_chain(&e);
+            // A certificate refused is not a network failure: retrying cannot help.
+            if chain.contains("invalid peer certificate") {
+                remote(
+                    RemoteCode::Tls,
+                    format!(
+                        "the agent's certificate is not accepted ({chain}): it must be signed \
+                         by the CA given (--tls-ca; for a peer cluster, the ca.crt of the \
+                         class's secret) and carry the name {name:?}"
+                    ),
+                )
+            } else {
+                remote(RemoteCode::Unavailable, format!("cannot connect: {chain}"))
+            }
         })?;
         let auth = AttachToken::new(self.token()?.as_deref())
             .map_err(|s| remote(RemoteCode::Token, s.message().into()))?;
