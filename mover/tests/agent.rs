@@ -685,3 +685,53 @@ fn an_agent_whose_port_was_taken_meanwhile_starts_on_fresh_ports() {
     );
     drop(taken);
 }
+
+/// GET /healthz from the agent's metrics port: (status line, body).
+fn healthz(agent: &Agent) -> (String, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", agent.metrics_port)).unwrap();
+    write!(s, "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    (head.lines().next().unwrap_or("").to_string(), body.to_string())
+}
+
+#[test]
+fn healthz_fails_at_once_when_the_state_directory_turns_read_only() {
+    if !rustix::process::geteuid().is_root() {
+        return skip_unless_ci("mounting the state directory's file system needs root");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("agent-state");
+    std::fs::create_dir_all(&state).unwrap();
+    let mount = |args: &[&str]| {
+        let out = std::process::Command::new("mount").args(args).arg(&state).output().unwrap();
+        assert!(out.status.success(), "mount {args:?}: {out:?}");
+    };
+    mount(&["-t", "tmpfs", "-o", "size=16m", "tmpfs"]);
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(state.clone());
+    let image = dir.path().join("data.img");
+    make_image(&image, MIB, 3, &[(0, MIB)]);
+    let agent = Agent::start(dir.path(), &[("data", &image, false)], None);
+    assert_eq!(healthz(&agent), ("HTTP/1.1 200 OK".into(), "ok\n".into()));
+
+    // The disk under the state directory goes read-only (as ext4 does on an I/O error):
+    // the next probe says so, and the DaemonSet's liveness probe restarts the agent.
+    mount(&["-o", "remount,ro"]);
+    let asked = Instant::now();
+    let (status, body) = healthz(&agent);
+    assert_eq!(status, "HTTP/1.1 503 Service Unavailable", "{body}");
+    assert!(
+        body.contains("state directory") && body.contains("not writable"),
+        "{body}"
+    );
+    assert!(asked.elapsed() < Duration::from_secs(6), "{:?}", asked.elapsed());
+    mount(&["-o", "remount,rw"]);
+    assert_eq!(healthz(&agent).0, "HTTP/1.1 200 OK");
+}

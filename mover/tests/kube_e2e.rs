@@ -196,12 +196,58 @@ fn the_controller_may_do_what_deploy_documents_and_no_more() {
         documented_rules(),
         "the controller's rules differ from deploy/README.md's; the real list:\n{listed}"
     );
+    // Secrets: in its own namespace, nowhere else unless an administrator adds a Role.
+    let can = |verb: &str, ns: &str| {
+        let out = c.kubectl(&[
+            "auth",
+            "can-i",
+            verb,
+            "secrets",
+            "-n",
+            ns,
+            "--as=system:serviceaccount:mover-system:mover-controller",
+        ]);
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert_eq!(can("get", "default"), "no");
+    assert_eq!(can("list", "default"), "no");
+    assert_eq!(can("list", "mover-system"), "yes");
+    c.kubectl_ok(&["create", "namespace", "dr-secrets"]);
+    c.apply(
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {name: mover-controller-secrets, namespace: dr-secrets}\nrules:\n  - {apiGroups: [\"\"], resources: [secrets], verbs: [list, watch]}\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {name: mover-controller-secrets, namespace: dr-secrets}\nroleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: mover-controller-secrets}\nsubjects: [{kind: ServiceAccount, name: mover-controller, namespace: mover-system}]\n",
+    );
+    assert_eq!(can("list", "dr-secrets"), "yes", "the Role deploy/README.md gives");
+    assert_eq!(can("list", "default"), "no");
+    // The agents' ServiceAccount may ask for certificates and nothing else.
+    let agent = c.kubectl_ok(&[
+        "auth",
+        "can-i",
+        "--list",
+        "--as=system:serviceaccount:mover-system:mover-agent",
+    ]);
+    let own: Vec<String> = agent
+        .lines()
+        .filter(|l| {
+            !l.contains("selfsubject")
+                && !l.trim_start().starts_with('[')
+                && !l.starts_with("Resources")
+        })
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    assert_eq!(
+        own,
+        ["certificatesigningrequests.certificates.k8s.io [] [] [create get]"],
+        "{agent}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
 // Two clusters.
 
 const VOLUME_LEN: u64 = 32 * MIB;
+/// The kubelet's directory of CSI volumes (a volume attached to a node appears there).
+const KUBELET_CSI: &str = "/var/lib/kubelet/plugins/kubernetes.io/csi";
+
 /// A class's parameters naming the secret `dr-peer` (the peer cluster's replication
 /// token and CA).
 const SECRET_PARAMS: &str = "    replication.storage.openshift.io/replication-secret-name: dr-peer\n    replication.storage.openshift.io/replication-secret-namespace: mover-system\n";
@@ -254,7 +300,7 @@ impl NodeAgent {
         std::fs::write(
             &config,
             format!(
-                "listen = \"{ip}:{port}\"\nmetrics_listen = \"{ip}:{metrics_port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\nreplication_token_file = \"{}\"\nnode_name = \"{node}\"\nvolume_roots = [\"{}\"]\n{extra}\n[tls]\nfrom_kubernetes = true\n",
+                "listen = \"{ip}:{port}\"\nmetrics_listen = \"{ip}:{metrics_port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\nreplication_token_file = \"{}\"\nnode_name = \"{node}\"\nvolume_roots = [\"{}\", \"{KUBELET_CSI}\"]\n{extra}\n[tls]\nfrom_kubernetes = true\n",
                 dir.join("state").display(),
                 dir.join("token").display(),
                 dir.parent().unwrap().join("replication-token").display(),
@@ -341,8 +387,13 @@ impl NodeAgent {
     /// `mover replicate status RELATIONSHIP` on this agent over TLS (the operator's
     /// token): its output, or its error.
     fn relationship(&self, port: u16) -> Result<String, String> {
+        self.relationship_named(RELATIONSHIP, port)
+    }
+
+    /// `mover replicate status NAME` on this agent, as [`NodeAgent::relationship`].
+    fn relationship_named(&self, name: &str, port: u16) -> Result<String, String> {
         let out = Command::new(env!("CARGO_BIN_EXE_mover"))
-            .args(["replicate", "status", RELATIONSHIP, "--json", "--agent"])
+            .args(["replicate", "status", name, "--json", "--agent"])
             .arg(self.url(port))
             .arg("--tls-ca")
             .arg(self.ca())
@@ -853,6 +904,181 @@ fn two_clusters_replicate_fail_over_and_back_through_volume_replications() {
         assert!(denied.is_empty(), "forbidden: {denied:#?}");
     }
     default_install_refusals(&a, &b);
+}
+
+/// The last cycle a relationship's side applied or shipped (0: none), from `status`.
+fn last_cycle(status: &str) -> u64 {
+    serde_json::from_str::<Value>(status).unwrap()["last_cycle"]["id"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// A VolumeAttachment of `pv` to `node`, attached (the external-attacher's part: no
+/// CSI driver runs here).
+fn attach(s: &Site, pv: &str, node: &str) {
+    let name = format!("{pv}-{node}");
+    s.cluster.apply(
+        &json!({"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment",
+                "metadata": {"name": name},
+                "spec": {"attacher": "disk.example.com", "nodeName": node,
+                         "source": {"persistentVolumeName": pv}}})
+        .to_string(),
+    );
+    s.cluster.kubectl_ok(&[
+        "patch",
+        "volumeattachment",
+        &name,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status": {"attached": true}}"#,
+    ]);
+}
+
+#[test]
+fn a_secondary_on_any_node_of_the_peer_cluster_is_found_and_followed_when_it_moves() {
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let Some((a, b)) = replicating_pair(t.path()) else {
+        return;
+    };
+    const NAME: &str = "app/moving";
+    // A: a local PV on node 1. B: a CSI block PV, attached to node 2: the kubelet puts
+    // its device under volumeDevices/PV/dev on whichever node it is attached to (here
+    // one directory both "nodes" see, as a network disk is seen by both).
+    let a_image = a.agents[0].dir.join("moving.img");
+    make_image(&a_image, VOLUME_LEN, 11, &[(0, 2 * MIB), (30 * MIB, MIB)]);
+    let pv_b = format!("pv-moving-{}", std::process::id());
+    let device_dir = PathBuf::from(KUBELET_CSI).join("volumeDevices").join(&pv_b).join("dev");
+    std::fs::create_dir_all(&device_dir).unwrap();
+    let b_device = device_dir.join("pod-1");
+    make_image(&b_device, VOLUME_LEN, 0, &[]);
+    struct Cleanup(PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _cleanup = Cleanup(device_dir.parent().unwrap().to_path_buf());
+    let claim = |pv: &str| {
+        format!(
+            "apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: moving, namespace: app}}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: ""
+  volumeName: {pv}
+  resources: {{requests: {{storage: 32Mi}}}}
+"
+        )
+    };
+    a.cluster.apply(&format!(
+        "apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: pv-moving-a}}
+spec:
+  capacity: {{storage: 32Mi}}
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: ""
+  persistentVolumeReclaimPolicy: Retain
+  local: {{path: {}}}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {{key: kubernetes.io/hostname, operator: In, values: [a-node1]}}
+---
+{}",
+        a_image.display(),
+        claim("pv-moving-a")
+    ));
+    b.cluster.apply(&format!(
+        "apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: {pv_b}}}
+spec:
+  capacity: {{storage: 32Mi}}
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: ""
+  persistentVolumeReclaimPolicy: Retain
+  csi: {{driver: disk.example.com, volumeHandle: vol-moving}}
+---
+{}",
+        claim(&pv_b)
+    ));
+    attach(&b, &pv_b, "b-node2");
+    for s in [&a, &b] {
+        s.wait("the PVC moving bound", |s| {
+            s.get("pvc", "app", "moving")["status"]["phase"] == "Bound"
+        });
+    }
+    let vr = |state: &str| vr_yaml("moving", state, "dr", Some("moving"));
+    b.cluster.apply(&vr("secondary"));
+    a.cluster.apply(&vr("primary"));
+    let (node1, node2, port) = (&b.agents[0], &b.agents[1], b.port);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    // The class names cluster B only; B's Locator sends the cycles to node 2.
+    while node2
+        .relationship_named(NAME, port)
+        .map_or(true, |s| last_cycle(&s) == 0)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no cycle reached node 2: {:?}
+A: {}",
+            node2.relationship_named(NAME, port),
+            serde_json::to_string_pretty(&a.get("vr", "app", "moving")["status"]).unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(node1.relationship_named(NAME, port).is_err(), "node 1 has no part in it yet");
+    let wait_equal = |what: &str| {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while blake3_of(&b_device, VOLUME_LEN) != blake3_of(&a_image, VOLUME_LEN) {
+            assert!(Instant::now() < deadline, "{what}: B's volume never equalled A's");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    };
+    wait_equal("on node 2");
+
+    // The volume moves to node 1 (detached from node 2, attached to node 1): the next
+    // cycles go there, a full comparison, and none goes to node 2 any more.
+    b.cluster.kubectl_ok(&["delete", "volumeattachment", &format!("{pv_b}-b-node2")]);
+    attach(&b, &pv_b, "b-node1");
+    scribble_pages(&a_image, 12, 40, 0..VOLUME_LEN);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while node1
+        .relationship_named(NAME, port)
+        .map_or(true, |s| last_cycle(&s) == 0)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the relationship did not follow the volume to node 1: {:?}
+A: {}",
+            node1.relationship_named(NAME, port),
+            serde_json::to_string_pretty(&a.get("vr", "app", "moving")["status"]).unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let on_node2 = last_cycle(&node2.relationship_named(NAME, port).unwrap());
+    wait_equal("on node 1");
+    // Cycles go on, into node 1 only.
+    let seen = last_cycle(&node1.relationship_named(NAME, port).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while last_cycle(&node1.relationship_named(NAME, port).unwrap()) < seen + 2 {
+        assert!(Instant::now() < deadline, "cycles stopped after the move");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(
+        last_cycle(&node2.relationship_named(NAME, port).unwrap()),
+        on_node2,
+        "a cycle went to node 2 after the volume left it"
+    );
+    assert_eq!(blake3_of(&b_device, VOLUME_LEN), blake3_of(&a_image, VOLUME_LEN));
 }
 
 /// `mover ARGS` with `token` (the control or a replication token): stdout, or stderr.
