@@ -968,7 +968,7 @@ metadata: {{name: moving, namespace: app}}
 spec:
   accessModes: [ReadWriteOnce]
   volumeMode: Block
-  storageClassName: ""
+  storageClassName: ''
   volumeName: {pv}
   resources: {{requests: {{storage: 32Mi}}}}
 "
@@ -982,7 +982,7 @@ spec:
   capacity: {{storage: 32Mi}}
   accessModes: [ReadWriteOnce]
   volumeMode: Block
-  storageClassName: ""
+  storageClassName: ''
   persistentVolumeReclaimPolicy: Retain
   local: {{path: {}}}
   nodeAffinity:
@@ -1003,7 +1003,7 @@ spec:
   capacity: {{storage: 32Mi}}
   accessModes: [ReadWriteOnce]
   volumeMode: Block
-  storageClassName: ""
+  storageClassName: ''
   persistentVolumeReclaimPolicy: Retain
   csi: {{driver: disk.example.com, volumeHandle: vol-moving}}
 ---
