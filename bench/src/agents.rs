@@ -37,6 +37,17 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(mover: &Path, dir: &Path, exports: &[(&str, &Path)]) -> Result<Agent> {
+        Agent::start_tls(mover, dir, exports, None)
+    }
+
+    /// [`Agent::start`], serving TLS with `tls` (certificate, key, CA) when given: its
+    /// certificate is also what it presents to the agents it pushes cycles to.
+    pub fn start_tls(
+        mover: &Path,
+        dir: &Path,
+        exports: &[(&str, &Path)],
+        tls: Option<(&Path, &Path, &Path)>,
+    ) -> Result<Agent> {
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         fs::write(dir.join("token"), TOKEN)?;
         let config = dir.join("agent.toml");
@@ -45,6 +56,14 @@ impl Agent {
             dir.join("state").display(),
             dir.join("token").display(),
         );
+        if let Some((cert, key, ca)) = tls {
+            text += &format!(
+                "[tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n",
+                cert.display(),
+                key.display(),
+                ca.display()
+            );
+        }
         for (name, image) in exports {
             text += &format!(
                 "[exports.{name}]\npath = \"{}\"\nread_only = false\n",
@@ -102,6 +121,21 @@ impl Agent {
                     .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
             })
             .map_or(0, |kb| kb * 1024)
+    }
+
+    /// CPU seconds (user + system) the agent has used.
+    pub fn cpu_seconds(&self) -> f64 {
+        // /proc counts in USER_HZ, 100 on every Linux architecture mover runs on.
+        let ticks = 100.0;
+        fs::read_to_string(format!("/proc/{}/stat", self.child.id()))
+            .ok()
+            .and_then(|s| {
+                // Fields after the parenthesised command name; utime and stime are 14 and 15.
+                let rest = s.rsplit_once(')')?.1;
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / ticks)
+            })
+            .unwrap_or(0.0)
     }
 
     pub fn read_bytes(&self) -> u64 {

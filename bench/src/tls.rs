@@ -1,6 +1,7 @@
-//! Mutual-TLS files for the agent phase, made with the `openssl` CLI: a CA, a server
-//! certificate for `localhost` and 127.0.0.1, and a client certificate, all signed by the
-//! CA (ECDSA P-256, valid two days).
+//! Mutual-TLS files for the agent benches, made with the `openssl` CLI: a CA, an agent
+//! certificate for `localhost` and 127.0.0.1 (a server, and a client of the agents it
+//! pushes cycles to), and a client certificate, all signed by the CA (ECDSA P-256, valid
+//! two days).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -31,7 +32,7 @@ pub const SERVER_NAME: &str = "localhost";
 const SERVER_EXT: &str = "subjectAltName=DNS:localhost,IP:127.0.0.1\n\
                           basicConstraints=critical,CA:FALSE\n\
                           keyUsage=critical,digitalSignature\n\
-                          extendedKeyUsage=serverAuth\n";
+                          extendedKeyUsage=serverAuth,clientAuth\n";
 /// Extensions of the client certificate.
 const CLIENT_EXT: &str = "subjectAltName=DNS:mover-bench-client\n\
                           basicConstraints=critical,CA:FALSE\n\

@@ -15,6 +15,9 @@ mod diff;
 #[allow(dead_code)] // the bench's process helpers, shared with mover-bench
 #[path = "../process.rs"]
 mod process;
+#[allow(dead_code)] // the bench's TLS files, shared with mover-bench
+#[path = "../tls.rs"]
+mod tls;
 
 use agents::{Agent, Killed, TOKEN, median, sh};
 use anyhow::{Context, Result, bail};
@@ -80,6 +83,10 @@ struct Args {
     /// The mover binary [default: `mover` beside this program].
     #[arg(long)]
     mover: Option<PathBuf>,
+    /// Both agents serve TLS (certificates made with openssl) and the primary pushes its
+    /// cycles over TLS with a client certificate: the cost of TLS, against a run without.
+    #[arg(long)]
+    tls: bool,
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -113,6 +120,10 @@ struct Round {
     mover_bytes_read: u64,
     mover_read_percent: f64,
     mover_bytes_shipped: u64,
+    /// CPU seconds (user + system) the primary's and the secondary's agents spent on
+    /// the cycle.
+    primary_cpu_seconds: f64,
+    secondary_cpu_seconds: f64,
     volsync_seconds: f64,
     rsync_bytes_sent: u64,
     ratio: f64,
@@ -175,14 +186,21 @@ impl Drop for Guard {
     }
 }
 
+/// The client's TLS files (`--tls`), as environment variables of a `mover` command.
+static CLIENT_TLS: std::sync::OnceLock<Vec<(&'static str, PathBuf)>> = std::sync::OnceLock::new();
+
+/// `mover` with the token and, with `--tls`, the client's TLS files.
+fn mover_command(mover: &Path) -> Command {
+    let mut c = Command::new(mover);
+    c.env("MOVER_TOKEN", TOKEN);
+    for (k, v) in CLIENT_TLS.get().into_iter().flatten() {
+        c.env(k, v);
+    }
+    c
+}
+
 fn replicate(mover: &Path, args: &[&str]) -> Result<serde_json::Value> {
-    let out = run_checked(
-        Command::new(mover)
-            .arg("replicate")
-            .args(args)
-            .arg("--json")
-            .env("MOVER_TOKEN", TOKEN),
-    )?;
+    let out = run_checked(mover_command(mover).arg("replicate").args(args).arg("--json"))?;
     Ok(serde_json::from_slice(&out)?)
 }
 
@@ -305,8 +323,24 @@ fn run(args: &Args) -> Result<bool> {
     )))?;
     sh("sync")?;
 
-    let a = Agent::start(&mover, &da, &[("vol", &a_img)])?;
-    let b = Agent::start(&mover, &db, &[("vol", &b_img)])?;
+    let tls_files = if args.tls {
+        let dir = w.join("tls");
+        fs::create_dir_all(&dir)?;
+        let files = tls::generate(Path::new("openssl"), &dir)?;
+        let _ = CLIENT_TLS.set(vec![
+            ("MOVER_TLS_CA", files.ca.clone()),
+            ("MOVER_TLS_CERT", files.client_cert.clone()),
+            ("MOVER_TLS_KEY", files.client_key.clone()),
+        ]);
+        Some(files)
+    } else {
+        None
+    };
+    let agent_tls = tls_files
+        .as_ref()
+        .map(|f| (f.server_cert.as_path(), f.server_key.as_path(), f.ca.as_path()));
+    let a = Agent::start_tls(&mover, &da, &[("vol", &a_img)], agent_tls)?;
+    let b = Agent::start_tls(&mover, &db, &[("vol", &b_img)], agent_tls)?;
     let secondary = format!("{}/vol", b.url());
     let a_url = a.url();
     eprintln!("== first cycle (the whole volume)");
@@ -377,12 +411,12 @@ fn run(args: &Args) -> Result<bool> {
         change(&vol, budget, round as u64)?;
         let changed = differing_pages(&a_img, &r_img)?;
         drop_caches()?;
+        let cpu_before = (a.cpu_seconds(), b.cpu_seconds());
         let m = run_timed(
-            Command::new(&mover)
-                .args(["replicate", "sync", "r", "--json", "--agent", &a.url()])
-                .env("MOVER_TOKEN", TOKEN),
+            mover_command(&mover).args(["replicate", "sync", "r", "--json", "--agent", &a.url()]),
             ThenSync::No,
         )?;
+        let cpu = (a.cpu_seconds() - cpu_before.0, b.cpu_seconds() - cpu_before.1);
         let s: serde_json::Value = serde_json::from_slice(&m.stdout)?;
         let c = &s["last_cycle"];
         drop_caches()?;
@@ -421,6 +455,8 @@ fn run(args: &Args) -> Result<bool> {
             mover_bytes_read: read,
             mover_read_percent: read as f64 * 100.0 / size as f64,
             mover_bytes_shipped: c["bytes_shipped"].as_u64().unwrap_or(0),
+            primary_cpu_seconds: cpu.0,
+            secondary_cpu_seconds: cpu.1,
             volsync_seconds: r.elapsed.as_secs_f64(),
             rsync_bytes_sent: sent,
             ratio: r.elapsed.as_secs_f64() / m.elapsed.as_secs_f64(),
@@ -428,11 +464,14 @@ fn run(args: &Args) -> Result<bool> {
             replica_pages_apart_from_rsyncs: apart,
         };
         eprintln!(
-            "   changed {:.2}%: mover {:.2} s (read {:.2}%, shipped {:.1} MiB), VolSync {:.2} s (sent {:.1} MiB): {:.1}x; agent RSS {:.0} MiB",
+            "   changed {:.2}%: mover {:.2} s (cycle {} ms, read {:.2}%, shipped {:.1} MiB, CPU {:.2} + {:.2} s), VolSync {:.2} s (sent {:.1} MiB): {:.1}x; agent RSS {:.0} MiB",
             row.changed_percent,
             row.mover_seconds,
+            row.mover_cycle_ms,
             row.mover_read_percent,
             mib(row.mover_bytes_shipped),
+            row.primary_cpu_seconds,
+            row.secondary_cpu_seconds,
             row.volsync_seconds,
             mib(sent),
             row.ratio,
