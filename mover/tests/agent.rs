@@ -689,11 +689,18 @@ fn an_agent_whose_port_was_taken_meanwhile_starts_on_fresh_ports() {
 /// GET /healthz from the agent's metrics port: (status line, body).
 fn healthz(agent: &Agent) -> (String, String) {
     let mut s = TcpStream::connect(("127.0.0.1", agent.metrics_port)).unwrap();
-    write!(s, "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
-    (head.lines().next().unwrap_or("").to_string(), body.to_string())
+    (
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    )
 }
 
 #[test]
@@ -705,14 +712,21 @@ fn healthz_fails_at_once_when_the_state_directory_turns_read_only() {
     let state = dir.path().join("agent-state");
     std::fs::create_dir_all(&state).unwrap();
     let mount = |args: &[&str]| {
-        let out = std::process::Command::new("mount").args(args).arg(&state).output().unwrap();
+        let out = std::process::Command::new("mount")
+            .args(args)
+            .arg(&state)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "mount {args:?}: {out:?}");
     };
     mount(&["-t", "tmpfs", "-o", "size=16m", "tmpfs"]);
     struct Unmount(PathBuf);
     impl Drop for Unmount {
         fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
         }
     }
     let _unmount = Unmount(state.clone());
@@ -731,7 +745,11 @@ fn healthz_fails_at_once_when_the_state_directory_turns_read_only() {
         body.contains("state directory") && body.contains("not writable"),
         "{body}"
     );
-    assert!(asked.elapsed() < Duration::from_secs(6), "{:?}", asked.elapsed());
+    assert!(
+        asked.elapsed() < Duration::from_secs(6),
+        "{:?}",
+        asked.elapsed()
+    );
     mount(&["-o", "remount,rw"]);
     assert_eq!(healthz(&agent).0, "HTTP/1.1 200 OK");
 }

@@ -114,7 +114,16 @@ impl Authorize {
             && let Some(certs) = req.peer_certs()
             && let Some(leaf) = certs.first()
         {
-            return Ok(certificate_caller(leaf.as_ref()));
+            let caller = certificate_caller(leaf.as_ref());
+            // An operator's certificate (no mover role in it) is one factor where the
+            // agent also has a control token: both are asked for, as before roles.
+            if caller.who != OPERATOR_CERTIFICATE || self.credentials.control_token.is_none() {
+                return Ok(caller);
+            }
+            return Err(Status::unauthenticated(
+                "missing bearer token: this agent asks for its token beside the client \
+                 certificate (--token-file or MOVER_TOKEN)",
+            ));
         }
         Err(Status::unauthenticated(
             "no credential: present the agent's bearer token (--token-file or MOVER_TOKEN) \
@@ -126,7 +135,7 @@ impl Authorize {
 /// The role a certificate from the agent's CA proves: from its mover URI name; one
 /// naming no role is an operator's own (a CA given in agent.toml's `[tls]`), with control.
 pub fn certificate_caller(der: &[u8]) -> Caller {
-    let uris = uri_names(der);
+    let uris = crate::tls::Facts::of_der(der).unwrap_or_default().uris;
     if uris.iter().any(|u| u == CONTROLLER_URI) {
         return Caller {
             role: Role::Control,
@@ -141,28 +150,12 @@ pub fn certificate_caller(der: &[u8]) -> Caller {
     }
     Caller {
         role: Role::Control,
-        who: "an operator's certificate".into(),
+        who: OPERATOR_CERTIFICATE.into(),
     }
 }
 
-/// The URI subject alternative names of a DER certificate.
-pub fn uri_names(der: &[u8]) -> Vec<String> {
-    use x509_parser::prelude::*;
-    let Ok((_, cert)) = X509Certificate::from_der(der) else {
-        return Vec::new();
-    };
-    let Ok(Some(san)) = cert.subject_alternative_name() else {
-        return Vec::new();
-    };
-    san.value
-        .general_names
-        .iter()
-        .filter_map(|n| match n {
-            GeneralName::URI(u) => Some(u.to_string()),
-            _ => None,
-        })
-        .collect()
-}
+/// Who a certificate from the agent's CA naming no mover role is.
+const OPERATOR_CERTIFICATE: &str = "an operator's certificate";
 
 impl Interceptor for Authorize {
     fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
@@ -228,7 +221,7 @@ mod tests {
     fn each_token_proves_its_role_and_no_more() {
         let mut control = Authorize::new(credentials(), Role::Control, "the control API");
         let mut data = Authorize::new(credentials(), Role::Replication, "transfers");
-        let mut with = |server: &mut Authorize, t: Option<&str>| {
+        let with = |server: &mut Authorize, t: Option<&str>| {
             let req = AttachToken::new(t).unwrap().call(Request::new(())).unwrap();
             server
                 .call(req)
@@ -261,12 +254,18 @@ mod tests {
             p.self_signed(&key).unwrap().der().to_vec()
         };
         let agent = format!("{AGENT_URI_PREFIX}node-2");
-        assert_eq!(certificate_caller(&cert(Some(&agent))).role, Role::Replication);
+        assert_eq!(
+            certificate_caller(&cert(Some(&agent))).role,
+            Role::Replication
+        );
         assert_eq!(
             certificate_caller(&cert(Some(&agent))).who,
             "the certificate of agent node-2"
         );
-        assert_eq!(certificate_caller(&cert(Some(CONTROLLER_URI))).role, Role::Control);
+        assert_eq!(
+            certificate_caller(&cert(Some(CONTROLLER_URI))).role,
+            Role::Control
+        );
         assert_eq!(certificate_caller(&cert(None)).role, Role::Control);
     }
 }

@@ -132,9 +132,7 @@ impl TlsPem {
             .map_err(|e| bad("key", here, e.to_string()))?;
         let mut roots = rustls::RootCertStore::empty();
         for ca in pem_certs("CA", &self.ca)? {
-            roots
-                .add(ca)
-                .map_err(|e| bad("CA", here, e.to_string()))?;
+            roots.add(ca).map_err(|e| bad("CA", here, e.to_string()))?;
         }
         let verifier = rustls::server::WebPkiClientVerifier::builder(roots.into())
             .build()
@@ -160,4 +158,46 @@ pub fn client_trusting(ca: &[u8], server_name: &str) -> ClientTlsConfig {
     ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(ca))
         .domain_name(server_name)
+}
+
+/// What a certificate says of itself: its subject alternative names and validity.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Facts {
+    /// DNS names.
+    pub dns: Vec<String>,
+    /// URI names (a mover role: see [`crate::auth`]).
+    pub uris: Vec<String>,
+    /// Valid from (Unix seconds).
+    pub not_before: i64,
+    /// Valid until (Unix seconds).
+    pub not_after: i64,
+}
+
+impl Facts {
+    /// Of a DER certificate (`None`: not one).
+    pub fn of_der(der: &[u8]) -> Option<Facts> {
+        use x509_parser::prelude::*;
+        let (_, cert) = X509Certificate::from_der(der).ok()?;
+        let mut facts = Facts {
+            not_before: cert.validity().not_before.timestamp(),
+            not_after: cert.validity().not_after.timestamp(),
+            ..Facts::default()
+        };
+        if let Ok(Some(san)) = cert.subject_alternative_name() {
+            for n in &san.value.general_names {
+                match n {
+                    GeneralName::DNSName(d) => facts.dns.push(d.to_string()),
+                    GeneralName::URI(u) => facts.uris.push(u.to_string()),
+                    _ => {}
+                }
+            }
+        }
+        Some(facts)
+    }
+
+    /// Of the first certificate of a PEM chain.
+    pub fn of_pem(pem: &[u8]) -> Option<Facts> {
+        let (_, block) = x509_parser::pem::parse_x509_pem(pem).ok()?;
+        Facts::of_der(&block.contents)
+    }
 }

@@ -200,7 +200,12 @@ fn mover_command(mover: &Path) -> Command {
 }
 
 fn replicate(mover: &Path, args: &[&str]) -> Result<serde_json::Value> {
-    let out = run_checked(mover_command(mover).arg("replicate").args(args).arg("--json"))?;
+    let out = run_checked(
+        mover_command(mover)
+            .arg("replicate")
+            .args(args)
+            .arg("--json"),
+    )?;
     Ok(serde_json::from_slice(&out)?)
 }
 
@@ -336,9 +341,13 @@ fn run(args: &Args) -> Result<bool> {
     } else {
         None
     };
-    let agent_tls = tls_files
-        .as_ref()
-        .map(|f| (f.server_cert.as_path(), f.server_key.as_path(), f.ca.as_path()));
+    let agent_tls = tls_files.as_ref().map(|f| {
+        (
+            f.server_cert.as_path(),
+            f.server_key.as_path(),
+            f.ca.as_path(),
+        )
+    });
     let a = Agent::start_tls(&mover, &da, &[("vol", &a_img)], agent_tls)?;
     let b = Agent::start_tls(&mover, &db, &[("vol", &b_img)], agent_tls)?;
     let secondary = format!("{}/vol", b.url());
@@ -416,7 +425,10 @@ fn run(args: &Args) -> Result<bool> {
             mover_command(&mover).args(["replicate", "sync", "r", "--json", "--agent", &a.url()]),
             ThenSync::No,
         )?;
-        let cpu = (a.cpu_seconds() - cpu_before.0, b.cpu_seconds() - cpu_before.1);
+        let cpu = (
+            a.cpu_seconds() - cpu_before.0,
+            b.cpu_seconds() - cpu_before.1,
+        );
         let s: serde_json::Value = serde_json::from_slice(&m.stdout)?;
         let c = &s["last_cycle"];
         drop_caches()?;

@@ -21,6 +21,7 @@ pub struct CertificateError {
 }
 
 /// The files a certificate is kept in, under STATE_DIR/tls.
+#[cfg_attr(not(feature = "controller"), allow(dead_code))]
 fn files(state_dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     let dir = state_dir.join("tls");
     (dir.join("tls.crt"), dir.join("tls.key"), dir.join("ca.crt"))
@@ -29,52 +30,17 @@ fn files(state_dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
 /// Seconds of life left and in all of the first certificate in `pem`, and whether it
 /// names `node`.
 pub fn life(pem: &[u8], node: &str) -> Option<(i64, i64, bool)> {
-    use x509_parser::prelude::*;
-    let (_, block) = parse_x509_pem(pem).ok()?;
-    let cert = block.parse_x509().ok()?;
-    let v = cert.validity();
+    let f = transport::tls::Facts::of_pem(pem)?;
     let now = ::x509_parser::time::ASN1Time::now().timestamp();
-    let names = cert
-        .subject_alternative_name()
-        .ok()
-        .flatten()
-        .map(|s| {
-            s.value
-                .general_names
-                .iter()
-                .any(|n| matches!(n, GeneralName::DNSName(d) if *d == node))
-        })
-        .unwrap_or(false);
     Some((
-        v.not_after.timestamp() - now,
-        v.not_after.timestamp() - v.not_before.timestamp(),
-        names,
+        f.not_after - now,
+        f.not_after - f.not_before,
+        f.dns.iter().any(|d| d == node),
     ))
 }
 
-/// The DNS names of the first certificate in `pem`.
-pub fn dns_names(pem: &[u8]) -> Vec<String> {
-    use x509_parser::prelude::*;
-    let Ok((_, block)) = parse_x509_pem(pem) else {
-        return Vec::new();
-    };
-    let Ok(cert) = block.parse_x509() else {
-        return Vec::new();
-    };
-    let Ok(Some(san)) = cert.subject_alternative_name() else {
-        return Vec::new();
-    };
-    san.value
-        .general_names
-        .iter()
-        .filter_map(|n| match n {
-            GeneralName::DNSName(d) => Some(d.to_string()),
-            _ => None,
-        })
-        .collect()
-}
-
 /// The kept certificate, if it names `node` and has more than a third of its life left.
+#[cfg_attr(not(feature = "controller"), allow(dead_code))]
 fn kept(state_dir: &Path, node: &str) -> Option<TlsPem> {
     let (cert, key, ca) = files(state_dir);
     let pem = TlsPem {
@@ -89,7 +55,11 @@ fn kept(state_dir: &Path, node: &str) -> Option<TlsPem> {
 /// This node's certificate: the kept one while it is fresh, else a new one from the
 /// signer, waiting for it up to `wait`.
 #[cfg(feature = "controller")]
-pub async fn obtain(state_dir: &Path, node: &str, wait: Duration) -> Result<TlsPem, CertificateError> {
+pub async fn obtain(
+    state_dir: &Path,
+    node: &str,
+    wait: Duration,
+) -> Result<TlsPem, CertificateError> {
     use k8s_openapi::{
         ByteString,
         api::certificates::v1::{CertificateSigningRequest, CertificateSigningRequestSpec},
@@ -111,7 +81,9 @@ pub async fn obtain(state_dir: &Path, node: &str, wait: Duration) -> Result<TlsP
         .push(rcgen::DnType::CommonName, node);
     let uri = format!("{}{node}", transport::auth::AGENT_URI_PREFIX);
     params.subject_alt_names.push(rcgen::SanType::URI(
-        uri.as_str().try_into().map_err(|e: rcgen::Error| fail(e.to_string()))?,
+        uri.as_str()
+            .try_into()
+            .map_err(|e: rcgen::Error| fail(e.to_string()))?,
     ));
     let request = params
         .serialize_request(&key)
@@ -148,7 +120,11 @@ pub async fn obtain(state_dir: &Path, node: &str, wait: Duration) -> Result<TlsP
     };
     api.create(&PostParams::default(), &csr)
         .await
-        .map_err(|e| fail(format!("cannot create CertificateSigningRequest {name}: {e}")))?;
+        .map_err(|e| {
+            fail(format!(
+                "cannot create CertificateSigningRequest {name}: {e}"
+            ))
+        })?;
     tracing::info!(csr = %name, signer = SIGNER, "asked the cluster's signer for a certificate");
     let deadline = tokio::time::Instant::now() + wait;
     let chain = loop {
@@ -178,9 +154,17 @@ pub async fn obtain(state_dir: &Path, node: &str, wait: Duration) -> Result<TlsP
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
-    let pem = split_chain(&chain, key.serialize_pem().into_bytes())
-        .ok_or_else(|| fail(format!("CertificateSigningRequest {name}: the signer's answer holds no certificate and CA")))?;
-    keep(state_dir, &pem).map_err(|e| fail(format!("cannot keep it in {}: {e}", state_dir.join("tls").display())))?;
+    let pem = split_chain(&chain, key.serialize_pem().into_bytes()).ok_or_else(|| {
+        fail(format!(
+            "CertificateSigningRequest {name}: the signer's answer holds no certificate and CA"
+        ))
+    })?;
+    keep(state_dir, &pem).map_err(|e| {
+        fail(format!(
+            "cannot keep it in {}: {e}",
+            state_dir.join("tls").display()
+        ))
+    })?;
     tracing::info!(csr = %name, "certificate obtained");
     Ok(pem)
 }
@@ -197,6 +181,7 @@ pub async fn obtain(_: &Path, node: &str, _: Duration) -> Result<TlsPem, Certifi
 }
 
 /// The signer's answer (the certificate, then the CA) with our key.
+#[cfg_attr(not(feature = "controller"), allow(dead_code))]
 fn split_chain(chain: &[u8], key: Vec<u8>) -> Option<TlsPem> {
     let text = String::from_utf8_lossy(chain);
     const END: &str = "-----END CERTIFICATE-----";
@@ -211,6 +196,7 @@ fn split_chain(chain: &[u8], key: Vec<u8>) -> Option<TlsPem> {
 }
 
 /// Keeps the certificate durably, the key readable by root only.
+#[cfg_attr(not(feature = "controller"), allow(dead_code))]
 fn keep(state_dir: &Path, pem: &TlsPem) -> std::io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let (cert, key, ca) = files(state_dir);

@@ -140,7 +140,10 @@ impl AgentConfig {
             ));
         }
         if let Some(tls) = &config.tls {
-            let files = [&tls.cert, &tls.key, &tls.ca].iter().filter(|f| f.is_some()).count();
+            let files = [&tls.cert, &tls.key, &tls.ca]
+                .iter()
+                .filter(|f| f.is_some())
+                .count();
             match (tls.from_kubernetes, files) {
                 (true, 0) | (false, 3) => {}
                 (true, _) => {
@@ -251,7 +254,7 @@ impl AgentConfig {
         Ok(crate::remote::RemoteOptions {
             connect: crate::remote::ConnectOptions {
                 token_file,
-                tls_pem: tls.cloned(),
+                tls_pem: tls.cloned().map(std::sync::Arc::new),
                 ..Default::default()
             },
             retries: 3,

@@ -251,8 +251,9 @@ impl Control {
             ca: (!spec.peer_ca.is_empty()).then(|| spec.peer_ca.clone()),
         });
         let remote = replicate::remote_for(&self.remote, peer_token.as_ref());
-        let unreachable =
-            |e: crate::CopyError| ServiceError::FailedPrecondition(format!("secondary unreachable: {e}"));
+        let unreachable = |e: crate::CopyError| {
+            ServiceError::FailedPrecondition(format!("secondary unreachable: {e}"))
+        };
         let peer = crate::remote::locate(&spec.peer, &spec.name, &remote)
             .await
             .map_err(unreachable)?;

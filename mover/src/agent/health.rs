@@ -85,11 +85,14 @@ impl Health {
             addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
         }
         let mut remote = crate::remote::RemoteOptions::default();
-        remote.connect.tls_pem = self.tls.clone();
+        remote.connect.tls_pem = self.tls.clone().map(std::sync::Arc::new);
         remote.connect.tls_server_name = self.node.clone().or_else(|| {
-            self.tls
-                .as_ref()
-                .and_then(|p| super::certificate::dns_names(&p.cert).into_iter().next())
+            self.tls.as_ref().and_then(|p| {
+                transport::tls::Facts::of_pem(&p.cert)?
+                    .dns
+                    .into_iter()
+                    .next()
+            })
         });
         let url = crate::remote::AgentUrl {
             host: addr.ip().to_string(),

@@ -229,7 +229,9 @@ pub async fn serve(
         let mut stop = stop_rx.clone();
         let health = Arc::new(health::Health {
             state_dir: config.state_dir.clone(),
-            grpc: listener.local_addr().map_err(|e| AgentError::Serve(e.to_string()))?,
+            grpc: listener
+                .local_addr()
+                .map_err(|e| AgentError::Serve(e.to_string()))?,
             tls: tls.clone(),
             node: config.node_name(),
             runners: runners.clone(),

@@ -16,7 +16,7 @@ use std::time::Duration;
 /// Class parameter: time between the starts of two cycles ("5m", "30s").
 pub const PARAM_INTERVAL: &str = "schedulingInterval";
 /// Class parameter: where replicas go: cluster://HOST:PORT (the peer cluster's Locator,
-/// which says which of its agents holds each secondary), agent://[NODE@]HOST:PORT (one
+/// which says which of its agents holds each secondary), `agent://[NODE@]HOST:PORT` (one
 /// agent of the peer cluster), or a snapshot repository.
 pub const PARAM_TARGET: &str = "target";
 /// Class parameter: bytes per second on the wire ("100M").
@@ -83,7 +83,7 @@ pub struct ClassParams {
 /// Where a class sends a volume.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Target {
-    /// Replication to one agent of the peer cluster: [NODE@]HOST:PORT.
+    /// Replication to one agent of the peer cluster: `[NODE@]HOST:PORT`.
     Agent(String),
     /// Replication to a peer cluster, its Locator at HOST:PORT.
     Cluster(String),
@@ -134,7 +134,9 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
         Some(t) if t.starts_with("s3://") || t.starts_with('/') => {
             Target::Repository(repository_target(&name, t, p)?)
         }
-        Some(t) if t.starts_with("cluster://") && valid_host_port(t[10..].trim_end_matches('/')) => {
+        Some(t)
+            if t.starts_with("cluster://") && valid_host_port(t[10..].trim_end_matches('/')) =>
+        {
             Target::Cluster(t[10..].trim_end_matches('/').to_string())
         }
         Some(t) => match t.strip_prefix("agent://") {

@@ -51,7 +51,10 @@ impl AuthorityError {
 impl Authority {
     /// The CA from its Secret, made and stored on first use (two replicas starting at
     /// once: the second's create fails and it reads the first's).
-    pub async fn load_or_create(client: &kube::Client, namespace: &str) -> Result<Self, AuthorityError> {
+    pub async fn load_or_create(
+        client: &kube::Client,
+        namespace: &str,
+    ) -> Result<Self, AuthorityError> {
         let fail = |why: String| AuthorityError {
             namespace: namespace.into(),
             why,
@@ -104,28 +107,28 @@ impl Authority {
 
     /// A fresh client certificate of the control role for this controller process.
     pub fn controller_identity(&self) -> Result<TlsPem, rcgen::Error> {
-        let key = KeyPair::generate()?;
         let mut p = CertificateParams::new(Vec::<String>::new())?;
-        p.distinguished_name.push(DnType::CommonName, "mover-controller");
+        p.distinguished_name
+            .push(DnType::CommonName, "mover-controller");
         p.subject_alt_names
             .push(SanType::URI(transport::auth::CONTROLLER_URI.try_into()?));
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        (p.not_before, p.not_after) = validity(LIFETIME);
-        let cert = p.signed_by(&key, &self.issuer()?)?;
-        Ok(TlsPem {
-            cert: cert.pem().into_bytes(),
-            key: key.serialize_pem().into_bytes(),
-            ca: self.ca_pem.clone().into_bytes(),
-        })
+        self.own(p)
     }
 
     /// A fresh server certificate for this controller's Locator, naming
     /// [`crate::remote::LOCATOR_NAME`] (what peer clusters' agents check).
     pub fn locator_identity(&self) -> Result<TlsPem, rcgen::Error> {
-        let key = KeyPair::generate()?;
         let mut p = CertificateParams::new(vec![crate::remote::LOCATOR_NAME.to_string()])?;
-        p.distinguished_name.push(DnType::CommonName, crate::remote::LOCATOR_NAME);
+        p.distinguished_name
+            .push(DnType::CommonName, crate::remote::LOCATOR_NAME);
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        self.own(p)
+    }
+
+    /// A certificate of `p` for a key made here, for this process's own use.
+    fn own(&self, mut p: CertificateParams) -> Result<TlsPem, rcgen::Error> {
+        let key = KeyPair::generate()?;
         (p.not_before, p.not_after) = validity(LIFETIME);
         let cert = p.signed_by(&key, &self.issuer()?)?;
         Ok(TlsPem {
@@ -138,7 +141,12 @@ impl Authority {
     /// Checks an agent's request and signs it: the certificate names `node`, as DNS
     /// name and agent URI, for server and client use. Returns the certificate then the
     /// CA (PEM), or why it is denied.
-    pub fn sign_agent(&self, request_pem: &str, node: &str, seconds: Option<i32>) -> Result<String, String> {
+    pub fn sign_agent(
+        &self,
+        request_pem: &str,
+        node: &str,
+        seconds: Option<i32>,
+    ) -> Result<String, String> {
         let mut req = rcgen::CertificateSigningRequestParams::from_pem(request_pem)
             .map_err(|e| format!("the request is not a valid, signed PKCS#10 request: {e}"))?;
         let asked: Vec<String> = req
@@ -160,7 +168,9 @@ impl Authority {
         p.distinguished_name.push(DnType::CommonName, node);
         let uri = format!("{}{node}", transport::auth::AGENT_URI_PREFIX);
         p.subject_alt_names.push(SanType::URI(
-            uri.as_str().try_into().map_err(|e: rcgen::Error| e.to_string())?,
+            uri.as_str()
+                .try_into()
+                .map_err(|e: rcgen::Error| e.to_string())?,
         ));
         p.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
@@ -239,11 +249,19 @@ fn condition(ty: &str, reason: &str, message: &str) -> CertificateSigningRequest
 }
 
 /// Signs agents' requests for as long as it runs (the leader runs it).
-pub async fn sign_requests(client: kube::Client, authority: std::sync::Arc<Authority>, agent_user: String) {
+pub async fn sign_requests(
+    client: kube::Client,
+    authority: std::sync::Arc<Authority>,
+    agent_user: String,
+) {
     use futures::StreamExt;
     let api: Api<CertificateSigningRequest> = Api::all(client);
     let config = watcher::Config::default().fields(&format!("spec.signerName={SIGNER}"));
-    let mut events = std::pin::pin!(watcher(api.clone(), config).default_backoff().applied_objects());
+    let mut events = std::pin::pin!(
+        watcher(api.clone(), config)
+            .default_backoff()
+            .applied_objects()
+    );
     while let Some(ev) = events.next().await {
         let Ok(csr) = ev else { continue };
         let decided = csr.status.as_ref().is_some_and(|s| {
@@ -273,23 +291,33 @@ pub async fn sign_requests(client: kube::Client, authority: std::sync::Arc<Autho
         match verdict {
             Err(why) => {
                 tracing::warn!(csr = %name, "denied an agent certificate request: {why}");
-                status.conditions.get_or_insert_with(Vec::new).push(condition(
-                    "Denied",
-                    "MoverSignerDenied",
-                    &why,
-                ));
-                if let Err(e) = api.replace_subresource("approval", &name, &PostParams::default(), &answer).await {
+                status
+                    .conditions
+                    .get_or_insert_with(Vec::new)
+                    .push(condition("Denied", "MoverSignerDenied", &why));
+                if let Err(e) = api
+                    .replace_subresource("approval", &name, &PostParams::default(), &answer)
+                    .await
+                {
                     tracing::warn!(csr = %name, "cannot deny: {e}");
                 }
             }
             Ok((node, chain)) => {
                 if !approved {
-                    status.conditions.get_or_insert_with(Vec::new).push(condition(
-                        "Approved",
-                        "MoverSignerApproved",
-                        &format!("the agent pod on node {node} asked for its node's certificate"),
-                    ));
-                    match api.replace_subresource("approval", &name, &PostParams::default(), &answer).await {
+                    status
+                        .conditions
+                        .get_or_insert_with(Vec::new)
+                        .push(condition(
+                            "Approved",
+                            "MoverSignerApproved",
+                            &format!(
+                                "the agent pod on node {node} asked for its node's certificate"
+                            ),
+                        ));
+                    match api
+                        .replace_subresource("approval", &name, &PostParams::default(), &answer)
+                        .await
+                    {
                         Ok(a) => answer = a,
                         Err(e) => {
                             tracing::warn!(csr = %name, "cannot approve: {e}");
@@ -297,9 +325,14 @@ pub async fn sign_requests(client: kube::Client, authority: std::sync::Arc<Autho
                         }
                     }
                 }
-                answer.status.get_or_insert_with(Default::default).certificate =
-                    Some(k8s_openapi::ByteString(chain.into_bytes()));
-                match api.replace_status(&name, &PostParams::default(), &answer).await {
+                answer
+                    .status
+                    .get_or_insert_with(Default::default)
+                    .certificate = Some(k8s_openapi::ByteString(chain.into_bytes()));
+                match api
+                    .replace_status(&name, &PostParams::default(), &answer)
+                    .await
+                {
                     Ok(_) => tracing::info!(csr = %name, %node, "signed an agent's certificate"),
                     Err(e) => tracing::warn!(csr = %name, "cannot sign: {e}"),
                 }
@@ -328,7 +361,10 @@ mod tests {
         let chain = authority
             .sign_agent(&request(vec!["node-1".into()]), "node-1", Some(3600))
             .unwrap();
-        let leaf = chain.split_inclusive("-----END CERTIFICATE-----").next().unwrap();
+        let leaf = chain
+            .split_inclusive("-----END CERTIFICATE-----")
+            .next()
+            .unwrap();
         let der = rustls_pemfile_der(leaf);
         let caller = transport::auth::certificate_caller(&der);
         assert_eq!(caller.role, transport::auth::Role::Replication);

@@ -164,7 +164,9 @@ impl Context {
     }
 }
 
-pub(super) fn typed<K: serde::de::DeserializeOwned>(obj: &DynamicObject) -> Result<K, serde_json::Error> {
+pub(super) fn typed<K: serde::de::DeserializeOwned>(
+    obj: &DynamicObject,
+) -> Result<K, serde_json::Error> {
     serde_json::to_value(obj).and_then(serde_json::from_value)
 }
 

@@ -248,28 +248,26 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         }
     });
     let mut connect = options.connect.clone();
+    let ca_error = |e: rcgen::Error| {
+        RunError::Authority(super::issuer::AuthorityError::new(
+            &options.lease_namespace,
+            e.to_string(),
+        ))
+    };
     let authority = if options.insecure_plaintext {
         None
     } else {
         let a = super::issuer::Authority::load_or_create(&client, &options.lease_namespace)
             .await
             .map_err(RunError::Authority)?;
-        connect.tls_pem = Some(
-            a.controller_identity()
-                .map_err(|e| RunError::Authority(super::issuer::AuthorityError::new(&options.lease_namespace, e.to_string())))?,
-        );
+        connect.tls_pem = Some(Arc::new(a.controller_identity().map_err(ca_error)?));
         Some(Arc::new(a))
     };
     let locator_tls = authority
         .as_ref()
         .map(|a| a.locator_identity())
         .transpose()
-        .map_err(|e| {
-            RunError::Authority(super::issuer::AuthorityError::new(
-                &options.lease_namespace,
-                e.to_string(),
-            ))
-        })?;
+        .map_err(ca_error)?;
     let mut grpc_agents = GrpcAgents::new(connect);
     if authority.is_some() {
         // Agents run in the host network: an agent pod's address is its node's.
@@ -300,7 +298,10 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         },
         agent_port: options.agent_port,
         metrics,
-        secrets: Some(Arc::new(SecretWatches::new(client.clone(), secret_namespaces))),
+        secrets: Some(Arc::new(SecretWatches::new(
+            client.clone(),
+            secret_namespaces,
+        ))),
         leftovers: Some((
             options.deletion_grace,
             Arc::new(Leftovers::new(client.clone(), &options.lease_namespace)),
@@ -363,7 +364,11 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             "system:serviceaccount:{}:{}",
             options.agent_namespace, options.agent_service_account
         );
-        tokio::spawn(super::issuer::sign_requests(client.clone(), authority, user));
+        tokio::spawn(super::issuer::sign_requests(
+            client.clone(),
+            authority,
+            user,
+        ));
     }
     // The leader removes what deletions left on agents that were down, once they answer.
     if let Some((grace, leftovers)) = ctx.leftovers.clone() {
@@ -425,7 +430,10 @@ async fn serve_locator(
         addr,
         source: std::io::Error::new(
             source.kind(),
-            format!("cannot read --replication-token-file {}: {source}", token_file.display()),
+            format!(
+                "cannot read --replication-token-file {}: {source}",
+                token_file.display()
+            ),
         ),
     })?;
     let credentials = Arc::new(Credentials {

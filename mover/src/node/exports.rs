@@ -470,11 +470,18 @@ mod tests {
         assert!(e.contains("not exported") && e.contains("golden"), "{e}");
 
         // Roots narrowed since: what lies outside them is not served any more.
-        assert!(again.register("pv-2", &root.join("pv-1"), false, "r/2").unwrap());
+        assert!(
+            again
+                .register("pv-2", &root.join("pv-1"), false, "r/2")
+                .unwrap()
+        );
         // Served to the relationship it was registered for only; a configured one to any.
         assert!(again.check_served_for("pv-2", "r/2").is_ok());
         let e = again.check_served_for("pv-2", "r/3").unwrap_err();
-        assert!(e.contains("only to the relationship it was registered for"), "{e}");
+        assert!(
+            e.contains("only to the relationship it was registered for"),
+            "{e}"
+        );
         assert!(again.check_served_for("golden", "anything").is_ok());
         let narrowed = Exports::open(
             configured.clone(),
@@ -486,7 +493,10 @@ mod tests {
 
         // No roots: registering says how to allow it.
         let none = Exports::fixed(configured.clone());
-        let e = none.register("pv-1", &dir, true, "").unwrap_err().to_string();
+        let e = none
+            .register("pv-1", &dir, true, "")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("volume_roots"), "{e}");
     }
 }

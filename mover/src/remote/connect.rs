@@ -87,18 +87,18 @@ pub struct ConnectOptions {
     /// This client's private key (PEM).
     #[arg(long, value_name = "FILE", env = "MOVER_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
-    /// Name the agent's certificate must carry [default: the NAME of
-    /// agent://NAME@HOST:PORT/VOLUME, else HOST].
+    /// Name the agent's certificate must carry: its node's, as in
+    /// `agent://NODE@HOST:PORT/VOLUME` [default: the URL's NODE, else its HOST].
     #[arg(long, value_name = "NAME")]
     pub tls_server_name: Option<String>,
     /// TLS material in memory, given by a caller in the process (an agent's certificate
     /// from its cluster's signer, the controller's own); before the --tls-* files.
     #[arg(skip)]
-    pub tls_pem: Option<transport::tls::TlsPem>,
+    pub tls_pem: Option<std::sync::Arc<transport::tls::TlsPem>>,
     /// A peer cluster's CA (PEM), given by a relationship: trust it alone and present no
     /// certificate (the relationship's token authenticates); before everything else.
     #[arg(skip)]
-    pub tls_peer_ca: Option<Vec<u8>>,
+    pub tls_peer_ca: Option<std::sync::Arc<[u8]>>,
     /// The token itself, given by a caller in the process (a relationship's own token);
     /// before --token-file.
     #[arg(skip)]

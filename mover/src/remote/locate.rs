@@ -23,12 +23,16 @@ pub async fn locate(
         why,
     };
     let Some(authority) = peer.strip_prefix(CLUSTER_SCHEME) else {
-        return AgentUrl::parse(peer)
-            .ok_or_else(|| bad("expected agent://HOST:PORT/VOLUME or cluster://HOST:PORT".into()))?;
+        return AgentUrl::parse(peer).ok_or_else(|| {
+            bad("expected agent://HOST:PORT/VOLUME or cluster://HOST:PORT".into())
+        })?;
     };
-    let locator = AgentUrl::parse(&format!("agent://{LOCATOR_NAME}@{}/-", authority.trim_end_matches('/')))
-        .ok_or_else(|| bad("expected cluster://HOST:PORT".into()))?
-        .map_err(|e| bad(e.to_string()))?;
+    let locator = AgentUrl::parse(&format!(
+        "agent://{LOCATOR_NAME}@{}/-",
+        authority.trim_end_matches('/')
+    ))
+    .ok_or_else(|| bad("expected cluster://HOST:PORT".into()))?
+    .map_err(|e| bad(e.to_string()))?;
     let (channel, auth) = remote.channel(&locator).await?;
     let answer = LocatorClient::with_interceptor(channel, auth)
         .locate(LocateRequest {
@@ -37,10 +41,9 @@ pub async fn locate(
         .await
         .map_err(|s| status_error(&locator, s))?
         .into_inner();
-    AgentUrl::parse(&answer.volume)
-        .ok_or_else(|| CopyError::Remote {
-            url: peer.into(),
-            code: RemoteCode::Url,
-            message: format!("the locator answered {:?}, not an agent URL", answer.volume),
-        })?
+    AgentUrl::parse(&answer.volume).ok_or_else(|| CopyError::Remote {
+        url: peer.into(),
+        code: RemoteCode::Url,
+        message: format!("the locator answered {:?}, not an agent URL", answer.volume),
+    })?
 }

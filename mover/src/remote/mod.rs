@@ -24,8 +24,8 @@ pub use connect::{
     parse_rate,
 };
 pub use groups::KnownChunks;
-pub use locate::{CLUSTER_SCHEME, LOCATOR_NAME, locate};
 pub(crate) use groups::{Group, RemoteGroups, read_groups, tree};
+pub use locate::{CLUSTER_SCHEME, LOCATOR_NAME, locate};
 pub use pull::pull;
 pub use push::{CyclePush, push, push_cycle};
 pub(crate) use status::{Backoff, timed, with_retries};

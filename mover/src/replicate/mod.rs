@@ -31,7 +31,7 @@ pub fn remote_for(
     if let Some(p) = peer {
         r.connect.token = Some(p.token.clone());
         if let Some(ca) = &p.ca {
-            r.connect.tls_peer_ca = Some(ca.clone().into_bytes());
+            r.connect.tls_peer_ca = Some(ca.as_bytes().into());
         }
     }
     r
