@@ -263,6 +263,16 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         connect.tls_pem = Some(Arc::new(a.controller_identity().map_err(ca_error)?));
         Some(Arc::new(a))
     };
+    if authority.is_some() {
+        // Its own certificates are made at start for LIFETIME: two thirds of the way it
+        // exits (the Deployment starts it again, a standby leads meanwhile), so they never
+        // expire in use.
+        tokio::spawn(async {
+            tokio::time::sleep(crate::agent::certificate::LIFETIME * 2 / 3).await;
+            tracing::info!("exiting to renew this controller's own certificates");
+            std::process::exit(0);
+        });
+    }
     let locator_tls = authority
         .as_ref()
         .map(|a| a.locator_identity())
