@@ -1003,41 +1003,23 @@ spec:
 "
         )
     };
-    a.cluster.apply(&format!(
-        "apiVersion: v1
-kind: PersistentVolume
-metadata: {{name: pv-moving-a}}
-spec:
-  capacity: {{storage: 32Mi}}
-  accessModes: [ReadWriteOnce]
-  volumeMode: Block
-  storageClassName: ''
-  persistentVolumeReclaimPolicy: Retain
-  local: {{path: {}}}
-  nodeAffinity:
-    required:
-      nodeSelectorTerms:
-      - matchExpressions:
-        - {{key: kubernetes.io/hostname, operator: In, values: [a-node1]}}
----
-{}",
-        a_image.display(),
-        claim("pv-moving-a")
+    // A block PV `name` of `source` (its YAML under spec), and the PVC `moving` on it.
+    let volume = |name: &str, source: &str| {
+        format!(
+            "apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: {name}}}\nspec:\n  capacity: {{storage: 32Mi}}\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: ''\n  persistentVolumeReclaimPolicy: Retain\n{source}---\n{}",
+            claim(name)
+        )
+    };
+    a.cluster.apply(&volume(
+        "pv-moving-a",
+        &format!(
+            "  local: {{path: {}}}\n  nodeAffinity:\n    required:\n      nodeSelectorTerms:\n      - matchExpressions:\n        - {{key: kubernetes.io/hostname, operator: In, values: [a-node1]}}\n",
+            a_image.display()
+        ),
     ));
-    b.cluster.apply(&format!(
-        "apiVersion: v1
-kind: PersistentVolume
-metadata: {{name: {pv_b}}}
-spec:
-  capacity: {{storage: 32Mi}}
-  accessModes: [ReadWriteOnce]
-  volumeMode: Block
-  storageClassName: ''
-  persistentVolumeReclaimPolicy: Retain
-  csi: {{driver: disk.example.com, volumeHandle: vol-moving}}
----
-{}",
-        claim(&pv_b)
+    b.cluster.apply(&volume(
+        &pv_b,
+        "  csi: {driver: disk.example.com, volumeHandle: vol-moving}\n",
     ));
     attach(&b, &pv_b, "b-node2");
     for s in [&a, &b] {
