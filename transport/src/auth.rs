@@ -135,7 +135,14 @@ impl Authorize {
 /// The role a certificate from the agent's CA proves: from its mover URI name; one
 /// naming no role is an operator's own (a CA given in agent.toml's `[tls]`), with control.
 pub fn certificate_caller(der: &[u8]) -> Caller {
-    let uris = crate::tls::Facts::of_der(der).unwrap_or_default().uris;
+    let Some(facts) = crate::tls::Facts::of_der(der) else {
+        // Unreadable: the least a certificate from the CA may do.
+        return Caller {
+            role: Role::Replication,
+            who: "an unreadable certificate".into(),
+        };
+    };
+    let uris = facts.uris;
     if uris.iter().any(|u| u == CONTROLLER_URI) {
         return Caller {
             role: Role::Control,

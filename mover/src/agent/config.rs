@@ -158,6 +158,15 @@ impl AgentConfig {
                 }
             }
         }
+        if config.nbd_listen.is_some() && config.tls.as_ref().is_some_and(|t| t.from_kubernetes) {
+            return Err(invalid(
+                "nbd_listen cannot use a from_kubernetes certificate: NBD checks only that a \
+                 client's certificate comes from the CA, and every agent of the cluster holds \
+                 one; give [tls] files of a CA for NBD clients alone, or use the node-local \
+                 nbd_socket"
+                    .into(),
+            ));
+        }
         if config.nbd_listen.is_some() && config.tls.is_none() {
             return Err(invalid(
                 "nbd_listen needs [tls]: NBD carries no token, so over TCP only clients \

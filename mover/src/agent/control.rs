@@ -508,7 +508,19 @@ impl Replication for Control {
                 }
                 _ => {}
             }
-            let epoch = self.service.epochs.highest(&p.name).max(r.epoch) + 1;
+            let epoch = self
+                .service
+                .epochs
+                .highest(&p.name)
+                .max(r.epoch)
+                .checked_add(1)
+                .ok_or_else(|| {
+                    ServiceError::FailedPrecondition(format!(
+                        "relationship {:?} has reached the highest epoch: delete and create it \
+                         again",
+                        p.name
+                    ))
+                })?;
             self.service.check_epoch(&p.name, epoch)?;
             let common = applied.as_ref().map_or(0, |a| a.id);
             self.service

@@ -44,6 +44,8 @@ pub struct AgentService {
     pub(super) metrics: Arc<Metrics>,
     pub(super) sessions: Mutex<HashMap<String, Arc<Session>>>,
     next_id: AtomicU64,
+    /// Keys session ids (SipHash with keys from the OS's randomness).
+    id_key: std::collections::hash_map::RandomState,
     /// File-tree exports being pushed into (one writer each).
     pub(super) trees_busy: Arc<Mutex<std::collections::HashSet<String>>>,
     /// Image exports whose page hashes are being filled in after a full copy: set to
@@ -69,6 +71,7 @@ impl AgentService {
             metrics,
             sessions: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
+            id_key: std::collections::hash_map::RandomState::new(),
             trees_busy: Arc::default(),
             filling: Arc::default(),
             hydrations: std::sync::OnceLock::new(),
@@ -104,6 +107,20 @@ impl AgentService {
         Ok(export)
     }
 
+    /// A new session's id: the export's name and 128 bits no caller can guess (a
+    /// session is reached by its id alone, so another caller's must stay unknown).
+    pub(super) fn session_id(&self, volume: &str) -> String {
+        use std::hash::{BuildHasher, Hasher};
+        let n = self.next_id.fetch_add(1, Relaxed);
+        let half = |salt: u64| {
+            let mut h = self.id_key.build_hasher();
+            h.write_u64(n);
+            h.write_u64(salt);
+            h.finish()
+        };
+        format!("{volume}-{:016x}{:016x}", half(1), half(2))
+    }
+
     /// Whether `caller` may open the export `name` for `relationship` (see
     /// `Exports::check_served_for`): a volume the controller registered for no
     /// relationship is the control role's alone; a relationship this agent holds on the
@@ -112,9 +129,26 @@ impl AgentService {
         &self,
         name: &str,
         relationship: &str,
+        write: Option<bool>,
         caller: Option<&transport::auth::Caller>,
     ) -> Result<(), ServiceError> {
         let control = caller.is_none_or(|c| c.role == transport::auth::Role::Control);
+        if !control && relationship.is_empty() {
+            return Err(self.refuse(ServiceError::PermissionDenied(
+                "a relationship is required: the replication role reaches an export only \
+                 for the relationship it is served to"
+                    .into(),
+            )));
+        }
+        // A peer writes only replication cycles (staged, checked against the roles and
+        // epochs): never straight into a volume, a primary's least of all.
+        if !control && write == Some(false) {
+            return Err(self.refuse(ServiceError::PermissionDenied(format!(
+                "{} may write into {name:?} only as a replication cycle: the replication \
+                 role writes nothing else",
+                caller.map_or("the caller", |c| c.who.as_str())
+            ))));
+        }
         let registered_for_none = self.exports.registered_for(name).as_deref() == Some("");
         let held = self
             .store
@@ -168,7 +202,9 @@ impl Transfer for AgentService {
                 .unwrap_or_else(|| "a peer".into());
             let caller = req.extensions().get::<transport::auth::Caller>().cloned();
             let r = req.into_inner();
-            self.check_served(&r.volume, &r.relationship, caller.as_ref())?;
+            // `write`: Some(whether it is a replication cycle) for a WRITE session.
+            let write = (r.access == Access::Write as i32).then_some(r.cycle.is_some());
+            self.check_served(&r.volume, &r.relationship, write, caller.as_ref())?;
             let export = self.export(&r.volume)?;
             let chunk = ChunkSize::new(r.chunk_size)
                 .map_err(|e| self.refuse(ServiceError::InvalidArgument(e.to_string())))?;
@@ -238,7 +274,7 @@ impl Transfer for AgentService {
             } else {
                 blocking(|| self.summary_of(&export, dest.as_ref(), &key, chunk, size))?
             };
-            let id = format!("{}-{}", r.volume, self.next_id.fetch_add(1, Relaxed));
+            let id = self.session_id(&r.volume);
             let cycle = match (&r.cycle, &dest) {
                 (Some(c), Some(d)) => {
                     let dir = journal::cycles_dir(&self.state_dir, &r.relationship);

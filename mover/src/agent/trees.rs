@@ -90,7 +90,8 @@ impl AgentService {
                 },
             )
             .await?;
-        self.check_served(&open.volume, &open.relationship, caller.as_ref())?;
+        let write = Some(open.cycle.is_some());
+        self.check_served(&open.volume, &open.relationship, write, caller.as_ref())?;
         let export = self.tree_export(&open.volume, true)?;
         if open.relationship.is_empty() {
             return Err(self.refuse(ServiceError::InvalidArgument(
@@ -222,7 +223,7 @@ impl AgentService {
                 },
             )
             .await?;
-        self.check_served(&open.volume, &open.relationship, caller.as_ref())?;
+        self.check_served(&open.volume, &open.relationship, None, caller.as_ref())?;
         let export = self.tree_export(&open.volume, false)?;
         let bwlimit = (open.bwlimit > 0).then_some(open.bwlimit);
         let served = Served::open(&export.path, bwlimit).map_err(|e| {

@@ -26,20 +26,34 @@ impl Locator for LocatorService {
         req: Request<LocateRequest>,
     ) -> Result<Response<LocateResponse>, Status> {
         let name = req.into_inner().relationship;
-        let vr = self
+        let claiming: Vec<VolumeReplication> = self
             .vrs
             .state()
             .iter()
             .filter(|o| o.metadata.deletion_timestamp.is_none())
             .filter_map(|o| typed::<VolumeReplication>(o).ok())
-            .find(|v| relationship_name(v) == name)
-            .ok_or_else(|| {
-                Status::not_found(format!(
+            .filter(|v| relationship_name(v) == name)
+            .collect();
+        // A replicationHandle is any user's to write: an answer only for one secondary.
+        let vr = match claiming.as_slice() {
+            [] => {
+                return Err(Status::not_found(format!(
                     "no VolumeReplication of relationship {name:?} in this cluster: create the \
                      secondary's (the same replicationHandle, or the same namespace and name)"
-                ))
-            })?;
-        let d = resolve(&vr, &self.ctx).map_err(|i| {
+                )));
+            }
+            [one] => one,
+            several => {
+                return Err(Status::failed_precondition(format!(
+                    "{} VolumeReplications claim relationship {name:?} in this cluster: the \
+                     Locator answers for one only; give the others another replicationHandle",
+                    several.len()
+                )));
+            }
+        };
+        // A primary is answered too: its agent refuses the cycle and tells a fenced old
+        // primary so (what a forced failover's return needs to learn).
+        let d = resolve(vr, &self.ctx).map_err(|i| {
             Status::failed_precondition(format!(
                 "the secondary of relationship {name:?} cannot be placed here yet: {i}"
             ))
