@@ -125,6 +125,7 @@ impl AgentService {
     /// `Exports::check_served_for`): a volume the controller registered for no
     /// relationship is the control role's alone; a relationship this agent holds on the
     /// volume vouches for it too (one registered before exports named their relationship).
+    /// `write`: for a session that writes, whether it is a replication cycle.
     pub(super) fn check_served(
         &self,
         name: &str,
