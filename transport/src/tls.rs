@@ -1,5 +1,6 @@
-//! Mutual TLS from PEM files: each agent has a certificate and key signed by a CA that
-//! every agent trusts; servers require client certificates from that CA.
+//! TLS from PEM files or memory: each agent has a certificate and key signed by its
+//! cluster's CA; servers check client certificates against that CA (optional where peer
+//! clusters' agents prove themselves with a token instead).
 
 use std::path::{Path, PathBuf};
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
@@ -57,20 +58,9 @@ impl TlsFiles {
         })
     }
 
-    /// Server side: present our certificate and require clients signed by the CA.
-    pub fn server(&self) -> Result<ServerTlsConfig, TlsError> {
-        Ok(self.load()?.server(false))
-    }
-
     /// A TLS acceptor for raw streams (NBD over TCP): see [`TlsPem::acceptor`].
     pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
         self.load()?.acceptor()
-    }
-
-    /// Client side: trust only the CA, present our certificate, and expect the server
-    /// to be named `server_name` in its certificate.
-    pub fn client(&self, server_name: &str) -> Result<ClientTlsConfig, TlsError> {
-        Ok(self.load()?.client(server_name))
     }
 }
 
@@ -108,39 +98,37 @@ impl TlsPem {
     /// A TLS acceptor for raw streams (NBD over TCP): present our certificate and
     /// require clients signed by the CA.
     pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
-        let here = Path::new("(in memory)");
         use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
         install_crypto_provider();
-        let bad = |what: &'static str, path: &Path, why: String| TlsError {
+        let bad = |what: &'static str, why: String| TlsError {
             what,
-            path: path.into(),
+            path: "(in memory)".into(),
             cause: std::io::Error::new(std::io::ErrorKind::InvalidData, why),
         };
         let pem_certs =
             |what: &'static str, bytes: &[u8]| -> Result<Vec<CertificateDer<'static>>, TlsError> {
-                let path = here;
                 let certs = CertificateDer::pem_slice_iter(bytes)
                     .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| bad(what, path, e.to_string()))?;
+                    .map_err(|e| bad(what, e.to_string()))?;
                 if certs.is_empty() {
-                    return Err(bad(what, path, "no PEM certificate in it".into()));
+                    return Err(bad(what, "no PEM certificate in it".into()));
                 }
                 Ok(certs)
             };
         let chain = pem_certs("certificate", &self.cert)?;
-        let key = PrivateKeyDer::from_pem_slice(&self.key)
-            .map_err(|e| bad("key", here, e.to_string()))?;
+        let key =
+            PrivateKeyDer::from_pem_slice(&self.key).map_err(|e| bad("key", e.to_string()))?;
         let mut roots = rustls::RootCertStore::empty();
         for ca in pem_certs("CA", &self.ca)? {
-            roots.add(ca).map_err(|e| bad("CA", here, e.to_string()))?;
+            roots.add(ca).map_err(|e| bad("CA", e.to_string()))?;
         }
         let verifier = rustls::server::WebPkiClientVerifier::builder(roots.into())
             .build()
-            .map_err(|e| bad("CA", here, e.to_string()))?;
+            .map_err(|e| bad("CA", e.to_string()))?;
         let config = rustls::ServerConfig::builder()
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain, key)
-            .map_err(|e| bad("certificate", here, e.to_string()))?;
+            .map_err(|e| bad("certificate", e.to_string()))?;
         Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)))
     }
 

@@ -122,6 +122,28 @@ pub enum ConfigError {
     },
 }
 
+/// The bearer tokens in `path`, one per line (a second line lets a rotation overlap);
+/// a file with none is refused.
+pub fn read_tokens(path: &std::path::Path) -> Result<Vec<String>, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
+        path: path.into(),
+        cause,
+    })?;
+    let tokens: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect();
+    if tokens.is_empty() {
+        return Err(ConfigError::Invalid {
+            path: path.into(),
+            why: "the token file is empty".into(),
+        });
+    }
+    Ok(tokens)
+}
+
 impl AgentConfig {
     /// Reads and checks a configuration file.
     pub fn load(path: &std::path::Path) -> Result<AgentConfig, ConfigError> {
@@ -218,26 +240,9 @@ impl AgentConfig {
 
     /// The replication role's tokens, from `replication_token_file`.
     pub fn replication_tokens(&self) -> Result<Vec<String>, ConfigError> {
-        let Some(path) = &self.replication_token_file else {
-            return Ok(Vec::new());
-        };
-        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
-            path: path.clone(),
-            cause,
-        })?;
-        let tokens: Vec<String> = text
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty())
-            .map(String::from)
-            .collect();
-        if tokens.is_empty() {
-            return Err(ConfigError::Invalid {
-                path: path.clone(),
-                why: "the replication token file is empty".into(),
-            });
-        }
-        Ok(tokens)
+        self.replication_token_file
+            .as_deref()
+            .map_or(Ok(Vec::new()), read_tokens)
     }
 
     /// Where the NBD server listens.

@@ -22,7 +22,7 @@ mod trees;
 
 pub use crate::node::{Export, ExportError, Exports};
 use crate::replicate::journal;
-pub use config::{AgentConfig, ConfigError, TlsConfig};
+pub use config::{AgentConfig, ConfigError, TlsConfig, read_tokens};
 pub use control::Control;
 pub use fencing::{EpochStore, StaleEpoch};
 pub use metrics::Metrics;

@@ -55,10 +55,7 @@ impl Authority {
         client: &kube::Client,
         namespace: &str,
     ) -> Result<Self, AuthorityError> {
-        let fail = |why: String| AuthorityError {
-            namespace: namespace.into(),
-            why,
-        };
+        let fail = |why: String| AuthorityError::new(namespace, why);
         let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
         for _ in 0..3 {
             if let Some(s) = secrets

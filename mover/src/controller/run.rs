@@ -109,6 +109,9 @@ pub enum RunError {
         /// What failed.
         source: kube_lease_manager::LeaseManagerError,
     },
+    /// `--replication-token-file` cannot be read, or holds no token.
+    #[error("--replication-token-file: {0}")]
+    Tokens(crate::agent::ConfigError),
     /// The cluster's mover CA could not be loaded or made.
     #[error(transparent)]
     Authority(super::issuer::AuthorityError),
@@ -254,16 +257,14 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             e.to_string(),
         ))
     };
-    let authority = if options.insecure_plaintext {
-        None
+    let (authority, locator_tls) = if options.insecure_plaintext {
+        (None, None)
     } else {
         let a = super::issuer::Authority::load_or_create(&client, &options.lease_namespace)
             .await
             .map_err(RunError::Authority)?;
         connect.tls_pem = Some(Arc::new(a.controller_identity().map_err(ca_error)?));
-        Some(Arc::new(a))
-    };
-    if authority.is_some() {
+        let locator = a.locator_identity().map_err(ca_error)?;
         // Its own certificates are made at start for LIFETIME: two thirds of the way it
         // exits (the Deployment starts it again, a standby leads meanwhile), so they never
         // expire in use.
@@ -272,12 +273,8 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             tracing::info!("exiting to renew this controller's own certificates");
             std::process::exit(0);
         });
-    }
-    let locator_tls = authority
-        .as_ref()
-        .map(|a| a.locator_identity())
-        .transpose()
-        .map_err(ca_error)?;
+        (Some(Arc::new(a)), Some(locator))
+    };
     let mut grpc_agents = GrpcAgents::new(connect);
     if authority.is_some() {
         // Agents run in the host network: an agent pod's address is its node's.
@@ -436,23 +433,8 @@ async fn serve_locator(
     service: super::locator::LocatorService,
 ) -> Result<(), RunError> {
     use transport::auth::{Authorize, Credentials, Role};
-    let text = std::fs::read_to_string(token_file).map_err(|source| RunError::Listen {
-        addr,
-        source: std::io::Error::new(
-            source.kind(),
-            format!(
-                "cannot read --replication-token-file {}: {source}",
-                token_file.display()
-            ),
-        ),
-    })?;
     let credentials = Arc::new(Credentials {
-        replication_tokens: text
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty())
-            .map(String::from)
-            .collect(),
+        replication_tokens: crate::agent::read_tokens(token_file).map_err(RunError::Tokens)?,
         ..Default::default()
     });
     let listener = tokio::net::TcpListener::bind(addr)
