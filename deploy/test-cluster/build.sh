@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
-# Builds the control plane the end-to-end tests run (kube-apiserver,
-# kube-controller-manager, kubectl from k8s.io/kubernetes; etcd from
-# go.etcd.io/etcd/server/v3) into a cache outside the clone, once: a stamp of the go.mod
-# files and the Go version says whether the binaries there are current.
+# Builds what the end-to-end tests run into a cache outside the clone, once:
+#  - the control plane: kube-apiserver, kube-controller-manager, kubectl from
+#    k8s.io/kubernetes (kube/go.mod); etcd from go.etcd.io/etcd/server/v3 (etcd/go.mod);
+#    cert-manager's CRDs;
+#  - the CSI stack of issue 39 (versions: CSI_VERSIONS below, the one place they are
+#    recorded; each is required by a small wrapper module under csi/, since `go install
+#    mod@version` refuses every one of them for the replace directives in its go.mod, and
+#    this script fails if a wrapper's go.mod says otherwise): hostpathplugin, csi-provisioner,
+#    csi-snapshotter, snapshot-controller, csi-snapshot-metadata, and grpcurl as the tests'
+#    gRPC client; the VolumeSnapshot* and SnapshotMetadataService CRDs into $bin/crds and
+#    the CSI spec's csi.proto into $bin/proto. The Go module proxy refuses
+#    csi-driver-host-path (403), so csi/hostpath is a copy of its source at its tag (see
+#    csi/hostpath/README.md).
+# Each part has its own stamp (its inputs, its function below and the Go version), so a
+# change to one part does not rebuild the other.
 #
 #   deploy/test-cluster/build.sh            # prints the bin directory
 #   MOVER_KUBE_CACHE=/somewhere build.sh    # default /var/tmp/mover-kube
 #
-# Needs Go >= 1.26 and the Go module proxy. A cold build takes about 15-25 minutes on
-# two cores; later runs take a second.
+# Needs Go >= 1.26 and the Go module proxy. A cold build of the control plane takes about
+# 15-25 minutes on two cores; of the CSI stack about 14 more (measured: 13m56s, on two
+# cores shared with a cargo build, the modules already downloaded; downloading them took
+# under a minute). Later runs take a second.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${MOVER_KUBE_CACHE:-/var/tmp/mover-kube}"
@@ -16,32 +29,101 @@ bin="$cache/bin"
 command -v go >/dev/null || export PATH="$PATH:/usr/local/go/bin"
 command -v go >/dev/null || { echo "build.sh: Go (>= 1.26) is needed to build the test control plane" >&2; exit 1; }
 CERT_MANAGER=v1.19.1
-k8s_version="$(awk '/^require k8s.io\/kubernetes/ {print $3}' "$here/kube/go.mod")"
-stamp="$( (cat "$here"/kube/go.mod "$here"/kube/go.sum "$here"/etcd/go.mod "$here"/etcd/go.sum "$here"/etcd/main.go "$0"; go version) | sha256sum | cut -c1-16)"
-if [ -f "$bin/.stamp" ] && [ "$(cat "$bin/.stamp")" = "$stamp" ]; then
-  echo "$bin"; exit 0
-fi
-mkdir -p "$bin"
-rm -f "$bin/.stamp"
+# wrapper dir, module, version (the tag the binaries report).
+CSI_VERSIONS="
+hostpath          github.com/kubernetes-csi/csi-driver-host-path                   v1.18.0
+provisioner       github.com/kubernetes-csi/external-provisioner/v6                v6.4.0
+snapshotter       github.com/kubernetes-csi/external-snapshotter/v8                v8.7.0
+snapshotter       github.com/kubernetes-csi/external-snapshotter/client/v8         v8.7.0
+snapshot-metadata github.com/kubernetes-csi/external-snapshot-metadata             v1.1.0
+snapshot-metadata github.com/kubernetes-csi/external-snapshot-metadata/client      v1.0.0
+grpcurl           github.com/fullstorydev/grpcurl                                  v1.9.4
+"
 export GOFLAGS=-mod=mod CGO_ENABLED=0
-minor="${k8s_version#v1.}"; minor="${minor%%.*}"
-# The version the binaries report (and the API server emulates): without it they say
-# v0.0.0-master.
-v=k8s.io/component-base/version
-ldflags="-s -w -X $v.gitVersion=$k8s_version -X $v.gitMajor=1 -X $v.gitMinor=$minor -X $v.gitTreeState=clean -X $v.buildDate=1970-01-01T00:00:00Z"
-cd "$here/kube"
-for cmd in kube-apiserver kube-controller-manager kubectl; do
-  echo "build.sh: building $cmd $k8s_version" >&2
-  go build -trimpath -ldflags "$ldflags" -o "$bin/$cmd" "k8s.io/kubernetes/cmd/$cmd"
-done
-cd "$here/etcd"
-echo "build.sh: building etcd" >&2
-go build -trimpath -ldflags "-s -w" -o "$bin/etcd" .
-# cert-manager's CRDs (plain YAML in its Go module), so the mtls overlay's Certificates
-# and Issuers can be applied; cert-manager itself does not run here.
-crds="$bin/crds"
-mkdir -p "$crds"
-cm="$(go mod download -json "github.com/cert-manager/cert-manager@$CERT_MANAGER" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')"
-cp "$cm"/deploy/crds/cert-manager.io_*.yaml "$crds/"
-echo "$stamp" > "$bin/.stamp"
+
+# The version CSI_VERSIONS gives module $1.
+csi_version() { awk -v m="$1" '$2 == m {print $3}' <<<"$CSI_VERSIONS"; }
+
+# The directory of module $2 as resolved by the module in $here/$1.
+module_dir() { (cd "$here/csi/$1" && go list -m -f '{{.Dir}}' "$2"); }
+
+control_plane() {
+  local k8s_version minor v ldflags cmd cm
+  k8s_version="$(awk '/^require k8s.io\/kubernetes/ {print $3}' "$here/kube/go.mod")"
+  minor="${k8s_version#v1.}"; minor="${minor%%.*}"
+  # The version the binaries report (and the API server emulates): without it they say
+  # v0.0.0-master.
+  v=k8s.io/component-base/version
+  ldflags="-s -w -X $v.gitVersion=$k8s_version -X $v.gitMajor=1 -X $v.gitMinor=$minor -X $v.gitTreeState=clean -X $v.buildDate=1970-01-01T00:00:00Z"
+  cd "$here/kube"
+  for cmd in kube-apiserver kube-controller-manager kubectl; do
+    echo "build.sh: building $cmd $k8s_version" >&2
+    go build -trimpath -ldflags "$ldflags" -o "$bin/$cmd" "k8s.io/kubernetes/cmd/$cmd"
+  done
+  cd "$here/etcd"
+  echo "build.sh: building etcd" >&2
+  go build -trimpath -ldflags "-s -w" -o "$bin/etcd" .
+  # cert-manager's CRDs (plain YAML in its Go module), so the mtls overlay's Certificates
+  # and Issuers can be applied; cert-manager itself does not run here.
+  mkdir -p "$bin/crds"
+  cm="$(go mod download -json "github.com/cert-manager/cert-manager@$CERT_MANAGER" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')"
+  cp "$cm"/deploy/crds/cert-manager.io_*.yaml "$bin/crds/"
+}
+
+csi_stack() {
+  local dir mod ver pinned hostpath provisioner snapshotter metadata grpcurl
+  # Each wrapper's go.mod must pin what CSI_VERSIONS says.
+  while read -r dir mod ver; do
+    [ -n "$dir" ] || continue
+    if [ "$dir" = hostpath ]; then
+      pinned="$(awk '/^module / {print $2}' "$here/csi/hostpath/go.mod") $(cat "$here/csi/hostpath/VERSION")"
+    else
+      pinned="$(cd "$here/csi/$dir" && go list -m -f '{{.Path}} {{.Version}}' "$mod")"
+    fi
+    [ "$pinned" = "$mod $ver" ] || { echo "build.sh: csi/$dir pins '$pinned', CSI_VERSIONS says '$mod $ver'" >&2; exit 1; }
+  done <<<"$CSI_VERSIONS"
+  hostpath="$(csi_version github.com/kubernetes-csi/csi-driver-host-path)"
+  provisioner="$(csi_version github.com/kubernetes-csi/external-provisioner/v6)"
+  snapshotter="$(csi_version github.com/kubernetes-csi/external-snapshotter/v8)"
+  metadata="$(csi_version github.com/kubernetes-csi/external-snapshot-metadata)"
+  grpcurl="$(csi_version github.com/fullstorydev/grpcurl)"
+  echo "build.sh: building hostpathplugin $hostpath" >&2
+  (cd "$here/csi/hostpath" && go build -trimpath -ldflags "-s -w -X main.version=$hostpath" -o "$bin/hostpathplugin" ./cmd/hostpathplugin)
+  echo "build.sh: building csi-provisioner $provisioner" >&2
+  (cd "$here/csi/provisioner" && go build -trimpath -ldflags "-s -w -X main.version=$provisioner" -o "$bin/csi-provisioner" github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner)
+  for cmd in csi-snapshotter snapshot-controller; do
+    echo "build.sh: building $cmd $snapshotter" >&2
+    (cd "$here/csi/snapshotter" && go build -trimpath -ldflags "-s -w -X main.version=$snapshotter" -o "$bin/$cmd" "github.com/kubernetes-csi/external-snapshotter/v8/cmd/$cmd")
+  done
+  echo "build.sh: building csi-snapshot-metadata $metadata" >&2
+  (cd "$here/csi/snapshot-metadata" && go build -trimpath -ldflags "-s -w -X main.version=$metadata" -o "$bin/csi-snapshot-metadata" github.com/kubernetes-csi/external-snapshot-metadata/cmd/csi-snapshot-metadata)
+  echo "build.sh: building grpcurl $grpcurl" >&2
+  (cd "$here/csi/grpcurl" && go build -trimpath -ldflags "-s -w -X main.version=$grpcurl" -o "$bin/grpcurl" github.com/fullstorydev/grpcurl/cmd/grpcurl)
+  mkdir -p "$bin/crds" "$bin/proto"
+  cp "$(module_dir snapshotter github.com/kubernetes-csi/external-snapshotter/client/v8)"/config/crd/snapshot.storage.k8s.io_volumesnapshot*.yaml "$bin/crds/"
+  cp "$(module_dir snapshot-metadata github.com/kubernetes-csi/external-snapshot-metadata/client)"/config/crd/cbt.storage.k8s.io_snapshotmetadataservices.yaml "$bin/crds/"
+  # The CSI spec the driver was built against, for grpcurl's calls on its socket.
+  cp "$(module_dir hostpath github.com/container-storage-interface/spec)/csi.proto" "$bin/proto/csi.proto"
+  chmod u+w "$bin"/crds/* "$bin"/proto/*
+}
+
+# Builds part $1 (a function above) unless its stamp file $2 holds the hash of its inputs:
+# the text $3 (versions, helpers), the files $4..., the function's own text and the Go
+# version.
+build_part() {
+  local part="$1" stampfile="$bin/$2" text="$3" stamp
+  shift 3
+  stamp="$( (echo "$text"; cat "$@"; declare -f "$part"; go version) | sha256sum | cut -c1-16)"
+  if [ -f "$stampfile" ] && [ "$(cat "$stampfile")" = "$stamp" ]; then
+    return
+  fi
+  mkdir -p "$bin"
+  rm -f "$stampfile"
+  # Not in an && list: set -e must hold inside the function.
+  (cd "$here"; "$part")
+  echo "$stamp" > "$stampfile"
+}
+
+build_part control_plane .stamp "$CERT_MANAGER" "$here"/kube/go.mod "$here"/kube/go.sum "$here"/etcd/go.mod "$here"/etcd/go.sum "$here"/etcd/main.go
+build_part csi_stack .stamp-csi "$CSI_VERSIONS$(declare -f csi_version module_dir)" $(find "$here/csi" -type f | LC_ALL=C sort)
 echo "$bin"
