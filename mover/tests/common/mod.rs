@@ -4,6 +4,8 @@
 pub mod agent;
 #[cfg(feature = "controller")]
 pub mod cluster;
+#[cfg(feature = "controller")]
+pub mod csi;
 pub mod slowdown;
 pub mod tree;
 
