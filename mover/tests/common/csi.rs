@@ -99,7 +99,9 @@ pub struct CsiStack {
     pub socket: PathBuf,
     /// The driver's state directory: its volumes and snapshots are files here.
     pub state: PathBuf,
-    /// The csi-snapshot-metadata sidecar's gRPC port on 127.0.0.1.
+    /// The csi-snapshot-metadata sidecar's gRPC port. It listens on `:PORT`, every
+    /// address (v1.1.0 has no flag to narrow it); the SnapshotMetadataService and the
+    /// tests name 127.0.0.1.
     pub metadata_port: u16,
     /// The CA (here the self-signed certificate itself) a client of the sidecar trusts:
     /// the SnapshotMetadataService's `spec.caCert`.
