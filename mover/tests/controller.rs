@@ -292,15 +292,22 @@ impl Agents for FakeAgents {
     }
 }
 
+/// A class with `params`; `consistency: crash-inconsistent` unless they set it: the
+/// images here are files on ext4, with no point in time to take (kube_e2e checks the
+/// default, point-in-time, refuses them).
 fn class(params: &[(&str, &str)]) -> VolumeReplicationClass {
+    let mut parameters: std::collections::BTreeMap<String, String> = params
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    parameters
+        .entry("consistency".into())
+        .or_insert_with(|| "crash-inconsistent".into());
     VolumeReplicationClass::new(
         "mover",
         VolumeReplicationClassSpec {
             provisioner: "topolvm.io".into(),
-            parameters: params
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
+            parameters,
         },
     )
 }

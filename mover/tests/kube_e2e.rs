@@ -641,8 +641,9 @@ spec:
 
     /// The class replicating to the cluster `peer` (its Locator), with the peer
     /// cluster's replication token and CA in the secret it names (read through a watch):
-    /// what an administrator copies between clusters, and nothing else.
-    fn class_to(&self, peer: &Site) -> String {
+    /// what an administrator copies between clusters, and nothing else. `consistency`:
+    /// the class's parameter (None: the default, point-in-time).
+    fn class_to(&self, peer: &Site, consistency: Option<&str>) -> String {
         let ca = std::fs::read_to_string(peer.agents[0].ca()).unwrap_or_else(|e| {
             panic!(
                 "{}: {e}\n{}",
@@ -652,9 +653,10 @@ spec:
         });
         let token = format!("repl-{}", peer.cluster.name);
         format!(
-            "{}\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: 2s\n    target: cluster://127.0.0.1:{}\n{SECRET_PARAMS}",
+            "{}\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: 2s\n    target: cluster://127.0.0.1:{}\n{}{SECRET_PARAMS}",
             peer_secret(&token, Some(&ca)),
-            peer.locator
+            peer.locator,
+            consistency.map_or(String::new(), |c| format!("    consistency: {c}\n"))
         )
     }
 
@@ -828,8 +830,11 @@ fn replicating_pair(dir: &Path) -> Option<(Site, Site)> {
     make_image(&b.image, VOLUME_LEN, 0, &[]);
     a.start_controller("a-controller-1");
     b.start_controller("b-controller-1");
-    a.cluster.apply(&a.class_to(&b));
-    b.cluster.apply(&b.class_to(&a));
+    // The images are files on ext4: no reflinks, no CSI snapshots, so no point in time.
+    // The default class requires one: A's cycles fail and its VR says so.
+    a.cluster.apply(&a.class_to(&b, None));
+    let torn = Some("crash-inconsistent");
+    b.cluster.apply(&b.class_to(&a, torn));
 
     // RamenDR creates the secondary first, then the primary.
     b.set_state("secondary");
@@ -837,12 +842,66 @@ fn replicating_pair(dir: &Path) -> Option<(Site, Site)> {
         s.vr()["status"]["state"] == "Secondary"
     });
     a.set_state("primary");
+    a.wait("the primary VR Degraded for want of a point in time", |s| {
+        s.condition("Degraded") == ("True".into(), "NoPointInTime".into())
+    });
+    let vr = a.vr();
+    let message = |vr: &Value, ty: &str| {
+        vr["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == ty)
+            .map(|c| c["message"].as_str().unwrap_or_default().to_string())
+            .unwrap_or_default()
+    };
+    let degraded = message(&vr, "Degraded");
+    assert!(
+        degraded.contains("no point in time can be taken of it")
+            && degraded.contains("volumeSnapshotClassName")
+            && degraded.contains("consistency=crash-inconsistent"),
+        "{degraded}"
+    );
+    assert!(
+        vr["status"]["lastSyncTime"].is_null(),
+        "nothing shipped: {vr}"
+    );
+    assert_eq!(
+        a.condition("PointInTime"),
+        ("Unknown".into(), "NoCycle".into())
+    );
+    assert_ne!(
+        b.condition("PointInTime").0,
+        "True",
+        "nothing claims a point in time"
+    );
+
+    // Accepting less (class parameters are immutable: the class is made again): cycles
+    // complete, labelled as what they are.
+    a.cluster
+        .kubectl_ok(&["delete", "volumereplicationclass", "dr", "--wait"]);
+    a.cluster.apply(&a.class_to(&b, torn));
     a.wait("the primary VR Promoted with a lastSyncTime", |s| {
         completed(s, "Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
     });
     b.wait("the secondary healthy once a cycle is applied", |s| {
         s.condition("Degraded") == ("False".into(), "Healthy".into())
     });
+    for s in [&a, &b] {
+        assert_eq!(
+            s.vr()["status"]["lastSyncConsistency"],
+            "crash-inconsistent"
+        );
+        assert_eq!(
+            s.condition("PointInTime"),
+            ("False".into(), "CrashInconsistent".into())
+        );
+    }
+    let columns = a.cluster.kubectl_ok(&["get", "vr", "-A"]);
+    assert!(
+        columns.contains("CONSISTENCY") && columns.contains("crash-inconsistent"),
+        "{columns}"
+    );
     assert_eq!(
         blake3_of(&b.image, VOLUME_LEN),
         blake3_of(&a.image, VOLUME_LEN)
@@ -1573,7 +1632,7 @@ spec:
     };
     site.cluster.kubectl_ok(&["create", "namespace", "app"]);
     site.cluster.apply(&format!(
-        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: local\nprovisioner: kubernetes.io/no-provisioner\nvolumeBindingMode: Immediate\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: {}s\n    target: agent://scale-node2@127.0.30.2:{port}\n{SECRET_PARAMS}---\n{}",
+        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: local\nprovisioner: kubernetes.io/no-provisioner\nvolumeBindingMode: Immediate\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: {}s\n    target: agent://scale-node2@127.0.30.2:{port}\n    consistency: crash-inconsistent\n{SECRET_PARAMS}---\n{}",
         INTERVAL.as_secs(),
         peer_secret("repl-scale", None)
     ));

@@ -400,10 +400,37 @@ fn a_restarted_agent_thaws_the_file_system_a_killed_one_left_frozen() {
     p.create_with("r", &["--freeze", &mount]);
     let s = sync(&p.a, "r");
     assert_eq!(
-        s["consistency"], "point-in-time",
-        "frozen for the read: {s}"
+        s["consistency"], "crash-inconsistent",
+        "no reflinks on ext4: a freeze brackets only the taking of a clone, never a read: {s}"
     );
     assert!(p.same());
+    let cycle = s["last_cycle"]["id"].clone();
+
+    // Required, the point in time this volume cannot give fails the cycle: nothing is
+    // shipped, and the error says what is missing and the ways out.
+    let consistency = |c: &str| {
+        ok(replicate(&[
+            "update",
+            "r",
+            "--consistency",
+            c,
+            "--agent",
+            &control(&p.a),
+        ]))
+    };
+    consistency("point-in-time");
+    let e = sync_err(&p.a);
+    assert!(
+        e.contains("no point in time can be taken of it: it is read live")
+            && e.contains("volumeSnapshotClassName")
+            && e.contains("consistency=crash-inconsistent"),
+        "{e}"
+    );
+    let s = status_of(&p.a, "r");
+    assert_eq!(s["require_point_in_time"], true, "{s}");
+    assert_eq!(s["state"], "Degraded", "{s}");
+    assert_eq!(s["last_cycle"]["id"], cycle, "no cycle shipped: {s}");
+    consistency("crash-inconsistent");
 
     // As if the agent died between FIFREEZE and FITHAW (paused, so that no cycle of the
     // restarted agent freezes it again while the test looks).

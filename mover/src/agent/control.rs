@@ -292,6 +292,7 @@ impl Control {
             chunk_size,
             freeze: (!spec.freeze.is_empty()).then(|| spec.freeze.into()),
             peer_token,
+            require_point_in_time: spec.require_point_in_time,
         })
     }
 }
@@ -403,6 +404,9 @@ impl Replication for Control {
                     }
                     if let Some(m) = &u.freeze {
                         r.spec.freeze = (!m.is_empty()).then(|| m.into());
+                    }
+                    if let Some(p) = u.require_point_in_time {
+                        r.spec.require_point_in_time = p;
                     }
                     if let Some(t) = &u.peer_token {
                         r.spec.peer_token = (!t.is_empty()).then(|| replicate::store::PeerToken {

@@ -86,6 +86,7 @@ impl AgentService {
                 freeze: known.as_ref().and_then(|k| k.spec.freeze.clone()),
                 // Set on this side (for when it is promoted): not the primary's to change.
                 peer_token: known.as_ref().and_then(|k| k.spec.peer_token.clone()),
+                require_point_in_time: known.as_ref().is_some_and(|k| k.spec.require_point_in_time),
             },
             role: Role::Secondary,
             epoch: r.epoch,

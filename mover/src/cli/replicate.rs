@@ -8,6 +8,15 @@ use mover::replicate;
 use std::{path::PathBuf, time::Duration};
 use transport::control;
 
+/// The least consistency a relationship's cycles must have to be shipped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Consistency {
+    /// The volume at one instant: a clone or snapshot, taken under the freeze if set.
+    PointInTime,
+    /// Also a live read: blocks from different instants, as after a crash, or worse.
+    CrashInconsistent,
+}
+
 /// Where the agent is: `agent://HOST:PORT` (a volume part, if given, is ignored).
 #[derive(Clone, Debug, clap::Args)]
 pub struct AgentArg {
@@ -93,6 +102,11 @@ pub enum ReplicateCommand {
         /// point in time is taken: application-consistent cycles.
         #[arg(long, value_name = "MOUNT")]
         freeze: Option<PathBuf>,
+        /// The least consistency a cycle must have to be shipped. point-in-time: a cycle
+        /// of a volume that cannot be cloned (an image file on XFS or Btrfs can) fails
+        /// and says so; crash-inconsistent: it is read live and shipped, labelled so.
+        #[arg(long, value_enum, default_value_t = Consistency::CrashInconsistent)]
+        consistency: Consistency,
         #[command(flatten)]
         agent: AgentArg,
     },
@@ -135,6 +149,9 @@ pub enum ReplicateCommand {
         /// Stop freezing.
         #[arg(long)]
         no_freeze: bool,
+        /// The least consistency a cycle must have to be shipped (as for create).
+        #[arg(long, value_enum)]
+        consistency: Option<Consistency>,
         #[command(flatten)]
         agent: AgentArg,
     },
@@ -249,6 +266,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
             bwlimit,
             chunk_size,
             freeze,
+            consistency,
             agent,
         } => {
             let (mut c, url) = agent.client().await?;
@@ -260,6 +278,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                 bwlimit: bwlimit.unwrap_or(0),
                 chunk_size: chunk_size.map_or(0, |c| c.get()),
                 freeze: freeze.map(|p| p.display().to_string()).unwrap_or_default(),
+                require_point_in_time: consistency == Consistency::PointInTime,
                 // The agent's own peer token (the controller sets one per class).
                 ..Default::default()
             };
@@ -335,6 +354,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
             resume,
             freeze,
             no_freeze,
+            consistency,
             agent,
         } => {
             let (mut c, url) = agent.client().await?;
@@ -349,6 +369,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                         (None, true) => Some(String::new()),
                         (None, false) => None,
                     },
+                    require_point_in_time: consistency.map(|c| c == Consistency::PointInTime),
                     ..Default::default()
                 })
                 .await
@@ -491,6 +512,7 @@ fn status_json(s: &control::Status) -> serde_json::Value {
         "bwlimit": spec.bwlimit,
         "chunk_size": spec.chunk_size,
         "freeze": spec.freeze,
+        "require_point_in_time": spec.require_point_in_time,
         "role": s.role,
         "state": s.state,
         "epoch": s.epoch,

@@ -118,6 +118,11 @@ pub enum State {
     printcolumn(name = "Last Sync", type_ = "date", json_path = ".status.lastSyncTime"),
     printcolumn(name = "RPO", type_ = "number", json_path = ".status.rpoSeconds"),
     printcolumn(
+        name = "Consistency",
+        type_ = "string",
+        json_path = ".status.lastSyncConsistency"
+    ),
+    printcolumn(
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
@@ -185,6 +190,11 @@ pub struct VolumeReplicationStatus {
         skip_serializing_if = "Option::is_none"
     )]
     pub destination_volume_id: Option<String>,
+    /// mover: what the last applied cycle is of: `point-in-time` (the volume at one
+    /// instant), `crash-inconsistent` (read live: blocks from different instants) or
+    /// `file-consistent` (a file tree, each file as it was when read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_sync_consistency: Option<String>,
     /// mover: seconds between now and the point in time of the last applied cycle.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rpo_seconds: Option<f64>,

@@ -23,6 +23,11 @@ pub const PARAM_TARGET: &str = "target";
 pub const PARAM_BANDWIDTH: &str = "bandwidth";
 /// Class parameter: chunk size of block volumes ("1M").
 pub const PARAM_CHUNK_SIZE: &str = "chunkSize";
+/// Class parameter: the least consistency a cycle must have to complete:
+/// `point-in-time` (the default) or `crash-inconsistent`. Under `point-in-time`, a volume
+/// with no way to take one (a clone, a snapshot) is Degraded and its cycles are not
+/// shipped; the status says what is missing.
+pub const PARAM_CONSISTENCY: &str = "consistency";
 /// Class parameters of repository targets: how many snapshots retention keeps, per rule
 /// (as `mover snapshot forget --keep-*`).
 pub const PARAM_KEEP: [&str; 5] = [
@@ -78,6 +83,8 @@ pub struct ClassParams {
     pub chunk_size: u64,
     /// The class's secret (namespace, name), if it names one.
     pub secret: Option<(String, String)>,
+    /// Cycles that are not of one point in time fail ([`PARAM_CONSISTENCY`]).
+    pub require_point_in_time: bool,
 }
 
 /// Where a class sends a volume.
@@ -204,6 +211,20 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
         }
     };
     let bwlimit = size(PARAM_BANDWIDTH)?;
+    let require_point_in_time = match p.get(PARAM_CONSISTENCY).map(|s| s.trim()) {
+        None | Some("point-in-time") => true,
+        Some("crash-inconsistent") => false,
+        Some(other) => {
+            return Err(invalid(
+                what,
+                format!(
+                    "VolumeReplicationClass {name}: {PARAM_CONSISTENCY} {other:?}: use \
+                     point-in-time (the default: cycles without one fail and the volume is \
+                     Degraded) or crash-inconsistent (such cycles complete, labelled so)"
+                ),
+            ));
+        }
+    };
     let chunk_size = match p.get(PARAM_CHUNK_SIZE) {
         None => 0,
         Some(s) => s
@@ -222,6 +243,7 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
         bwlimit,
         chunk_size,
         secret,
+        require_point_in_time,
     })
 }
 
@@ -774,6 +796,7 @@ pub(crate) mod tests {
                     bwlimit: 100 << 20,
                     chunk_size: 256 << 10,
                     secret: None,
+                    require_point_in_time: true,
                 },
                 state: ReplicationState::Primary,
                 auto_resync: false,
@@ -1007,6 +1030,21 @@ pub(crate) mod tests {
         ]);
         let e = err(inputs(Some(&fast), Some(&bound), Some(&pv), &agents));
         assert!(e.contains("shorter than 1s"), "{e}");
+        let sloppy = class(&[
+            ("target", "agent://dr:7070"),
+            ("consistency", "best-effort"),
+        ]);
+        let e = err(inputs(Some(&sloppy), Some(&bound), Some(&pv), &agents));
+        assert!(
+            e.contains("consistency \"best-effort\": use point-in-time"),
+            "{e}"
+        );
+        let torn = class(&[
+            ("target", "agent://dr:7070"),
+            ("consistency", "crash-inconsistent"),
+        ]);
+        let d = desired(&v, &inputs(Some(&torn), Some(&bound), Some(&pv), &agents)).unwrap();
+        assert!(!d.params.require_point_in_time);
 
         let mut moved = v.clone();
         moved.spec.volume_replication_class = "other".into();

@@ -479,6 +479,10 @@ pub async fn decide(
                     c.promoted();
                     let (h, detail) = status::health(&s);
                     c.replicating(h, &detail);
+                    c.consistency(&s.consistency);
+                    if status::lacks_point_in_time(&s) {
+                        c.no_point_in_time(&s.last_error);
+                    }
                     if is_split(&s) {
                         c.split(&format!(
                             "relationship {}: another cluster's side was promoted past this \
@@ -615,6 +619,8 @@ async fn secondary(
     };
     c.demoted();
     c.resync();
+    c.consistency(&s.consistency);
+    st.last_sync_consistency = (!s.consistency.is_empty()).then(|| s.consistency.clone());
     if in_sync(&s) {
         c.not_degraded();
         st.message = Some(status::marked(ReplicationState::Secondary));
@@ -664,11 +670,12 @@ fn spec_of(d: &Desired) -> control::Spec {
         peer_token: d.peer_token.clone().map(|t| t.0).unwrap_or_default(),
         peer_token_version: d.peer_token.clone().map(|t| t.1).unwrap_or_default(),
         peer_ca: d.peer_ca.clone().unwrap_or_default(),
+        require_point_in_time: d.params.require_point_in_time,
     }
 }
 
-/// A relationship already there: on a primary, its interval or bandwidth if the class
-/// changed them; on either side, the peer token if the class secret's changed (a
+/// A relationship already there: on a primary, its interval, bandwidth or consistency if
+/// the class changed them; on either side, the peer token if the class secret's changed (a
 /// secondary keeps it for when it is promoted and replicates back).
 async fn update_if_changed(
     agents: &dyn Agents,
@@ -678,7 +685,9 @@ async fn update_if_changed(
     let have = s.spec.clone().unwrap_or_default();
     let want = spec_of(d);
     let primary = s.role == "primary";
-    let schedule = primary && (have.interval_ms, have.bwlimit) != (want.interval_ms, want.bwlimit);
+    let schedule = primary
+        && (have.interval_ms, have.bwlimit, have.require_point_in_time)
+            != (want.interval_ms, want.bwlimit, want.require_point_in_time);
     let token = d.peer_token.is_some() && have.peer_token_version != want.peer_token_version;
     if !schedule && !token {
         return Ok(s);
@@ -696,6 +705,7 @@ async fn update_if_changed(
                 peer_token: token.then_some(want.peer_token),
                 peer_token_version: token.then_some(want.peer_token_version),
                 peer_ca: token.then_some(want.peer_ca),
+                require_point_in_time: primary.then_some(want.require_point_in_time),
             },
         )
         .await

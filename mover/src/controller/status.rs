@@ -23,6 +23,8 @@ pub mod types {
     pub const VALIDATED: &str = "Validated";
     /// The primary ships cycles to the secondary.
     pub const REPLICATING: &str = "Replicating";
+    /// mover: the last applied cycle is of one point in time.
+    pub const POINT_IN_TIME: &str = "PointInTime";
 }
 
 /// Condition reasons (csi-addons' names).
@@ -42,6 +44,13 @@ pub mod reasons {
     pub const PREREQUISITE_NOT_MET: &str = "PrerequisiteNotMet";
     pub const REPLICATING: &str = "Replicating";
     pub const NOT_REPLICATING: &str = "NotReplicating";
+    /// mover: cycles fail for want of a point in time (see [`super::types::POINT_IN_TIME`]).
+    pub const NO_POINT_IN_TIME: &str = "NoPointInTime";
+    /// mover: reasons of the PointInTime condition, from the last applied cycle.
+    pub const POINT_IN_TIME: &str = "PointInTime";
+    pub const CRASH_INCONSISTENT: &str = "CrashInconsistent";
+    pub const FILE_CONSISTENT: &str = "FileConsistent";
+    pub const NO_CYCLE: &str = "NoCycle";
 }
 
 /// Condition messages (csi-addons' texts, after "volume ").
@@ -258,6 +267,45 @@ impl<'a> Conditions<'a> {
     }
 }
 
+impl Conditions<'_> {
+    /// mover's PointInTime condition, from the consistency of the last applied cycle
+    /// ("" when none is): what RamenDR and `kubectl get` show beside Completed.
+    pub fn consistency(&mut self, consistency: &str) {
+        use crate::replicate::cycle::{CRASH_INCONSISTENT, FILE_CONSISTENT, POINT_IN_TIME};
+        let (status, reason, what) = match consistency {
+            POINT_IN_TIME => ("True", reasons::POINT_IN_TIME, "the volume at one instant"),
+            CRASH_INCONSISTENT => (
+                "False",
+                reasons::CRASH_INCONSISTENT,
+                "read live, its blocks from different instants",
+            ),
+            FILE_CONSISTENT => (
+                "False",
+                reasons::FILE_CONSISTENT,
+                "a file tree, each file as it was when read",
+            ),
+            "" => ("Unknown", reasons::NO_CYCLE, "none yet"),
+            _ => ("Unknown", reasons::NO_CYCLE, "of an unknown consistency"),
+        };
+        let m = format!("{}'s last applied cycle: {what}", self.source);
+        self.set(types::POINT_IN_TIME, status, reason, m);
+    }
+
+    /// Cycles fail because the class requires a point in time the volume cannot give:
+    /// Degraded, with the agent's sentence saying what is missing.
+    pub fn no_point_in_time(&mut self, detail: &str) {
+        let m = format!("{} {}: {detail}", self.source, messages::DEGRADED);
+        self.set(types::DEGRADED, "True", reasons::NO_POINT_IN_TIME, m);
+    }
+}
+
+/// Whether a relationship's cycles fail for want of a point in time (the agent's error,
+/// from `replicate::cycle`).
+pub fn lacks_point_in_time(s: &transport::control::Status) -> bool {
+    s.last_error
+        .contains(crate::replicate::cycle::NO_POINT_IN_TIME)
+}
+
 /// How a primary's replication is doing (csi-addons' GetVolumeReplicationInfo status).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Health {
@@ -303,6 +351,7 @@ pub fn marked(state: ReplicationState) -> String {
 /// progress. csi-addons clears lastSyncDuration/Bytes when a new sync time has none.
 pub fn apply_report(status: &mut VolumeReplicationStatus, s: &transport::control::Status) {
     status.epoch = Some(s.epoch as i64);
+    status.last_sync_consistency = (!s.consistency.is_empty()).then(|| s.consistency.clone());
     status.rpo_seconds = (s.rpo_seconds >= 0.0).then_some((s.rpo_seconds * 10.0).round() / 10.0);
     status.progress = (s.progress_total > 0).then_some(super::crd::Progress {
         bytes_done: s.progress_done as i64,

@@ -19,10 +19,9 @@ use std::{
 };
 use transport::proto;
 
-/// How long a filesystem may stay frozen while a cycle reads a volume that cannot be
-/// cloned: past that it is thawed and the cycle fails (applications must not hang).
-const FREEZE_MAX: Duration = Duration::from_secs(60);
-/// How long a filesystem may stay frozen while a clone is taken.
+/// How long a filesystem may stay frozen while a clone is taken: past that the watchdog
+/// thaws it and the cycle fails (applications must not hang). A freeze brackets only the
+/// taking of a point in time, never a read of the volume.
 const FREEZE_FOR_CLONE: Duration = Duration::from_secs(10);
 
 /// Consistency labels, as status reports them.
@@ -33,14 +32,12 @@ pub const CRASH_INCONSISTENT: &str = "crash-inconsistent";
 pub const FILE_CONSISTENT: &str = "file-consistent";
 
 /// A point in time of the source: the base's clone brought up to date, a fresh reflink
-/// clone (removed when dropped), or the live volume, possibly with its filesystem frozen
-/// until dropped.
+/// clone (removed when dropped), or the live volume (crash-inconsistent).
 struct PointInTime {
     read: PathBuf,
     clone: Option<PathBuf>,
     /// `read` is the base's clone, caught up with the image.
     caught_up: bool,
-    frozen: Option<Frozen>,
     at_ms: i64,
     consistency: &'static str,
 }
@@ -113,7 +110,6 @@ fn take_point_in_time(
                     read: base.clone_file().into(),
                     clone: None,
                     caught_up: true,
-                    frozen: None,
                     at_ms,
                     consistency: POINT_IN_TIME,
                 });
@@ -144,7 +140,6 @@ fn take_point_in_time(
                     read: clone.clone(),
                     clone: Some(clone),
                     caught_up: false,
-                    frozen: None,
                     at_ms,
                     consistency: POINT_IN_TIME,
                 });
@@ -158,20 +153,30 @@ fn take_point_in_time(
             }
         }
     }
-    // No reflinks: the live volume, frozen for the whole read where asked.
-    let frozen = freeze_for(FREEZE_MAX)?;
+    // No reflinks: the live volume. A freeze held for the whole read would stall the
+    // application for as long as the read takes, so none is: the cycle is what it is.
     Ok(PointInTime {
         read: source.into(),
         clone: None,
         caught_up: false,
-        consistency: if frozen.is_some() {
-            POINT_IN_TIME
-        } else {
-            CRASH_INCONSISTENT
-        },
-        frozen,
+        consistency: CRASH_INCONSISTENT,
         at_ms: now_ms(),
     })
+}
+
+/// The words that begin [`no_point_in_time`]'s reason: the controller recognises the
+/// refusal by them (in the relationship's last error) to say Degraded, NoPointInTime.
+pub const NO_POINT_IN_TIME: &str = "no point in time can be taken of it";
+
+/// The error of a cycle that a relationship requiring a point in time must not ship:
+/// what was missing, and the two ways out.
+fn no_point_in_time(source: &Path, what: &str) -> CopyError {
+    CopyError::BadSource {
+        path: source.into(),
+        why: format!(
+            "{NO_POINT_IN_TIME}: {what}; the relationship requires one, so              the cycle is not shipped. Replicate it through CSI VolumeSnapshots (class              parameter volumeSnapshotClassName), keep it as an image file on XFS or Btrfs              (reflink clones), or accept consistency=crash-inconsistent (class parameter, or              `mover replicate update --consistency crash-inconsistent`)"
+        ),
+    }
 }
 
 /// A cycle of a file tree: the tree copied into the secondary's, deleting what is gone
@@ -185,6 +190,12 @@ async fn run_tree(
     last: bool,
 ) -> Result<CycleRecord, CopyError> {
     let spec = &record.spec;
+    if spec.require_point_in_time {
+        return Err(no_point_in_time(
+            source,
+            "a file tree is read file by file, each file as it was when read",
+        ));
+    }
     let started_ms = now_ms();
     let t0 = Instant::now();
     let cycle = proto::Cycle {
@@ -243,7 +254,7 @@ pub async fn run(
     let source = source.to_path_buf();
     let chunk = ChunkSize::new(spec.chunk_size).map_err(CopyError::from)?;
     let (name, freeze) = (spec.name.clone(), spec.freeze.clone());
-    let (mut pit, base) = tokio::task::spawn_blocking(move || {
+    let (pit, base) = tokio::task::spawn_blocking(move || {
         // The last committed cycle's clone, if it still matches the image's geometry.
         let mut base = std::fs::metadata(&source)
             .ok()
@@ -256,6 +267,12 @@ pub async fn run(
         path: spec.volume.clone().into(),
         why: e.to_string(),
     })??;
+    if spec.require_point_in_time && pit.consistency != POINT_IN_TIME {
+        return Err(no_point_in_time(
+            source_path,
+            "it is read live (it is not an image file on a file system with reflinks)",
+        ));
+    }
     let cycle = proto::Cycle {
         id: record.next_cycle(),
         point_in_time_ms: pit.at_ms,
@@ -318,12 +335,7 @@ pub async fn run(
         }
         r => r?,
     };
-    // A read under a freeze that the watchdog ended early was not of one point in time.
-    if let Some(f) = pit.frozen.take()
-        && f.thaw().is_err()
-    {
-        pit.consistency = CRASH_INCONSISTENT;
-    }
+    let mut pit = pit;
     let clone = match pit.clone.take() {
         Some(fresh) => Some(fresh),
         None => pit.caught_up.then(|| pit.read.clone()),

@@ -135,6 +135,7 @@ fn new_record(run: &LocalRun, name: &str, volume: &str) -> Result<Record, CopyEr
             },
             peer_token: None,
             freeze: None,
+            require_point_in_time: false,
         },
         role: Role::Primary,
         epoch: run.remote.epoch,

@@ -130,6 +130,7 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
             // The token itself never leaves the agent.
             peer_token: String::new(),
             peer_ca: String::new(),
+            require_point_in_time: r.spec.require_point_in_time,
             peer_token_version: r
                 .spec
                 .peer_token

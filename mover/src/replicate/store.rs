@@ -36,6 +36,9 @@ pub struct Spec {
     /// agent's own peer token]. The relationships directory is root's only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer_token: Option<PeerToken>,
+    /// Refuse cycles that are not of one point in time (see the control API's Spec).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub require_point_in_time: bool,
 }
 
 /// A relationship's own token for the peer's agent, and the caller's name for it.
@@ -295,6 +298,7 @@ pub(crate) mod tests {
                 bwlimit: 0,
                 chunk_size: 1 << 20,
                 freeze: None,
+                require_point_in_time: false,
                 peer_token: None,
             },
             role: Role::Primary,
