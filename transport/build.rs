@@ -13,6 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "proto/hydrate.proto",
                 "proto/schedule.proto",
                 "proto/locate.proto",
+                "proto/snapshot_metadata.proto",
             ],
             &["proto"],
         )?;

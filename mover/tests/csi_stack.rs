@@ -3,7 +3,10 @@
 //! snapshot-controller and csi-snapshot-metadata processes ([`CsiStack`]); a block PVC,
 //! two VolumeSnapshots of it with three 4 KiB blocks changed in between, and the
 //! sidecar's `GetMetadataDelta` naming exactly those blocks. The client side is grpcurl
-//! with `transport/proto/snapshot_metadata.proto` (the sidecar's own schema, copied).
+//! with `transport/proto/snapshot_metadata.proto` (the sidecar's own schema, copied),
+//! then mover's own client (`mover::controller::snapshot_metadata`): the same blocks, a
+//! stream cut twice by a proxy and resumed to the same ranges, a service down or a
+//! request refused answered with the error that sends the cycle to a full comparison.
 //!
 //! What the sidecar (github.com/kubernetes-csi/external-snapshot-metadata v1.1.0) does
 //! with a call, read from its source and checked here:
@@ -47,10 +50,17 @@ mod common;
 use common::MIB;
 use common::cluster::Cluster;
 use common::csi::{CsiStack, HOSTPATH_BLOCK};
+use mover::controller::snapshot_metadata::{self, DeltaOf, MetadataError, Retry, Service};
 use rand::{RngCore, SeedableRng, rngs::StdRng};
 use serde_json::{Value, json};
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::{
+    Arc,
+    atomic::{AtomicU32, Ordering},
+};
 
 const NS: &str = "default";
 const VOLUME_SIZE: u64 = 64 * MIB;
@@ -236,6 +246,114 @@ subjects:
     .expect_err("a caller without get on volumesnapshots is refused");
     assert!(err.contains("Code: PermissionDenied"), "{err}");
 
+    // mover's own client (the controller's), through the SnapshotMetadataService.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    transport::tls::install_crypto_provider();
+    let client = rt.block_on(cluster.client());
+    let service = rt
+        .block_on(snapshot_metadata::service(
+            client.clone(),
+            "hostpath.csi.k8s.io",
+        ))
+        .unwrap();
+    assert_eq!(service.audience, stack.audience);
+    let token = rt
+        .block_on(snapshot_metadata::token(
+            client,
+            NS,
+            "backup",
+            &service.audience,
+        ))
+        .unwrap();
+    let delta = |service: &Service, base: &str, target: &str, retry: Retry| {
+        let of = DeltaOf {
+            namespace: NS,
+            base_snapshot_id: base,
+            target_snapshot_name: target,
+        };
+        rt.block_on(snapshot_metadata::changed(service, &token, of, retry))
+    };
+    let got = delta(&service, &base, "snap-2", Retry::default()).unwrap();
+    let ranges: Vec<_> = want.iter().map(|&(o, l)| o..o + l).collect();
+    assert_eq!(got.ranges, ranges);
+    assert_eq!((got.capacity, got.calls), (VOLUME_SIZE, 1));
+
+    // Many changed blocks (every third of the first half: a dozen responses), read
+    // through a proxy that cuts the first two connections part way: the same ranges,
+    // each stream resumed where the last one stopped.
+    let blocks = VOLUME_SIZE / HOSTPATH_BLOCK / 2;
+    let mut block = vec![0u8; HOSTPATH_BLOCK as usize];
+    for b in (0..blocks).step_by(3) {
+        rng.fill_bytes(&mut block);
+        dev.write_all_at(&block, b * HOSTPATH_BLOCK).unwrap();
+    }
+    dev.sync_all().unwrap();
+    stack.snapshot(NS, "data", "snap-3");
+    let direct = delta(&service, &target, "snap-3", Retry::default()).unwrap();
+    assert_eq!(direct.bytes(), blocks.div_ceil(3) * HOSTPATH_BLOCK);
+    assert_eq!(direct.ranges.len() as u64, blocks.div_ceil(3));
+    let proxy = CuttingProxy::start(stack.metadata_port, 2, 8000);
+    let through = Service {
+        address: format!("127.0.0.1:{}", proxy.port),
+        ..service.clone()
+    };
+    let resumed = delta(&through, &target, "snap-3", Retry::default()).unwrap();
+    assert_eq!(resumed.ranges, direct.ranges);
+    assert_eq!(resumed.calls, 3, "two cuts, two resumptions");
+    assert_eq!(proxy.cut.load(Ordering::SeqCst), 2);
+
+    // The service down: an error after the tries that says the volume is compared in
+    // full instead; a refusal is not retried.
+    let down = Service {
+        address: format!("127.0.0.1:{}", common::agent::free_port()),
+        ..service.clone()
+    };
+    let quick = Retry {
+        tries: 3,
+        first_backoff: std::time::Duration::from_millis(50),
+    };
+    let e = delta(&down, &target, "snap-3", quick).unwrap_err();
+    assert!(
+        matches!(e, MetadataError::Unavailable { tries: 3, .. })
+            && e.to_string().contains("compares the whole volume instead"),
+        "{e}"
+    );
+    // The sidecar answers a snapshot it cannot find as Unavailable (it may be on its
+    // way): tried again, then the same error, naming it.
+    let e = delta(&service, &target, "no-such-snapshot", quick).unwrap_err();
+    assert!(
+        matches!(e, MetadataError::Unavailable { .. }) && e.to_string().contains("not found"),
+        "{e}"
+    );
+    let of = DeltaOf {
+        namespace: NS,
+        base_snapshot_id: &target,
+        target_snapshot_name: "snap-3",
+    };
+    let e = rt
+        .block_on(snapshot_metadata::changed(
+            &service,
+            "not-a-token",
+            of,
+            quick,
+        ))
+        .unwrap_err();
+    assert!(
+        matches!(e, MetadataError::Refused { .. }) && e.to_string().contains("Unauthenticated"),
+        "{e}"
+    );
+    let e = rt
+        .block_on(snapshot_metadata::service(
+            rt.block_on(cluster.client()),
+            "other.csi.example.com",
+        ))
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("other.csi.example.com has no usable SnapshotMetadataService"),
+        "{e}"
+    );
+
     drop(dev);
     drop(stack);
     // Nothing of the driver's is left attached.
@@ -248,6 +366,51 @@ subjects:
         !loops.contains(tmp.path().to_str().unwrap()),
         "loop devices left attached: {loops}"
     );
+}
+
+/// A TCP proxy to 127.0.0.1:`to` that closes each of its first `cuts` connections once
+/// `after` bytes came back from the server: a stream cut part way, for real.
+struct CuttingProxy {
+    port: u16,
+    cut: Arc<AtomicU32>,
+}
+
+impl CuttingProxy {
+    fn start(to: u16, cuts: u32, after: usize) -> CuttingProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cut = Arc::new(AtomicU32::new(0));
+        let counter = cut.clone();
+        std::thread::spawn(move || {
+            for (n, client) in listener.incoming().enumerate() {
+                let Ok(client) = client else { return };
+                let server = TcpStream::connect(("127.0.0.1", to)).unwrap();
+                let limit = (n < cuts as usize).then_some(after);
+                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut &c2, &mut &s2);
+                });
+                let counter = counter.clone();
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 4096];
+                    let mut sent = 0;
+                    while let Ok(k) = (&server).read(&mut buf) {
+                        if k == 0 || (&client).write_all(&buf[..k]).is_err() {
+                            break;
+                        }
+                        sent += k;
+                        if limit.is_some_and(|l| sent >= l) {
+                            counter.fetch_add(1, Ordering::SeqCst);
+                            break;
+                        }
+                    }
+                    let _ = client.shutdown(Shutdown::Both);
+                    let _ = server.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        CuttingProxy { port, cut }
+    }
 }
 
 /// The SnapshotMetadataService's `caCert` is standard base64 with padding.

@@ -4,6 +4,8 @@
 //! - [`control`]: the relationship control API, from `proto/replication.proto`.
 //! - [`hydrate`]: the hydration control API, from `proto/hydrate.proto`.
 //! - [`locate`]: where a peer cluster keeps a relationship's volume, from `proto/locate.proto`.
+//! - [`snapshot_metadata`]: Kubernetes' SnapshotMetadata API, the changed blocks of CSI
+//!   snapshots (client side).
 //! - [`auth`]: the control and replication roles, by bearer token or certificate.
 //! - [`tls`]: TLS configuration from PEM files or memory (rustls).
 //! - [`frames`]: packing volume data into frames, zstd-compressed only when it shrinks.
@@ -49,6 +51,19 @@ pub mod hydrate {
 #[allow(missing_docs, clippy::all)]
 pub mod schedule {
     tonic::include_proto!("mover.schedule.v1");
+}
+
+/// The Kubernetes SnapshotMetadata API (KEP-3314, `proto/snapshot_metadata.proto`, the
+/// csi-snapshot-metadata sidecar's own schema): which blocks of a CSI VolumeSnapshot are
+/// allocated, or changed since another.
+#[allow(
+    missing_docs,
+    clippy::all,
+    rustdoc::bare_urls,
+    rustdoc::invalid_html_tags
+)]
+pub mod snapshot_metadata {
+    tonic::include_proto!("snapshotmetadata");
 }
 
 /// The key under which a relationship's chunks and pages are hashed on both sides.

@@ -9,6 +9,8 @@
 //! - [`metrics`]: reconciles, failures, relationships by state, RPO (Prometheus).
 //! - [`reconcile`]: finalizer, agent calls, status by server-side apply.
 //! - [`secrets`]: the secrets classes name, each watched, read from the cache.
+//! - [`snapshot_metadata`]: the changed blocks between two CSI VolumeSnapshots
+//!   (Kubernetes' SnapshotMetadata API), resumed when a stream is cut.
 //! - [`leftovers`]: what a deletion left on an agent that was down, removed when it
 //!   answers again.
 //! - [`run()`]: watch caches and the controller loop (`mover controller run`).
@@ -26,6 +28,7 @@ pub mod metrics;
 pub mod reconcile;
 mod run;
 pub mod secrets;
+pub mod snapshot_metadata;
 pub mod snapshots;
 pub mod status;
 

@@ -164,7 +164,7 @@ fn take_point_in_time(
     })
 }
 
-/// The words that begin [`no_point_in_time`]'s reason: the controller recognises the
+/// The words that begin the reason of a cycle refused for want of a point in time: the controller recognises the
 /// refusal by them (in the relationship's last error) to say Degraded, NoPointInTime.
 pub const NO_POINT_IN_TIME: &str = "no point in time can be taken of it";
 
