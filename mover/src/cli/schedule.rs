@@ -137,6 +137,9 @@ pub async fn run(cmd: ScheduleCommand) -> anyhow::Result<()> {
                     s3_secret_access_key: env("AWS_SECRET_ACCESS_KEY"),
                 }),
                 access_version: String::new(),
+                // A live read is taken and tagged crash-inconsistent, as it always was
+                // here; the controller's classes require a point in time by default.
+                require_point_in_time: false,
             };
             vec![c.apply(spec).await.map_err(fail)?.into_inner()]
         }

@@ -480,7 +480,7 @@ pub async fn decide(
                     let (h, detail) = status::health(&s);
                     c.replicating(h, &detail);
                     c.consistency(&s.consistency);
-                    if status::lacks_point_in_time(&s) {
+                    if status::lacks_point_in_time(&s.last_error) {
                         c.no_point_in_time(&s.last_error);
                     }
                     if is_split(&s) {

@@ -299,11 +299,10 @@ impl Conditions<'_> {
     }
 }
 
-/// Whether a relationship's cycles fail for want of a point in time (the agent's error,
-/// from `replicate::cycle`).
-pub fn lacks_point_in_time(s: &transport::control::Status) -> bool {
-    s.last_error
-        .contains(crate::replicate::cycle::NO_POINT_IN_TIME)
+/// Whether a relationship's cycles or a schedule's snapshots fail for want of a point
+/// in time (the agent's last error: see `node::point_in_time::refusal`).
+pub fn lacks_point_in_time(last_error: &str) -> bool {
+    last_error.contains(crate::node::point_in_time::NO_POINT_IN_TIME)
 }
 
 /// How a primary's replication is doing (csi-addons' GetVolumeReplicationInfo status).

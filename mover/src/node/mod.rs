@@ -1,6 +1,6 @@
 //! Node state: what every job and the agent share about this node. The volumes it
-//! exports, the durable write, failpoints, metric labels, and the filesystem freeze a
-//! point-in-time source takes.
+//! exports, the durable write, failpoints, metric labels, the points in time a job reads
+//! (and the filesystem freeze around their taking).
 //!
 //! The floor under the jobs (shared/DESIGN.md §2): nothing here imports a job, the
 //! agent or the controller.
@@ -10,6 +10,7 @@ pub mod exports;
 mod failpoint;
 pub mod freeze;
 mod labels;
+pub mod point_in_time;
 
 pub use chunker::durable::write_durably;
 pub use duration::parse_duration;

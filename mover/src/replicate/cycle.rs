@@ -24,12 +24,9 @@ use transport::proto;
 /// taking of a point in time, never a read of the volume.
 const FREEZE_FOR_CLONE: Duration = Duration::from_secs(10);
 
-/// Consistency labels, as status reports them.
-pub const POINT_IN_TIME: &str = "point-in-time";
-/// See [`POINT_IN_TIME`].
-pub const CRASH_INCONSISTENT: &str = "crash-inconsistent";
-/// A file tree: each file as it was when read, not the tree at one instant.
-pub const FILE_CONSISTENT: &str = "file-consistent";
+pub use crate::node::point_in_time::{
+    CRASH_INCONSISTENT, FILE_CONSISTENT, NO_POINT_IN_TIME, POINT_IN_TIME,
+};
 
 /// A point in time of the source: the base's clone brought up to date, a fresh reflink
 /// clone (removed when dropped), or the live volume (crash-inconsistent).
@@ -164,18 +161,12 @@ fn take_point_in_time(
     })
 }
 
-/// The words that begin the reason of a cycle refused for want of a point in time: the controller recognises the
-/// refusal by them (in the relationship's last error) to say Degraded, NoPointInTime.
-pub const NO_POINT_IN_TIME: &str = "no point in time can be taken of it";
-
 /// The error of a cycle that a relationship requiring a point in time must not ship:
 /// what was missing, and the two ways out.
 fn no_point_in_time(source: &Path, what: &str) -> CopyError {
     CopyError::BadSource {
         path: source.into(),
-        why: format!(
-            "{NO_POINT_IN_TIME}: {what}; the relationship requires one, so              the cycle is not shipped. Replicate it through CSI VolumeSnapshots (class              parameter volumeSnapshotClassName), keep it as an image file on XFS or Btrfs              (reflink clones), or accept consistency=crash-inconsistent (class parameter, or              `mover replicate update --consistency crash-inconsistent`)"
-        ),
+        why: crate::node::point_in_time::refusal(what),
     }
 }
 

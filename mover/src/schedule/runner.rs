@@ -2,12 +2,8 @@
 
 use super::When;
 use crate::{
-    node::{Exports, write_durably},
-    replicate::{
-        base::hidden_name,
-        cycle::{CRASH_INCONSISTENT, POINT_IN_TIME},
-        now_ms,
-    },
+    node::{Exports, point_in_time, write_durably},
+    replicate::{base::hidden_name, now_ms},
     snapshot::{CreateOptions, RepoOptions, create_snapshot, open_repository_with},
 };
 use snapshots::{Credentials, retention::KeepPolicy};
@@ -348,7 +344,7 @@ impl Schedules {
             .await
             .map_err(|e| fail("cannot open repository", e))?;
         let volume = snapshot_name(spec);
-        let pit = point_in_time(&export.path, &spec.name)?;
+        let pit = point_in_time(&export.path, spec)?;
         // Retention forgets only this schedule's snapshots, not others of the volume
         // (by hand, or another agent's into the same repository).
         let tag = format!("schedule={}", spec.name);
@@ -501,48 +497,27 @@ struct Taken {
     consistency: &'static str,
 }
 
-/// What a snapshot reads: a reflink clone of an image file taken now (removed when
-/// dropped), else the live volume.
-struct PointInTime {
-    read: PathBuf,
-    clone: Option<PathBuf>,
-    consistency: &'static str,
-}
-
-impl Drop for PointInTime {
-    fn drop(&mut self) {
-        if let Some(c) = &self.clone {
-            let _ = std::fs::remove_file(c);
-        }
-    }
-}
-
 /// A point in time of `source` for schedule `name`: an image file on a file system with
 /// reflinks (XFS, Btrfs) is cloned beside itself in an instant, so the snapshot holds
 /// the volume as it was then, however long the upload takes; anything else is read
-/// live, and the snapshot says it is crash-inconsistent.
-fn point_in_time(source: &Path, name: &str) -> Result<PointInTime, String> {
-    let live = PointInTime {
-        read: source.into(),
-        clone: None,
-        consistency: CRASH_INCONSISTENT,
+/// live, and the snapshot says it is crash-inconsistent (refused where the spec
+/// requires a point in time).
+fn point_in_time(source: &Path, spec: &Spec) -> Result<point_in_time::Taken, String> {
+    let reflink = point_in_time::ReflinkClone {
+        name: |volume, owner| hidden_name(volume, owner, "snap"),
     };
-    if !std::fs::metadata(source).is_ok_and(|m| m.is_file()) {
-        return Ok(live);
+    let pit = point_in_time::take(&[&reflink], source, &spec.name)
+        .map_err(|e| format!("cannot clone {} for a point in time: {e}", source.display()))?;
+    if spec.require_point_in_time && !pit.is_point_in_time() {
+        return Err(format!(
+            "{}: {}",
+            source.display(),
+            point_in_time::refusal(
+                "it is read live (it is not an image file on a file system with reflinks)"
+            )
+        ));
     }
-    let clone = source.with_file_name(hidden_name(source, name, "snap"));
-    match chunker::extents::clone_fresh(source, &clone) {
-        Ok(true) => Ok(PointInTime {
-            read: clone.clone(),
-            clone: Some(clone),
-            consistency: POINT_IN_TIME,
-        }),
-        Ok(false) => Ok(live),
-        Err(e) => Err(format!(
-            "cannot clone {} for a point in time: {e}",
-            source.display()
-        )),
-    }
+    Ok(pit)
 }
 
 /// The volume name of a schedule's snapshots in the repository.
@@ -562,4 +537,30 @@ fn status_of(r: &Record) -> Status {
         spec
     });
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_live_read_is_tagged_or_refused_as_the_spec_says() {
+        // A device, not an image file: nothing to clone, only a live read is possible.
+        let image = Path::new("/dev/zero");
+        let mut spec = Spec {
+            name: "nightly".into(),
+            ..Default::default()
+        };
+        let pit = point_in_time(image, &spec).unwrap();
+        assert_eq!(
+            (pit.read.as_path(), pit.consistency),
+            (image, point_in_time::CRASH_INCONSISTENT)
+        );
+        spec.require_point_in_time = true;
+        let e = point_in_time(image, &spec).err().unwrap();
+        assert!(
+            e.contains(point_in_time::NO_POINT_IN_TIME) && e.contains("volumeSnapshotClassName"),
+            "{e}"
+        );
+    }
 }

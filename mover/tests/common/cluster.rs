@@ -218,19 +218,7 @@ impl Cluster {
 
     /// Runs kubectl with `kubeconfig`, `stdin` fed to it.
     pub fn kubectl_as(&self, kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
-        use std::io::Write;
-        let mut child = Command::new(self.bin.join("kubectl"))
-            .arg(format!("--kubeconfig={}", kubeconfig.display()))
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("kubectl");
-        let mut input = child.stdin.take().unwrap();
-        input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
-        drop(input);
-        child.wait_with_output().unwrap()
+        run_kubectl(&self.bin, kubeconfig, args, stdin)
     }
 
     /// Runs kubectl as the admin and returns its stdout; panics with its stderr if it
@@ -351,6 +339,23 @@ fn ok(out: Output, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stdout)
     );
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// Runs `bin`/kubectl with `kubeconfig`, `stdin` fed to it.
+pub fn run_kubectl(bin: &Path, kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(bin.join("kubectl"))
+        .arg(format!("--kubeconfig={}", kubeconfig.display()))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl");
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
+    drop(input);
+    child.wait_with_output().unwrap()
 }
 
 impl Drop for Cluster {

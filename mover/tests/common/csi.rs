@@ -318,18 +318,7 @@ spec:
     }
 
     fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
-        let mut child = Command::new(self.bin.join("kubectl"))
-            .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("kubectl");
-        let mut input = child.stdin.take().unwrap();
-        input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
-        drop(input);
-        child.wait_with_output().unwrap()
+        super::cluster::run_kubectl(&self.bin, &self.kubeconfig, args, stdin)
     }
 
     fn kubectl_ok(&self, args: &[&str], stdin: Option<&str>) -> String {
@@ -448,10 +437,10 @@ spec:
     }
 
     /// One call of the driver's CSI service `method` (e.g. `csi.v1.Node/NodeStageVolume`)
-    /// on its socket; panics if it fails.
-    pub fn csi_call(&self, method: &str, request: &serde_json::Value) -> serde_json::Value {
+    /// on its socket, as grpcurl ran it.
+    fn csi_output(&self, method: &str, request: &serde_json::Value) -> Output {
         let proto = self.bin.join("proto");
-        let out = self.grpcurl(
+        self.grpcurl(
             &[
                 "-plaintext",
                 "-unix",
@@ -463,7 +452,12 @@ spec:
                 method,
             ],
             &request.to_string(),
-        );
+        )
+    }
+
+    /// One call of the driver's CSI service `method`; its answer, or a panic if it fails.
+    pub fn csi_call(&self, method: &str, request: &serde_json::Value) -> serde_json::Value {
+        let out = self.csi_output(method, request);
         assert!(
             out.status.success(),
             "{method} failed: {}{}\n{}",
@@ -516,21 +510,8 @@ spec:
     /// failures are ignored (drop).
     fn unpublish_all(&self) {
         let published = std::mem::take(&mut *self.published.lock().unwrap());
-        let proto = self.bin.join("proto");
         let call = |method: &str, request: serde_json::Value| {
-            let _ = self.grpcurl(
-                &[
-                    "-plaintext",
-                    "-unix",
-                    "-import-path",
-                    proto.to_str().unwrap(),
-                    "-proto",
-                    "csi.proto",
-                    self.socket.to_str().unwrap(),
-                    method,
-                ],
-                &request.to_string(),
-            );
+            let _ = self.csi_output(method, &request);
         };
         for p in published.iter().rev() {
             call(
