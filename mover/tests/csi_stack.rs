@@ -412,19 +412,3 @@ impl CuttingProxy {
         CuttingProxy { port, cut }
     }
 }
-
-/// The SnapshotMetadataService's `caCert` is standard base64 with padding.
-#[test]
-fn ca_cert_base64_is_standard() {
-    use common::csi::base64;
-    let cases: [(&[u8], &str); 5] = [
-        (b"", ""),
-        (b"f", "Zg=="),
-        (b"fo", "Zm8="),
-        (b"foo", "Zm9v"),
-        (b"\xfb\xff\xbf", "+/+/"),
-    ];
-    for (data, want) in cases {
-        assert_eq!(base64(data), want, "{data:?}");
-    }
-}

@@ -759,16 +759,20 @@ spec:
         }
     }
 
-    /// The VR's condition `ty`: (status, reason).
-    fn condition(&self, ty: &str) -> (String, String) {
-        let vr = self.vr();
-        let c = vr["status"]["conditions"]
+    /// The VR's condition `ty` (null when it has none).
+    fn condition_of(&self, ty: &str) -> Value {
+        self.vr()["status"]["conditions"]
             .as_array()
             .into_iter()
             .flatten()
             .find(|c| c["type"] == ty)
             .cloned()
-            .unwrap_or(Value::Null);
+            .unwrap_or(Value::Null)
+    }
+
+    /// The VR's condition `ty`: (status, reason).
+    fn condition(&self, ty: &str) -> (String, String) {
+        let c = self.condition_of(ty);
         (
             c["status"].as_str().unwrap_or("").into(),
             c["reason"].as_str().unwrap_or("").into(),
@@ -846,16 +850,10 @@ fn replicating_pair(dir: &Path) -> Option<(Site, Site)> {
         s.condition("Degraded") == ("True".into(), "NoPointInTime".into())
     });
     let vr = a.vr();
-    let message = |vr: &Value, ty: &str| {
-        vr["status"]["conditions"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|c| c["type"] == ty)
-            .map(|c| c["message"].as_str().unwrap_or_default().to_string())
-            .unwrap_or_default()
-    };
-    let degraded = message(&vr, "Degraded");
+    let degraded = a.condition_of("Degraded")["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     assert!(
         degraded.contains("no point in time can be taken of it")
             && degraded.contains("volumeSnapshotClassName")

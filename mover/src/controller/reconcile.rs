@@ -479,10 +479,7 @@ pub async fn decide(
                     c.promoted();
                     let (h, detail) = status::health(&s);
                     c.replicating(h, &detail);
-                    c.consistency(&s.consistency);
-                    if status::lacks_point_in_time(&s.last_error) {
-                        c.no_point_in_time(&s.last_error);
-                    }
+                    c.consistency(&s.consistency, &s.last_error);
                     if is_split(&s) {
                         c.split(&format!(
                             "relationship {}: another cluster's side was promoted past this \
@@ -619,8 +616,8 @@ async fn secondary(
     };
     c.demoted();
     c.resync();
-    c.consistency(&s.consistency);
-    st.last_sync_consistency = (!s.consistency.is_empty()).then(|| s.consistency.clone());
+    c.consistency(&s.consistency, &s.last_error);
+    st.last_sync_consistency = status::last_sync_consistency(&s.consistency);
     if in_sync(&s) {
         c.not_degraded();
         st.message = Some(status::marked(ReplicationState::Secondary));

@@ -320,7 +320,7 @@ async fn stream_from(
     let channel = endpoint
         .connect()
         .await
-        .map_err(|e| Failure::Connect(format!("{e}: {}", source_chain(&e))))?;
+        .map_err(|e| Failure::Connect(crate::remote::error_chain(&e)))?;
     let mut client = SnapshotMetadataClient::new(channel);
     let mut stream = client
         .get_metadata_delta(GetMetadataDeltaRequest {
@@ -372,16 +372,6 @@ fn merged(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
 fn host_of(address: &str) -> &str {
     let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
     host.trim_start_matches('[').trim_end_matches(']')
-}
-
-fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut parts = Vec::new();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        parts.push(s.to_string());
-        cur = s.source();
-    }
-    parts.join(": ")
 }
 
 #[cfg(test)]

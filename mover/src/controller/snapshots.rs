@@ -104,10 +104,7 @@ pub async fn reconcile(
                 (Health::Healthy, format!("snapshots to {}", repo.url))
             };
             c.replicating(health, &detail);
-            c.consistency(&s.consistency);
-            if s.state == "Failing" && status::lacks_point_in_time(&s.last_error) {
-                c.no_point_in_time(&s.last_error);
-            }
+            c.consistency(&s.consistency, &s.last_error);
             report(&mut st, &s, &repo.url);
             st.state = Some(State::Primary);
             st.message = Some(status::marked(state));
@@ -170,7 +167,7 @@ async fn access(
 fn report(st: &mut VolumeReplicationStatus, s: &schedule::Status, url: &str) {
     st.destination_volume_id = Some(url.to_string());
     st.progress = None;
-    st.last_sync_consistency = (!s.consistency.is_empty()).then(|| s.consistency.clone());
+    st.last_sync_consistency = status::last_sync_consistency(&s.consistency);
     if s.last_time_ms > 0 {
         st.last_sync_time = Some(status::time_ms(s.last_time_ms));
         st.last_sync_duration = Some(status::go_duration(Duration::from_millis(

@@ -265,13 +265,16 @@ impl<'a> Conditions<'a> {
         let m = format!("{} {what}: {detail}", self.source);
         self.set(types::REPLICATING, status, reason, m);
     }
-}
 
-impl Conditions<'_> {
     /// mover's PointInTime condition, from the consistency of the last applied cycle
-    /// ("" when none is): what RamenDR and `kubectl get` show beside Completed.
-    pub fn consistency(&mut self, consistency: &str) {
-        use crate::replicate::cycle::{CRASH_INCONSISTENT, FILE_CONSISTENT, POINT_IN_TIME};
+    /// ("" when none is): what RamenDR and `kubectl get` show beside Completed. Where
+    /// `last_error` is the agent's refusal for want of a point in time (see
+    /// `node::point_in_time::refusal`), Degraded too, with its sentence saying what is
+    /// missing.
+    pub fn consistency(&mut self, consistency: &str, last_error: &str) {
+        use crate::node::point_in_time::{
+            CRASH_INCONSISTENT, FILE_CONSISTENT, NO_POINT_IN_TIME, POINT_IN_TIME,
+        };
         let (status, reason, what) = match consistency {
             POINT_IN_TIME => ("True", reasons::POINT_IN_TIME, "the volume at one instant"),
             CRASH_INCONSISTENT => (
@@ -289,20 +292,16 @@ impl Conditions<'_> {
         };
         let m = format!("{}'s last applied cycle: {what}", self.source);
         self.set(types::POINT_IN_TIME, status, reason, m);
-    }
-
-    /// Cycles fail because the class requires a point in time the volume cannot give:
-    /// Degraded, with the agent's sentence saying what is missing.
-    pub fn no_point_in_time(&mut self, detail: &str) {
-        let m = format!("{} {}: {detail}", self.source, messages::DEGRADED);
-        self.set(types::DEGRADED, "True", reasons::NO_POINT_IN_TIME, m);
+        if last_error.contains(NO_POINT_IN_TIME) {
+            let m = format!("{} {}: {last_error}", self.source, messages::DEGRADED);
+            self.set(types::DEGRADED, "True", reasons::NO_POINT_IN_TIME, m);
+        }
     }
 }
 
-/// Whether a relationship's cycles or a schedule's snapshots fail for want of a point
-/// in time (the agent's last error: see `node::point_in_time::refusal`).
-pub fn lacks_point_in_time(last_error: &str) -> bool {
-    last_error.contains(crate::node::point_in_time::NO_POINT_IN_TIME)
+/// `status.lastSyncConsistency` from an agent's report ("": no cycle yet).
+pub fn last_sync_consistency(consistency: &str) -> Option<String> {
+    (!consistency.is_empty()).then(|| consistency.to_string())
 }
 
 /// How a primary's replication is doing (csi-addons' GetVolumeReplicationInfo status).
@@ -350,7 +349,7 @@ pub fn marked(state: ReplicationState) -> String {
 /// progress. csi-addons clears lastSyncDuration/Bytes when a new sync time has none.
 pub fn apply_report(status: &mut VolumeReplicationStatus, s: &transport::control::Status) {
     status.epoch = Some(s.epoch as i64);
-    status.last_sync_consistency = (!s.consistency.is_empty()).then(|| s.consistency.clone());
+    status.last_sync_consistency = last_sync_consistency(&s.consistency);
     status.rpo_seconds = (s.rpo_seconds >= 0.0).then_some((s.rpo_seconds * 10.0).round() / 10.0);
     status.progress = (s.progress_total > 0).then_some(super::crd::Progress {
         bytes_done: s.progress_done as i64,

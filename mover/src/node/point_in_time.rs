@@ -2,10 +2,10 @@
 //! holds the volume as it was at one instant, however long the read takes.
 //!
 //! A mechanism is a [`Source`]: it takes a point in time of a volume where it applies
-//! ([`Source::take`]), and may tell what changed between two it took
-//! ([`Source::changed`]). [`take`] asks each in order and falls back to the live volume,
+//! ([`Source::take`]). [`take`] asks each in order and falls back to the live volume,
 //! which is `crash-inconsistent`. The mechanism on a node today is [`ReflinkClone`] (an
-//! image file on XFS or Btrfs). An LVM thin snapshot (`lvcreate -s`, changes from
+//! image file on XFS or Btrfs; what changed between two clones comes from their extent
+//! maps, `chunker::extents::changed_ranges`). An LVM thin snapshot (`lvcreate -s`, changes from
 //! `thin_delta`) is the next one: it fits here, but this machine's kernel has no
 //! device-mapper to test it on. A CSI VolumeSnapshot is taken by the controller through
 //! the API server, not on the node (`controller::snapshot_metadata` tells its changes).
@@ -14,9 +14,7 @@
 //! freeze held for a whole read would stall the application for as long as it takes.
 
 use std::{
-    fs::File,
     io,
-    ops::Range,
     path::{Path, PathBuf},
 };
 
@@ -31,6 +29,10 @@ pub const FILE_CONSISTENT: &str = "file-consistent";
 /// The words that begin the reason of a run refused for want of a point in time: the
 /// controller recognises the refusal by them to say Degraded, NoPointInTime.
 pub const NO_POINT_IN_TIME: &str = "no point in time can be taken of it";
+
+/// What a live read is, in [`refusal`]'s words.
+pub const READ_LIVE: &str =
+    "it is read live (it is not an image file on a file system with reflinks)";
 
 /// The reason a job that requires a point in time gives for not running on `volume`:
 /// `what` it is, and the ways out.
@@ -52,11 +54,6 @@ pub trait Source {
     /// (a relationship or schedule), or `Ok(None)` where this mechanism does not apply
     /// to the volume.
     fn take(&self, volume: &Path, owner: &str) -> io::Result<Option<Taken>>;
-    /// The ranges that may differ between two points in time this source took of one
-    /// volume (`Ok(None)`: it cannot tell; the caller compares them).
-    fn changed(&self, _earlier: &Path, _later: &Path) -> io::Result<Option<Vec<Range<u64>>>> {
-        Ok(None)
-    }
 }
 
 /// A point in time: the path to read, its consistency, and what to release after.
@@ -105,8 +102,7 @@ pub fn take(sources: &[&dyn Source], volume: &Path, owner: &str) -> io::Result<T
 }
 
 /// A reflink clone of an image file beside it, on a file system with reflinks (XFS,
-/// Btrfs): instant, and no space until the image is written. Changes between two clones
-/// come from their extent maps (FIEMAP), without reading a byte.
+/// Btrfs): instant, and no space until the image is written.
 pub struct ReflinkClone {
     /// The clone's file name beside the image, from the image and the owner (hidden,
     /// and the job's own: the jobs name their files).
@@ -130,9 +126,5 @@ impl Source for ReflinkClone {
                 remove: Some(clone),
             }),
         )
-    }
-
-    fn changed(&self, earlier: &Path, later: &Path) -> io::Result<Option<Vec<Range<u64>>>> {
-        chunker::extents::changed_ranges(&File::open(earlier)?, &File::open(later)?)
     }
 }

@@ -1,10 +1,7 @@
 //! Connecting to an agent: its URL, the options of every call to it, the connected
 //! clients of its services, and opening a transfer session on one of its exports.
 
-use super::{
-    AgentUrl,
-    status::{error_chain, status_error},
-};
+use super::{AgentUrl, error_chain, status::status_error};
 use crate::error::{CopyError, RemoteCode};
 use chunker::{ChunkKey, ChunkSize};
 use std::{path::PathBuf, time::Duration};

@@ -28,7 +28,7 @@ pub(crate) use groups::{Group, RemoteGroups, read_groups, tree};
 pub use locate::{CLUSTER_SCHEME, LOCATOR_NAME, locate};
 pub use pull::pull;
 pub use push::{CyclePush, push, push_cycle};
-pub(crate) use status::{Backoff, timed, with_retries};
+pub(crate) use status::{Backoff, error_chain, timed, with_retries};
 pub use status::{status_error, tls_hint};
 pub use tree::{is_tree, pull_tree, push_tree, push_tree_cycle};
 pub use url::AgentUrl;

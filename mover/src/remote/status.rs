@@ -16,7 +16,7 @@ pub(crate) fn timed(
 }
 
 /// The whole chain of an error's sources, for transport errors that hide the cause.
-pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {

@@ -24,9 +24,7 @@ use transport::proto;
 /// taking of a point in time, never a read of the volume.
 const FREEZE_FOR_CLONE: Duration = Duration::from_secs(10);
 
-pub use crate::node::point_in_time::{
-    CRASH_INCONSISTENT, FILE_CONSISTENT, NO_POINT_IN_TIME, POINT_IN_TIME,
-};
+pub use crate::node::point_in_time::{CRASH_INCONSISTENT, FILE_CONSISTENT, POINT_IN_TIME};
 
 /// A point in time of the source: the base's clone brought up to date, a fresh reflink
 /// clone (removed when dropped), or the live volume (crash-inconsistent).
@@ -245,7 +243,7 @@ pub async fn run(
     let source = source.to_path_buf();
     let chunk = ChunkSize::new(spec.chunk_size).map_err(CopyError::from)?;
     let (name, freeze) = (spec.name.clone(), spec.freeze.clone());
-    let (pit, base) = tokio::task::spawn_blocking(move || {
+    let (mut pit, base) = tokio::task::spawn_blocking(move || {
         // The last committed cycle's clone, if it still matches the image's geometry.
         let mut base = std::fs::metadata(&source)
             .ok()
@@ -261,7 +259,7 @@ pub async fn run(
     if spec.require_point_in_time && pit.consistency != POINT_IN_TIME {
         return Err(no_point_in_time(
             source_path,
-            "it is read live (it is not an image file on a file system with reflinks)",
+            crate::node::point_in_time::READ_LIVE,
         ));
     }
     let cycle = proto::Cycle {
@@ -326,7 +324,6 @@ pub async fn run(
         }
         r => r?,
     };
-    let mut pit = pit;
     let clone = match pit.clone.take() {
         Some(fresh) => Some(fresh),
         None => pit.caught_up.then(|| pit.read.clone()),

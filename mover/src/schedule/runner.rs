@@ -512,9 +512,7 @@ fn point_in_time(source: &Path, spec: &Spec) -> Result<point_in_time::Taken, Str
         return Err(format!(
             "{}: {}",
             source.display(),
-            point_in_time::refusal(
-                "it is read live (it is not an image file on a file system with reflinks)"
-            )
+            point_in_time::refusal(point_in_time::READ_LIVE)
         ));
     }
     Ok(pit)

@@ -260,7 +260,12 @@ impl CsiStack {
     }
 
     fn create_classes(&self, cluster: &Cluster) {
-        let ca = base64(&std::fs::read(&self.metadata_ca).unwrap());
+        // The SnapshotMetadataService's caCert: standard base64 with padding.
+        let ca = {
+            use base64::Engine;
+            base64::engine::general_purpose::STANDARD
+                .encode(std::fs::read(&self.metadata_ca).unwrap())
+        };
         cluster.apply(&format!(
             "apiVersion: storage.k8s.io/v1
 kind: StorageClass
@@ -546,28 +551,6 @@ fn device_of(path: &Path) -> PathBuf {
         .find_map(|l| l.strip_prefix("DEVNAME="))
         .unwrap_or_else(|| panic!("no DEVNAME for block device {major}:{minor}"));
     PathBuf::from("/dev").join(name)
-}
-
-/// Standard base64 with padding (the SnapshotMetadataService's `caCert`).
-pub fn base64(data: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
-    for chunk in data.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(ALPHABET[(n >> (18 - 6 * i)) as usize & 63] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
 }
 
 impl Drop for CsiStack {
