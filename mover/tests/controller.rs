@@ -215,6 +215,16 @@ impl Agents for FakeAgents {
             s.state = "Secondary".into();
         })
     }
+    async fn cycle_from(
+        &self,
+        agent: &str,
+        req: control::CycleFromRequest,
+    ) -> Result<control::Status, AgentError> {
+        self.record(format!("cycle_from {agent} {} {}", req.name, req.export));
+        self.change("cycle", agent, &req.name.clone(), |s| {
+            s.last_snapshot = req.snapshot.clone();
+        })
+    }
     async fn delete(&self, agent: &str, name: &str) -> Result<(), AgentError> {
         self.record(format!("delete {agent} {name}"));
         self.relationships
@@ -420,6 +430,7 @@ async fn run_once(
             world.agents,
         ),
         agent_port: 7070,
+        identity: Default::default(),
         metrics: Default::default(),
         recorder: None,
         leftovers: None,
@@ -933,6 +944,7 @@ async fn reconcile_in(
             vec![pod],
         ),
         agent_port: port,
+        identity: Default::default(),
         metrics: Default::default(),
         recorder: None,
         leftovers: None,
@@ -1216,6 +1228,7 @@ async fn a_thousand_volume_replications_cost_one_request_each_per_new_cycle_and_
             vec![agent_pod("node-a")],
         ),
         agent_port: 7070,
+        identity: Default::default(),
         metrics: Default::default(),
         recorder: None,
         leftovers: None,
@@ -1293,6 +1306,7 @@ async fn transitions_are_recorded_as_events_and_a_failure_as_a_warning() {
             vec![agent_pod("node-a")],
         ),
         agent_port: 7070,
+        identity: Default::default(),
         metrics: Default::default(),
         recorder: Some(recorder),
         leftovers: None,

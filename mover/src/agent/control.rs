@@ -293,7 +293,36 @@ impl Control {
             freeze: (!spec.freeze.is_empty()).then(|| spec.freeze.into()),
             peer_token,
             require_point_in_time: spec.require_point_in_time,
+            snapshots: spec.snapshots,
         })
+    }
+
+    /// Where the chunk ids of `name`'s last cycle from a snapshot are kept.
+    fn snapshot_ids_file(&self, name: &str) -> Result<std::path::PathBuf, ServiceError> {
+        let dir = self.service.state_dir().join("snapshot-ids");
+        std::fs::create_dir_all(&dir).map_err(internal)?;
+        let h = blake3::hash(name.as_bytes()).to_hex();
+        Ok(dir.join(&h[..32]))
+    }
+
+    /// After a demote's final cycle `last`: this side is the secondary now.
+    async fn demoted(&self, name: &str, last: CycleRecord) -> Result<(), ServiceError> {
+        self.runners.stop(name);
+        // This side now holds the final cycle (and whatever was written after its clone:
+        // shipped back by the new primary): later cycles into it are staged.
+        let r = self.record(name)?;
+        let written = self.settle(&r).await;
+        self.forget_base(&r);
+        let dir = journal::cycles_dir(self.service.state_dir(), name);
+        let mut applied = journal::AppliedCycle::of(name, &last, r.epoch);
+        applied.dirty = written
+            .unwrap_or_default()
+            .iter()
+            .map(|w| (w.start, w.end))
+            .collect();
+        journal::record_applied(&dir, &applied).map_err(internal)?;
+        tracing::info!(relationship = %name, cycle = last.id, "demoted after a final cycle");
+        Ok(())
     }
 }
 
@@ -408,6 +437,9 @@ impl Replication for Control {
                     if let Some(p) = u.require_point_in_time {
                         r.spec.require_point_in_time = p;
                     }
+                    if let Some(s) = u.snapshots {
+                        r.spec.snapshots = s;
+                    }
                     if let Some(t) = &u.peer_token {
                         r.spec.peer_token = (!t.is_empty()).then(|| replicate::store::PeerToken {
                             token: t.clone(),
@@ -462,7 +494,7 @@ impl Replication for Control {
                 )));
             }
             self.runners
-                .cycle_now(&name, false)
+                .cycle_now(&name, false, None)
                 .await
                 .map_err(ServiceError::Aborted)?;
             self.reply(&name)
@@ -597,25 +629,65 @@ impl Replication for Control {
             if r.role == Role::Secondary {
                 return self.reply(&name); // already secondary
             }
-            let last = self.runners.cycle_now(&name, true).await.map_err(|e| {
-                ServiceError::Aborted(format!("the final cycle failed, still primary: {e}"))
-            })?;
-            self.runners.stop(&name);
-            // This side now holds the final cycle (and whatever was written after its clone:
-            // shipped back by the new primary): later cycles into it are staged.
-            let r = self.record(&name)?;
-            let written = self.settle(&r).await;
-            self.forget_base(&r);
-            let dir = journal::cycles_dir(self.service.state_dir(), &name);
-            let mut applied = journal::AppliedCycle::of(&name, &last, r.epoch);
-            applied.dirty = written
-                .unwrap_or_default()
-                .iter()
-                .map(|w| (w.start, w.end))
-                .collect();
-            journal::record_applied(&dir, &applied).map_err(internal)?;
-            tracing::info!(relationship = %name, cycle = last.id, "demoted after a final cycle");
+            let last = self
+                .runners
+                .cycle_now(&name, true, None)
+                .await
+                .map_err(|e| {
+                    ServiceError::Aborted(format!("the final cycle failed, still primary: {e}"))
+                })?;
+            self.demoted(&name, last).await?;
             self.reply(&name)
+        })
+        .await
+    }
+
+    async fn cycle_from(
+        &self,
+        req: Request<control::CycleFromRequest>,
+    ) -> Result<Response<control::Status>, Status> {
+        super::control_only(&req, "cycle_from")?;
+        answer(async {
+            let q = req.into_inner();
+            let r = self.record(&q.name)?;
+            if r.role != Role::Primary {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "this side of {:?} is the secondary; cycles run on the primary ({})",
+                    q.name, r.spec.peer
+                )));
+            }
+            if !r.spec.snapshots {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "{:?} takes its own points in time: it was not created to read snapshots \
+                     (Spec snapshots)",
+                    q.name
+                )));
+            }
+            // The clone must be on this node already (the kubelet publishes it for the
+            // reader pod): until then the export is refused and the caller waits.
+            let clone = self.service.export(&q.export)?;
+            let from = replicate::cycle::SnapshotRead {
+                path: clone.path,
+                snapshot: q.snapshot,
+                point_in_time_ms: q.point_in_time_ms,
+                base_snapshot: q.base_snapshot,
+                changed: q.changed_known.then(|| {
+                    q.changed
+                        .iter()
+                        .map(|b| b.offset..b.offset.saturating_add(b.length))
+                        .collect()
+                }),
+                ids_file: self.snapshot_ids_file(&q.name)?,
+            };
+            let last = self
+                .runners
+                .cycle_now(&q.name, q.r#final, Some(from))
+                .await
+                .map_err(ServiceError::Aborted)?;
+            if q.r#final {
+                self.demoted(&q.name, last).await?;
+            }
+            self.reply(&q.name)
         })
         .await
     }

@@ -87,6 +87,7 @@ impl AgentService {
                 // Set on this side (for when it is promoted): not the primary's to change.
                 peer_token: known.as_ref().and_then(|k| k.spec.peer_token.clone()),
                 require_point_in_time: known.as_ref().is_some_and(|k| k.spec.require_point_in_time),
+                snapshots: known.as_ref().is_some_and(|k| k.spec.snapshots),
             },
             role: Role::Secondary,
             epoch: r.epoch,

@@ -73,6 +73,13 @@ pub trait Agents: Send + Sync {
         name: &str,
         discard_local: bool,
     ) -> Result<control::Status, AgentError>;
+    /// Runs one cycle reading a clone of a CSI snapshot (a relationship created with
+    /// `snapshots`), and answers when it has ended.
+    async fn cycle_from(
+        &self,
+        agent: &str,
+        req: control::CycleFromRequest,
+    ) -> Result<control::Status, AgentError>;
     /// Forgets the relationship on `agent` (the volume stays); absent is fine.
     async fn delete(&self, agent: &str, name: &str) -> Result<(), AgentError>;
     /// Makes `agent` serve `path` (on its node) as the export `volume`, to the
@@ -310,6 +317,18 @@ impl Agents for GrpcAgents {
         };
         self.call(agent, "resync", name, |mut c: ControlClient| async move {
             c.resync(req).await
+        })
+        .await
+    }
+
+    async fn cycle_from(
+        &self,
+        agent: &str,
+        req: control::CycleFromRequest,
+    ) -> Result<control::Status, AgentError> {
+        let name = req.name.clone();
+        self.call(agent, "cycle", &name, |mut c: ControlClient| async move {
+            c.cycle_from(req).await
         })
         .await
     }

@@ -28,6 +28,11 @@ pub const PARAM_CHUNK_SIZE: &str = "chunkSize";
 /// with no way to take one (a clone, a snapshot) is Degraded and its cycles are not
 /// shipped; the status says what is missing.
 pub const PARAM_CONSISTENCY: &str = "consistency";
+/// Class parameter: the VolumeSnapshotClass of each cycle's point in time. The volume
+/// (a CSI block volume) is then read through a clone of a VolumeSnapshot taken per
+/// cycle, and only the blocks the driver's SnapshotMetadata service names as changed
+/// are read (see `controller::csi_snapshots`).
+pub const PARAM_SNAPSHOT_CLASS: &str = "volumeSnapshotClassName";
 /// Class parameters of repository targets: how many snapshots retention keeps, per rule
 /// (as `mover snapshot forget --keep-*`).
 pub const PARAM_KEEP: [&str; 5] = [
@@ -85,6 +90,8 @@ pub struct ClassParams {
     pub secret: Option<(String, String)>,
     /// Cycles that are not of one point in time fail ([`PARAM_CONSISTENCY`]).
     pub require_point_in_time: bool,
+    /// The VolumeSnapshotClass of each cycle's point in time ([`PARAM_SNAPSHOT_CLASS`]).
+    pub snapshot_class: Option<String>,
 }
 
 /// Where a class sends a volume.
@@ -237,6 +244,19 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
             })?
             .get(),
     };
+    let snapshot_class = p
+        .get(PARAM_SNAPSHOT_CLASS)
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty());
+    if snapshot_class.is_some() && matches!(target, Target::Repository(_)) {
+        return Err(invalid(
+            what,
+            format!(
+                "VolumeReplicationClass {name}: {PARAM_SNAPSHOT_CLASS} is for replication to \
+                 a peer; scheduled snapshots into a repository do not read CSI snapshots yet"
+            ),
+        ));
+    }
     Ok(ClassParams {
         interval,
         target,
@@ -244,6 +264,7 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
         chunk_size,
         secret,
         require_point_in_time,
+        snapshot_class,
     })
 }
 
@@ -506,6 +527,9 @@ pub struct Desired {
     pub peer_token: Option<(String, String)>,
     /// The peer cluster's CA (PEM), from the same secret (`ca.crt`).
     pub peer_ca: Option<String>,
+    /// Where each cycle's CSI VolumeSnapshot is taken from (the class names a
+    /// VolumeSnapshotClass).
+    pub snapshots: Option<super::csi_snapshots::Source>,
 }
 
 /// The resources a `VolumeReplication` names, as found (None: not found).
@@ -633,6 +657,31 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
     })?;
     let place = placement(pvc, pv, input.attachments, input.nodes)?;
     let agent = agent_on(&place.node, input.agents, input.agent_port)?;
+    let snapshots = match &params.snapshot_class {
+        None => None,
+        Some(snapshot_class) => {
+            let driver = pv.spec.as_ref().and_then(|s| s.csi.as_ref());
+            let (Some(csi), true) = (driver, place.block) else {
+                return Err(invalid(
+                    "failed to validate parameters of volumeReplicationClass",
+                    format!(
+                        "VolumeReplicationClass {}: {PARAM_SNAPSHOT_CLASS} {snapshot_class}: \
+                         PersistentVolumeClaim {pvc_name} is not a CSI volume of volumeMode \
+                         Block; snapshots are read as block devices. Use a class without \
+                         {PARAM_SNAPSHOT_CLASS} for it",
+                        kube::ResourceExt::name_any(class)
+                    ),
+                ));
+            };
+            Some(super::csi_snapshots::Source {
+                class: snapshot_class.clone(),
+                driver: csi.driver.clone(),
+                namespace: ns.to_string(),
+                pvc: ds.name.clone(),
+                storage_class: pvc.spec.as_ref().and_then(|s| s.storage_class_name.clone()),
+            })
+        }
+    };
     Ok(Desired {
         name: relationship_name(vr),
         agent,
@@ -650,8 +699,10 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
         auto_resync: vr.spec.auto_resync,
         peer_token: None,
         peer_ca: None,
+        snapshots,
     })
 }
+
 
 #[cfg(test)]
 pub(crate) mod tests {
@@ -797,11 +848,13 @@ pub(crate) mod tests {
                     chunk_size: 256 << 10,
                     secret: None,
                     require_point_in_time: true,
+                    snapshot_class: None,
                 },
                 state: ReplicationState::Primary,
                 auto_resync: false,
                 peer_token: None,
                 peer_ca: None,
+                snapshots: None,
             }
         );
     }

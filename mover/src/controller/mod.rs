@@ -8,6 +8,8 @@
 //! - [`agents`]: the agents' relationship control API behind a small trait.
 //! - [`metrics`]: reconciles, failures, relationships by state, RPO (Prometheus).
 //! - [`reconcile`]: finalizer, agent calls, status by server-side apply.
+//! - [`csi_snapshots`]: cycles whose point in time is a CSI VolumeSnapshot, read
+//!   through a clone on the agent's node.
 //! - [`secrets`]: the secrets classes name, each watched, read from the cache.
 //! - [`snapshot_metadata`]: the changed blocks between two CSI VolumeSnapshots
 //!   (Kubernetes' SnapshotMetadata API), resumed when a stream is cut.
@@ -20,6 +22,7 @@
 
 pub mod agents;
 pub mod crd;
+pub mod csi_snapshots;
 pub mod desired;
 pub mod issuer;
 pub mod leftovers;

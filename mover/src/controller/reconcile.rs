@@ -143,6 +143,8 @@ pub struct Context {
     pub leftovers: Option<(Duration, Arc<Leftovers>)>,
     /// Watches of the secrets classes name (None: each read is a GET).
     pub secrets: Option<Arc<SecretWatches>>,
+    /// The controller's own ServiceAccount (for SnapshotMetadata tokens).
+    pub identity: super::csi_snapshots::Identity,
 }
 
 impl Context {
@@ -474,6 +476,14 @@ pub async fn decide(
                 }
                 Ok(Some(s)) => update_if_changed(agents, &d, s).await,
             };
+            // Cycles from CSI snapshots advance one step per reconcile.
+            let (result, next) = match (result, &d.snapshots) {
+                (Ok(s), Some(src)) => {
+                    let (s, next) = snapshot_step(ctx, &d, src, s, false).await;
+                    (Ok(s), next)
+                }
+                (r, _) => (r, info_interval(d.params.interval)),
+            };
             match result {
                 Ok(s) => {
                     c.promoted();
@@ -492,7 +502,7 @@ pub async fn decide(
                     st.state = Some(State::Primary);
                     st.message = Some(status::marked(state));
                     st.last_completion_time = Some(now);
-                    (st, Action::requeue(info_interval(d.params.interval)))
+                    (st, Action::requeue(next))
                 }
                 Err(e) => {
                     c.failed_promotion("failed to promote volume", &e.to_string());
@@ -511,9 +521,21 @@ pub async fn decide(
                 Ok(None) => Ok(None),
                 // A primary fenced or split by the peer's promotion has no final cycle to
                 // hand over: it is a split secondary (resynced with autoResync).
-                Ok(Some(s)) if s.role == "primary" && !is_split(&s) => {
-                    agents.demote(&d.agent, &d.name).await.map(|_| None)
-                }
+                Ok(Some(s)) if s.role == "primary" && !is_split(&s) => match &d.snapshots {
+                    None => agents.demote(&d.agent, &d.name).await.map(|_| None),
+                    // The final cycle reads a snapshot taken now, as every cycle does.
+                    Some(src) => {
+                        let (s, next) = snapshot_step(ctx, &d, src, s, true).await;
+                        if s.role == "primary" {
+                            st.message = Some(format!(
+                                "demoting: the final cycle from a VolumeSnapshot: {}",
+                                if s.last_error.is_empty() { "under way" } else { &s.last_error }
+                            ));
+                            return (st, Action::requeue(next));
+                        }
+                        Ok(None)
+                    }
+                },
                 Ok(Some(s)) => update_if_changed(agents, &d, s).await.map(Some),
             };
             st.last_sync_time = None;
@@ -574,6 +596,36 @@ pub async fn decide(
                     (st, Action::requeue(RETRY))
                 }
             }
+        }
+    }
+}
+
+/// One step of a cycle from CSI snapshots (see [`super::csi_snapshots`]): the agent's
+/// status after it (a failed step is its last error, and makes it Degraded), and when
+/// to look again.
+async fn snapshot_step(
+    ctx: &Context,
+    d: &Desired,
+    src: &super::csi_snapshots::Source,
+    s: control::Status,
+    last: bool,
+) -> (control::Status, Duration) {
+    use super::csi_snapshots::{POLL, Step, step};
+    match step(ctx, d, src, &s, last).await {
+        Step::Ran(after) => (after, POLL),
+        Step::Idle(due) => (s, due.min(info_interval(d.params.interval))),
+        Step::Waiting(what) => {
+            tracing::debug!(relationship = %d.name, "{what}");
+            (s, POLL)
+        }
+        Step::Failed(why) => {
+            tracing::warn!(relationship = %d.name, "{why}");
+            let mut s = s;
+            s.last_error = why;
+            if s.state == "Replicating" {
+                s.state = "Degraded".into();
+            }
+            (s, RETRY.min(d.params.interval))
         }
     }
 }
@@ -668,6 +720,7 @@ fn spec_of(d: &Desired) -> control::Spec {
         peer_token_version: d.peer_token.clone().map(|t| t.1).unwrap_or_default(),
         peer_ca: d.peer_ca.clone().unwrap_or_default(),
         require_point_in_time: d.params.require_point_in_time,
+        snapshots: d.snapshots.is_some(),
     }
 }
 
@@ -683,8 +736,17 @@ async fn update_if_changed(
     let want = spec_of(d);
     let primary = s.role == "primary";
     let schedule = primary
-        && (have.interval_ms, have.bwlimit, have.require_point_in_time)
-            != (want.interval_ms, want.bwlimit, want.require_point_in_time);
+        && (
+            have.interval_ms,
+            have.bwlimit,
+            have.require_point_in_time,
+            have.snapshots,
+        ) != (
+            want.interval_ms,
+            want.bwlimit,
+            want.require_point_in_time,
+            want.snapshots,
+        );
     let token = d.peer_token.is_some() && have.peer_token_version != want.peer_token_version;
     if !schedule && !token {
         return Ok(s);
@@ -703,6 +765,7 @@ async fn update_if_changed(
                 peer_token_version: token.then_some(want.peer_token_version),
                 peer_ca: token.then_some(want.peer_ca),
                 require_point_in_time: primary.then_some(want.require_point_in_time),
+                snapshots: primary.then_some(want.snapshots),
             },
         )
         .await
@@ -780,6 +843,15 @@ async fn cleanup(obj: &DynamicObject, ctx: &Context) -> Result<Action, Error> {
         Ok(d) => Some((d.agent, d.name, d.volume)),
         Err(_) => recorded.map(|r| (r.agent, r.name, r.volume)),
     };
+    if let Ok(Desired {
+        name,
+        snapshots: Some(src),
+        ..
+    }) = resolve(&vr, ctx)
+        && let Err(e) = super::csi_snapshots::remove_all(&ctx.client, &src.namespace, &name).await
+    {
+        tracing::warn!(vr = %key(obj), "{e}");
+    }
     if let Some((agent, name, volume)) = target {
         // Whichever the class was: a relationship, or a schedule (its snapshots stay).
         let deleted = async {

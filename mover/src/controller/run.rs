@@ -58,6 +58,10 @@ pub struct RunOptions {
     /// only its pod-bound tokens get agent certificates.
     #[arg(long, default_value = "mover-agent")]
     pub agent_service_account: String,
+    /// The controller's own ServiceAccount (in --lease-namespace): it asks for tokens of
+    /// it to read changed blocks from CSI drivers' SnapshotMetadata services.
+    #[arg(long, default_value = "mover-controller", env = "MOVER_SERVICE_ACCOUNT")]
+    pub service_account: String,
     /// Talk to agents in plaintext with --token-file, and sign no certificates. By
     /// default the controller runs the cluster's mover CA (Secret mover-ca in its
     /// namespace): it signs the agents' certificate requests (signer
@@ -304,6 +308,10 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             nodes,
         },
         agent_port: options.agent_port,
+        identity: super::csi_snapshots::Identity {
+            namespace: options.lease_namespace.clone(),
+            service_account: options.service_account.clone(),
+        },
         metrics,
         secrets: Some(Arc::new(SecretWatches::new(
             client.clone(),

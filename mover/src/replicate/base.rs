@@ -137,26 +137,7 @@ impl Base {
     /// The base of relationship `name` for the image `source`, if one matches the
     /// volume's geometry and is intact.
     pub fn load(source: &Path, name: &str, chunk: ChunkSize, size: u64) -> Option<Base> {
-        let bytes = std::fs::read(ids_path(source, name)).ok()?;
-        // After the magic: cycle, root, chunk size, volume size, ids.
-        let body = unseal(&bytes, MAGIC, HEADER - MAGIC.len())?;
-        let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8 bytes"));
-        let cycle = u64_at(0);
-        let root = ChunkId(body[8..40].try_into().expect("32 bytes"));
-        if u64_at(40) != chunk.get() || u64_at(48) != size {
-            return None;
-        }
-        let ids = &body[HEADER - MAGIC.len()..];
-        if ids.len() as u64 != size.div_ceil(chunk.get()) * 32 {
-            return None;
-        }
-        let kinds = ids
-            .chunks_exact(32)
-            .map(|id| match id {
-                z if z.iter().all(|b| *b == 0) => ChunkKind::Zero,
-                id => ChunkKind::Data(ChunkId(id.try_into().expect("32 bytes"))),
-            })
-            .collect();
+        let CycleIds { cycle, root, kinds } = CycleIds::load(&ids_path(source, name), chunk, size)?;
         let clone = clone_path(source, name, cycle);
         let pending = load_pending(&pending_path(source, name), cycle)?;
         clone.exists().then_some(Base {
@@ -223,6 +204,63 @@ impl Base {
     }
 }
 
+/// A committed cycle's chunk ids, as kept in a file (sealed with its BLAKE3).
+pub struct CycleIds {
+    /// The cycle.
+    pub cycle: u64,
+    /// Its Merkle root.
+    pub root: ChunkId,
+    /// Its chunks.
+    pub kinds: Vec<ChunkKind>,
+}
+
+impl CycleIds {
+    /// The ids kept in `path`, if intact and of this geometry.
+    pub fn load(path: &Path, chunk: ChunkSize, size: u64) -> Option<CycleIds> {
+        let bytes = std::fs::read(path).ok()?;
+        // After the magic: cycle, root, chunk size, volume size, ids.
+        let body = unseal(&bytes, MAGIC, HEADER - MAGIC.len())?;
+        let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8 bytes"));
+        let cycle = u64_at(0);
+        let root = ChunkId(body[8..40].try_into().expect("32 bytes"));
+        if u64_at(40) != chunk.get() || u64_at(48) != size {
+            return None;
+        }
+        let ids = &body[HEADER - MAGIC.len()..];
+        if ids.len() as u64 != size.div_ceil(chunk.get()) * 32 {
+            return None;
+        }
+        let kinds = ids
+            .chunks_exact(32)
+            .map(|id| match id {
+                z if z.iter().all(|b| *b == 0) => ChunkKind::Zero,
+                id => ChunkKind::Data(ChunkId(id.try_into().expect("32 bytes"))),
+            })
+            .collect();
+        Some(CycleIds { cycle, root, kinds })
+    }
+
+    /// Keeps cycle `cycle`'s `ids` (32 bytes per chunk, zeros for a zero chunk) in
+    /// `path`, durably.
+    pub fn save(
+        path: &Path,
+        cycle: u64,
+        root: &ChunkId,
+        chunk: ChunkSize,
+        size: u64,
+        ids: &[u8],
+    ) -> io::Result<()> {
+        let mut body = Vec::with_capacity(HEADER + ids.len() + 32);
+        body.extend_from_slice(MAGIC);
+        body.extend_from_slice(&cycle.to_le_bytes());
+        body.extend_from_slice(&root.0);
+        body.extend_from_slice(&chunk.get().to_le_bytes());
+        body.extend_from_slice(&size.to_le_bytes());
+        body.extend_from_slice(ids);
+        write_durably(path, &sealed(body))
+    }
+}
+
 /// Makes `clone` (of `source`, cycle `cycle` just committed with `root` and chunk
 /// `ids`) the base of the next cycle, and removes the previous base.
 #[allow(clippy::too_many_arguments)]
@@ -240,14 +278,7 @@ pub fn save(
     if clone != kept {
         std::fs::rename(clone, &kept)?;
     }
-    let mut body = Vec::with_capacity(HEADER + ids.len() + 32);
-    body.extend_from_slice(MAGIC);
-    body.extend_from_slice(&cycle.to_le_bytes());
-    body.extend_from_slice(&root.0);
-    body.extend_from_slice(&chunk.get().to_le_bytes());
-    body.extend_from_slice(&size.to_le_bytes());
-    body.extend_from_slice(ids);
-    write_durably(&ids_path(source, name), &sealed(body))?;
+    CycleIds::save(&ids_path(source, name), cycle, root, chunk, size, ids)?;
     // Stale now (it names the previous cycle): the clone holds this one exactly.
     let _ = std::fs::remove_file(pending_path(source, name));
     remove(source, name, Some(&kept));

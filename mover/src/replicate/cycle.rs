@@ -219,6 +219,131 @@ async fn run_tree(
         root: String::new(),
         r#final: last,
         consistency: FILE_CONSISTENT.into(),
+        snapshot: String::new(),
+    })
+}
+
+/// Pushes the cycle `push` of `record` read from `read` to `peer`; a secondary that no
+/// longer holds the base cycle gets every chunk compared instead. Returns the summary
+/// and the chunk ids, as [`push_cycle`].
+async fn ship(
+    record: &Record,
+    read: &Path,
+    peer: &AgentUrl,
+    remote: &RemoteOptions,
+    mut push: CyclePush<'_>,
+    progress: &dyn Progress,
+) -> Result<(crate::CopySummary, Vec<u8>), CopyError> {
+    let spec = &record.spec;
+    let copy = CopyOptions {
+        chunk_size: ChunkSize::new(spec.chunk_size).map_err(CopyError::from)?,
+        ..Default::default()
+    };
+    let mut remote = remote.clone();
+    remote.relationship = Some(spec.name.clone());
+    remote.epoch = record.epoch;
+    remote.bwlimit = (spec.bwlimit > 0).then_some(spec.bwlimit);
+    match push_cycle(read, peer, &copy, &remote, &push, progress).await {
+        Err(CopyError::Remote {
+            code: RemoteCode::StaleBase,
+            message,
+            ..
+        }) => {
+            tracing::warn!(relationship = %spec.name, "{message}: comparing every chunk");
+            push.base = None;
+            push_cycle(read, peer, &copy, &remote, &push, progress).await
+        }
+        r => r,
+    }
+}
+
+/// A cycle's point in time taken by the controller: a clone of a CSI VolumeSnapshot,
+/// exported on this node, and what changed since the last cycle's snapshot.
+#[derive(Clone, Debug)]
+pub struct SnapshotRead {
+    /// The clone's device.
+    pub path: PathBuf,
+    /// The snapshot's CSI handle.
+    pub snapshot: String,
+    /// When it was taken (Unix ms).
+    pub point_in_time_ms: i64,
+    /// The handle of the snapshot `changed` is counted from.
+    pub base_snapshot: String,
+    /// The byte ranges that changed since `base_snapshot` (None: unknown, compare all).
+    pub changed: Option<Vec<std::ops::Range<u64>>>,
+    /// Where the chunk ids of the last committed cycle are kept between cycles.
+    pub ids_file: PathBuf,
+}
+
+/// Runs one cycle of `record` from the snapshot clone `from`: only the chunks in its
+/// changed ranges are read when the ids kept from the last cycle are of the base
+/// snapshot, else every chunk is compared with the secondary's.
+pub async fn run_from_snapshot(
+    record: &Record,
+    from: &SnapshotRead,
+    remote: &RemoteOptions,
+    last: bool,
+    progress: &dyn Progress,
+) -> Result<CycleRecord, CopyError> {
+    let spec = &record.spec;
+    let peer = crate::remote::locate(&spec.peer, &spec.name, remote).await?;
+    let started_ms = now_ms();
+    let t0 = Instant::now();
+    let chunk = ChunkSize::new(spec.chunk_size).map_err(CopyError::from)?;
+    let size = chunker::BlockVolume::open(&from.path)
+        .map_err(CopyError::from)?
+        .size();
+    // The kept ids count only if they are of the cycle that read the base snapshot.
+    let base = match (&record.last_cycle, &from.changed) {
+        (Some(last), Some(changed)) if last.snapshot == from.base_snapshot => {
+            base::CycleIds::load(&from.ids_file, chunk, size)
+                .filter(|ids| ids.cycle == last.id)
+                .map(|ids| {
+                    let known = crate::remote::KnownChunks::new(ids.kinds, changed.clone(), chunk);
+                    (ids.cycle, ids.root, std::sync::Arc::new(known))
+                })
+        }
+        _ => None,
+    };
+    if base.is_none() {
+        tracing::info!(relationship = %spec.name, snapshot = %from.snapshot, "no changed blocks from the last cycle's snapshot: comparing every chunk");
+    }
+    let cycle = proto::Cycle {
+        id: record.next_cycle(),
+        point_in_time_ms: from.point_in_time_ms,
+        consistency: POINT_IN_TIME.into(),
+        r#final: last,
+        primary: record.this_side.clone(),
+        secondary: peer.to_string(),
+        interval_ms: spec.interval_ms,
+        bwlimit: spec.bwlimit,
+    };
+    let push = CyclePush {
+        cycle: &cycle,
+        base,
+        cvs: None,
+    };
+    let (sum, ids) = ship(record, &from.path, &peer, remote, push, progress).await?;
+    let root = sum.root.clone().unwrap_or_default();
+    // Kept for the next cycle; without them it compares every chunk, nothing worse.
+    let kept = match ChunkId::from_hex(&root) {
+        Some(r) => base::CycleIds::save(&from.ids_file, cycle.id, &r, chunk, size, &ids),
+        None => Err(std::io::Error::other(format!("bad cycle root {root:?}"))),
+    };
+    if let Err(e) = kept {
+        tracing::warn!(relationship = %spec.name, "cannot keep the cycle's chunk ids: {e}; the next cycle compares every chunk");
+    }
+    Ok(CycleRecord {
+        id: cycle.id,
+        point_in_time_ms: from.point_in_time_ms,
+        started_ms,
+        duration_ms: t0.elapsed().as_millis() as u64,
+        bytes_read: sum.source_bytes_read,
+        bytes_shipped: sum.wire_bytes,
+        root,
+        r#final: last,
+        consistency: POINT_IN_TIME.into(),
+        snapshot: from.snapshot.clone(),
     })
 }
 
@@ -272,14 +397,6 @@ pub async fn run(
         interval_ms: spec.interval_ms,
         bwlimit: spec.bwlimit,
     };
-    let copy = CopyOptions {
-        chunk_size: chunk,
-        ..Default::default()
-    };
-    let mut remote = remote.clone();
-    remote.relationship = Some(spec.name.clone());
-    remote.epoch = record.epoch;
-    remote.bwlimit = (spec.bwlimit > 0).then_some(spec.bwlimit);
     let size = chunker::BlockVolume::open(&pit.read)
         .map_err(CopyError::from)?
         .size();
@@ -307,23 +424,12 @@ pub async fn run(
                 None
             }
         });
-    let mut push = CyclePush {
+    let push = CyclePush {
         cycle: &cycle,
         base,
         cvs,
     };
-    let (sum, ids) = match push_cycle(&pit.read, &peer, &copy, &remote, &push, progress).await {
-        Err(CopyError::Remote {
-            code: RemoteCode::StaleBase,
-            message,
-            ..
-        }) => {
-            tracing::warn!(relationship = %spec.name, "{message}: comparing every chunk");
-            push.base = None;
-            push_cycle(&pit.read, &peer, &copy, &remote, &push, progress).await?
-        }
-        r => r?,
-    };
+    let (sum, ids) = ship(record, &pit.read, &peer, remote, push, progress).await?;
     let clone = match pit.clone.take() {
         Some(fresh) => Some(fresh),
         None => pit.caught_up.then(|| pit.read.clone()),
@@ -357,5 +463,6 @@ pub async fn run(
         root: sum.root.unwrap_or_default(),
         r#final: last,
         consistency: pit.consistency.into(),
+        snapshot: String::new(),
     })
 }

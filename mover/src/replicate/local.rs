@@ -134,6 +134,7 @@ fn new_record(run: &LocalRun, name: &str, volume: &str) -> Result<Record, CopyEr
                 None => default_chunk(chunker::BlockVolume::open(&run.src)?.size()).get(),
             },
             peer_token: None,
+            snapshots: false,
             freeze: None,
             require_point_in_time: false,
         },

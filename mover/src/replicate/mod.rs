@@ -131,6 +131,7 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
             peer_token: String::new(),
             peer_ca: String::new(),
             require_point_in_time: r.spec.require_point_in_time,
+            snapshots: r.spec.snapshots,
             peer_token_version: r
                 .spec
                 .peer_token
@@ -170,6 +171,7 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
             })
             .collect(),
         paused: r.paused,
+        last_snapshot: last.map(|c| c.snapshot.clone()).unwrap_or_default(),
     }
 }
 

@@ -102,6 +102,8 @@ enum Command {
     /// Run a cycle now (a final one: then become secondary) and answer with it.
     Cycle {
         last: bool,
+        /// The point in time to read, when the controller took it (a CSI snapshot).
+        from: Option<cycle::SnapshotRead>,
         reply: oneshot::Sender<Result<CycleRecord, String>>,
     },
     /// The record changed: look again.
@@ -211,17 +213,19 @@ impl Runners {
         self.tasks.lock().expect("tasks lock").remove(name);
     }
 
-    /// Runs a cycle of `name` now (`last`: the final one of a demote) and waits for it.
+    /// Runs a cycle of `name` now (`last`: the final one of a demote), reading `from`
+    /// if given, and waits for it.
     pub async fn cycle_now(
         self: &Arc<Self>,
         name: &str,
         last: bool,
+        from: Option<cycle::SnapshotRead>,
     ) -> Result<CycleRecord, String> {
         self.start(name);
         let tx = self.tasks.lock().expect("tasks lock").get(name).cloned();
         let tx = tx.ok_or("the relationship's task is not running")?;
         let (reply, answer) = oneshot::channel();
-        tx.send(Command::Cycle { last, reply })
+        tx.send(Command::Cycle { last, from, reply })
             .await
             .map_err(|_| "the relationship's task stopped")?;
         answer
@@ -236,7 +240,11 @@ impl Runners {
         while let Some(rec) = self.store.get(&name) {
             let interval = Duration::from_millis(rec.spec.interval_ms.max(1));
             let next = last_start.map_or_else(tokio::time::Instant::now, |t| t + interval);
-            let active = rec.role == Role::Primary && !rec.paused && rec.halt.is_none();
+            // A relationship read from CSI snapshots cycles only when handed one.
+            let active = rec.role == Role::Primary
+                && !rec.paused
+                && rec.halt.is_none()
+                && !rec.spec.snapshots;
             let command = if active {
                 tokio::select! {
                     _ = tokio::time::sleep_until(next) => None,
@@ -250,13 +258,13 @@ impl Runners {
             };
             match command {
                 Some(Command::Wake) => continue,
-                Some(Command::Cycle { last, reply }) => {
-                    let r = self.cycle(&name, last).await;
+                Some(Command::Cycle { last, from, reply }) => {
+                    let r = self.cycle(&name, last, from).await;
                     let _ = reply.send(r);
                 }
                 None => {
                     let started = tokio::time::Instant::now();
-                    let _ = self.cycle(&name, false).await;
+                    let _ = self.cycle(&name, false, None).await;
                     last_start = Some(started);
                     let now = tokio::time::Instant::now();
                     if now > started + interval {
@@ -275,8 +283,13 @@ impl Runners {
 
     /// One cycle of `name`; its outcome is recorded in the store and in [`Live`], and
     /// told to subscribers.
-    async fn cycle(&self, name: &str, last: bool) -> Result<CycleRecord, String> {
-        let result = self.run_cycle(name, last).await;
+    async fn cycle(
+        &self,
+        name: &str,
+        last: bool,
+        from: Option<cycle::SnapshotRead>,
+    ) -> Result<CycleRecord, String> {
+        let result = self.run_cycle(name, last, from).await;
         let _ = self.outcomes.send(CycleOutcome {
             relationship: name.into(),
             result: result.clone(),
@@ -284,7 +297,12 @@ impl Runners {
         result.map_err(|f| f.error)
     }
 
-    async fn run_cycle(&self, name: &str, last: bool) -> Result<CycleRecord, CycleFailure> {
+    async fn run_cycle(
+        &self,
+        name: &str,
+        last: bool,
+        from: Option<cycle::SnapshotRead>,
+    ) -> Result<CycleRecord, CycleFailure> {
         let permanent = |error: String| CycleFailure {
             error,
             retryable: false,
@@ -305,6 +323,12 @@ impl Runners {
                  replicate resync {name}` here to make this side its secondary"
             )));
         }
+        if rec.spec.snapshots && from.is_none() {
+            return Err(permanent(format!(
+                "{name:?} reads its points in time from CSI VolumeSnapshots, which the \
+                 controller takes and hands over (CycleFrom): it runs no cycle of its own"
+            )));
+        }
         let export = self
             .exports
             .get(&rec.spec.volume)
@@ -312,7 +336,14 @@ impl Runners {
         let live = self.live(name);
         let progress = live.lock().expect("live lock").progress.clone();
         let remote = super::remote_for(&self.remote, rec.spec.peer_token.as_ref());
-        let run = cycle::run(&rec, &export.path, &remote, last, progress.as_ref());
+        let run = async {
+            match &from {
+                Some(from) => {
+                    cycle::run_from_snapshot(&rec, from, &remote, last, progress.as_ref()).await
+                }
+                None => cycle::run(&rec, &export.path, &remote, last, progress.as_ref()).await,
+            }
+        };
         live.lock().expect("live lock").busy_since = Some(std::time::Instant::now());
         let result = tokio::select! {
             r = run => r,

@@ -39,6 +39,10 @@ pub struct Spec {
     /// Refuse cycles that are not of one point in time (see the control API's Spec).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub require_point_in_time: bool,
+    /// Points in time are CSI VolumeSnapshots handed over by the controller (see the
+    /// control API's Spec): no cycle runs without one.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub snapshots: bool,
 }
 
 /// A relationship's own token for the peer's agent, and the caller's name for it.
@@ -100,6 +104,9 @@ pub struct CycleRecord {
     pub r#final: bool,
     /// "point-in-time", "file-consistent" or "crash-inconsistent".
     pub consistency: String,
+    /// The CSI handle of the VolumeSnapshot it read ("": none).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub snapshot: String,
 }
 
 /// An epoch change: the epoch, and the last cycle both sides held when it began.
