@@ -49,18 +49,13 @@ mod common;
 
 use common::MIB;
 use common::cluster::Cluster;
-use common::csi::{CsiStack, HOSTPATH_BLOCK};
+use common::csi::{CsiStack, CuttingProxy, HOSTPATH_BLOCK};
 use mover::controller::snapshot_metadata::{self, DeltaOf, MetadataError, Retry, Service};
 use rand::{RngCore, SeedableRng, rngs::StdRng};
 use serde_json::{Value, json};
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::{
-    Arc,
-    atomic::{AtomicU32, Ordering},
-};
+use std::sync::atomic::Ordering;
 
 const NS: &str = "default";
 const VOLUME_SIZE: u64 = 64 * MIB;
@@ -366,49 +361,4 @@ subjects:
         !loops.contains(tmp.path().to_str().unwrap()),
         "loop devices left attached: {loops}"
     );
-}
-
-/// A TCP proxy to 127.0.0.1:`to` that closes each of its first `cuts` connections once
-/// `after` bytes came back from the server: a stream cut part way, for real.
-struct CuttingProxy {
-    port: u16,
-    cut: Arc<AtomicU32>,
-}
-
-impl CuttingProxy {
-    fn start(to: u16, cuts: u32, after: usize) -> CuttingProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let cut = Arc::new(AtomicU32::new(0));
-        let counter = cut.clone();
-        std::thread::spawn(move || {
-            for (n, client) in listener.incoming().enumerate() {
-                let Ok(client) = client else { return };
-                let server = TcpStream::connect(("127.0.0.1", to)).unwrap();
-                let limit = (n < cuts as usize).then_some(after);
-                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut &c2, &mut &s2);
-                });
-                let counter = counter.clone();
-                std::thread::spawn(move || {
-                    let mut buf = [0u8; 4096];
-                    let mut sent = 0;
-                    while let Ok(k) = (&server).read(&mut buf) {
-                        if k == 0 || (&client).write_all(&buf[..k]).is_err() {
-                            break;
-                        }
-                        sent += k;
-                        if limit.is_some_and(|l| sent >= l) {
-                            counter.fetch_add(1, Ordering::SeqCst);
-                            break;
-                        }
-                    }
-                    let _ = client.shutdown(Shutdown::Both);
-                    let _ = server.shutdown(Shutdown::Both);
-                });
-            }
-        });
-        CuttingProxy { port, cut }
-    }
 }

@@ -644,6 +644,13 @@ spec:
     /// what an administrator copies between clusters, and nothing else. `consistency`:
     /// the class's parameter (None: the default, point-in-time).
     fn class_to(&self, peer: &Site, consistency: Option<&str>) -> String {
+        let params = consistency.map_or(String::new(), |c| format!("    consistency: {c}\n"));
+        self.class_named("dr", peer, &params)
+    }
+
+    /// A class `name` as [`Site::class_to`] makes, with `params` (YAML lines, indented
+    /// four spaces) added to its parameters.
+    fn class_named(&self, name: &str, peer: &Site, params: &str) -> String {
         let ca = std::fs::read_to_string(peer.agents[0].ca()).unwrap_or_else(|e| {
             panic!(
                 "{}: {e}\n{}",
@@ -653,10 +660,9 @@ spec:
         });
         let token = format!("repl-{}", peer.cluster.name);
         format!(
-            "{}\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: dr\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: 2s\n    target: cluster://127.0.0.1:{}\n{}{SECRET_PARAMS}",
+            "{}\n---\napiVersion: replication.mover/v1alpha1\nkind: VolumeReplicationClass\nmetadata:\n  name: {name}\nspec:\n  provisioner: kubernetes.io/no-provisioner\n  parameters:\n    schedulingInterval: 2s\n    target: cluster://127.0.0.1:{}\n{params}{SECRET_PARAMS}",
             peer_secret(&token, Some(&ca)),
             peer.locator,
-            consistency.map_or(String::new(), |c| format!("    consistency: {c}\n"))
         )
     }
 
@@ -1812,4 +1818,315 @@ fn a_forced_failover_with_the_primary_cluster_gone_then_its_return_and_resync() 
     b.wait("B replicating again", |s| {
         s.condition("Replicating").0 == "True"
     });
+}
+
+// ---------------------------------------------------------------------------------------
+// A CSI volume through VolumeSnapshots.
+
+/// The CSI volume's size.
+const CSI_VOLUME: u64 = 64 * MIB;
+/// The class's chunk size: small, so that what a cycle reads follows the changed blocks.
+const CSI_CHUNK: u64 = 64 << 10;
+
+/// What the kubelet does for the reader pods the controller makes (no kubelet runs
+/// here): publishes each one's clone PV under the kubelet's volumeDevices directory
+/// with the driver's own Node calls, and unpublishes it once the pod is gone. Runs until
+/// `stop`.
+fn emulate_kubelet_for_readers(
+    s: &Site,
+    csi: &common::csi::CsiStack,
+    stop: &std::sync::atomic::AtomicBool,
+) {
+    let mut published: std::collections::BTreeMap<String, PathBuf> = Default::default();
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let out = s.cluster.kubectl(&[
+            "get",
+            "pods",
+            "-n",
+            "app",
+            "-l",
+            "replication.mover/relationship",
+            "-o",
+            "json",
+        ]);
+        let pods: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        let mut seen = std::collections::BTreeSet::new();
+        for pod in pods["items"].as_array().into_iter().flatten() {
+            let uid = pod["metadata"]["uid"].as_str().unwrap_or_default().to_string();
+            seen.insert(uid.clone());
+            if published.contains_key(&uid) || pod["metadata"]["deletionTimestamp"].is_string() {
+                continue;
+            }
+            let claim = &pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"];
+            let pvc = s.get("pvc", "app", claim.as_str().unwrap_or_default());
+            let Some(pv) = pvc["spec"]["volumeName"].as_str().filter(|_| {
+                pvc["status"]["phase"] == "Bound"
+            }) else {
+                continue;
+            };
+            let handle = s.get("pv", "default", pv)["spec"]["csi"]["volumeHandle"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let target = Path::new(KUBELET_CSI).join(format!("volumeDevices/{pv}/dev/{uid}"));
+            csi.emulate_kubelet_publish(&handle, &target);
+            published.insert(uid, target);
+        }
+        let gone: Vec<String> = published
+            .keys()
+            .filter(|u| !seen.contains(*u))
+            .cloned()
+            .collect();
+        for uid in gone {
+            let target = published.remove(&uid).unwrap();
+            csi.emulate_kubelet_unpublish(&target);
+            // The kubelet removes the pod's entry, then the volume's directory.
+            let _ = std::fs::remove_file(&target);
+            let _ = std::fs::remove_dir_all(target.parent().unwrap().parent().unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// What the agent's "cycle committed" lines of relationship `name` say each cycle read,
+/// in order.
+fn cycles_read(agent: &NodeAgent, name: &str) -> Vec<u64> {
+    let log = std::fs::read_to_string(agent.dir.join("agent.log")).unwrap_or_default();
+    log.lines()
+        .filter(|l| l.contains("cycle committed") && l.contains(&format!("relationship={name}")))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix("read="))
+                .and_then(|n| n.parse().ok())
+        })
+        .collect()
+}
+
+#[test]
+fn a_csi_volume_replicates_through_volume_snapshots_reading_only_changed_blocks() {
+    use std::os::unix::fs::FileExt;
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let Some(mut a) = Site::start(t.path(), "a", 10) else {
+        return;
+    };
+    let Some(mut b) = Site::start(t.path(), "b", 20) else {
+        return;
+    };
+    let Some(csi) = common::csi::CsiStack::start(&a.cluster, t.path(), "a-node1") else {
+        return;
+    };
+    a.start_controller("a-controller-1");
+    b.start_controller("b-controller-1");
+
+    // The workload's block PVC on the hostpath driver, in use on a-node1 (its attachment
+    // and the kubelet's publish emulated), holding data.
+    let handle = csi.create_block_pvc("app", "vol", CSI_VOLUME);
+    let pv = a.get("pvc", "app", "vol")["spec"]["volumeName"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    attach(&a, &pv, "a-node1");
+    let workload = Path::new(KUBELET_CSI).join(format!("volumeDevices/{pv}/dev/workload"));
+    let dev_path = csi.emulate_kubelet_publish(&handle, &workload);
+    let dev = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&dev_path)
+        .unwrap();
+    {
+        use rand::{RngCore, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(39);
+        let mut buf = vec![0u8; (8 * MIB) as usize];
+        for at in [0, 8 * MIB, 40 * MIB] {
+            rng.fill_bytes(&mut buf);
+            dev.write_all_at(&buf, at).unwrap();
+        }
+        dev.sync_all().unwrap();
+    }
+    let scribble = |seed: u64, pages: u64, within: std::ops::Range<u64>| {
+        let n = scribble_pages(&dev_path, seed, pages, within);
+        dev.sync_all().unwrap();
+        n
+    };
+
+    // The DR side: a PV of the same name (as RamenDR restores it) on b-node1.
+    let replica = b.agents[0].dir.join("vol.img");
+    make_image(&replica, CSI_VOLUME, 0, &[]);
+    b.cluster.apply(&format!(
+        "apiVersion: v1\nkind: PersistentVolume\nmetadata:\n  name: {pv}\nspec:\n  capacity:\n    storage: 64Mi\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: local\n  persistentVolumeReclaimPolicy: Retain\n  local:\n    path: {}\n  nodeAffinity:\n    required:\n      nodeSelectorTerms:\n      - matchExpressions:\n        - key: kubernetes.io/hostname\n          operator: In\n          values: [b-node1]\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: vol\n  namespace: app\nspec:\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: local\n  volumeName: {pv}\n  resources:\n    requests:\n      storage: 64Mi\n",
+        replica.display()
+    ));
+    b.wait("the DR PVC bound", |s| {
+        s.get("pvc", "app", "vol")["status"]["phase"] == "Bound"
+    });
+    b.cluster
+        .apply(&b.class_to(&a, Some("crash-inconsistent")));
+    b.cluster.apply(&vr_yaml("vol", "secondary", "dr", Some("vol")));
+    b.wait("the secondary marked Secondary", |s| {
+        s.get("vr", "app", "vol")["status"]["state"] == "Secondary"
+    });
+
+    // The class asks for a point in time (the default) and names the VolumeSnapshotClass.
+    a.cluster.apply(&a.class_named(
+        "csi-dr",
+        &b,
+        &format!(
+            "    volumeSnapshotClassName: {}\n    chunkSize: \"{CSI_CHUNK}\"\n",
+            common::csi::SNAPSHOT_CLASS
+        ),
+    ));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| emulate_kubelet_for_readers(&a, &csi, &stop));
+        let finish = || stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _finish = Defer(Some(finish));
+        a.cluster.apply(&vr_yaml("vol", "primary", "csi-dr", Some("vol")));
+        let vr = |s: &Site| s.get("vr", "app", "vol");
+        let in_sync = |what: &str| {
+            let want = blake3_of(&dev_path, CSI_VOLUME);
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while blake3_of(&replica, CSI_VOLUME) != want {
+                assert!(
+                    Instant::now() < deadline,
+                    "{what}: the replica never equalled the volume\nVR: {}\nagent: {:?}\ncontroller:\n{}\nCSI:\n{}",
+                    vr(&a)["status"],
+                    a.agents[0].relationship_named("app/vol", a.port),
+                    controller_log(&a.controllers[0]),
+                    csi.logs()
+                );
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        };
+        in_sync("the first cycle");
+        a.wait("the VR Promoted, synced, point-in-time", |s| {
+            let v = vr(s);
+            v["status"]["lastSyncTime"].is_string()
+                && v["status"]["lastSyncConsistency"] == "point-in-time"
+        });
+        let point_in_time = vr(&a)["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "PointInTime")
+            .cloned()
+            .unwrap();
+        assert_eq!(point_in_time["status"], "True", "{point_in_time}");
+        let reads = cycles_read(&a.agents[0], "app/vol");
+        assert!(
+            reads[0] >= 24 * MIB,
+            "the first cycle compares the whole volume: {reads:?}"
+        );
+
+        // 40 pages in 4 MiB: the cycles after read only chunks that SnapshotMetadata
+        // names, at most the 64 chunks of that window.
+        let before = cycles_read(&a.agents[0], "app/vol").len();
+        scribble(11, 40, 8 * MIB..12 * MIB);
+        in_sync("40 pages written");
+        let after: Vec<u64> = cycles_read(&a.agents[0], "app/vol")[before..].to_vec();
+        let read: u64 = after.iter().sum();
+        assert!(
+            read > 0 && read <= 4 * MIB,
+            "cycles after 40 pages in 4 MiB read {after:?}"
+        );
+        let log = controller_log(&a.controllers[0]);
+        assert!(
+            log.contains("changed blocks from SnapshotMetadata"),
+            "{log}"
+        );
+
+        // The sidecar's streams cut twice part way: resumed, the same replica.
+        let proxy = common::csi::CuttingProxy::start(csi.metadata_port, 2, 8000);
+        let set_address = |port: u16| {
+            a.cluster.kubectl_ok(&[
+                "patch",
+                "snapshotmetadataservice",
+                common::csi::DRIVER,
+                "--type=merge",
+                "-p",
+                &json!({"spec": {"address": format!("127.0.0.1:{port}")}}).to_string(),
+            ]);
+        };
+        set_address(proxy.port);
+        let before = cycles_read(&a.agents[0], "app/vol").len();
+        let pages = scribble(12, 1500, 32 * MIB..48 * MIB);
+        in_sync("1500 pages written through a cutting proxy");
+        let after: Vec<u64> = cycles_read(&a.agents[0], "app/vol")[before..].to_vec();
+        assert_eq!(
+            proxy.cut.load(std::sync::atomic::Ordering::SeqCst),
+            2,
+            "the streams were cut"
+        );
+        assert!(
+            after.iter().sum::<u64>() <= 16 * MIB,
+            "{pages} pages in 16 MiB: cycles read {after:?}"
+        );
+        let log = controller_log(&a.controllers[0]);
+        assert!(
+            log.lines()
+                .any(|l| l.contains("changed blocks from SnapshotMetadata")
+                    && !l.contains("calls=1")),
+            "a delta took more than one call:\n{log}"
+        );
+
+        // The service down: each cycle compares the whole volume, still exact.
+        set_address(common::agent::free_port());
+        let before = cycles_read(&a.agents[0], "app/vol").len();
+        scribble(13, 40, 50 * MIB..52 * MIB);
+        in_sync("40 pages written with the SnapshotMetadata service down");
+        let after: Vec<u64> = cycles_read(&a.agents[0], "app/vol")[before..].to_vec();
+        assert!(
+            after.iter().any(|&r| r == CSI_VOLUME),
+            "a full comparison: {after:?}"
+        );
+        assert!(
+            controller_log(&a.controllers[0]).contains("is unavailable after"),
+            "the controller says why"
+        );
+        set_address(csi.metadata_port);
+
+        // The DR side says what it holds.
+        b.wait("the secondary's consistency", |s| {
+            vr(s)["status"]["lastSyncConsistency"] == "point-in-time"
+        });
+        // At most the base and the next cycle's snapshot exist at any time.
+        let snapshots = a.cluster.kubectl_ok(&["get", "volumesnapshots", "-n", "app", "-o", "name"]);
+        assert!(snapshots.lines().count() <= 2, "{snapshots}");
+
+        // Deleting the VR deletes its snapshots, clones and readers.
+        a.cluster
+            .kubectl_ok(&["delete", "vr", "-n", "app", "vol", "--wait=true"]);
+        a.wait("the snapshots, clones and readers deleted", |s| {
+            let names = |kind: &str| {
+                s.cluster
+                    .kubectl_ok(&["get", kind, "-n", "app", "-o", "name"])
+                    .lines()
+                    .count()
+            };
+            names("volumesnapshots") == 0
+                && names("pods") == 0
+                && names("pvc") == 1
+        });
+    });
+    drop(dev);
+    let denied: Vec<_> = a
+        .cluster
+        .audit(CONTROLLER_USER)
+        .iter()
+        .filter(|e| e["responseStatus"]["code"] == 403)
+        .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
+        .collect();
+    assert!(denied.is_empty(), "forbidden: {denied:#?}");
+    drop(csi);
+    let _ = std::fs::remove_dir_all(Path::new(KUBELET_CSI).join(format!("volumeDevices/{pv}")));
+}
+
+/// Runs its closure when dropped (a scoped thread's stop flag, also on a panic).
+struct Defer<F: FnOnce()>(Option<F>);
+
+impl<F: FnOnce()> Drop for Defer<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
 }

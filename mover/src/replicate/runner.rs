@@ -382,7 +382,7 @@ impl Runners {
                         }
                     })
                     .map_err(|e| permanent(e.to_string()))?;
-                tracing::info!(relationship = %name, cycle = c.id, shipped = c.bytes_shipped, ms = c.duration_ms, "cycle committed");
+                tracing::info!(relationship = %name, cycle = c.id, read = c.bytes_read, shipped = c.bytes_shipped, ms = c.duration_ms, "cycle committed");
                 Ok(c)
             }
             Err(e) => {

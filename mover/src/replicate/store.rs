@@ -307,6 +307,7 @@ pub(crate) mod tests {
                 freeze: None,
                 require_point_in_time: false,
                 peer_token: None,
+                snapshots: false,
             },
             role: Role::Primary,
             epoch: 1,

@@ -17,10 +17,14 @@
 use super::agent::free_port;
 use super::cluster::Cluster;
 use std::{
-    io::Write,
+    io::{Read, Write},
+    net::{Shutdown, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
-    sync::Mutex,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, Ordering::SeqCst},
+    },
     time::{Duration, Instant},
 };
 
@@ -511,10 +515,26 @@ spec:
         device_of(target_path)
     }
 
+    /// What a kubelet does when the pod using a volume published at `target_path` is
+    /// gone: NodeUnpublishVolume and NodeUnstageVolume (failures ignored, as on drop).
+    pub fn emulate_kubelet_unpublish(&self, target_path: &Path) {
+        let mut published = self.published.lock().unwrap();
+        let (gone, kept) = std::mem::take(&mut *published)
+            .into_iter()
+            .partition(|p| p.target == target_path);
+        *published = kept;
+        drop(published);
+        self.unpublish(gone);
+    }
+
     /// NodeUnpublishVolume and NodeUnstageVolume of what was published, newest first;
     /// failures are ignored (drop).
     fn unpublish_all(&self) {
         let published = std::mem::take(&mut *self.published.lock().unwrap());
+        self.unpublish(published);
+    }
+
+    fn unpublish(&self, published: Vec<Published>) {
         let call = |method: &str, request: serde_json::Value| {
             let _ = self.csi_output(method, &request);
         };
@@ -576,5 +596,57 @@ impl Drop for CsiStack {
                 }
             }
         }
+    }
+}
+
+/// A TCP proxy to 127.0.0.1:`to` that cuts connections once `after` bytes came back
+/// from the server, until it has cut `cuts` of them: a stream cut part way, for real.
+pub struct CuttingProxy {
+    /// Where it listens (127.0.0.1).
+    pub port: u16,
+    /// Connections cut so far.
+    pub cut: Arc<AtomicU32>,
+}
+
+impl CuttingProxy {
+    /// Starts it in the background (its threads end with the process).
+    pub fn start(to: u16, cuts: u32, after: usize) -> CuttingProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cut = Arc::new(AtomicU32::new(0));
+        let counter = cut.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", to)) else {
+                    continue;
+                };
+                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut &c2, &mut &s2);
+                });
+                let counter = counter.clone();
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 4096];
+                    let mut sent = 0;
+                    while let Ok(k) = (&server).read(&mut buf) {
+                        if k == 0 || (&client).write_all(&buf[..k]).is_err() {
+                            break;
+                        }
+                        sent += k;
+                        if sent >= after
+                            && counter
+                                .fetch_update(SeqCst, SeqCst, |n| (n < cuts).then_some(n + 1))
+                                .is_ok()
+                        {
+                            break;
+                        }
+                    }
+                    let _ = client.shutdown(Shutdown::Both);
+                    let _ = server.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        CuttingProxy { port, cut }
     }
 }
