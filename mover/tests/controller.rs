@@ -225,6 +225,19 @@ impl Agents for FakeAgents {
             s.last_snapshot = req.snapshot.clone();
         })
     }
+    async fn freeze(
+        &self,
+        agent: &str,
+        name: &str,
+        max: std::time::Duration,
+    ) -> Result<control::FreezeResponse, AgentError> {
+        self.record(format!("freeze {agent} {name} {}ms", max.as_millis()));
+        Ok(control::FreezeResponse::default())
+    }
+    async fn thaw(&self, agent: &str, name: &str) -> Result<control::FreezeResponse, AgentError> {
+        self.record(format!("thaw {agent} {name}"));
+        Ok(control::FreezeResponse::default())
+    }
     async fn delete(&self, agent: &str, name: &str) -> Result<(), AgentError> {
         self.record(format!("delete {agent} {name}"));
         self.relationships

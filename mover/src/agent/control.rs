@@ -18,6 +18,19 @@ use std::{path::Path, sync::Arc};
 use tonic::{Request, Response, Status};
 use transport::control::{self, replication_server::Replication};
 
+/// Thaws what `held` froze and removes its record; an error if the watchdog had
+/// thawed any of it first.
+fn thaw_all(held: Freeze) -> std::io::Result<()> {
+    let mut result = Ok(());
+    for g in held.guards {
+        if let Err(e) = g.thaw() {
+            result = Err(e);
+        }
+    }
+    let _ = std::fs::remove_file(&held.record);
+    result
+}
+
 /// The Replication service of one agent.
 pub struct Control {
     pub(super) service: Arc<AgentService>,
@@ -30,6 +43,37 @@ pub struct Control {
     pub(super) remote: RemoteOptions,
     /// Scheduled snapshots: an export one of them takes is in use.
     pub(super) schedules: Arc<crate::schedule::Schedules>,
+    /// File systems frozen by Freeze, by relationship, until Thaw.
+    pub(super) frozen: std::sync::Mutex<std::collections::HashMap<String, Freeze>>,
+}
+
+/// What Freeze holds for a relationship.
+pub(super) struct Freeze {
+    guards: Vec<crate::node::freeze::Frozen>,
+    mounts: Vec<std::path::PathBuf>,
+    since: std::time::Instant,
+    max: std::time::Duration,
+    /// Lists the mounts while they may be frozen: an agent killed meanwhile thaws them
+    /// when it starts again (the kernel does not).
+    record: std::path::PathBuf,
+}
+
+/// The directory of the records of file systems frozen by Freeze.
+fn frozen_dir(state_dir: &Path) -> std::path::PathBuf {
+    state_dir.join("frozen")
+}
+
+/// The mounts a killed agent may have left frozen (their records removed): the agent
+/// thaws them at start.
+pub(super) fn left_frozen(state_dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut mounts = Vec::new();
+    for e in std::fs::read_dir(frozen_dir(state_dir)).into_iter().flatten().flatten() {
+        if let Ok(text) = std::fs::read_to_string(e.path()) {
+            mounts.extend(text.lines().filter(|l| !l.is_empty()).map(std::path::PathBuf::from));
+        }
+        let _ = std::fs::remove_file(e.path());
+    }
+    mounts
 }
 
 impl Control {
@@ -688,6 +732,105 @@ impl Replication for Control {
                 self.demoted(&q.name, last).await?;
             }
             self.reply(&q.name)
+        })
+        .await
+    }
+
+    async fn freeze(
+        &self,
+        req: Request<control::FreezeRequest>,
+    ) -> Result<Response<control::FreezeResponse>, Status> {
+        super::control_only(&req, "freeze")?;
+        answer(async {
+            let q = req.into_inner();
+            let r = self.record(&q.name)?;
+            let max = std::time::Duration::from_millis(q.max_ms.clamp(1, 60_000));
+            // An earlier freeze not thawed (its caller gone): thawed first.
+            if let Some(old) = self.frozen.lock().expect("frozen lock").remove(&q.name) {
+                let _ = thaw_all(old);
+            }
+            let mounts = match &r.spec.freeze {
+                Some(m) => vec![m.clone()],
+                None => {
+                    let export = self.service.export(&r.spec.volume)?;
+                    crate::node::freeze::mounts_of(&export.path).map_err(internal)?
+                }
+            };
+            let dir = frozen_dir(self.service.state_dir());
+            std::fs::create_dir_all(&dir).map_err(internal)?;
+            let h = blake3::hash(q.name.as_bytes()).to_hex();
+            let record = dir.join(&h[..32]);
+            let text: String = mounts.iter().map(|m| format!("{}\n", m.display())).collect();
+            crate::node::write_durably(&record, text.as_bytes()).map_err(internal)?;
+            let since = std::time::Instant::now();
+            let mut guards = Vec::new();
+            for m in &mounts {
+                match crate::node::freeze::freeze(m, max) {
+                    Ok(g) => guards.push(g),
+                    Err(e) => {
+                        drop(guards);
+                        let _ = std::fs::remove_file(&record);
+                        return Err(ServiceError::FailedPrecondition(format!(
+                            "cannot freeze {} (mounted from the volume of {:?}): {e}",
+                            m.display(),
+                            q.name
+                        )));
+                    }
+                }
+            }
+            tracing::info!(relationship = %q.name, mounts = ?mounts, max_ms = max.as_millis() as u64, "frozen for a point in time");
+            let answer = control::FreezeResponse {
+                mounts: mounts.iter().map(|m| m.display().to_string()).collect(),
+                held_ms: 0,
+            };
+            let held = Freeze {
+                guards,
+                mounts,
+                since,
+                max,
+                record,
+            };
+            self.frozen
+                .lock()
+                .expect("frozen lock")
+                .insert(q.name, held);
+            Ok(answer)
+        })
+        .await
+    }
+
+    async fn thaw(
+        &self,
+        req: Request<control::NameRequest>,
+    ) -> Result<Response<control::FreezeResponse>, Status> {
+        super::control_only(&req, "thaw")?;
+        answer(async {
+            let name = req.into_inner().name;
+            let Some(held) = self.frozen.lock().expect("frozen lock").remove(&name) else {
+                return Ok(control::FreezeResponse::default());
+            };
+            let (mounts, max) = (held.mounts.clone(), held.max);
+            let held_ms = held.since.elapsed().as_millis() as u64;
+            let answer = control::FreezeResponse {
+                mounts: mounts.iter().map(|m| m.display().to_string()).collect(),
+                held_ms,
+            };
+            match thaw_all(held) {
+                Ok(()) => {
+                    tracing::info!(relationship = %name, held_ms, "thawed");
+                    Ok(answer)
+                }
+                Err(e) => Err(ServiceError::FailedPrecondition(format!(
+                    "the freeze of {} outlasted its bound of {} ms ({e}): the watchdog \
+                     thawed it, so what was taken meanwhile is not of a frozen file system",
+                    mounts
+                        .iter()
+                        .map(|m| m.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    max.as_millis()
+                ))),
+            }
         })
         .await
     }

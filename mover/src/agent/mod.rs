@@ -135,7 +135,14 @@ pub async fn serve(
     // An agent killed while a file system was frozen for a cycle's clone left it frozen
     // (the kernel does not thaw it when the process dies): thaw those of its
     // relationships before anything else, or their applications stay blocked.
-    for m in store.all().iter().filter_map(|r| r.spec.freeze.as_ref()) {
+    let left_frozen = control::left_frozen(&config.state_dir);
+    for m in store
+        .all()
+        .iter()
+        .filter_map(|r| r.spec.freeze.clone())
+        .chain(left_frozen)
+    {
+        let m = &m;
         match crate::node::freeze::thaw(m) {
             Ok(()) => tracing::debug!(mount = %m.display(), "thawed (if it was frozen)"),
             Err(e) => tracing::warn!(mount = %m.display(), "cannot thaw: {e}"),
@@ -162,6 +169,7 @@ pub async fn serve(
         tls_name: tls.as_ref().and_then(|_| config.node_name()),
         remote,
         schedules: schedules.clone(),
+        frozen: Default::default(),
     };
     let server = TransferServer::from_arc(service)
         .max_decoding_message_size(MAX_MESSAGE)

@@ -80,6 +80,17 @@ pub trait Agents: Send + Sync {
         agent: &str,
         req: control::CycleFromRequest,
     ) -> Result<control::Status, AgentError>;
+    /// Freezes the file systems mounted from the relationship's volume on `agent`'s
+    /// node for at most `max` (its watchdog thaws them then).
+    async fn freeze(
+        &self,
+        agent: &str,
+        name: &str,
+        max: std::time::Duration,
+    ) -> Result<control::FreezeResponse, AgentError>;
+    /// Thaws what [`Agents::freeze`] froze; FailedPrecondition if the watchdog had
+    /// thawed it first.
+    async fn thaw(&self, agent: &str, name: &str) -> Result<control::FreezeResponse, AgentError>;
     /// Forgets the relationship on `agent` (the volume stays); absent is fine.
     async fn delete(&self, agent: &str, name: &str) -> Result<(), AgentError>;
     /// Makes `agent` serve `path` (on its node) as the export `volume`, to the
@@ -329,6 +340,30 @@ impl Agents for GrpcAgents {
         let name = req.name.clone();
         self.call(agent, "cycle", &name, |mut c: ControlClient| async move {
             c.cycle_from(req).await
+        })
+        .await
+    }
+
+    async fn freeze(
+        &self,
+        agent: &str,
+        name: &str,
+        max: std::time::Duration,
+    ) -> Result<control::FreezeResponse, AgentError> {
+        let req = control::FreezeRequest {
+            name: name.into(),
+            max_ms: max.as_millis() as u64,
+        };
+        self.call(agent, "freeze", name, |mut c: ControlClient| async move {
+            c.freeze(req).await
+        })
+        .await
+    }
+
+    async fn thaw(&self, agent: &str, name: &str) -> Result<control::FreezeResponse, AgentError> {
+        let req = control::NameRequest { name: name.into() };
+        self.call(agent, "thaw", name, |mut c: ControlClient| async move {
+            c.thaw(req).await
         })
         .await
     }

@@ -174,7 +174,7 @@ pub async fn remove_all(client: &kube::Client, ns: &str, name: &str) -> Result<(
     Ok(())
 }
 
-/// The relationship's snapshots, oldest first.
+/// The relationship's snapshots not being deleted, oldest first.
 async fn snapshots(
     client: &kube::Client,
     ns: &str,
@@ -192,6 +192,8 @@ async fn snapshots(
             )
         })?
         .items;
+    // One being deleted (its finalizers not yet removed) is gone already.
+    list.retain(|s| s.metadata.deletion_timestamp.is_none());
     list.sort_by_key(|s| (created_ms(s), s.name_any()));
     Ok(list)
 }
@@ -247,7 +249,7 @@ async fn run_step(
         .map(|(_, p)| p);
     if let Some(p) = pending.filter(|p| last && p.annotations().get(FINAL).is_none()) {
         remove_snapshot(client, ns, &p.name_any()).await?;
-        let name = take(client, d, src, last).await?;
+        let name = take(ctx, d, src, last).await?;
         return Ok(Step::Waiting(format!("VolumeSnapshot {ns}/{name} taken for the final cycle")));
     }
     let Some(pending) = pending else {
@@ -256,7 +258,7 @@ async fn run_step(
         if due_in > 0 && !last {
             return Ok(Step::Idle(Duration::from_millis(due_in as u64)));
         }
-        let name = take(client, d, src, last).await?;
+        let name = take(ctx, d, src, last).await?;
         return Ok(Step::Waiting(format!("VolumeSnapshot {ns}/{name} taken")));
     };
     let name = pending.name_any();
@@ -338,9 +340,74 @@ async fn run_step(
     Ok(Step::Ran(status))
 }
 
-/// Takes a VolumeSnapshot of the PVC (`last`: for a demote's final cycle); returns its
-/// name.
-async fn take(
+/// Takes a VolumeSnapshot of the PVC (`last`: for a demote's final cycle), with the
+/// file systems mounted from it on its node frozen until the driver has cut it; returns
+/// its name. A snapshot not cut within the class's freeze timeout is deleted: the
+/// watchdog thawed the file systems before it was taken.
+async fn take(ctx: &Context, d: &Desired, src: &Source, last: bool) -> Result<String, String> {
+    let bound = d.params.freeze_timeout;
+    let frozen = ctx
+        .agents
+        .freeze(&d.agent, &d.name, bound)
+        .await
+        .map_err(|e| e.to_string())?;
+    let created = create(&ctx.client, d, src, last).await;
+    let cut = match &created {
+        Ok(name) if !frozen.mounts.is_empty() => {
+            wait_cut(&ctx.client, &src.namespace, name, bound).await
+        }
+        _ => Ok(()),
+    };
+    let thawed = match frozen.mounts.is_empty() {
+        true => Ok(()),
+        false => ctx.agents.thaw(&d.agent, &d.name).await.map(|t| {
+            tracing::info!(relationship = %d.name, mounts = ?t.mounts, held_ms = t.held_ms, "VolumeSnapshot cut while frozen");
+        }),
+    };
+    let name = created?;
+    if let Err(e) = thawed.map_err(|e| e.message).and(cut) {
+        remove_snapshot(&ctx.client, &src.namespace, &name).await?;
+        return Err(format!(
+            "VolumeSnapshot {}/{name} was not cut while {} stayed frozen (freezeTimeout {}ms): \
+             {e}; it is deleted and the next cycle tries again (raise the class's \
+             freezeTimeout if the driver is slow to cut snapshots)",
+            src.namespace,
+            frozen.mounts.join(", "),
+            bound.as_millis()
+        ));
+    }
+    Ok(name)
+}
+
+/// Waits until the driver has cut snapshot `name` (its `status.creationTime` is set),
+/// for at most `bound`.
+async fn wait_cut(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    bound: Duration,
+) -> Result<(), String> {
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), ns, &resource("VolumeSnapshot"));
+    let deadline = tokio::time::Instant::now() + bound;
+    loop {
+        let s = api.get_opt(name).await.map_err(|e| e.to_string())?;
+        let status = s.as_ref().map(|s| &s.data["status"]);
+        if status.is_some_and(|st| st["creationTime"].is_string()) {
+            return Ok(());
+        }
+        if let Some(e) = status.and_then(|st| st["error"]["message"].as_str()) {
+            return Err(format!("the driver failed it: {e}"));
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err("not cut in time".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Creates the VolumeSnapshot of the PVC; returns its name.
+async fn create(
     client: &kube::Client,
     d: &Desired,
     src: &Source,

@@ -33,6 +33,12 @@ pub const PARAM_CONSISTENCY: &str = "consistency";
 /// cycle, and only the blocks the driver's SnapshotMetadata service names as changed
 /// are read (see `controller::csi_snapshots`).
 pub const PARAM_SNAPSHOT_CLASS: &str = "volumeSnapshotClassName";
+/// Class parameter: how long the file systems on the volume may stay frozen while a
+/// VolumeSnapshot is cut ("10s", the default): past it the agent's watchdog thaws them
+/// and the cycle fails.
+pub const PARAM_FREEZE_TIMEOUT: &str = "freezeTimeout";
+/// The default of [`PARAM_FREEZE_TIMEOUT`].
+pub const DEFAULT_FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Class parameters of repository targets: how many snapshots retention keeps, per rule
 /// (as `mover snapshot forget --keep-*`).
 pub const PARAM_KEEP: [&str; 5] = [
@@ -92,6 +98,8 @@ pub struct ClassParams {
     pub require_point_in_time: bool,
     /// The VolumeSnapshotClass of each cycle's point in time ([`PARAM_SNAPSHOT_CLASS`]).
     pub snapshot_class: Option<String>,
+    /// The bound of a freeze around a snapshot ([`PARAM_FREEZE_TIMEOUT`]).
+    pub freeze_timeout: Duration,
 }
 
 /// Where a class sends a volume.
@@ -257,6 +265,22 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
             ),
         ));
     }
+    let freeze_timeout = match p.get(PARAM_FREEZE_TIMEOUT) {
+        None => DEFAULT_FREEZE_TIMEOUT,
+        Some(s) => crate::node::parse_duration(s)
+            .ok()
+            .filter(|d| !d.is_zero() && *d <= Duration::from_secs(60))
+            .ok_or_else(|| {
+                invalid(
+                    what,
+                    format!(
+                        "VolumeReplicationClass {name}: {PARAM_FREEZE_TIMEOUT} {s:?}: give a \
+                         duration up to 60s (\"10s\", \"500ms\"): applications block while \
+                         frozen"
+                    ),
+                )
+            })?,
+    };
     Ok(ClassParams {
         interval,
         target,
@@ -265,6 +289,7 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
         secret,
         require_point_in_time,
         snapshot_class,
+        freeze_timeout,
     })
 }
 
@@ -849,6 +874,7 @@ pub(crate) mod tests {
                     secret: None,
                     require_point_in_time: true,
                     snapshot_class: None,
+                    freeze_timeout: DEFAULT_FREEZE_TIMEOUT,
                 },
                 state: ReplicationState::Primary,
                 auto_resync: false,
@@ -857,6 +883,55 @@ pub(crate) mod tests {
                 snapshots: None,
             }
         );
+    }
+
+    #[test]
+    fn a_snapshot_class_reads_csi_block_volumes_and_says_why_not_others() {
+        let c = class(&[
+            ("target", "agent://dr.example:7070"),
+            (PARAM_SNAPSHOT_CLASS, "csi-rbd-snap"),
+        ]);
+        let agents = [agent_pod("node-c", "10.0.0.3")];
+        let vas = [attachment("node-c", true)];
+        let (claim, pv) = (pvc(true), csi_pv());
+        let mut input = inputs(Some(&c), Some(&claim), Some(&pv), &agents);
+        input.attachments = &vas;
+        let d = desired(&vr(ReplicationState::Primary), &input).unwrap();
+        assert_eq!(
+            d.snapshots,
+            Some(crate::controller::csi_snapshots::Source {
+                class: "csi-rbd-snap".into(),
+                driver: "rbd.csi.ceph.com".into(),
+                namespace: "app".into(),
+                pvc: "data".into(),
+                storage_class: None,
+            })
+        );
+        // A local PV has no CSI snapshots; a file system is not read as a device.
+        let local = local_pv();
+        let e = desired(
+            &vr(ReplicationState::Primary),
+            &inputs(Some(&c), Some(&claim), Some(&local), &agents),
+        )
+        .unwrap_err();
+        assert!(
+            e.detail.contains("is not a CSI volume of volumeMode Block"),
+            "{e}"
+        );
+        let mut fs_claim = claim.clone();
+        fs_claim.spec.as_mut().unwrap().volume_mode = Some("Filesystem".into());
+        let mut input = inputs(Some(&c), Some(&fs_claim), Some(&pv), &agents);
+        input.attachments = &vas;
+        assert!(desired(&vr(ReplicationState::Primary), &input).is_err());
+        // Not for repository targets yet.
+        let repo = class(&[
+            ("target", "/srv/repo"),
+            (PARAM_SNAPSHOT_CLASS, "csi-rbd-snap"),
+            (PARAM_SECRET_NAME, "s"),
+            (PARAM_SECRET_NAMESPACE, "n"),
+        ]);
+        let e = class_params(&repo).unwrap_err();
+        assert!(e.detail.contains("do not read CSI snapshots yet"), "{e}");
     }
 
     #[test]

@@ -51,6 +51,48 @@ pub fn check_freeze(mount: &Path, source: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// Where the file systems on the block device `device` are mounted (this process's
+/// mount namespace: the node's, for the agent), from /proc/self/mountinfo. Empty for a
+/// device not mounted, or a path that is not a block device.
+pub fn mounts_of(device: &Path) -> io::Result<Vec<PathBuf>> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let meta = std::fs::metadata(device)?;
+    if !meta.file_type().is_block_device() {
+        return Ok(Vec::new());
+    }
+    let rdev = meta.rdev();
+    let want = format!("{}:{}", rustix::fs::major(rdev), rustix::fs::minor(rdev));
+    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
+    Ok(info
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            (f.get(2) == Some(&want.as_str())).then(|| f.get(4).map(|m| unescape(m)))?
+        })
+        .collect())
+}
+
+/// A mountinfo path: spaces, tabs, newlines and backslashes are octal escapes there.
+fn unescape(s: &str) -> PathBuf {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b.get(i + 1..i + 4).filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match (b[i], octal) {
+            (b'\\', Some(d)) => {
+                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(out))
+}
+
 /// `FIFREEZE`: `_IOWR('X', 119, int)`.
 const FIFREEZE: u32 = 0xC004_5877;
 /// `FITHAW`: `_IOWR('X', 120, int)`.
