@@ -1823,83 +1823,276 @@ fn a_forced_failover_with_the_primary_cluster_gone_then_its_return_and_resync() 
 // ---------------------------------------------------------------------------------------
 // A CSI volume through VolumeSnapshots.
 
-/// The CSI volume's size.
-const CSI_VOLUME: u64 = 64 * MIB;
 /// The class's chunk size: small, so that what a cycle reads follows the changed blocks.
 const CSI_CHUNK: u64 = 64 << 10;
 
 /// What the kubelet does for the reader pods the controller makes (no kubelet runs
 /// here): publishes each one's clone PV under the kubelet's volumeDevices directory
-/// with the driver's own Node calls, and unpublishes it once the pod is gone. Runs until
-/// `stop`.
-fn emulate_kubelet_for_readers(
-    s: &Site,
-    csi: &common::csi::CsiStack,
-    stop: &std::sync::atomic::AtomicBool,
-) {
-    let mut published: std::collections::BTreeMap<String, PathBuf> = Default::default();
-    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-        let out = s.cluster.kubectl(&[
-            "get",
-            "pods",
-            "-n",
-            "app",
-            "-l",
-            "replication.mover/relationship",
-            "-o",
-            "json",
-        ]);
-        let pods: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        let mut seen = std::collections::BTreeSet::new();
-        for pod in pods["items"].as_array().into_iter().flatten() {
-            let uid = pod["metadata"]["uid"].as_str().unwrap_or_default().to_string();
-            seen.insert(uid.clone());
-            if published.contains_key(&uid) || pod["metadata"]["deletionTimestamp"].is_string() {
-                continue;
+/// with the driver's own Node calls, and unpublishes it once the pod is gone. Stopped
+/// on drop.
+struct ReaderKubelet {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ReaderKubelet {
+    fn start(cluster: &Cluster, csi: std::sync::Arc<common::csi::CsiStack>) -> ReaderKubelet {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (bin, kubeconfig) = (cluster.bin.clone(), cluster.kubeconfig.clone());
+        let flag = stop.clone();
+        let get = move |args: &[&str]| -> Value {
+            let out = common::cluster::run_kubectl(&bin, &kubeconfig, args, None);
+            serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+        };
+        let thread = std::thread::spawn(move || {
+            let mut published: std::collections::BTreeMap<String, PathBuf> = Default::default();
+            while !flag.load(std::sync::atomic::Ordering::SeqCst) {
+                let pods = get(&[
+                    "get",
+                    "pods",
+                    "-n",
+                    "app",
+                    "-l",
+                    "replication.mover/relationship",
+                    "-o",
+                    "json",
+                ]);
+                let mut seen = std::collections::BTreeSet::new();
+                for pod in pods["items"].as_array().into_iter().flatten() {
+                    let uid = pod["metadata"]["uid"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string();
+                    seen.insert(uid.clone());
+                    if published.contains_key(&uid)
+                        || pod["metadata"]["deletionTimestamp"].is_string()
+                    {
+                        continue;
+                    }
+                    let claim = &pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"];
+                    let pvc = get(&[
+                        "get",
+                        "pvc",
+                        "-n",
+                        "app",
+                        claim.as_str().unwrap_or_default(),
+                        "-o",
+                        "json",
+                    ]);
+                    let Some(pv) = pvc["spec"]["volumeName"]
+                        .as_str()
+                        .filter(|_| pvc["status"]["phase"] == "Bound")
+                    else {
+                        continue;
+                    };
+                    let handle =
+                        get(&["get", "pv", pv, "-o", "json"])["spec"]["csi"]["volumeHandle"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_string();
+                    let target =
+                        Path::new(KUBELET_CSI).join(format!("volumeDevices/{pv}/dev/{uid}"));
+                    csi.emulate_kubelet_publish(&handle, &target);
+                    published.insert(uid, target);
+                }
+                let gone: Vec<String> = published
+                    .keys()
+                    .filter(|u| !seen.contains(*u))
+                    .cloned()
+                    .collect();
+                for uid in gone {
+                    let target = published.remove(&uid).unwrap();
+                    csi.emulate_kubelet_unpublish(&target);
+                    // The kubelet removes the pod's entry, then the volume's directory.
+                    let _ = std::fs::remove_file(&target);
+                    let _ = std::fs::remove_dir_all(target.parent().unwrap().parent().unwrap());
+                }
+                std::thread::sleep(Duration::from_millis(200));
             }
-            let claim = &pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"];
-            let pvc = s.get("pvc", "app", claim.as_str().unwrap_or_default());
-            let Some(pv) = pvc["spec"]["volumeName"].as_str().filter(|_| {
-                pvc["status"]["phase"] == "Bound"
-            }) else {
-                continue;
-            };
-            let handle = s.get("pv", "default", pv)["spec"]["csi"]["volumeHandle"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string();
-            let target = Path::new(KUBELET_CSI).join(format!("volumeDevices/{pv}/dev/{uid}"));
-            csi.emulate_kubelet_publish(&handle, &target);
-            published.insert(uid, target);
+        });
+        ReaderKubelet {
+            stop,
+            thread: Some(thread),
         }
-        let gone: Vec<String> = published
-            .keys()
-            .filter(|u| !seen.contains(*u))
-            .cloned()
-            .collect();
-        for uid in gone {
-            let target = published.remove(&uid).unwrap();
-            csi.emulate_kubelet_unpublish(&target);
-            // The kubelet removes the pod's entry, then the volume's directory.
-            let _ = std::fs::remove_file(&target);
-            let _ = std::fs::remove_dir_all(target.parent().unwrap().parent().unwrap());
-        }
-        std::thread::sleep(Duration::from_millis(200));
     }
 }
 
-/// What the agent's "cycle committed" lines of relationship `name` say each cycle read,
-/// in order.
-fn cycles_read(agent: &NodeAgent, name: &str) -> Vec<u64> {
-    let log = std::fs::read_to_string(agent.dir.join("agent.log")).unwrap_or_default();
-    log.lines()
-        .filter(|l| l.contains("cycle committed") && l.contains(&format!("relationship={name}")))
-        .filter_map(|l| {
-            l.split_whitespace()
-                .find_map(|w| w.strip_prefix("read="))
-                .and_then(|n| n.parse().ok())
+impl Drop for ReaderKubelet {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Removes the kubelet's volume directories the CSI tests made on this node (after the
+/// stack unpublished what was in them).
+struct KubeletDirs;
+
+impl Drop for KubeletDirs {
+    fn drop(&mut self) {
+        let devices = Path::new(KUBELET_CSI).join("volumeDevices");
+        for e in std::fs::read_dir(&devices).into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().starts_with("pvc-") {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}
+
+/// Cluster A with the hostpath CSI stack, its block PVC `app/vol` in use on a-node1 (the
+/// attachment and the kubelet's publish emulated), replicated through VolumeSnapshots
+/// (class `csi-dr`, with `params` too) to cluster B, where a local PV of the same name
+/// holds the replica. Fields drop in order: the reader kubelet, the stack, the kubelet's
+/// directories, the clusters.
+struct CsiPair {
+    _readers: ReaderKubelet,
+    csi: std::sync::Arc<common::csi::CsiStack>,
+    _dirs: KubeletDirs,
+    a: Site,
+    b: Site,
+    /// The workload's device (a loop device the driver attached).
+    dev: PathBuf,
+    /// B's image holding the replica.
+    replica: PathBuf,
+    size: u64,
+}
+
+impl CsiPair {
+    /// The pair, before either VolumeReplication exists (`None`: the control plane or
+    /// the CSI stack is not built).
+    fn start(dir: &Path, size: u64) -> Option<CsiPair> {
+        let mut a = Site::start(dir, "a", 10)?;
+        let mut b = Site::start(dir, "b", 20)?;
+        let dirs = KubeletDirs;
+        let csi = std::sync::Arc::new(common::csi::CsiStack::start(&a.cluster, dir, "a-node1")?);
+        a.start_controller("a-controller-1");
+        b.start_controller("b-controller-1");
+        let handle = csi.create_block_pvc("app", "vol", size);
+        let pv = a.get("pvc", "app", "vol")["spec"]["volumeName"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        attach(&a, &pv, "a-node1");
+        let workload = Path::new(KUBELET_CSI).join(format!("volumeDevices/{pv}/dev/workload"));
+        let dev = csi.emulate_kubelet_publish(&handle, &workload);
+        // The DR side: a PV of the same name (as RamenDR restores it) on b-node1.
+        let replica = b.agents[0].dir.join("vol.img");
+        make_image(&replica, size, 0, &[]);
+        b.cluster.apply(&format!(
+            "apiVersion: v1\nkind: PersistentVolume\nmetadata:\n  name: {pv}\nspec:\n  capacity:\n    storage: \"{size}\"\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: local\n  persistentVolumeReclaimPolicy: Retain\n  local:\n    path: {}\n  nodeAffinity:\n    required:\n      nodeSelectorTerms:\n      - matchExpressions:\n        - key: kubernetes.io/hostname\n          operator: In\n          values: [b-node1]\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: vol\n  namespace: app\nspec:\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: local\n  volumeName: {pv}\n  resources:\n    requests:\n      storage: \"{size}\"\n",
+            replica.display()
+        ));
+        b.wait("the DR PVC bound", |s| {
+            s.get("pvc", "app", "vol")["status"]["phase"] == "Bound"
+        });
+        let readers = ReaderKubelet::start(&a.cluster, csi.clone());
+        Some(CsiPair {
+            _readers: readers,
+            csi,
+            _dirs: dirs,
+            a,
+            b,
+            dev,
+            replica,
+            size,
         })
-        .collect()
+    }
+
+    /// Creates both VolumeReplications: B's secondary, then A's primary through
+    /// VolumeSnapshots (point-in-time required, the default), `params` added to A's class.
+    fn replicate(&self, params: &str) {
+        let (a, b) = (&self.a, &self.b);
+        b.cluster.apply(&b.class_to(a, Some("crash-inconsistent")));
+        b.cluster
+            .apply(&vr_yaml("vol", "secondary", "dr", Some("vol")));
+        b.wait("the secondary marked Secondary", |s| {
+            s.get("vr", "app", "vol")["status"]["state"] == "Secondary"
+        });
+        a.cluster.apply(&a.class_named(
+            "csi-dr",
+            b,
+            &format!(
+                "    volumeSnapshotClassName: {}\n{params}",
+                common::csi::SNAPSHOT_CLASS
+            ),
+        ));
+        a.cluster
+            .apply(&vr_yaml("vol", "primary", "csi-dr", Some("vol")));
+    }
+
+    fn vr(s: &Site) -> Value {
+        s.get("vr", "app", "vol")
+    }
+
+    /// Waits until B's replica equals A's volume as it is now.
+    fn in_sync(&self, what: &str) {
+        let want = blake3_of(&self.dev, self.size);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while blake3_of(&self.replica, self.size) != want {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: the replica never equalled the volume\nVR: {}\nagent: {:?}\ncontroller:\n{}\nCSI:\n{}",
+                Self::vr(&self.a)["status"],
+                self.a.agents[0].relationship_named("app/vol", self.a.port),
+                controller_log(&self.a.controllers[0]),
+                self.csi.logs()
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// What each cycle of `app/vol` read, in order (the agent's "cycle committed" lines).
+    fn cycles_read(&self) -> Vec<u64> {
+        let log =
+            std::fs::read_to_string(self.a.agents[0].dir.join("agent.log")).unwrap_or_default();
+        log.lines()
+            .filter(|l| l.contains("cycle committed") && l.contains("relationship=app/vol"))
+            .filter_map(|l| {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix("read="))
+                    .and_then(|n| n.parse().ok())
+            })
+            .collect()
+    }
+
+    /// Writes `pages` random pages within `within` of the volume, durably.
+    fn scribble(&self, seed: u64, pages: u64, within: std::ops::Range<u64>) -> u64 {
+        let n = scribble_pages(&self.dev, seed, pages, within);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.dev)
+            .unwrap()
+            .sync_all()
+            .unwrap();
+        n
+    }
+
+    /// Points the driver's SnapshotMetadataService at 127.0.0.1:`port`.
+    fn metadata_at(&self, port: u16) {
+        self.a.cluster.kubectl_ok(&[
+            "patch",
+            "snapshotmetadataservice",
+            common::csi::DRIVER,
+            "--type=merge",
+            "-p",
+            &json!({"spec": {"address": format!("127.0.0.1:{port}")}}).to_string(),
+        ]);
+    }
+
+    /// No request of A's controller was forbidden (the audit log).
+    fn assert_nothing_forbidden(&self) {
+        let denied: Vec<_> = self
+            .a
+            .cluster
+            .audit(CONTROLLER_USER)
+            .iter()
+            .filter(|e| e["responseStatus"]["code"] == 403)
+            .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
+            .collect();
+        assert!(denied.is_empty(), "forbidden: {denied:#?}");
+    }
 }
 
 #[test]
@@ -1907,44 +2100,16 @@ fn a_csi_volume_replicates_through_volume_snapshots_reading_only_changed_blocks(
     use std::os::unix::fs::FileExt;
     let _one = serial();
     let t = tempfile::tempdir().unwrap();
-    let Some(mut a) = Site::start(t.path(), "a", 10) else {
+    let Some(p) = CsiPair::start(t.path(), 64 * MIB) else {
         return;
     };
-    let Some(mut b) = Site::start(t.path(), "b", 20) else {
-        return;
-    };
-    // The kubelet's directories this test makes on the node, removed however it ends
-    // (after the stack, dropped before this, unpublished what is in them).
-    let devices = Path::new(KUBELET_CSI).join("volumeDevices");
-    let _kubelet_dirs = Defer(Some(|| {
-        for e in std::fs::read_dir(&devices).into_iter().flatten().flatten() {
-            if e.file_name().to_string_lossy().starts_with("pvc-") {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-    }));
-    let Some(csi) = common::csi::CsiStack::start(&a.cluster, t.path(), "a-node1") else {
-        return;
-    };
-    a.start_controller("a-controller-1");
-    b.start_controller("b-controller-1");
-
-    // The workload's block PVC on the hostpath driver, in use on a-node1 (its attachment
-    // and the kubelet's publish emulated), holding data.
-    let handle = csi.create_block_pvc("app", "vol", CSI_VOLUME);
-    let pv = a.get("pvc", "app", "vol")["spec"]["volumeName"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    attach(&a, &pv, "a-node1");
-    let workload = Path::new(KUBELET_CSI).join(format!("volumeDevices/{pv}/dev/workload"));
-    let dev_path = csi.emulate_kubelet_publish(&handle, &workload);
-    let dev = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&dev_path)
-        .unwrap();
+    let (a, b) = (&p.a, &p.b);
     {
         use rand::{RngCore, SeedableRng};
+        let dev = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p.dev)
+            .unwrap();
         let mut rng = rand::rngs::StdRng::seed_from_u64(39);
         let mut buf = vec![0u8; (8 * MIB) as usize];
         for at in [0, 8 * MIB, 40 * MIB] {
@@ -1953,199 +2118,121 @@ fn a_csi_volume_replicates_through_volume_snapshots_reading_only_changed_blocks(
         }
         dev.sync_all().unwrap();
     }
-    let scribble = |seed: u64, pages: u64, within: std::ops::Range<u64>| {
-        let n = scribble_pages(&dev_path, seed, pages, within);
-        dev.sync_all().unwrap();
-        n
-    };
-
-    // The DR side: a PV of the same name (as RamenDR restores it) on b-node1.
-    let replica = b.agents[0].dir.join("vol.img");
-    make_image(&replica, CSI_VOLUME, 0, &[]);
-    b.cluster.apply(&format!(
-        "apiVersion: v1\nkind: PersistentVolume\nmetadata:\n  name: {pv}\nspec:\n  capacity:\n    storage: 64Mi\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: local\n  persistentVolumeReclaimPolicy: Retain\n  local:\n    path: {}\n  nodeAffinity:\n    required:\n      nodeSelectorTerms:\n      - matchExpressions:\n        - key: kubernetes.io/hostname\n          operator: In\n          values: [b-node1]\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: vol\n  namespace: app\nspec:\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: local\n  volumeName: {pv}\n  resources:\n    requests:\n      storage: 64Mi\n",
-        replica.display()
-    ));
-    b.wait("the DR PVC bound", |s| {
-        s.get("pvc", "app", "vol")["status"]["phase"] == "Bound"
+    p.replicate(&format!("    chunkSize: \"{CSI_CHUNK}\"\n"));
+    p.in_sync("the first cycle");
+    a.wait("the VR synced, point-in-time", |s| {
+        let v = CsiPair::vr(s);
+        v["status"]["lastSyncTime"].is_string()
+            && v["status"]["lastSyncConsistency"] == "point-in-time"
     });
-    b.cluster
-        .apply(&b.class_to(&a, Some("crash-inconsistent")));
-    b.cluster.apply(&vr_yaml("vol", "secondary", "dr", Some("vol")));
-    b.wait("the secondary marked Secondary", |s| {
-        s.get("vr", "app", "vol")["status"]["state"] == "Secondary"
+    assert_eq!(a.condition("PointInTime").0, "True");
+    let reads = p.cycles_read();
+    assert!(
+        reads[0] >= 24 * MIB,
+        "the first cycle compares the whole volume: {reads:?}"
+    );
+
+    // 40 pages in 4 MiB: the cycles after read only chunks that SnapshotMetadata
+    // names, at most the 64 chunks of that window.
+    let before = p.cycles_read().len();
+    p.scribble(11, 40, 8 * MIB..12 * MIB);
+    p.in_sync("40 pages written");
+    let after = p.cycles_read()[before..].to_vec();
+    let read: u64 = after.iter().sum();
+    assert!(
+        read > 0 && read <= 4 * MIB,
+        "cycles after 40 pages in 4 MiB read {after:?}"
+    );
+    let log = controller_log(&a.controllers[0]);
+    assert!(
+        log.contains("changed blocks from SnapshotMetadata"),
+        "{log}"
+    );
+
+    // The sidecar's streams cut twice part way: resumed, the same replica.
+    let proxy = common::csi::CuttingProxy::start(p.csi.metadata_port, 2, 8000);
+    p.metadata_at(proxy.port);
+    let before = p.cycles_read().len();
+    let pages = p.scribble(12, 1500, 32 * MIB..48 * MIB);
+    p.in_sync("1500 pages written through a cutting proxy");
+    let after = p.cycles_read()[before..].to_vec();
+    assert_eq!(
+        proxy.cut.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "the streams were cut"
+    );
+    assert!(
+        after.iter().sum::<u64>() <= 16 * MIB,
+        "{pages} pages in 16 MiB: cycles read {after:?}"
+    );
+    let log = controller_log(&a.controllers[0]);
+    assert!(
+        log.lines()
+            .any(|l| l.contains("changed blocks from SnapshotMetadata") && !l.contains("calls=1")),
+        "a delta took more than one call:\n{log}"
+    );
+
+    // The service down: each cycle compares the whole volume, still exact.
+    p.metadata_at(common::agent::free_port());
+    let before = p.cycles_read().len();
+    p.scribble(13, 40, 50 * MIB..52 * MIB);
+    p.in_sync("40 pages written with the SnapshotMetadata service down");
+    let after = p.cycles_read()[before..].to_vec();
+    assert!(after.contains(&p.size), "a full comparison: {after:?}");
+    assert!(
+        controller_log(&a.controllers[0]).contains("is unavailable after"),
+        "the controller says why"
+    );
+    p.metadata_at(p.csi.metadata_port);
+
+    // The DR side says what it holds.
+    b.wait("the secondary's consistency", |s| {
+        CsiPair::vr(s)["status"]["lastSyncConsistency"] == "point-in-time"
     });
-
-    // The class asks for a point in time (the default) and names the VolumeSnapshotClass.
-    a.cluster.apply(&a.class_named(
-        "csi-dr",
-        &b,
-        &format!(
-            "    volumeSnapshotClassName: {}\n    chunkSize: \"{CSI_CHUNK}\"\n",
-            common::csi::SNAPSHOT_CLASS
-        ),
-    ));
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        scope.spawn(|| emulate_kubelet_for_readers(&a, &csi, &stop));
-        let finish = || stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        let _finish = Defer(Some(finish));
-        a.cluster.apply(&vr_yaml("vol", "primary", "csi-dr", Some("vol")));
-        let vr = |s: &Site| s.get("vr", "app", "vol");
-        let in_sync = |what: &str| {
-            let want = blake3_of(&dev_path, CSI_VOLUME);
-            let deadline = Instant::now() + Duration::from_secs(120);
-            while blake3_of(&replica, CSI_VOLUME) != want {
-                assert!(
-                    Instant::now() < deadline,
-                    "{what}: the replica never equalled the volume\nVR: {}\nagent: {:?}\ncontroller:\n{}\nCSI:\n{}",
-                    vr(&a)["status"],
-                    a.agents[0].relationship_named("app/vol", a.port),
-                    controller_log(&a.controllers[0]),
-                    csi.logs()
-                );
-                std::thread::sleep(Duration::from_millis(250));
-            }
-        };
-        in_sync("the first cycle");
-        a.wait("the VR Promoted, synced, point-in-time", |s| {
-            let v = vr(s);
-            v["status"]["lastSyncTime"].is_string()
-                && v["status"]["lastSyncConsistency"] == "point-in-time"
-        });
-        let point_in_time = vr(&a)["status"]["conditions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["type"] == "PointInTime")
-            .cloned()
-            .unwrap();
-        assert_eq!(point_in_time["status"], "True", "{point_in_time}");
-        let reads = cycles_read(&a.agents[0], "app/vol");
-        assert!(
-            reads[0] >= 24 * MIB,
-            "the first cycle compares the whole volume: {reads:?}"
-        );
-
-        // 40 pages in 4 MiB: the cycles after read only chunks that SnapshotMetadata
-        // names, at most the 64 chunks of that window.
-        let before = cycles_read(&a.agents[0], "app/vol").len();
-        scribble(11, 40, 8 * MIB..12 * MIB);
-        in_sync("40 pages written");
-        let after: Vec<u64> = cycles_read(&a.agents[0], "app/vol")[before..].to_vec();
-        let read: u64 = after.iter().sum();
-        assert!(
-            read > 0 && read <= 4 * MIB,
-            "cycles after 40 pages in 4 MiB read {after:?}"
-        );
-        let log = controller_log(&a.controllers[0]);
-        assert!(
-            log.contains("changed blocks from SnapshotMetadata"),
-            "{log}"
-        );
-
-        // The sidecar's streams cut twice part way: resumed, the same replica.
-        let proxy = common::csi::CuttingProxy::start(csi.metadata_port, 2, 8000);
-        let set_address = |port: u16| {
-            a.cluster.kubectl_ok(&[
-                "patch",
-                "snapshotmetadataservice",
-                common::csi::DRIVER,
-                "--type=merge",
-                "-p",
-                &json!({"spec": {"address": format!("127.0.0.1:{port}")}}).to_string(),
-            ]);
-        };
-        set_address(proxy.port);
-        let before = cycles_read(&a.agents[0], "app/vol").len();
-        let pages = scribble(12, 1500, 32 * MIB..48 * MIB);
-        in_sync("1500 pages written through a cutting proxy");
-        let after: Vec<u64> = cycles_read(&a.agents[0], "app/vol")[before..].to_vec();
-        assert_eq!(
-            proxy.cut.load(std::sync::atomic::Ordering::SeqCst),
-            2,
-            "the streams were cut"
-        );
-        assert!(
-            after.iter().sum::<u64>() <= 16 * MIB,
-            "{pages} pages in 16 MiB: cycles read {after:?}"
-        );
-        let log = controller_log(&a.controllers[0]);
-        assert!(
-            log.lines()
-                .any(|l| l.contains("changed blocks from SnapshotMetadata")
-                    && !l.contains("calls=1")),
-            "a delta took more than one call:\n{log}"
-        );
-
-        // The service down: each cycle compares the whole volume, still exact.
-        set_address(common::agent::free_port());
-        let before = cycles_read(&a.agents[0], "app/vol").len();
-        scribble(13, 40, 50 * MIB..52 * MIB);
-        in_sync("40 pages written with the SnapshotMetadata service down");
-        let after: Vec<u64> = cycles_read(&a.agents[0], "app/vol")[before..].to_vec();
-        assert!(
-            after.iter().any(|&r| r == CSI_VOLUME),
-            "a full comparison: {after:?}"
-        );
-        assert!(
-            controller_log(&a.controllers[0]).contains("is unavailable after"),
-            "the controller says why"
-        );
-        set_address(csi.metadata_port);
-
-        // The DR side says what it holds.
-        b.wait("the secondary's consistency", |s| {
-            vr(s)["status"]["lastSyncConsistency"] == "point-in-time"
-        });
-        // At most the base and the next cycle's snapshot are kept (older ones may still
-        // be on their way out).
-        let snapshots: Value = serde_json::from_str(&a.cluster.kubectl_ok(&[
-            "get",
-            "volumesnapshots",
-            "-n",
-            "app",
-            "-o",
-            "json",
-        ]))
-        .unwrap();
-        let kept: Vec<_> = snapshots["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|s| s["metadata"]["deletionTimestamp"].is_null())
-            .map(|s| s["metadata"]["name"].clone())
-            .collect();
-        assert!(kept.len() <= 2, "{kept:?}");
-
-        // Deleting the VR deletes its snapshots, clones and readers.
-        a.cluster
-            .kubectl_ok(&["delete", "vr", "-n", "app", "vol", "--wait=true"]);
-        a.wait("the snapshots, clones and readers deleted", |s| {
-            let names = |kind: &str| {
-                s.cluster
-                    .kubectl_ok(&["get", kind, "-n", "app", "-o", "name"])
-                    .lines()
-                    .count()
-            };
-            // The workload's PVC and the site's own `data` stay.
-            names("volumesnapshots") == 0
-                && names("pods") == 0
-                && names("pvc") == 2
-        });
-    });
-    drop(dev);
-    let denied: Vec<_> = a
-        .cluster
-        .audit(CONTROLLER_USER)
+    // At most the base and the next cycle's snapshot are kept (older ones may still be
+    // on their way out).
+    let snapshots: Value = serde_json::from_str(&a.cluster.kubectl_ok(&[
+        "get",
+        "volumesnapshots",
+        "-n",
+        "app",
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    let kept: Vec<_> = snapshots["items"]
+        .as_array()
+        .unwrap()
         .iter()
-        .filter(|e| e["responseStatus"]["code"] == 403)
-        .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
+        .filter(|s| s["metadata"]["deletionTimestamp"].is_null())
+        .map(|s| s["metadata"]["name"].clone())
         .collect();
-    assert!(denied.is_empty(), "forbidden: {denied:#?}");
+    assert!(kept.len() <= 2, "{kept:?}");
+
+    // Deleting the VR deletes its snapshots, clones and readers.
+    a.cluster
+        .kubectl_ok(&["delete", "vr", "-n", "app", "vol", "--wait=true"]);
+    a.wait("the snapshots, clones and readers deleted", |s| {
+        let names = |kind: &str| {
+            s.cluster
+                .kubectl_ok(&["get", kind, "-n", "app", "-o", "name"])
+                .lines()
+                .count()
+        };
+        // The workload's PVC and the site's own `data` stay.
+        names("volumesnapshots") == 0 && names("pods") == 0 && names("pvc") == 2
+    });
+    p.assert_nothing_forbidden();
 }
 
-/// Runs its closure when dropped (a scoped thread's stop flag, also on a panic).
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// Runs its closure when dropped (also on a panic).
 struct Defer<F: FnOnce()>(Option<F>);
 
 impl<F: FnOnce()> Drop for Defer<F> {
@@ -2154,4 +2241,214 @@ impl<F: FnOnce()> Drop for Defer<F> {
             f();
         }
     }
+}
+
+#[test]
+fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapshots() {
+    use common::pg::{PG_BIN, Postgres, Running, chown_postgres, failure, run_ok};
+    use std::os::unix::fs::PermissionsExt;
+    /// pgbench scale: 100000 accounts (15 MiB with their index) per unit.
+    const SCALE: u64 = 5;
+    /// How long pgbench writes while cycles run every 2 s.
+    const LOAD: Duration = Duration::from_secs(16);
+    let _one = serial();
+    if !Path::new(PG_BIN).join("initdb").exists() {
+        return common::skip_unless_ci(&format!(
+            "PostgreSQL 15 is not installed in {PG_BIN} (.ci/run installs it)"
+        ));
+    }
+    let t = tempfile::tempdir().unwrap();
+    let Some(p) = CsiPair::start(t.path(), 512 * MIB) else {
+        return;
+    };
+    let (a, b) = (&p.a, &p.b);
+    run_ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&p.dev));
+    // Mount points and run directories postgres may enter.
+    let dirs = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dirs.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (run_a, run_b) = (dirs.path().join("run-a"), dirs.path().join("run-b"));
+    for d in [&run_a, &run_b] {
+        std::fs::create_dir(d).unwrap();
+        chown_postgres(d);
+    }
+    // The workload's file system on its device, as its pod would mount it.
+    let mnt = common::Mount::new(&p.dev, &dirs.path().join("mnt-a"));
+    let mnt_dir = mnt.dir.clone();
+    let _thawed = Defer(Some(|| {
+        let _ = Command::new("fsfreeze")
+            .arg("--unfreeze")
+            .arg(&mnt_dir)
+            .output();
+    }));
+    let mut pg_a = Postgres::init(mnt.dir.join("pgdata"), run_a);
+    pg_a.start();
+    run_ok(
+        pg_a.cmd("pgbench")
+            .args(["-i", "-q", "-s", &SCALE.to_string()]),
+    );
+    p.replicate("    freezeTimeout: 10s\n");
+    a.wait("the first cycle", |s| {
+        CsiPair::vr(s)["status"]["lastSyncTime"].is_string()
+    });
+
+    // The load, with a cycle every 2 s: each a VolumeSnapshot cut with ext4 frozen.
+    let load_from = now_ms();
+    let out = std::fs::File::create(pg_a.run.join("pgbench")).unwrap();
+    let mut pgbench = Running(
+        pg_a.cmd("pgbench")
+            .args([
+                "-n",
+                "-c",
+                "4",
+                "-j",
+                "2",
+                "-T",
+                &LOAD.as_secs().to_string(),
+            ])
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap(),
+    );
+    let mut cycles = Vec::<Value>::new();
+    let ended = loop {
+        if let Some(st) = pgbench.0.try_wait().unwrap() {
+            break st;
+        }
+        if let Ok(s) = a.agents[0].relationship_named("app/vol", a.port) {
+            let s: Value = serde_json::from_str(&s).unwrap();
+            let c = &s["last_cycle"];
+            if !c.is_null() && cycles.last().is_none_or(|l| l["id"] != c["id"]) {
+                assert_eq!(s["consistency"], "point-in-time", "{s}");
+                cycles.push(c.clone());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    let load_to = now_ms();
+    assert!(
+        ended.success(),
+        "pgbench: {ended}\n{}",
+        std::fs::read_to_string(pg_a.run.join("pgbench")).unwrap_or_default()
+    );
+    let under_load: Vec<_> = cycles
+        .iter()
+        .filter(|c| (load_from..load_to).contains(&c["point_in_time_ms"].as_i64().unwrap_or(0)))
+        .collect();
+    for c in &cycles {
+        eprintln!(
+            "cycle {}: at +{} ms, {} ms, {} bytes read, {} shipped",
+            c["id"],
+            c["point_in_time_ms"].as_i64().unwrap_or(0) - load_from,
+            c["duration_ms"],
+            c["bytes_read"],
+            c["bytes_shipped"]
+        );
+    }
+    assert!(
+        under_load.len() >= 3,
+        "cycles every 2 s while pgbench ran {} s: {cycles:?}",
+        LOAD.as_secs()
+    );
+    // Each snapshot was cut with the workload's ext4 frozen, briefly.
+    let log = controller_log(&a.controllers[0]);
+    let mut held: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains("VolumeSnapshot cut while frozen"))
+        .inspect(|l| assert!(l.contains(mnt.dir.to_str().unwrap()), "{l}"))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix("held_ms="))
+                .and_then(|n| n.parse().ok())
+        })
+        .collect();
+    held.sort_unstable();
+    assert!(held.len() >= under_load.len(), "{held:?}\n{log}");
+    let p99 = held[(held.len() * 99).div_ceil(100) - 1];
+    eprintln!(
+        "freezes: {}, median {} ms, p99 {p99} ms, max {} ms",
+        held.len(),
+        held[held.len() / 2],
+        held[held.len() - 1]
+    );
+    assert!(p99 < 10_000, "within the bound: {held:?}");
+
+    // A freeze that outlasts its bound: thawed by the agent's watchdog, the snapshot
+    // deleted, the cycle failed and said so; the database never stays blocked.
+    a.cluster
+        .kubectl_ok(&["delete", "volumereplicationclass", "csi-dr", "--wait"]);
+    a.cluster.apply(&a.class_named(
+        "csi-dr",
+        b,
+        &format!(
+            "    volumeSnapshotClassName: {}\n    freezeTimeout: 1ms\n",
+            common::csi::SNAPSHOT_CLASS
+        ),
+    ));
+    a.wait("a cycle failed for a freeze past its bound", |s| {
+        s.condition_of("Degraded")["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("freezeTimeout 1ms") && m.contains("watchdog"))
+    });
+    run_ok(pg_a.cmd("pgbench").args(["-n", "-t", "20"]));
+    a.cluster
+        .kubectl_ok(&["delete", "volumereplicationclass", "csi-dr", "--wait"]);
+    a.cluster.apply(&a.class_named(
+        "csi-dr",
+        b,
+        &format!(
+            "    volumeSnapshotClassName: {}\n    freezeTimeout: 10s\n",
+            common::csi::SNAPSHOT_CLASS
+        ),
+    ));
+    a.wait("cycles again", |s| s.condition("Degraded").0 == "False");
+
+    // Disaster recovery: B promoted by force from its last applied cycle.
+    let written = pg_a.count("select count(*) from pgbench_history");
+    b.cluster
+        .apply(&vr_yaml("vol", "primary", "dr", Some("vol")));
+    b.wait("B promoted", |s| {
+        CsiPair::vr(s)["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|c| c["type"] == "Completed" && c["reason"] == "Promoted" && c["status"] == "True")
+    });
+    assert!(pg_a.stop(rustix::process::Signal::QUIT).is_some());
+    let fsck = Command::new("e2fsck")
+        .arg("-fn")
+        .arg(&p.replica)
+        .output()
+        .unwrap();
+    assert!(
+        fsck.status.success(),
+        "e2fsck -fn of the promoted replica: {}",
+        failure(&fsck)
+    );
+    // Frozen around each snapshot: the journal was flushed, nothing to replay.
+    let sb = run_ok(Command::new("dumpe2fs").arg("-h").arg(&p.replica));
+    assert!(
+        !sb.lines()
+            .any(|l| l.starts_with("Filesystem features:") && l.contains("needs_recovery")),
+        "{sb}"
+    );
+    let dev_b = common::LoopDevice::attach(&p.replica);
+    let mnt_b = common::Mount::new(&dev_b.path, &dirs.path().join("mnt-b"));
+    let mut pg_b = Postgres::existing(mnt_b.dir.join("pgdata"), run_b);
+    pg_b.start();
+    assert_eq!(
+        pg_b.count("select count(*) from pgbench_accounts"),
+        SCALE as i64 * 100_000
+    );
+    let history = pg_b.count("select count(*) from pgbench_history");
+    assert!(
+        0 < history && history <= written,
+        "{history} transactions on the replica, {written} on the primary"
+    );
+    common::pg::assert_transactions_whole(&pg_b);
+    eprintln!("{history} of {written} transactions on the replica, all whole");
+    drop(pg_b);
+    drop(mnt_b);
+    drop(dev_b);
+    p.assert_nothing_forbidden();
 }

@@ -9,6 +9,7 @@
 
 mod common;
 
+use common::pg::{PG_BIN, Postgres, Running, chown_postgres, failure, run_ok};
 use common::{agent::*, *};
 use rustix::process::Signal;
 use std::{
@@ -19,7 +20,6 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
 /// pgbench scale: 100000 accounts (15 MiB with their index) per unit.
 const SCALE: u64 = 5;
 /// How long pgbench writes while the relationship replicates.
@@ -27,164 +27,11 @@ const LOAD: Duration = Duration::from_secs(16);
 /// Completed cycles whose point in time falls inside the load, at least.
 const CYCLES_UNDER_LOAD: usize = 4;
 
-fn run_ok(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(out.status.success(), "{cmd:?}: {}", failure(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn failure(out: &Output) -> String {
-    format!(
-        "{}\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
 fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .unwrap()
         .as_millis() as i64
-}
-
-/// A PostgreSQL cluster in `data`, run as the `postgres` user (the server refuses root)
-/// with its socket and log in `run`, a directory of this node's own. The postmaster is
-/// this test's child, not pg_ctl's: stopped, it is also reaped, so the pid in the
-/// copy's postmaster.pid names no process (pg_ctl stop returns once the pid file is
-/// gone, a moment before the process, and an orphan waits for init to reap it).
-/// Stopped (immediate) on drop.
-struct Postgres {
-    data: PathBuf,
-    run: PathBuf,
-    server: Option<Child>,
-}
-
-impl Postgres {
-    /// A PostgreSQL 15 program run as `postgres`, talking to this cluster.
-    fn cmd(&self, program: &str) -> Command {
-        let mut c = Command::new("setpriv");
-        c.args([
-            "--reuid=postgres",
-            "--regid=postgres",
-            "--init-groups",
-            "--",
-        ])
-        .arg(Path::new(PG_BIN).join(program))
-        // The test's own directories are root's: postgres may not enter them.
-        .current_dir(&self.run)
-        .env("HOME", &self.run)
-        .env("PGHOST", &self.run)
-        .env("PGDATABASE", "postgres")
-        .env("PGUSER", "postgres")
-        .env("LC_ALL", "C");
-        c
-    }
-
-    /// A new cluster in `data`.
-    fn init(data: PathBuf, run: PathBuf) -> Postgres {
-        std::fs::create_dir_all(&data).unwrap();
-        chown_postgres(&data);
-        let pg = Postgres::existing(data, run);
-        run_ok(
-            pg.cmd("initdb")
-                .args(["--no-locale", "-E", "UTF8", "-A", "trust", "-U", "postgres"])
-                .arg("-D")
-                .arg(&pg.data),
-        );
-        // In the data directory, so the secondary's copy runs with them too. A small
-        // max_wal_size: checkpoints (and WAL recycling) happen during the load.
-        let conf = pg.data.join("postgresql.conf");
-        let mut text = std::fs::read_to_string(&conf).unwrap();
-        text += "listen_addresses = ''\nmax_wal_size = '64MB'\nmin_wal_size = '32MB'\n";
-        std::fs::write(&conf, text).unwrap();
-        pg
-    }
-
-    /// A cluster in `data` as it is (a copy on another node).
-    fn existing(data: PathBuf, run: PathBuf) -> Postgres {
-        Postgres {
-            data,
-            run,
-            server: None,
-        }
-    }
-
-    /// Starts the postmaster and waits until it accepts connections.
-    fn start(&mut self) {
-        let log = std::fs::File::create(self.run.join("log")).unwrap();
-        let server = self
-            .cmd("postgres")
-            .arg("-D")
-            .arg(&self.data)
-            .arg("-k")
-            .arg(&self.run)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.server = Some(server);
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Some(st) = self.server.as_mut().unwrap().try_wait().unwrap() {
-                panic!(
-                    "PostgreSQL on {} exited ({st}):\n{}",
-                    self.data.display(),
-                    self.log()
-                );
-            }
-            if self.cmd("pg_isready").arg("-q").status().unwrap().success() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "PostgreSQL on {} not ready:\n{}",
-                self.data.display(),
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// Stops the postmaster with `signal` (QUIT: immediate, INT: fast) and reaps it;
-    /// whether it exited 0, or `None` if it was not running.
-    fn stop(&mut self, signal: Signal) -> Option<bool> {
-        let mut server = self.server.take()?;
-        let pid = rustix::process::Pid::from_raw(server.id() as i32).unwrap();
-        let _ = rustix::process::kill_process(pid, signal);
-        Some(server.wait().unwrap().success())
-    }
-
-    /// The result of one SQL statement, unaligned, without headers.
-    fn sql(&self, sql: &str) -> String {
-        run_ok(
-            self.cmd("psql")
-                .args(["-XAtq", "-v", "ON_ERROR_STOP=1", "-c", sql]),
-        )
-        .trim()
-        .to_string()
-    }
-
-    fn count(&self, sql: &str) -> i64 {
-        let v = self.sql(sql);
-        v.parse().unwrap_or_else(|_| panic!("{sql}: {v:?}"))
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.run.join("log")).unwrap_or_default()
-    }
-}
-
-impl Drop for Postgres {
-    fn drop(&mut self) {
-        self.stop(Signal::QUIT);
-    }
-}
-
-fn chown_postgres(path: &Path) {
-    run_ok(Command::new("chown").arg("postgres:postgres").arg(path));
 }
 
 /// An ext4 image on a loop device, mounted; thawed (an agent killed mid-cycle leaves it
@@ -210,16 +57,6 @@ impl Drop for Ext4 {
             .arg("--unfreeze")
             .arg(&self.mount.dir)
             .output();
-    }
-}
-
-/// A child process killed on drop.
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 
@@ -456,24 +293,7 @@ fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
         0 < history && history <= written,
         "{history} pgbench transactions on the secondary, {written} on the primary"
     );
-    // Every transaction whole: each adds its delta to one account, teller and branch and
-    // records it in the history.
-    let sums = pg_b.sql(
-        "select (select coalesce(sum(delta), 0) from pgbench_history) || ' ' || \
-         (select sum(abalance) from pgbench_accounts) || ' ' || \
-         (select sum(tbalance) from pgbench_tellers) || ' ' || \
-         (select sum(bbalance) from pgbench_branches)",
-    );
-    let sums: Vec<&str> = sums.split(' ').collect();
-    assert!(
-        sums.iter().all(|s| *s == sums[0]),
-        "history, accounts, tellers, branches: {sums:?}"
-    );
-    // No torn or stale page in tables or indexes.
-    run_ok(
-        pg_b.cmd("pg_amcheck")
-            .args(["--install-missing", "--heapallindexed", "postgres"]),
-    );
+    common::pg::assert_transactions_whole(&pg_b);
     // And it takes writes.
     run_ok(pg_b.cmd("pgbench").args(["-n", "-t", "50"]));
     assert_eq!(pg_b.stop(Signal::INT), Some(true), "{}", pg_b.log());

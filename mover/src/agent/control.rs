@@ -67,9 +67,17 @@ fn frozen_dir(state_dir: &Path) -> std::path::PathBuf {
 /// thaws them at start.
 pub(super) fn left_frozen(state_dir: &Path) -> Vec<std::path::PathBuf> {
     let mut mounts = Vec::new();
-    for e in std::fs::read_dir(frozen_dir(state_dir)).into_iter().flatten().flatten() {
+    for e in std::fs::read_dir(frozen_dir(state_dir))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         if let Ok(text) = std::fs::read_to_string(e.path()) {
-            mounts.extend(text.lines().filter(|l| !l.is_empty()).map(std::path::PathBuf::from));
+            mounts.extend(
+                text.lines()
+                    .filter(|l| !l.is_empty())
+                    .map(std::path::PathBuf::from),
+            );
         }
         let _ = std::fs::remove_file(e.path());
     }

@@ -117,14 +117,15 @@ async fn content_of(
     let Some(content) = snapshot.data["status"]["boundVolumeSnapshotContentName"].as_str() else {
         return Ok(None);
     };
-    let api: Api<DynamicObject> =
-        Api::all_with(client.clone(), &resource("VolumeSnapshotContent"));
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &resource("VolumeSnapshotContent"));
     let c = api
         .get_opt(content)
         .await
         .map_err(|e| format!("cannot read VolumeSnapshotContent {content}: {e}"))?;
     let Some(c) = c else { return Ok(None) };
-    let handle = c.data["status"]["snapshotHandle"].as_str().map(str::to_string);
+    let handle = c.data["status"]["snapshotHandle"]
+        .as_str()
+        .map(str::to_string);
     // creationTime is in nanoseconds since the epoch.
     let at = c.data["status"]["creationTime"]
         .as_i64()
@@ -236,7 +237,9 @@ async fn run_step(
     }
     // What is older than the base is of no use any more; so is a snapshot taken for a
     // cycle that never reached the agent, once a newer one exists.
-    let keep_from = base.as_ref().map_or(all.len().saturating_sub(1), |(i, _)| *i);
+    let keep_from = base
+        .as_ref()
+        .map_or(all.len().saturating_sub(1), |(i, _)| *i);
     for old in &all[..keep_from.min(all.len())] {
         remove_snapshot(client, ns, &old.name_any()).await?;
     }
@@ -250,7 +253,9 @@ async fn run_step(
     if let Some(p) = pending.filter(|p| last && p.annotations().get(FINAL).is_none()) {
         remove_snapshot(client, ns, &p.name_any()).await?;
         let name = take(ctx, d, src, last).await?;
-        return Ok(Step::Waiting(format!("VolumeSnapshot {ns}/{name} taken for the final cycle")));
+        return Ok(Step::Waiting(format!(
+            "VolumeSnapshot {ns}/{name} taken for the final cycle"
+        )));
     }
     let Some(pending) = pending else {
         let interval = d.params.interval.as_millis() as i64;
@@ -498,7 +503,12 @@ async fn reader(
         }
     };
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    if pods.get_opt(name).await.map_err(|e| e.to_string())?.is_none() {
+    if pods
+        .get_opt(name)
+        .await
+        .map_err(|e| e.to_string())?
+        .is_none()
+    {
         let pod: Pod = serde_json::from_value(serde_json::json!({
             "metadata": {
                 "name": name,

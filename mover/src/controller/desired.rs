@@ -728,7 +728,6 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
     })
 }
 
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

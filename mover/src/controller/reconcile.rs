@@ -529,7 +529,11 @@ pub async fn decide(
                         if s.role == "primary" {
                             st.message = Some(format!(
                                 "demoting: the final cycle from a VolumeSnapshot: {}",
-                                if s.last_error.is_empty() { "under way" } else { &s.last_error }
+                                if s.last_error.is_empty() {
+                                    "under way"
+                                } else {
+                                    &s.last_error
+                                }
                             ));
                             return (st, Action::requeue(next));
                         }

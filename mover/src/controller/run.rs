@@ -60,7 +60,11 @@ pub struct RunOptions {
     pub agent_service_account: String,
     /// The controller's own ServiceAccount (in --lease-namespace): it asks for tokens of
     /// it to read changed blocks from CSI drivers' SnapshotMetadata services.
-    #[arg(long, default_value = "mover-controller", env = "MOVER_SERVICE_ACCOUNT")]
+    #[arg(
+        long,
+        default_value = "mover-controller",
+        env = "MOVER_SERVICE_ACCOUNT"
+    )]
     pub service_account: String,
     /// Talk to agents in plaintext with --token-file, and sign no certificates. By
     /// default the controller runs the cluster's mover CA (Secret mover-ca in its

@@ -6,6 +6,7 @@ pub mod agent;
 pub mod cluster;
 #[cfg(feature = "controller")]
 pub mod csi;
+pub mod pg;
 pub mod slowdown;
 pub mod tree;
 

@@ -1,0 +1,199 @@
+//! PostgreSQL for the tests that replicate a database under load: a cluster run as the
+//! `postgres` user, its commands, and what checks a copy of it.
+
+use rustix::process::Signal;
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+/// PostgreSQL 15's programs (Debian's layout; .ci/run installs it).
+pub const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+
+pub fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(out.status.success(), "{cmd:?}: {}", failure(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn failure(out: &Output) -> String {
+    format!(
+        "{}\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A PostgreSQL cluster in `data`, run as the `postgres` user (the server refuses root)
+/// with its socket and log in `run`, a directory of this node's own. The postmaster is
+/// this test's child, not pg_ctl's: stopped, it is also reaped, so the pid in the
+/// copy's postmaster.pid names no process (pg_ctl stop returns once the pid file is
+/// gone, a moment before the process, and an orphan waits for init to reap it).
+/// Stopped (immediate) on drop.
+pub struct Postgres {
+    /// The data directory.
+    pub data: PathBuf,
+    /// Its socket and log.
+    pub run: PathBuf,
+    server: Option<Child>,
+}
+
+impl Postgres {
+    /// A PostgreSQL 15 program run as `postgres`, talking to this cluster.
+    pub fn cmd(&self, program: &str) -> Command {
+        let mut c = Command::new("setpriv");
+        c.args([
+            "--reuid=postgres",
+            "--regid=postgres",
+            "--init-groups",
+            "--",
+        ])
+        .arg(Path::new(PG_BIN).join(program))
+        // The test's own directories are root's: postgres may not enter them.
+        .current_dir(&self.run)
+        .env("HOME", &self.run)
+        .env("PGHOST", &self.run)
+        .env("PGDATABASE", "postgres")
+        .env("PGUSER", "postgres")
+        .env("LC_ALL", "C");
+        c
+    }
+
+    /// A new cluster in `data`.
+    pub fn init(data: PathBuf, run: PathBuf) -> Postgres {
+        std::fs::create_dir_all(&data).unwrap();
+        chown_postgres(&data);
+        let pg = Postgres::existing(data, run);
+        run_ok(
+            pg.cmd("initdb")
+                .args(["--no-locale", "-E", "UTF8", "-A", "trust", "-U", "postgres"])
+                .arg("-D")
+                .arg(&pg.data),
+        );
+        // In the data directory, so the secondary's copy runs with them too. A small
+        // max_wal_size: checkpoints (and WAL recycling) happen during the load.
+        let conf = pg.data.join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf).unwrap();
+        text += "listen_addresses = ''\nmax_wal_size = '64MB'\nmin_wal_size = '32MB'\n";
+        std::fs::write(&conf, text).unwrap();
+        pg
+    }
+
+    /// A cluster in `data` as it is (a copy on another node).
+    pub fn existing(data: PathBuf, run: PathBuf) -> Postgres {
+        Postgres {
+            data,
+            run,
+            server: None,
+        }
+    }
+
+    /// Starts the postmaster and waits until it accepts connections.
+    pub fn start(&mut self) {
+        let log = std::fs::File::create(self.run.join("log")).unwrap();
+        let server = self
+            .cmd("postgres")
+            .arg("-D")
+            .arg(&self.data)
+            .arg("-k")
+            .arg(&self.run)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.server = Some(server);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(st) = self.server.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "PostgreSQL on {} exited ({st}):\n{}",
+                    self.data.display(),
+                    self.log()
+                );
+            }
+            if self.cmd("pg_isready").arg("-q").status().unwrap().success() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "PostgreSQL on {} not ready:\n{}",
+                self.data.display(),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Stops the postmaster with `signal` (QUIT: immediate, INT: fast) and reaps it;
+    /// whether it exited 0, or `None` if it was not running.
+    pub fn stop(&mut self, signal: Signal) -> Option<bool> {
+        let mut server = self.server.take()?;
+        let pid = rustix::process::Pid::from_raw(server.id() as i32).unwrap();
+        let _ = rustix::process::kill_process(pid, signal);
+        Some(server.wait().unwrap().success())
+    }
+
+    /// The result of one SQL statement, unaligned, without headers.
+    pub fn sql(&self, sql: &str) -> String {
+        run_ok(
+            self.cmd("psql")
+                .args(["-XAtq", "-v", "ON_ERROR_STOP=1", "-c", sql]),
+        )
+        .trim()
+        .to_string()
+    }
+
+    pub fn count(&self, sql: &str) -> i64 {
+        let v = self.sql(sql);
+        v.parse().unwrap_or_else(|_| panic!("{sql}: {v:?}"))
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.run.join("log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        self.stop(Signal::QUIT);
+    }
+}
+
+pub fn chown_postgres(path: &Path) {
+    run_ok(Command::new("chown").arg("postgres:postgres").arg(path));
+}
+
+/// A child process killed on drop.
+pub struct Running(pub Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Every pgbench transaction in `pg` is whole (each adds its delta to one account,
+/// teller and branch and records it in the history), and no page of a table or index
+/// is torn or stale (pg_amcheck).
+pub fn assert_transactions_whole(pg: &Postgres) {
+    let sums = pg.sql(
+        "select (select coalesce(sum(delta), 0) from pgbench_history) || ' ' || \
+     (select sum(abalance) from pgbench_accounts) || ' ' || \
+     (select sum(tbalance) from pgbench_tellers) || ' ' || \
+     (select sum(bbalance) from pgbench_branches)",
+    );
+    let sums: Vec<&str> = sums.split(' ').collect();
+    assert!(
+        sums.iter().all(|s| *s == sums[0]),
+        "history, accounts, tellers, branches: {sums:?}"
+    );
+    // No torn or stale page in tables or indexes.
+    run_ok(
+        pg.cmd("pg_amcheck")
+            .args(["--install-missing", "--heapallindexed", "postgres"]),
+    );
+}
