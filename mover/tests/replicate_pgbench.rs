@@ -15,8 +15,8 @@ use rustix::process::Signal;
 use std::{
     fs::Permissions,
     os::unix::fs::PermissionsExt,
-    path::{Path, PathBuf},
-    process::{Child, Command, Output, Stdio},
+    path::Path,
+    process::Command,
     time::{Duration, Instant, SystemTime},
 };
 

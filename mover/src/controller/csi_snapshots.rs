@@ -39,7 +39,7 @@ const KUBELET_VOLUME_DEVICES: &str = "/var/lib/kubelet/plugins/kubernetes.io/csi
 pub const READER_IMAGE: &str = "registry.k8s.io/pause:3.10";
 /// How soon a step that waits on the API server (a snapshot becoming ready, a clone
 /// binding, the kubelet publishing it) is looked at again.
-pub const POLL: Duration = Duration::from_secs(1);
+pub const POLL: Duration = Duration::from_millis(500);
 
 /// The controller's own ServiceAccount: its audience-scoped tokens are what the
 /// SnapshotMetadata service authenticates.

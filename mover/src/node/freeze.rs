@@ -301,3 +301,25 @@ impl std::fmt::Debug for Frozen {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_paths_are_unescaped_and_non_devices_have_no_mounts() {
+        assert_eq!(
+            unescape(r"/var/lib/kubelet/pods/a\040b/vol\134x"),
+            PathBuf::from(r"/var/lib/kubelet/pods/a b/vol\x")
+        );
+        assert_eq!(unescape(r"/no\escape\9"), PathBuf::from(r"/no\escape\9"));
+        // A directory, a regular file: not block devices.
+        assert!(mounts_of(Path::new("/")).unwrap().is_empty());
+        assert!(
+            mounts_of(Path::new("/proc/self/mountinfo"))
+                .unwrap()
+                .is_empty()
+        );
+        assert!(mounts_of(Path::new("/no/such/device")).is_err());
+    }
+}
