@@ -2399,7 +2399,7 @@ fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapsh
         ),
     ));
     a.wait("a cycle failed for a freeze past its bound", |s| {
-        CsiPair::condition(s, "Degraded")["message"]
+        CsiPair::condition(s, "Replicating")["message"]
             .as_str()
             .is_some_and(|m| m.contains("freezeTimeout 1ms") && m.contains("watchdog"))
     });

@@ -41,24 +41,33 @@ pub const READER_IMAGE: &str = "registry.k8s.io/pause:3.10";
 /// binding, the kubelet publishing it) is looked at again.
 pub const POLL: Duration = Duration::from_millis(500);
 
-/// The controller's own ServiceAccount: its audience-scoped tokens are what the
-/// SnapshotMetadata service authenticates.
-#[derive(Clone, Debug)]
-pub struct Identity {
-    /// Its namespace.
+/// What the controller keeps for cycles from snapshots.
+#[derive(Debug)]
+pub struct Settings {
+    /// The namespace of the controller's own ServiceAccount: its audience-scoped tokens
+    /// are what the SnapshotMetadata service authenticates.
     pub namespace: String,
-    /// Its name.
+    /// That ServiceAccount's name.
     pub service_account: String,
+    /// When each relationship's last snapshot failed to be taken: the next try waits
+    /// [`RETRY_TAKE`], however often its VolumeReplication is reconciled (each failure
+    /// writes its status, which reconciles it again).
+    pub failed: std::sync::Mutex<std::collections::HashMap<String, (std::time::Instant, String)>>,
 }
 
-impl Default for Identity {
+impl Default for Settings {
     fn default() -> Self {
-        Identity {
+        Settings {
             namespace: "mover-system".into(),
             service_account: "mover-controller".into(),
+            failed: Default::default(),
         }
     }
 }
+
+/// How soon a snapshot that could not be taken (a freeze past its bound, a driver's
+/// error) is tried again.
+pub const RETRY_TAKE: Duration = Duration::from_secs(10);
 
 /// Where a relationship read from snapshots is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -350,6 +359,27 @@ async fn run_step(
 /// its name. A snapshot not cut within the class's freeze timeout is deleted: the
 /// watchdog thawed the file systems before it was taken.
 async fn take(ctx: &Context, d: &Desired, src: &Source, last: bool) -> Result<String, String> {
+    // The same reason again while it waits: the status does not change meanwhile.
+    if let Some((at, why)) = ctx.csi.failed.lock().expect("lock").get(&d.name)
+        && at.elapsed() < RETRY_TAKE
+    {
+        return Err(why.clone());
+    }
+    let taken = take_frozen(ctx, d, src, last).await;
+    let mut failed = ctx.csi.failed.lock().expect("lock");
+    match &taken {
+        Ok(_) => failed.remove(&d.name),
+        Err(why) => failed.insert(d.name.clone(), (std::time::Instant::now(), why.clone())),
+    };
+    taken
+}
+
+async fn take_frozen(
+    ctx: &Context,
+    d: &Desired,
+    src: &Source,
+    last: bool,
+) -> Result<String, String> {
     let bound = d.params.freeze_timeout;
     let frozen = ctx
         .agents
@@ -557,7 +587,7 @@ async fn delta(
     target: &str,
 ) -> Result<snapshot_metadata::Changed, snapshot_metadata::MetadataError> {
     let service = snapshot_metadata::service(ctx.client.clone(), &src.driver).await?;
-    let me = &ctx.identity;
+    let me = &ctx.csi;
     let token = snapshot_metadata::token(
         ctx.client.clone(),
         &me.namespace,

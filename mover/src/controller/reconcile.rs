@@ -143,8 +143,9 @@ pub struct Context {
     pub leftovers: Option<(Duration, Arc<Leftovers>)>,
     /// Watches of the secrets classes name (None: each read is a GET).
     pub secrets: Option<Arc<SecretWatches>>,
-    /// The controller's own ServiceAccount (for SnapshotMetadata tokens).
-    pub identity: super::csi_snapshots::Identity,
+    /// Cycles from CSI snapshots: the controller's own ServiceAccount (for
+    /// SnapshotMetadata tokens), failed snapshots' retry times.
+    pub csi: super::csi_snapshots::Settings,
 }
 
 impl Context {

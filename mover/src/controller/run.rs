@@ -312,9 +312,10 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             nodes,
         },
         agent_port: options.agent_port,
-        identity: super::csi_snapshots::Identity {
+        csi: super::csi_snapshots::Settings {
             namespace: options.lease_namespace.clone(),
             service_account: options.service_account.clone(),
+            failed: Default::default(),
         },
         metrics,
         secrets: Some(Arc::new(SecretWatches::new(
