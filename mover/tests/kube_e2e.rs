@@ -2261,7 +2261,7 @@ fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapsh
     /// pgbench scale: 100000 accounts (15 MiB with their index) per unit.
     const SCALE: u64 = 5;
     /// How long pgbench writes while cycles run every 2 s.
-    const LOAD: Duration = Duration::from_secs(24);
+    const LOAD: Duration = Duration::from_secs(30);
     let _one = serial();
     if !Path::new(PG_BIN).join("initdb").exists() {
         return common::skip_unless_ci(&format!(
@@ -2269,7 +2269,7 @@ fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapsh
         ));
     }
     let t = tempfile::tempdir().unwrap();
-    let Some(p) = CsiPair::start(t.path(), 512 * MIB) else {
+    let Some(p) = CsiPair::start(t.path(), 256 * MIB) else {
         return;
     };
     let (a, b) = (&p.a, &p.b);
@@ -2360,8 +2360,14 @@ fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapsh
     // here, on two cores that also run both control planes and the database.
     assert!(
         under_load.len() >= 3,
-        "cycles due every 2 s while pgbench ran {} s: {cycles:?}",
-        LOAD.as_secs()
+        "cycles due every 2 s while pgbench ran {} s: {cycles:?}\ncontroller:\n{}\nagent:\n{}",
+        LOAD.as_secs(),
+        controller_log(&a.controllers[0])
+            .lines()
+            .filter(|l| !l.contains("DEBUG mover::controller::reconcile: status write"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        std::fs::read_to_string(a.agents[0].dir.join("agent.log")).unwrap_or_default()
     );
     // Each snapshot was cut with the workload's ext4 frozen, briefly.
     let log = controller_log(&a.controllers[0]);
