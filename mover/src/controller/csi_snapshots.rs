@@ -90,7 +90,7 @@ pub enum Step {
     /// Waiting on the API server or the kubelet: look again in [`POLL`].
     Waiting(String),
     /// A cycle was committed: the agent's status after it.
-    Ran(control::Status),
+    Ran(Box<control::Status>),
     /// Nothing to do until the next snapshot is due, in this long.
     Idle(Duration),
     /// A step failed (said in the status); retried at the next reconcile.
@@ -351,7 +351,7 @@ async fn run_step(
         tracing::warn!(relationship = %d.name, "{e}");
     }
     remove_reader(client, ns, &name).await?;
-    Ok(Step::Ran(status))
+    Ok(Step::Ran(Box::new(status)))
 }
 
 /// Takes a VolumeSnapshot of the PVC (`last`: for a demote's final cycle), with the

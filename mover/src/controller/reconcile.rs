@@ -617,7 +617,7 @@ async fn snapshot_step(
 ) -> (control::Status, Duration) {
     use super::csi_snapshots::{POLL, Step, step};
     match step(ctx, d, src, &s, last).await {
-        Step::Ran(after) => (after, POLL),
+        Step::Ran(after) => (*after, POLL),
         Step::Idle(due) => (s, due.min(info_interval(d.params.interval))),
         Step::Waiting(what) => {
             tracing::debug!(relationship = %d.name, "{what}");
