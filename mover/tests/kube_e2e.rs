@@ -2220,6 +2220,61 @@ fn a_csi_volume_replicates_through_volume_snapshots_reading_only_changed_blocks(
         .collect();
     assert!(kept.len() <= 2, "{kept:?}");
 
+    p.assert_nothing_forbidden();
+
+    // A pre-snapshot hook runs in the workload's pods before anything is frozen or
+    // taken, through pods/exec: the base install may not (the overlay grants it), and
+    // here no kubelet answers the exec. Either way the cycle fails before a snapshot,
+    // saying so.
+    a.cluster.apply(&format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: workload\n  namespace: app\nspec:\n  nodeName: a-node1\n  containers:\n  - name: db\n    image: registry.k8s.io/pause:3.10\n    volumeDevices: [{{name: vol, devicePath: /dev/vol}}]\n  volumes:\n  - name: vol\n    persistentVolumeClaim: {{claimName: vol}}\n"
+    ));
+    a.cluster.kubectl_ok(&[
+        "patch",
+        "pod",
+        "-n",
+        "app",
+        "workload",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status": {"phase": "Running"}}"#,
+    ]);
+    a.cluster
+        .kubectl_ok(&["delete", "volumereplicationclass", "csi-dr", "--wait"]);
+    a.cluster.apply(&a.class_named(
+        "csi-dr",
+        b,
+        &format!(
+            "    volumeSnapshotClassName: {}\n    preSnapshotHook: '[\"/bin/sh\", \"-c\", \"sync\"]'\n    hookContainer: db\n",
+            common::csi::SNAPSHOT_CLASS
+        ),
+    ));
+    let hook_failed = |s: &Site, says: &str| {
+        CsiPair::condition(s, "Replicating")["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(says))
+    };
+    a.wait(
+        "the hook refused by RBAC, saying which overlay grants it",
+        |s| hook_failed(s, "deploy/overlays/snapshot-hooks"),
+    );
+    a.cluster.apply(
+        &std::fs::read_to_string(repo().join("deploy/overlays/snapshot-hooks/hooks-rbac.yaml"))
+            .unwrap(),
+    );
+    let snapshots = || {
+        a.cluster
+            .kubectl_ok(&["get", "volumesnapshots", "-n", "app", "-o", "name"])
+    };
+    a.wait("the hook run in the workload's pod, failing there", |s| {
+        hook_failed(s, r#"hook ["/bin/sh", "-c", "sync"] in pod app/workload"#)
+    });
+    // Tried again after 10 s: still no new snapshot.
+    let before = snapshots();
+    std::thread::sleep(csi_snapshots_retry() + Duration::from_secs(2));
+    assert_eq!(snapshots(), before, "no snapshot without its pre-hook");
+
     // Deleting the VR deletes its snapshots, clones and readers.
     a.cluster
         .kubectl_ok(&["delete", "vr", "-n", "app", "vol", "--wait=true"]);
@@ -2230,10 +2285,14 @@ fn a_csi_volume_replicates_through_volume_snapshots_reading_only_changed_blocks(
                 .lines()
                 .count()
         };
-        // The workload's PVC and the site's own `data` stay.
-        names("volumesnapshots") == 0 && names("pods") == 0 && names("pvc") == 2
+        // The workload's pod and PVC, and the site's own PVC `data`, stay.
+        names("volumesnapshots") == 0 && names("pods") == 1 && names("pvc") == 2
     });
-    p.assert_nothing_forbidden();
+}
+
+/// How soon the controller tries again to take a snapshot that failed.
+fn csi_snapshots_retry() -> Duration {
+    mover::controller::csi_snapshots::RETRY_TAKE
 }
 
 fn now_ms() -> i64 {

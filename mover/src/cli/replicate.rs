@@ -513,6 +513,8 @@ fn status_json(s: &control::Status) -> serde_json::Value {
         "chunk_size": spec.chunk_size,
         "freeze": spec.freeze,
         "require_point_in_time": spec.require_point_in_time,
+        "snapshots": spec.snapshots,
+        "last_snapshot": s.last_snapshot,
         "role": s.role,
         "state": s.state,
         "epoch": s.epoch,
@@ -566,6 +568,16 @@ fn print_status(s: &control::Status, json: bool) {
             }
         ),
         None => println!("  no cycle completed yet"),
+    }
+    if spec.snapshots {
+        println!(
+            "  points in time: CSI VolumeSnapshots the controller takes (last read: {})",
+            if s.last_snapshot.is_empty() {
+                "none yet"
+            } else {
+                &s.last_snapshot
+            }
+        );
     }
     if s.progress_total > 0 {
         println!(

@@ -365,12 +365,35 @@ async fn take(ctx: &Context, d: &Desired, src: &Source, last: bool) -> Result<St
     {
         return Err(why.clone());
     }
-    let taken = take_frozen(ctx, d, src, last).await;
+    let taken = take_hooked(ctx, d, src, last).await;
     let mut failed = ctx.csi.failed.lock().expect("lock");
     match &taken {
         Ok(_) => failed.remove(&d.name),
         Err(why) => failed.insert(d.name.clone(), (std::time::Instant::now(), why.clone())),
     };
+    taken
+}
+
+/// The class's pre-hook, the frozen snapshot, then its post-hook (also after a failed
+/// snapshot: it undoes what the pre-hook did).
+async fn take_hooked(
+    ctx: &Context,
+    d: &Desired,
+    src: &Source,
+    last: bool,
+) -> Result<String, String> {
+    let (pre, post) = &d.params.hooks;
+    if let Some(h) = pre {
+        let pods = super::hooks::run(&ctx.client, &src.namespace, &src.pvc, h).await?;
+        tracing::info!(relationship = %d.name, ?pods, "pre-snapshot hook ran");
+    }
+    let taken = take_frozen(ctx, d, src, last).await;
+    if let Some(h) = post {
+        match super::hooks::run(&ctx.client, &src.namespace, &src.pvc, h).await {
+            Ok(pods) => tracing::info!(relationship = %d.name, ?pods, "post-snapshot hook ran"),
+            Err(e) => tracing::warn!(relationship = %d.name, "post-snapshot {e}"),
+        }
+    }
     taken
 }
 

@@ -100,6 +100,9 @@ pub struct ClassParams {
     pub snapshot_class: Option<String>,
     /// The bound of a freeze around a snapshot ([`PARAM_FREEZE_TIMEOUT`]).
     pub freeze_timeout: Duration,
+    /// Run in the workload's pods before a snapshot's freeze, and after it is cut
+    /// (see `controller::hooks`).
+    pub hooks: (Option<super::hooks::Hook>, Option<super::hooks::Hook>),
 }
 
 /// Where a class sends a volume.
@@ -281,6 +284,30 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
                 )
             })?,
     };
+    let container = p.get(super::hooks::PARAM_CONTAINER).map(String::as_str);
+    let hook = |key: &str| {
+        p.get(key)
+            .map(|v| {
+                super::hooks::parse(v, container)
+                    .map_err(|e| invalid(what, format!("VolumeReplicationClass {name}: {key} {e}")))
+            })
+            .transpose()
+    };
+    let hooks = (
+        hook(super::hooks::PARAM_PRE)?,
+        hook(super::hooks::PARAM_POST)?,
+    );
+    if (hooks.0.is_some() || hooks.1.is_some()) && snapshot_class.is_none() {
+        return Err(invalid(
+            what,
+            format!(
+                "VolumeReplicationClass {name}: {} and {} bracket each cycle's \
+                 VolumeSnapshot: set {PARAM_SNAPSHOT_CLASS} too",
+                super::hooks::PARAM_PRE,
+                super::hooks::PARAM_POST
+            ),
+        ));
+    }
     Ok(ClassParams {
         interval,
         target,
@@ -290,6 +317,7 @@ pub fn class_params(class: &VolumeReplicationClass) -> Result<ClassParams, Inval
         require_point_in_time,
         snapshot_class,
         freeze_timeout,
+        hooks,
     })
 }
 
@@ -874,6 +902,7 @@ pub(crate) mod tests {
                     require_point_in_time: true,
                     snapshot_class: None,
                     freeze_timeout: DEFAULT_FREEZE_TIMEOUT,
+                    hooks: (None, None),
                 },
                 state: ReplicationState::Primary,
                 auto_resync: false,

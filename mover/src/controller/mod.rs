@@ -10,6 +10,7 @@
 //! - [`reconcile`]: finalizer, agent calls, status by server-side apply.
 //! - [`csi_snapshots`]: cycles whose point in time is a CSI VolumeSnapshot, read
 //!   through a clone on the agent's node.
+//! - [`hooks`]: commands run in the workload's pods around a snapshot (`pods/exec`).
 //! - [`secrets`]: the secrets classes name, each watched, read from the cache.
 //! - [`snapshot_metadata`]: the changed blocks between two CSI VolumeSnapshots
 //!   (Kubernetes' SnapshotMetadata API), resumed when a stream is cut.
@@ -24,6 +25,7 @@ pub mod agents;
 pub mod crd;
 pub mod csi_snapshots;
 pub mod desired;
+pub mod hooks;
 pub mod issuer;
 pub mod leftovers;
 pub mod locator;

@@ -848,14 +848,17 @@ async fn cleanup(obj: &DynamicObject, ctx: &Context) -> Result<Action, Error> {
         Ok(d) => Some((d.agent, d.name, d.volume)),
         Err(_) => recorded.map(|r| (r.agent, r.name, r.volume)),
     };
-    if let Ok(Desired {
-        name,
-        snapshots: Some(src),
-        ..
-    }) = resolve(&vr, ctx)
-        && let Err(e) = super::csi_snapshots::remove_all(&ctx.client, &src.namespace, &name).await
-    {
-        tracing::warn!(vr = %key(obj), "{e}");
+    // Its VolumeSnapshots, clones and readers (a class gone, or unreadable, may have
+    // made some too).
+    let snapshot_class = ctx
+        .class(&vr.spec.volume_replication_class)
+        .map(|c| desired::class_params(&c).map(|p| p.snapshot_class.is_some()));
+    if !matches!(snapshot_class, Some(Ok(false))) {
+        let ns = vr.namespace().unwrap_or_else(|| "default".into());
+        let name = desired::relationship_name(&vr);
+        if let Err(e) = super::csi_snapshots::remove_all(&ctx.client, &ns, &name).await {
+            tracing::warn!(vr = %key(obj), "{e}");
+        }
     }
     if let Some((agent, name, volume)) = target {
         // Whichever the class was: a relationship, or a schedule (its snapshots stay).
