@@ -2275,6 +2275,50 @@ fn a_csi_volume_replicates_through_volume_snapshots_reading_only_changed_blocks(
     std::thread::sleep(csi_snapshots_retry() + Duration::from_secs(2));
     assert_eq!(snapshots(), before, "no snapshot without its pre-hook");
 
+    // Planned failover: A's final cycle reads a snapshot taken after the demote was
+    // asked for, so B is promoted without force and holds A's last writes.
+    a.cluster
+        .kubectl_ok(&["delete", "volumereplicationclass", "csi-dr", "--wait"]);
+    a.cluster.apply(&a.class_named(
+        "csi-dr",
+        b,
+        &format!(
+            "    volumeSnapshotClassName: {}\n",
+            common::csi::SNAPSHOT_CLASS
+        ),
+    ));
+    a.wait("cycles again without the hook", |s| {
+        CsiPair::condition(s, "Replicating")["status"] == "True"
+    });
+    p.scribble(14, 40, 20 * MIB..22 * MIB);
+    let want = blake3_of(&p.dev, p.size);
+    a.cluster
+        .apply(&vr_yaml("vol", "secondary", "csi-dr", Some("vol")));
+    let completed = |s: &Site, reason: &str| {
+        let c = CsiPair::condition(s, "Completed");
+        c["status"] == "True" && c["reason"] == reason
+    };
+    a.wait("A demoted after a final cycle", |s| completed(s, "Demoted"));
+    let a_side: Value =
+        serde_json::from_str(&a.agents[0].relationship_named("app/vol", a.port).unwrap()).unwrap();
+    assert_eq!(a_side["role"], "secondary", "{a_side}");
+    assert_eq!(a_side["last_cycle"]["final"], true, "{a_side}");
+    b.cluster
+        .apply(&vr_yaml("vol", "primary", "dr", Some("vol")));
+    b.wait("B promoted", |s| completed(s, "Promoted"));
+    assert_eq!(
+        blake3_of(&p.replica, p.size),
+        want,
+        "the final cycle carried A's last writes"
+    );
+    let b_log = std::fs::read_to_string(b.agents[0].dir.join("agent.log")).unwrap();
+    assert!(
+        b_log.lines().any(|l| l.contains("promoted")
+            && l.contains("relationship=app/vol")
+            && l.contains("force=false")),
+        "promoted from the final cycle, without force:\n{b_log}"
+    );
+
     // Deleting the VR deletes its snapshots, clones and readers.
     a.cluster
         .kubectl_ok(&["delete", "vr", "-n", "app", "vol", "--wait=true"]);

@@ -919,7 +919,10 @@ pub(crate) mod tests {
             ("target", "agent://dr.example:7070"),
             (PARAM_SNAPSHOT_CLASS, "csi-rbd-snap"),
         ]);
-        let agents = [agent_pod("node-c", "10.0.0.3")];
+        let agents = [
+            agent_pod("node-c", "10.0.0.3"),
+            agent_pod("node-a", "10.0.0.1"),
+        ];
         let vas = [attachment("node-c", true)];
         let (claim, pv) = (pvc(true), csi_pv());
         let mut input = inputs(Some(&c), Some(&claim), Some(&pv), &agents);
