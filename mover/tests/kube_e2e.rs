@@ -2016,16 +2016,29 @@ impl CsiPair {
         b.wait("the secondary marked Secondary", |s| {
             s.get("vr", "app", "vol")["status"]["state"] == "Secondary"
         });
-        a.cluster.apply(&a.class_named(
+        a.cluster.apply(&self.csi_class(params));
+        a.cluster
+            .apply(&vr_yaml("vol", "primary", "csi-dr", Some("vol")));
+    }
+
+    /// A's class `csi-dr`: through VolumeSnapshots of the stack's class, with `params`.
+    fn csi_class(&self, params: &str) -> String {
+        self.a.class_named(
             "csi-dr",
-            b,
+            &self.b,
             &format!(
                 "    volumeSnapshotClassName: {}\n{params}",
                 common::csi::SNAPSHOT_CLASS
             ),
-        ));
-        a.cluster
-            .apply(&vr_yaml("vol", "primary", "csi-dr", Some("vol")));
+        )
+    }
+
+    /// Makes A's class `csi-dr` again with `params` (class parameters are immutable).
+    fn reclass(&self, params: &str) {
+        self.a
+            .cluster
+            .kubectl_ok(&["delete", "volumereplicationclass", "csi-dr", "--wait"]);
+        self.a.cluster.apply(&self.csi_class(params));
     }
 
     fn vr(s: &Site) -> Value {
@@ -2246,16 +2259,7 @@ fn a_csi_volume_replicates_through_volume_snapshots_reading_only_changed_blocks(
         "-p",
         r#"{"status": {"phase": "Running"}}"#,
     ]);
-    a.cluster
-        .kubectl_ok(&["delete", "volumereplicationclass", "csi-dr", "--wait"]);
-    a.cluster.apply(&a.class_named(
-        "csi-dr",
-        b,
-        &format!(
-            "    volumeSnapshotClassName: {}\n    preSnapshotHook: '[\"/bin/sh\", \"-c\", \"sync\"]'\n    hookContainer: db\n",
-            common::csi::SNAPSHOT_CLASS
-        ),
-    ));
+    p.reclass("    preSnapshotHook: '[\"/bin/sh\", \"-c\", \"sync\"]'\n    hookContainer: db\n");
     let hook_failed = |s: &Site, says: &str| {
         CsiPair::condition(s, "Replicating")["message"]
             .as_str()
@@ -2283,16 +2287,7 @@ fn a_csi_volume_replicates_through_volume_snapshots_reading_only_changed_blocks(
 
     // Planned failover: A's final cycle reads a snapshot taken after the demote was
     // asked for, so B is promoted without force and holds A's last writes.
-    a.cluster
-        .kubectl_ok(&["delete", "volumereplicationclass", "csi-dr", "--wait"]);
-    a.cluster.apply(&a.class_named(
-        "csi-dr",
-        b,
-        &format!(
-            "    volumeSnapshotClassName: {}\n",
-            common::csi::SNAPSHOT_CLASS
-        ),
-    ));
+    p.reclass("");
     a.wait("cycles again without the hook", |s| {
         CsiPair::condition(s, "Replicating")["status"] == "True"
     });
@@ -2365,7 +2360,7 @@ impl<F: FnOnce()> Drop for Defer<F> {
 
 #[test]
 fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapshots() {
-    use common::pg::{PG_BIN, Postgres, Running, chown_postgres, failure, run_ok};
+    use common::pg::{PG_BIN, Postgres, chown_postgres, failure, run_ok};
     use std::os::unix::fs::PermissionsExt;
     /// pgbench scale: 100000 accounts (15 MiB with their index) per unit.
     const SCALE: u64 = 5;
@@ -2413,23 +2408,7 @@ fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapsh
 
     // The load, with a cycle every 2 s: each a VolumeSnapshot cut with ext4 frozen.
     let load_from = now_ms();
-    let out = std::fs::File::create(pg_a.run.join("pgbench")).unwrap();
-    let mut pgbench = Running(
-        pg_a.cmd("pgbench")
-            .args([
-                "-n",
-                "-c",
-                "4",
-                "-j",
-                "2",
-                "-T",
-                &LOAD.as_secs().to_string(),
-            ])
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap(),
-    );
+    let mut pgbench = pg_a.load(LOAD);
     let mut cycles = Vec::<Value>::new();
     let ended = loop {
         if let Some(st) = pgbench.0.try_wait().unwrap() {
@@ -2503,32 +2482,14 @@ fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapsh
 
     // A freeze that outlasts its bound: thawed by the agent's watchdog, the snapshot
     // deleted, the cycle failed and said so; the database never stays blocked.
-    a.cluster
-        .kubectl_ok(&["delete", "volumereplicationclass", "csi-dr", "--wait"]);
-    a.cluster.apply(&a.class_named(
-        "csi-dr",
-        b,
-        &format!(
-            "    volumeSnapshotClassName: {}\n    freezeTimeout: 1ms\n",
-            common::csi::SNAPSHOT_CLASS
-        ),
-    ));
+    p.reclass("    freezeTimeout: 1ms\n");
     a.wait("a cycle failed for a freeze past its bound", |s| {
         CsiPair::condition(s, "Replicating")["message"]
             .as_str()
             .is_some_and(|m| m.contains("freezeTimeout 1ms") && m.contains("watchdog"))
     });
     run_ok(pg_a.cmd("pgbench").args(["-n", "-t", "20"]));
-    a.cluster
-        .kubectl_ok(&["delete", "volumereplicationclass", "csi-dr", "--wait"]);
-    a.cluster.apply(&a.class_named(
-        "csi-dr",
-        b,
-        &format!(
-            "    volumeSnapshotClassName: {}\n    freezeTimeout: 10s\n",
-            common::csi::SNAPSHOT_CLASS
-        ),
-    ));
+    p.reclass("    freezeTimeout: 10s\n");
     a.wait("cycles again", |s| {
         CsiPair::condition(s, "Degraded")["status"] == "False"
     });

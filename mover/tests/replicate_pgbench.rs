@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::pg::{PG_BIN, Postgres, Running, chown_postgres, failure, run_ok};
+use common::pg::{PG_BIN, Postgres, chown_postgres, failure, run_ok};
 use common::{agent::*, *};
 use rustix::process::Signal;
 use std::{
@@ -147,23 +147,7 @@ fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
 
     // The load: 4 clients, each transaction updating 3 balances and adding a history row.
     let load_from = now_ms();
-    let out = std::fs::File::create(pg_a.run.join("pgbench")).unwrap();
-    let mut pgbench = Running(
-        pg_a.cmd("pgbench")
-            .args([
-                "-n",
-                "-c",
-                "4",
-                "-j",
-                "2",
-                "-T",
-                &LOAD.as_secs().to_string(),
-            ])
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap(),
-    );
+    let mut pgbench = pg_a.load(LOAD);
     let mut cycles = Vec::<serde_json::Value>::new();
     let mut max_rpo = 0f64;
     let ended = loop {

@@ -520,6 +520,10 @@ impl Replication for Control {
             let status = self.status(&r);
             self.runners.stop(&name);
             self.forget_base(&r);
+            if let Ok(ids) = self.snapshot_ids_file(&name) {
+                let _ = std::fs::remove_file(ids.with_extension("cvs"));
+                let _ = std::fs::remove_file(ids);
+            }
             self.service.close_sessions_on(&r.spec.volume).await?;
             self.service.store.remove(&name).map_err(internal)?;
             let dir = journal::cycles_dir(self.service.state_dir(), &name);

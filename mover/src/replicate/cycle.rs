@@ -271,7 +271,8 @@ pub struct SnapshotRead {
     pub base_snapshot: String,
     /// The byte ranges that changed since `base_snapshot` (None: unknown, compare all).
     pub changed: Option<Vec<std::ops::Range<u64>>>,
-    /// Where the chunk ids of the last committed cycle are kept between cycles.
+    /// Where the chunk ids of the last committed cycle are kept between cycles (and,
+    /// with extension `cvs`, the chunks' unit CVs).
     pub ids_file: PathBuf,
 }
 
@@ -318,10 +319,22 @@ pub async fn run_from_snapshot(
         interval_ms: spec.interval_ms,
         bwlimit: spec.bwlimit,
     };
+    // The chunks' unit CVs, kept beside the ids: of a changed chunk only the pages the
+    // driver names as changed are read (the CVs are checked against the ids when read).
+    let cvs = chunker::cv::CvFile::open(
+        &from.ids_file.with_extension("cvs"),
+        &transport::relationship_key(&spec.name),
+        chunk.bytes(),
+    )
+    .unwrap_or_else(|e| {
+        tracing::warn!(relationship = %spec.name, "cannot open the CV file: {e}; changed chunks are read whole");
+        None
+    })
+    .map(std::sync::Arc::new);
     let push = CyclePush {
         cycle: &cycle,
         base,
-        cvs: None,
+        cvs,
     };
     let (sum, ids) = ship(record, &from.path, &peer, remote, push, progress).await?;
     let root = sum.root.clone().unwrap_or_default();

@@ -151,6 +151,28 @@ impl Postgres {
         v.parse().unwrap_or_else(|_| panic!("{sql}: {v:?}"))
     }
 
+    /// pgbench writing for `time` (4 clients, each transaction updating 3 balances and
+    /// adding a history row), its output in `run/pgbench`; killed on drop.
+    pub fn load(&self, time: Duration) -> Running {
+        let out = std::fs::File::create(self.run.join("pgbench")).unwrap();
+        Running(
+            self.cmd("pgbench")
+                .args([
+                    "-n",
+                    "-c",
+                    "4",
+                    "-j",
+                    "2",
+                    "-T",
+                    &time.as_secs().to_string(),
+                ])
+                .stdout(out.try_clone().unwrap())
+                .stderr(out)
+                .spawn()
+                .unwrap(),
+        )
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.run.join("log")).unwrap_or_default()
     }
