@@ -2245,9 +2245,9 @@ fn a_csi_volume_replicates_through_volume_snapshots_reading_only_changed_blocks(
     // taken, through pods/exec: the base install may not (the overlay grants it), and
     // here no kubelet answers the exec. Either way the cycle fails before a snapshot,
     // saying so.
-    a.cluster.apply(&format!(
-        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: workload\n  namespace: app\nspec:\n  nodeName: a-node1\n  containers:\n  - name: db\n    image: registry.k8s.io/pause:3.10\n    volumeDevices: [{{name: vol, devicePath: /dev/vol}}]\n  volumes:\n  - name: vol\n    persistentVolumeClaim: {{claimName: vol}}\n"
-    ));
+    a.cluster.apply(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: workload\n  namespace: app\nspec:\n  nodeName: a-node1\n  containers:\n  - name: db\n    image: registry.k8s.io/pause:3.10\n    volumeDevices: [{name: vol, devicePath: /dev/vol}]\n  volumes:\n  - name: vol\n    persistentVolumeClaim: {claimName: vol}\n",
+    );
     a.cluster.kubectl_ok(&[
         "patch",
         "pod",

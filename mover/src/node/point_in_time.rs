@@ -8,7 +8,8 @@
 //! maps, `chunker::extents::changed_ranges`). An LVM thin snapshot (`lvcreate -s`, changes from
 //! `thin_delta`) is the next one: it fits here, but this machine's kernel has no
 //! device-mapper to test it on. A CSI VolumeSnapshot is taken by the controller through
-//! the API server, not on the node (`controller::snapshot_metadata` tells its changes).
+//! the API server, not on the node (`controller::csi_snapshots`; the agent then reads a
+//! clone of it, `replicate::cycle::run_from_snapshot`).
 //!
 //! A filesystem freeze brackets only the taking of a point in time, never a read: a
 //! freeze held for a whole read would stall the application for as long as it takes.
