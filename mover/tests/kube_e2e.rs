@@ -2360,7 +2360,7 @@ impl<F: FnOnce()> Drop for Defer<F> {
 
 #[test]
 fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapshots() {
-    use common::pg::{PG_BIN, Postgres, chown_postgres, failure, run_ok};
+    use common::pg::{PG_BIN, Postgres, chown_postgres, run_ok};
     use std::os::unix::fs::PermissionsExt;
     /// pgbench scale: 100000 accounts (15 MiB with their index) per unit.
     const SCALE: u64 = 5;
@@ -2503,37 +2503,13 @@ fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapsh
         c["reason"] == "Promoted" && c["status"] == "True"
     });
     assert!(pg_a.stop(rustix::process::Signal::QUIT).is_some());
-    let fsck = Command::new("e2fsck")
-        .arg("-fn")
-        .arg(&p.replica)
-        .output()
-        .unwrap();
-    assert!(
-        fsck.status.success(),
-        "e2fsck -fn of the promoted replica: {}",
-        failure(&fsck)
-    );
-    // Frozen around each snapshot: the journal was flushed, nothing to replay.
-    let sb = run_ok(Command::new("dumpe2fs").arg("-h").arg(&p.replica));
-    assert!(
-        !sb.lines()
-            .any(|l| l.starts_with("Filesystem features:") && l.contains("needs_recovery")),
-        "{sb}"
-    );
+    // Frozen around each snapshot: clean, its journal flushed.
+    common::pg::assert_ext4_clean(&p.replica);
     let dev_b = common::LoopDevice::attach(&p.replica);
     let mnt_b = common::Mount::new(&dev_b.path, &dirs.path().join("mnt-b"));
     let mut pg_b = Postgres::existing(mnt_b.dir.join("pgdata"), run_b);
     pg_b.start();
-    assert_eq!(
-        pg_b.count("select count(*) from pgbench_accounts"),
-        SCALE as i64 * 100_000
-    );
-    let history = pg_b.count("select count(*) from pgbench_history");
-    assert!(
-        0 < history && history <= written,
-        "{history} transactions on the replica, {written} on the primary"
-    );
-    common::pg::assert_transactions_whole(&pg_b);
+    let history = common::pg::assert_recovered(&pg_b, SCALE, written);
     eprintln!("{history} of {written} transactions on the replica, all whole");
     drop(pg_b);
     drop(mnt_b);

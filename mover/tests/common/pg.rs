@@ -219,3 +219,42 @@ pub fn assert_transactions_whole(pg: &Postgres) {
             .args(["--install-missing", "--heapallindexed", "postgres"]),
     );
 }
+
+/// The copy `pg` of a cluster that ran pgbench at `scale` holds all its accounts, at
+/// most the `written` transactions of the primary and at least one, each whole; returns
+/// how many it holds.
+pub fn assert_recovered(pg: &Postgres, scale: u64, written: i64) -> i64 {
+    assert_eq!(
+        pg.count("select count(*) from pgbench_accounts"),
+        scale as i64 * 100_000
+    );
+    let history = pg.count("select count(*) from pgbench_history");
+    assert!(
+        0 < history && history <= written,
+        "{history} pgbench transactions on the copy, {written} on the primary"
+    );
+    assert_transactions_whole(pg);
+    history
+}
+
+/// The ext4 in `image` passes `e2fsck -fn`, and its journal needs no replay (it was
+/// frozen, so flushed, when its point in time was taken).
+pub fn assert_ext4_clean(image: &Path) {
+    let fsck = Command::new("e2fsck")
+        .arg("-fn")
+        .arg(image)
+        .output()
+        .unwrap();
+    assert!(
+        fsck.status.success(),
+        "e2fsck -fn {}: {}",
+        image.display(),
+        failure(&fsck)
+    );
+    let sb = run_ok(Command::new("dumpe2fs").arg("-h").arg(image));
+    assert!(
+        !sb.lines()
+            .any(|l| l.starts_with("Filesystem features:") && l.contains("needs_recovery")),
+        "{sb}"
+    );
+}
