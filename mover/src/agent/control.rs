@@ -763,10 +763,16 @@ impl Replication for Control {
             }
             let mounts = match &r.spec.freeze {
                 Some(m) => vec![m.clone()],
-                None => {
-                    let export = self.service.export(&r.spec.volume)?;
-                    crate::node::freeze::mounts_of(&export.path).map_err(internal)?
-                }
+                // No device under the kubelet's directory: no pod uses the volume on
+                // this node (a workload scaled down before a demote), so nothing
+                // writes to it and there is nothing to freeze.
+                None => match self.service.exports.get(&r.spec.volume) {
+                    Err(crate::agent::ExportError::NoDevice { .. }) => Vec::new(),
+                    _ => {
+                        let export = self.service.export(&r.spec.volume)?;
+                        crate::node::freeze::mounts_of(&export.path).map_err(internal)?
+                    }
+                },
             };
             let dir = frozen_dir(self.service.state_dir());
             std::fs::create_dir_all(&dir).map_err(internal)?;
