@@ -1960,8 +1960,6 @@ struct CsiPair {
     b: Site,
     /// The workload's device (a loop device the driver attached).
     dev: PathBuf,
-    /// Where the kubelet published it for the workload's pod.
-    workload: PathBuf,
     /// B's image holding the replica.
     replica: PathBuf,
     size: u64,
@@ -2003,7 +2001,6 @@ impl CsiPair {
             a,
             b,
             dev,
-            workload,
             replica,
             size,
         })
@@ -2296,10 +2293,6 @@ fn a_csi_volume_replicates_through_volume_snapshots_reading_only_changed_blocks(
     });
     p.scribble(14, 40, 20 * MIB..22 * MIB);
     let want = blake3_of(&p.dev, p.size);
-    // RamenDR stops the workload first: its pod gone, the kubelet unpublishes the
-    // volume, so nothing is mounted from it to freeze.
-    p.csi.emulate_kubelet_unpublish(&p.workload);
-    let _ = std::fs::remove_file(&p.workload);
     a.cluster
         .apply(&vr_yaml("vol", "secondary", "csi-dr", Some("vol")));
     let completed = |s: &Site, reason: &str| {
