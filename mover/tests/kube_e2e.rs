@@ -767,13 +767,7 @@ spec:
 
     /// The VR's condition `ty` (null when it has none).
     fn condition_of(&self, ty: &str) -> Value {
-        self.vr()["status"]["conditions"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|c| c["type"] == ty)
-            .cloned()
-            .unwrap_or(Value::Null)
+        condition_in(&self.vr(), ty)
     }
 
     /// The VR's condition `ty`: (status, reason).
@@ -805,6 +799,17 @@ spec:
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum::<f64>() as u64
     }
+}
+
+/// The condition `ty` of the VolumeReplication `vr` (null when it has none).
+fn condition_in(vr: &Value, ty: &str) -> Value {
+    vr["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == ty)
+        .cloned()
+        .unwrap_or(Value::Null)
 }
 
 fn http_get(url: &str) -> String {
@@ -2047,13 +2052,7 @@ impl CsiPair {
 
     /// The condition `ty` of `s`'s VolumeReplication `app/vol` (null: none).
     fn condition(s: &Site, ty: &str) -> Value {
-        Self::vr(s)["status"]["conditions"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|c| c["type"] == ty)
-            .cloned()
-            .unwrap_or(Value::Null)
+        condition_in(&Self::vr(s), ty)
     }
 
     /// Waits until B's replica equals A's volume as it is now.

@@ -350,11 +350,9 @@ impl Control {
     }
 
     /// Where the chunk ids of `name`'s last cycle from a snapshot are kept.
-    fn snapshot_ids_file(&self, name: &str) -> Result<std::path::PathBuf, ServiceError> {
+    fn snapshot_ids_file(&self, name: &str) -> std::path::PathBuf {
         let dir = self.service.state_dir().join("snapshot-ids");
-        std::fs::create_dir_all(&dir).map_err(internal)?;
-        let h = blake3::hash(name.as_bytes()).to_hex();
-        Ok(dir.join(&h[..32]))
+        dir.join(crate::node::name_hash(name))
     }
 
     /// After a demote's final cycle `last`: this side is the secondary now.
@@ -520,10 +518,9 @@ impl Replication for Control {
             let status = self.status(&r);
             self.runners.stop(&name);
             self.forget_base(&r);
-            if let Ok(ids) = self.snapshot_ids_file(&name) {
-                let _ = std::fs::remove_file(ids.with_extension("cvs"));
-                let _ = std::fs::remove_file(ids);
-            }
+            let ids = self.snapshot_ids_file(&name);
+            let _ = std::fs::remove_file(ids.with_extension("cvs"));
+            let _ = std::fs::remove_file(ids);
             self.service.close_sessions_on(&r.spec.volume).await?;
             self.service.store.remove(&name).map_err(internal)?;
             let dir = journal::cycles_dir(self.service.state_dir(), &name);
@@ -722,6 +719,10 @@ impl Replication for Control {
             // The clone must be on this node already (the kubelet publishes it for the
             // reader pod): until then the export is refused and the caller waits.
             let clone = self.service.export(&q.export)?;
+            let ids_file = self.snapshot_ids_file(&q.name);
+            if let Some(dir) = ids_file.parent() {
+                std::fs::create_dir_all(dir).map_err(internal)?;
+            }
             let from = replicate::cycle::SnapshotRead {
                 path: clone.path,
                 snapshot: q.snapshot,
@@ -733,7 +734,7 @@ impl Replication for Control {
                         .map(|b| b.offset..b.offset.saturating_add(b.length))
                         .collect()
                 }),
-                ids_file: self.snapshot_ids_file(&q.name)?,
+                ids_file,
             };
             let last = self
                 .runners
@@ -774,10 +775,13 @@ impl Replication for Control {
                     }
                 },
             };
+            // Nothing mounted: nothing to record, hold, or thaw later.
+            if mounts.is_empty() {
+                return Ok(control::FreezeResponse::default());
+            }
             let dir = frozen_dir(self.service.state_dir());
             std::fs::create_dir_all(&dir).map_err(internal)?;
-            let h = blake3::hash(q.name.as_bytes()).to_hex();
-            let record = dir.join(&h[..32]);
+            let record = dir.join(crate::node::name_hash(&q.name));
             let text: String = mounts.iter().map(|m| format!("{}\n", m.display())).collect();
             crate::node::write_durably(&record, text.as_bytes()).map_err(internal)?;
             let since = std::time::Instant::now();

@@ -44,8 +44,8 @@ impl EpochStore {
     }
 
     fn path(&self, relationship: &str) -> PathBuf {
-        let name = blake3::hash(relationship.as_bytes()).to_hex();
-        self.dir.join(format!("{}.json", &name[..32]))
+        let name = crate::node::name_hash(relationship);
+        self.dir.join(format!("{name}.json"))
     }
 
     fn load(&self, relationship: &str) -> u64 {

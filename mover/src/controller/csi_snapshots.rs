@@ -22,6 +22,7 @@
 use super::desired::Desired;
 use super::reconcile::Context;
 use super::snapshot_metadata::{self, DeltaOf, Retry};
+use crate::node::name_hash;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams};
 use kube::api::{PostParams, ResourceExt};
@@ -103,11 +104,6 @@ fn resource(kind: &str) -> ApiResource {
         "v1",
         kind,
     ))
-}
-
-/// The label value of relationship `name`.
-pub fn label_value(name: &str) -> String {
-    blake3::hash(name.as_bytes()).to_hex()[..32].to_string()
 }
 
 fn created_ms(o: &DynamicObject) -> i64 {
@@ -193,7 +189,7 @@ async fn snapshots(
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), ns, &resource("VolumeSnapshot"));
     let mut list = api
-        .list(&ListParams::default().labels(&format!("{LABEL}={}", label_value(name))))
+        .list(&ListParams::default().labels(&format!("{LABEL}={}", name_hash(name))))
         .await
         .map_err(|e| {
             format!(
@@ -233,14 +229,17 @@ async fn run_step(
     let client = &ctx.client;
     let ns = &src.namespace;
     let all = snapshots(client, ns, &d.name).await?;
+    // Each snapshot's handle and time, read once (only when there is a base to find).
+    let mut contents = vec![None; all.len()];
     // The base: the snapshot the agent's last committed cycle read.
     let mut base: Option<(usize, String)> = None;
     if !s.last_snapshot.is_empty() {
         for (i, snap) in all.iter().enumerate() {
-            if let Some((handle, _)) = content_of(client, snap).await?
-                && handle == s.last_snapshot
+            contents[i] = content_of(client, snap).await?;
+            if let Some((handle, _)) = &contents[i]
+                && *handle == s.last_snapshot
             {
-                base = Some((i, handle));
+                base = Some((i, handle.clone()));
             }
         }
     }
@@ -257,8 +256,8 @@ async fn run_step(
         .iter()
         .enumerate()
         .skip(keep_from)
-        .find(|(i, _)| base.as_ref().is_none_or(|(b, _)| i > b))
-        .map(|(_, p)| p);
+        .find(|(i, _)| base.as_ref().is_none_or(|(b, _)| i > b));
+    let (pending_at, pending) = pending.unzip();
     if let Some(p) = pending.filter(|p| last && p.annotations().get(FINAL).is_none()) {
         remove_snapshot(client, ns, &p.name_any()).await?;
         let name = take(ctx, d, src, last).await?;
@@ -283,7 +282,11 @@ async fn run_step(
             None => format!("VolumeSnapshot {ns}/{name} is not ready yet"),
         }));
     }
-    let Some((handle, taken_ms)) = content_of(client, pending).await? else {
+    let content = match pending_at.and_then(|i| contents[i].take()) {
+        Some(c) => Some(c),
+        None => content_of(client, pending).await?,
+    };
+    let Some((handle, taken_ms)) = content else {
         return Ok(Step::Waiting(format!(
             "VolumeSnapshot {ns}/{name} has no snapshot handle yet"
         )));
@@ -484,7 +487,7 @@ async fn create(
                 "source": {"persistentVolumeClaimName": src.pvc},
             },
         }));
-    object.metadata.labels = Some([(LABEL.to_string(), label_value(&d.name))].into());
+    object.metadata.labels = Some([(LABEL.to_string(), name_hash(&d.name))].into());
     let mut annotations = std::collections::BTreeMap::from([(LABEL.to_string(), d.name.clone())]);
     if last {
         annotations.insert(FINAL.into(), "true".into());
@@ -516,7 +519,7 @@ async fn reader(
 ) -> Result<Option<String>, String> {
     let ns = &src.namespace;
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
-    let labels = serde_json::json!({LABEL: label_value(&d.name)});
+    let labels = serde_json::json!({LABEL: name_hash(&d.name)});
     let pvc = match pvcs.get_opt(name).await.map_err(|e| e.to_string())? {
         Some(p) => p,
         None => {

@@ -17,6 +17,7 @@
 //! or a service that stays down, is an error the caller answers with a full comparison
 //! of the volume: never a wrong replica.
 
+use chunker::extents::merge_ranges;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
@@ -260,7 +261,8 @@ pub async fn changed(
             Ok(()) => {
                 return Ok(Changed {
                     capacity,
-                    ranges: merged(ranges),
+                    // A resumed stream may repeat the block it was cut in.
+                    ranges: merge_ranges(ranges),
                     calls,
                 });
             }
@@ -354,20 +356,6 @@ fn transient(code: Code) -> bool {
     )
 }
 
-/// Sorted, and merged where ranges touch or overlap (a resumed stream may repeat the
-/// block it was cut in).
-fn merged(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
-    ranges.sort_by_key(|r| r.start);
-    let mut out: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
-    for r in ranges {
-        match out.last_mut() {
-            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
-            _ => out.push(r),
-        }
-    }
-    out
-}
-
 /// HOST of HOST:PORT or [V6]:PORT: the name the sidecar's certificate must carry.
 fn host_of(address: &str) -> &str {
     let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
@@ -380,7 +368,7 @@ mod tests {
 
     #[test]
     fn ranges_merge_where_they_touch_or_overlap() {
-        let got = merged(vec![
+        let got = merge_ranges(vec![
             8192..12288,
             0..4096,
             4096..8192,
@@ -388,7 +376,7 @@ mod tests {
             22528..26624,
         ]);
         assert_eq!(got, vec![0..12288, 20480..26624]);
-        assert_eq!(merged(vec![]), Vec::<Range<u64>>::new());
+        assert_eq!(merge_ranges(vec![]), Vec::<Range<u64>>::new());
     }
 
     #[test]

@@ -18,6 +18,12 @@ pub use exports::{Export, ExportError, Exports};
 pub use failpoint::failpoint;
 pub use labels::label_value;
 
+/// A name (a relationship's, a schedule's) as a file name or label value: 32 hex digits
+/// of its BLAKE3 (names may hold '/', and a label value is at most 63 characters).
+pub fn name_hash(name: &str) -> String {
+    blake3::hash(name.as_bytes()).to_hex()[..32].to_string()
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()

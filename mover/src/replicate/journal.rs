@@ -126,8 +126,9 @@ struct Commit {
 
 /// The directory of a relationship's cycles.
 pub(crate) fn cycles_dir(state_dir: &Path, relationship: &str) -> PathBuf {
-    let name = blake3::hash(relationship.as_bytes()).to_hex();
-    state_dir.join("cycles").join(&name[..32])
+    state_dir
+        .join("cycles")
+        .join(crate::node::name_hash(relationship))
 }
 
 /// The last cycle applied for the relationship whose cycles are in `dir`, if any (once

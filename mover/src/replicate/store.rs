@@ -230,8 +230,8 @@ impl Store {
     }
 
     fn path(&self, name: &str) -> PathBuf {
-        let h = blake3::hash(name.as_bytes()).to_hex();
-        self.dir.join(format!("{}.json", &h[..32]))
+        let h = crate::node::name_hash(name);
+        self.dir.join(format!("{h}.json"))
     }
 
     /// The record of `name`.

@@ -97,8 +97,8 @@ impl Schedules {
     }
 
     fn path(&self, name: &str) -> PathBuf {
-        let h = blake3::hash(name.as_bytes()).to_hex();
-        self.dir.join(format!("{}.pb", &h[..32]))
+        let h = crate::node::name_hash(name);
+        self.dir.join(format!("{h}.pb"))
     }
 
     fn save(&self, record: &Record) -> std::io::Result<()> {

@@ -200,15 +200,10 @@ impl Cluster {
 
     /// The last lines of every component's log, for a failure message.
     pub fn logs(&self) -> String {
-        let mut out = String::new();
-        for what in ["etcd", "kube-apiserver", "kube-controller-manager"] {
-            let text =
-                std::fs::read_to_string(self.dir.join(format!("{what}.log"))).unwrap_or_default();
-            let lines: Vec<_> = text.lines().collect();
-            let tail = &lines[lines.len().saturating_sub(15)..];
-            out += &format!("--- {what} (last lines)\n{}\n", tail.join("\n"));
-        }
-        out
+        log_tails(
+            &self.dir,
+            ["etcd", "kube-apiserver", "kube-controller-manager"],
+        )
     }
 
     /// Runs kubectl as the admin.
@@ -339,6 +334,18 @@ fn ok(out: Output, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stdout)
     );
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// The last lines of `dir/<program>.log` of each of `programs`, for a failure message.
+pub fn log_tails<'a>(dir: &Path, programs: impl IntoIterator<Item = &'a str>) -> String {
+    let mut out = String::new();
+    for what in programs {
+        let text = std::fs::read_to_string(dir.join(format!("{what}.log"))).unwrap_or_default();
+        let lines: Vec<_> = text.lines().collect();
+        let tail = &lines[lines.len().saturating_sub(15)..];
+        out += &format!("--- {what} (last lines)\n{}\n", tail.join("\n"));
+    }
+    out
 }
 
 /// Runs `bin`/kubectl with `kubeconfig`, `stdin` fed to it.

@@ -315,15 +315,7 @@ spec:
 
     /// The last lines of every component's log, for a failure message.
     pub fn logs(&self) -> String {
-        let mut out = String::new();
-        for what in PROGRAMS.iter().filter(|p| **p != "grpcurl") {
-            let text =
-                std::fs::read_to_string(self.dir.join(format!("{what}.log"))).unwrap_or_default();
-            let lines: Vec<_> = text.lines().collect();
-            let tail = &lines[lines.len().saturating_sub(15)..];
-            out += &format!("--- {what} (last lines)\n{}\n", tail.join("\n"));
-        }
-        out
+        super::cluster::log_tails(&self.dir, PROGRAMS.into_iter().filter(|p| *p != "grpcurl"))
     }
 
     fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
