@@ -267,7 +267,7 @@ async fn run_step(
     }
     let Some(pending) = pending else {
         let interval = d.params.interval.as_millis() as i64;
-        let due_in = base_at.map_or(0, |at| at + interval - super::super::replicate::now_ms());
+        let due_in = base_at.map_or(0, |at| at + interval - crate::replicate::now_ms());
         if due_in > 0 && !last {
             return Ok(Step::Idle(Duration::from_millis(due_in as u64)));
         }
@@ -475,7 +475,7 @@ async fn create(
     last: bool,
 ) -> Result<String, String> {
     let ns = &src.namespace;
-    let now = super::super::replicate::now_ms();
+    let now = crate::replicate::now_ms();
     let name = format!("{}-mover-{now}", src.pvc);
     let name = name[name.len().saturating_sub(253)..].to_string();
     let ar = resource("VolumeSnapshot");
