@@ -4,6 +4,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
     // prost-build finds protoc through PROTOC.
     unsafe_env_set("PROTOC", protoc);
+    let well_known = protoc_bin_vendored::include_path()?;
     tonic_prost_build::configure()
         .bytes(".mover.transfer.v1")
         .compile_protos(
@@ -14,8 +15,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "proto/schedule.proto",
                 "proto/locate.proto",
                 "proto/snapshot_metadata.proto",
+                "proto/csi.proto",
             ],
-            &["proto"],
+            // csi.proto imports google/protobuf/*: protoc's own well-known types.
+            &["proto", well_known.to_str().ok_or("protoc's include path is not UTF-8")?],
         )?;
     Ok(())
 }

@@ -12,6 +12,10 @@
 #    the CSI spec's csi.proto into $bin/proto. The Go module proxy refuses
 #    csi-driver-host-path (403), so csi/hostpath is a copy of its source at its tag (see
 #    csi/hostpath/README.md).
+#  - csi-sanity, the CSI conformance tests (github.com/kubernetes-csi/csi-test/v5, its
+#    cmd/csi-sanity), run against the driver's socket: version CSI_SANITY below, required by
+#    the wrapper module sanity/ (outside csi/, so that the CSI stack's stamp does not cover
+#    it; this script fails if its go.mod says otherwise).
 # Each part has its own stamp (its inputs, its function below and the Go version), so a
 # change to one part does not rebuild the other.
 #
@@ -21,7 +25,8 @@
 # Needs Go >= 1.26 and the Go module proxy. A cold build of the control plane takes about
 # 15-25 minutes on two cores; of the CSI stack about 14 more (measured: 13m56s, on two
 # cores shared with a cargo build, the modules already downloaded; downloading them took
-# under a minute). Later runs take a second.
+# under a minute); of csi-sanity about 1.5 more (measured: 1m21s, its modules downloaded).
+# Later runs take a second.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${MOVER_KUBE_CACHE:-/var/tmp/mover-kube}"
@@ -39,6 +44,8 @@ snapshot-metadata github.com/kubernetes-csi/external-snapshot-metadata          
 snapshot-metadata github.com/kubernetes-csi/external-snapshot-metadata/client      v1.0.0
 grpcurl           github.com/fullstorydev/grpcurl                                  v1.9.4
 "
+# module, version of csi-sanity (wrapper dir sanity/).
+CSI_SANITY="github.com/kubernetes-csi/csi-test/v5 v5.6.0"
 export GOFLAGS=-mod=mod CGO_ENABLED=0
 
 # The version CSI_VERSIONS gives module $1.
@@ -107,6 +114,14 @@ csi_stack() {
   chmod u+w "$bin"/crds/* "$bin"/proto/*
 }
 
+csi_sanity() {
+  local pinned
+  pinned="$(cd "$here/sanity" && go list -m -f '{{.Path}} {{.Version}}' "${CSI_SANITY%% *}")"
+  [ "$pinned" = "$CSI_SANITY" ] || { echo "build.sh: sanity pins '$pinned', CSI_SANITY says '$CSI_SANITY'" >&2; exit 1; }
+  echo "build.sh: building csi-sanity ${CSI_SANITY#* }" >&2
+  (cd "$here/sanity" && go build -trimpath -ldflags "-s -w -X main.VERSION=${CSI_SANITY#* }" -o "$bin/csi-sanity" github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity)
+}
+
 # Builds part $1 (a function above) unless its stamp file $2 holds the hash of its inputs:
 # the text $3 (versions, helpers), the files $4..., the function's own text and the Go
 # version.
@@ -126,4 +141,5 @@ build_part() {
 
 build_part control_plane .stamp "$CERT_MANAGER" "$here"/kube/go.mod "$here"/kube/go.sum "$here"/etcd/go.mod "$here"/etcd/go.sum "$here"/etcd/main.go
 build_part csi_stack .stamp-csi "$CSI_VERSIONS$(declare -f csi_version module_dir)" $(find "$here/csi" -type f | LC_ALL=C sort)
+build_part csi_sanity .stamp-sanity "$CSI_SANITY" $(find "$here/sanity" -type f | LC_ALL=C sort)
 echo "$bin"

@@ -6,6 +6,8 @@
 //! - [`locate`]: where a peer cluster keeps a relationship's volume, from `proto/locate.proto`.
 //! - [`snapshot_metadata`]: Kubernetes' SnapshotMetadata API, the changed blocks of CSI
 //!   snapshots (client side).
+//! - [`csi`]: the Container Storage Interface (`proto/csi.proto`), server side, for
+//!   mover's CSI plugin.
 //! - [`auth`]: the control and replication roles, by bearer token or certificate.
 //! - [`tls`]: TLS configuration from PEM files or memory (rustls).
 //! - [`frames`]: packing volume data into frames, zstd-compressed only when it shrinks.
@@ -27,6 +29,12 @@ pub use rate::RateLimiter;
 #[allow(missing_docs, clippy::all)]
 pub mod proto {
     tonic::include_proto!("mover.transfer.v1");
+}
+
+/// The Container Storage Interface v1 (`proto/csi.proto`).
+#[allow(missing_docs, clippy::all)]
+pub mod csi {
+    tonic::include_proto!("csi.v1");
 }
 
 /// The relationship control API (`proto/replication.proto`), client and server.

@@ -62,6 +62,16 @@ pub struct AgentConfig {
     /// the CA (`nbds://`), since NBD has no token.
     #[serde(default)]
     pub nbd_listen: Option<SocketAddr>,
+    /// Unix socket of mover's CSI plugin (Identity, Controller, Node), e.g.
+    /// "/var/lib/kubelet/plugins/csi.replication.mover/csi.sock" [default: not served].
+    /// Its Node side makes a served volume (one still hydrating included) a block
+    /// device for a pod; its Controller side makes empty volumes on this node.
+    #[serde(default)]
+    pub csi_socket: Option<PathBuf>,
+    /// Where the CSI plugin creates volumes (sparse image files) [default:
+    /// STATE_DIR/volumes]. The agent serves them as exports by their volume ids.
+    #[serde(default)]
+    pub csi_volumes: Option<PathBuf>,
 }
 
 /// Where the agent's TLS certificate comes from: PEM files, or the cluster's signer.
@@ -197,9 +207,10 @@ impl AgentConfig {
                     .into(),
             ));
         }
-        if config.exports.is_empty() && config.volume_roots.is_empty() {
+        if config.exports.is_empty() && config.volume_roots.is_empty() && config.csi_socket.is_none() {
             return Err(invalid(
-                "no [exports.NAME] sections and no volume_roots: the agent would serve nothing"
+                "no [exports.NAME] sections, no volume_roots and no csi_socket: the agent would \
+                 serve nothing"
                     .into(),
             ));
         }
@@ -243,6 +254,13 @@ impl AgentConfig {
         self.replication_token_file
             .as_deref()
             .map_or(Ok(Vec::new()), read_tokens)
+    }
+
+    /// Where the CSI plugin creates volumes.
+    pub fn csi_volumes(&self) -> PathBuf {
+        self.csi_volumes
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join("volumes"))
     }
 
     /// Where the NBD server listens.

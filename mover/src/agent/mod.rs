@@ -6,7 +6,9 @@
 pub mod certificate;
 mod config;
 mod control;
+pub mod csi;
 mod cycles;
+pub mod device;
 mod fencing;
 mod health;
 mod hydration;
@@ -116,11 +118,12 @@ pub async fn serve(
         crate::replicate::Store::open(&config.state_dir)
             .map_err(|e| state_err(std::io::Error::other(e.to_string())))?,
     );
-    let exports = Exports::open(
-        config.exports.clone(),
-        config.volume_roots.clone(),
-        &config.state_dir,
-    )
+    // The CSI plugin's volumes are exports by their ids.
+    let mut roots = config.volume_roots.clone();
+    if config.csi_socket.is_some() {
+        roots.push(config.csi_volumes());
+    }
+    let exports = Exports::open(config.exports.clone(), roots, &config.state_dir)
     .map_err(state_err)?;
     let service = Arc::new(
         AgentService::new(
@@ -225,6 +228,42 @@ pub async fn serve(
                 transport::nbd::serve_tcp(listener, exports, Some(acceptor), stopped).await
             {
                 tracing::error!(%addr, "cannot serve NBD: {e}");
+            }
+        });
+    }
+    if let Some(socket) = &config.csi_socket {
+        let node = config.node_name().ok_or_else(|| ConfigError::Invalid {
+            path: "agent.toml".into(),
+            why: "csi_socket needs the node's name: set node_name or the NODE_NAME \
+                  environment variable (the downward API's spec.nodeName)"
+                .into(),
+        })?;
+        let frontend = device::FuseLoop::new(
+            &config.state_dir.join("devices"),
+            tokio::runtime::Handle::current(),
+        )
+        .map_err(state_err)?;
+        let devices = device::Devices::new(
+            Box::new(frontend),
+            Arc::new(hydration::NbdExportsOf {
+                exports: exports.clone(),
+                hydrations: hydrations.clone(),
+            }),
+        );
+        let plugin = csi::Plugin {
+            node,
+            exports: exports.clone(),
+            devices,
+            volumes: config.csi_volumes(),
+        };
+        let mut stop = stop_rx.clone();
+        let path = socket.clone();
+        tokio::spawn(async move {
+            let stopped = async move {
+                let _ = stop.changed().await;
+            };
+            if let Err(e) = csi::serve(plugin, path.clone(), stopped).await {
+                tracing::error!(socket = %path.display(), "cannot serve the CSI plugin: {e}");
             }
         });
     }

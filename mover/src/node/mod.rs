@@ -10,6 +10,7 @@ pub mod exports;
 mod failpoint;
 pub mod freeze;
 mod labels;
+pub mod loop_device;
 pub mod point_in_time;
 
 pub use chunker::durable::write_durably;

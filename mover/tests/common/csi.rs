@@ -423,37 +423,13 @@ spec:
 
     /// Runs grpcurl with `args`, the request `json` on its standard input (`-d @`).
     pub fn grpcurl(&self, args: &[&str], json: &str) -> Output {
-        let mut child = Command::new(self.bin.join("grpcurl"))
-            .args(["-d", "@"])
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("grpcurl");
-        let mut input = child.stdin.take().unwrap();
-        input.write_all(json.as_bytes()).unwrap();
-        drop(input);
-        child.wait_with_output().unwrap()
+        grpcurl(&self.bin, args, json)
     }
 
     /// One call of the driver's CSI service `method` (e.g. `csi.v1.Node/NodeStageVolume`)
     /// on its socket, as grpcurl ran it.
     fn csi_output(&self, method: &str, request: &serde_json::Value) -> Output {
-        let proto = self.bin.join("proto");
-        self.grpcurl(
-            &[
-                "-plaintext",
-                "-unix",
-                "-import-path",
-                proto.to_str().unwrap(),
-                "-proto",
-                "csi.proto",
-                self.socket.to_str().unwrap(),
-                method,
-            ],
-            &request.to_string(),
-        )
+        csi_output(&self.bin, &self.socket, method, request)
     }
 
     /// One call of the driver's CSI service `method`; its answer, or a panic if it fails.
@@ -589,6 +565,42 @@ impl Drop for CsiStack {
             }
         }
     }
+}
+
+/// Runs `bin`'s grpcurl with `args`, the request `json` on its standard input (`-d @`).
+pub fn grpcurl(bin: &Path, args: &[&str], json: &str) -> Output {
+    let mut child = Command::new(bin.join("grpcurl"))
+        .args(["-d", "@"])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("grpcurl");
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(json.as_bytes()).unwrap();
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+/// One call of CSI `method` (e.g. `csi.v1.Node/NodeStageVolume`) on the plugin socket
+/// `socket`, through `bin`'s grpcurl and the spec's csi.proto.
+pub fn csi_output(bin: &Path, socket: &Path, method: &str, request: &serde_json::Value) -> Output {
+    let proto = bin.join("proto");
+    grpcurl(
+        bin,
+        &[
+            "-plaintext",
+            "-unix",
+            "-import-path",
+            proto.to_str().unwrap(),
+            "-proto",
+            "csi.proto",
+            socket.to_str().unwrap(),
+            method,
+        ],
+        &request.to_string(),
+    )
 }
 
 /// A TCP proxy to 127.0.0.1:`to` that cuts connections once `after` bytes came back

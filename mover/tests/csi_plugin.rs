@@ -1,0 +1,440 @@
+//! mover's CSI plugin (the agent's `csi_socket`) with real clients:
+//! - csi-sanity, the CSI conformance suite (github.com/kubernetes-csi/csi-test, built by
+//!   deploy/test-cluster/build.sh), for Filesystem and Block volumes;
+//! - the kubelet's step for a pod, made here with the plugin's own Node calls through
+//!   grpcurl (no kubelet runs on these machines), on a volume still hydrating from a
+//!   peer agent: its device and file system are usable at once, every byte read is the
+//!   source's, and an agent killed mid-fill gives errors, never a wrong byte.
+
+mod common;
+
+use common::{
+    MIB,
+    agent::{Agent, TOKEN},
+    blake3_of,
+    csi::csi_output,
+};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    time::Instant,
+};
+
+/// build.sh's binaries with csi-sanity, grpcurl and csi.proto, and root (the plugin
+/// attaches loop devices and mounts); `None` after `skip_unless_ci` otherwise.
+fn tools() -> Option<PathBuf> {
+    let bin = common::cluster::binaries()?;
+    let missing: Vec<_> = ["csi-sanity", "grpcurl", "proto/csi.proto"]
+        .into_iter()
+        .filter(|f| !bin.join(f).is_file())
+        .collect();
+    if !missing.is_empty() {
+        common::skip_unless_ci(&format!(
+            "{} not in {}: build them with deploy/test-cluster/build.sh",
+            missing.join(", "),
+            bin.display()
+        ));
+        return None;
+    }
+    if !rustix::process::geteuid().is_root() {
+        common::skip_unless_ci("the CSI plugin needs root (FUSE, loop devices, mounts)");
+        return None;
+    }
+    Some(bin)
+}
+
+/// An agent serving the CSI plugin on `dir/csi.sock` as node `node`, with `exports`.
+fn plugin_agent(dir: &Path, node: &str, exports: &[(&str, &Path, bool)]) -> Agent {
+    Agent::start_with_settings(
+        dir,
+        exports,
+        None,
+        &format!(
+            "node_name = \"{node}\"\ncsi_socket = \"{}\"",
+            dir.join("csi.sock").display()
+        ),
+    )
+}
+
+fn ok(out: Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn run(cmd: &str, args: &[&str]) -> Output {
+    Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd} is needed by this test: {e}"))
+}
+
+/// `mover hydrate ARGS` with the test token.
+fn hydrate(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_mover"))
+        .arg("hydrate")
+        .args(args)
+        .env("MOVER_TOKEN", TOKEN)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    ok(out, &format!("mover hydrate {}", args.join(" ")))
+}
+
+#[test]
+fn csi_sanity_passes_for_filesystem_and_block_volumes() {
+    let Some(bin) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let agent = plugin_agent(dir.path(), "node-a", &[]);
+    for access in ["mount", "block"] {
+        // csi-sanity makes both directories before each test and fails if they exist.
+        let work = dir.path().join(format!("sanity-{access}"));
+        std::fs::create_dir_all(&work).unwrap();
+        let out = Command::new(bin.join("csi-sanity"))
+            .arg(format!("--csi.endpoint=unix://{}", dir.path().join("csi.sock").display()))
+            .arg(format!("--csi.mountdir={}", work.join("target").display()))
+            .arg(format!("--csi.stagingdir={}", work.join("staging").display()))
+            .arg(format!("--csi.testvolumesize={}", 64 * MIB))
+            .arg(format!("--csi.testvolumeaccesstype={access}"))
+            .arg("--ginkgo.no-color")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let summary = text
+            .lines()
+            .find(|l| l.contains(" Passed | "))
+            .unwrap_or_else(|| panic!("csi-sanity ({access}) printed no summary:\n{text}"));
+        eprintln!("csi-sanity, {access} volumes: {summary}");
+        assert!(
+            out.status.success(),
+            "csi-sanity ({access}) failed:\n{text}{}",
+            String::from_utf8_lossy(&out.stderr),
+        );
+        // Every spec our capabilities reach runs and passes; the rest are the
+        // capabilities the plugin does not declare (snapshots, cloning, expansion,
+        // ControllerPublish, ListVolumes, GetCapacity, volume stats and health, group
+        // snapshots), which csi-sanity skips by name.
+        assert!(
+            summary.contains("33 Passed | 0 Failed"),
+            "csi-sanity ({access}): {summary}"
+        );
+    }
+    drop(agent);
+    assert_no_devices_left(dir.path());
+}
+
+/// No loop device is left over the agent's FUSE files, and no FUSE mount.
+fn assert_no_devices_left(dir: &Path) {
+    let loops = ok(run("losetup", &["--list", "--noheadings", "--output", "BACK-FILE"]), "losetup");
+    let state = dir.join("agent-state").display().to_string();
+    assert!(!loops.contains(&state), "loop devices left: {loops}");
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(&state), "mounts left under {state}");
+}
+
+/// A source tree: files of several sizes and kinds, with their BLAKE3s by path.
+fn source_tree(root: &Path) -> BTreeMap<String, String> {
+    use rand::{RngCore, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(40);
+    let mut files = BTreeMap::new();
+    for (i, size) in [0u64, 1, 4095, 4096, 65_537, MIB + 7, 9 * MIB, 17 * MIB + 3]
+        .into_iter()
+        .enumerate()
+    {
+        let rel = format!("d{}/f{i}.bin", i % 3);
+        let path = root.join(&rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let mut data = vec![0u8; size as usize];
+        rng.fill_bytes(&mut data);
+        std::fs::write(&path, &data).unwrap();
+        files.insert(rel, blake3::hash(&data).to_hex().to_string());
+    }
+    files
+}
+
+/// The BLAKE3 of every file under `root` (relative paths).
+fn hashes_under(root: &Path, names: impl Iterator<Item = String>) -> BTreeMap<String, String> {
+    names
+        .map(|rel| {
+            let data = std::fs::read(root.join(&rel))
+                .unwrap_or_else(|e| panic!("cannot read {rel} through the volume: {e}"));
+            (rel, blake3::hash(&data).to_hex().to_string())
+        })
+        .collect()
+}
+
+/// The kubelet's calls for one volume of one pod.
+struct Kubelet<'a> {
+    bin: &'a Path,
+    socket: PathBuf,
+    volume: String,
+    staging: PathBuf,
+    target: PathBuf,
+    capability: serde_json::Value,
+}
+
+impl Kubelet<'_> {
+    fn call(&self, method: &str, request: serde_json::Value) -> Output {
+        csi_output(self.bin, &self.socket, method, &request)
+    }
+
+    fn stage_and_publish(&self) {
+        std::fs::create_dir_all(&self.staging).unwrap();
+        ok(
+            self.call(
+                "csi.v1.Node/NodeStageVolume",
+                serde_json::json!({
+                    "volumeId": self.volume,
+                    "stagingTargetPath": self.staging,
+                    "volumeCapability": self.capability,
+                }),
+            ),
+            "NodeStageVolume",
+        );
+        ok(
+            self.call(
+                "csi.v1.Node/NodePublishVolume",
+                serde_json::json!({
+                    "volumeId": self.volume,
+                    "stagingTargetPath": self.staging,
+                    "targetPath": self.target,
+                    "volumeCapability": self.capability,
+                }),
+            ),
+            "NodePublishVolume",
+        );
+    }
+
+    fn unpublish_and_unstage(&self) -> (Output, Output) {
+        let a = self.call(
+            "csi.v1.Node/NodeUnpublishVolume",
+            serde_json::json!({"volumeId": self.volume, "targetPath": self.target}),
+        );
+        let b = self.call(
+            "csi.v1.Node/NodeUnstageVolume",
+            serde_json::json!({"volumeId": self.volume, "stagingTargetPath": self.staging}),
+        );
+        (a, b)
+    }
+}
+
+impl Drop for Kubelet<'_> {
+    fn drop(&mut self) {
+        let _ = self.unpublish_and_unstage();
+    }
+}
+
+/// A source agent exporting an ext4 image made from [`source_tree`], and a destination
+/// agent with the CSI plugin and an export `dst` to hydrate into.
+struct Hydrating {
+    dir: tempfile::TempDir,
+    files: BTreeMap<String, String>,
+    src_img: PathBuf,
+    dst_img: PathBuf,
+    src: Agent,
+    dst: Agent,
+}
+
+const VOLUME: u64 = 256 * MIB;
+
+impl Hydrating {
+    fn new() -> Hydrating {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::create_dir_all(&b).unwrap();
+        let tree = dir.path().join("tree");
+        let files = source_tree(&tree);
+        std::fs::create_dir_all(&a).unwrap();
+        let src_img = a.join("src.img");
+        ok(
+            run(
+                "mkfs.ext4",
+                &[
+                    "-q",
+                    "-F",
+                    "-d",
+                    tree.to_str().unwrap(),
+                    src_img.to_str().unwrap(),
+                    &format!("{}M", VOLUME / MIB),
+                ],
+            ),
+            "mkfs.ext4 -d",
+        );
+        let dst_img = b.join("dst.img");
+        let src = Agent::start(&a, &[("src", &src_img, true)], None);
+        let dst = plugin_agent(&b, "node-b", &[("dst", &dst_img, false)]);
+        Hydrating {
+            dir,
+            files,
+            src_img,
+            dst_img,
+            src,
+            dst,
+        }
+    }
+
+    fn control(&self) -> String {
+        format!("agent://127.0.0.1:{}", self.dst.port)
+    }
+
+    /// Starts the fill, slow (`bwlimit`), so the volume is still arriving while used.
+    fn start(&self, bwlimit: &str) {
+        hydrate(&[
+            "start",
+            "dst",
+            "--from",
+            &self.src.url("src"),
+            "--agent",
+            &self.control(),
+            "--bwlimit",
+            bwlimit,
+        ]);
+    }
+
+    fn progress(&self) -> serde_json::Value {
+        let out = hydrate(&["status", "dst", "--json", "--agent", &self.control()]);
+        serde_json::from_str(&out).unwrap()
+    }
+
+    /// Lets the fill run at full speed and waits for it.
+    fn finish(&self) {
+        hydrate(&["cancel", "dst", "--agent", &self.control()]);
+        hydrate(&["start", "dst", "--from", &self.src.url("src"), "--agent", &self.control()]);
+        hydrate(&["wait", "dst", "--agent", &self.control()]);
+    }
+
+    fn kubelet<'a>(&self, bin: &'a Path, capability: serde_json::Value) -> Kubelet<'a> {
+        let b = self.dir.path().join("b");
+        Kubelet {
+            bin,
+            socket: b.join("csi.sock"),
+            volume: "dst".into(),
+            staging: b.join("kubelet/staging/dst"),
+            target: b.join("kubelet/pods/pod-1/volumes/dst"),
+            capability,
+        }
+    }
+}
+
+#[test]
+fn a_filesystem_volume_still_hydrating_mounts_at_once_and_reads_the_source() {
+    let Some(bin) = tools() else { return };
+    let h = Hydrating::new();
+    let started = Instant::now();
+    // 2 MiB/s: the 256 MiB volume would take two minutes to arrive by itself.
+    h.start("2M");
+    let kubelet = h.kubelet(
+        &bin,
+        serde_json::json!({
+            "mount": {"fsType": "ext4"},
+            "accessMode": {"mode": "SINGLE_NODE_WRITER"},
+        }),
+    );
+    kubelet.stage_and_publish();
+    let mounted = started.elapsed();
+    let seen = hashes_under(&kubelet.target, h.files.keys().cloned());
+    let read = started.elapsed();
+    let p = h.progress();
+    eprintln!(
+        "hydrating 256 MiB ext4 volume: mounted {:.0} ms after the start, every file read \
+         {:.0} ms after; {}/{} regions local then",
+        mounted.as_secs_f64() * 1e3,
+        read.as_secs_f64() * 1e3,
+        p["present"],
+        p["regions"]
+    );
+    assert_eq!(seen, h.files, "a file read through the hydrating volume differs");
+    assert!(
+        p["present"].as_u64() < p["regions"].as_u64(),
+        "the volume had arrived whole before it was used: {p}"
+    );
+    // The pod writes; the write is durable on the volume once fsync'd.
+    let written = kubelet.target.join("written-by-the-pod");
+    std::fs::write(&written, b"hello from the pod\n").unwrap();
+    std::fs::File::open(&written).unwrap().sync_all().unwrap();
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    ok(unpublished, "NodeUnpublishVolume");
+    ok(unstaged, "NodeUnstageVolume");
+    assert!(!kubelet.target.exists(), "the pod's path is left after NodeUnpublishVolume");
+    h.finish();
+    let fsck = run("e2fsck", &["-fn", h.dst_img.to_str().unwrap()]);
+    ok(fsck, "e2fsck -fn of the hydrated volume");
+    let cat = run(
+        "debugfs",
+        &["-R", "cat /written-by-the-pod", h.dst_img.to_str().unwrap()],
+    );
+    assert_eq!(ok(cat, "debugfs cat"), "hello from the pod\n");
+    drop(kubelet);
+    let b = h.dir.path().join("b");
+    drop(h);
+    assert_no_devices_left(&b);
+}
+
+#[test]
+fn a_block_volume_whose_agent_is_killed_mid_fill_gives_errors_then_the_source_bytes() {
+    let Some(bin) = tools() else { return };
+    let mut h = Hydrating::new();
+    h.start("2M");
+    let kubelet = h.kubelet(
+        &bin,
+        serde_json::json!({
+            "block": {},
+            "accessMode": {"mode": "SINGLE_NODE_WRITER"},
+        }),
+    );
+    kubelet.stage_and_publish();
+    // The pod's device: its first bytes are the source's (fetched on demand).
+    let first = direct_read(&kubelet.target, 0);
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    assert_eq!(first.stdout, read_at(&h.src_img, 0, MIB));
+    h.dst.child.kill().unwrap();
+    h.dst.child.wait().unwrap();
+    // With its agent gone the device answers errors, never bytes it does not have.
+    let late = direct_read(&kubelet.target, 200 * MIB);
+    assert!(
+        !late.status.success(),
+        "a read past what had arrived succeeded with the agent dead"
+    );
+    // Started again, the agent clears the dead device; the kubelet's retry of the pod
+    // unpublishes, unstages and publishes it again, and the fill resumes.
+    h.dst.kill_and_restart();
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    ok(unpublished, "NodeUnpublishVolume after the restart");
+    ok(unstaged, "NodeUnstageVolume after the restart");
+    kubelet.stage_and_publish();
+    assert_eq!(
+        blake3_of(&kubelet.target, VOLUME),
+        blake3_of(&h.src_img, VOLUME),
+        "the device's bytes differ from the source's"
+    );
+}
+
+/// 1 MiB of `device` at `offset`, read past the page cache (dd iflag=direct).
+fn direct_read(device: &Path, offset: u64) -> Output {
+    run(
+        "dd",
+        &[
+            &format!("if={}", device.display()),
+            "iflag=direct",
+            "bs=1M",
+            "count=1",
+            &format!("skip={}", offset / MIB),
+            "status=none",
+        ],
+    )
+}
+
+fn read_at(path: &Path, offset: u64, len: u64) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; len as usize];
+    std::fs::File::open(path)
+        .unwrap()
+        .read_exact_at(&mut buf, offset)
+        .unwrap();
+    buf
+}
