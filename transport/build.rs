@@ -18,7 +18,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "proto/csi.proto",
             ],
             // csi.proto imports google/protobuf/*: protoc's own well-known types.
-            &["proto", well_known.to_str().ok_or("protoc's include path is not UTF-8")?],
+            &[
+                "proto",
+                well_known
+                    .to_str()
+                    .ok_or("protoc's include path is not UTF-8")?,
+            ],
         )?;
     Ok(())
 }

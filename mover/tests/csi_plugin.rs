@@ -96,9 +96,15 @@ fn csi_sanity_passes_for_filesystem_and_block_volumes() {
         let work = dir.path().join(format!("sanity-{access}"));
         std::fs::create_dir_all(&work).unwrap();
         let out = Command::new(bin.join("csi-sanity"))
-            .arg(format!("--csi.endpoint=unix://{}", dir.path().join("csi.sock").display()))
+            .arg(format!(
+                "--csi.endpoint=unix://{}",
+                dir.path().join("csi.sock").display()
+            ))
             .arg(format!("--csi.mountdir={}", work.join("target").display()))
-            .arg(format!("--csi.stagingdir={}", work.join("staging").display()))
+            .arg(format!(
+                "--csi.stagingdir={}",
+                work.join("staging").display()
+            ))
             .arg(format!("--csi.testvolumesize={}", 64 * MIB))
             .arg(format!("--csi.testvolumeaccesstype={access}"))
             .arg("--ginkgo.no-color")
@@ -130,7 +136,13 @@ fn csi_sanity_passes_for_filesystem_and_block_volumes() {
 
 /// No loop device is left over the agent's FUSE files, and no FUSE mount.
 fn assert_no_devices_left(dir: &Path) {
-    let loops = ok(run("losetup", &["--list", "--noheadings", "--output", "BACK-FILE"]), "losetup");
+    let loops = ok(
+        run(
+            "losetup",
+            &["--list", "--noheadings", "--output", "BACK-FILE"],
+        ),
+        "losetup",
+    );
     let state = dir.join("agent-state").display().to_string();
     assert!(!loops.contains(&state), "loop devices left: {loops}");
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
@@ -304,7 +316,14 @@ impl Hydrating {
     /// Lets the fill run at full speed and waits for it.
     fn finish(&self) {
         hydrate(&["cancel", "dst", "--agent", &self.control()]);
-        hydrate(&["start", "dst", "--from", &self.src.url("src"), "--agent", &self.control()]);
+        hydrate(&[
+            "start",
+            "dst",
+            "--from",
+            &self.src.url("src"),
+            "--agent",
+            &self.control(),
+        ]);
         hydrate(&["wait", "dst", "--agent", &self.control()]);
     }
 
@@ -348,7 +367,10 @@ fn a_filesystem_volume_still_hydrating_mounts_at_once_and_reads_the_source() {
         p["present"],
         p["regions"]
     );
-    assert_eq!(seen, h.files, "a file read through the hydrating volume differs");
+    assert_eq!(
+        seen, h.files,
+        "a file read through the hydrating volume differs"
+    );
     assert!(
         p["present"].as_u64() < p["regions"].as_u64(),
         "the volume had arrived whole before it was used: {p}"
@@ -360,7 +382,10 @@ fn a_filesystem_volume_still_hydrating_mounts_at_once_and_reads_the_source() {
     let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
     ok(unpublished, "NodeUnpublishVolume");
     ok(unstaged, "NodeUnstageVolume");
-    assert!(!kubelet.target.exists(), "the pod's path is left after NodeUnpublishVolume");
+    assert!(
+        !kubelet.target.exists(),
+        "the pod's path is left after NodeUnpublishVolume"
+    );
     h.finish();
     let fsck = run("e2fsck", &["-fn", h.dst_img.to_str().unwrap()]);
     ok(fsck, "e2fsck -fn of the hydrated volume");
@@ -390,7 +415,11 @@ fn a_block_volume_whose_agent_is_killed_mid_fill_gives_errors_then_the_source_by
     kubelet.stage_and_publish();
     // The pod's device: its first bytes are the source's (fetched on demand).
     let first = direct_read(&kubelet.target, 0);
-    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
     assert_eq!(first.stdout, read_at(&h.src_img, 0, MIB));
     h.dst.child.kill().unwrap();
     h.dst.child.wait().unwrap();

@@ -207,7 +207,10 @@ impl AgentConfig {
                     .into(),
             ));
         }
-        if config.exports.is_empty() && config.volume_roots.is_empty() && config.csi_socket.is_none() {
+        if config.exports.is_empty()
+            && config.volume_roots.is_empty()
+            && config.csi_socket.is_none()
+        {
             return Err(invalid(
                 "no [exports.NAME] sections, no volume_roots and no csi_socket: the agent would \
                  serve nothing"

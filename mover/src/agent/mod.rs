@@ -123,8 +123,8 @@ pub async fn serve(
     if config.csi_socket.is_some() {
         roots.push(config.csi_volumes());
     }
-    let exports = Exports::open(config.exports.clone(), roots, &config.state_dir)
-    .map_err(state_err)?;
+    let exports =
+        Exports::open(config.exports.clone(), roots, &config.state_dir).map_err(state_err)?;
     let service = Arc::new(
         AgentService::new(
             exports.clone(),

@@ -404,8 +404,10 @@ impl Hydration {
         Ok(WriteClaim(whole))
     }
 
-    /// Fetches `regions` (claimed by the caller) from the source and writes them.
-    async fn fill(&self, regions: &[u64], urgent: bool) -> Result<(), HydrateError> {
+    /// Fetches `regions` (claimed by the caller) from the source and writes them;
+    /// returns the bytes fetched.
+    async fn fill(&self, regions: &[u64], urgent: bool) -> Result<u64, HydrateError> {
+        let mut fetched = 0;
         for run in runs(regions) {
             let bytes = self.region_range(run.start).start..self.region_range(run.end - 1).end;
             if !self.fresh {
@@ -426,9 +428,6 @@ impl Hydration {
             if holes {
                 continue;
             }
-            if let (false, Some(l)) = (urgent, &self.limiter) {
-                l.take(bytes.end - bytes.start).await;
-            }
             let pieces = self
                 .source
                 .fetch(run.start, run.end - run.start, urgent)
@@ -447,8 +446,9 @@ impl Hydration {
                 cause,
             })?;
             self.bytes_fetched.fetch_add(n, Relaxed);
+            fetched += n;
         }
-        Ok(())
+        Ok(fetched)
     }
 
     /// Makes every write so far durable and commits the bitmap: data first, then the
@@ -623,7 +623,12 @@ impl Hydration {
                 let r = h.fill(&batch, false).await;
                 claim.present = r.is_ok();
                 drop(claim);
-                (batch, r)
+                // The bandwidth limit is paid after the fetch, with the claim released:
+                // a client's read of these regions never waits out the filler's limit.
+                if let (Ok(n), Some(l)) = (&r, &h.limiter) {
+                    l.take(*n).await;
+                }
+                (batch, r.map(drop))
             });
         }
         while let Some(done) = tasks.join_next().await {

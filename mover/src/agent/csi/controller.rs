@@ -35,7 +35,11 @@ fn size_for(range: Option<&proto::CapacityRange>) -> Result<u64, Status> {
     }
     let (required, limit) = (required as u64, limit as u64);
     let want = if required == 0 {
-        if limit > 0 { limit.min(DEFAULT_SIZE) } else { DEFAULT_SIZE }
+        if limit > 0 {
+            limit.min(DEFAULT_SIZE)
+        } else {
+            DEFAULT_SIZE
+        }
     } else {
         required
     };
@@ -100,7 +104,9 @@ impl Controller for Plugin {
                     let f = std::fs::File::create(&tmp)
                         .and_then(|f| f.set_len(size).and(f.sync_all()))
                         .and_then(|()| std::fs::rename(&tmp, &path_));
-                    f.map_err(|e| Status::internal(format!("cannot make {}: {e}", path_.display())))?;
+                    f.map_err(|e| {
+                        Status::internal(format!("cannot make {}: {e}", path_.display()))
+                    })?;
                 }
             }
             plugin
@@ -143,7 +149,10 @@ impl Controller for Plugin {
             let path = plugin.volume_path(&id);
             match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(Status::internal(format!("cannot remove {}: {e}", path.display())));
+                    return Err(Status::internal(format!(
+                        "cannot remove {}: {e}",
+                        path.display()
+                    )));
                 }
                 _ => {}
             }
@@ -305,10 +314,20 @@ mod tests {
         assert_eq!(size_for(None).unwrap(), DEFAULT_SIZE);
         assert_eq!(size_for(Some(&range(1, 0))).unwrap(), BLOCK);
         assert_eq!(size_for(Some(&range(0, 8192))).unwrap(), 8192);
-        assert_eq!(size_for(Some(&range(10 << 30, 10 << 30))).unwrap(), 10 << 30);
+        assert_eq!(
+            size_for(Some(&range(10 << 30, 10 << 30))).unwrap(),
+            10 << 30
+        );
         let e = size_for(Some(&range(4097, 5000))).unwrap_err();
         assert_eq!(e.code(), tonic::Code::OutOfRange);
-        assert!(e.message().contains("over limit_bytes 5000"), "{}", e.message());
-        assert_eq!(size_for(Some(&range(-1, 0))).unwrap_err().code(), tonic::Code::OutOfRange);
+        assert!(
+            e.message().contains("over limit_bytes 5000"),
+            "{}",
+            e.message()
+        );
+        assert_eq!(
+            size_for(Some(&range(-1, 0))).unwrap_err().code(),
+            tonic::Code::OutOfRange
+        );
     }
 }

@@ -33,7 +33,9 @@ impl Node for Plugin {
             .volume_capability
             .ok_or_else(|| Status::invalid_argument("volume_capability is required"))?;
         single_node(&cap)?;
-        self.exports.get(&id).map_err(|e| Status::not_found(e.to_string()))?;
+        self.exports
+            .get(&id)
+            .map_err(|e| Status::not_found(e.to_string()))?;
         let plugin = self.clone();
         blocking(move || {
             let device = plugin.devices.attach(&id).map_err(|e| {
@@ -41,7 +43,11 @@ impl Node for Plugin {
             })?;
             if let Some(AccessType::Mount(m)) = &cap.access_type {
                 if !is_mount_point(&staging) {
-                    let fs = if m.fs_type.is_empty() { DEFAULT_FS } else { &m.fs_type };
+                    let fs = if m.fs_type.is_empty() {
+                        DEFAULT_FS
+                    } else {
+                        &m.fs_type
+                    };
                     make_fs_if_blank(&device, fs)?;
                     std::fs::create_dir_all(&staging).map_err(|e| io_status(&staging, e))?;
                     let mut cmd = Command::new("mount");
@@ -126,7 +132,10 @@ impl Node for Plugin {
                 std::fs::create_dir_all(&target).map_err(|e| io_status(&target, e))?;
                 staging
             };
-            run(Command::new("mount").arg("--bind").arg(&source).arg(&target))?;
+            run(Command::new("mount")
+                .arg("--bind")
+                .arg(&source)
+                .arg(&target))?;
             if read_only {
                 run(Command::new("mount")
                     .args(["-o", "remount,bind,ro"])

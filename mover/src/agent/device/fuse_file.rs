@@ -35,7 +35,11 @@ impl VolumeFile {
             INodeNo::ROOT => (FileType::Directory, 0o700, 0, 2),
             FILE_INO => (
                 FileType::RegularFile,
-                if self.volume.read_only() { 0o400 } else { 0o600 },
+                if self.volume.read_only() {
+                    0o400
+                } else {
+                    0o600
+                },
                 self.volume.size(),
                 1,
             ),

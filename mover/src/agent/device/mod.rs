@@ -154,7 +154,12 @@ impl Frontend for FuseLoop {
             &mount,
             &config,
         )
-        .map_err(|e| io::Error::new(e.kind(), format!("cannot mount FUSE at {}: {e}", mount.display())))?;
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot mount FUSE at {}: {e}", mount.display()),
+            )
+        })?;
         let file = mount.join(fuse_file::FILE_NAME);
         let device = match loop_device::attach(&file, read_only) {
             Ok(d) => d,
@@ -231,7 +236,11 @@ fn opened_by_a_process(device: &Path) -> bool {
     let me = std::process::id().to_string();
     procs
         .flatten()
-        .filter(|p| p.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()) && n != me))
+        .filter(|p| {
+            p.file_name()
+                .to_str()
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()) && n != me)
+        })
         .any(|p| {
             std::fs::read_dir(p.path().join("fd")).is_ok_and(|fds| {
                 fds.flatten()
