@@ -171,6 +171,17 @@ fn deploy_agent_configs_load() {
         }
         // Peer clusters present a token of the replication role.
         assert!(config.replication_token_file.is_some(), "{file}");
+        // The CSI plugin's socket is where agent.yaml's registrar tells the kubelet.
+        let agent_yaml = std::fs::read_to_string(repo().join("deploy/base/agent.yaml")).unwrap();
+        let socket = config
+            .csi_socket
+            .as_ref()
+            .expect("the agent serves the CSI plugin");
+        assert!(
+            agent_yaml.contains(&format!("--kubelet-registration-path={}", socket.display())),
+            "{file}: csi_socket {} is not the registrar's",
+            socket.display()
+        );
     }
     let base = mover::agent::AgentConfig::load(&repo().join("deploy/base/agent.toml")).unwrap();
     assert!(

@@ -19,9 +19,17 @@ pub struct OutputArgs {
     /// Print one JSON object with the results on stdout instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Never draw a progress bar (it is drawn only when stderr is a terminal).
+    /// Show no progress. On a terminal it is a bar; elsewhere (a Job's log) a line
+    /// when a phase begins, every --progress-every, and when it ends.
     #[arg(long)]
     pub no_progress: bool,
+    /// How often a progress line is written when stderr is not a terminal.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = progress_every)]
+    pub progress_every: std::time::Duration,
+}
+
+fn progress_every(s: &str) -> Result<std::time::Duration, String> {
+    mover::node::parse_duration(s)
 }
 
 /// Keeps a snapshot's memory to what it holds: glibc would otherwise give each of the
@@ -64,48 +72,146 @@ pub fn human(bytes: u64) -> String {
     }
 }
 
-/// A progress bar on stderr, drawn only on a terminal.
-pub struct Bar(Option<Mutex<ProgressBar>>);
+/// Progress on stderr: a bar on a terminal; elsewhere (a Job's log, a file) a line when
+/// a phase begins, every `--progress-every`, and when it ends.
+pub struct Bar(Show);
+
+enum Show {
+    Nothing,
+    Bar(Mutex<ProgressBar>),
+    Lines(Mutex<Lines>),
+}
+
+/// The state of progress shown as lines.
+struct Lines {
+    every: std::time::Duration,
+    phase: &'static str,
+    total: u64,
+    done: u64,
+    started: std::time::Instant,
+    shown: std::time::Instant,
+}
+
+impl Lines {
+    fn line(&self) -> String {
+        let secs = self.started.elapsed().as_secs_f64().max(1e-3);
+        let rate = self.done as f64 / secs;
+        let per_sec = format!("{}/s", human(rate as u64));
+        if self.total == 0 {
+            return format!("{}: {} written, {per_sec}", self.phase, human(self.done));
+        }
+        let eta = if rate > 0.0 {
+            format!(
+                ", eta {:.0} s",
+                self.total.saturating_sub(self.done) as f64 / rate
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "{}: {} of {} ({:.0}%), {per_sec}{eta}",
+            self.phase,
+            human(self.done),
+            human(self.total),
+            self.done as f64 * 100.0 / self.total as f64
+        )
+    }
+
+    /// The phase's last line, if one began.
+    fn end(&mut self) {
+        if !self.phase.is_empty() {
+            let secs = self.started.elapsed().as_secs_f64();
+            eprintln!(
+                "{}: done, {} in {secs:.1} s ({}/s)",
+                self.phase,
+                human(self.done),
+                human((self.done as f64 / secs.max(1e-3)) as u64)
+            );
+            self.phase = "";
+        }
+    }
+}
 
 impl Bar {
     pub fn new(output: &OutputArgs) -> Self {
-        let show = !output.no_progress && std::io::stderr().is_terminal();
-        Bar(show.then(|| Mutex::new(ProgressBar::hidden())))
+        Bar(if output.no_progress {
+            Show::Nothing
+        } else if std::io::stderr().is_terminal() {
+            Show::Bar(Mutex::new(ProgressBar::hidden()))
+        } else {
+            let now = std::time::Instant::now();
+            Show::Lines(Mutex::new(Lines {
+                every: output.progress_every,
+                phase: "",
+                total: 0,
+                done: 0,
+                started: now,
+                shown: now,
+            }))
+        })
     }
 
     pub fn done(&self) {
-        if let Some(bar) = &self.0 {
-            bar.lock().expect("progress bar lock").finish_and_clear();
+        match &self.0 {
+            Show::Bar(bar) => bar.lock().expect("progress bar lock").finish_and_clear(),
+            Show::Lines(lines) => lines.lock().expect("progress lock").end(),
+            Show::Nothing => {}
         }
     }
 }
 
 impl Progress for Bar {
     fn begin(&self, phase: &'static str, total: u64) {
-        if let Some(bar) = &self.0 {
-            let mut bar = bar.lock().expect("progress bar lock");
-            bar.finish_and_clear();
-            // A total of 0 means unknown (a tree is copied as it is walked): no bar, no eta.
-            let template = if total == 0 {
-                "{prefix:>7} {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}"
-            } else {
-                "{prefix:>7} [{bar:40}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}"
-            };
-            *bar = ProgressBar::new(total).with_style(
-                ProgressStyle::with_template(template)
-                    .expect("valid template")
-                    .progress_chars("=> "),
-            );
-            if total == 0 {
-                bar.enable_steady_tick(std::time::Duration::from_millis(200));
+        match &self.0 {
+            Show::Bar(bar) => {
+                let mut bar = bar.lock().expect("progress bar lock");
+                bar.finish_and_clear();
+                // A total of 0 means unknown (a tree is copied as it is walked): no bar, no eta.
+                let template = if total == 0 {
+                    "{prefix:>7} {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}"
+                } else {
+                    "{prefix:>7} [{bar:40}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}"
+                };
+                *bar = ProgressBar::new(total).with_style(
+                    ProgressStyle::with_template(template)
+                        .expect("valid template")
+                        .progress_chars("=> "),
+                );
+                if total == 0 {
+                    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+                }
+                bar.set_prefix(phase);
             }
-            bar.set_prefix(phase);
+            Show::Lines(lines) => {
+                let mut l = lines.lock().expect("progress lock");
+                l.end();
+                let now = std::time::Instant::now();
+                (l.phase, l.total, l.done, l.started, l.shown) = (phase, total, 0, now, now);
+                eprintln!(
+                    "{phase}: started{}",
+                    if total > 0 {
+                        format!(", {} to go", human(total))
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+            Show::Nothing => {}
         }
     }
 
     fn update(&self, done: u64) {
-        if let Some(bar) = &self.0 {
-            bar.lock().expect("progress bar lock").set_position(done);
+        match &self.0 {
+            Show::Bar(bar) => bar.lock().expect("progress bar lock").set_position(done),
+            Show::Lines(lines) => {
+                let mut l = lines.lock().expect("progress lock");
+                l.done = done;
+                if l.shown.elapsed() >= l.every {
+                    l.shown = std::time::Instant::now();
+                    eprintln!("{}", l.line());
+                }
+            }
+            Show::Nothing => {}
         }
     }
 }
