@@ -41,22 +41,22 @@ impl Node for Plugin {
             let device = plugin.devices.attach(&id).map_err(|e| {
                 Status::internal(format!("cannot attach volume {id} as a block device: {e}"))
             })?;
-            if let Some(AccessType::Mount(m)) = &cap.access_type {
-                if !is_mount_point(&staging) {
-                    let fs = if m.fs_type.is_empty() {
-                        DEFAULT_FS
-                    } else {
-                        &m.fs_type
-                    };
-                    make_fs_if_blank(&device, fs)?;
-                    std::fs::create_dir_all(&staging).map_err(|e| io_status(&staging, e))?;
-                    let mut cmd = Command::new("mount");
-                    cmd.args(["-t", fs]);
-                    if !m.mount_flags.is_empty() {
-                        cmd.arg("-o").arg(m.mount_flags.join(","));
-                    }
-                    run(cmd.arg(&device).arg(&staging))?;
+            if let Some(AccessType::Mount(m)) = &cap.access_type
+                && !is_mount_point(&staging)
+            {
+                let fs = if m.fs_type.is_empty() {
+                    DEFAULT_FS
+                } else {
+                    &m.fs_type
+                };
+                make_fs_if_blank(&device, fs)?;
+                std::fs::create_dir_all(&staging).map_err(|e| io_status(&staging, e))?;
+                let mut cmd = Command::new("mount");
+                cmd.args(["-t", fs]);
+                if !m.mount_flags.is_empty() {
+                    cmd.arg("-o").arg(m.mount_flags.join(","));
                 }
+                run(cmd.arg(&device).arg(&staging))?;
             }
             Ok(())
         })
