@@ -294,18 +294,12 @@ impl Hydrating {
         format!("agent://127.0.0.1:{}", self.dst.port)
     }
 
-    /// Starts the fill, slow (`bwlimit`), so the volume is still arriving while used.
-    fn start(&self, bwlimit: &str) {
-        hydrate(&[
-            "start",
-            "dst",
-            "--from",
-            &self.src.url("src"),
-            "--agent",
-            &self.control(),
-            "--bwlimit",
-            bwlimit,
-        ]);
+    /// Starts the fill; slow with a `bwlimit`, so the volume is still arriving while used.
+    fn start(&self, bwlimit: Option<&str>) {
+        let (from, control) = (self.src.url("src"), self.control());
+        let mut args = vec!["start", "dst", "--from", &from, "--agent", &control];
+        args.extend(bwlimit.iter().flat_map(|b| ["--bwlimit", b]));
+        hydrate(&args);
     }
 
     fn progress(&self) -> serde_json::Value {
@@ -316,14 +310,7 @@ impl Hydrating {
     /// Lets the fill run at full speed and waits for it.
     fn finish(&self) {
         hydrate(&["cancel", "dst", "--agent", &self.control()]);
-        hydrate(&[
-            "start",
-            "dst",
-            "--from",
-            &self.src.url("src"),
-            "--agent",
-            &self.control(),
-        ]);
+        self.start(None);
         hydrate(&["wait", "dst", "--agent", &self.control()]);
     }
 
@@ -346,7 +333,7 @@ fn a_filesystem_volume_still_hydrating_mounts_at_once_and_reads_the_source() {
     let h = Hydrating::new();
     let started = Instant::now();
     // 2 MiB/s: the 256 MiB volume would take two minutes to arrive by itself.
-    h.start("2M");
+    h.start(Some("2M"));
     let kubelet = h.kubelet(
         &bin,
         serde_json::json!({
@@ -404,7 +391,7 @@ fn a_filesystem_volume_still_hydrating_mounts_at_once_and_reads_the_source() {
 fn a_block_volume_whose_agent_is_killed_mid_fill_gives_errors_then_the_source_bytes() {
     let Some(bin) = tools() else { return };
     let mut h = Hydrating::new();
-    h.start("2M");
+    h.start(Some("2M"));
     let kubelet = h.kubelet(
         &bin,
         serde_json::json!({

@@ -194,17 +194,21 @@ pub async fn serve(
     }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let nbd_socket = config.nbd_socket();
-    {
-        let exports = Arc::new(hydration::NbdExportsOf {
-            exports: exports.clone(),
-            hydrations: hydrations.clone(),
-        });
+    // The volumes as NBD serves them: what the NBD servers and the CSI devices open.
+    let served = Arc::new(hydration::NbdExportsOf {
+        exports: exports.clone(),
+        hydrations: hydrations.clone(),
+    });
+    let stopped = || {
         let mut stop = stop_rx.clone();
+        async move {
+            let _ = stop.changed().await;
+        }
+    };
+    {
+        let (exports, stopped) = (served.clone(), stopped());
         let path = nbd_socket.clone();
         tokio::spawn(async move {
-            let stopped = async move {
-                let _ = stop.changed().await;
-            };
             if let Err(e) = transport::nbd::serve_unix(&path, exports, stopped).await {
                 tracing::error!(socket = %path.display(), "cannot serve NBD: {e}");
             }
@@ -215,15 +219,8 @@ pub async fn serve(
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| AgentError::Serve(format!("cannot listen for NBD on {addr}: {e}")))?;
-        let exports = Arc::new(hydration::NbdExportsOf {
-            exports: exports.clone(),
-            hydrations: hydrations.clone(),
-        });
-        let mut stop = stop_rx.clone();
+        let (exports, stopped) = (served.clone(), stopped());
         tokio::spawn(async move {
-            let stopped = async move {
-                let _ = stop.changed().await;
-            };
             if let Err(e) =
                 transport::nbd::serve_tcp(listener, exports, Some(acceptor), stopped).await
             {
@@ -243,25 +240,15 @@ pub async fn serve(
             tokio::runtime::Handle::current(),
         )
         .map_err(state_err)?;
-        let devices = device::Devices::new(
-            Box::new(frontend),
-            Arc::new(hydration::NbdExportsOf {
-                exports: exports.clone(),
-                hydrations: hydrations.clone(),
-            }),
-        );
+        let devices = device::Devices::new(Box::new(frontend), served.clone());
         let plugin = csi::Plugin {
             node,
             exports: exports.clone(),
             devices,
             volumes: config.csi_volumes(),
         };
-        let mut stop = stop_rx.clone();
-        let path = socket.clone();
+        let (path, stopped) = (socket.clone(), stopped());
         tokio::spawn(async move {
-            let stopped = async move {
-                let _ = stop.changed().await;
-            };
             if let Err(e) = csi::serve(plugin, path.clone(), stopped).await {
                 tracing::error!(socket = %path.display(), "cannot serve the CSI plugin: {e}");
             }
