@@ -255,28 +255,28 @@ struct Hydrating {
 const VOLUME: u64 = 256 * MIB;
 
 impl Hydrating {
+    /// The source: an ext4 volume made from [`source_tree`].
     fn new() -> Hydrating {
+        Hydrating::with_source(|dir, src_img| {
+            let tree = dir.join("tree");
+            let files = source_tree(&tree);
+            let size = format!("{}M", VOLUME / MIB);
+            let (tree, img) = (tree.to_str().unwrap(), src_img.to_str().unwrap());
+            let made = run("mkfs.ext4", &["-q", "-F", "-d", tree, img, &size]);
+            ok(made, "mkfs.ext4 -d");
+            files
+        })
+    }
+
+    /// The source image made by `make` (given the test directory and the image's path),
+    /// which returns the files it holds.
+    fn with_source(make: impl FnOnce(&Path, &Path) -> BTreeMap<String, String>) -> Hydrating {
         let dir = tempfile::tempdir().unwrap();
         let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-        std::fs::create_dir_all(&b).unwrap();
-        let tree = dir.path().join("tree");
-        let files = source_tree(&tree);
         std::fs::create_dir_all(&a).unwrap();
+        std::fs::create_dir_all(&b).unwrap();
         let src_img = a.join("src.img");
-        ok(
-            run(
-                "mkfs.ext4",
-                &[
-                    "-q",
-                    "-F",
-                    "-d",
-                    tree.to_str().unwrap(),
-                    src_img.to_str().unwrap(),
-                    &format!("{}M", VOLUME / MIB),
-                ],
-            ),
-            "mkfs.ext4 -d",
-        );
+        let files = make(dir.path(), &src_img);
         let dst_img = b.join("dst.img");
         let src = Agent::start(&a, &[("src", &src_img, true)], None);
         let dst = plugin_agent(&b, "node-b", &[("dst", &dst_img, false)]);
@@ -427,6 +427,41 @@ fn a_block_volume_whose_agent_is_killed_mid_fill_gives_errors_then_the_source_by
         blake3_of(&kubelet.target, VOLUME),
         blake3_of(&h.src_img, VOLUME),
         "the device's bytes differ from the source's"
+    );
+}
+
+#[test]
+fn a_sparse_terabyte_volume_is_a_readable_device_at_once() {
+    let Some(bin) = tools() else { return };
+    const TIB: u64 = 1 << 40;
+    let h = Hydrating::with_source(|_, img| {
+        // 1 TiB, of which the first and the last MiB hold data.
+        common::make_image(img, TIB, 41, &[(0, MIB), (TIB - MIB, MIB)]);
+        BTreeMap::new()
+    });
+    let started = Instant::now();
+    h.start(None);
+    let kubelet = h.kubelet(
+        &bin,
+        serde_json::json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
+    );
+    kubelet.stage_and_publish();
+    let published = started.elapsed();
+    let last = direct_read(&kubelet.target, TIB - MIB);
+    let first_byte = started.elapsed();
+    assert!(
+        last.status.success(),
+        "{}",
+        String::from_utf8_lossy(&last.stderr)
+    );
+    assert_eq!(last.stdout, read_at(&h.src_img, TIB - MIB, MIB));
+    let middle = direct_read(&kubelet.target, TIB / 2);
+    assert!(middle.stdout.len() == MIB as usize && middle.stdout.iter().all(|&b| b == 0));
+    eprintln!(
+        "1 TiB sparse volume: published {:.0} ms after `hydrate start`, its last MiB read \
+         {:.0} ms after",
+        published.as_secs_f64() * 1e3,
+        first_byte.as_secs_f64() * 1e3
     );
 }
 
