@@ -80,6 +80,10 @@ pub struct HydrationControl {
     pub(super) store: Arc<crate::replicate::Store>,
     /// The NBD socket clients use (for the URI in status).
     pub(super) nbd_socket: Option<PathBuf>,
+    /// The agent's exports, and where it makes those a start asks to create (the CSI
+    /// plugin's volumes; `None` without the plugin).
+    pub(super) exports: Exports,
+    pub(super) volumes: Option<PathBuf>,
 }
 
 impl HydrationControl {
@@ -105,6 +109,25 @@ impl HydrationControl {
                 .map(|s| format!("nbd+unix:///{}?socket={}", h.name(), s.display()))
                 .unwrap_or_default(),
         }
+    }
+
+    /// Makes `export` a sparse image in the CSI plugin's volumes, served to no
+    /// relationship; the hydration sizes it.
+    fn create_export(&self, export: &str) -> Result<(), ServiceError> {
+        let dir = self.volumes.as_ref().ok_or_else(|| {
+            ServiceError::FailedPrecondition(format!(
+                "export {export:?} does not exist and this agent makes none: set csi_socket \
+                 in agent.toml (its CSI plugin's volumes live in csi_volumes)"
+            ))
+        })?;
+        std::fs::create_dir_all(dir).map_err(|e| {
+            ServiceError::FailedPrecondition(format!("cannot make {}: {e}", dir.display()))
+        })?;
+        let path = dir.join(format!("{export}.img"));
+        self.exports
+            .register(export, &path, false, "")
+            .map_err(|e| ServiceError::FailedPrecondition(e.to_string()))?;
+        Ok(())
     }
 
     fn get(&self, export: &str) -> Result<Arc<Hydration>, ServiceError> {
@@ -148,6 +171,9 @@ impl hydration_server::Hydration for HydrationControl {
                     ));
                 }
             };
+            if r.create && self.exports.get(&r.export).is_err() {
+                self.create_export(&r.export)?;
+            }
             let h = self
                 .hydrations
                 .start(StartRequest {

@@ -258,6 +258,8 @@ pub async fn serve(
         hydrations: hydrations.clone(),
         store: store.clone(),
         nbd_socket: Some(nbd_socket.clone()),
+        exports: exports.clone(),
+        volumes: config.csi_socket.as_ref().map(|_| config.csi_volumes()),
     };
     if let Some(l) = metrics_listener {
         let mut stop = stop_rx.clone();

@@ -1,14 +1,17 @@
 //! The agents' relationship control API, as the reconciler sees it: a small trait, so
 //! reconcile tests can record the calls, and its gRPC implementation.
 
-use crate::remote::{AgentUrl, ConnectOptions, ControlClient, RemoteOptions, ScheduleClient};
+use crate::remote::{
+    AgentUrl, ConnectOptions, ControlClient, HydrateClient, RemoteOptions, ScheduleClient,
+};
 use std::collections::HashMap;
 use tokio::sync::Mutex;
 use tonic::transport::Channel;
 use transport::auth::AttachToken;
 use transport::control::replication_client::ReplicationClient;
+use transport::hydrate::hydration_client::HydrationClient;
 use transport::schedule::schedules_client::SchedulesClient;
-use transport::{control, schedule};
+use transport::{control, hydrate, schedule};
 
 /// A failed call to an agent.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -119,6 +122,34 @@ pub trait Agents: Send + Sync {
     ) -> Result<schedule::Status, AgentError>;
     /// Forgets the schedule `name` on `agent` (its snapshots stay); absent is fine.
     async fn delete_schedule(&self, agent: &str, name: &str) -> Result<(), AgentError>;
+    /// The hydration of `export` on `agent`; `None` if it has none (or forgot a
+    /// finished one).
+    async fn hydration(
+        &self,
+        agent: &str,
+        export: &str,
+    ) -> Result<Option<hydrate::Status>, AgentError> {
+        Err(not_served(agent, "get hydration", export))
+    }
+    /// Starts (or resumes) a hydration on `agent`.
+    async fn hydrate(
+        &self,
+        agent: &str,
+        req: hydrate::StartRequest,
+    ) -> Result<hydrate::Status, AgentError> {
+        Err(not_served(agent, "start hydration", &req.export))
+    }
+}
+
+/// What an [`Agents`] that serves no hydrations answers.
+fn not_served(agent: &str, op: &'static str, name: &str) -> AgentError {
+    AgentError {
+        agent: agent.into(),
+        op,
+        name: name.into(),
+        code: tonic::Code::Unimplemented,
+        message: "this implementation serves no hydrations".into(),
+    }
 }
 
 /// `r`, with `Ok(None)` for an agent that answered one of `codes` (nothing of that name
@@ -148,6 +179,12 @@ impl AgentApi for ControlClient {
 impl AgentApi for ScheduleClient {
     fn on(channel: Channel, auth: AttachToken) -> Self {
         SchedulesClient::with_interceptor(channel, auth)
+    }
+}
+
+impl AgentApi for HydrateClient {
+    fn on(channel: Channel, auth: AttachToken) -> Self {
+        HydrationClient::with_interceptor(channel, auth)
     }
 }
 
@@ -417,6 +454,40 @@ impl Agents for GrpcAgents {
             )
             .await;
         unless(got, &[tonic::Code::NotFound])
+    }
+
+    async fn hydration(
+        &self,
+        agent: &str,
+        export: &str,
+    ) -> Result<Option<hydrate::Status>, AgentError> {
+        let req = hydrate::NameRequest {
+            export: export.into(),
+        };
+        let got = self
+            .call(
+                agent,
+                "get hydration",
+                export,
+                |mut c: HydrateClient| async move { c.get(req).await },
+            )
+            .await;
+        unless(got, &[tonic::Code::NotFound])
+    }
+
+    async fn hydrate(
+        &self,
+        agent: &str,
+        req: hydrate::StartRequest,
+    ) -> Result<hydrate::Status, AgentError> {
+        let export = req.export.clone();
+        self.call(
+            agent,
+            "start hydration",
+            &export,
+            |mut c: HydrateClient| async move { c.start(req).await },
+        )
+        .await
     }
 
     async fn apply_schedule(

@@ -254,6 +254,38 @@ pub fn api_resource(group: &str, kind: &str) -> kube::core::ApiResource {
     }
 }
 
+/// Where a PVC's data comes from when its `spec.dataSourceRef` names this resource
+/// (group replication.mover, kind HydrationSource): mover's volume populator binds the
+/// PVC at once to a volume on the node the scheduler chose, and that node's agent fills
+/// it from here while the pod uses it.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "replication.mover",
+    version = "v1alpha1",
+    kind = "HydrationSource",
+    namespaced,
+    shortname = "hs",
+    doc = "HydrationSource is where a PVC populated by mover gets its data.",
+    printcolumn(name = "Agent", type_ = "string", json_path = ".spec.agent"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct HydrationSourceSpec {
+    /// A block volume an agent of this cluster serves, as
+    /// agent://NODE@HOST:PORT/VOLUME: NODE is the agent's node, the name its
+    /// certificate carries (e.g. the node where the volume was).
+    #[x_kube(validation = Rule::new("self.startsWith('agent://')").message("agent must be agent://NODE@HOST:PORT/VOLUME"))]
+    pub agent: String,
+    /// Bytes per second the background fill may fetch, with binary units (100M is
+    /// 100 MiB/s); the pod's own reads are never held back [default: no limit].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bwlimit: Option<String>,
+}
+
 /// Both CRDs, for `group` instead of the group the types were derived with.
 pub fn crds(group: &str) -> Vec<CustomResourceDefinition> {
     [VolumeReplicationClass::crd(), VolumeReplication::crd()]
@@ -266,10 +298,13 @@ pub fn crds(group: &str) -> Vec<CustomResourceDefinition> {
         .collect()
 }
 
-/// The file name and YAML of each CRD, as `mover controller crds` writes them.
+/// The file name and YAML of each CRD, as `mover controller crds` writes them: the
+/// populator's HydrationSource is mover's own, in its group alone.
 pub fn crd_yaml(group: &str) -> Vec<(String, String)> {
+    let populator = (group == MOVER_GROUP).then(HydrationSource::crd);
     crds(group)
         .into_iter()
+        .chain(populator)
         .map(|crd| {
             let name = crd.metadata.name.clone().unwrap_or_default();
             let body = serde_saphyr::to_string(&crd).expect("a CRD serializes");

@@ -14,6 +14,8 @@
 //! - [`secrets`]: the secrets classes name, each watched, read from the cache.
 //! - [`snapshot_metadata`]: the changed blocks between two CSI VolumeSnapshots
 //!   (Kubernetes' SnapshotMetadata API), resumed when a stream is cut.
+//! - [`populator`]: PVCs whose `dataSourceRef` names a HydrationSource, bound at once
+//!   to a volume its node's agent fills while the pod uses it.
 //! - [`leftovers`]: what a deletion left on an agent that was down, removed when it
 //!   answers again.
 //! - [`run()`]: watch caches and the controller loop (`mover controller run`).
@@ -30,6 +32,7 @@ pub mod issuer;
 pub mod leftovers;
 pub mod locator;
 pub mod metrics;
+pub mod populator;
 pub mod reconcile;
 mod run;
 pub mod secrets;

@@ -418,18 +418,45 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         // of them at once held 1,000 agent calls' buffers (a 150 MiB peak).
         .with_config(kube::runtime::controller::Config::default().concurrency(RECONCILES_AT_ONCE))
         .shutdown_on_signal()
-        .run(reconcile::reconcile, reconcile::error_policy, ctx)
+        .run(reconcile::reconcile, reconcile::error_policy, ctx.clone())
         .for_each(|r| {
             if let Err(e) = r {
                 tracing::debug!(error = %e, "reconcile");
             }
             futures::future::ready(())
         });
+    // The volume populator: PVCs whose dataSourceRef names a HydrationSource (only
+    // when mover's own group is served: the kind is mover's).
+    let populator = (ctx.group == super::crd::MOVER_GROUP).then(|| {
+        Controller::new(
+            Api::<k8s_openapi::api::core::v1::PersistentVolumeClaim>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .shutdown_on_signal()
+        .run(
+            super::populator::reconcile,
+            super::populator::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| futures::future::ready(()))
+    });
+    let populator = async {
+        match populator {
+            Some(p) => p.await,
+            None => std::future::pending().await,
+        }
+    };
+    let both = async {
+        tokio::select! {
+            _ = controller => {}
+            _ = populator => {}
+        }
+    };
     match &mut leader {
-        None => controller.await,
+        None => both.await,
         Some(leader) => {
             tokio::select! {
-                _ = controller => {}
+                _ = both => {}
                 _ = lost(leader) => return Err(RunError::LostLease),
             }
         }

@@ -1,0 +1,261 @@
+//! mover's volume populator: a PVC whose `spec.dataSourceRef` names a
+//! [`HydrationSource`] is usable at once.
+//!
+//! Once the scheduler has chosen the pod's node (`volume.kubernetes.io/selected-node`,
+//! a WaitForFirstConsumer StorageClass), the agent on that node makes a volume
+//! (`pvc-UID`, a sparse image in its CSI volumes) and starts filling it from the source.
+//! The populator then creates a PV of mover's CSI driver for it, pre-bound to the PVC
+//! and pinned to the node; kube-controller-manager binds the two, and the kubelet
+//! stages the volume through the agent's CSI plugin while regions still arrive: a read
+//! of one still to come fetches it first.
+//!
+//! Unlike lib-volume-populator's prime PVC, nothing is copied before the pod starts:
+//! that is the point. The PV is `Retain`: mover's CSI driver has no provisioner to
+//! delete it, and a populated volume is data someone may still want.
+
+use super::agents::AgentError;
+use super::crd::{HydrationSource, MOVER_GROUP};
+use super::reconcile::Context;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use kube::{Api, ResourceExt, api::PostParams, runtime::controller::Action};
+use std::{sync::Arc, time::Duration};
+use transport::hydrate;
+
+/// The annotation the scheduler sets on a WaitForFirstConsumer PVC.
+const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
+/// How soon a PVC waiting for something outside the populator is looked at again.
+const WAIT: Duration = Duration::from_secs(5);
+
+/// Why a PVC could not be populated (yet).
+#[derive(Debug, thiserror::Error)]
+pub enum PopulateError {
+    /// The API server refused or failed a call.
+    #[error("{what}: {source}")]
+    Kube {
+        /// What was asked.
+        what: String,
+        /// Its answer.
+        source: kube::Error,
+    },
+    /// The agent refused or failed.
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    /// Something only the user can fix.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The HydrationSource a PVC names, if it names one.
+pub fn source_of(pvc: &PersistentVolumeClaim) -> Option<String> {
+    let r = pvc.spec.as_ref()?.data_source_ref.as_ref()?;
+    (r.api_group.as_deref() == Some(MOVER_GROUP) && r.kind == "HydrationSource")
+        .then(|| r.name.clone())
+}
+
+/// Bytes of a Kubernetes quantity of storage ("4Gi", "500M", "1073741824").
+pub fn bytes_of(quantity: &str) -> Option<u64> {
+    let q = quantity.trim();
+    let split = q.find(|c: char| !c.is_ascii_digit()).unwrap_or(q.len());
+    let (n, unit) = q.split_at(split);
+    let n: u64 = n.parse().ok()?;
+    let times: u64 = match unit {
+        "" => 1,
+        "k" => 1000,
+        "M" => 1000u64.pow(2),
+        "G" => 1000u64.pow(3),
+        "T" => 1000u64.pow(4),
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "Pi" => 1 << 50,
+        _ => return None,
+    };
+    n.checked_mul(times)
+}
+
+/// Populates one PVC: idempotent, each step skipped when done.
+pub async fn reconcile(
+    pvc: Arc<PersistentVolumeClaim>,
+    ctx: Arc<Context>,
+) -> Result<Action, PopulateError> {
+    let Some(source) = source_of(&pvc) else {
+        return Ok(Action::await_change());
+    };
+    let spec = pvc.spec.clone().unwrap_or_default();
+    if spec.volume_name.as_deref().is_some_and(|v| !v.is_empty()) {
+        return Ok(Action::await_change());
+    }
+    let (ns, name) = (pvc.namespace().unwrap_or_default(), pvc.name_any());
+    let uid = pvc.uid().unwrap_or_default();
+    let Some(node) = pvc.annotations().get(SELECTED_NODE).cloned() else {
+        tracing::info!(pvc = %format!("{ns}/{name}"), "waiting for the scheduler to choose a node (the PVC's StorageClass must be WaitForFirstConsumer)");
+        return Ok(Action::requeue(WAIT));
+    };
+    let what = |w: &str| format!("{w} for PVC {ns}/{name}");
+    let hs = Api::<HydrationSource>::namespaced(ctx.client.clone(), &ns)
+        .get_opt(&source)
+        .await
+        .map_err(|source| PopulateError::Kube {
+            what: what("reading its HydrationSource"),
+            source,
+        })?
+        .ok_or_else(|| {
+            PopulateError::Invalid(format!(
+                "PVC {ns}/{name}: no HydrationSource {source:?} in namespace {ns}"
+            ))
+        })?;
+    let pods = ctx.caches.agents.state();
+    let pods: Vec<_> = pods.iter().map(|p| (**p).clone()).collect();
+    let agent = super::desired::agent_on(&node, &pods, ctx.agent_port)
+        .map_err(|e| PopulateError::Invalid(e.to_string()))?;
+    let export = format!("pvc-{uid}");
+    let status = match ctx.agents.hydration(&agent, &export).await? {
+        Some(s) => s,
+        None => {
+            let bwlimit = match hs.spec.bwlimit.as_deref() {
+                None => 0,
+                Some(b) => crate::remote::parse_rate(b).map_err(|e| {
+                    PopulateError::Invalid(format!("HydrationSource {ns}/{source}: bwlimit: {e}"))
+                })?,
+            };
+            let req = hydrate::StartRequest {
+                export: export.clone(),
+                source: Some(hydrate::start_request::Source::Agent(hs.spec.agent.clone())),
+                bwlimit,
+                create: true,
+                ..Default::default()
+            };
+            ctx.agents.hydrate(&agent, req).await?
+        }
+    };
+    let requested = spec
+        .resources
+        .as_ref()
+        .and_then(|r| r.requests.as_ref())
+        .and_then(|r| r.get("storage"))
+        .and_then(|q| bytes_of(&q.0))
+        .unwrap_or(0);
+    if requested > status.size {
+        return Err(PopulateError::Invalid(format!(
+            "PVC {ns}/{name} asks for {requested} bytes; its source {} holds {}: ask for at \
+             most that",
+            hs.spec.agent, status.size
+        )));
+    }
+    let pv = persistent_volume(&pvc, &export, &node, status.size);
+    match Api::<PersistentVolume>::all(ctx.client.clone())
+        .create(&PostParams::default(), &pv)
+        .await
+    {
+        Ok(_) => {
+            tracing::info!(pvc = %format!("{ns}/{name}"), pv = %export, %node, size = status.size, "populated PVC bound to a volume that is still arriving")
+        }
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(source) => {
+            return Err(PopulateError::Kube {
+                what: what("creating its PV"),
+                source,
+            });
+        }
+    }
+    Ok(Action::await_change())
+}
+
+/// The PV of export `export` on `node`, pre-bound to `pvc`.
+fn persistent_volume(
+    pvc: &PersistentVolumeClaim,
+    export: &str,
+    node: &str,
+    size: u64,
+) -> PersistentVolume {
+    let spec = pvc.spec.clone().unwrap_or_default();
+    let block = spec.volume_mode.as_deref() == Some("Block");
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {
+            "name": export,
+            "labels": {"replication.mover/populated-from": source_of(pvc).unwrap_or_default()},
+        },
+        "spec": {
+            "capacity": {"storage": size.to_string()},
+            "accessModes": spec.access_modes.unwrap_or_else(|| vec!["ReadWriteOnce".into()]),
+            "volumeMode": if block { "Block" } else { "Filesystem" },
+            "storageClassName": spec.storage_class_name.unwrap_or_default(),
+            "persistentVolumeReclaimPolicy": "Retain",
+            "claimRef": {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "namespace": pvc.namespace(),
+                "name": pvc.name_any(),
+                "uid": pvc.uid(),
+            },
+            "csi": {
+                "driver": crate::agent::csi::DRIVER,
+                "volumeHandle": export,
+                "fsType": if block { serde_json::Value::Null } else { "ext4".into() },
+            },
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
+            ]}]}},
+        },
+    }))
+    .expect("a PV")
+}
+
+/// Retries a PVC the populator could not finish after a pause that grows with nothing.
+pub fn error_policy(
+    pvc: Arc<PersistentVolumeClaim>,
+    error: &PopulateError,
+    _: Arc<Context>,
+) -> Action {
+    tracing::warn!(pvc = %format!("{}/{}", pvc.namespace().unwrap_or_default(), pvc.name_any()), "cannot populate: {error}");
+    Action::requeue(match error {
+        PopulateError::Invalid(_) => WAIT * 6,
+        _ => WAIT,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_are_bytes() {
+        assert_eq!(bytes_of("4Gi"), Some(4 << 30));
+        assert_eq!(bytes_of("1Ti"), Some(1 << 40));
+        assert_eq!(bytes_of("500M"), Some(500_000_000));
+        assert_eq!(bytes_of("1073741824"), Some(1 << 30));
+        assert_eq!(bytes_of("1.5Gi"), None);
+        assert_eq!(bytes_of("4Gb"), None);
+    }
+
+    #[test]
+    fn only_a_hydration_source_of_movers_group_is_ours() {
+        let pvc = |group: &str, kind: &str| -> PersistentVolumeClaim {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p", "namespace": "app", "uid": "u1"},
+                "spec": {"dataSourceRef": {"apiGroup": group, "kind": kind, "name": "src"},
+                         "volumeMode": "Block", "storageClassName": "wffc"},
+            }))
+            .unwrap()
+        };
+        assert_eq!(
+            source_of(&pvc(MOVER_GROUP, "HydrationSource")).as_deref(),
+            Some("src")
+        );
+        assert_eq!(source_of(&pvc("other.io", "HydrationSource")), None);
+        assert_eq!(source_of(&pvc(MOVER_GROUP, "VolumeReplication")), None);
+        let pv = persistent_volume(&pvc(MOVER_GROUP, "HydrationSource"), "pvc-u1", "n1", 4096);
+        let spec = pv.spec.unwrap();
+        assert_eq!(spec.claim_ref.unwrap().uid.as_deref(), Some("u1"));
+        assert_eq!(spec.csi.as_ref().unwrap().volume_handle, "pvc-u1");
+        assert_eq!(spec.csi.unwrap().fs_type, None);
+        assert_eq!(
+            spec.persistent_volume_reclaim_policy.as_deref(),
+            Some("Retain")
+        );
+        assert_eq!(spec.storage_class_name.as_deref(), Some("wffc"));
+    }
+}
