@@ -97,6 +97,7 @@ fn the_install_applies_and_the_api_server_refuses_bad_volume_replications() {
             "volumereplicationclasses.replication.mover",
             "volumereplications.replication.storage.openshift.io",
             "volumereplicationclasses.replication.storage.openshift.io",
+            "hydrationsources.replication.mover",
         ],
     );
     c.kubectl_ok(&["create", "namespace", "app"]);
@@ -110,6 +111,14 @@ fn the_install_applies_and_the_api_server_refuses_bad_volume_replications() {
     assert!(
         bad_state.contains("spec.replicationState") && bad_state.contains("\"primary\""),
         "{bad_state}"
+    );
+    let not_an_agent = refused(
+        &c,
+        "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: bad\n  namespace: app\nspec:\n  agent: https://node-a/pg\n",
+    );
+    assert!(
+        not_an_agent.contains("agent must be agent://NODE@HOST:PORT/VOLUME"),
+        "{not_an_agent}"
     );
     let no_source = refused(&c, &vr_yaml("no-source", "primary", "mover-dr", None));
     assert!(
