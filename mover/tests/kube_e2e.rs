@@ -2534,28 +2534,34 @@ fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapsh
     p.assert_nothing_forbidden();
 }
 
-/// mover's volume populator in a real API server: a Block PVC whose dataSourceRef names
-/// a HydrationSource (a volume node 1's agent serves) is bound to a PV of mover's CSI
+/// mover's volume populator in a real API server: Block PVCs whose dataSourceRef names a
+/// HydrationSource (a volume node 1's agent serves) are bound to PVs of mover's CSI
 /// driver on the node the scheduler chose (node 2; the annotation is the scheduler's
-/// part), and its device, staged and published through node 2's agent with the CSI Node
-/// calls (the kubelet's part), reads the source's bytes while they still arrive.
+/// part), and their devices, staged and published through node 2's agent with the CSI
+/// Node calls (the kubelet's part), read the sources' bytes while they still arrive:
+/// 64 MiB (read whole), 4 GiB and a sparse 1 TiB (nothing of either local yet).
 #[test]
-fn a_populated_pvc_is_bound_at_once_and_its_device_reads_the_source_while_it_arrives() {
+fn populated_pvcs_are_bound_at_once_and_their_devices_read_the_source_while_it_arrives() {
     let _one = serial();
     let t = tempfile::tempdir().unwrap();
-    const LEN: u64 = 64 * MIB;
-    let src = t.path().join("src.img");
-    make_image(&src, LEN, 9, &[(0, 8 * MIB), (LEN - 8 * MIB, 8 * MIB)]);
-    let node1 = format!(
-        "[exports.src]\npath = \"{}\"\nread_only = true",
-        src.display()
-    );
+    let sources: [(&str, u64); 3] = [("small", 64 * MIB), ("four-gib", 4 << 30), ("tib", 1 << 40)];
+    let mut exports = String::new();
+    for (name, len) in sources {
+        let img = t.path().join(format!("{name}.img"));
+        // Data at both ends (and a hole between, for the two big ones).
+        let data = (8 * MIB).min(len / 2);
+        make_image(&img, len, len % 97, &[(0, data), (len - data, data)]);
+        exports += &format!(
+            "[exports.{name}]\npath = \"{}\"\nread_only = true\n",
+            img.display()
+        );
+    }
     let socket_of = |dir: &Path| dir.join("csi.sock");
     let node2 = format!(
         "csi_socket = \"{}\"",
         socket_of(&t.path().join("pop/pop-node2")).display()
     );
-    let Some(mut site) = Site::start_with(t.path(), "pop", 70, [&node1, &node2]) else {
+    let Some(mut site) = Site::start_with(t.path(), "pop", 70, [&exports, &node2]) else {
         return;
     };
     assert_eq!(
@@ -2565,75 +2571,11 @@ fn a_populated_pvc_is_bound_at_once_and_its_device_reads_the_source_while_it_arr
     );
     site.start_controller("pop-controller-1");
     wait_established(&site.cluster, &["hydrationsources.replication.mover"]);
-    // NODE@: the name node 1's agent certificate carries.
-    let source = format!("agent://pop-node1@{}:{}/src", site.agents[0].ip, site.port);
-    site.cluster.apply(&format!(
-        r#"apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata:
-  name: mover-populated
-provisioner: csi.replication.mover
-volumeBindingMode: WaitForFirstConsumer
----
-apiVersion: replication.mover/v1alpha1
-kind: HydrationSource
-metadata:
-  name: from-node1
-  namespace: app
-spec:
-  agent: {source}
-  bwlimit: 2M
-"#
-    ));
-    let created = Instant::now();
     site.cluster.apply(
-        r#"apiVersion: v1
-kind: PersistentVolumeClaim
-metadata:
-  name: restored
-  namespace: app
-  annotations:
-    volume.kubernetes.io/selected-node: pop-node2
-spec:
-  accessModes: [ReadWriteOnce]
-  volumeMode: Block
-  storageClassName: mover-populated
-  resources:
-    requests:
-      storage: 64Mi
-  dataSourceRef:
-    apiGroup: replication.mover
-    kind: HydrationSource
-    name: from-node1
-"#,
+        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: mover-populated\nprovisioner: csi.replication.mover\nvolumeBindingMode: WaitForFirstConsumer\n",
     );
-    site.wait("the populated PVC bound", |s| {
-        s.get("pvc", "app", "restored")["status"]["phase"] == "Bound"
-    });
-    let bound = created.elapsed();
-    let pv_name = site.get("pvc", "app", "restored")["spec"]["volumeName"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let pv: Value = serde_json::from_str(
-        &site
-            .cluster
-            .kubectl_ok(&["get", "pv", &pv_name, "-o", "json"]),
-    )
-    .unwrap();
-    assert_eq!(pv["spec"]["csi"]["driver"], "csi.replication.mover");
-    assert_eq!(pv["spec"]["persistentVolumeReclaimPolicy"], "Retain");
-    let handle = pv["spec"]["csi"]["volumeHandle"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    // The kubelet's part on node 2: NodeStageVolume and NodePublishVolume.
     let node2_dir = site.agents[1].dir.clone();
     let socket = socket_of(&node2_dir);
-    let staging = node2_dir.join("kubelet/staging").join(&handle);
-    let target = node2_dir.join("kubelet/pods/pod-1/dev").join(&handle);
-    std::fs::create_dir_all(&staging).unwrap();
-    let capability = json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}});
     let csi = |method: &str, request: Value| {
         let out = common::csi::csi_output(&site.cluster.bin, &socket, method, &request);
         assert!(
@@ -2643,44 +2585,105 @@ spec:
             std::fs::read_to_string(node2_dir.join("agent.log")).unwrap_or_default()
         );
     };
-    csi(
-        "csi.v1.Node/NodeStageVolume",
-        json!({"volumeId": handle, "stagingTargetPath": staging, "volumeCapability": capability}),
-    );
-    csi(
-        "csi.v1.Node/NodePublishVolume",
-        json!({"volumeId": handle, "stagingTargetPath": staging, "targetPath": target,
-               "volumeCapability": capability}),
-    );
-    let mut last = vec![0u8; MIB as usize];
-    std::os::unix::fs::FileExt::read_exact_at(
-        &std::fs::File::open(&target).unwrap(),
-        &mut last,
-        LEN - MIB,
-    )
-    .unwrap();
-    let readable = created.elapsed();
-    let mut want = vec![0u8; MIB as usize];
-    std::os::unix::fs::FileExt::read_exact_at(
-        &std::fs::File::open(&src).unwrap(),
-        &mut want,
-        LEN - MIB,
-    )
-    .unwrap();
-    assert!(last == want, "the device's last MiB is not the source's");
-    eprintln!(
-        "populated 64 MiB PVC: bound {:.2} s after its creation, its last MiB read {:.2} s after",
-        bound.as_secs_f64(),
-        readable.as_secs_f64()
-    );
-    // The rest, fetched on demand ahead of the 2 MiB/s fill: the source's bytes.
-    assert_eq!(blake3_of(&target, LEN), blake3_of(&src, LEN));
-    csi(
-        "csi.v1.Node/NodeUnpublishVolume",
-        json!({"volumeId": handle, "targetPath": target}),
-    );
-    csi(
-        "csi.v1.Node/NodeUnstageVolume",
-        json!({"volumeId": handle, "stagingTargetPath": staging}),
-    );
+    let last_mib = |path: &Path, len: u64| {
+        let mut buf = vec![0u8; MIB as usize];
+        std::os::unix::fs::FileExt::read_exact_at(
+            &std::fs::File::open(path).unwrap(),
+            &mut buf,
+            len - MIB,
+        )
+        .unwrap();
+        buf
+    };
+    for (name, len) in sources {
+        // NODE@: the name node 1's agent certificate carries.
+        let source = format!(
+            "agent://pop-node1@{}:{}/{name}",
+            site.agents[0].ip, site.port
+        );
+        site.cluster.apply(&format!(
+            "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: {name}\n  namespace: app\nspec:\n  agent: {source}\n  bwlimit: 2M\n"
+        ));
+        let created = Instant::now();
+        site.cluster.apply(&format!(
+            r#"apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: {name}
+  namespace: app
+  annotations:
+    volume.kubernetes.io/selected-node: pop-node2
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: mover-populated
+  resources:
+    requests:
+      storage: "{len}"
+  dataSourceRef:
+    apiGroup: replication.mover
+    kind: HydrationSource
+    name: {name}
+"#
+        ));
+        site.wait("the populated PVC bound", |s| {
+            s.get("pvc", "app", name)["status"]["phase"] == "Bound"
+        });
+        let bound = created.elapsed();
+        let pv_name = site.get("pvc", "app", name)["spec"]["volumeName"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let pv: Value = serde_json::from_str(
+            &site
+                .cluster
+                .kubectl_ok(&["get", "pv", &pv_name, "-o", "json"]),
+        )
+        .unwrap();
+        assert_eq!(pv["spec"]["csi"]["driver"], "csi.replication.mover");
+        assert_eq!(pv["spec"]["persistentVolumeReclaimPolicy"], "Retain");
+        let handle = pv["spec"]["csi"]["volumeHandle"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        // The kubelet's part on node 2: NodeStageVolume and NodePublishVolume.
+        let staging = node2_dir.join("kubelet/staging").join(&handle);
+        let target = node2_dir.join("kubelet/pods/pod-1/dev").join(&handle);
+        std::fs::create_dir_all(&staging).unwrap();
+        let capability = json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}});
+        csi(
+            "csi.v1.Node/NodeStageVolume",
+            json!({"volumeId": handle, "stagingTargetPath": staging, "volumeCapability": capability}),
+        );
+        csi(
+            "csi.v1.Node/NodePublishVolume",
+            json!({"volumeId": handle, "stagingTargetPath": staging, "targetPath": target,
+                   "volumeCapability": capability}),
+        );
+        let read = last_mib(&target, len);
+        let readable = created.elapsed();
+        let src = t.path().join(format!("{name}.img"));
+        assert!(
+            read == last_mib(&src, len),
+            "{name}: the device's last MiB is not the source's"
+        );
+        eprintln!(
+            "populated PVC of {} MiB: bound {:.2} s after its creation, its last MiB read {:.2} s after",
+            len / MIB,
+            bound.as_secs_f64(),
+            readable.as_secs_f64()
+        );
+        if len <= 64 * MIB {
+            // The rest, fetched on demand ahead of the 2 MiB/s fill: the source's bytes.
+            assert_eq!(blake3_of(&target, len), blake3_of(&src, len));
+        }
+        csi(
+            "csi.v1.Node/NodeUnpublishVolume",
+            json!({"volumeId": handle, "targetPath": target}),
+        );
+        csi(
+            "csi.v1.Node/NodeUnstageVolume",
+            json!({"volumeId": handle, "stagingTargetPath": staging}),
+        );
+    }
 }
