@@ -123,7 +123,7 @@ impl HydrationControl {
         std::fs::create_dir_all(dir).map_err(|e| {
             ServiceError::FailedPrecondition(format!("cannot make {}: {e}", dir.display()))
         })?;
-        let path = dir.join(format!("{export}.img"));
+        let path = super::csi::volume_file(dir, export);
         self.exports
             .register(export, &path, false, "")
             .map_err(|e| ServiceError::FailedPrecondition(e.to_string()))?;

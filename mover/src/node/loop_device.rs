@@ -1,6 +1,7 @@
 //! Loop devices over files, through util-linux's `losetup` (what every node image has;
 //! its ioctls differ between kernels and it knows them).
 
+use super::run_tool as run;
 use std::{
     io,
     path::{Path, PathBuf},
@@ -42,22 +43,4 @@ pub fn bound_to(file: &Path) -> io::Result<Vec<PathBuf>> {
         .filter(|l| !l.is_empty())
         .map(PathBuf::from)
         .collect())
-}
-
-fn run(cmd: &mut Command) -> io::Result<String> {
-    let what = format!("{cmd:?}");
-    let out = cmd.output().map_err(|e| {
-        io::Error::new(
-            e.kind(),
-            format!("cannot run {what}: {e} (util-linux's losetup must be on PATH)"),
-        )
-    })?;
-    if !out.status.success() {
-        return Err(io::Error::other(format!(
-            "{what} failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

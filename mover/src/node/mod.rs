@@ -25,6 +25,26 @@ pub fn name_hash(name: &str) -> String {
     blake3::hash(name.as_bytes()).to_hex()[..32].to_string()
 }
 
+/// Runs a tool of the node (losetup, mount, mkfs); its standard output, or an error
+/// that names the command and says what it printed.
+pub fn run_tool(cmd: &mut std::process::Command) -> std::io::Result<String> {
+    let what = format!("{cmd:?}");
+    let out = cmd.output().map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot run {what}: {e} (is it installed on the node?)"),
+        )
+    })?;
+    if !out.status.success() {
+        return Err(std::io::Error::other(format!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()

@@ -14,7 +14,7 @@ const BLOCK: u64 = 4096;
 
 impl Plugin {
     fn volume_path(&self, id: &str) -> PathBuf {
-        self.volumes.join(format!("{id}.img"))
+        super::volume_file(&self.volumes, id)
     }
 
     /// Whether `id` names a volume this plugin made (not another export).

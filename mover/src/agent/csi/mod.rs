@@ -19,7 +19,11 @@ mod node;
 
 use super::device::Devices;
 use crate::node::Exports;
-use std::{collections::HashMap, path::PathBuf, sync::Arc};
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
 use tonic::{Request, Response, Status};
 use transport::csi::{
     self as proto, controller_server::ControllerServer, identity_server::IdentityServer,
@@ -42,6 +46,12 @@ pub struct Plugin {
     pub devices: Arc<Devices>,
     /// Where CreateVolume makes volumes.
     pub volumes: PathBuf,
+}
+
+/// The image file of the volume `id` in the plugin's volumes directory `dir`: what
+/// CreateVolume makes, and a populated PVC's volume (a hydration started with `create`).
+pub fn volume_file(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.img"))
 }
 
 impl Plugin {

@@ -248,18 +248,9 @@ fn unmount_all(path: &Path) -> Result<(), Status> {
 }
 
 fn run(cmd: &mut Command) -> Result<(), Status> {
-    let out = cmd
-        .output()
-        .map_err(|e| Status::internal(format!("cannot run {cmd:?}: {e}")))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(Status::internal(format!(
-            "{cmd:?} failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )))
-    }
+    crate::node::run_tool(cmd)
+        .map(drop)
+        .map_err(|e| Status::internal(e.to_string()))
 }
 
 fn io_status(path: &Path, e: std::io::Error) -> Status {

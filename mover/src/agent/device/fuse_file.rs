@@ -71,13 +71,10 @@ impl VolumeFile {
         answer: impl FnOnce(Result<T, Errno>) + Send + 'static,
     ) {
         self.runtime.spawn(async move {
+            // An error without an OS code (a fetch that failed) is EIO.
             answer(op.await.map_err(|e| {
                 tracing::debug!("volume file: {e}");
-                if e.raw_os_error().is_some() {
-                    Errno::from(e)
-                } else {
-                    Errno::EIO
-                }
+                Errno::from(e)
             }))
         });
     }
