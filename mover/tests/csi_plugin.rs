@@ -10,9 +10,9 @@ mod common;
 
 use common::{
     MIB,
-    agent::{Agent, TOKEN},
+    agent::Agent,
     blake3_of,
-    csi::csi_output,
+    csi::{Kubelet, ok},
 };
 use std::{
     collections::BTreeMap,
@@ -57,16 +57,6 @@ fn plugin_agent(dir: &Path, node: &str, exports: &[(&str, &Path, bool)]) -> Agen
     )
 }
 
-fn ok(out: Output, what: &str) -> String {
-    assert!(
-        out.status.success(),
-        "{what} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 fn run(cmd: &str, args: &[&str]) -> Output {
     Command::new(cmd)
         .args(args)
@@ -74,15 +64,9 @@ fn run(cmd: &str, args: &[&str]) -> Output {
         .unwrap_or_else(|e| panic!("{cmd} is needed by this test: {e}"))
 }
 
-/// `mover hydrate ARGS` with the test token.
+/// `mover hydrate ARGS`, which must succeed.
 fn hydrate(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_mover"))
-        .arg("hydrate")
-        .args(args)
-        .env("MOVER_TOKEN", TOKEN)
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap();
+    let out = common::agent::hydrate(args);
     ok(out, &format!("mover hydrate {}", args.join(" ")))
 }
 
@@ -180,67 +164,6 @@ fn hashes_under(root: &Path, names: impl Iterator<Item = String>) -> BTreeMap<St
         .collect()
 }
 
-/// The kubelet's calls for one volume of one pod.
-struct Kubelet<'a> {
-    bin: &'a Path,
-    socket: PathBuf,
-    volume: String,
-    staging: PathBuf,
-    target: PathBuf,
-    capability: serde_json::Value,
-}
-
-impl Kubelet<'_> {
-    fn call(&self, method: &str, request: serde_json::Value) -> Output {
-        csi_output(self.bin, &self.socket, method, &request)
-    }
-
-    fn stage_and_publish(&self) {
-        std::fs::create_dir_all(&self.staging).unwrap();
-        ok(
-            self.call(
-                "csi.v1.Node/NodeStageVolume",
-                serde_json::json!({
-                    "volumeId": self.volume,
-                    "stagingTargetPath": self.staging,
-                    "volumeCapability": self.capability,
-                }),
-            ),
-            "NodeStageVolume",
-        );
-        ok(
-            self.call(
-                "csi.v1.Node/NodePublishVolume",
-                serde_json::json!({
-                    "volumeId": self.volume,
-                    "stagingTargetPath": self.staging,
-                    "targetPath": self.target,
-                    "volumeCapability": self.capability,
-                }),
-            ),
-            "NodePublishVolume",
-        );
-    }
-
-    fn unpublish_and_unstage(&self) -> (Output, Output) {
-        let a = self.call(
-            "csi.v1.Node/NodeUnpublishVolume",
-            serde_json::json!({"volumeId": self.volume, "targetPath": self.target}),
-        );
-        let b = self.call(
-            "csi.v1.Node/NodeUnstageVolume",
-            serde_json::json!({"volumeId": self.volume, "stagingTargetPath": self.staging}),
-        );
-        (a, b)
-    }
-}
-
-impl Drop for Kubelet<'_> {
-    fn drop(&mut self) {
-        let _ = self.unpublish_and_unstage();
-    }
-}
-
 /// A source agent exporting an ext4 image made from [`source_tree`], and a destination
 /// agent with the CSI plugin and an export `dst` to hydrate into.
 struct Hydrating {
@@ -291,7 +214,7 @@ impl Hydrating {
     }
 
     fn control(&self) -> String {
-        format!("agent://127.0.0.1:{}", self.dst.port)
+        common::agent::control(&self.dst)
     }
 
     /// Starts the fill; slow with a `bwlimit`, so the volume is still arriving while used.
@@ -315,6 +238,7 @@ impl Hydrating {
     }
 
     fn kubelet<'a>(&self, bin: &'a Path, capability: serde_json::Value) -> Kubelet<'a> {
+        // The kubelet's directories of the pod, on the destination's node.
         let b = self.dir.path().join("b");
         Kubelet {
             bin,

@@ -6,7 +6,7 @@ mod common;
 
 use common::{
     MIB,
-    agent::{Agent, TOKEN},
+    agent::{Agent, hydrate},
     blake3_of, make_image,
 };
 use std::{
@@ -16,17 +16,6 @@ use std::{
     process::{Command, Output},
     time::{Duration, Instant},
 };
-
-/// `mover hydrate ARGS` with the test token.
-fn hydrate(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_mover"))
-        .arg("hydrate")
-        .args(args)
-        .env("MOVER_TOKEN", TOKEN)
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap()
-}
 
 fn ok(out: Output) -> String {
     assert!(

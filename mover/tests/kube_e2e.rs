@@ -2576,15 +2576,6 @@ fn populated_pvcs_are_bound_at_once_and_their_devices_read_the_source_while_it_a
     );
     let node2_dir = site.agents[1].dir.clone();
     let socket = socket_of(&node2_dir);
-    let csi = |method: &str, request: Value| {
-        let out = common::csi::csi_output(&site.cluster.bin, &socket, method, &request);
-        assert!(
-            out.status.success(),
-            "{method}: {}{}",
-            String::from_utf8_lossy(&out.stderr),
-            std::fs::read_to_string(node2_dir.join("agent.log")).unwrap_or_default()
-        );
-    };
     let last_mib = |path: &Path, len: u64| {
         let mut buf = vec![0u8; MIB as usize];
         std::os::unix::fs::FileExt::read_exact_at(
@@ -2647,19 +2638,16 @@ spec:
             .unwrap()
             .to_string();
         // The kubelet's part on node 2: NodeStageVolume and NodePublishVolume.
-        let staging = node2_dir.join("kubelet/staging").join(&handle);
-        let target = node2_dir.join("kubelet/pods/pod-1/dev").join(&handle);
-        std::fs::create_dir_all(&staging).unwrap();
-        let capability = json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}});
-        csi(
-            "csi.v1.Node/NodeStageVolume",
-            json!({"volumeId": handle, "stagingTargetPath": staging, "volumeCapability": capability}),
-        );
-        csi(
-            "csi.v1.Node/NodePublishVolume",
-            json!({"volumeId": handle, "stagingTargetPath": staging, "targetPath": target,
-                   "volumeCapability": capability}),
-        );
+        let kubelet = common::csi::Kubelet {
+            bin: &site.cluster.bin,
+            socket: socket.clone(),
+            staging: node2_dir.join("kubelet/staging").join(&handle),
+            target: node2_dir.join("kubelet/pods/pod-1/dev").join(&handle),
+            volume: handle,
+            capability: json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
+        };
+        kubelet.stage_and_publish();
+        let target = kubelet.target.clone();
         let read = last_mib(&target, len);
         let readable = created.elapsed();
         let src = t.path().join(format!("{name}.img"));
@@ -2677,13 +2665,8 @@ spec:
             // The rest, fetched on demand ahead of the 2 MiB/s fill: the source's bytes.
             assert_eq!(blake3_of(&target, len), blake3_of(&src, len));
         }
-        csi(
-            "csi.v1.Node/NodeUnpublishVolume",
-            json!({"volumeId": handle, "targetPath": target}),
-        );
-        csi(
-            "csi.v1.Node/NodeUnstageVolume",
-            json!({"volumeId": handle, "stagingTargetPath": staging}),
-        );
+        let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+        common::csi::ok(unpublished, "NodeUnpublishVolume");
+        common::csi::ok(unstaged, "NodeUnstageVolume");
     }
 }

@@ -247,6 +247,17 @@ pub fn replicate(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// `mover hydrate ARGS` with the test token.
+pub fn hydrate(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_mover"))
+        .arg("hydrate")
+        .args(args)
+        .env("MOVER_TOKEN", TOKEN)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
 /// `agent://127.0.0.1:PORT`: how `mover replicate` reaches `agent`'s control API.
 pub fn control(agent: &Agent) -> String {
     format!("agent://127.0.0.1:{}", agent.port)

@@ -603,6 +603,87 @@ pub fn csi_output(bin: &Path, socket: &Path, method: &str, request: &serde_json:
     )
 }
 
+/// The standard output of a command that must succeed (`what` names it in the panic).
+pub fn ok(out: Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The kubelet's calls for one volume of one pod, made with the plugin's own Node RPCs
+/// (no kubelet runs here); unpublished and unstaged on drop.
+pub struct Kubelet<'a> {
+    /// build.sh's binaries (grpcurl, proto/csi.proto).
+    pub bin: &'a Path,
+    /// The plugin's socket.
+    pub socket: PathBuf,
+    /// The volume id (a PV's volumeHandle).
+    pub volume: String,
+    /// The kubelet's staging path of the volume.
+    pub staging: PathBuf,
+    /// The pod's path of it.
+    pub target: PathBuf,
+    /// The volume capability (block or mount, and the access mode), as JSON.
+    pub capability: serde_json::Value,
+}
+
+impl Kubelet<'_> {
+    pub fn call(&self, method: &str, request: serde_json::Value) -> Output {
+        csi_output(self.bin, &self.socket, method, &request)
+    }
+
+    /// NodeStageVolume, then NodePublishVolume; both must succeed.
+    pub fn stage_and_publish(&self) {
+        std::fs::create_dir_all(&self.staging).unwrap();
+        ok(
+            self.call(
+                "csi.v1.Node/NodeStageVolume",
+                serde_json::json!({
+                    "volumeId": self.volume,
+                    "stagingTargetPath": self.staging,
+                    "volumeCapability": self.capability,
+                }),
+            ),
+            "NodeStageVolume",
+        );
+        ok(
+            self.call(
+                "csi.v1.Node/NodePublishVolume",
+                serde_json::json!({
+                    "volumeId": self.volume,
+                    "stagingTargetPath": self.staging,
+                    "targetPath": self.target,
+                    "volumeCapability": self.capability,
+                }),
+            ),
+            "NodePublishVolume",
+        );
+    }
+
+    /// NodeUnpublishVolume and NodeUnstageVolume, as grpcurl ran them.
+    pub fn unpublish_and_unstage(&self) -> (Output, Output) {
+        let a = self.call(
+            "csi.v1.Node/NodeUnpublishVolume",
+            serde_json::json!({"volumeId": self.volume, "targetPath": self.target}),
+        );
+        let b = self.call(
+            "csi.v1.Node/NodeUnstageVolume",
+            serde_json::json!({"volumeId": self.volume, "stagingTargetPath": self.staging}),
+        );
+        (a, b)
+    }
+}
+
+impl Drop for Kubelet<'_> {
+    fn drop(&mut self) {
+        let _ = self.unpublish_and_unstage();
+    }
+}
+
 /// A TCP proxy to 127.0.0.1:`to` that cuts connections once `after` bytes came back
 /// from the server, until it has cut `cuts` of them: a stream cut part way, for real.
 pub struct CuttingProxy {
