@@ -186,7 +186,7 @@ Examples:
 #[cfg(feature = "controller")]
 #[derive(Subcommand)]
 enum ControllerCommand {
-    /// Write the CRDs (VolumeReplicationClass, VolumeReplication; HydrationSource in replication.mover) as YAML files.
+    /// Write the CRDs (VolumeReplicationClass, VolumeReplication; HydrationSource and VolumeMove in replication.mover) as YAML files.
     Crds {
         /// The API group: replication.mover, or replication.storage.openshift.io to
         /// stand in for csi-addons.

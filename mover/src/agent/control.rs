@@ -821,6 +821,32 @@ impl Replication for Control {
         .await
     }
 
+    async fn holders(
+        &self,
+        req: Request<control::NameRequest>,
+    ) -> Result<Response<control::HoldersResponse>, Status> {
+        super::control_only(&req, "holders")?;
+        answer(async {
+            let name = req.into_inner().name;
+            // A block PV's kubelet directory with no device entry left: no pod maps it.
+            if let Err(crate::agent::ExportError::NoDevice { .. }) = self.service.exports.get(&name)
+            {
+                return Ok(control::HoldersResponse::default());
+            }
+            let export = self.service.export(&name)?;
+            let path = export.path.clone();
+            let holders = super::service::blocking(|| {
+                crate::node::holders::holders(&path, std::process::id())
+            })
+            .map_err(|e| internal(format!("looking for what holds {}: {e}", path.display())))?;
+            Ok(control::HoldersResponse {
+                path: path.display().to_string(),
+                holders,
+            })
+        })
+        .await
+    }
+
     async fn thaw(
         &self,
         req: Request<control::NameRequest>,

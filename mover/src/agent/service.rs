@@ -178,6 +178,14 @@ impl AgentService {
             Ok(()) => Ok(()),
             Err(StaleEpochOrIo::Stale(e)) => {
                 self.metrics.stale_epoch_refusals.fetch_add(1, Relaxed);
+                // A fenced old owner still writing: each refusal is logged, as the
+                // counter says how many.
+                tracing::warn!(
+                    relationship,
+                    given = e.given,
+                    highest = e.highest,
+                    "write refused: stale fencing epoch"
+                );
                 Err(ServiceError::FailedPrecondition(e.to_string()))
             }
             Err(e @ StaleEpochOrIo::Io(_)) => Err(ServiceError::Internal(e.to_string())),

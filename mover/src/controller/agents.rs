@@ -139,16 +139,20 @@ pub trait Agents: Send + Sync {
     ) -> Result<hydrate::Status, AgentError> {
         Err(not_served(agent, "start hydration", &req.export))
     }
+    /// What on `agent`'s node still holds the export `volume` (empty: released).
+    async fn holders(&self, agent: &str, volume: &str) -> Result<Vec<String>, AgentError> {
+        Err(not_served(agent, "holders", volume))
+    }
 }
 
-/// What an [`Agents`] that serves no hydrations answers.
+/// What an [`Agents`] that serves no hydrations or moves answers.
 fn not_served(agent: &str, op: &'static str, name: &str) -> AgentError {
     AgentError {
         agent: agent.into(),
         op,
         name: name.into(),
         code: tonic::Code::Unimplemented,
-        message: "this implementation serves no hydrations".into(),
+        message: "this implementation serves no hydrations or moves".into(),
     }
 }
 
@@ -473,6 +477,20 @@ impl Agents for GrpcAgents {
             )
             .await;
         unless(got, &[tonic::Code::NotFound])
+    }
+
+    async fn holders(&self, agent: &str, volume: &str) -> Result<Vec<String>, AgentError> {
+        let req = control::NameRequest {
+            name: volume.into(),
+        };
+        self.call(
+            agent,
+            "holders",
+            volume,
+            |mut c: ControlClient| async move { c.holders(req).await },
+        )
+        .await
+        .map(|r| r.holders)
     }
 
     async fn hydrate(

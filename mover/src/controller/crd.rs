@@ -286,6 +286,142 @@ pub struct HydrationSourceSpec {
     pub bwlimit: Option<String>,
 }
 
+/// An owned volume following its workload to another cluster: one VolumeMove on each
+/// side, both naming the same PVC (or StatefulSet), whose VolumeReplication pairs the
+/// two. The source detaches the workload, waits until its agent sees nothing holding
+/// the volume, and demotes (a final cycle). The destination promotes once that final
+/// cycle is applied; when it does not come within the timeout, it promotes by force,
+/// fencing the old owner: its agent's later writes are refused for their stale epoch.
+/// The PVs are `Retain` until the move completes.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "replication.mover",
+    version = "v1alpha1",
+    kind = "VolumeMove",
+    namespaced,
+    shortname = "vmove",
+    status = "VolumeMoveStatus",
+    doc = "VolumeMove moves an owned volume (or a StatefulSet's) between two clusters.",
+    printcolumn(name = "Side", type_ = "string", json_path = ".spec.side"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Fenced", type_ = "boolean", json_path = ".status.fenced"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[x_kube(validation = Rule::new("has(self.pvc) != has(self.statefulSet)").message("name either pvc or statefulSet, not both"))]
+#[x_kube(validation = Rule::new("self == oldSelf").message("a VolumeMove's spec is immutable: delete it and create another"))]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeMoveSpec {
+    /// Source: the workload leaves this cluster. Destination: it arrives here.
+    pub side: MoveSide,
+    /// The PVC that moves: its VolumeReplication (the one whose dataSource names it)
+    /// is the pair's relationship.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pvc: Option<String>,
+    /// A StatefulSet whose PVCs move one after another, in ordinal order, named as its
+    /// volumeClaimTemplates name them. The source scales it to 0 first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stateful_set: Option<String>,
+    /// Source: how long the workload has to let go of the volume before the move gives
+    /// up here (the destination then fences this side). Destination: how long to wait
+    /// for the source's final cycle before fencing it [default: 300].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u64>,
+}
+
+/// Which end of a move a VolumeMove is.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+pub enum MoveSide {
+    /// The workload leaves this cluster.
+    Source,
+    /// The workload arrives in this cluster.
+    Destination,
+}
+
+/// Where a move, or one of its volumes, stands.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+pub enum MovePhase {
+    /// Not started.
+    #[default]
+    Pending,
+    /// Source: waiting for the workload to let go of the volume.
+    Detaching,
+    /// Source: the final cycle is shipping.
+    Demoting,
+    /// Destination: waiting for the source's final cycle.
+    Waiting,
+    /// Destination: becoming the owner.
+    Promoting,
+    /// Done: the source released the volume, or the destination owns it.
+    Completed,
+    /// Stopped: the message says why and what to do.
+    Failed,
+}
+
+/// The observed state of a VolumeMove.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeMoveStatus {
+    /// The phase of the whole move: the first volume's that is not Completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<MovePhase>,
+    /// What the move is doing or waiting for, or why it stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Destination: a volume was promoted by force (its old owner fenced).
+    #[serde(default)]
+    pub fenced: bool,
+    /// When the move was first looked at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<Time>,
+    /// When its last volume completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<Time>,
+    /// Source of a StatefulSet: its replicas before the move scaled it to 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+    /// Each volume, in the order they move.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<MovedVolume>,
+}
+
+/// One volume of a move.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MovedVolume {
+    /// The PVC.
+    pub pvc: String,
+    /// Where it stands.
+    pub phase: MovePhase,
+    /// What it waits for, or why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// The PV's reclaim policy before the move set `Retain`; set back at completion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reclaim_policy: Option<String>,
+    /// When this volume's step began (source: detaching; destination: waiting).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<Time>,
+    /// Source: when the agent found nothing holding the volume any more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_time: Option<Time>,
+    /// When it completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<Time>,
+    /// Destination: promoted by force, fencing the old owner.
+    #[serde(default)]
+    pub fenced: bool,
+    /// Destination: the epoch it was promoted at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u64>,
+}
+
 /// Both CRDs, for `group` instead of the group the types were derived with.
 pub fn crds(group: &str) -> Vec<CustomResourceDefinition> {
     [VolumeReplicationClass::crd(), VolumeReplication::crd()]
@@ -299,12 +435,15 @@ pub fn crds(group: &str) -> Vec<CustomResourceDefinition> {
 }
 
 /// The file name and YAML of each CRD, as `mover controller crds` writes them: the
-/// populator's HydrationSource is mover's own, in its group alone.
+/// populator's HydrationSource and the VolumeMove are mover's own, in its group alone.
 pub fn crd_yaml(group: &str) -> Vec<(String, String)> {
-    let populator = (group == MOVER_GROUP).then(HydrationSource::crd);
+    let own = (group == MOVER_GROUP)
+        .then(|| [HydrationSource::crd(), VolumeMove::crd()])
+        .into_iter()
+        .flatten();
     crds(group)
         .into_iter()
-        .chain(populator)
+        .chain(own)
         .map(|crd| {
             let name = crd.metadata.name.clone().unwrap_or_default();
             let body = serde_saphyr::to_string(&crd).expect("a CRD serializes");

@@ -32,6 +32,7 @@ pub mod issuer;
 pub mod leftovers;
 pub mod locator;
 pub mod metrics;
+pub mod moves;
 pub mod populator;
 pub mod reconcile;
 mod run;

@@ -440,16 +440,32 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         )
         .for_each(|_| futures::future::ready(()))
     });
-    let populator = async {
-        match populator {
-            Some(p) => p.await,
-            None => std::future::pending().await,
+    // Moves of owned volumes (mover's group only, as the populator).
+    let moves = (ctx.group == super::crd::MOVER_GROUP).then(|| {
+        Controller::new(
+            Api::<super::crd::VolumeMove>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .shutdown_on_signal()
+        .run(
+            super::moves::reconcile,
+            super::moves::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| futures::future::ready(()))
+    });
+    let own = async {
+        match (populator, moves) {
+            (Some(p), Some(m)) => {
+                futures::join!(p, m);
+            }
+            _ => std::future::pending().await,
         }
     };
     let both = async {
         tokio::select! {
             _ = controller => {}
-            _ = populator => {}
+            _ = own => {}
         }
     };
     match &mut leader {

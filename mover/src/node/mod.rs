@@ -9,6 +9,7 @@ mod duration;
 pub mod exports;
 mod failpoint;
 pub mod freeze;
+pub mod holders;
 mod labels;
 pub mod loop_device;
 pub mod point_in_time;

@@ -1,0 +1,609 @@
+//! VolumeMove: an owned volume follows its workload to another cluster, one owner at a
+//! time.
+//!
+//! Each cluster has its half, and the two meet only through the agents (a multi-cluster
+//! orchestrator writes both, as RamenDR writes each cluster's VolumeReplications):
+//! - **Source**: the PV is set `Retain`; the pods that use the PVC are deleted (a
+//!   StatefulSet is first scaled to 0); the move waits until no pod, no VolumeAttachment
+//!   and, as the node's agent confirms, no mount, loop device or open file holds the
+//!   volume. Only then is the VolumeReplication set `secondary`: its demote ships a final
+//!   cycle, which is the acknowledgement the destination waits for.
+//! - **Destination**: the PV is set `Retain`; the move waits until the agent has applied
+//!   that final cycle, then sets the VolumeReplication `primary` (a planned promote:
+//!   downtime is the final cycle). When the final cycle does not come within the
+//!   timeout (the old owner unreachable, or its workload never let go), it promotes by
+//!   force. That raises the epoch: the old owner's later cycles are refused as stale
+//!   (the agent logs and counts each), so its late writes never land. Status says
+//!   `fenced`.
+//!
+//! Each PV's reclaim policy goes back to the user's when its volume completes. A
+//! StatefulSet moves as one such move per PVC, in ordinal order.
+
+use super::crd::{
+    MovePhase, MoveSide, MovedVolume, VolumeMove, VolumeMoveStatus, VolumeReplication,
+};
+use super::reconcile::{Context, typed};
+use super::status::{reasons, types};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::{
+    Api, ResourceExt,
+    api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams},
+    runtime::controller::Action,
+};
+use std::{sync::Arc, time::Duration};
+
+/// How often a move under way looks again.
+const POLL: Duration = Duration::from_secs(2);
+/// The default bound on detaching (source) or on the final cycle (destination).
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A call to the API server that failed (the move retries it).
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {source}")]
+pub struct MoveError {
+    what: String,
+    source: kube::Error,
+}
+
+fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> MoveError {
+    let what = what.into();
+    move |source| MoveError { what, source }
+}
+
+/// Moves one VolumeMove a step further; idempotent, each step re-derived from what the
+/// cluster and the agents say.
+pub async fn reconcile(mv: Arc<VolumeMove>, ctx: Arc<Context>) -> Result<Action, MoveError> {
+    let mut st = mv.status.clone().unwrap_or_default();
+    if matches!(st.phase, Some(MovePhase::Completed | MovePhase::Failed)) {
+        return Ok(Action::await_change());
+    }
+    let before = st.clone();
+    let ns = mv.namespace().unwrap_or_default();
+    let name = mv.name_any();
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
+    st.start_time.get_or_insert_with(|| now.clone());
+    if st.volumes.is_empty() {
+        match volumes_of(&mv, &ctx, &ns, &mut st).await? {
+            Ok(pvcs) => {
+                st.volumes = pvcs
+                    .into_iter()
+                    .map(|pvc| MovedVolume {
+                        pvc,
+                        ..Default::default()
+                    })
+                    .collect()
+            }
+            Err(why) => {
+                st.phase = Some(MovePhase::Failed);
+                st.message = Some(why);
+            }
+        }
+    }
+    let timeout = mv
+        .spec
+        .timeout_seconds
+        .map_or(DEFAULT_TIMEOUT, Duration::from_secs);
+    let mut next = Action::requeue(POLL);
+    if let Some(vol) = st
+        .volumes
+        .iter_mut()
+        .find(|v| v.phase != MovePhase::Completed)
+    {
+        let step = Step {
+            ctx: &ctx,
+            ns: &ns,
+            timeout,
+            now: now.clone(),
+        };
+        match mv.spec.side {
+            MoveSide::Source => step.source(vol).await?,
+            MoveSide::Destination => step.destination(vol).await?,
+        }
+        st.phase = Some(vol.phase);
+        st.message = vol.message.as_ref().map(|m| format!("{}: {m}", vol.pvc));
+        if vol.phase == MovePhase::Completed {
+            next = Action::requeue(Duration::ZERO);
+        }
+    } else if st.phase != Some(MovePhase::Failed) {
+        st.phase = Some(MovePhase::Completed);
+        st.message = Some(format!("{} volume(s) moved", st.volumes.len()));
+        st.completion_time = Some(now);
+        next = Action::await_change();
+        tracing::info!(volumemove = %format!("{ns}/{name}"), side = ?mv.spec.side, fenced = st.fenced, "move completed");
+    }
+    st.fenced = st.volumes.iter().any(|v| v.fenced);
+    if st.phase == Some(MovePhase::Failed) {
+        next = Action::await_change();
+    }
+    if st != before {
+        Api::<VolumeMove>::namespaced(ctx.client.clone(), &ns)
+            .patch_status(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "status": st })),
+            )
+            .await
+            .map_err(kube_err(format!(
+                "writing the status of VolumeMove {ns}/{name}"
+            )))?;
+    }
+    Ok(next)
+}
+
+/// The PVCs a move names, in the order they move: its PVC, or its StatefulSet's claims
+/// in ordinal order (the source records the replicas, then scales it to 0).
+async fn volumes_of(
+    mv: &VolumeMove,
+    ctx: &Context,
+    ns: &str,
+    st: &mut VolumeMoveStatus,
+) -> Result<Result<Vec<String>, String>, MoveError> {
+    let Some(sts_name) = &mv.spec.stateful_set else {
+        return Ok(Ok(mv.spec.pvc.iter().cloned().collect()));
+    };
+    let api = Api::<StatefulSet>::namespaced(ctx.client.clone(), ns);
+    let Some(sts) = api
+        .get_opt(sts_name)
+        .await
+        .map_err(kube_err(format!("reading StatefulSet {ns}/{sts_name}")))?
+    else {
+        return Ok(Err(format!(
+            "no StatefulSet {sts_name:?} in namespace {ns}"
+        )));
+    };
+    let replicas = sts.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    let claims = stateful_set_claims(&sts, replicas);
+    if claims.is_empty() {
+        return Ok(Err(format!(
+            "StatefulSet {ns}/{sts_name} has no volumeClaimTemplates (or 0 replicas): \
+             nothing to move"
+        )));
+    }
+    if mv.spec.side == MoveSide::Source {
+        st.replicas = Some(replicas);
+        api.patch(
+            sts_name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"replicas": 0}})),
+        )
+        .await
+        .map_err(kube_err(format!(
+            "scaling StatefulSet {ns}/{sts_name} to 0"
+        )))?;
+        tracing::info!(statefulset = %format!("{ns}/{sts_name}"), replicas, "scaled to 0 for a move");
+    }
+    Ok(Ok(claims))
+}
+
+/// The PVCs of `sts`'s first `replicas` pods, ordinal by ordinal: `TEMPLATE-STS-N`, as
+/// the StatefulSet controller names them.
+pub fn stateful_set_claims(sts: &StatefulSet, replicas: i32) -> Vec<String> {
+    let name = sts.name_any();
+    let spec = sts.spec.clone().unwrap_or_default();
+    let start = spec.ordinals.and_then(|o| o.start).unwrap_or(0);
+    let templates: Vec<String> = spec
+        .volume_claim_templates
+        .unwrap_or_default()
+        .iter()
+        .map(|t| t.name_any())
+        .collect();
+    (start..start + replicas.max(0))
+        .flat_map(|i| {
+            let name = &name;
+            templates.iter().map(move |t| format!("{t}-{name}-{i}"))
+        })
+        .collect()
+}
+
+/// What one step of a volume's move works with.
+struct Step<'a> {
+    ctx: &'a Context,
+    ns: &'a str,
+    timeout: Duration,
+    now: Time,
+}
+
+/// A VolumeReplication as the move sees it.
+struct Pair {
+    vr: VolumeReplication,
+    name: String,
+}
+
+impl Pair {
+    /// The VR has finished the transition to `reason` (Promoted or Demoted) for its
+    /// current spec.
+    fn completed(&self, reason: &str) -> bool {
+        let generation = self.vr.metadata.generation.unwrap_or(0);
+        let status = self.vr.status.clone().unwrap_or_default();
+        status.observed_generation == Some(generation)
+            && status.conditions.iter().any(|c| {
+                c.type_ == types::COMPLETED
+                    && c.status == "True"
+                    && c.reason == reason
+                    && c.observed_generation == Some(generation)
+            })
+    }
+
+    fn wants(&self) -> &'static str {
+        self.vr.spec.replication_state.as_str()
+    }
+}
+
+impl Step<'_> {
+    fn elapsed(&self, since: &Option<Time>) -> Duration {
+        since.as_ref().map_or(Duration::ZERO, |t| {
+            let d = self.now.0.duration_since(t.0);
+            Duration::try_from(d).unwrap_or(Duration::ZERO)
+        })
+    }
+
+    /// The VolumeReplication whose dataSource is `pvc`, if one is.
+    async fn pair(&self, pvc: &str) -> Result<Option<Pair>, MoveError> {
+        let api = Api::<DynamicObject>::namespaced_with(
+            self.ctx.client.clone(),
+            self.ns,
+            &self.ctx.vr_resource(),
+        );
+        let list = api
+            .list(&ListParams::default())
+            .await
+            .map_err(kube_err(format!(
+                "listing VolumeReplications in {}",
+                self.ns
+            )))?;
+        Ok(list.items.iter().find_map(|o| {
+            let vr: VolumeReplication = typed(o).ok()?;
+            (vr.spec.data_source.name == pvc).then(|| Pair {
+                name: o.name_any(),
+                vr,
+            })
+        }))
+    }
+
+    /// Sets the VR's replicationState (the one field a move writes of it).
+    async fn set_state(&self, pair: &Pair, state: &str) -> Result<(), MoveError> {
+        Api::<DynamicObject>::namespaced_with(
+            self.ctx.client.clone(),
+            self.ns,
+            &self.ctx.vr_resource(),
+        )
+        .patch(
+            &pair.name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"replicationState": state}})),
+        )
+        .await
+        .map_err(kube_err(format!(
+            "setting VolumeReplication {}/{} {state}",
+            self.ns, pair.name
+        )))?;
+        tracing::info!(vr = %format!("{}/{}", self.ns, pair.name), state, "move: replicationState set");
+        Ok(())
+    }
+
+    /// The PV bound to `pvc` (its name), set `Retain` with the user's policy recorded in
+    /// `vol` the first time. Err: why the move cannot go on.
+    async fn retain(&self, vol: &mut MovedVolume) -> Result<Result<String, String>, MoveError> {
+        let pvc = self
+            .ctx
+            .caches
+            .pvcs
+            .state()
+            .into_iter()
+            .find(|p| p.namespace().as_deref() == Some(self.ns) && p.name_any() == vol.pvc);
+        let Some(pv) = pvc.and_then(|p| p.spec.as_ref()?.volume_name.clone()) else {
+            return Ok(Err(format!(
+                "PVC {}/{} not found or not bound: a move needs a bound PVC on both sides",
+                self.ns, vol.pvc
+            )));
+        };
+        self.set_policy(&pv, vol, None).await?;
+        Ok(Ok(pv))
+    }
+
+    /// Sets the PV's reclaim policy to `Retain` (`restore`: None), recording the user's
+    /// first; or back to the recorded one.
+    async fn set_policy(
+        &self,
+        pv: &str,
+        vol: &mut MovedVolume,
+        restore: Option<()>,
+    ) -> Result<(), MoveError> {
+        let api = Api::<PersistentVolume>::all(self.ctx.client.clone());
+        let current = self
+            .ctx
+            .caches
+            .pvs
+            .state()
+            .into_iter()
+            .find(|p| p.name_any() == pv)
+            .and_then(|p| p.spec.as_ref()?.persistent_volume_reclaim_policy.clone())
+            .unwrap_or_else(|| "Delete".into());
+        let want = match restore {
+            None => {
+                vol.reclaim_policy.get_or_insert_with(|| current.clone());
+                "Retain".to_string()
+            }
+            Some(()) => vol
+                .reclaim_policy
+                .clone()
+                .unwrap_or_else(|| current.clone()),
+        };
+        if current != want {
+            api.patch(
+                pv,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"spec": {"persistentVolumeReclaimPolicy": want}})),
+            )
+            .await
+            .map_err(kube_err(format!(
+                "setting PV {pv}'s reclaim policy to {want}"
+            )))?;
+        }
+        Ok(())
+    }
+
+    /// The source: detach, wait for the agent's acknowledgement, demote.
+    async fn source(&self, vol: &mut MovedVolume) -> Result<(), MoveError> {
+        let Some(pair) = self.pair(&vol.pvc).await? else {
+            return fail(
+                vol,
+                "no VolumeReplication names this PVC: a move hands over through one (create it \
+                 in both clusters, replicating, then move)",
+            );
+        };
+        let pv = match self.retain(vol).await? {
+            Ok(pv) => pv,
+            Err(why) => return fail(vol, &why),
+        };
+        vol.start_time.get_or_insert_with(|| self.now.clone());
+        if pair.wants() == "secondary" {
+            vol.phase = MovePhase::Demoting;
+            if !pair.completed(reasons::DEMOTED) {
+                let said = pair.vr.status.as_ref().and_then(|s| s.message.clone());
+                vol.message = Some(format!(
+                    "the final cycle is shipping ({})",
+                    said.unwrap_or_default()
+                ));
+                return Ok(());
+            }
+            self.set_policy(&pv, vol, Some(())).await?;
+            vol.phase = MovePhase::Completed;
+            vol.completion_time = Some(self.now.clone());
+            vol.message =
+                Some("released: the final cycle is shipped and this side is secondary".into());
+            return Ok(());
+        }
+        vol.phase = MovePhase::Detaching;
+        let held = match self.held(&pair, vol, &pv).await? {
+            Ok(held) => held,
+            Err(why) => return fail(vol, &why),
+        };
+        if !held.is_empty() {
+            let what = held.join("; ");
+            if self.elapsed(&vol.start_time) > self.timeout {
+                return fail(
+                    vol,
+                    &format!(
+                        "not released within {} s: {what}. Stop what holds it; the \
+                         destination fences this side after its own timeout",
+                        self.timeout.as_secs()
+                    ),
+                );
+            }
+            vol.message = Some(format!("waiting for the workload to let go: {what}"));
+            return Ok(());
+        }
+        vol.released_time = Some(self.now.clone());
+        tracing::info!(pvc = %format!("{}/{}", self.ns, vol.pvc), "released: nothing holds the volume; demoting");
+        self.set_state(&pair, "secondary").await?;
+        vol.phase = MovePhase::Demoting;
+        vol.message = Some("released; the final cycle is shipping".into());
+        Ok(())
+    }
+
+    /// What still holds the source's volume: pods using the PVC (deleted here), its
+    /// VolumeAttachments, then what its agent sees on the node. Err: why the move cannot
+    /// go on.
+    async fn held(
+        &self,
+        pair: &Pair,
+        vol: &MovedVolume,
+        pv: &str,
+    ) -> Result<Result<Vec<String>, String>, MoveError> {
+        let pods = Api::<Pod>::namespaced(self.ctx.client.clone(), self.ns);
+        let list = pods
+            .list(&ListParams::default())
+            .await
+            .map_err(kube_err(format!("listing pods in {}", self.ns)))?;
+        let mut held = Vec::new();
+        for pod in list.items.iter().filter(|p| uses_claim(p, &vol.pvc)) {
+            let name = pod.name_any();
+            if let Some(owner) = pod
+                .owner_references()
+                .iter()
+                .find(|o| o.controller == Some(true) && o.kind != "StatefulSet")
+            {
+                return Ok(Err(format!(
+                    "pod {name} is run by {} {}, which would start it again: scale that to 0 \
+                     first",
+                    owner.kind, owner.name
+                )));
+            }
+            if pod.metadata.deletion_timestamp.is_none() {
+                match pods.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(e)) if e.code == 404 => {}
+                    Err(e) => return Err(kube_err(format!("deleting pod {name}"))(e)),
+                }
+                tracing::info!(pod = %format!("{}/{name}", self.ns), "deleted for a move");
+            }
+            held.push(format!("pod {name} is still there"));
+        }
+        for va in self.ctx.caches.attachments.state() {
+            if va.spec.source.persistent_volume_name.as_deref() == Some(pv) {
+                held.push(format!("VolumeAttachment {} is still there", va.name_any()));
+            }
+        }
+        if !held.is_empty() {
+            return Ok(Ok(held));
+        }
+        let Some(r) = pair.vr.status.as_ref().and_then(|s| s.relationship.clone()) else {
+            return Ok(Ok(vec![format!(
+                "VolumeReplication {} has no relationship yet",
+                pair.name
+            )]));
+        };
+        Ok(Ok(
+            match self.ctx.agents.holders(&r.agent, &r.volume).await {
+                Ok(h) => h.into_iter().map(|h| format!("on its node, {h}")).collect(),
+                Err(e) => vec![format!("its agent cannot say what holds it: {e}")],
+            },
+        ))
+    }
+
+    /// The destination: wait for the final cycle (or the timeout), promote.
+    async fn destination(&self, vol: &mut MovedVolume) -> Result<(), MoveError> {
+        let Some(pair) = self.pair(&vol.pvc).await? else {
+            return fail(
+                vol,
+                "no VolumeReplication names this PVC: a move hands over through one (the \
+                 secondary of the source's)",
+            );
+        };
+        let pv = match self.retain(vol).await? {
+            Ok(pv) => pv,
+            Err(why) => return fail(vol, &why),
+        };
+        vol.start_time.get_or_insert_with(|| self.now.clone());
+        if pair.wants() == "primary" {
+            vol.phase = MovePhase::Promoting;
+            if !pair.completed(reasons::PROMOTED) {
+                let said = pair.vr.status.as_ref().and_then(|s| s.message.clone());
+                vol.message = Some(format!("promoting ({})", said.unwrap_or_default()));
+                return Ok(());
+            }
+            vol.epoch = pair
+                .vr
+                .status
+                .as_ref()
+                .and_then(|s| s.epoch)
+                .map(|e| e as u64);
+            self.set_policy(&pv, vol, Some(())).await?;
+            vol.phase = MovePhase::Completed;
+            vol.completion_time = Some(self.now.clone());
+            vol.message = Some(if vol.fenced {
+                "owned here, promoted by force: the old owner is fenced".into()
+            } else {
+                "owned here, from the source's final cycle".into()
+            });
+            return Ok(());
+        }
+        vol.phase = MovePhase::Waiting;
+        let Some(r) = pair.vr.status.as_ref().and_then(|s| s.relationship.clone()) else {
+            vol.message = Some(format!(
+                "VolumeReplication {} has no relationship yet",
+                pair.name
+            ));
+            return Ok(());
+        };
+        let status = self.ctx.agents.get(&r.agent, &r.name).await;
+        let last = status
+            .as_ref()
+            .ok()
+            .and_then(|s| s.as_ref()?.last_cycle.clone());
+        if last.as_ref().is_some_and(|c| c.r#final) {
+            tracing::info!(pvc = %format!("{}/{}", self.ns, vol.pvc), cycle = last.map(|c| c.id), "the source's final cycle is applied: promoting");
+            vol.message = Some("the final cycle is applied; promoting".into());
+        } else if self.elapsed(&vol.start_time) > self.timeout {
+            vol.fenced = true;
+            let applied = last.map_or("none".to_string(), |c| format!("cycle {}", c.id));
+            tracing::warn!(pvc = %format!("{}/{}", self.ns, vol.pvc), "no final cycle from the source within {} s (last applied: {applied}): promoting by force, fencing the old owner", self.timeout.as_secs());
+            vol.message = Some(format!(
+                "no final cycle from the source within {} s (last applied: {applied}): \
+                 promoting by force; the old owner is fenced and its later writes are refused",
+                self.timeout.as_secs()
+            ));
+        } else {
+            vol.message = Some(match status {
+                Ok(Some(s)) => format!(
+                    "waiting for the source's final cycle (last applied: {})",
+                    s.last_cycle
+                        .map_or("none".into(), |c| format!("cycle {}", c.id))
+                ),
+                Ok(None) => "waiting for the source's final cycle (none applied yet)".into(),
+                Err(e) => format!("waiting for the source's final cycle: {e}"),
+            });
+            return Ok(());
+        }
+        self.set_state(&pair, "primary").await?;
+        vol.phase = MovePhase::Promoting;
+        Ok(())
+    }
+}
+
+/// Marks `vol` failed with `why`, the user's to fix.
+fn fail(vol: &mut MovedVolume, why: &str) -> Result<(), MoveError> {
+    vol.phase = MovePhase::Failed;
+    vol.message = Some(why.to_string());
+    Ok(())
+}
+
+/// `pod` mounts the PVC `claim`.
+fn uses_claim(pod: &Pod, claim: &str) -> bool {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.volumes.iter().flatten())
+        .any(|v| {
+            v.persistent_volume_claim
+                .as_ref()
+                .is_some_and(|c| c.claim_name == claim)
+        })
+}
+
+/// Retries after a failed API call.
+pub fn error_policy(mv: Arc<VolumeMove>, error: &MoveError, _: Arc<Context>) -> Action {
+    tracing::warn!(volumemove = %format!("{}/{}", mv.namespace().unwrap_or_default(), mv.name_any()), "{error}");
+    Action::requeue(POLL * 2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stateful_sets_claims_come_ordinal_by_ordinal() {
+        let sts: StatefulSet = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "db", "namespace": "app"},
+            "spec": {
+                "selector": {}, "serviceName": "db", "template": {},
+                "ordinals": {"start": 1},
+                "volumeClaimTemplates": [{"metadata": {"name": "data"}}, {"metadata": {"name": "wal"}}],
+            }
+        }))
+        .unwrap();
+        assert_eq!(
+            stateful_set_claims(&sts, 2),
+            ["data-db-1", "wal-db-1", "data-db-2", "wal-db-2"]
+        );
+        assert!(stateful_set_claims(&sts, 0).is_empty());
+    }
+
+    #[test]
+    fn a_pod_uses_a_claim_only_through_a_pvc_volume_of_that_name() {
+        let pod = |claim: &str| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p"},
+                "spec": {"containers": [], "volumes": [
+                    {"name": "tmp", "emptyDir": {}},
+                    {"name": "v", "persistentVolumeClaim": {"claimName": claim}},
+                ]}
+            }))
+            .unwrap()
+        };
+        assert!(uses_claim(&pod("data"), "data"));
+        assert!(!uses_claim(&pod("data-2"), "data"));
+    }
+}
