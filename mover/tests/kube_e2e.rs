@@ -2923,3 +2923,234 @@ spec:
         assert!(denied.is_empty(), "forbidden: {denied:#?}");
     }
 }
+
+/// A StatefulSet's two volumes moved within one cluster, with no VolumeReplication:
+/// copy-on-demand. The move scales the StatefulSet to 0 and waits while node 1's agent
+/// sees a process holding each volume (the containers' part, emulated: processes with
+/// the images open, stopped as the kubelet stops containers). Then, ordinal by ordinal,
+/// each PVC is made again under its name in mover's populated StorageClass, filled from
+/// the old volume (kept `Retain`), and the StatefulSet is scaled back. Where the
+/// scheduler puts the pods (node 2; the annotation is the scheduler's part) the devices,
+/// staged and published through node 2's agent, hold the old volumes' bytes. When the
+/// fills complete the move completes, and the old PVs get the user's policy back.
+#[test]
+fn a_stateful_sets_volumes_move_within_a_cluster_on_demand_in_ordinal_order() {
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let node2 = format!(
+        "csi_socket = \"{}\"",
+        t.path().join("mv/mv-node2/csi.sock").display()
+    );
+    let Some(mut site) = Site::start_with(t.path(), "mv", 80, ["", &node2]) else {
+        return;
+    };
+    site.start_controller("mv-controller-1");
+    wait_established(&site.cluster, &["volumemoves.replication.mover"]);
+    let node1_dir = site.agents[0].dir.clone();
+    let mut holders = Vec::new();
+    for n in 0..2u64 {
+        let img = node1_dir.join(format!("db{n}.img"));
+        make_image(
+            &img,
+            VOLUME_LEN,
+            40 + n,
+            &[(0, 3 * MIB), (20 * MIB, 5 * MIB)],
+        );
+        site.cluster.apply(&format!(
+            r#"apiVersion: v1
+kind: PersistentVolume
+metadata:
+  name: pv-db-{n}
+spec:
+  capacity:
+    storage: 32Mi
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  persistentVolumeReclaimPolicy: Delete
+  claimRef: {{namespace: app, name: data-db-{n}}}
+  local:
+    path: {img}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - key: kubernetes.io/hostname
+          operator: In
+          values: [mv-node1]
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: data-db-{n}
+  namespace: app
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  resources:
+    requests:
+      storage: 32Mi
+"#,
+            img = img.display()
+        ));
+        // The pod's container, holding its device open.
+        holders.push(
+            Command::new("sleep")
+                .arg("600")
+                .stdin(std::fs::File::open(&img).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+    }
+    site.cluster.apply(
+        r#"apiVersion: apps/v1
+kind: StatefulSet
+metadata:
+  name: db
+  namespace: app
+spec:
+  replicas: 2
+  serviceName: db
+  # No kubelet runs: no pod becomes Ready, so they are made in parallel.
+  podManagementPolicy: Parallel
+  selector:
+    matchLabels: {app: db}
+  template:
+    metadata:
+      labels: {app: db}
+    spec:
+      automountServiceAccountToken: false
+      containers:
+      - name: db
+        image: postgres:15
+        volumeDevices: [{name: data, devicePath: /dev/data}]
+  volumeClaimTemplates:
+  - metadata:
+      name: data
+    spec:
+      accessModes: [ReadWriteOnce]
+      volumeMode: Block
+      storageClassName: local
+      resources:
+        requests:
+          storage: 32Mi
+---
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata:
+  name: mover-populated
+provisioner: csi.replication.mover
+volumeBindingMode: WaitForFirstConsumer
+"#,
+    );
+    site.wait("both PVCs bound", |s| {
+        (0..2).all(|n| s.get("pvc", "app", &format!("data-db-{n}"))["status"]["phase"] == "Bound")
+    });
+    site.wait("the StatefulSet's pods", |s| {
+        (0..2).all(|n| !s.get("pod", "app", &format!("db-{n}")).is_null())
+    });
+    site.cluster.apply(
+        "apiVersion: replication.mover/v1alpha1\nkind: VolumeMove\nmetadata:\n  name: db\n  namespace: app\nspec:\n  side: Source\n  statefulSet: db\n  storageClassName: mover-populated\n  timeoutSeconds: 120\n",
+    );
+    let mv = |s: &Site| s.get("volumemove", "app", "db");
+    site.wait("the move waiting for the first volume's holder", |s| {
+        let m = mv(s);
+        m["status"]["phase"] == "Detaching"
+            && m["status"]["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("data-db-0: ") && m.contains("(sleep) has it open"))
+    });
+    let m = mv(&site);
+    assert_eq!(m["status"]["replicas"], 2, "{m}");
+    let sts = site.get("statefulset", "app", "db");
+    assert_eq!(sts["spec"]["replicas"], 0, "scaled to 0 first");
+    let policy =
+        |s: &Site, pv: &str| s.get("pv", "", pv)["spec"]["persistentVolumeReclaimPolicy"].clone();
+    assert_eq!(policy(&site, "pv-db-0"), "Retain", "Retain while moving");
+    // The kubelet stops the containers.
+    let stopped = Instant::now();
+    for mut h in holders {
+        h.kill().unwrap();
+        h.wait().unwrap();
+    }
+    site.wait(
+        "both PVCs made again and the StatefulSet scaled back",
+        |s| {
+            let m = mv(s);
+            m["status"]["scaledBack"] == true
+                && (0..2).all(|n| {
+                    s.get("pvc", "app", &format!("data-db-{n}"))["spec"]["dataSourceRef"]["name"]
+                        == format!("moved-data-db-{n}")
+                })
+        },
+    );
+    let usable = stopped.elapsed();
+    let m = mv(&site);
+    assert_eq!(m["status"]["phase"], "Filling", "{m}");
+    let order: Vec<_> = m["status"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["pvc"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(order, ["data-db-0", "data-db-1"], "ordinal order");
+    assert_eq!(site.get("statefulset", "app", "db")["spec"]["replicas"], 2);
+    // The scheduler's part: the pods go to node 2.
+    let scheduled = Instant::now();
+    for n in 0..2 {
+        site.cluster.kubectl_ok(&[
+            "annotate",
+            "pvc",
+            "-n",
+            "app",
+            &format!("data-db-{n}"),
+            "volume.kubernetes.io/selected-node=mv-node2",
+        ]);
+    }
+    site.wait("the new PVCs bound", |s| {
+        (0..2).all(|n| s.get("pvc", "app", &format!("data-db-{n}"))["status"]["phase"] == "Bound")
+    });
+    let node2_dir = site.agents[1].dir.clone();
+    for n in 0..2 {
+        let pvc = site.get("pvc", "app", &format!("data-db-{n}"));
+        let handle = pvc["spec"]["volumeName"].as_str().unwrap().to_string();
+        let kubelet = common::csi::Kubelet {
+            bin: &site.cluster.bin,
+            socket: node2_dir.join("csi.sock"),
+            staging: node2_dir.join("kubelet/staging").join(&handle),
+            target: node2_dir
+                .join(format!("kubelet/pods/db-{n}/dev"))
+                .join(&handle),
+            volume: handle,
+            capability: json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
+        };
+        kubelet.stage_and_publish();
+        assert_eq!(
+            blake3_of(&kubelet.target, VOLUME_LEN),
+            blake3_of(&node1_dir.join(format!("db{n}.img")), VOLUME_LEN),
+            "data-db-{n} on node 2 holds the old volume's bytes"
+        );
+        let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+        common::csi::ok(unpublished, "NodeUnpublishVolume");
+        common::csi::ok(unstaged, "NodeUnstageVolume");
+    }
+    let read = scheduled.elapsed();
+    site.wait("the move completed once both fills are", |s| {
+        mv(s)["status"]["phase"] == "Completed"
+    });
+    eprintln!(
+        "move within a cluster, no relationship: both PVCs usable {:.1} s after the containers \
+         stopped; bound and both devices read whole {:.1} s after scheduling\n{}",
+        usable.as_secs_f64(),
+        read.as_secs_f64(),
+        mv(&site)["status"]
+    );
+    for n in 0..2 {
+        assert_eq!(
+            policy(&site, &format!("pv-db-{n}")),
+            "Delete",
+            "the user's policy again"
+        );
+    }
+}

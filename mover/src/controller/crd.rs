@@ -314,6 +314,7 @@ pub struct HydrationSourceSpec {
 )]
 #[x_kube(validation = Rule::new("has(self.pvc) != has(self.statefulSet)").message("name either pvc or statefulSet, not both"))]
 #[x_kube(validation = Rule::new("self == oldSelf").message("a VolumeMove's spec is immutable: delete it and create another"))]
+#[x_kube(validation = Rule::new("!has(self.storageClassName) || self.side == 'Source'").message("storageClassName is the source's: a move within one cluster is one VolumeMove"))]
 #[serde(rename_all = "camelCase")]
 pub struct VolumeMoveSpec {
     /// Source: the workload leaves this cluster. Destination: it arrives here.
@@ -331,6 +332,13 @@ pub struct VolumeMoveSpec {
     /// for the source's final cycle before fencing it [default: 300].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_seconds: Option<u64>,
+    /// A move within this cluster, with no VolumeReplication: once released, the PVC is
+    /// made again under its name in this StorageClass (mover's CSI driver,
+    /// WaitForFirstConsumer), usable at once wherever its next pod runs while its data
+    /// arrives from the old volume, which stays `Retain` until the fill completes. A
+    /// StatefulSet is scaled back up once all its PVCs are made again. Source only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_class_name: Option<String>,
 }
 
 /// Which end of a move a VolumeMove is.
@@ -358,6 +366,10 @@ pub enum MovePhase {
     Waiting,
     /// Destination: becoming the owner.
     Promoting,
+    /// Within a cluster: the old PVC is replaced by one filled on demand.
+    Recreating,
+    /// Within a cluster: the new PVC is usable; its data still arrives.
+    Filling,
     /// Done: the source released the volume, or the destination owns it.
     Completed,
     /// Stopped: the message says why and what to do.
@@ -386,6 +398,10 @@ pub struct VolumeMoveStatus {
     /// Source of a StatefulSet: its replicas before the move scaled it to 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<i32>,
+    /// Within a cluster: the StatefulSet is scaled back to `replicas` (its PVCs made
+    /// again).
+    #[serde(default)]
+    pub scaled_back: bool,
     /// Each volume, in the order they move.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<MovedVolume>,
@@ -420,6 +436,9 @@ pub struct MovedVolume {
     /// Destination: the epoch it was promoted at.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epoch: Option<u64>,
+    /// Within a cluster: the PV the PVC was bound to, which the new one fills from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_volume: Option<String>,
 }
 
 /// Both CRDs, for `group` instead of the group the types were derived with.

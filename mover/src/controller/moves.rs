@@ -20,16 +20,18 @@
 //! StatefulSet moves as one such move per PVC, in ordinal order.
 
 use super::crd::{
-    MovePhase, MoveSide, MovedVolume, VolumeMove, VolumeMoveStatus, VolumeReplication,
+    HydrationSource, HydrationSourceSpec, MovePhase, MoveSide, MovedVolume, VolumeMove,
+    VolumeMoveStatus, VolumeReplication,
 };
+use super::populator::SELECTED_NODE;
 use super::reconcile::{Context, typed};
 use super::status::{reasons, types};
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{
     Api, ResourceExt,
-    api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams},
+    api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams},
     runtime::controller::Action,
 };
 use std::{sync::Arc, time::Duration};
@@ -85,33 +87,58 @@ pub async fn reconcile(mv: Arc<VolumeMove>, ctx: Arc<Context>) -> Result<Action,
         .spec
         .timeout_seconds
         .map_or(DEFAULT_TIMEOUT, Duration::from_secs);
-    let mut next = Action::requeue(POLL);
-    if let Some(vol) = st
-        .volumes
-        .iter_mut()
-        .find(|v| v.phase != MovePhase::Completed)
-    {
-        let step = Step {
-            ctx: &ctx,
-            ns: &ns,
-            timeout,
-            now: now.clone(),
-        };
-        match mv.spec.side {
-            MoveSide::Source => step.source(vol).await?,
-            MoveSide::Destination => step.destination(vol).await?,
+    let step = Step {
+        ctx: &ctx,
+        ns: &ns,
+        timeout,
+        now: now.clone(),
+        class: mv.spec.storage_class_name.as_deref(),
+    };
+    // In order: a volume waits for the ones before it, except behind one that is
+    // already usable at its new place (Filling).
+    let mut advanced = false;
+    for vol in st.volumes.iter_mut() {
+        if vol.phase == MovePhase::Completed {
+            continue;
         }
+        let was = vol.phase;
+        match (mv.spec.side, step.class) {
+            (MoveSide::Source, None) => step.source(vol).await?,
+            (MoveSide::Source, Some(class)) => step.on_demand(vol, class).await?,
+            (MoveSide::Destination, _) => step.destination(vol).await?,
+        }
+        advanced |= vol.phase != was;
+        if !matches!(vol.phase, MovePhase::Completed | MovePhase::Filling) {
+            break;
+        }
+    }
+    let mut next = Action::requeue(if advanced { Duration::ZERO } else { POLL });
+    if let Some(vol) = st.volumes.iter().find(|v| v.phase != MovePhase::Completed) {
         st.phase = Some(vol.phase);
         st.message = vol.message.as_ref().map(|m| format!("{}: {m}", vol.pvc));
-        if vol.phase == MovePhase::Completed {
-            next = Action::requeue(Duration::ZERO);
-        }
     } else if st.phase != Some(MovePhase::Failed) {
         st.phase = Some(MovePhase::Completed);
         st.message = Some(format!("{} volume(s) moved", st.volumes.len()));
         st.completion_time = Some(now);
         next = Action::await_change();
         tracing::info!(volumemove = %format!("{ns}/{name}"), side = ?mv.spec.side, fenced = st.fenced, "move completed");
+    }
+    // Within a cluster, the StatefulSet starts again once every PVC is made again: its
+    // pods use them at once, wherever they are scheduled.
+    let handed_over = !st.volumes.is_empty()
+        && st
+            .volumes
+            .iter()
+            .all(|v| matches!(v.phase, MovePhase::Completed | MovePhase::Filling));
+    if let (Some(sts), Some(_), Some(replicas), false, true) = (
+        &mv.spec.stateful_set,
+        step.class,
+        st.replicas,
+        st.scaled_back,
+        handed_over,
+    ) {
+        scale(&ctx, &ns, sts, replicas).await?;
+        st.scaled_back = true;
     }
     st.fenced = st.volumes.iter().any(|v| v.fenced);
     if st.phase == Some(MovePhase::Failed) {
@@ -163,18 +190,25 @@ async fn volumes_of(
     }
     if mv.spec.side == MoveSide::Source {
         st.replicas = Some(replicas);
-        api.patch(
-            sts_name,
+        scale(ctx, ns, sts_name, 0).await?;
+    }
+    Ok(Ok(claims))
+}
+
+/// Sets StatefulSet `ns/name`'s replicas.
+async fn scale(ctx: &Context, ns: &str, name: &str, replicas: i32) -> Result<(), MoveError> {
+    Api::<StatefulSet>::namespaced(ctx.client.clone(), ns)
+        .patch(
+            name,
             &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"spec": {"replicas": 0}})),
+            &Patch::Merge(serde_json::json!({"spec": {"replicas": replicas}})),
         )
         .await
         .map_err(kube_err(format!(
-            "scaling StatefulSet {ns}/{sts_name} to 0"
+            "scaling StatefulSet {ns}/{name} to {replicas}"
         )))?;
-        tracing::info!(statefulset = %format!("{ns}/{sts_name}"), replicas, "scaled to 0 for a move");
-    }
-    Ok(Ok(claims))
+    tracing::info!(statefulset = %format!("{ns}/{name}"), replicas, "scaled for a move");
+    Ok(())
 }
 
 /// The PVCs of `sts`'s first `replicas` pods, ordinal by ordinal: `TEMPLATE-STS-N`, as
@@ -203,6 +237,8 @@ struct Step<'a> {
     ns: &'a str,
     timeout: Duration,
     now: Time,
+    /// Within a cluster: the StorageClass of the PVCs made again.
+    class: Option<&'a str>,
 }
 
 /// A VolumeReplication as the move sees it.
@@ -377,41 +413,273 @@ impl Step<'_> {
             return Ok(());
         }
         vol.phase = MovePhase::Detaching;
-        let held = match self.held(&pair, vol, &pv).await? {
+        let Some(r) = pair.vr.status.as_ref().and_then(|s| s.relationship.clone()) else {
+            vol.message = Some(format!(
+                "VolumeReplication {} has no relationship yet",
+                pair.name
+            ));
+            return Ok(());
+        };
+        let held = match self.held(vol, &pv, &r.agent, &r.volume).await? {
             Ok(held) => held,
             Err(why) => return fail(vol, &why),
         };
-        if !held.is_empty() {
-            let what = held.join("; ");
-            if self.elapsed(&vol.start_time) > self.timeout {
-                return fail(
-                    vol,
-                    &format!(
-                        "not released within {} s: {what}. Stop what holds it; the \
-                         destination fences this side after its own timeout",
-                        self.timeout.as_secs()
-                    ),
-                );
-            }
-            vol.message = Some(format!("waiting for the workload to let go: {what}"));
+        if !self.released(vol, held) {
             return Ok(());
         }
-        vol.released_time = Some(self.now.clone());
-        tracing::info!(pvc = %format!("{}/{}", self.ns, vol.pvc), "released: nothing holds the volume; demoting");
         self.set_state(&pair, "secondary").await?;
         vol.phase = MovePhase::Demoting;
         vol.message = Some("released; the final cycle is shipping".into());
         Ok(())
     }
 
+    /// Within a cluster, no VolumeReplication: detach, wait for the agent's
+    /// acknowledgement, then make the PVC again in `class`, filled on demand from the
+    /// old volume (kept `Retain` until the fill completes).
+    async fn on_demand(&self, vol: &mut MovedVolume, class: &str) -> Result<(), MoveError> {
+        match vol.phase {
+            MovePhase::Recreating => return self.recreate(vol, class).await,
+            MovePhase::Filling => return self.filling(vol).await,
+            _ => {}
+        }
+        let pv = match self.retain(vol).await? {
+            Ok(pv) => pv,
+            Err(why) => return fail(vol, &why),
+        };
+        vol.previous_volume = Some(pv.clone());
+        vol.start_time.get_or_insert_with(|| self.now.clone());
+        vol.phase = MovePhase::Detaching;
+        let (node, agent, placement) = match self.place(&vol.pvc, &pv) {
+            Ok(p) => p,
+            Err(why) => return fail(vol, &why),
+        };
+        // Served to the hydration that will read it, and to nothing else.
+        let reader = format!("hydrate:{pv}");
+        match self
+            .ctx
+            .agents
+            .export(&agent, &pv, &placement.path, placement.block, &reader)
+            .await
+        {
+            Ok(()) => {}
+            Err(e) if e.is_refusal() => return fail(vol, &e.to_string()),
+            Err(e) => {
+                vol.message = Some(format!("waiting for the agent on {node}: {e}"));
+                return Ok(());
+            }
+        }
+        let held = match self.held(vol, &pv, &agent, &pv).await? {
+            Ok(held) => held,
+            Err(why) => return fail(vol, &why),
+        };
+        if !self.released(vol, held) {
+            return Ok(());
+        }
+        let source = HydrationSource::new(
+            &hydration_source_name(&vol.pvc),
+            HydrationSourceSpec {
+                agent: format!("agent://{node}@{agent}/{pv}"),
+                bwlimit: None,
+            },
+        );
+        match Api::<HydrationSource>::namespaced(self.ctx.client.clone(), self.ns)
+            .create(&PostParams::default(), &source)
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => {
+                return Err(kube_err(format!(
+                    "creating HydrationSource {}/{}",
+                    self.ns,
+                    source.name_any()
+                ))(e));
+            }
+        }
+        vol.phase = MovePhase::Recreating;
+        vol.message = Some(format!(
+            "released; the PVC is made again in {class}, filled from {pv} on {node}"
+        ));
+        Ok(())
+    }
+
+    /// The node holding PV `pv` (bound to `pvc`), its agent, and where the volume is.
+    fn place(
+        &self,
+        pvc: &str,
+        pv: &str,
+    ) -> Result<(String, String, super::desired::Placement), String> {
+        let caches = &self.ctx.caches;
+        let claim = caches
+            .pvcs
+            .state()
+            .into_iter()
+            .find(|p| p.namespace().as_deref() == Some(self.ns) && p.name_any() == pvc);
+        let volume = caches.pvs.state().into_iter().find(|p| p.name_any() == pv);
+        let (Some(claim), Some(volume)) = (claim, volume) else {
+            return Err(format!("PVC {}/{pvc} or its PV {pv} not found", self.ns));
+        };
+        let attachments: Vec<_> = caches
+            .attachments
+            .state()
+            .iter()
+            .map(|a| (**a).clone())
+            .collect();
+        let nodes: Vec<_> = caches.nodes.state().iter().map(|n| (**n).clone()).collect();
+        let pods: Vec<_> = caches
+            .agents
+            .state()
+            .iter()
+            .map(|p| (**p).clone())
+            .collect();
+        let placement = super::desired::placement(&claim, &volume, &attachments, &nodes)
+            .map_err(|e| e.to_string())?;
+        let agent = super::desired::agent_on(&placement.node, &pods, self.ctx.agent_port)
+            .map_err(|e| e.to_string())?;
+        Ok((placement.node.clone(), agent, placement))
+    }
+
+    /// Replaces the old PVC by one of the same name in `class` that names the
+    /// HydrationSource: made from the old PV (its modes and size), so a restart between
+    /// the deletion and the creation loses nothing.
+    async fn recreate(&self, vol: &mut MovedVolume, class: &str) -> Result<(), MoveError> {
+        let api = Api::<PersistentVolumeClaim>::namespaced(self.ctx.client.clone(), self.ns);
+        let source = hydration_source_name(&vol.pvc);
+        let what = format!("PVC {}/{}", self.ns, vol.pvc);
+        if let Some(pvc) = api
+            .get_opt(&vol.pvc)
+            .await
+            .map_err(kube_err(format!("reading {what}")))?
+        {
+            if super::populator::source_of(&pvc).as_deref() == Some(source.as_str()) {
+                vol.phase = MovePhase::Filling;
+                vol.message = Some("made again; usable where its next pod runs".into());
+                return Ok(());
+            }
+            if pvc.metadata.deletion_timestamp.is_none() {
+                api.delete(&vol.pvc, &DeleteParams::default())
+                    .await
+                    .map_err(kube_err(format!("deleting {what} (its PV is Retain)")))?;
+                tracing::info!(pvc = %format!("{}/{}", self.ns, vol.pvc), "old PVC deleted for a move; its PV is Retain");
+            }
+            vol.message = Some("waiting for the old PVC to go (its PV is kept)".into());
+            return Ok(());
+        }
+        let Some(pv) = vol.previous_volume.clone().and_then(|pv| {
+            self.ctx
+                .caches
+                .pvs
+                .state()
+                .into_iter()
+                .find(|p| p.name_any() == pv)
+        }) else {
+            return fail(vol, "the old PV is gone: nothing to fill the PVC from");
+        };
+        let spec = pv.spec.clone().unwrap_or_default();
+        let size = spec
+            .capacity
+            .as_ref()
+            .and_then(|c| c.get("storage"))
+            .map(|q| q.0.clone())
+            .unwrap_or_default();
+        let pvc: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": vol.pvc, "namespace": self.ns,
+                         "labels": {"replication.mover/moved-from": pv.name_any()}},
+            "spec": {
+                "accessModes": spec.access_modes.unwrap_or_else(|| vec!["ReadWriteOnce".into()]),
+                "volumeMode": spec.volume_mode.unwrap_or_else(|| "Filesystem".into()),
+                "storageClassName": class,
+                "resources": {"requests": {"storage": size}},
+                "dataSourceRef": {"apiGroup": super::crd::MOVER_GROUP, "kind": "HydrationSource", "name": source},
+            }
+        }))
+        .expect("a PVC");
+        match api.create(&PostParams::default(), &pvc).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(kube_err(format!("creating {what}"))(e)),
+        }
+        tracing::info!(pvc = %format!("{}/{}", self.ns, vol.pvc), "made again, filled on demand");
+        vol.phase = MovePhase::Filling;
+        vol.message = Some("made again; usable where its next pod runs".into());
+        Ok(())
+    }
+
+    /// The new PVC's fill: Completed (the old PV back to the user's policy) once its
+    /// agent has every region.
+    async fn filling(&self, vol: &mut MovedVolume) -> Result<(), MoveError> {
+        let pvc = Api::<PersistentVolumeClaim>::namespaced(self.ctx.client.clone(), self.ns)
+            .get_opt(&vol.pvc)
+            .await
+            .map_err(kube_err(format!("reading PVC {}/{}", self.ns, vol.pvc)))?;
+        let bound_to = pvc.as_ref().and_then(|p| {
+            let volume = p.spec.as_ref()?.volume_name.clone()?;
+            let node = p.annotations().get(SELECTED_NODE)?.clone();
+            Some((volume, node))
+        });
+        let Some((volume, node)) = bound_to else {
+            vol.message = Some(
+                "made again; usable at once where its next pod runs: start the workload".into(),
+            );
+            return Ok(());
+        };
+        let pods: Vec<_> = self
+            .ctx
+            .caches
+            .agents
+            .state()
+            .iter()
+            .map(|p| (**p).clone())
+            .collect();
+        let agent = match super::desired::agent_on(&node, &pods, self.ctx.agent_port) {
+            Ok(a) => a,
+            Err(e) => {
+                vol.message = Some(format!("in use on {node}; its fill: {e}"));
+                return Ok(());
+            }
+        };
+        let done = match self.ctx.agents.hydration(&agent, &volume).await {
+            // Forgotten: finished before its agent restarted.
+            Ok(None) => true,
+            Ok(Some(h)) if h.phase == "Complete" => true,
+            Ok(Some(h)) => {
+                vol.message = Some(format!(
+                    "in use on {node}; {} of {} regions arrived{}",
+                    h.present,
+                    h.regions,
+                    if h.last_error.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", h.last_error)
+                    }
+                ));
+                false
+            }
+            Err(e) => {
+                vol.message = Some(format!("in use on {node}; its fill: {e}"));
+                false
+            }
+        };
+        if done {
+            if let Some(pv) = vol.previous_volume.clone() {
+                self.set_policy(&pv, vol, Some(())).await?;
+            }
+            vol.phase = MovePhase::Completed;
+            vol.completion_time = Some(self.now.clone());
+            vol.message = Some(format!("filled on {node}"));
+        }
+        Ok(())
+    }
+
     /// What still holds the source's volume: pods using the PVC (deleted here), its
-    /// VolumeAttachments, then what its agent sees on the node. Err: why the move cannot
-    /// go on.
+    /// VolumeAttachments, then what `agent` sees holding its export `export` on the
+    /// node. Err: why the move cannot go on.
     async fn held(
         &self,
-        pair: &Pair,
         vol: &MovedVolume,
         pv: &str,
+        agent: &str,
+        export: &str,
     ) -> Result<Result<Vec<String>, String>, MoveError> {
         let pods = Api::<Pod>::namespaced(self.ctx.client.clone(), self.ns);
         let list = pods
@@ -450,18 +718,32 @@ impl Step<'_> {
         if !held.is_empty() {
             return Ok(Ok(held));
         }
-        let Some(r) = pair.vr.status.as_ref().and_then(|s| s.relationship.clone()) else {
-            return Ok(Ok(vec![format!(
-                "VolumeReplication {} has no relationship yet",
-                pair.name
-            )]));
-        };
-        Ok(Ok(
-            match self.ctx.agents.holders(&r.agent, &r.volume).await {
-                Ok(h) => h.into_iter().map(|h| format!("on its node, {h}")).collect(),
-                Err(e) => vec![format!("its agent cannot say what holds it: {e}")],
-            },
-        ))
+        Ok(Ok(match self.ctx.agents.holders(agent, export).await {
+            Ok(h) => h.into_iter().map(|h| format!("on its node, {h}")).collect(),
+            Err(e) => vec![format!("its agent cannot say what holds it: {e}")],
+        }))
+    }
+
+    /// Waits while `held` names something, failing `vol` past the timeout; true once
+    /// nothing holds the volume.
+    fn released(&self, vol: &mut MovedVolume, held: Vec<String>) -> bool {
+        if held.is_empty() {
+            vol.released_time = Some(self.now.clone());
+            tracing::info!(pvc = %format!("{}/{}", self.ns, vol.pvc), "released: nothing holds the volume");
+            return true;
+        }
+        let what = held.join("; ");
+        if self.elapsed(&vol.start_time) > self.timeout {
+            vol.phase = MovePhase::Failed;
+            vol.message = Some(format!(
+                "not released within {} s: {what}. Stop what holds it and create the move \
+                 again; a destination fences this side after its own timeout",
+                self.timeout.as_secs()
+            ));
+        } else {
+            vol.message = Some(format!("waiting for the workload to let go: {what}"));
+        }
+        false
     }
 
     /// The destination: wait for the final cycle (or the timeout), promote.
@@ -542,6 +824,11 @@ impl Step<'_> {
         vol.phase = MovePhase::Promoting;
         Ok(())
     }
+}
+
+/// The HydrationSource a PVC made again within a cluster is filled from.
+fn hydration_source_name(pvc: &str) -> String {
+    format!("moved-{pvc}")
 }
 
 /// Marks `vol` failed with `why`, the user's to fix.

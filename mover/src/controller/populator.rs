@@ -22,7 +22,7 @@ use std::{sync::Arc, time::Duration};
 use transport::hydrate;
 
 /// The annotation the scheduler sets on a WaitForFirstConsumer PVC.
-const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
+pub(super) const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
 /// How soon a PVC waiting for something outside the populator is looked at again.
 const WAIT: Duration = Duration::from_secs(5);
 
