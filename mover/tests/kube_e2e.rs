@@ -98,6 +98,7 @@ fn the_install_applies_and_the_api_server_refuses_bad_volume_replications() {
             "volumereplications.replication.storage.openshift.io",
             "volumereplicationclasses.replication.storage.openshift.io",
             "hydrationsources.replication.mover",
+            "volumemoves.replication.mover",
         ],
     );
     c.kubectl_ok(&["create", "namespace", "app"]);
@@ -120,6 +121,33 @@ fn the_install_applies_and_the_api_server_refuses_bad_volume_replications() {
         not_an_agent.contains("agent must be agent://NODE@HOST:PORT/VOLUME"),
         "{not_an_agent}"
     );
+    let vmove = |name: &str, spec: &str| {
+        format!(
+            "apiVersion: replication.mover/v1alpha1\nkind: VolumeMove\nmetadata:\n  name: {name}\n  namespace: app\nspec:\n{spec}"
+        )
+    };
+    let both = refused(
+        &c,
+        &vmove("both", "  side: Source\n  pvc: a\n  statefulSet: b\n"),
+    );
+    assert!(both.contains("name either pvc or statefulSet"), "{both}");
+    let within = refused(
+        &c,
+        &vmove(
+            "within",
+            "  side: Destination\n  pvc: a\n  storageClassName: mover-populated\n",
+        ),
+    );
+    assert!(
+        within.contains("storageClassName is the source's"),
+        "{within}"
+    );
+    // The example moves exist: their specs stay as they are.
+    let changed = refused(
+        &c,
+        &vmove("pg-to-dr", "  side: Destination\n  pvc: pg-data\n"),
+    );
+    assert!(changed.contains("spec is immutable"), "{changed}");
     let no_source = refused(&c, &vr_yaml("no-source", "primary", "mover-dr", None));
     assert!(
         no_source.contains("spec.dataSource") && no_source.contains("Required"),
