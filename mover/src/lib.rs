@@ -27,7 +27,7 @@ pub mod schedule;
 mod snapshot;
 mod tree;
 
-pub use copy::{CopyOptions, CopySummary, Progress, copy_block};
+pub use copy::{CopyOptions, CopySummary, Progress, SharedProgress, copy_block};
 pub use endpoints::{Copied, EndpointError, copy_endpoints};
 pub use error::{CopyError, RemoteCode, Result};
 pub use hash::{HashSummary, hash_block};

@@ -65,9 +65,8 @@ pub enum SnapshotCommand {
         create: SnapshotCreateOptions,
         #[command(flatten)]
         opts: RepoOptions,
-        /// Print the new snapshot as JSON.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        output: super::OutputArgs,
     },
     /// List snapshots, oldest first.
     List {
@@ -106,9 +105,8 @@ pub enum SnapshotCommand {
         restore: RestoreOptions,
         #[command(flatten)]
         opts: RepoOptions,
-        /// Print the summary as JSON.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        output: super::OutputArgs,
     },
     /// Print what differs between two snapshots: byte ranges, or paths for trees.
     #[command(long_about = "Print what differs between two snapshots.\n\n\
@@ -274,14 +272,18 @@ async fn run_snapshot_async(cmd: SnapshotCommand) -> anyhow::Result<()> {
         SnapshotCommand::Create {
             repo,
             volume,
-            create,
+            mut create,
             opts,
-            json,
+            output,
         } => {
+            let json = output.json;
             let r = mover::open_repository(&repo, &opts).await?;
+            let bar = std::sync::Arc::new(super::Bar::new(&output));
+            create.progress = mover::SharedProgress::new(bar.clone());
             let snap = mover::create_snapshot(r, &volume, &create)
                 .await
                 .with_context(|| format!("snapshot create {} {}", repo, volume.display()))?;
+            bar.done();
             let s = &snap.manifest.summary;
             if json {
                 println!("{}", snapshot_json(&snap));
@@ -361,22 +363,27 @@ async fn run_snapshot_async(cmd: SnapshotCommand) -> anyhow::Result<()> {
             repo,
             snapshot,
             dst,
-            restore,
+            mut restore,
             opts,
-            json,
+            output,
         } => {
+            let json = output.json;
             let r = mover::open_repository(&repo, &opts).await?;
             let context = || format!("snapshot restore {snapshot} -> {}", dst.display());
             let snap = r.find_snapshot(&snapshot).await.with_context(context)?;
+            let bar = std::sync::Arc::new(super::Bar::new(&output));
+            restore.progress = mover::SharedProgress::new(bar.clone());
             if let Content::Tree { .. } = snap.manifest.content {
                 let s = mover::restore_tree_snapshot(r, &snap, &dst, &restore)
                     .await
                     .with_context(context)?;
+                bar.done();
                 return print_tree(&s, json);
             }
             let s = mover::restore_snapshot(r, &snap.id, &dst, &restore)
                 .await
                 .with_context(context)?;
+            bar.done();
             print_restore(&s, json)?;
         }
         SnapshotCommand::Diff {

@@ -103,6 +103,72 @@ pub trait Progress: Sync {
 
 impl Progress for () {}
 
+impl<P: Progress + Send + ?Sized> Progress for std::sync::Arc<P> {
+    fn begin(&self, phase: &'static str, total: u64) {
+        (**self).begin(phase, total)
+    }
+    fn update(&self, done: u64) {
+        (**self).update(done)
+    }
+}
+
+/// A [`Progress`] shared with a job's threads (snapshot create and restore), adding up
+/// bytes as they are done; the default shows nothing.
+#[derive(Clone, Default)]
+pub struct SharedProgress(Option<std::sync::Arc<SharedInner>>);
+
+struct SharedInner {
+    show: Box<dyn Progress + Send>,
+    done: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for SharedProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "shown" } else { "none" })
+    }
+}
+
+/// For engines that count bytes themselves (a tree copy): passed through.
+impl Progress for SharedProgress {
+    fn begin(&self, phase: &'static str, total: u64) {
+        SharedProgress::begin(self, phase, total)
+    }
+    fn update(&self, done: u64) {
+        if let Some(p) = &self.0 {
+            p.show.update(done);
+        }
+    }
+}
+
+impl SharedProgress {
+    /// Progress shown by `show`.
+    pub fn new(show: impl Progress + Send + 'static) -> Self {
+        SharedProgress(Some(std::sync::Arc::new(SharedInner {
+            show: Box::new(show),
+            done: Default::default(),
+        })))
+    }
+
+    /// A phase of `total` bytes (0: not known) begins.
+    pub fn begin(&self, phase: &'static str, total: u64) {
+        if let Some(p) = &self.0 {
+            p.done.store(0, std::sync::atomic::Ordering::Relaxed);
+            p.show.begin(phase, total);
+        }
+    }
+
+    /// `bytes` more of the phase are done.
+    pub fn add(&self, bytes: u64) {
+        if let Some(p) = &self.0 {
+            let done = p
+                .done
+                .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed)
+                + bytes;
+            p.show.update(done);
+        }
+    }
+}
+
 /// What a copy did, for people and (as JSON) for programs.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct CopySummary {

@@ -42,11 +42,15 @@ pub struct CreateOptions {
     /// Trees: do not store extended attributes and POSIX ACLs.
     #[arg(long)]
     pub no_xattrs: bool,
+    /// Where progress is shown (bytes read).
+    #[arg(skip)]
+    pub progress: crate::copy::SharedProgress,
 }
 
 impl Default for CreateOptions {
     fn default() -> Self {
         CreateOptions {
+            progress: Default::default(),
             tags: Vec::new(),
             name: None,
             uploads: 2,
@@ -93,8 +97,10 @@ pub async fn create_snapshot(
     let (mut produced, packs, bytes) = {
         let (read_repo, index) = (repo.clone(), index.clone());
         let rt = tokio::runtime::Handle::current();
+        let progress = opts.progress.clone();
+        progress.begin("snapshot", vol.size());
         produce_and_upload(&repo, opts.uploads, move |tx| {
-            produce(&read_repo, &index, vol, parent_chunks, &rt, tx)
+            produce(&read_repo, &index, vol, parent_chunks, &rt, tx, progress)
         })
         .await?
     };
@@ -248,6 +254,7 @@ fn produce(
     mut parent: Option<ParentChunks>,
     rt: &tokio::runtime::Handle,
     tx: PackSender,
+    progress: crate::copy::SharedProgress,
 ) -> Result<Produced, RepoError> {
     let chunk = repo.chunk_size();
     let key = repo.chunk_key();
@@ -285,6 +292,7 @@ fn produce(
     for_each_window::<RepoError>(&vol, chunk, |win: &mut Window| {
         let kinds = hash_chunks(key, chunk, win);
         let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
+        progress.add(ranges.iter().map(|r| r.len() as u64).sum());
         let mut new = Vec::new();
         for (i, k) in kinds.iter().enumerate() {
             match k {

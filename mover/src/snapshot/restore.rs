@@ -41,6 +41,9 @@ pub struct RestoreOptions {
     /// Trees: do not restore extended attributes and POSIX ACLs.
     #[arg(long)]
     pub no_xattrs: bool,
+    /// Where progress is shown (volume bytes done).
+    #[arg(skip)]
+    pub progress: crate::copy::SharedProgress,
 }
 
 /// What a restore did.
@@ -187,6 +190,7 @@ pub async fn restore_snapshot(
         chunk_size: cs,
     });
     let mut tasks: JoinSet<Result<(u64, u64), RepoError>> = JoinSet::new();
+    opts.progress.begin("restore", size);
     for (li, list) in lists.iter().enumerate() {
         let kinds = repo.read_list(&index, list).await?;
         for (wi, wk) in kinds.chunks(WINDOW_CHUNKS).enumerate() {
@@ -218,6 +222,8 @@ pub async fn restore_snapshot(
                 .map_err(join)??
             };
             sum.chunks_unchanged += wk.len() as u64 - want.len() as u64;
+            // Counted as its writes are handed out (at most --reads windows ahead).
+            opts.progress.add((wk.len() as u64 * cs).min(size - offset));
             let mut by_pack: HashMap<PackId, Vec<(ChunkId, BlobLoc)>> = HashMap::new();
             let mut at: HashMap<ChunkId, Vec<u64>> = HashMap::new();
             let mut deltas: Vec<(ChunkId, BlobLoc, BlobLoc)> = Vec::new();

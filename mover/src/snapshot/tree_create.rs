@@ -90,8 +90,11 @@ pub async fn create_tree_snapshot(
         let (walk_repo, index) = (repo.clone(), index.clone());
         let rt = tokio::runtime::Handle::current();
         let xattrs = !opts.no_xattrs;
+        let progress = opts.progress.clone();
+        progress.begin("snapshot", 0);
         produce_and_upload(&repo, opts.uploads, move |tx| {
-            let walk = Walk::new(&walk_repo, &index, &rt, root, xattrs, parent_xattrs, tx);
+            let mut walk = Walk::new(&walk_repo, &index, &rt, root, xattrs, parent_xattrs, tx);
+            walk.progress = progress;
             walk.run(parent_top.as_ref())
         })
         .await?
@@ -181,6 +184,8 @@ struct Walk<'a> {
     /// instead of reading the file a second time.
     links: Mutex<HashMap<(u64, u64), LinkSlot>>,
     counts: Counts,
+    /// Where the bytes read are shown.
+    progress: crate::copy::SharedProgress,
 }
 
 impl<'a> Walk<'a> {
@@ -214,6 +219,7 @@ impl<'a> Walk<'a> {
             stopped: AtomicBool::new(false),
             links: Mutex::default(),
             counts: Counts::default(),
+            progress: Default::default(),
         }
     }
 
@@ -571,6 +577,7 @@ impl<'a> Walk<'a> {
         let mut add = |id: ChunkId, data: &[u8]| -> io::Result<()> {
             self.counts.data_chunks.fetch_add(1, Relaxed);
             self.counts.data_bytes.fetch_add(data.len() as u64, Relaxed);
+            self.progress.add(data.len() as u64);
             if self
                 .store(BlobKind::Data, id, data)
                 .map_err(io::Error::other)?

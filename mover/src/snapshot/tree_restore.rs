@@ -596,6 +596,7 @@ pub async fn restore_tree_snapshot(
     let rt = tokio::runtime::Handle::current();
     let dst = dst.to_path_buf();
     let reads = opts.reads.unwrap_or(super::restore::TREE_READS);
+    let progress = Restoring(opts.progress.clone());
     let summary = tokio::task::spawn_blocking(move || {
         let source = SnapshotTree::new(repo, index, rt, label, top, include, reads);
         let _flusher = Flusher::start(&dst);
@@ -606,11 +607,24 @@ pub async fn restore_tree_snapshot(
             &dst,
             &options,
             crate::tree::RecordUse::None,
-            &(),
+            &progress,
         )
     })
     .await??;
     Ok(summary)
+}
+
+/// The tree engine's progress, shown as the restore it is (the engine calls its phase a
+/// copy).
+struct Restoring(crate::copy::SharedProgress);
+
+impl crate::Progress for Restoring {
+    fn begin(&self, _phase: &'static str, total: u64) {
+        self.0.begin("restore", total)
+    }
+    fn update(&self, done: u64) {
+        crate::Progress::update(&self.0, done)
+    }
 }
 
 /// Flushes the destination's file system every [`FLUSH_EVERY`] while a restore writes,

@@ -284,3 +284,42 @@ pub fn status_of(agent: &Agent, name: &str) -> serde_json::Value {
     ]));
     serde_json::from_str(&out).unwrap()
 }
+
+/// Writes a CA and two leaf certificates (server for 127.0.0.1/localhost, client) as PEM
+/// files; returns (ca, server cert, server key, client cert, client key).
+pub fn make_pki(dir: &Path, name: &str) -> [PathBuf; 5] {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf = |sans: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(sans)
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
+    let (client_cert, client_key) = leaf(vec!["client".into()]);
+    let files = [
+        "ca.pem",
+        "server.pem",
+        "server.key",
+        "client.pem",
+        "client.key",
+    ]
+    .map(|f| dir.join(format!("{name}-{f}")));
+    for (path, body) in files.iter().zip([
+        ca_cert.pem(),
+        server_cert,
+        server_key,
+        client_cert,
+        client_key,
+    ]) {
+        std::fs::write(path, body).unwrap();
+    }
+    files
+}
