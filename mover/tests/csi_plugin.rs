@@ -12,7 +12,7 @@ use common::{
     MIB,
     agent::Agent,
     blake3_of,
-    csi::{Kubelet, ok},
+    csi::{Kubelet, hashes_under, ok, source_tree},
 };
 use std::{
     collections::BTreeMap,
@@ -131,37 +131,6 @@ fn assert_no_devices_left(dir: &Path) {
     assert!(!loops.contains(&state), "loop devices left: {loops}");
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     assert!(!mounts.contains(&state), "mounts left under {state}");
-}
-
-/// A source tree: files of several sizes and kinds, with their BLAKE3s by path.
-fn source_tree(root: &Path) -> BTreeMap<String, String> {
-    use rand::{RngCore, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(40);
-    let mut files = BTreeMap::new();
-    for (i, size) in [0u64, 1, 4095, 4096, 65_537, MIB + 7, 9 * MIB, 17 * MIB + 3]
-        .into_iter()
-        .enumerate()
-    {
-        let rel = format!("d{}/f{i}.bin", i % 3);
-        let path = root.join(&rel);
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        let mut data = vec![0u8; size as usize];
-        rng.fill_bytes(&mut data);
-        std::fs::write(&path, &data).unwrap();
-        files.insert(rel, blake3::hash(&data).to_hex().to_string());
-    }
-    files
-}
-
-/// The BLAKE3 of every file under `root` (relative paths).
-fn hashes_under(root: &Path, names: impl Iterator<Item = String>) -> BTreeMap<String, String> {
-    names
-        .map(|rel| {
-            let data = std::fs::read(root.join(&rel))
-                .unwrap_or_else(|e| panic!("cannot read {rel} through the volume: {e}"));
-            (rel, blake3::hash(&data).to_hex().to_string())
-        })
-        .collect()
 }
 
 /// A source agent exporting an ext4 image made from [`source_tree`], and a destination

@@ -2567,7 +2567,9 @@ fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapsh
 /// driver on the node the scheduler chose (node 2; the annotation is the scheduler's
 /// part), and their devices, staged and published through node 2's agent with the CSI
 /// Node calls (the kubelet's part), read the sources' bytes while they still arrive:
-/// 64 MiB (read whole), 4 GiB and a sparse 1 TiB (nothing of either local yet).
+/// 64 MiB (read whole), 4 GiB and a sparse 1 TiB (nothing of either local yet). A
+/// Filesystem PVC of a 256 MiB ext4 volume is mounted the same way, and every file read
+/// through the pod's path is the source's.
 #[test]
 fn populated_pvcs_are_bound_at_once_and_their_devices_read_the_source_while_it_arrives() {
     let _one = serial();
@@ -2584,6 +2586,23 @@ fn populated_pvcs_are_bound_at_once_and_their_devices_read_the_source_while_it_a
             img.display()
         );
     }
+    // An ext4 volume of files, for a Filesystem PVC.
+    let tree = t.path().join("tree");
+    let files = common::csi::source_tree(&tree);
+    let files_bytes: u64 = walk_bytes(&tree);
+    let files_img = t.path().join("files.img");
+    let made = Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-d"])
+        .arg(&tree)
+        .arg(&files_img)
+        .arg("256M")
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "mkfs.ext4 -d: {made:?}");
+    exports += &format!(
+        "[exports.files]\npath = \"{}\"\nread_only = true\n",
+        files_img.display()
+    );
     let socket_of = |dir: &Path| dir.join("csi.sock");
     let node2 = format!(
         "csi_socket = \"{}\"",
@@ -2697,6 +2716,79 @@ spec:
         common::csi::ok(unpublished, "NodeUnpublishVolume");
         common::csi::ok(unstaged, "NodeUnstageVolume");
     }
+
+    // A Filesystem PVC of an ext4 source: staged (mounted) and published while its
+    // regions still arrive, every file read through the pod's path as the source has it.
+    site.cluster.apply(&format!(
+        "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: files\n  namespace: app\nspec:\n  agent: agent://pop-node1@{}:{}/files\n  bwlimit: 2M\n",
+        site.agents[0].ip, site.port
+    ));
+    let created = Instant::now();
+    site.cluster.apply(
+        r#"apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: files
+  namespace: app
+  annotations:
+    volume.kubernetes.io/selected-node: pop-node2
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Filesystem
+  storageClassName: mover-populated
+  resources:
+    requests:
+      storage: 256Mi
+  dataSourceRef:
+    apiGroup: replication.mover
+    kind: HydrationSource
+    name: files
+"#,
+    );
+    site.wait("the Filesystem PVC bound", |s| {
+        s.get("pvc", "app", "files")["status"]["phase"] == "Bound"
+    });
+    let bound = created.elapsed();
+    let handle = site.get("pvc", "app", "files")["spec"]["volumeName"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let kubelet = common::csi::Kubelet {
+        bin: &site.cluster.bin,
+        socket: socket.clone(),
+        staging: node2_dir.join("kubelet/staging").join(&handle),
+        target: node2_dir.join("kubelet/pods/pod-2/volumes").join(&handle),
+        volume: handle,
+        capability: json!({"mount": {"fsType": "ext4"}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
+    };
+    kubelet.stage_and_publish();
+    let mounted = created.elapsed();
+    let seen = common::csi::hashes_under(&kubelet.target, files.keys().cloned());
+    let read = created.elapsed();
+    eprintln!(
+        "populated Filesystem PVC of 256 MiB: bound {:.2} s, mounted {:.2} s, every file \
+         ({} MiB) read {:.2} s after its creation",
+        bound.as_secs_f64(),
+        mounted.as_secs_f64(),
+        files_bytes / MIB,
+        read.as_secs_f64()
+    );
+    assert_eq!(seen, files, "a file read through the populated PVC differs");
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    common::csi::ok(unpublished, "NodeUnpublishVolume");
+    common::csi::ok(unstaged, "NodeUnstageVolume");
+}
+
+/// The bytes of the files under `dir`.
+fn walk_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| match e.file_type().unwrap().is_dir() {
+            true => walk_bytes(&e.path()),
+            false => e.metadata().unwrap().len(),
+        })
+        .sum()
 }
 
 /// A VolumeMove of PVC `app/data` on `side`, waiting `timeout` s (detach or final cycle).

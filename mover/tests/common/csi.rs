@@ -14,9 +14,11 @@
 //! repository ships (for csi-snapshot-metadata: TokenReviews and SubjectAccessReviews
 //! create, get/list on VolumeSnapshots and VolumeSnapshotContents, SnapshotMetadataServices).
 
+use super::MIB;
 use super::agent::free_port;
 use super::cluster::Cluster;
 use std::{
+    collections::BTreeMap,
     io::{Read, Write},
     net::{Shutdown, TcpListener, TcpStream},
     path::{Path, PathBuf},
@@ -734,4 +736,35 @@ impl CuttingProxy {
         });
         CuttingProxy { port, cut }
     }
+}
+
+/// A source tree: files of several sizes and kinds, with their BLAKE3s by path.
+pub fn source_tree(root: &Path) -> BTreeMap<String, String> {
+    use rand::{RngCore, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(40);
+    let mut files = BTreeMap::new();
+    for (i, size) in [0u64, 1, 4095, 4096, 65_537, MIB + 7, 9 * MIB, 17 * MIB + 3]
+        .into_iter()
+        .enumerate()
+    {
+        let rel = format!("d{}/f{i}.bin", i % 3);
+        let path = root.join(&rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let mut data = vec![0u8; size as usize];
+        rng.fill_bytes(&mut data);
+        std::fs::write(&path, &data).unwrap();
+        files.insert(rel, blake3::hash(&data).to_hex().to_string());
+    }
+    files
+}
+
+/// The BLAKE3 of every file under `root` (relative paths).
+pub fn hashes_under(root: &Path, names: impl Iterator<Item = String>) -> BTreeMap<String, String> {
+    names
+        .map(|rel| {
+            let data = std::fs::read(root.join(&rel))
+                .unwrap_or_else(|e| panic!("cannot read {rel} through the volume: {e}"));
+            (rel, blake3::hash(&data).to_hex().to_string())
+        })
+        .collect()
 }
