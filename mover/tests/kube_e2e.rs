@@ -3274,3 +3274,115 @@ volumeBindingMode: WaitForFirstConsumer
         );
     }
 }
+
+/// A PVC in cluster B populated from a volume an agent of cluster A serves. B's agent
+/// reaches it with A's replication token and trusts A's CA alone, both from the secret
+/// the HydrationSource names (what an administrator copies between clusters); the
+/// device reads A's bytes while they arrive. Without the secret, A's agent and B's do
+/// not trust each other's certificates: the PVC stays unbound and the controller says
+/// why.
+#[test]
+fn a_pvc_is_populated_from_another_clusters_agent_with_its_token_and_ca() {
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    const LEN: u64 = 64 * MIB;
+    let img = t.path().join("src.img");
+    make_image(&img, LEN, 77, &[(0, 8 * MIB), (40 * MIB, 8 * MIB)]);
+    let export = format!(
+        "[exports.src]\npath = \"{}\"\nread_only = true\n",
+        img.display()
+    );
+    let Some(mut a) = Site::start_with(t.path(), "xa", 90, [&export, ""]) else {
+        return;
+    };
+    let node2 = format!(
+        "csi_socket = \"{}\"",
+        t.path().join("xb/xb-node2/csi.sock").display()
+    );
+    let mut b = Site::start_with(t.path(), "xb", 91, ["", &node2]).unwrap();
+    a.start_controller("xa-controller-1");
+    b.start_controller("xb-controller-1");
+    wait_established(&b.cluster, &["hydrationsources.replication.mover"]);
+    let ca = std::fs::read_to_string(a.agents[0].ca()).unwrap();
+    b.cluster.apply(&format!(
+        "{}\n---\napiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: mover-populated\nprovisioner: csi.replication.mover\nvolumeBindingMode: WaitForFirstConsumer\n",
+        peer_secret(&format!("repl-{}", a.cluster.name), Some(&ca))
+    ));
+    let source = format!("agent://xa-node1@{}:{}/src", a.agents[0].ip, a.port);
+    let populate = |name: &str, secret: &str| {
+        b.cluster.apply(&format!(
+            r#"apiVersion: replication.mover/v1alpha1
+kind: HydrationSource
+metadata:
+  name: {name}
+  namespace: app
+spec:
+  agent: {source}
+{secret}---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: {name}
+  namespace: app
+  annotations:
+    volume.kubernetes.io/selected-node: xb-node2
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: mover-populated
+  resources:
+    requests:
+      storage: 64Mi
+  dataSourceRef:
+    apiGroup: replication.mover
+    kind: HydrationSource
+    name: {name}
+"#
+        ));
+    };
+    populate("plain", "");
+    b.wait(
+        "the controller saying why it cannot populate without the secret",
+        |s| {
+            controller_log(&s.controllers[0])
+                .lines()
+                .any(|l| l.contains("cannot populate") && l.contains("app/plain"))
+        },
+    );
+    assert_ne!(b.get("pvc", "app", "plain")["status"]["phase"], "Bound");
+
+    let created = Instant::now();
+    populate(
+        "peer",
+        "  secretRef: {name: dr-peer, namespace: mover-system}\n",
+    );
+    b.wait("the PVC bound", |s| {
+        s.get("pvc", "app", "peer")["status"]["phase"] == "Bound"
+    });
+    let handle = b.get("pvc", "app", "peer")["spec"]["volumeName"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let node2_dir = b.agents[1].dir.clone();
+    let kubelet = common::csi::Kubelet {
+        bin: &b.cluster.bin,
+        socket: node2_dir.join("csi.sock"),
+        staging: node2_dir.join("kubelet/staging").join(&handle),
+        target: node2_dir.join("kubelet/pods/pod-1/dev").join(&handle),
+        volume: handle,
+        capability: json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
+    };
+    kubelet.stage_and_publish();
+    assert_eq!(
+        blake3_of(&kubelet.target, LEN),
+        blake3_of(&img, LEN),
+        "the device reads cluster A's volume"
+    );
+    eprintln!(
+        "populated from another cluster's agent: read whole {:.2} s after the PVC's creation",
+        created.elapsed().as_secs_f64()
+    );
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    common::csi::ok(unpublished, "NodeUnpublishVolume");
+    common::csi::ok(unstaged, "NodeUnstageVolume");
+}

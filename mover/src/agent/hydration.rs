@@ -155,7 +155,13 @@ impl hydration_server::Hydration for HydrationControl {
             }
             let opt = |s: String| (!s.is_empty()).then_some(s);
             let source = match r.source {
-                Some(proto::start_request::Source::Agent(url)) => SourceSpec::Agent { url },
+                Some(proto::start_request::Source::Agent(url)) => SourceSpec::Agent {
+                    url,
+                    peer: opt(r.peer_token.clone()).map(|token| crate::hydrate::PeerAccess {
+                        token,
+                        ca: opt(r.peer_ca.clone()),
+                    }),
+                },
                 Some(proto::start_request::Source::Snapshot(s)) => SourceSpec::Snapshot {
                     repo: s.repo,
                     snapshot: s.snapshot,

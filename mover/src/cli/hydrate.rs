@@ -153,7 +153,7 @@ async fn run_async(cmd: HydrateCommand) -> anyhow::Result<()> {
                     bwlimit: bwlimit.unwrap_or(0),
                     concurrency,
                     overwrite,
-                    create: false,
+                    ..Default::default()
                 })
                 .await
                 .map_err(|s| call(&url, s))?

@@ -284,6 +284,20 @@ pub struct HydrationSourceSpec {
     /// 100 MiB/s); the pod's own reads are never held back [default: no limit].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bwlimit: Option<String>,
+    /// An agent of another cluster: the secret with the token presented there (`token`,
+    /// that cluster's replication token) and its CA (`ca.crt`), in a namespace the
+    /// controller reads secrets in (mover-system by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretRef>,
+}
+
+/// A secret named by namespace and name.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, schemars::JsonSchema)]
+pub struct SecretRef {
+    /// Its name.
+    pub name: String,
+    /// Its namespace.
+    pub namespace: String,
 }
 
 /// An owned volume following its workload to another cluster: one VolumeMove on each

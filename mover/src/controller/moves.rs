@@ -480,6 +480,7 @@ impl Step<'_> {
             HydrationSourceSpec {
                 agent: format!("agent://{node}@{agent}/{pv}"),
                 bwlimit: None,
+                secret_ref: None,
             },
         );
         match Api::<HydrationSource>::namespaced(self.ctx.client.clone(), self.ns)

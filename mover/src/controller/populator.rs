@@ -14,7 +14,7 @@
 //! delete it, and a populated volume is data someone may still want.
 
 use super::agents::AgentError;
-use super::crd::{HydrationSource, MOVER_GROUP};
+use super::crd::{HydrationSource, MOVER_GROUP, SecretRef};
 use super::reconcile::Context;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::{Api, ResourceExt, api::PostParams, runtime::controller::Action};
@@ -119,11 +119,19 @@ pub async fn reconcile(
                     PopulateError::Invalid(format!("HydrationSource {ns}/{source}: bwlimit: {e}"))
                 })?,
             };
+            let (peer_token, peer_ca) = match &hs.spec.secret_ref {
+                None => (String::new(), String::new()),
+                Some(r) => peer_access(&ctx, r).await.map_err(|e| {
+                    PopulateError::Invalid(format!("HydrationSource {ns}/{source}: {e}"))
+                })?,
+            };
             let req = hydrate::StartRequest {
                 export: export.clone(),
                 source: Some(hydrate::start_request::Source::Agent(hs.spec.agent.clone())),
                 bwlimit,
                 create: true,
+                peer_token,
+                peer_ca,
                 ..Default::default()
             };
             ctx.agents.hydrate(&agent, req).await?
@@ -160,6 +168,23 @@ pub async fn reconcile(
         }
     }
     Ok(Action::await_change())
+}
+
+/// The token and CA (PEM, or empty) in the secret `r` names.
+async fn peer_access(ctx: &Context, r: &SecretRef) -> Result<(String, String), String> {
+    let wanted = "`token` (the other cluster's replication token) and `ca.crt` (its CA)";
+    let (data, _) = super::reconcile::secret_data(ctx, &r.namespace, &r.name, wanted).await?;
+    let text = |k: &str| {
+        data.get(k)
+            .map(|v| String::from_utf8_lossy(v).trim().to_string())
+    };
+    let token = text("token").ok_or_else(|| {
+        format!(
+            "secret {}/{} has no `token`: it needs {wanted}",
+            r.namespace, r.name
+        )
+    })?;
+    Ok((token, text("ca.crt").unwrap_or_default()))
 }
 
 /// The PV of export `export` on `node`, pre-bound to `pvc`.

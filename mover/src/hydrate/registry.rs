@@ -31,6 +31,10 @@ pub enum SourceSpec {
     Agent {
         /// agent://HOST:PORT/VOLUME
         url: String,
+        /// An agent of another cluster: the token presented there and that cluster's CA
+        /// [default: this agent's own credentials].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        peer: Option<PeerAccess>,
     },
     /// A block snapshot in a repository (files named are on this agent's node).
     Snapshot {
@@ -49,6 +53,26 @@ pub enum SourceSpec {
         /// Repository raw key file.
         key_file: Option<PathBuf>,
     },
+}
+
+/// How to reach an agent of another cluster (kept in the hydration's record, which only
+/// root reads, as relationships keep their peer tokens).
+#[derive(Clone, Serialize, Deserialize, PartialEq)]
+pub struct PeerAccess {
+    /// The bearer token presented to it.
+    pub token: String,
+    /// Its cluster's CA (PEM), trusted alone for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca: Option<String>,
+}
+
+impl std::fmt::Debug for PeerAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerAccess")
+            .field("token", &"(hidden)")
+            .field("ca", &self.ca.is_some())
+            .finish()
+    }
 }
 
 /// What to hydrate and how.
@@ -353,17 +377,19 @@ impl Hydrations {
         region: u64,
     ) -> Result<Arc<dyn RegionSource>, HydrateError> {
         match spec {
-            SourceSpec::Agent { url } => {
+            SourceSpec::Agent { url, peer } => {
                 let u = parse_agent_url(url)?;
+                let remote = match peer {
+                    Some(p) => self.remote.with_peer(&p.token, p.ca.as_deref()),
+                    None => self.remote.clone(),
+                };
                 if let Err(e) = chunker::ChunkSize::new(region) {
                     return Err(HydrateError::Refused {
                         what: format!("region size {region}"),
                         why: e.to_string(),
                     });
                 }
-                Ok(Arc::new(
-                    AgentSource::connect(u, self.remote.clone(), region).await?,
-                ))
+                Ok(Arc::new(AgentSource::connect(u, remote, region).await?))
             }
             SourceSpec::Snapshot { repo, snapshot, .. } => {
                 let opts = repo_options(spec);

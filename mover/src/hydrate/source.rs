@@ -480,7 +480,7 @@ async fn finish_session(mut client: crate::remote::Client, session: String) {
 impl RegionSource for Lazy {
     fn describe(&self) -> String {
         match &self.spec {
-            super::SourceSpec::Agent { url } => url.clone(),
+            super::SourceSpec::Agent { url, .. } => url.clone(),
             super::SourceSpec::Snapshot { repo, snapshot, .. } => {
                 format!("{repo} snapshot {snapshot}")
             }

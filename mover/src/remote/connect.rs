@@ -47,6 +47,19 @@ pub struct RemoteOptions {
     pub compress: Compress,
 }
 
+impl RemoteOptions {
+    /// These options for an agent of another cluster: presenting `token`, and trusting
+    /// only that cluster's `ca` (PEM) where given.
+    pub fn with_peer(&self, token: &str, ca: Option<&str>) -> RemoteOptions {
+        let mut r = self.clone();
+        r.connect.token = Some(token.to_string());
+        if let Some(ca) = ca {
+            r.connect.tls_peer_ca = Some(ca.as_bytes().into());
+        }
+        r
+    }
+}
+
 /// When volume data is compressed on the wire (see [`RemoteOptions::compress`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Compress {

@@ -27,14 +27,10 @@ pub fn remote_for(
     remote: &crate::remote::RemoteOptions,
     peer: Option<&store::PeerToken>,
 ) -> crate::remote::RemoteOptions {
-    let mut r = remote.clone();
-    if let Some(p) = peer {
-        r.connect.token = Some(p.token.clone());
-        if let Some(ca) = &p.ca {
-            r.connect.tls_peer_ca = Some(ca.as_bytes().into());
-        }
+    match peer {
+        Some(p) => remote.with_peer(&p.token, p.ca.as_deref()),
+        None => remote.clone(),
     }
-    r
 }
 
 pub use crate::node::now_ms;
