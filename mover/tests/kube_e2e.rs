@@ -83,13 +83,32 @@ fn the_install_applies_and_the_api_server_refuses_bad_volume_replications() {
     let Some(c) = Cluster::start(t.path(), "install") else {
         return;
     };
+    // Where the volume-data-source-validator runs: its CRD, then mover's registration.
+    c.kubectl_ok(&[
+        "apply",
+        "-f",
+        repo()
+            .join("mover/tests/fixtures/volumepopulators.populator.storage.k8s.io.yaml")
+            .to_str()
+            .unwrap(),
+    ]);
+    wait_established(&c, &["volumepopulators.populator.storage.k8s.io"]);
     for dir in [
         "deploy/base",
         "deploy/overlays/insecure-plaintext",
         "deploy/overlays/csi-addons",
+        "deploy/overlays/volume-populator",
     ] {
         apply_kustomization(&c, dir);
     }
+    let registered = c.kubectl_ok(&[
+        "get",
+        "volumepopulator",
+        "mover-hydration-source",
+        "-o",
+        "jsonpath={.sourceKind.group}/{.sourceKind.kind}",
+    ]);
+    assert_eq!(registered, "replication.mover/HydrationSource");
     wait_established(
         &c,
         &[
