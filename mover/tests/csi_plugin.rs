@@ -274,6 +274,24 @@ fn a_filesystem_volume_still_hydrating_mounts_at_once_and_reads_the_source() {
         &["-R", "cat /written-by-the-pod", h.dst_img.to_str().unwrap()],
     );
     assert_eq!(ok(cat, "debugfs cat"), "hello from the pod\n");
+    // The pod started again once the fill is complete: its device is a loop device
+    // straight over the local image (no FUSE, no agent in the I/O path).
+    kubelet.stage_and_publish();
+    let direct = run("losetup", &["-j", h.dst_img.to_str().unwrap()]);
+    assert!(
+        ok(direct, "losetup -j").contains("/dev/loop"),
+        "the complete volume is not attached straight to its image"
+    );
+    let seen = hashes_under(&kubelet.target, h.files.keys().cloned());
+    assert_eq!(
+        seen, h.files,
+        "a file read through the complete volume differs"
+    );
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    ok(unpublished, "NodeUnpublishVolume");
+    ok(unstaged, "NodeUnstageVolume");
+    let left = run("losetup", &["-j", h.dst_img.to_str().unwrap()]);
+    assert_eq!(ok(left, "losetup -j"), "", "the direct loop device is left");
     drop(kubelet);
     let b = h.dir.path().join("b");
     drop(h);

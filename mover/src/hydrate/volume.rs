@@ -47,6 +47,10 @@ impl NbdVolume for LocalVolume {
         self.size
     }
 
+    fn local_file(&self) -> Option<PathBuf> {
+        Some(self.path.clone())
+    }
+
     fn read_only(&self) -> bool {
         self.read_only
     }

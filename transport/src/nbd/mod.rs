@@ -139,6 +139,11 @@ where
 pub trait NbdVolume: Send + Sync {
     /// Size in bytes.
     fn size(&self) -> u64;
+    /// The local device or image file holding every byte, when nothing remains to
+    /// arrive: a kernel device may then go straight to it. None by default.
+    fn local_file(&self) -> Option<std::path::PathBuf> {
+        None
+    }
     /// Writes, trims and write-zeroes are refused with EPERM.
     fn read_only(&self) -> bool;
     /// The block size clients should prefer (NBD_INFO_BLOCK_SIZE): a hydrating export's

@@ -65,9 +65,19 @@ impl Devices {
             .exports
             .open(name)
             .map_err(|why| io::Error::new(io::ErrorKind::NotFound, why))?;
-        let a = self.frontend.attach(name, volume)?;
+        // A volume with nothing left to arrive needs no frontend: the loop device goes
+        // straight to its file, and its I/O never leaves the kernel.
+        let (a, through): (Box<dyn Attached>, &str) = match volume.local_file() {
+            Some(file) => (
+                Box::new(DirectDevice {
+                    device: loop_device::attach(&file, volume.read_only())?,
+                }),
+                "its local file",
+            ),
+            None => (self.frontend.attach(name, volume)?, "the agent"),
+        };
         let device = a.device().to_path_buf();
-        tracing::info!(export = name, device = %device.display(), "device attached");
+        tracing::info!(export = name, device = %device.display(), through, "device attached");
         attached.insert(name.to_string(), a);
         Ok(device)
     }
@@ -214,8 +224,32 @@ impl Drop for FuseDevice {
     }
 }
 
+/// A loop device straight over a volume's local file.
+struct DirectDevice {
+    device: PathBuf,
+}
+
+impl Attached for DirectDevice {
+    fn device(&self) -> &Path {
+        &self.device
+    }
+
+    fn in_use(&self) -> bool {
+        is_open(&self.device)
+    }
+}
+
+impl Drop for DirectDevice {
+    fn drop(&mut self) {
+        if let Err(e) = loop_device::detach(&self.device) {
+            tracing::warn!(device = %self.device.display(), "cannot detach: {e}");
+        }
+    }
+}
+
 /// Whether anything holds `device` open: an exclusive open (O_EXCL on a block device)
-/// fails with EBUSY while it is mounted or claimed; other openers show in /proc.
+/// fails with EBUSY while it is mounted or claimed; other openers (a pod's raw block
+/// use) show in /proc.
 fn is_open(device: &Path) -> bool {
     use std::os::unix::fs::OpenOptionsExt;
     let exclusive = std::fs::OpenOptions::new()
@@ -225,26 +259,5 @@ fn is_open(device: &Path) -> bool {
     if let Err(e) = exclusive {
         return e.raw_os_error() == Some(libc::EBUSY);
     }
-    opened_by_a_process(device)
-}
-
-/// Whether a process has `device` open (a pod's raw block use).
-fn opened_by_a_process(device: &Path) -> bool {
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return false;
-    };
-    let me = std::process::id().to_string();
-    procs
-        .flatten()
-        .filter(|p| {
-            p.file_name()
-                .to_str()
-                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()) && n != me)
-        })
-        .any(|p| {
-            std::fs::read_dir(p.path().join("fd")).is_ok_and(|fds| {
-                fds.flatten()
-                    .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == device))
-            })
-        })
+    crate::node::holders::holders(device, std::process::id()).is_ok_and(|h| !h.is_empty())
 }
