@@ -2922,6 +2922,17 @@ spec:
     // mounted for a while (an unmount that lags).
     let stopped = Instant::now();
     drop(load);
+    // pgbench's backends finish what they had (a COMMIT sent before the kill still
+    // commits): counted once they are gone, nothing else can commit.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pg_a.count(
+        "select count(*) from pg_stat_activity where backend_type = 'client backend' \
+         and pid <> pg_backend_pid()",
+    ) > 0
+    {
+        assert!(Instant::now() < deadline, "pgbench's backends did not end");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let committed = pg_a.count("select count(*) from pgbench_history");
     assert_eq!(pg_a.stop(Signal::INT), Some(true), "{}", pg_a.log());
     a.cluster.kubectl_ok(&[
@@ -3005,9 +3016,11 @@ spec:
     eprintln!("{committed} committed transactions on A, all of them on B");
 
     // The workload on B; then B's node stops answering while it still writes.
+    let synced = b.vr()["status"]["lastSyncTime"].clone();
     let load = pg_b.load(Duration::from_secs(600));
-    b.wait("B replicating back to A", |s| {
-        s.vr()["status"]["lastSyncTime"].is_string()
+    b.wait("a cycle of B's applied at A", |s| {
+        let t = &s.vr()["status"]["lastSyncTime"];
+        t.is_string() && *t != synced
     });
     let b_agent = Pid::from_raw(b.agents[0].child.id() as i32).unwrap();
     kill_process(b_agent, Signal::STOP).unwrap();
@@ -3204,6 +3217,10 @@ volumeBindingMode: WaitForFirstConsumer
     assert_eq!(m["status"]["replicas"], 2, "{m}");
     let sts = site.get("statefulset", "app", "db");
     assert_eq!(sts["spec"]["replicas"], 0, "scaled to 0 first");
+    assert_eq!(
+        sts["metadata"]["annotations"]["replication.mover/replicas-before-move"], "2",
+        "its replicas recorded on it"
+    );
     let policy =
         |s: &Site, pv: &str| s.get("pv", "", pv)["spec"]["persistentVolumeReclaimPolicy"].clone();
     assert_eq!(policy(&site, "pv-db-0"), "Retain", "Retain while moving");
@@ -3234,7 +3251,12 @@ volumeBindingMode: WaitForFirstConsumer
         .map(|v| v["pvc"].as_str().unwrap().to_string())
         .collect();
     assert_eq!(order, ["data-db-0", "data-db-1"], "ordinal order");
-    assert_eq!(site.get("statefulset", "app", "db")["spec"]["replicas"], 2);
+    let sts = site.get("statefulset", "app", "db");
+    assert_eq!(sts["spec"]["replicas"], 2);
+    assert!(
+        sts["metadata"]["annotations"]["replication.mover/replicas-before-move"].is_null(),
+        "{sts}"
+    );
     // The scheduler's part: the pods go to node 2.
     let scheduled = Instant::now();
     for n in 0..2 {

@@ -107,22 +107,25 @@ impl Control {
     fn status(&self, r: &Record) -> control::Status {
         let live = self.runners.live(&r.spec.name);
         let live = live.lock().expect("live lock");
-        let last = match r.role {
-            Role::Primary => r.last_cycle.clone(),
-            // The applied record is the truth; the relationship's own record has more
-            // detail (bytes shipped) when this side shipped that cycle (a demote).
+        let applied = match r.role {
+            Role::Primary => None,
             Role::Secondary => {
-                match journal::applied(&journal::cycles_dir(self.service.state_dir(), &r.spec.name))
-                {
-                    Some(a) if r.last_cycle.as_ref().is_some_and(|c| c.id == a.id) => {
-                        r.last_cycle.clone()
-                    }
-                    Some(a) => Some(CycleRecord::from(&a)),
-                    None => r.last_cycle.clone(),
-                }
+                journal::applied(&journal::cycles_dir(self.service.state_dir(), &r.spec.name))
             }
         };
-        replicate::status(r, &live, last.as_ref())
+        let last = match (r.role, &applied) {
+            (Role::Primary, _) => r.last_cycle.clone(),
+            // The applied record is the truth; the relationship's own record has more
+            // detail (bytes shipped) when this side shipped that cycle (a demote).
+            (Role::Secondary, Some(a)) if r.last_cycle.as_ref().is_some_and(|c| c.id == a.id) => {
+                r.last_cycle.clone()
+            }
+            (Role::Secondary, Some(a)) => Some(CycleRecord::from(a)),
+            (Role::Secondary, None) => r.last_cycle.clone(),
+        };
+        let mut s = replicate::status(r, &live, last.as_ref());
+        s.handed_over = journal::handed_over(r, applied.as_ref());
+        s
     }
 
     /// The cycle the peer was promoted from when it fenced this side's epoch, from the
@@ -587,7 +590,7 @@ impl Replication for Control {
                         p.name
                     )));
                 }
-                (Some(a), false) if !a.r#final => {
+                (Some(a), false) if !journal::handed_over(&r, Some(a)) => {
                     return Err(ServiceError::FailedPrecondition(format!(
                         "the last cycle applied here ({}) is not the final cycle of a demote: the \
                          primary may still be writing. Demote it first (planned failover), or \

@@ -16,6 +16,12 @@
 //!   (the agent logs and counts each), so its late writes never land. Status says
 //!   `fenced`.
 //!
+//! - **Within a cluster, no VolumeReplication** (`storageClassName`): after the same
+//!   release, the old volume is served by its agent to the fill alone, and the PVC is
+//!   made again under its name, populated from it (a HydrationSource): usable at once
+//!   wherever its next pod runs while the data arrives. The old PV stays `Retain` until
+//!   the fill completes.
+//!
 //! Each PV's reclaim policy goes back to the user's when its volume completes. A
 //! StatefulSet moves as one such move per PVC, in ordinal order.
 
@@ -36,8 +42,10 @@ use kube::{
 };
 use std::{sync::Arc, time::Duration};
 
+/// The annotation on a StatefulSet a move scaled to 0: its replicas before.
+const REPLICAS_BEFORE_MOVE: &str = "replication.mover/replicas-before-move";
 /// How often a move under way looks again.
-const POLL: Duration = Duration::from_secs(2);
+const POLL: Duration = Duration::from_secs(1);
 /// The default bound on detaching (source) or on the final cycle (destination).
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -137,7 +145,7 @@ pub async fn reconcile(mv: Arc<VolumeMove>, ctx: Arc<Context>) -> Result<Action,
         st.scaled_back,
         handed_over,
     ) {
-        scale(&ctx, &ns, sts, replicas).await?;
+        scale(&ctx, &ns, sts, replicas, None).await?;
         st.scaled_back = true;
     }
     st.fenced = st.volumes.iter().any(|v| v.fenced);
@@ -180,7 +188,29 @@ async fn volumes_of(
             "no StatefulSet {sts_name:?} in namespace {ns}"
         )));
     };
-    let replicas = sts.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    // The source records its replicas on the StatefulSet as it scales it to 0, so a
+    // look after a lost status write still finds them. The destination's may not run
+    // yet (0 replicas): its claims are those already there, ordinal after ordinal.
+    let spec_replicas = sts.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    let recorded = sts
+        .annotations()
+        .get(REPLICAS_BEFORE_MOVE)
+        .and_then(|r| r.parse::<i32>().ok());
+    let replicas = match mv.spec.side {
+        MoveSide::Source => recorded.unwrap_or(spec_replicas),
+        MoveSide::Destination => {
+            let pvcs = ctx.caches.pvcs.state();
+            let exists = |claim: &String| {
+                pvcs.iter()
+                    .any(|p| p.namespace().as_deref() == Some(ns) && &p.name_any() == claim)
+            };
+            let mut n = spec_replicas.max(0);
+            while stateful_set_claims(&sts, n + 1).iter().all(exists) {
+                n += 1;
+            }
+            n
+        }
+    };
     let claims = stateful_set_claims(&sts, replicas);
     if claims.is_empty() {
         return Ok(Err(format!(
@@ -190,19 +220,26 @@ async fn volumes_of(
     }
     if mv.spec.side == MoveSide::Source {
         st.replicas = Some(replicas);
-        scale(ctx, ns, sts_name, 0).await?;
+        scale(ctx, ns, sts_name, 0, Some(replicas)).await?;
     }
     Ok(Ok(claims))
 }
 
-/// Sets StatefulSet `ns/name`'s replicas.
-async fn scale(ctx: &Context, ns: &str, name: &str, replicas: i32) -> Result<(), MoveError> {
+/// Sets StatefulSet `ns/name`'s replicas, recording `before` on it (None: the record
+/// is removed).
+async fn scale(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    replicas: i32,
+    before: Option<i32>,
+) -> Result<(), MoveError> {
+    let patch = serde_json::json!({
+        "metadata": {"annotations": {REPLICAS_BEFORE_MOVE: before.map(|b| b.to_string())}},
+        "spec": {"replicas": replicas},
+    });
     Api::<StatefulSet>::namespaced(ctx.client.clone(), ns)
-        .patch(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"spec": {"replicas": replicas}})),
-        )
+        .patch(name, &PatchParams::default(), &Patch::Merge(patch))
         .await
         .map_err(kube_err(format!(
             "scaling StatefulSet {ns}/{name} to {replicas}"
@@ -797,7 +834,12 @@ impl Step<'_> {
             .as_ref()
             .ok()
             .and_then(|s| s.as_ref()?.last_cycle.clone());
-        if last.as_ref().is_some_and(|c| c.r#final) {
+        // The handover: the source's final cycle, applied here (not one this side
+        // shipped when it was demoted itself).
+        if status
+            .as_ref()
+            .is_ok_and(|s| s.as_ref().is_some_and(|s| s.handed_over))
+        {
             tracing::info!(pvc = %format!("{}/{}", self.ns, vol.pvc), cycle = last.map(|c| c.id), "the source's final cycle is applied: promoting");
             vol.message = Some("the final cycle is applied; promoting".into());
         } else if self.elapsed(&vol.start_time) > self.timeout {

@@ -139,6 +139,14 @@ pub(crate) fn applied(dir: &Path) -> Option<AppliedCycle> {
     read_applied(dir)
 }
 
+/// Whether the secondary `r` holds, applied here, the final cycle of its peer's demote,
+/// and has shipped nothing of its own since (a side that demoted itself records the
+/// final cycle it shipped, not one it applied).
+pub(crate) fn handed_over(r: &super::Record, applied: Option<&AppliedCycle>) -> bool {
+    r.role == super::Role::Secondary
+        && applied.is_some_and(|a| a.r#final && r.last_cycle.as_ref().is_none_or(|c| c.id <= a.id))
+}
+
 fn read_applied(dir: &Path) -> Option<AppliedCycle> {
     let text = fs::read_to_string(dir.join("applied.json")).ok()?;
     serde_json::from_str::<AppliedCycle>(&text)
@@ -446,6 +454,34 @@ pub(crate) fn recover(state_dir: &Path) -> Vec<(PathBuf, io::Result<AppliedCycle
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_final_cycle_applied_here_and_not_shipped_past_is_a_handover() {
+        use super::super::{CycleRecord, Role};
+        let applied = |id, last| AppliedCycle {
+            r#final: last,
+            ..cycle(id)
+        };
+        let mut r = super::super::store::tests::record("r");
+        r.role = Role::Secondary;
+        r.last_cycle = Some(CycleRecord {
+            id: 10,
+            ..Default::default()
+        });
+        assert!(handed_over(&r, Some(&applied(10, true))));
+        assert!(!handed_over(&r, Some(&applied(10, false))), "not final");
+        assert!(!handed_over(&r, None), "nothing applied here");
+        // This side shipped cycle 21 as primary, then demoted itself: the final cycle it
+        // applied long ago (10) hands nothing over now.
+        r.last_cycle = Some(CycleRecord {
+            id: 21,
+            r#final: true,
+            ..Default::default()
+        });
+        assert!(!handed_over(&r, Some(&applied(10, true))));
+        r.role = Role::Primary;
+        assert!(!handed_over(&r, Some(&applied(21, true))), "a primary");
+    }
 
     fn cycle(id: u64) -> AppliedCycle {
         AppliedCycle {

@@ -168,6 +168,8 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
             .collect(),
         paused: r.paused,
         last_snapshot: last.map(|c| c.snapshot.clone()).unwrap_or_default(),
+        // Known from the cycles applied here: the agent's answer fills it in.
+        handed_over: false,
     }
 }
 
