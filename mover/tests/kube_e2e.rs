@@ -830,6 +830,22 @@ spec:
         }
     }
 
+    /// No request of this cluster's controllers was forbidden by their RBAC (the API
+    /// server's audit log of the mover-controller ServiceAccount).
+    fn assert_nothing_forbidden(&self) {
+        let events = self.cluster.audit(CONTROLLER_USER);
+        assert!(
+            events.len() > 10,
+            "the audit log has the controller's requests"
+        );
+        let denied: Vec<_> = events
+            .iter()
+            .filter(|e| e["responseStatus"]["code"] == 403)
+            .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
+            .collect();
+        assert!(denied.is_empty(), "forbidden: {denied:#?}");
+    }
+
     /// The VR's condition `ty` (null when it has none).
     fn condition_of(&self, ty: &str) -> Value {
         condition_in(&self.vr(), ty)
@@ -1046,17 +1062,7 @@ fn two_clusters_replicate_fail_over_and_back_through_volume_replications() {
     // Every request the controllers made was allowed by their RBAC (the API server's
     // audit log of the mover-controller ServiceAccount).
     for s in [&a, &b] {
-        let events = s.cluster.audit(CONTROLLER_USER);
-        assert!(
-            events.len() > 10,
-            "the audit log has the controller's requests"
-        );
-        let denied: Vec<_> = events
-            .iter()
-            .filter(|e| e["responseStatus"]["code"] == 403)
-            .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
-            .collect();
-        assert!(denied.is_empty(), "forbidden: {denied:#?}");
+        s.assert_nothing_forbidden();
     }
     default_install_refusals(&a, &b);
 }
@@ -2177,15 +2183,7 @@ impl CsiPair {
 
     /// No request of A's controller was forbidden (the audit log).
     fn assert_nothing_forbidden(&self) {
-        let denied: Vec<_> = self
-            .a
-            .cluster
-            .audit(CONTROLLER_USER)
-            .iter()
-            .filter(|e| e["responseStatus"]["code"] == 403)
-            .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
-            .collect();
-        assert!(denied.is_empty(), "forbidden: {denied:#?}");
+        self.a.assert_nothing_forbidden();
     }
 }
 
@@ -3065,14 +3063,7 @@ spec:
     drop(mnt_b);
     drop(dev_b);
     for s in [&a, &b] {
-        let denied: Vec<_> = s
-            .cluster
-            .audit(CONTROLLER_USER)
-            .iter()
-            .filter(|e| e["responseStatus"]["code"] == 403)
-            .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
-            .collect();
-        assert!(denied.is_empty(), "forbidden: {denied:#?}");
+        s.assert_nothing_forbidden();
     }
 }
 

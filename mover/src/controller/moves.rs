@@ -30,7 +30,7 @@ use super::crd::{
     VolumeMoveStatus, VolumeReplication,
 };
 use super::populator::SELECTED_NODE;
-use super::reconcile::{Context, typed};
+use super::reconcile::{Context, owned, typed};
 use super::status::{reasons, types};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
@@ -557,19 +557,11 @@ impl Step<'_> {
         let (Some(claim), Some(volume)) = (claim, volume) else {
             return Err(format!("PVC {}/{pvc} or its PV {pv} not found", self.ns));
         };
-        let attachments: Vec<_> = caches
-            .attachments
-            .state()
-            .iter()
-            .map(|a| (**a).clone())
-            .collect();
-        let nodes: Vec<_> = caches.nodes.state().iter().map(|n| (**n).clone()).collect();
-        let pods: Vec<_> = caches
-            .agents
-            .state()
-            .iter()
-            .map(|p| (**p).clone())
-            .collect();
+        let (attachments, nodes, pods) = (
+            owned(&caches.attachments),
+            owned(&caches.nodes),
+            owned(&caches.agents),
+        );
         let placement = super::desired::placement(&claim, &volume, &attachments, &nodes)
             .map_err(|e| e.to_string())?;
         let agent = super::desired::agent_on(&placement.node, &pods, self.ctx.agent_port)
@@ -661,14 +653,7 @@ impl Step<'_> {
             );
             return Ok(());
         };
-        let pods: Vec<_> = self
-            .ctx
-            .caches
-            .agents
-            .state()
-            .iter()
-            .map(|p| (**p).clone())
-            .collect();
+        let pods = owned(&self.ctx.caches.agents);
         let agent = match super::desired::agent_on(&node, &pods, self.ctx.agent_port) {
             Ok(a) => a,
             Err(e) => {

@@ -105,8 +105,7 @@ pub async fn reconcile(
                 "PVC {ns}/{name}: no HydrationSource {source:?} in namespace {ns}"
             ))
         })?;
-    let pods = ctx.caches.agents.state();
-    let pods: Vec<_> = pods.iter().map(|p| (**p).clone()).collect();
+    let pods = super::reconcile::owned(&ctx.caches.agents);
     let agent = super::desired::agent_on(&node, &pods, ctx.agent_port)
         .map_err(|e| PopulateError::Invalid(e.to_string()))?;
     let export = format!("pvc-{uid}");

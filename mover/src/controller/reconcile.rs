@@ -122,6 +122,15 @@ impl Caches {
     }
 }
 
+/// Copies of what a watch cache holds, for the pure functions that take slices.
+pub(super) fn owned<K>(store: &Store<K>) -> Vec<K>
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    store.state().iter().map(|o| (**o).clone()).collect()
+}
+
 /// What every reconcile shares.
 pub struct Context {
     /// The API server.
@@ -241,29 +250,12 @@ fn hold(vr: &VolumeReplication, ctx: &Context) -> Held {
         .as_ref()
         .is_some_and(|p| p.spec.as_ref().is_some_and(|s| s.csi.is_some()))
     {
-        ctx.caches
-            .attachments
-            .state()
-            .iter()
-            .map(|a| (**a).clone())
-            .collect()
+        owned(&ctx.caches.attachments)
     } else {
         Vec::new()
     };
-    let agents = ctx
-        .caches
-        .agents
-        .state()
-        .iter()
-        .map(|p| (**p).clone())
-        .collect();
-    let nodes = ctx
-        .caches
-        .nodes
-        .state()
-        .iter()
-        .map(|n| (**n).clone())
-        .collect();
+    let agents = owned(&ctx.caches.agents);
+    let nodes = owned(&ctx.caches.nodes);
     Held {
         pvc,
         pv,
