@@ -140,6 +140,22 @@ fn the_install_applies_and_the_api_server_refuses_bad_volume_replications() {
         not_an_agent.contains("agent must be agent://NODE@HOST:PORT/VOLUME"),
         "{not_an_agent}"
     );
+    let no_password = refused(
+        &c,
+        "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: bad\n  namespace: app\nspec:\n  snapshot: {repository: s3://b/p, id: latest}\n",
+    );
+    assert!(
+        no_password.contains("a snapshot needs secretRef"),
+        "{no_password}"
+    );
+    let neither = refused(
+        &c,
+        "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: bad\n  namespace: app\nspec:\n  bwlimit: 2M\n",
+    );
+    assert!(
+        neither.contains("name either agent or snapshot"),
+        "{neither}"
+    );
     let vmove = |name: &str, spec: &str| {
         format!(
             "apiVersion: replication.mover/v1alpha1\nkind: VolumeMove\nmetadata:\n  name: {name}\n  namespace: app\nspec:\n{spec}"
@@ -2586,7 +2602,8 @@ fn pgbench_on_ext4_in_a_csi_block_volume_replicates_through_frozen_volume_snapsh
 /// Node calls (the kubelet's part), read the sources' bytes while they still arrive:
 /// 64 MiB (read whole), 4 GiB and a sparse 1 TiB (nothing of either local yet). A
 /// Filesystem PVC of a 256 MiB ext4 volume is mounted the same way, and every file read
-/// through the pod's path is the source's.
+/// through the pod's path is the source's. A PVC of a snapshot in S3 reads the
+/// snapshot's bytes.
 #[test]
 fn populated_pvcs_are_bound_at_once_and_their_devices_read_the_source_while_it_arrives() {
     let _one = serial();
@@ -2791,6 +2808,109 @@ spec:
         read.as_secs_f64()
     );
     assert_eq!(seen, files, "a file read through the populated PVC differs");
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    common::csi::ok(unpublished, "NodeUnpublishVolume");
+    common::csi::ok(unstaged, "NodeUnstageVolume");
+
+    // A snapshot in a repository (S3) as the source: its password and keys from the
+    // secret the HydrationSource names, its regions the snapshot's chunks.
+    use snapshots::testing::{ACCESS_KEY, S3Server, SECRET_KEY};
+    let s3 = S3Server::start(&t.path().join("s3"));
+    s3.create_bucket("snaps");
+    let password = t.path().join("repo-password");
+    std::fs::write(&password, "pop-password\n").unwrap();
+    let small = t.path().join("small.img");
+    for args in [
+        vec!["repo", "init", "s3://snaps/pop"],
+        vec![
+            "snapshot",
+            "create",
+            "s3://snaps/pop",
+            small.to_str().unwrap(),
+        ],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(&args)
+            .env("MOVER_S3_ENDPOINT", &s3.endpoint)
+            .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+            .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+            .env("MOVER_PASSWORD_FILE", &password)
+            .env("MOVER_CACHE_DIR", t.path().join("cache"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "mover {args:?}: {out:?}");
+    }
+    site.cluster.apply(&format!(
+        r#"apiVersion: v1
+kind: Secret
+metadata:
+  name: pop-repository
+  namespace: mover-system
+stringData:
+  password: pop-password
+  AWS_ACCESS_KEY_ID: {ACCESS_KEY}
+  AWS_SECRET_ACCESS_KEY: {SECRET_KEY}
+---
+apiVersion: replication.mover/v1alpha1
+kind: HydrationSource
+metadata:
+  name: from-snapshot
+  namespace: app
+spec:
+  snapshot:
+    repository: s3://snaps/pop
+    id: latest
+    s3Endpoint: {endpoint}
+  secretRef: {{name: pop-repository, namespace: mover-system}}
+  bwlimit: 2M
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: from-snapshot
+  namespace: app
+  annotations:
+    volume.kubernetes.io/selected-node: pop-node2
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: mover-populated
+  resources:
+    requests:
+      storage: 64Mi
+  dataSourceRef:
+    apiGroup: replication.mover
+    kind: HydrationSource
+    name: from-snapshot
+"#,
+        endpoint = s3.endpoint
+    ));
+    let created = Instant::now();
+    site.wait("the PVC of a snapshot bound", |s| {
+        s.get("pvc", "app", "from-snapshot")["status"]["phase"] == "Bound"
+    });
+    let handle = site.get("pvc", "app", "from-snapshot")["spec"]["volumeName"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let kubelet = common::csi::Kubelet {
+        bin: &site.cluster.bin,
+        socket: socket.clone(),
+        staging: node2_dir.join("kubelet/staging").join(&handle),
+        target: node2_dir.join("kubelet/pods/pod-3/dev").join(&handle),
+        volume: handle,
+        capability: json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
+    };
+    kubelet.stage_and_publish();
+    assert_eq!(
+        blake3_of(&kubelet.target, 64 * MIB),
+        blake3_of(&small, 64 * MIB),
+        "the device reads the snapshot"
+    );
+    eprintln!(
+        "populated from a snapshot in S3 (64 MiB): read whole {:.2} s after the PVC's creation",
+        created.elapsed().as_secs_f64()
+    );
     let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
     common::csi::ok(unpublished, "NodeUnpublishVolume");
     common::csi::ok(unstaged, "NodeUnstageVolume");

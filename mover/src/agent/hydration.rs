@@ -170,6 +170,11 @@ impl hydration_server::Hydration for HydrationControl {
                     s3_virtual_host: s.s3_virtual_host,
                     password_file: opt(s.password_file).map(PathBuf::from),
                     key_file: opt(s.key_file).map(PathBuf::from),
+                    access: (!s.password.is_empty()).then(|| crate::hydrate::RepoAccess {
+                        password: s.password,
+                        raw_key: s.raw_key,
+                        s3_keys: opt(s.s3_access_key_id).map(|id| (id, s.s3_secret_access_key)),
+                    }),
                 },
                 None => {
                     return Err(ServiceError::InvalidArgument(

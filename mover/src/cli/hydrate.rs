@@ -140,6 +140,7 @@ async fn run_async(cmd: HydrateCommand) -> anyhow::Result<()> {
                     s3_virtual_host,
                     password_file: path(password_file),
                     key_file: path(key_file),
+                    ..Default::default()
                 }),
                 (None, None) => anyhow::bail!(
                     "give --from agent://HOST:PORT/VOLUME or --from-snapshot REPO SNAPSHOT"

@@ -273,22 +273,46 @@ pub fn api_resource(group: &str, kind: &str) -> kube::core::ApiResource {
         json_path = ".metadata.creationTimestamp"
     )
 )]
+#[x_kube(validation = Rule::new("has(self.agent) != has(self.snapshot)").message("name either agent or snapshot"))]
+#[x_kube(validation = Rule::new("!has(self.snapshot) || has(self.secretRef)").message("a snapshot needs secretRef: a secret with its repository's password"))]
 #[serde(rename_all = "camelCase")]
 pub struct HydrationSourceSpec {
-    /// A block volume an agent of this cluster serves, as
-    /// agent://NODE@HOST:PORT/VOLUME: NODE is the agent's node, the name its
-    /// certificate carries (e.g. the node where the volume was).
+    /// A block volume an agent serves, as agent://NODE@HOST:PORT/VOLUME: NODE is the
+    /// agent's node, the name its certificate carries (e.g. the node where the volume
+    /// was).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self.startsWith('agent://')").message("agent must be agent://NODE@HOST:PORT/VOLUME"))]
-    pub agent: String,
+    pub agent: Option<String>,
+    /// A block volume's snapshot in a repository, which the agent of the chosen node
+    /// reads (each region a chunk of the snapshot, checked before it is written).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<RepositorySnapshot>,
     /// Bytes per second the background fill may fetch, with binary units (100M is
     /// 100 MiB/s); the pod's own reads are never held back [default: no limit].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bwlimit: Option<String>,
-    /// An agent of another cluster: the secret with the token presented there (`token`,
-    /// that cluster's replication token) and its CA (`ca.crt`), in a namespace the
-    /// controller reads secrets in (mover-system by default).
+    /// A secret in a namespace the controller reads secrets in (mover-system by
+    /// default). For an agent of another cluster: `token` (that cluster's replication
+    /// token) and `ca.crt` (its CA). For a snapshot: `password` (or `key`, a raw key)
+    /// and, for S3, `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_ref: Option<SecretRef>,
+}
+
+/// A snapshot in a repository.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RepositorySnapshot {
+    /// s3://BUCKET/PREFIX, or a directory on the nodes.
+    pub repository: String,
+    /// The snapshot: an id, a unique prefix of one, or `latest`.
+    pub id: String,
+    /// An S3-compatible server's endpoint URL [default: AWS].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s3_endpoint: Option<String>,
+    /// The S3 region [default: us-east-1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s3_region: Option<String>,
 }
 
 /// A secret named by namespace and name.

@@ -515,7 +515,8 @@ impl Step<'_> {
         let source = HydrationSource::new(
             &hydration_source_name(&vol.pvc),
             HydrationSourceSpec {
-                agent: format!("agent://{node}@{agent}/{pv}"),
+                agent: Some(format!("agent://{node}@{agent}/{pv}")),
+                snapshot: None,
                 bwlimit: None,
                 secret_ref: None,
             },

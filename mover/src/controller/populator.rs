@@ -14,7 +14,7 @@
 //! delete it, and a populated volume is data someone may still want.
 
 use super::agents::AgentError;
-use super::crd::{HydrationSource, MOVER_GROUP, SecretRef};
+use super::crd::{HydrationSource, MOVER_GROUP, RepositorySnapshot, SecretRef};
 use super::reconcile::Context;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::{Api, ResourceExt, api::PostParams, runtime::controller::Action};
@@ -118,21 +118,32 @@ pub async fn reconcile(
                     PopulateError::Invalid(format!("HydrationSource {ns}/{source}: bwlimit: {e}"))
                 })?,
             };
-            let (peer_token, peer_ca) = match &hs.spec.secret_ref {
-                None => (String::new(), String::new()),
-                Some(r) => peer_access(&ctx, r).await.map_err(|e| {
-                    PopulateError::Invalid(format!("HydrationSource {ns}/{source}: {e}"))
-                })?,
-            };
-            let req = hydrate::StartRequest {
+            let invalid =
+                |e: String| PopulateError::Invalid(format!("HydrationSource {ns}/{source}: {e}"));
+            let mut req = hydrate::StartRequest {
                 export: export.clone(),
-                source: Some(hydrate::start_request::Source::Agent(hs.spec.agent.clone())),
                 bwlimit,
                 create: true,
-                peer_token,
-                peer_ca,
                 ..Default::default()
             };
+            match (&hs.spec.agent, &hs.spec.snapshot, &hs.spec.secret_ref) {
+                (Some(url), _, r) => {
+                    req.source = Some(hydrate::start_request::Source::Agent(url.clone()));
+                    if let Some(r) = r {
+                        (req.peer_token, req.peer_ca) =
+                            peer_access(&ctx, r).await.map_err(invalid)?;
+                    }
+                }
+                (None, Some(snap), Some(r)) => {
+                    let s = snapshot_access(&ctx, snap, r).await.map_err(invalid)?;
+                    req.source = Some(hydrate::start_request::Source::Snapshot(s));
+                }
+                _ => {
+                    return Err(invalid(
+                        "names neither an agent nor a snapshot with its secretRef".into(),
+                    ));
+                }
+            }
             ctx.agents.hydrate(&agent, req).await?
         }
     };
@@ -147,7 +158,7 @@ pub async fn reconcile(
         return Err(PopulateError::Invalid(format!(
             "PVC {ns}/{name} asks for {requested} bytes; its source {} holds {}: ask for at \
              most that",
-            hs.spec.agent, status.size
+            status.source, status.size
         )));
     }
     let pv = persistent_volume(&pvc, &export, &node, status.size);
@@ -184,6 +195,44 @@ async fn peer_access(ctx: &Context, r: &SecretRef) -> Result<(String, String), S
         )
     })?;
     Ok((token, text("ca.crt").unwrap_or_default()))
+}
+
+/// The snapshot `snap` as the agent opens it, with the password (or raw key) and S3 keys
+/// of the secret `r` names.
+async fn snapshot_access(
+    ctx: &Context,
+    snap: &RepositorySnapshot,
+    r: &SecretRef,
+) -> Result<hydrate::SnapshotSource, String> {
+    let wanted = "`password` (or `key`, a raw key) and, for S3, `AWS_ACCESS_KEY_ID` and \
+                  `AWS_SECRET_ACCESS_KEY`";
+    let (data, _) = super::reconcile::secret_data(ctx, &r.namespace, &r.name, wanted).await?;
+    let text = |k: &str| {
+        data.get(k)
+            .map(|v| String::from_utf8_lossy(v).trim().to_string())
+            .unwrap_or_default()
+    };
+    let (password, raw_key) = match (data.get("password"), data.get("key")) {
+        (Some(_), _) => (text("password").into_bytes(), false),
+        (None, Some(k)) => (k.clone(), true),
+        (None, None) => {
+            return Err(format!(
+                "secret {}/{} has no `password`: it needs {wanted}",
+                r.namespace, r.name
+            ));
+        }
+    };
+    Ok(hydrate::SnapshotSource {
+        repo: snap.repository.clone(),
+        snapshot: snap.id.clone(),
+        s3_endpoint: snap.s3_endpoint.clone().unwrap_or_default(),
+        s3_region: snap.s3_region.clone().unwrap_or_default(),
+        password,
+        raw_key,
+        s3_access_key_id: text("AWS_ACCESS_KEY_ID"),
+        s3_secret_access_key: text("AWS_SECRET_ACCESS_KEY"),
+        ..Default::default()
+    })
 }
 
 /// The PV of export `export` on `node`, pre-bound to `pvc`.

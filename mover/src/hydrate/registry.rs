@@ -52,7 +52,33 @@ pub enum SourceSpec {
         password_file: Option<PathBuf>,
         /// Repository raw key file.
         key_file: Option<PathBuf>,
+        /// The password (or key) and S3 keys given inline instead.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        access: Option<RepoAccess>,
     },
+}
+
+/// A repository's password (or raw key) and S3 keys, given to the agent inline (kept in
+/// the hydration's record, which only root reads).
+#[derive(Clone, Serialize, Deserialize, PartialEq)]
+pub struct RepoAccess {
+    /// The password, or with `raw_key` the key.
+    pub password: Vec<u8>,
+    /// `password` is a raw key.
+    #[serde(default)]
+    pub raw_key: bool,
+    /// S3 access key id and secret (None: the standard credential chain).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s3_keys: Option<(String, String)>,
+}
+
+impl std::fmt::Debug for RepoAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RepoAccess")
+            .field("password", &"(hidden)")
+            .field("s3_keys", &self.s3_keys.as_ref().map(|(id, _)| id))
+            .finish()
+    }
 }
 
 /// How to reach an agent of another cluster (kept in the hydration's record, which only
@@ -391,15 +417,32 @@ impl Hydrations {
                 }
                 Ok(Arc::new(AgentSource::connect(u, remote, region).await?))
             }
-            SourceSpec::Snapshot { repo, snapshot, .. } => {
+            SourceSpec::Snapshot {
+                repo,
+                snapshot,
+                access,
+                ..
+            } => {
                 let opts = repo_options(spec);
-                let r = crate::snapshot::open_repository(repo, &opts)
-                    .await
-                    .map_err(|e| HydrateError::Source {
-                        source_name: repo.clone(),
-                        message: e.to_string(),
-                        retryable: e.is_retryable(),
-                    })?;
+                let opened = match access {
+                    None => crate::snapshot::open_repository(repo, &opts).await,
+                    Some(a) => {
+                        let creds = if a.raw_key {
+                            snapshots::Credentials::RawKey(a.password.clone())
+                        } else {
+                            snapshots::Credentials::Password(
+                                String::from_utf8_lossy(&a.password).into_owned(),
+                            )
+                        };
+                        let keys = a.s3_keys.clone();
+                        crate::snapshot::open_repository_with(repo, &opts, &creds, keys).await
+                    }
+                };
+                let r = opened.map_err(|e| HydrateError::Source {
+                    source_name: repo.clone(),
+                    message: e.to_string(),
+                    retryable: e.is_retryable(),
+                })?;
                 Ok(Arc::new(SnapshotSource::open(r, snapshot).await?))
             }
         }
