@@ -2846,6 +2846,8 @@ kind: Secret
 metadata:
   name: pop-repository
   namespace: mover-system
+  annotations:
+    replication.mover/for-namespaces: app
 stringData:
   password: pop-password
   AWS_ACCESS_KEY_ID: {ACCESS_KEY}
@@ -3503,11 +3505,29 @@ spec:
     );
     assert_ne!(b.get("pvc", "app", "plain")["status"]["phase"], "Bound");
 
-    let created = Instant::now();
     populate(
         "peer",
         "  secretRef: {name: dr-peer, namespace: mover-system}\n",
     );
+    // The secret lies in mover-system: naming it is not enough, its administrator
+    // lets namespaces use it.
+    b.wait(
+        "the controller refusing a secret not meant for namespace app",
+        |s| {
+            controller_log(&s.controllers[0]).lines().any(|l| {
+                l.contains("app/peer") && l.contains("is not for HydrationSources of namespace app")
+            })
+        },
+    );
+    let created = Instant::now();
+    b.cluster.kubectl_ok(&[
+        "annotate",
+        "secret",
+        "-n",
+        "mover-system",
+        "dr-peer",
+        "replication.mover/for-namespaces=app",
+    ]);
     b.wait("the PVC bound", |s| {
         s.get("pvc", "app", "peer")["status"]["phase"] == "Bound"
     });
@@ -3531,7 +3551,8 @@ spec:
         "the device reads cluster A's volume"
     );
     eprintln!(
-        "populated from another cluster's agent: read whole {:.2} s after the PVC's creation",
+        "populated from another cluster's agent: read whole {:.2} s after the secret was \
+         annotated (a refused PVC is looked at again every 30 s)",
         created.elapsed().as_secs_f64()
     );
     let (unpublished, unstaged) = kubelet.unpublish_and_unstage();

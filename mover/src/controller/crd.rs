@@ -294,7 +294,8 @@ pub struct HydrationSourceSpec {
     /// A secret in a namespace the controller reads secrets in (mover-system by
     /// default). For an agent of another cluster: `token` (that cluster's replication
     /// token) and `ca.crt` (its CA). For a snapshot: `password` (or `key`, a raw key)
-    /// and, for S3, `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`.
+    /// and, for S3, `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`. The secret must
+    /// list this namespace in its annotation `replication.mover/for-namespaces`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_ref: Option<SecretRef>,
 }

@@ -131,11 +131,11 @@ pub async fn reconcile(
                     req.source = Some(hydrate::start_request::Source::Agent(url.clone()));
                     if let Some(r) = r {
                         (req.peer_token, req.peer_ca) =
-                            peer_access(&ctx, r).await.map_err(invalid)?;
+                            peer_access(&ctx, r, &ns).await.map_err(invalid)?;
                     }
                 }
                 (None, Some(snap), Some(r)) => {
-                    let s = snapshot_access(&ctx, snap, r).await.map_err(invalid)?;
+                    let s = snapshot_access(&ctx, snap, r, &ns).await.map_err(invalid)?;
                     req.source = Some(hydrate::start_request::Source::Snapshot(s));
                 }
                 _ => {
@@ -180,10 +180,49 @@ pub async fn reconcile(
     Ok(Action::await_change())
 }
 
+/// The annotation on a secret that lists the namespaces whose HydrationSources may
+/// use it (comma-separated, or `*`).
+pub const FOR_NAMESPACES: &str = "replication.mover/for-namespaces";
+
+/// The data of the secret `r` names, for a HydrationSource in namespace `user`: only if
+/// the secret says that namespace may use it. The secret lies in the controller's own
+/// namespace, where users cannot look, so naming it must not be enough to use it.
+async fn source_secret(
+    ctx: &Context,
+    r: &SecretRef,
+    user: &str,
+    wanted: &str,
+) -> Result<std::collections::BTreeMap<String, Vec<u8>>, String> {
+    let secret = super::reconcile::secret(ctx, &r.namespace, &r.name, wanted).await?;
+    let allowed = secret
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(FOR_NAMESPACES))
+        .is_some_and(|list| {
+            list.split(',')
+                .map(str::trim)
+                .any(|n| n == user || n == "*")
+        });
+    if !allowed {
+        return Err(format!(
+            "secret {}/{} is not for HydrationSources of namespace {user}: its administrator \
+             lets a namespace use it with the annotation {FOR_NAMESPACES}: {user}",
+            r.namespace, r.name
+        ));
+    }
+    Ok(secret
+        .data
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.0))
+        .collect())
+}
+
 /// The token and CA (PEM, or empty) in the secret `r` names.
-async fn peer_access(ctx: &Context, r: &SecretRef) -> Result<(String, String), String> {
+async fn peer_access(ctx: &Context, r: &SecretRef, user: &str) -> Result<(String, String), String> {
     let wanted = "`token` (the other cluster's replication token) and `ca.crt` (its CA)";
-    let (data, _) = super::reconcile::secret_data(ctx, &r.namespace, &r.name, wanted).await?;
+    let data = source_secret(ctx, r, user, wanted).await?;
     let text = |k: &str| {
         data.get(k)
             .map(|v| String::from_utf8_lossy(v).trim().to_string())
@@ -203,10 +242,11 @@ async fn snapshot_access(
     ctx: &Context,
     snap: &RepositorySnapshot,
     r: &SecretRef,
+    user: &str,
 ) -> Result<hydrate::SnapshotSource, String> {
     let wanted = "`password` (or `key`, a raw key) and, for S3, `AWS_ACCESS_KEY_ID` and \
                   `AWS_SECRET_ACCESS_KEY`";
-    let (data, _) = super::reconcile::secret_data(ctx, &r.namespace, &r.name, wanted).await?;
+    let data = source_secret(ctx, r, user, wanted).await?;
     let text = |k: &str| {
         data.get(k)
             .map(|v| String::from_utf8_lossy(v).trim().to_string())

@@ -768,6 +768,24 @@ async fn update_if_changed(
         .await
 }
 
+/// The secret `ns/name`; `wanted` says what to put in it when it is missing.
+pub(super) async fn secret(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    wanted: &str,
+) -> Result<Secret, String> {
+    // From its watch (no request at rest); without one (tests), asked for.
+    match &ctx.secrets {
+        Some(watches) => watches.get(ns, name).await?,
+        None => Api::<Secret>::namespaced(ctx.client.clone(), ns)
+            .get_opt(name)
+            .await
+            .map_err(|e| format!("cannot read secret {ns}/{name}: {e}"))?,
+    }
+    .ok_or_else(|| format!("secret {ns}/{name} not found: create it with {wanted}"))
+}
+
 /// A secret's data and its version (uid/resourceVersion); `wanted` says what to put in
 /// it when it is missing.
 pub(super) async fn secret_data(
@@ -776,15 +794,7 @@ pub(super) async fn secret_data(
     name: &str,
     wanted: &str,
 ) -> Result<(std::collections::BTreeMap<String, Vec<u8>>, String), String> {
-    // From its watch (no request at rest); without one (tests), asked for.
-    let secret = match &ctx.secrets {
-        Some(watches) => watches.get(ns, name).await?,
-        None => Api::<Secret>::namespaced(ctx.client.clone(), ns)
-            .get_opt(name)
-            .await
-            .map_err(|e| format!("cannot read secret {ns}/{name}: {e}"))?,
-    }
-    .ok_or_else(|| format!("secret {ns}/{name} not found: create it with {wanted}"))?;
+    let secret = secret(ctx, ns, name, wanted).await?;
     let version = format!(
         "{}/{}",
         secret.metadata.uid.as_deref().unwrap_or_default(),
