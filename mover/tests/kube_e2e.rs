@@ -2637,10 +2637,9 @@ fn populated_pvcs_are_bound_at_once_and_their_devices_read_the_source_while_it_a
         "[exports.files]\npath = \"{}\"\nread_only = true\n",
         files_img.display()
     );
-    let socket_of = |dir: &Path| dir.join("csi.sock");
     let node2 = format!(
         "csi_socket = \"{}\"",
-        socket_of(&t.path().join("pop/pop-node2")).display()
+        t.path().join("pop/pop-node2/csi.sock").display()
     );
     let Some(mut site) = Site::start_with(t.path(), "pop", 70, [&exports, &node2]) else {
         return;
@@ -2656,7 +2655,6 @@ fn populated_pvcs_are_bound_at_once_and_their_devices_read_the_source_while_it_a
         "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: mover-populated\nprovisioner: csi.replication.mover\nvolumeBindingMode: WaitForFirstConsumer\n",
     );
     let node2_dir = site.agents[1].dir.clone();
-    let socket = socket_of(&node2_dir);
     let last_mib = |path: &Path, len: u64| {
         let mut buf = vec![0u8; MIB as usize];
         std::os::unix::fs::FileExt::read_exact_at(
@@ -2714,19 +2712,9 @@ spec:
         .unwrap();
         assert_eq!(pv["spec"]["csi"]["driver"], "csi.replication.mover");
         assert_eq!(pv["spec"]["persistentVolumeReclaimPolicy"], "Retain");
-        let handle = pv["spec"]["csi"]["volumeHandle"]
-            .as_str()
-            .unwrap()
-            .to_string();
+        assert_eq!(pv["spec"]["csi"]["volumeHandle"], pv_name.as_str());
         // The kubelet's part on node 2: NodeStageVolume and NodePublishVolume.
-        let kubelet = common::csi::Kubelet {
-            bin: &site.cluster.bin,
-            socket: socket.clone(),
-            staging: node2_dir.join("kubelet/staging").join(&handle),
-            target: node2_dir.join("kubelet/pods/pod-1/dev").join(&handle),
-            volume: handle,
-            capability: json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
-        };
+        let kubelet = kubelet_of(&site, &node2_dir, name, "pod-1", false);
         kubelet.stage_and_publish();
         let target = kubelet.target.clone();
         let read = last_mib(&target, len);
@@ -2783,18 +2771,7 @@ spec:
         s.get("pvc", "app", "files")["status"]["phase"] == "Bound"
     });
     let bound = created.elapsed();
-    let handle = site.get("pvc", "app", "files")["spec"]["volumeName"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let kubelet = common::csi::Kubelet {
-        bin: &site.cluster.bin,
-        socket: socket.clone(),
-        staging: node2_dir.join("kubelet/staging").join(&handle),
-        target: node2_dir.join("kubelet/pods/pod-2/volumes").join(&handle),
-        volume: handle,
-        capability: json!({"mount": {"fsType": "ext4"}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
-    };
+    let kubelet = kubelet_of(&site, &node2_dir, "files", "pod-2", true);
     kubelet.stage_and_publish();
     let mounted = created.elapsed();
     let seen = common::csi::hashes_under(&kubelet.target, files.keys().cloned());
@@ -2891,18 +2868,7 @@ spec:
     site.wait("the PVC of a snapshot bound", |s| {
         s.get("pvc", "app", "from-snapshot")["status"]["phase"] == "Bound"
     });
-    let handle = site.get("pvc", "app", "from-snapshot")["spec"]["volumeName"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let kubelet = common::csi::Kubelet {
-        bin: &site.cluster.bin,
-        socket: socket.clone(),
-        staging: node2_dir.join("kubelet/staging").join(&handle),
-        target: node2_dir.join("kubelet/pods/pod-3/dev").join(&handle),
-        volume: handle,
-        capability: json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
-    };
+    let kubelet = kubelet_of(&site, &node2_dir, "from-snapshot", "pod-3", false);
     kubelet.stage_and_publish();
     assert_eq!(
         blake3_of(&kubelet.target, 64 * MIB),
@@ -2916,6 +2882,42 @@ spec:
     let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
     common::csi::ok(unpublished, "NodeUnpublishVolume");
     common::csi::ok(unstaged, "NodeUnstageVolume");
+}
+
+/// The emulated kubelet of the node whose agent lives in `node_dir` (its CSI plugin's
+/// socket there), for the volume bound to PVC `app/PVC` of `site`, used by pod `pod`:
+/// a raw block device, or with `mount` an ext4 file system.
+fn kubelet_of<'a>(
+    site: &'a Site,
+    node_dir: &Path,
+    pvc: &str,
+    pod: &str,
+    mount: bool,
+) -> common::csi::Kubelet<'a> {
+    let handle = site.get("pvc", "app", pvc)["spec"]["volumeName"]
+        .as_str()
+        .expect("a bound PVC")
+        .to_string();
+    let access = json!({"mode": "SINGLE_NODE_WRITER"});
+    let (dir, capability) = match mount {
+        true => (
+            "volumes",
+            json!({"mount": {"fsType": "ext4"}, "accessMode": access}),
+        ),
+        false => ("dev", json!({"block": {}, "accessMode": access})),
+    };
+    common::csi::Kubelet {
+        bin: &site.cluster.bin,
+        socket: node_dir.join("csi.sock"),
+        staging: node_dir.join("kubelet/staging").join(&handle),
+        target: node_dir
+            .join("kubelet/pods")
+            .join(pod)
+            .join(dir)
+            .join(&handle),
+        volume: handle,
+        capability,
+    }
 }
 
 /// The bytes of the files under `dir`.
@@ -3387,18 +3389,13 @@ volumeBindingMode: WaitForFirstConsumer
     });
     let node2_dir = site.agents[1].dir.clone();
     for n in 0..2 {
-        let pvc = site.get("pvc", "app", &format!("data-db-{n}"));
-        let handle = pvc["spec"]["volumeName"].as_str().unwrap().to_string();
-        let kubelet = common::csi::Kubelet {
-            bin: &site.cluster.bin,
-            socket: node2_dir.join("csi.sock"),
-            staging: node2_dir.join("kubelet/staging").join(&handle),
-            target: node2_dir
-                .join(format!("kubelet/pods/db-{n}/dev"))
-                .join(&handle),
-            volume: handle,
-            capability: json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
-        };
+        let kubelet = kubelet_of(
+            &site,
+            &node2_dir,
+            &format!("data-db-{n}"),
+            &format!("db-{n}"),
+            false,
+        );
         kubelet.stage_and_publish();
         assert_eq!(
             blake3_of(&kubelet.target, VOLUME_LEN),
@@ -3531,19 +3528,7 @@ spec:
     b.wait("the PVC bound", |s| {
         s.get("pvc", "app", "peer")["status"]["phase"] == "Bound"
     });
-    let handle = b.get("pvc", "app", "peer")["spec"]["volumeName"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let node2_dir = b.agents[1].dir.clone();
-    let kubelet = common::csi::Kubelet {
-        bin: &b.cluster.bin,
-        socket: node2_dir.join("csi.sock"),
-        staging: node2_dir.join("kubelet/staging").join(&handle),
-        target: node2_dir.join("kubelet/pods/pod-1/dev").join(&handle),
-        volume: handle,
-        capability: json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
-    };
+    let kubelet = kubelet_of(&b, &b.agents[1].dir, "peer", "pod-1", false);
     kubelet.stage_and_publish();
     assert_eq!(
         blake3_of(&kubelet.target, LEN),
