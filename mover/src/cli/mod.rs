@@ -98,7 +98,7 @@ impl Lines {
         let rate = self.done as f64 / secs;
         let per_sec = format!("{}/s", human(rate as u64));
         if self.total == 0 {
-            return format!("{}: {} written, {per_sec}", self.phase, human(self.done));
+            return format!("{}: {} done, {per_sec}", self.phase, human(self.done));
         }
         let eta = if rate > 0.0 {
             format!(
@@ -168,7 +168,7 @@ impl Progress for Bar {
                 bar.finish_and_clear();
                 // A total of 0 means unknown (a tree is copied as it is walked): no bar, no eta.
                 let template = if total == 0 {
-                    "{prefix:>7} {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}"
+                    "{prefix:>7} {spinner} {binary_bytes} done {binary_bytes_per_sec} {elapsed}"
                 } else {
                     "{prefix:>7} [{bar:40}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}"
                 };
