@@ -2675,27 +2675,8 @@ fn populated_pvcs_are_bound_at_once_and_their_devices_read_the_source_while_it_a
             "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: {name}\n  namespace: app\nspec:\n  agent: {source}\n  bwlimit: 2M\n"
         ));
         let created = Instant::now();
-        site.cluster.apply(&format!(
-            r#"apiVersion: v1
-kind: PersistentVolumeClaim
-metadata:
-  name: {name}
-  namespace: app
-  annotations:
-    volume.kubernetes.io/selected-node: pop-node2
-spec:
-  accessModes: [ReadWriteOnce]
-  volumeMode: Block
-  storageClassName: mover-populated
-  resources:
-    requests:
-      storage: "{len}"
-  dataSourceRef:
-    apiGroup: replication.mover
-    kind: HydrationSource
-    name: {name}
-"#
-        ));
+        site.cluster
+            .apply(&populated_pvc(name, "pop-node2", "Block", &len.to_string()));
         site.wait("the populated PVC bound", |s| {
             s.get("pvc", "app", name)["status"]["phase"] == "Bound"
         });
@@ -2746,27 +2727,8 @@ spec:
         site.agents[0].ip, site.port
     ));
     let created = Instant::now();
-    site.cluster.apply(
-        r#"apiVersion: v1
-kind: PersistentVolumeClaim
-metadata:
-  name: files
-  namespace: app
-  annotations:
-    volume.kubernetes.io/selected-node: pop-node2
-spec:
-  accessModes: [ReadWriteOnce]
-  volumeMode: Filesystem
-  storageClassName: mover-populated
-  resources:
-    requests:
-      storage: 256Mi
-  dataSourceRef:
-    apiGroup: replication.mover
-    kind: HydrationSource
-    name: files
-"#,
-    );
+    site.cluster
+        .apply(&populated_pvc("files", "pop-node2", "Filesystem", "256Mi"));
     site.wait("the Filesystem PVC bound", |s| {
         s.get("pvc", "app", "files")["status"]["phase"] == "Bound"
     });
@@ -2843,25 +2805,8 @@ spec:
   secretRef: {{name: pop-repository, namespace: mover-system}}
   bwlimit: 2M
 ---
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata:
-  name: from-snapshot
-  namespace: app
-  annotations:
-    volume.kubernetes.io/selected-node: pop-node2
-spec:
-  accessModes: [ReadWriteOnce]
-  volumeMode: Block
-  storageClassName: mover-populated
-  resources:
-    requests:
-      storage: 64Mi
-  dataSourceRef:
-    apiGroup: replication.mover
-    kind: HydrationSource
-    name: from-snapshot
-"#,
+{}"#,
+        populated_pvc("from-snapshot", "pop-node2", "Block", "64Mi"),
         endpoint = s3.endpoint
     ));
     let created = Instant::now();
@@ -2882,6 +2827,33 @@ spec:
     let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
     common::csi::ok(unpublished, "NodeUnpublishVolume");
     common::csi::ok(unstaged, "NodeUnstageVolume");
+}
+
+/// A PVC `app/NAME` of `size` and volume mode `mode` in mover's populated StorageClass,
+/// filled from the HydrationSource of the same name, on `node` (the scheduler's choice,
+/// which it records on the PVC).
+fn populated_pvc(name: &str, node: &str, mode: &str, size: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: {name}
+  namespace: app
+  annotations:
+    volume.kubernetes.io/selected-node: {node}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: {mode}
+  storageClassName: mover-populated
+  resources:
+    requests:
+      storage: "{size}"
+  dataSourceRef:
+    apiGroup: replication.mover
+    kind: HydrationSource
+    name: {name}
+"#
+    )
 }
 
 /// The emulated kubelet of the node whose agent lives in `node_dir` (its CSI plugin's
@@ -3470,25 +3442,8 @@ metadata:
 spec:
   agent: {source}
 {secret}---
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata:
-  name: {name}
-  namespace: app
-  annotations:
-    volume.kubernetes.io/selected-node: xb-node2
-spec:
-  accessModes: [ReadWriteOnce]
-  volumeMode: Block
-  storageClassName: mover-populated
-  resources:
-    requests:
-      storage: 64Mi
-  dataSourceRef:
-    apiGroup: replication.mover
-    kind: HydrationSource
-    name: {name}
-"#
+{}"#,
+            populated_pvc(name, "xb-node2", "Block", "64Mi")
         ));
     };
     populate("plain", "");

@@ -236,6 +236,16 @@ impl Control {
         }
     }
 
+    /// The export `name` as this node maps it now; `None` for a block PV's kubelet
+    /// directory with no device entry left: no pod maps the volume here, so nothing
+    /// holds it or writes to it.
+    fn mapped_export(&self, name: &str) -> Result<Option<crate::node::Export>, ServiceError> {
+        if let Err(crate::agent::ExportError::NoDevice { .. }) = self.service.exports.get(name) {
+            return Ok(None);
+        }
+        self.service.export(name).map(Some)
+    }
+
     fn reply(&self, name: &str) -> Result<control::Status, ServiceError> {
         Ok(self.status(&self.record(name)?))
     }
@@ -770,10 +780,9 @@ impl Replication for Control {
                 // No device under the kubelet's directory: no pod uses the volume on
                 // this node (a workload scaled down before a demote), so nothing
                 // writes to it and there is nothing to freeze.
-                None => match self.service.exports.get(&r.spec.volume) {
-                    Err(crate::agent::ExportError::NoDevice { .. }) => Vec::new(),
-                    _ => {
-                        let export = self.service.export(&r.spec.volume)?;
+                None => match self.mapped_export(&r.spec.volume)? {
+                    None => Vec::new(),
+                    Some(export) => {
                         crate::node::freeze::mounts_of(&export.path).map_err(internal)?
                     }
                 },
@@ -831,12 +840,9 @@ impl Replication for Control {
         super::control_only(&req, "holders")?;
         answer(async {
             let name = req.into_inner().name;
-            // A block PV's kubelet directory with no device entry left: no pod maps it.
-            if let Err(crate::agent::ExportError::NoDevice { .. }) = self.service.exports.get(&name)
-            {
+            let Some(export) = self.mapped_export(&name)? else {
                 return Ok(control::HoldersResponse::default());
-            }
-            let export = self.service.export(&name)?;
+            };
             let path = export.path.clone();
             let holders = super::service::blocking(|| {
                 crate::node::holders::holders(&path, std::process::id())

@@ -299,6 +299,15 @@ impl Pair {
             })
     }
 
+    /// What the VR's own status says (its message).
+    fn said(&self) -> &str {
+        self.vr
+            .status
+            .as_ref()
+            .and_then(|s| s.message.as_deref())
+            .unwrap_or_default()
+    }
+
     fn wants(&self) -> &'static str {
         self.vr.spec.replication_state.as_str()
     }
@@ -333,6 +342,32 @@ impl Step<'_> {
                 vr,
             })
         }))
+    }
+
+    /// The VolumeReplication of `vol`'s PVC and its PV (set `Retain`), with the step's
+    /// start recorded; `None` once `vol` failed for want of either (`which`: the
+    /// VolumeReplication the side needs).
+    async fn paired(
+        &self,
+        vol: &mut MovedVolume,
+        which: &str,
+    ) -> Result<Option<(Pair, String)>, MoveError> {
+        let Some(pair) = self.pair(&vol.pvc).await? else {
+            let why = format!(
+                "no VolumeReplication names this PVC: a move hands over through one ({which})"
+            );
+            fail(vol, &why)?;
+            return Ok(None);
+        };
+        let pv = match self.retain(vol).await? {
+            Ok(pv) => pv,
+            Err(why) => {
+                fail(vol, &why)?;
+                return Ok(None);
+            }
+        };
+        vol.start_time.get_or_insert_with(|| self.now.clone());
+        Ok(Some((pair, pv)))
     }
 
     /// Sets the VR's replicationState (the one field a move writes of it).
@@ -420,26 +455,14 @@ impl Step<'_> {
 
     /// The source: detach, wait for the agent's acknowledgement, demote.
     async fn source(&self, vol: &mut MovedVolume) -> Result<(), MoveError> {
-        let Some(pair) = self.pair(&vol.pvc).await? else {
-            return fail(
-                vol,
-                "no VolumeReplication names this PVC: a move hands over through one (create it \
-                 in both clusters, replicating, then move)",
-            );
+        let which = "create it in both clusters, replicating, then move";
+        let Some((pair, pv)) = self.paired(vol, which).await? else {
+            return Ok(());
         };
-        let pv = match self.retain(vol).await? {
-            Ok(pv) => pv,
-            Err(why) => return fail(vol, &why),
-        };
-        vol.start_time.get_or_insert_with(|| self.now.clone());
         if pair.wants() == "secondary" {
             vol.phase = MovePhase::Demoting;
             if !pair.completed(reasons::DEMOTED) {
-                let said = pair.vr.status.as_ref().and_then(|s| s.message.clone());
-                vol.message = Some(format!(
-                    "the final cycle is shipping ({})",
-                    said.unwrap_or_default()
-                ));
+                vol.message = Some(format!("the final cycle is shipping ({})", pair.said()));
                 return Ok(());
             }
             self.set_policy(&pv, vol, Some(())).await?;
@@ -772,23 +795,13 @@ impl Step<'_> {
 
     /// The destination: wait for the final cycle (or the timeout), promote.
     async fn destination(&self, vol: &mut MovedVolume) -> Result<(), MoveError> {
-        let Some(pair) = self.pair(&vol.pvc).await? else {
-            return fail(
-                vol,
-                "no VolumeReplication names this PVC: a move hands over through one (the \
-                 secondary of the source's)",
-            );
+        let Some((pair, pv)) = self.paired(vol, "the secondary of the source's").await? else {
+            return Ok(());
         };
-        let pv = match self.retain(vol).await? {
-            Ok(pv) => pv,
-            Err(why) => return fail(vol, &why),
-        };
-        vol.start_time.get_or_insert_with(|| self.now.clone());
         if pair.wants() == "primary" {
             vol.phase = MovePhase::Promoting;
             if !pair.completed(reasons::PROMOTED) {
-                let said = pair.vr.status.as_ref().and_then(|s| s.message.clone());
-                vol.message = Some(format!("promoting ({})", said.unwrap_or_default()));
+                vol.message = Some(format!("promoting ({})", pair.said()));
                 return Ok(());
             }
             vol.epoch = pair

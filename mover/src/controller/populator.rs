@@ -211,12 +211,7 @@ async fn source_secret(
             r.namespace, r.name
         ));
     }
-    Ok(secret
-        .data
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(k, v)| (k, v.0))
-        .collect())
+    Ok(super::reconcile::data_of(secret))
 }
 
 /// The token and CA (PEM, or empty) in the secret `r` names.

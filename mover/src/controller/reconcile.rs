@@ -804,8 +804,13 @@ pub(super) async fn secret_data(
             .as_deref()
             .unwrap_or_default()
     );
+    Ok((data_of(secret), version))
+}
+
+/// A secret's data, each value as bytes.
+pub(super) fn data_of(secret: Secret) -> std::collections::BTreeMap<String, Vec<u8>> {
     let data = secret.data.unwrap_or_default();
-    Ok((data.into_iter().map(|(k, v)| (k, v.0)).collect(), version))
+    data.into_iter().map(|(k, v)| (k, v.0)).collect()
 }
 
 /// Writes the whole status by server-side apply.

@@ -69,9 +69,7 @@ impl Devices {
         // straight to its file, and its I/O never leaves the kernel.
         let (a, through): (Box<dyn Attached>, &str) = match volume.local_file() {
             Some(file) => (
-                Box::new(DirectDevice {
-                    device: loop_device::attach(&file, volume.read_only())?,
-                }),
+                Box::new(LoopBinding::attach(&file, volume.read_only())?),
                 "its local file",
             ),
             None => (self.frontend.attach(name, volume)?, "the agent"),
@@ -170,32 +168,35 @@ impl Frontend for FuseLoop {
                 format!("cannot mount FUSE at {}: {e}", mount.display()),
             )
         })?;
-        let file = mount.join(fuse_file::FILE_NAME);
-        let device = match loop_device::attach(&file, read_only) {
-            Ok(d) => d,
-            Err(e) => {
-                drop(session);
-                let _ = std::fs::remove_dir(&mount);
-                return Err(e);
-            }
-        };
-        Ok(Box::new(FuseDevice {
-            device,
-            file,
-            mount,
+        let mount = FuseMount {
+            file: mount.join(fuse_file::FILE_NAME),
+            dir: mount,
             session: Some(session),
+        };
+        // On an error the mount goes (its drop unmounts it and removes its directory).
+        let binding = LoopBinding::attach(&mount.file, read_only)?;
+        Ok(Box::new(FuseDevice {
+            binding,
+            _mount: mount,
         }))
     }
 }
 
-struct FuseDevice {
+/// A loop device bound to a file, detached when dropped: a volume's own file, or the
+/// one file of a FUSE mount.
+struct LoopBinding {
     device: PathBuf,
-    file: PathBuf,
-    mount: PathBuf,
-    session: Option<fuser::BackgroundSession>,
 }
 
-impl Attached for FuseDevice {
+impl LoopBinding {
+    fn attach(file: &Path, read_only: bool) -> io::Result<LoopBinding> {
+        Ok(LoopBinding {
+            device: loop_device::attach(file, read_only)?,
+        })
+    }
+}
+
+impl Attached for LoopBinding {
     fn device(&self) -> &Path {
         &self.device
     }
@@ -207,11 +208,41 @@ impl Attached for FuseDevice {
     }
 }
 
-impl Drop for FuseDevice {
+impl Drop for LoopBinding {
     fn drop(&mut self) {
         if let Err(e) = loop_device::detach(&self.device) {
             tracing::warn!(device = %self.device.display(), "cannot detach: {e}");
         }
+    }
+}
+
+/// A loop device over the one file of a FUSE mount. Fields drop in order: the loop
+/// device is detached before the mount goes.
+struct FuseDevice {
+    binding: LoopBinding,
+    /// Held for its drop.
+    _mount: FuseMount,
+}
+
+impl Attached for FuseDevice {
+    fn device(&self) -> &Path {
+        self.binding.device()
+    }
+
+    fn in_use(&self) -> bool {
+        self.binding.in_use()
+    }
+}
+
+/// A FUSE mount serving one volume file; unmounted and its directory removed on drop.
+struct FuseMount {
+    file: PathBuf,
+    dir: PathBuf,
+    session: Option<fuser::BackgroundSession>,
+}
+
+impl Drop for FuseMount {
+    fn drop(&mut self) {
         // The loop driver lets go of the file a moment after losetup -d returns.
         for _ in 0..100 {
             if loop_device::bound_to(&self.file).map_or(true, |d| d.is_empty()) {
@@ -220,30 +251,7 @@ impl Drop for FuseDevice {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         drop(self.session.take());
-        let _ = std::fs::remove_dir(&self.mount);
-    }
-}
-
-/// A loop device straight over a volume's local file.
-struct DirectDevice {
-    device: PathBuf,
-}
-
-impl Attached for DirectDevice {
-    fn device(&self) -> &Path {
-        &self.device
-    }
-
-    fn in_use(&self) -> bool {
-        is_open(&self.device)
-    }
-}
-
-impl Drop for DirectDevice {
-    fn drop(&mut self) {
-        if let Err(e) = loop_device::detach(&self.device) {
-            tracing::warn!(device = %self.device.display(), "cannot detach: {e}");
-        }
+        let _ = std::fs::remove_dir(&self.dir);
     }
 }
 
