@@ -64,14 +64,31 @@ fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> MoveError {
 
 /// Moves one VolumeMove a step further; idempotent, each step re-derived from what the
 /// cluster and the agents say.
-pub async fn reconcile(mv: Arc<VolumeMove>, ctx: Arc<Context>) -> Result<Action, MoveError> {
+pub async fn reconcile(cached: Arc<VolumeMove>, ctx: Arc<Context>) -> Result<Action, MoveError> {
+    let ns = cached.namespace().unwrap_or_default();
+    let name = cached.name_any();
+    if cached
+        .status
+        .as_ref()
+        .is_some_and(|s| matches!(s.phase, Some(MovePhase::Completed | MovePhase::Failed)))
+    {
+        return Ok(Action::await_change());
+    }
+    // Read afresh: the watch cache may not hold this move's last status write yet (a
+    // step that advanced is looked at again at once), and what only the status records
+    // (fenced, the user's reclaim policy) must not be written over with an older one.
+    let Some(mv) = Api::<VolumeMove>::namespaced(ctx.client.clone(), &ns)
+        .get_opt(&name)
+        .await
+        .map_err(kube_err(format!("reading VolumeMove {ns}/{name}")))?
+    else {
+        return Ok(Action::await_change());
+    };
     let mut st = mv.status.clone().unwrap_or_default();
     if matches!(st.phase, Some(MovePhase::Completed | MovePhase::Failed)) {
         return Ok(Action::await_change());
     }
     let before = st.clone();
-    let ns = mv.namespace().unwrap_or_default();
-    let name = mv.name_any();
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     st.start_time.get_or_insert_with(|| now.clone());
     if st.volumes.is_empty() {
