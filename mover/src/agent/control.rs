@@ -534,6 +534,8 @@ impl Replication for Control {
             let ids = self.snapshot_ids_file(&name);
             let _ = std::fs::remove_file(ids.with_extension("cvs"));
             let _ = std::fs::remove_file(ids);
+            self.service
+                .end_holds(&r.spec.volume, "its replication relationship was deleted");
             self.service.close_sessions_on(&r.spec.volume).await?;
             self.service.store.remove(&name).map_err(internal)?;
             let dir = journal::cycles_dir(self.service.state_dir(), &name);
@@ -579,7 +581,10 @@ impl Replication for Control {
             if r.role == Role::Primary && r.halt.is_none() {
                 return self.reply(&p.name); // already primary: promote is idempotent
             }
-            // No writer may be half way through a cycle while the roles change.
+            // No writer may be half way through a cycle while the roles change; a
+            // promoted replica is written by its workload, not cycle by cycle.
+            self.service
+                .end_holds(&r.spec.volume, "the replica was promoted to primary");
             self.service.close_sessions_on(&r.spec.volume).await?;
             let dir = journal::cycles_dir(self.service.state_dir(), &p.name);
             journal::discard(&dir);

@@ -161,6 +161,13 @@ impl hydration_server::Hydration for HydrationControl {
                         token,
                         ca: opt(r.peer_ca.clone()),
                     }),
+                    replica: opt(r.replica_of.clone()).map(|relationship| {
+                        crate::hydrate::ReplicaHold {
+                            relationship,
+                            hold: r.export.clone(),
+                            cycle: 0,
+                        }
+                    }),
                 },
                 Some(proto::start_request::Source::Snapshot(s)) => SourceSpec::Snapshot {
                     repo: s.repo,

@@ -100,6 +100,8 @@ pub async fn serve(
         path: config.state_dir.clone(),
         cause,
     };
+    // Holds ended with the process that took them.
+    crate::replicate::holds::clear_leftovers(&service::holds_dir(&config.state_dir));
     // Cycles committed before a crash are applied before anything else is served.
     for (dir, r) in journal::recover(&config.state_dir) {
         match r {

@@ -14,14 +14,17 @@ use super::{
 use crate::copy::{
     CopyOptions, Origin, finish_destination, index, prepare_destination, read_back_root,
 };
-use crate::replicate::journal::{self, Journal};
+use crate::replicate::{
+    Role, holds,
+    journal::{self, Journal},
+};
 use chunker::{
     BlockVolume, ChunkId, ChunkKind, ChunkSize, PAGE_HASH_LEN, PAGE_SIZE, VolumeKind, page_hashes,
 };
 use std::{
     collections::HashMap,
     os::unix::fs::FileExt,
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
@@ -163,6 +166,55 @@ impl AgentService {
             .map_err(|e| self.refuse(ServiceError::PermissionDenied(e)))
     }
 
+    /// Ends the holds on export `name`, whose volume is about to change other than by
+    /// a cycle: their readers are refused from now on, with `why`.
+    pub(super) fn end_holds(&self, name: &str, why: &str) {
+        if let Ok(e) = self.export(name) {
+            holds::end_all(&e.path, why);
+        }
+    }
+
+    /// The hold a READ session of the replica `r.volume` asks for (`r.hold`): the
+    /// caller's own, at the cycle the replica is at, or the one it read before.
+    fn hold(
+        &self,
+        r: &proto::OpenRequest,
+        path: &Path,
+        caller: Option<&transport::auth::Caller>,
+    ) -> Result<Arc<holds::Hold>, ServiceError> {
+        let rec = self
+            .store
+            .get(&r.relationship)
+            .filter(|x| x.spec.volume == r.volume)
+            .ok_or_else(|| {
+                self.refuse(ServiceError::FailedPrecondition(format!(
+                    "export {:?} holds no replica of relationship {:?} here: only a \
+                     replica's cycle can be held",
+                    r.volume, r.relationship
+                )))
+            })?;
+        if rec.role != Role::Secondary {
+            return Err(self.refuse(ServiceError::FailedPrecondition(format!(
+                "export {:?} is the primary of relationship {:?} here: it changes with every \
+                 write, not cycle by cycle; read a replica (a secondary), or a snapshot",
+                r.volume, r.relationship
+            ))));
+        }
+        // Each caller's names are its own: one reader never releases another's hold.
+        let key = format!("{}/{}", caller.map_or("local", |c| c.who.as_str()), r.hold);
+        let dir = journal::cycles_dir(&self.state_dir, &r.relationship);
+        let expected = (r.held_cycle != 0).then_some(r.held_cycle);
+        blocking(|| holds::take(&key, path, &dir, &holds_dir(&self.state_dir), expected)).map_err(
+            |e| match e {
+                holds::HoldError::Io(e) => internal(e),
+                e => self.refuse(ServiceError::FailedPrecondition(format!(
+                    "export {:?}: {e}",
+                    r.volume
+                ))),
+            },
+        )
+    }
+
     /// Refuses a read-only export as a destination.
     pub(super) fn check_writable(&self, name: &str, export: &Export) -> Result<(), ServiceError> {
         if export.read_only {
@@ -190,6 +242,21 @@ impl AgentService {
             }
             Err(e @ StaleEpochOrIo::Io(_)) => Err(ServiceError::Internal(e.to_string())),
         }
+    }
+}
+
+/// Where the undo files of held replica cycles are kept (emptied at start: holds end
+/// with the process).
+pub(super) fn holds_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("holds")
+}
+
+/// A read through a hold that failed: an ended hold is the reader's to handle (start
+/// its fill again); an I/O error is the agent's.
+fn held_err(e: holds::HoldError) -> ServiceError {
+    match e {
+        holds::HoldError::Io(e) => internal(e),
+        e => ServiceError::FailedPrecondition(e.to_string()),
     }
 }
 
@@ -225,6 +292,11 @@ impl Transfer for AgentService {
             let access = Access::try_from(r.access).unwrap_or(Access::Unspecified);
             let key = transport::relationship_key(&r.relationship);
             let mut known_before = false;
+            if !r.hold.is_empty() && access != Access::Read {
+                return Err(self.refuse(ServiceError::InvalidArgument(
+                    "a hold is taken by a READ session".into(),
+                )));
+            }
             let (file, size, dest) = match access {
                 Access::Read => {
                     let v = blocking(|| BlockVolume::open(&export.path)).map_err(internal)?;
@@ -290,6 +362,9 @@ impl Transfer for AgentService {
                     // A volume that held a cycle (or a former primary's data) changes
                     // atomically; a first sync or a new image is complete only at the end.
                     let staged = known_before && d.partial.is_none() && !d.fresh;
+                    if !staged {
+                        holds::end_all(&export.path, "the replica is being rewritten in place (a first sync or a resync)");
+                    }
                     let j = if staged {
                         Some(blocking(|| Journal::create(&dir)).map_err(internal)?)
                     } else {
@@ -311,6 +386,13 @@ impl Transfer for AgentService {
                 .as_ref()
                 .filter(|_| indexed)
                 .and_then(|_| self.applied_cycle(&r.relationship));
+            if dest.is_some() && cycle.is_none() {
+                holds::end_all(&export.path, "the volume is being written by a copy");
+            }
+            let hold = match r.hold.is_empty() {
+                true => None,
+                false => Some(self.hold(&r, &export.path, caller.as_ref())?),
+            };
             let pages = dest
                 .as_ref()
                 .filter(|d| d.volume.kind() == VolumeKind::ImageFile && cycle.is_none())
@@ -333,6 +415,11 @@ impl Transfer for AgentService {
                     .into(),
                 group: chunker::GROUP_CHUNKS as u32,
                 applied,
+                held: hold.as_ref().map(|h| proto::AppliedCycle {
+                    id: h.cycle,
+                    point_in_time_ms: h.point_in_time_ms,
+                    ..Default::default()
+                }),
             };
             let session = Session {
                 export: r.volume.clone(),
@@ -349,6 +436,7 @@ impl Transfer for AgentService {
                 superseded: Arc::default(),
                 pages,
                 cycle,
+                hold,
             };
             self.sessions
                 .lock()
@@ -567,8 +655,12 @@ impl Transfer for AgentService {
                 let mut theirs = &r.page_hashes[..];
                 for c in r.chunks {
                     let (off, len) = chunk_range(&s, c).expect("checked above");
-                    if let Err(e) = s.file.read_exact_at(&mut buf[..len], off) {
-                        let _ = tx.blocking_send(Err(internal(e).into()));
+                    let read = match &s.hold {
+                        Some(h) => h.read_at(&s.file, &mut buf[..len], off).map_err(held_err),
+                        None => s.file.read_exact_at(&mut buf[..len], off).map_err(internal),
+                    };
+                    if let Err(e) = read {
+                        let _ = tx.blocking_send(Err(e.into()));
                         return;
                     }
                     let n_pages = len.div_ceil(PAGE_SIZE);
@@ -606,6 +698,9 @@ impl Transfer for AgentService {
             let count = r.count.min(chunks - r.first);
             let path = s.path.clone();
             let (cs, size) = (s.chunk.get(), s.size);
+            // Where later cycles overwrote a held point, it may hold data the volume no
+            // longer has.
+            let overwritten = s.hold.as_ref().map(|h| h.overwritten()).unwrap_or_default();
             let data = blocking(move || {
                 let v = BlockVolume::open(&path)?.limited_to_at_most(size);
                 let mut bits = vec![0u8; count.div_ceil(8) as usize];
@@ -620,6 +715,12 @@ impl Transfer for AgentService {
                         bits[i / 8] |= 1 << (i % 8);
                     }
                     at = h;
+                }
+                for (d, h) in overwritten.into_iter().filter(|&(d, h)| d < end && h > start) {
+                    for c in (d.max(start) / cs)..h.min(end).div_ceil(cs) {
+                        let i = (c - r.first) as usize;
+                        bits[i / 8] |= 1 << (i % 8);
+                    }
                 }
                 Ok::<_, chunker::ChunkerError>(bits)
             })
@@ -694,6 +795,10 @@ impl Transfer for AgentService {
                         ids.map(|b| kinds(b).map(|k| k == ChunkKind::Zero).collect());
                     self.save_pages(&s, p.clone(), file, zero);
                 }
+            }
+            if let Some(h) = s.hold.as_ref().filter(|_| r.release_hold) {
+                holds::release(&s.path, &h.key);
+                tracing::info!(export = %s.export, hold = %h.key, cycle = h.cycle, kept = h.kept_bytes(), "hold released by its reader");
             }
             if self
                 .sessions

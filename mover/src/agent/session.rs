@@ -50,6 +50,8 @@ pub(super) struct Session {
     pub(super) pages: Option<Arc<PageIndex>>,
     /// WRITE sessions that are a replication cycle.
     pub(super) cycle: Option<CycleSession>,
+    /// READ sessions of a replica at a held cycle: reads go through it.
+    pub(super) hold: Option<Arc<crate::replicate::holds::Hold>>,
 }
 
 impl AgentService {
@@ -68,7 +70,9 @@ impl AgentService {
             let mut sessions = self.sessions.lock().expect("sessions lock");
             let ids: Vec<String> = sessions
                 .iter()
-                .filter(|(_, s)| s.export == export)
+                // A reader of a held cycle reads through its hold, which later writes
+                // do not change (what ends a hold ends its readers).
+                .filter(|(_, s)| s.export == export && s.hold.is_none())
                 .map(|(id, _)| id.clone())
                 .collect();
             ids.iter().filter_map(|id| sessions.remove(id)).collect()

@@ -273,7 +273,7 @@ pub fn api_resource(group: &str, kind: &str) -> kube::core::ApiResource {
         json_path = ".metadata.creationTimestamp"
     )
 )]
-#[x_kube(validation = Rule::new("has(self.agent) != has(self.snapshot)").message("name either agent or snapshot"))]
+#[x_kube(validation = Rule::new("[has(self.agent), has(self.snapshot), has(self.volumeReplication)].filter(x, x).size() == 1").message("name one of agent, snapshot and volumeReplication"))]
 #[x_kube(validation = Rule::new("!has(self.snapshot) || has(self.secretRef)").message("a snapshot needs secretRef: a secret with its repository's password"))]
 #[serde(rename_all = "camelCase")]
 pub struct HydrationSourceSpec {
@@ -287,6 +287,13 @@ pub struct HydrationSourceSpec {
     /// reads (each region a chunk of the snapshot, checked before it is written).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<RepositorySnapshot>,
+    /// A VolumeReplication of this namespace whose volume here is the replica (state
+    /// secondary): the PVC gets the replica as of the cycle last applied when the fill
+    /// starts. The replica's agent holds that cycle for the fill while later cycles are
+    /// applied; replication goes on, and the hold ends when the fill completes (or the
+    /// replica is promoted, which fails the fill).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume_replication: Option<String>,
     /// Bytes per second the background fill may fetch, with binary units (100M is
     /// 100 MiB/s); the pod's own reads are never held back [default: no limit].
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -557,6 +557,7 @@ impl Step<'_> {
             HydrationSourceSpec {
                 agent: Some(format!("agent://{node}@{agent}/{pv}")),
                 snapshot: None,
+                volume_replication: None,
                 bwlimit: None,
                 secret_ref: None,
             },

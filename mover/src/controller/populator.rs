@@ -14,7 +14,9 @@
 //! delete it, and a populated volume is data someone may still want.
 
 use super::agents::AgentError;
-use super::crd::{HydrationSource, MOVER_GROUP, RepositorySnapshot, SecretRef};
+use super::crd::{
+    HydrationSource, MOVER_GROUP, ReplicationState, RepositorySnapshot, SecretRef, VolumeReplication,
+};
 use super::reconcile::Context;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::{Api, ResourceExt, api::PostParams, runtime::controller::Action};
@@ -127,6 +129,12 @@ pub async fn reconcile(
                 ..Default::default()
             };
             match (&hs.spec.agent, &hs.spec.snapshot, &hs.spec.secret_ref) {
+                _ if hs.spec.volume_replication.is_some() => {
+                    let vr = hs.spec.volume_replication.as_deref().unwrap_or_default();
+                    let (url, relationship) = replica_of(&ctx, &ns, vr).await.map_err(invalid)?;
+                    req.source = Some(hydrate::start_request::Source::Agent(url));
+                    req.replica_of = relationship;
+                }
                 (Some(url), _, r) => {
                     req.source = Some(hydrate::start_request::Source::Agent(url.clone()));
                     if let Some(r) = r {
@@ -178,6 +186,30 @@ pub async fn reconcile(
         }
     }
     Ok(Action::await_change())
+}
+
+/// The agent URL of the replica that VolumeReplication `ns/name` keeps in this cluster,
+/// and its relationship: it must be the secondary side here.
+async fn replica_of(ctx: &Context, ns: &str, name: &str) -> Result<(String, String), String> {
+    let vr = Api::<VolumeReplication>::namespaced(ctx.client.clone(), ns)
+        .get_opt(name)
+        .await
+        .map_err(|e| format!("reading VolumeReplication {ns}/{name}: {e}"))?
+        .ok_or_else(|| format!("no VolumeReplication {name:?} in namespace {ns}"))?;
+    if vr.spec.replication_state != ReplicationState::Secondary {
+        return Err(format!(
+            "VolumeReplication {ns}/{name} is {:?} here: its volume is the one in use. A \
+             populated PVC reads a replica (a VolumeReplication whose state here is \
+             secondary); for a copy of this volume use its agent, or a snapshot",
+            vr.spec.replication_state
+        ));
+    }
+    let d = super::reconcile::resolve(&vr, ctx)
+        .map_err(|e| format!("VolumeReplication {ns}/{name}: {e}"))?;
+    Ok((
+        format!("agent://{}@{}/{}", d.node, d.agent, d.volume),
+        d.name,
+    ))
 }
 
 /// The annotation on a secret that lists the namespaces whose HydrationSources may

@@ -15,7 +15,7 @@ mod source;
 mod volume;
 
 pub use engine::{FillOptions, Hydration, Phase, Progress};
-pub use registry::{Hydrations, PeerAccess, RepoAccess, SourceSpec, StartRequest};
+pub use registry::{Hydrations, PeerAccess, ReplicaHold, RepoAccess, SourceSpec, StartRequest};
 pub use source::{AgentSource, RegionSource, SnapshotSource};
 pub use volume::{HydratingVolume, LocalVolume};
 

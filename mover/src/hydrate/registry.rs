@@ -35,6 +35,9 @@ pub enum SourceSpec {
         /// [default: this agent's own credentials].
         #[serde(default, skip_serializing_if = "Option::is_none")]
         peer: Option<PeerAccess>,
+        /// The export is a replica, read at one held cycle.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        replica: Option<ReplicaHold>,
     },
     /// A block snapshot in a repository (files named are on this agent's node).
     Snapshot {
@@ -56,6 +59,36 @@ pub enum SourceSpec {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         access: Option<RepoAccess>,
     },
+}
+
+/// A replica read as of one of its cycles, which its agent holds for this fill.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ReplicaHold {
+    /// The replication relationship whose secondary the export is.
+    pub relationship: String,
+    /// The hold's name on the source agent (the filled export's).
+    pub hold: String,
+    /// The cycle held, once the source has said (0: not yet).
+    #[serde(default)]
+    pub cycle: u64,
+}
+
+impl SourceSpec {
+    /// Whether `self` and `other` name the same source (a replica's held cycle aside:
+    /// a restart asks again without it).
+    pub fn same_source(&self, other: &SourceSpec) -> bool {
+        let unpinned = |s: &SourceSpec| {
+            let mut s = s.clone();
+            if let SourceSpec::Agent {
+                replica: Some(r), ..
+            } = &mut s
+            {
+                r.cycle = 0;
+            }
+            s
+        };
+        unpinned(self) == unpinned(other)
+    }
 }
 
 /// A repository's password (or raw key) and S3 keys, given to the agent inline (kept in
@@ -321,7 +354,7 @@ impl Hydrations {
         }
         // A record left by a cancel or a crash: resumed if the source is the same.
         if let Ok(mut old) = load_record(&self.record_path(&req.export)) {
-            if old.source != req.source {
+            if !old.source.same_source(&req.source) {
                 return Err(refused(format!(
                     "an unfinished hydration from another source ({:?}) holds it; start it again from that source, or remove {} to start over",
                     old.source,
@@ -344,12 +377,21 @@ impl Hydrations {
         };
         let source = self.connect(&req.source, region).await?;
         let (size, region) = (source.size(), source.region_size());
+        // A replica's held cycle is kept with the record: a fill resumed after a restart
+        // reads that cycle, or none.
+        let mut spec = req.source.clone();
+        if let SourceSpec::Agent {
+            replica: Some(r), ..
+        } = &mut spec
+        {
+            r.cycle = source.held_cycle().unwrap_or(0);
+        }
         let fresh = prepare_local(&export.path, size, req.overwrite).map_err(refused)?;
         let record = Record {
             version: RECORD_VERSION,
             export: req.export.clone(),
             path: export.path.clone(),
-            source: req.source.clone(),
+            source: spec,
             size,
             region_size: region,
             fresh,
@@ -403,7 +445,7 @@ impl Hydrations {
         region: u64,
     ) -> Result<Arc<dyn RegionSource>, HydrateError> {
         match spec {
-            SourceSpec::Agent { url, peer } => {
+            SourceSpec::Agent { url, peer, replica } => {
                 let u = parse_agent_url(url)?;
                 let remote = match peer {
                     Some(p) => self.remote.with_peer(&p.token, p.ca.as_deref()),
@@ -415,7 +457,9 @@ impl Hydrations {
                         why: e.to_string(),
                     });
                 }
-                Ok(Arc::new(AgentSource::connect(u, remote, region).await?))
+                Ok(Arc::new(
+                    AgentSource::connect(u, remote, region, replica.clone()).await?,
+                ))
             }
             SourceSpec::Snapshot {
                 repo,

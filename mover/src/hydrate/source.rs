@@ -11,7 +11,7 @@ use chunker::ChunkKind;
 use snapshots::{Bytes, CHUNKS_PER_LIST, Content as SnapContent, Index, Repository};
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, atomic::Ordering::Relaxed},
 };
 use tokio_stream::StreamExt;
 use transport::{
@@ -38,8 +38,12 @@ pub trait RegionSource: Send + Sync {
     async fn fetch(&self, first: u64, count: u64, urgent: bool)
     -> Result<Vec<Piece>, HydrateError>;
     /// The hydration is over (complete or cancelled): lets the source release what it
-    /// holds for it (an agent's session and its open file).
+    /// holds for it (an agent's session and its open file, a replica's held cycle).
     async fn close(&self) {}
+    /// A replica's cycle the source reads, held for this fill.
+    fn held_cycle(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// An export of a peer agent, read through a ranges-only READ session (no hashing of
@@ -52,15 +56,22 @@ pub struct AgentSource {
     session: tokio::sync::Mutex<Option<(crate::remote::Client, String)>>,
     /// A second connection for fetches a client waits for.
     urgent: tokio::sync::Mutex<Option<crate::remote::Client>>,
+    /// A replica, read at the cycle its agent holds for this fill (the cycle learnt
+    /// from the first session, or kept from before a restart).
+    replica: Option<super::ReplicaHold>,
+    held: std::sync::atomic::AtomicU64,
 }
 
 impl AgentSource {
-    /// Connects to `url` and opens a session with `region`-sized chunks.
+    /// Connects to `url` and opens a session with `region`-sized chunks; a `replica` is
+    /// read at the cycle its agent holds for this fill.
     pub async fn connect(
         url: AgentUrl,
         remote: RemoteOptions,
         region: u64,
+        replica: Option<super::ReplicaHold>,
     ) -> Result<Self, HydrateError> {
+        let held = replica.as_ref().map_or(0, |r| r.cycle);
         let s = AgentSource {
             url,
             remote,
@@ -68,6 +79,8 @@ impl AgentSource {
             size: 0,
             session: tokio::sync::Mutex::new(None),
             urgent: tokio::sync::Mutex::new(None),
+            replica,
+            held: held.into(),
         };
         let (client, id, size) = s.open().await?;
         *s.session.lock().await = Some((client, id));
@@ -80,18 +93,38 @@ impl AgentSource {
             .connect(&self.url)
             .await
             .map_err(|e| self.err(e))?;
+        let held = self.held.load(Relaxed);
         let open = client
             .open(proto::OpenRequest {
                 volume: self.url.volume.clone(),
-                relationship: format!("hydrate:{}", self.url.volume),
+                relationship: match &self.replica {
+                    Some(r) => r.relationship.clone(),
+                    None => format!("hydrate:{}", self.url.volume),
+                },
                 access: Access::Read as i32,
                 chunk_size: self.region,
                 ranges_only: true,
+                hold: self.replica.as_ref().map(|r| r.hold.clone()).unwrap_or_default(),
+                held_cycle: held,
                 ..Default::default()
             })
             .await
             .map_err(|s| self.err(status_error(&self.url, s)))?
             .into_inner();
+        if self.replica.is_some() {
+            let now = open.held.as_ref().map_or(0, |h| h.id);
+            if now == 0 || (held != 0 && now != held) {
+                return Err(HydrateError::Source {
+                    source_name: self.describe(),
+                    message: format!(
+                        "the replica's agent holds cycle {now} for this fill, which read cycle \
+                         {held}: it must be filled again from the beginning"
+                    ),
+                    retryable: false,
+                });
+            }
+            self.held.store(now, Relaxed);
+        }
         if self.size != 0 && open.size != self.size {
             return Err(HydrateError::Source {
                 source_name: self.describe(),
@@ -133,7 +166,7 @@ impl AgentSource {
         if s.as_ref().is_some_and(|(_, i)| i == id) {
             if let Some((c, id)) = s.take() {
                 // Best effort: the source agent may be what failed.
-                tokio::spawn(finish_session(c, id));
+                tokio::spawn(finish_session(c, id, false));
             }
             *self.urgent.lock().await = None;
         }
@@ -257,9 +290,22 @@ impl RegionSource for AgentSource {
 
     async fn close(&self) {
         *self.urgent.lock().await = None;
-        if let Some((c, id)) = self.session.lock().await.take() {
-            finish_session(c, id).await;
+        let session = self.session.lock().await.take();
+        match (session, &self.replica) {
+            (Some((c, id)), None) => finish_session(c, id, false).await,
+            (Some((c, id)), Some(_)) => finish_session(c, id, true).await,
+            // The held cycle is released through a session of its own.
+            (None, Some(_)) => {
+                if let Ok((c, id, _)) = self.open().await {
+                    finish_session(c, id, true).await;
+                }
+            }
+            (None, None) => {}
         }
+    }
+
+    fn held_cycle(&self) -> Option<u64> {
+        self.replica.as_ref().map(|_| self.held.load(Relaxed))
     }
 }
 
@@ -466,9 +512,11 @@ impl Lazy {
 }
 
 /// Ends a ranges-only session on the source agent (it holds the volume open).
-async fn finish_session(mut client: crate::remote::Client, session: String) {
+/// Ends a source session, and with `release` the replica's cycle it held.
+async fn finish_session(mut client: crate::remote::Client, session: String, release: bool) {
     let finish = client.finish(proto::FinishRequest {
         session,
+        release_hold: release,
         ..Default::default()
     });
     if let Ok(Err(e)) = tokio::time::timeout(std::time::Duration::from_secs(10), finish).await {
@@ -512,5 +560,9 @@ impl RegionSource for Lazy {
         if let Some(s) = self.cell.get() {
             s.close().await;
         }
+    }
+
+    fn held_cycle(&self) -> Option<u64> {
+        self.cell.get().and_then(|s| s.held_cycle())
     }
 }

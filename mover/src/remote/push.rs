@@ -415,6 +415,7 @@ async fn attempt(
                 Default::default()
             },
             cycle_root: cycle.map(|_| root.0.to_vec().into()).unwrap_or_default(),
+            release_hold: false,
         })
         .await
         .map_err(|s| status_error(url, s))?

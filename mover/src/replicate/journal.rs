@@ -256,6 +256,21 @@ pub(crate) fn apply(dir: &Path) -> io::Result<AppliedCycle> {
     finish(dir, commit, &volume)
 }
 
+/// Runs `f` with the last cycle applied from `dir` while no apply runs (one committed
+/// but not applied is applied first): the volume equals that cycle throughout `f`.
+pub(crate) fn at_applied_cycle<T>(
+    dir: &Path,
+    f: impl FnOnce(Option<&AppliedCycle>) -> T,
+) -> io::Result<T> {
+    let _settled = settle(dir)?;
+    if dir.join("commit.json").exists() {
+        let (commit, volume) = open_commit(dir)?;
+        write_journal(dir, &commit, &volume)?;
+        finish(dir, commit, &volume)?;
+    }
+    Ok(f(read_applied(dir).as_ref()))
+}
+
 /// Writes the committed journal in `dir` onto its volume and returns at once with the
 /// cycle it applies: the volume reads as that cycle from now on. Its fsync, the applied
 /// record and the journal's removal follow on a background thread; until they are done
@@ -343,6 +358,8 @@ fn write_journal(dir: &Path, commit: &Commit, volume: &File) -> io::Result<()> {
     let t0 = std::time::Instant::now();
     let mut buf = Vec::new();
     let mut records = 0u64;
+    // A reader holding the cycle the volume is at keeps what this one overwrites.
+    let held = super::holds::key_of(&commit.volume);
     loop {
         let mut h = [0u8; 24];
         match input.read_exact(&mut h) {
@@ -356,10 +373,14 @@ fn write_journal(dir: &Path, commit: &Commit, volume: &File) -> io::Result<()> {
             KIND_DATA => {
                 buf.resize(len as usize, 0);
                 input.read_exact(&mut buf)?;
+                super::holds::preserve(&held, volume, offset, len);
                 volume.write_all_at(&buf, offset)?;
             }
-            KIND_ZEROS => zero_range(volume, &commit.volume, offset, len)
-                .map_err(|e| io::Error::other(e.to_string()))?,
+            KIND_ZEROS => {
+                super::holds::preserve(&held, volume, offset, len);
+                zero_range(volume, &commit.volume, offset, len)
+                    .map_err(|e| io::Error::other(e.to_string()))?
+            }
             other => {
                 return Err(io::Error::other(format!(
                     "unknown record kind {other} in {}",

@@ -10,6 +10,7 @@
 
 pub mod base;
 pub mod cycle;
+pub mod holds;
 pub mod journal;
 pub mod local;
 pub mod runner;
