@@ -716,3 +716,100 @@ fn bad_relationship_specs_are_refused_with_what_to_fix() {
     let out = ok(replicate(&["delete", "r", "--agent", &control(&p.a)]));
     assert!(out.contains("deleted"), "{out}");
 }
+
+/// `mover hydrate status EXPORT --json` on `agent`.
+fn fill_status(agent: &Agent, export: &str) -> serde_json::Value {
+    let out = ok(hydrate(&[
+        "status",
+        export,
+        "--json",
+        "--agent",
+        &control(agent),
+    ]));
+    serde_json::from_str(&out).unwrap()
+}
+
+#[test]
+fn a_fill_from_a_replica_reads_the_cycle_held_for_it_while_later_cycles_are_applied() {
+    let p = pair(&[]);
+    p.create("r");
+    let at_first_cycle = blake3_of(&p.b_img, LEN);
+    let dc = p.root.join("c");
+    std::fs::create_dir_all(&dc).unwrap();
+    let (copy1, copy2) = (dc.join("copy1.img"), dc.join("copy2.img"));
+    let c = Agent::start(
+        &dc,
+        &[("copy1", &copy1, false), ("copy2", &copy2, false)],
+        None,
+    );
+    let fill = |export: &str, rate: &str| {
+        let from = p.b.url("vol");
+        ok(hydrate(&[
+            "start",
+            export,
+            "--from",
+            &from,
+            "--replica-of",
+            "r",
+            "--bwlimit",
+            rate,
+            "--region-size",
+            "64K",
+            "--concurrency",
+            "1",
+            "--agent",
+            &control(&c),
+        ]));
+    };
+    // Slow enough (9 MiB of data at 512 KiB/s, in batches of 512 KiB) to be filling when
+    // the next cycle lands.
+    fill("copy1", "512K");
+    let changed = scribble(&p.a_img, 9, 300);
+    let s = sync(&p.a, "r");
+    assert_eq!(
+        s["last_cycle"]["bytes_shipped"],
+        changed.len() as u64 * PAGE
+    );
+    assert!(p.same(), "the replica went on to the next cycle");
+    assert_ne!(blake3_of(&p.b_img, LEN), at_first_cycle);
+    let during = fill_status(&c, "copy1");
+    assert_eq!(during["phase"], "Hydrating", "still filling: {during}");
+    ok(hydrate(&["wait", "copy1", "--agent", &control(&c)]));
+    assert_eq!(
+        blake3_of(&copy1, LEN),
+        at_first_cycle,
+        "the fill holds the cycle it began at, and nothing of the next one"
+    );
+    // Released with the fill: its undo file is gone.
+    let holds = p.root.join("b/agent-state/holds");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_dir(&holds).map_or(0, |d| d.count()) > 0 {
+        assert!(Instant::now() < deadline, "the hold outlived its fill");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // A replica promoted under a fill: the fill is refused from then on, and says why;
+    // it never reads the promoted volume's writes.
+    fill("copy2", "64K");
+    std::thread::sleep(Duration::from_secs(1));
+    ok(replicate(&[
+        "promote",
+        "r",
+        "--force",
+        "--agent",
+        &control(&p.b),
+    ]));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = fill_status(&c, "copy2");
+        let err = s["last_error"].as_str().unwrap_or_default();
+        if err.contains("promoted") {
+            assert_eq!(s["phase"], "Degraded", "{s}");
+            assert!(err.contains("no longer held"), "{err}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the fill never failed: {s}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    ok(hydrate(&["cancel", "copy2", "--agent", &control(&c)]));
+}

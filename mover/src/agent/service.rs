@@ -716,7 +716,10 @@ impl Transfer for AgentService {
                     }
                     at = h;
                 }
-                for (d, h) in overwritten.into_iter().filter(|&(d, h)| d < end && h > start) {
+                for (d, h) in overwritten
+                    .into_iter()
+                    .filter(|&(d, h)| d < end && h > start)
+                {
                     for c in (d.max(start) / cs)..h.min(end).div_ceil(cs) {
                         let i = (c - r.first) as usize;
                         bits[i / 8] |= 1 << (i % 8);

@@ -20,6 +20,8 @@ restart or a cancel resumes where it stopped when started again with the same so
 
 Examples:
   mover hydrate start pg --agent agent://node-b:7070 --from agent://node-a:7070/pg
+  mover hydrate start pg-test --agent agent://node-b:7070 \\
+      --from agent://dr-node:7070/pg --replica-of prod/pg   # a replica, held at a cycle
   mover hydrate start pg --agent agent://node-b:7070 \\
       --from-snapshot s3://dr/pg 4f2a9c --password-file /etc/mover/repo-pass
   qemu-img info 'nbd+unix:///pg?socket=/var/lib/mover/nbd.sock'
@@ -35,6 +37,12 @@ Examples:
         /// agent's node sees it) and SNAPSHOT (id or unique prefix).
         #[arg(long, num_args = 2, value_names = ["REPO", "SNAPSHOT"], conflicts_with = "from")]
         from_snapshot: Option<Vec<String>>,
+        /// --from is the replica (secondary) of this replication relationship: it is read
+        /// as of the cycle it is at now, which its agent holds for this fill while later
+        /// cycles are applied (replication goes on). The hold ends when the fill
+        /// completes or is cancelled, or the replica is promoted (the fill then fails).
+        #[arg(long, value_name = "RELATIONSHIP", requires = "from")]
+        replica_of: Option<String>,
         /// Region size: the unit fetched and tracked (power of two, 64K to 8M; a
         /// snapshot's chunk size is used for snapshots).
         #[arg(long, value_name = "SIZE", default_value = "1M")]
@@ -115,6 +123,7 @@ async fn run_async(cmd: HydrateCommand) -> anyhow::Result<()> {
             export,
             from,
             from_snapshot,
+            replica_of,
             region_size,
             bwlimit,
             concurrency,
@@ -154,6 +163,7 @@ async fn run_async(cmd: HydrateCommand) -> anyhow::Result<()> {
                     bwlimit: bwlimit.unwrap_or(0),
                     concurrency,
                     overwrite,
+                    replica_of: replica_of.unwrap_or_default(),
                     ..Default::default()
                 })
                 .await

@@ -15,7 +15,8 @@
 
 use super::agents::AgentError;
 use super::crd::{
-    HydrationSource, MOVER_GROUP, ReplicationState, RepositorySnapshot, SecretRef, VolumeReplication,
+    HydrationSource, MOVER_GROUP, ReplicationState, RepositorySnapshot, SecretRef,
+    VolumeReplication,
 };
 use super::reconcile::Context;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};

@@ -104,7 +104,11 @@ impl AgentSource {
                 access: Access::Read as i32,
                 chunk_size: self.region,
                 ranges_only: true,
-                hold: self.replica.as_ref().map(|r| r.hold.clone()).unwrap_or_default(),
+                hold: self
+                    .replica
+                    .as_ref()
+                    .map(|r| r.hold.clone())
+                    .unwrap_or_default(),
                 held_cycle: held,
                 ..Default::default()
             })

@@ -193,6 +193,7 @@ pub(crate) fn preserve(volume: &Path, file: &File, offset: u64, len: u64) {
     };
     for h in holds {
         if let Err(e) = h.save(file, offset, len) {
+            tracing::error!(volume = %volume.display(), hold = %h.key, cycle = h.cycle, "hold ended: cannot keep what a newer cycle overwrites: {e}");
             end(
                 &h,
                 format!(
@@ -302,7 +303,10 @@ impl Hold {
                 let got = read_full(file, &mut buf, at)?;
                 buf[got..].fill(0); // past the end of the volume: zeros
                 let entry = if buf.iter().all(|&b| b == 0) {
-                    Saved { end: at + n, at: None }
+                    Saved {
+                        end: at + n,
+                        at: None,
+                    }
                 } else {
                     let pos = s.undo_len;
                     s.undo.write_all_at(&buf, pos)?;
@@ -334,7 +338,10 @@ impl Hold {
         let mut at = offset;
         for (start, e) in overlapping(&s.saved, offset, end) {
             if start > at {
-                file.read_exact_at(&mut buf[(at - offset) as usize..(start - offset) as usize], at)?;
+                file.read_exact_at(
+                    &mut buf[(at - offset) as usize..(start - offset) as usize],
+                    at,
+                )?;
                 at = start;
             }
             let upto = e.end.min(end);
@@ -464,9 +471,17 @@ mod tests {
         ));
 
         // Two newer cycles, as a journal writes them: kept first, then overwritten.
-        let file = fs::OpenOptions::new().read(true).write(true).open(&volume).unwrap();
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&volume)
+            .unwrap();
         let key = key_of(&volume);
-        for (off, n, byte) in [(4096u64, 8192u64, 0xAAu8), (6144, 32 << 10, 0xBB), (40 << 10, 8 << 10, 0xCC)] {
+        for (off, n, byte) in [
+            (4096u64, 8192u64, 0xAAu8),
+            (6144, 32 << 10, 0xBB),
+            (40 << 10, 8 << 10, 0xCC),
+        ] {
             preserve(&key, &file, off, n);
             file.write_all_at(&vec![byte; n as usize], off).unwrap();
         }
@@ -489,9 +504,16 @@ mod tests {
         // A second reader's hold is taken at the volume as it is now.
         assert!(release(&volume, "reader-1"));
         let err = h.read_at(&file, &mut part, 0).unwrap_err().to_string();
-        assert!(err.contains("no longer held") && err.contains("released"), "{err}");
+        assert!(
+            err.contains("no longer held") && err.contains("released"),
+            "{err}"
+        );
         assert!(!any_on(&volume));
-        assert_eq!(fs::read_dir(&undo).unwrap().count(), 0, "its undo file went");
+        assert_eq!(
+            fs::read_dir(&undo).unwrap().count(),
+            0,
+            "its undo file went"
+        );
 
         let h2 = take("reader-2", &volume, &cycles, &undo, None).unwrap();
         end_all(&volume, "the replica was promoted");

@@ -332,7 +332,11 @@ fn open_commit(dir: &Path) -> io::Result<(Commit, File)> {
             dir.display()
         )));
     }
-    let volume = OpenOptions::new().write(true).open(&commit.volume)?;
+    // Read too: a hold keeps what the journal overwrites (super::holds).
+    let volume = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&commit.volume)?;
     Ok((commit, volume))
 }
 
