@@ -932,7 +932,12 @@ fn completed(s: &Site, reason: &str) -> bool {
 /// secondary, replicating (`None` when the control plane is not built).
 fn replicating_pair(dir: &Path) -> Option<(Site, Site)> {
     let mut a = Site::start(dir, "a", 10)?;
-    let mut b = Site::start(dir, "b", 20)?;
+    // B's node 2 runs the CSI plugin: a PVC populated from B's replica lives there.
+    let csi = format!(
+        "csi_socket = \"{}\"",
+        dir.join("b/b-node2/csi.sock").display()
+    );
+    let mut b = Site::start_with(dir, "b", 20, ["", &csi])?;
     make_image(
         &a.image,
         VOLUME_LEN,
@@ -1027,6 +1032,7 @@ fn two_clusters_replicate_fail_over_and_back_through_volume_replications() {
     a.wait("lastSyncTime to advance", |s| {
         s.vr()["status"]["lastSyncTime"] != first_sync
     });
+    a_pvc_of_the_replica_holds_one_cycle_while_replication_goes_on(&a, &b);
 
     // Planned failover in RamenDR's order: A to secondary (a final cycle ships what was
     // written since), then B to primary.
@@ -1081,6 +1087,79 @@ fn two_clusters_replicate_fail_over_and_back_through_volume_replications() {
         s.assert_nothing_forbidden();
     }
     default_install_refusals(&a, &b);
+}
+
+/// Waits until B's replica equals A's volume as it is now; returns its BLAKE3.
+fn replica_in_sync(a: &Site, b: &Site, what: &str) -> String {
+    let want = blake3_of(&a.image, VOLUME_LEN);
+    b.wait(what, |b| blake3_of(&b.image, VOLUME_LEN) == want);
+    want
+}
+
+/// A PVC in B populated from its VolumeReplication (B's replica): it reads the cycle
+/// the replica was at when its fill began, while later cycles are applied to the
+/// replica; the hold ends with the fill.
+fn a_pvc_of_the_replica_holds_one_cycle_while_replication_goes_on(a: &Site, b: &Site) {
+    let held = replica_in_sync(a, b, "the replica at A's last cycle");
+    // 256 KiB/s: one 1 MiB region every 4 s, so the fill is far from done when the
+    // next cycle lands; the pod's reads fetch the rest at once.
+    b.cluster.apply(&format!(
+        r#"apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata:
+  name: mover-populated
+provisioner: csi.replication.mover
+volumeBindingMode: WaitForFirstConsumer
+---
+apiVersion: replication.mover/v1alpha1
+kind: HydrationSource
+metadata:
+  name: replica-copy
+  namespace: app
+spec:
+  volumeReplication: data
+  bwlimit: 256K
+---
+{}"#,
+        populated_pvc("replica-copy", "b-node2", "Block", "32Mi")
+    ));
+    b.wait("the PVC of the replica bound", |s| {
+        s.get("pvc", "app", "replica-copy")["status"]["phase"] == "Bound"
+    });
+    scribble_pages(&a.image, 6, 40, 0..VOLUME_LEN);
+    let next = replica_in_sync(a, b, "the next cycle applied to the replica");
+    assert_ne!(next, held);
+    let kubelet = kubelet_of(b, &b.agents[1].dir, "replica-copy", "pod-r", false);
+    kubelet.stage_and_publish();
+    assert_eq!(
+        blake3_of(&kubelet.target, VOLUME_LEN),
+        held,
+        "the PVC reads the cycle its fill began at, none of the next"
+    );
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    common::csi::ok(unpublished, "NodeUnpublishVolume");
+    common::csi::ok(unstaged, "NodeUnstageVolume");
+    // The pod read everything: the fill is complete and its hold released.
+    let holds = b.agents[0].dir.join("state/holds");
+    b.wait("the replica's hold released", |_| {
+        std::fs::read_dir(&holds).map_or(0, |d| d.count()) == 0
+    });
+    let log = std::fs::read_to_string(b.agents[0].dir.join("agent.log")).unwrap_or_default();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("hold released by its reader") && !l.contains("kept=0")),
+        "the hold kept what the next cycle overwrote, and was released:\n{log}"
+    );
+    // A VolumeReplication that is primary here is no replica.
+    a.cluster.apply(&format!(
+        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: mover-populated\nprovisioner: csi.replication.mover\nvolumeBindingMode: WaitForFirstConsumer\n---\napiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: primary-copy\n  namespace: app\nspec:\n  volumeReplication: data\n---\n{}",
+        populated_pvc("primary-copy", "a-node2", "Block", "32Mi")
+    ));
+    a.wait("the controller refusing a primary as a replica", |s| {
+        controller_log(&s.controllers[0])
+            .lines()
+            .any(|l| l.contains("app/primary-copy") && l.contains("its volume is the one in use"))
+    });
 }
 
 /// The last cycle a relationship's side applied or shipped (0: none), from `status`.

@@ -55,6 +55,21 @@ impl Default for FillOptions {
     }
 }
 
+/// Filler fetches in flight and regions per fetch, for `concurrency`, a bandwidth
+/// limit and `region`-sized regions. The limit is paid after each fetch, so under one
+/// the fetches in flight are what it lets through at once: they are kept to about a
+/// second's worth (at least one region).
+fn fill_shape(concurrency: usize, bwlimit: Option<u64>, region: u64) -> (usize, u64) {
+    let full = (concurrency.max(1), FILL_BATCH);
+    let Some(rate) = bwlimit else {
+        return full;
+    };
+    let regions_a_second = (rate / region).max(1);
+    let batch = regions_a_second.min(FILL_BATCH);
+    let in_flight = (regions_a_second / batch).clamp(1, full.0 as u64) as usize;
+    (in_flight, batch)
+}
+
 /// Where a hydration is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Phase {
@@ -589,7 +604,7 @@ impl Hydration {
             let (limit, batch_max) = if self.clients_busy() {
                 (1, 1)
             } else {
-                (self.opts.concurrency.max(1), FILL_BATCH)
+                fill_shape(self.opts.concurrency, self.opts.bwlimit, self.region)
             };
             if tasks.len() >= limit {
                 self.settle(tasks.join_next().await, &mut next, &mut delay, &mut stop)
@@ -750,6 +765,25 @@ mod tests {
     use super::*;
     use crate::hydrate::source::Piece;
     use snapshots::Bytes;
+
+    #[test]
+    fn under_a_bandwidth_limit_the_filler_lets_through_about_a_second_at_once() {
+        const MIB: u64 = 1 << 20;
+        assert_eq!(
+            fill_shape(4, None, MIB),
+            (4, FILL_BATCH),
+            "no limit: full speed"
+        );
+        assert_eq!(
+            fill_shape(4, Some(256 << 10), MIB),
+            (1, 1),
+            "one region, then wait"
+        );
+        assert_eq!(fill_shape(4, Some(4 * MIB), MIB), (1, 4));
+        assert_eq!(fill_shape(4, Some(20 * MIB), MIB), (2, FILL_BATCH));
+        assert_eq!(fill_shape(4, Some(1 << 40), MIB), (4, FILL_BATCH));
+        assert_eq!(fill_shape(1, Some(512 << 10), 64 << 10), (1, FILL_BATCH));
+    }
 
     /// An in-memory source that counts how often each region is fetched.
     struct Counting {
