@@ -2906,6 +2906,226 @@ spec:
     let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
     common::csi::ok(unpublished, "NodeUnpublishVolume");
     common::csi::ok(unstaged, "NodeUnstageVolume");
+    a_pvc_of_another_class_is_filled_before_it_is_bound(&site, t.path(), &s3.endpoint, &small);
+}
+
+/// A populated PVC of a StorageClass that is not mover's CSI driver: filled before it is
+/// bound, by a prime PVC and a restore Job, then its PV handed over (lib-volume-
+/// populator's pattern). Neither a provisioner nor a kubelet runs here: the test makes
+/// the prime PVC's PV (a file on node 2, the provisioner's step) and runs the Job's pod
+/// as a process with its env, secret files and device (the kubelet's), then reports it
+/// Succeeded as the kubelet would.
+fn a_pvc_of_another_class_is_filled_before_it_is_bound(
+    site: &Site,
+    dir: &Path,
+    endpoint: &str,
+    snapshot_of: &Path,
+) {
+    let pvc = populated_pvc("restored", "pop-node2", "Block", "64Mi").replace(
+        "storageClassName: mover-populated",
+        "storageClassName: restored-local",
+    );
+    site.cluster.apply(&format!(
+        r#"apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata:
+  name: restored-local
+provisioner: kubernetes.io/no-provisioner
+volumeBindingMode: WaitForFirstConsumer
+---
+apiVersion: replication.mover/v1alpha1
+kind: HydrationSource
+metadata:
+  name: restored
+  namespace: app
+spec:
+  snapshot:
+    repository: s3://snaps/pop
+    id: latest
+    s3Endpoint: {endpoint}
+  secretRef: {{name: pop-repository, namespace: mover-system}}
+---
+{pvc}"#
+    ));
+    let uid = site.get("pvc", "app", "restored")["metadata"]["uid"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let prime = format!("prime-{uid}");
+    site.wait("the prime PVC", |s| {
+        s.get("pvc", "mover-system", &prime).is_object()
+    });
+    let p = site.get("pvc", "mover-system", &prime);
+    assert_eq!(p["spec"]["storageClassName"], "restored-local");
+    assert_eq!(p["spec"]["volumeMode"], "Block");
+    assert_eq!(
+        p["metadata"]["annotations"]["volume.kubernetes.io/selected-node"],
+        "pop-node2"
+    );
+    // The provisioner's step: a volume on node 2 for the prime PVC.
+    let volume = dir.join("restored.img");
+    std::fs::File::create(&volume)
+        .unwrap()
+        .set_len(64 * MIB)
+        .unwrap();
+    site.cluster.apply(&format!(
+        r#"apiVersion: v1
+kind: PersistentVolume
+metadata:
+  name: restored-pv
+spec:
+  capacity: {{storage: 64Mi}}
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: restored-local
+  persistentVolumeReclaimPolicy: Delete
+  local: {{path: {}}}
+  claimRef: {{namespace: mover-system, name: {prime}, uid: {}}}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+        - matchExpressions: [{{key: kubernetes.io/hostname, operator: In, values: [pop-node2]}}]
+"#,
+        volume.display(),
+        p["metadata"]["uid"].as_str().unwrap()
+    ));
+    assert_ne!(
+        site.get("pvc", "app", "restored")["status"]["phase"],
+        "Bound",
+        "not bound before its data is there"
+    );
+    // The kubelet's step: the Job's pod run as a process.
+    let selector = format!("replication.mover/prime-for={uid}");
+    let pod = {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let pods: Value = serde_json::from_str(&site.cluster.kubectl_ok(&[
+                "get",
+                "pods",
+                "-n",
+                "mover-system",
+                "-l",
+                &selector,
+                "-o",
+                "json",
+            ]))
+            .unwrap();
+            if let Some(p) = pods["items"].as_array().and_then(|a| a.first()) {
+                break p.clone();
+            }
+            assert!(Instant::now() < deadline, "the restore Job made no pod");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let run = dir.join("restore-pod");
+    let out = run_restore_pod(site, &pod, &volume, &run);
+    assert!(
+        out.status.success(),
+        "the restore pod: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (log, summary) = (
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout),
+    );
+    assert!(
+        log.contains("restore: done") && summary.contains("restored"),
+        "progress and a summary in its log: {log}{summary}"
+    );
+    let name = pod["metadata"]["name"].as_str().unwrap();
+    site.cluster.kubectl_ok(&[
+        "patch", "pod", name, "-n", "mover-system", "--subresource=status", "--type=merge", "-p",
+        r#"{"status":{"phase":"Succeeded","containerStatuses":[{"name":"restore","image":"mover","imageID":"","ready":false,"restartCount":0,"state":{"terminated":{"exitCode":0,"reason":"Completed"}}}]}}"#,
+    ]);
+    site.wait("the PVC bound to the filled volume", |s| {
+        let pvc = s.get("pvc", "app", "restored");
+        pvc["status"]["phase"] == "Bound" && pvc["spec"]["volumeName"] == "restored-pv"
+    });
+    assert_eq!(
+        blake3_of(&volume, 64 * MIB),
+        blake3_of(snapshot_of, 64 * MIB),
+        "the volume holds the snapshot"
+    );
+    site.wait("the prime PVC and the Job gone", |s| {
+        s.get("pvc", "mover-system", &prime).is_null()
+            && s.get("job", "mover-system", &format!("populate-{uid}"))
+                .is_null()
+    });
+}
+
+/// The restore Job's pod `pod` as a process: `mover` with its args and env, the secret
+/// it mounts as files under `run`, its cache there too, its block device `device`.
+fn run_restore_pod(site: &Site, pod: &Value, device: &Path, run: &Path) -> std::process::Output {
+    let spec = &pod["spec"];
+    let c = &spec["containers"][0];
+    std::fs::create_dir_all(run.join("cache")).unwrap();
+    let secret_of = |name: &str| -> Value { site.get("secret", "mover-system", name) };
+    let decoded = |secret: &Value, key: &str| -> Option<String> {
+        use base64::Engine;
+        let b = secret["data"][key].as_str()?;
+        Some(
+            String::from_utf8(base64::engine::general_purpose::STANDARD.decode(b).unwrap())
+                .unwrap(),
+        )
+    };
+    // Volumes: the secret's items as files, the emptyDir, the PVC's device.
+    let mut paths: Vec<(String, PathBuf)> = Vec::new();
+    for m in c["volumeMounts"].as_array().unwrap() {
+        let vol = spec["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == m["name"])
+            .unwrap();
+        let local = run.join(m["name"].as_str().unwrap());
+        std::fs::create_dir_all(&local).unwrap();
+        if let Some(name) = vol["secret"]["secretName"].as_str() {
+            let secret = secret_of(name);
+            for item in vol["secret"]["items"].as_array().unwrap() {
+                let value = decoded(&secret, item["key"].as_str().unwrap()).unwrap();
+                std::fs::write(local.join(item["path"].as_str().unwrap()), value).unwrap();
+            }
+        }
+        paths.push((m["mountPath"].as_str().unwrap().to_string(), local));
+    }
+    for d in c["volumeDevices"].as_array().into_iter().flatten() {
+        paths.push((
+            d["devicePath"].as_str().unwrap().to_string(),
+            device.to_path_buf(),
+        ));
+    }
+    let local = |v: &str| -> String {
+        for (at, local) in &paths {
+            if let Some(rest) = v.strip_prefix(at.as_str()) {
+                return format!("{}{rest}", local.display());
+            }
+        }
+        v.to_string()
+    };
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_mover"));
+    cmd.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default());
+    for e in c["env"].as_array().into_iter().flatten() {
+        let name = e["name"].as_str().unwrap();
+        let value = match (&e["value"], &e["valueFrom"]["secretKeyRef"]) {
+            (Value::String(v), _) => Some(local(v)),
+            (_, r) if r.is_object() => decoded(
+                &secret_of(r["name"].as_str().unwrap()),
+                r["key"].as_str().unwrap(),
+            ),
+            _ => None,
+        };
+        if let Some(v) = value {
+            cmd.env(name, v);
+        }
+    }
+    let args: Vec<String> = c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| local(a.as_str().unwrap()))
+        .collect();
+    cmd.args(&args).output().unwrap()
 }
 
 /// A PVC `app/NAME` of `size` and volume mode `mode` in mover's populated StorageClass,

@@ -16,6 +16,8 @@
 //!   (Kubernetes' SnapshotMetadata API), resumed when a stream is cut.
 //! - [`populator`]: PVCs whose `dataSourceRef` names a HydrationSource, bound at once
 //!   to a volume its node's agent fills while the pod uses it.
+//! - [`prime`]: populated PVCs of other storage classes, filled before they are bound
+//!   (a prime PVC, a restore Job, the PV handed over).
 //! - [`leftovers`]: what a deletion left on an agent that was down, removed when it
 //!   answers again.
 //! - [`run()`]: watch caches and the controller loop (`mover controller run`).
@@ -34,6 +36,7 @@ pub mod locator;
 pub mod metrics;
 pub mod moves;
 pub mod populator;
+pub mod prime;
 pub mod reconcile;
 mod run;
 pub mod secrets;

@@ -19,7 +19,10 @@ use super::crd::{
     VolumeReplication,
 };
 use super::reconcile::Context;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::{
+    core::v1::{PersistentVolume, PersistentVolumeClaim},
+    storage::v1::StorageClass,
+};
 use kube::{Api, ResourceExt, api::PostParams, runtime::controller::Action};
 use std::{sync::Arc, time::Duration};
 use transport::hydrate;
@@ -91,23 +94,34 @@ pub async fn reconcile(
     }
     let (ns, name) = (pvc.namespace().unwrap_or_default(), pvc.name_any());
     let uid = pvc.uid().unwrap_or_default();
+    let what = |w: &str| format!("{w} for PVC {ns}/{name}");
+    let class = spec.storage_class_name.clone().unwrap_or_default();
+    if class.is_empty() {
+        return Err(PopulateError::Invalid(format!(
+            "PVC {ns}/{name} names no StorageClass: name one of provisioner {} (usable at \
+             once, filled behind) or any other (filled before it is bound)",
+            crate::agent::csi::DRIVER
+        )));
+    }
+    let provisioner = Api::<StorageClass>::all(ctx.client.clone())
+        .get_opt(&class)
+        .await
+        .map_err(|source| PopulateError::Kube {
+            what: what("reading its StorageClass"),
+            source,
+        })?
+        .map(|c| c.provisioner)
+        .ok_or_else(|| {
+            PopulateError::Invalid(format!("PVC {ns}/{name}: no StorageClass {class:?}"))
+        })?;
+    let hs = hydration_source(&ctx, &ns, &name, &source).await?;
+    if provisioner != crate::agent::csi::DRIVER {
+        return super::prime::reconcile(&pvc, &hs, &class, &provisioner, &ctx).await;
+    }
     let Some(node) = pvc.annotations().get(SELECTED_NODE).cloned() else {
         tracing::info!(pvc = %format!("{ns}/{name}"), "waiting for the scheduler to choose a node (the PVC's StorageClass must be WaitForFirstConsumer)");
         return Ok(Action::requeue(WAIT));
     };
-    let what = |w: &str| format!("{w} for PVC {ns}/{name}");
-    let hs = Api::<HydrationSource>::namespaced(ctx.client.clone(), &ns)
-        .get_opt(&source)
-        .await
-        .map_err(|source| PopulateError::Kube {
-            what: what("reading its HydrationSource"),
-            source,
-        })?
-        .ok_or_else(|| {
-            PopulateError::Invalid(format!(
-                "PVC {ns}/{name}: no HydrationSource {source:?} in namespace {ns}"
-            ))
-        })?;
     let pods = super::reconcile::owned(&ctx.caches.agents);
     let agent = super::desired::agent_on(&node, &pods, ctx.agent_port)
         .map_err(|e| PopulateError::Invalid(e.to_string()))?;
@@ -189,6 +203,27 @@ pub async fn reconcile(
     Ok(Action::await_change())
 }
 
+/// The HydrationSource `source` that PVC `ns/name` names.
+async fn hydration_source(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    source: &str,
+) -> Result<HydrationSource, PopulateError> {
+    Api::<HydrationSource>::namespaced(ctx.client.clone(), ns)
+        .get_opt(source)
+        .await
+        .map_err(|e| PopulateError::Kube {
+            what: format!("reading its HydrationSource for PVC {ns}/{name}"),
+            source: e,
+        })?
+        .ok_or_else(|| {
+            PopulateError::Invalid(format!(
+                "PVC {ns}/{name}: no HydrationSource {source:?} in namespace {ns}"
+            ))
+        })
+}
+
 /// The agent URL of the replica that VolumeReplication `ns/name` keeps in this cluster,
 /// and its relationship: it must be the secondary side here.
 async fn replica_of(ctx: &Context, ns: &str, name: &str) -> Result<(String, String), String> {
@@ -220,7 +255,7 @@ pub const FOR_NAMESPACES: &str = "replication.mover/for-namespaces";
 /// The data of the secret `r` names, for a HydrationSource in namespace `user`: only if
 /// the secret says that namespace may use it. The secret lies in the controller's own
 /// namespace, where users cannot look, so naming it must not be enough to use it.
-async fn source_secret(
+pub(super) async fn source_secret(
     ctx: &Context,
     r: &SecretRef,
     user: &str,

@@ -155,6 +155,9 @@ pub struct Context {
     /// Cycles from CSI snapshots: the controller's own ServiceAccount (for
     /// SnapshotMetadata tokens), failed snapshots' retry times.
     pub csi: super::csi_snapshots::Settings,
+    /// The image of the Jobs the controller runs (mover's own): the populator's restore
+    /// into a PVC of another storage class.
+    pub job_image: String,
 }
 
 impl Context {

@@ -66,6 +66,16 @@ pub struct RunOptions {
         env = "MOVER_SERVICE_ACCOUNT"
     )]
     pub service_account: String,
+    /// The image of the Jobs the controller runs: mover's own (the controller's). The
+    /// populator restores a snapshot with one into a PVC of a StorageClass that is not
+    /// mover's CSI driver, before the PVC is bound.
+    #[arg(
+        long,
+        value_name = "IMAGE",
+        default_value = "mover",
+        env = "MOVER_JOB_IMAGE"
+    )]
+    pub job_image: String,
     /// Talk to agents in plaintext with --token-file, and sign no certificates. By
     /// default the controller runs the cluster's mover CA (Secret mover-ca in its
     /// namespace): it signs the agents' certificate requests (signer
@@ -317,6 +327,7 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             service_account: options.service_account.clone(),
             failed: Default::default(),
         },
+        job_image: options.job_image.clone(),
         metrics,
         secrets: Some(Arc::new(SecretWatches::new(
             client.clone(),

@@ -1,0 +1,470 @@
+//! Filled before use: a populated PVC of a StorageClass other than one of mover's CSI
+//! driver. Its volume is the storage class's own, so nothing can serve it before its
+//! data is there: it is filled first and bound after, as lib-volume-populator does
+//! (its prime-PVC-and-rebind pattern; a restore with no hurry).
+//!
+//! 1. A prime PVC (`prime-UID`) of the same class, size, mode and access modes is made
+//!    in the namespace of the HydrationSource's secret (mover-system), with the node the
+//!    scheduler chose for the user's PVC, if it chose one.
+//! 2. A Job there restores the snapshot into it with `mover snapshot restore`: a block
+//!    snapshot onto the raw device of a Block PVC, a file tree into the file system of a
+//!    Filesystem PVC. The repository's password and S3 keys come from the secret.
+//! 3. Once the Job has succeeded, the prime PVC's PV is handed to the user's PVC: its
+//!    claimRef is rewritten to name it, and kube-controller-manager binds the two. The
+//!    prime PVC (now Lost) and the Job are deleted.
+//!
+//! A Job that fails for good (a refusal, damaged repository data: exit 2 or 3) leaves
+//! the PVC unbound and says why; deleting the user's PVC leaves the prime PVC and Job
+//! to be deleted by hand (they are labelled with its UID).
+
+use super::crd::{HydrationSource, RepositorySnapshot, SecretRef};
+use super::populator::PopulateError;
+use super::reconcile::Context;
+use k8s_openapi::api::{
+    batch::v1::Job,
+    core::v1::{PersistentVolume, PersistentVolumeClaim},
+};
+use kube::{
+    Api, ResourceExt,
+    api::{DeleteParams, Patch, PatchParams, PostParams, PropagationPolicy},
+    runtime::controller::Action,
+};
+use serde_json::{Value, json};
+use std::time::Duration;
+
+/// The label on the prime PVC, its Job and the PV handed over: the user's PVC's UID.
+pub const PRIME_FOR: &str = "replication.mover/prime-for";
+/// How soon a prime PVC being filled is looked at again.
+const POLL: Duration = Duration::from_secs(3);
+
+/// Fills PVC `pvc` (of StorageClass `class`, provisioner `provisioner`) from `hs` before
+/// it is bound. Idempotent: each pass takes the next step.
+pub(super) async fn reconcile(
+    pvc: &PersistentVolumeClaim,
+    hs: &HydrationSource,
+    class: &str,
+    provisioner: &str,
+    ctx: &Context,
+) -> Result<Action, PopulateError> {
+    let (ns, name, uid) = (
+        pvc.namespace().unwrap_or_default(),
+        pvc.name_any(),
+        pvc.uid().unwrap_or_default(),
+    );
+    let invalid = |e: String| PopulateError::Invalid(format!("PVC {ns}/{name}: {e}"));
+    let (Some(snap), Some(secret)) = (&hs.spec.snapshot, &hs.spec.secret_ref) else {
+        return Err(invalid(format!(
+            "its StorageClass {class} ({provisioner}) is not one of mover's CSI driver, so its \
+             data is copied before it is bound, which mover does from a snapshot only. For an \
+             agent or a VolumeReplication, use a StorageClass of provisioner {}: the PVC is \
+             then usable at once, its data arriving behind",
+            crate::agent::csi::DRIVER
+        )));
+    };
+    let key_file = repository_key(ctx, secret, &ns).await.map_err(invalid)?;
+    let kube = |what: String| move |source| PopulateError::Kube { what, source };
+    let prime_name = format!("prime-{uid}");
+    let pvcs = Api::<PersistentVolumeClaim>::namespaced(ctx.client.clone(), &secret.namespace);
+    let jobs = Api::<Job>::namespaced(ctx.client.clone(), &secret.namespace);
+    let job_name = format!("populate-{uid}");
+    let Some(prime) = pvcs
+        .get_opt(&prime_name)
+        .await
+        .map_err(kube(format!("reading prime PVC {prime_name}")))?
+    else {
+        if handed_over(ctx, &uid) {
+            // The PV is this PVC's: kube-controller-manager binds them; the Job goes.
+            delete_job(&jobs, &job_name).await?;
+            return Ok(Action::requeue(POLL));
+        }
+        create(&pvcs, &prime_pvc(pvc, &prime_name))
+            .await
+            .map_err(kube(format!(
+                "creating prime PVC {}/{prime_name}",
+                secret.namespace
+            )))?;
+        tracing::info!(pvc = %format!("{ns}/{name}"), prime = %format!("{}/{prime_name}", secret.namespace), %class, "populated PVC filled before use: prime PVC made");
+        return Ok(Action::requeue(POLL));
+    };
+    let job = match jobs
+        .get_opt(&job_name)
+        .await
+        .map_err(kube(format!("reading Job {job_name}")))?
+    {
+        Some(j) => j,
+        None => {
+            let job = restore_job(
+                &job_name,
+                &prime,
+                snap,
+                secret,
+                key_file,
+                &uid,
+                &ctx.job_image,
+            );
+            create(&jobs, &job).await.map_err(kube(format!(
+                "creating Job {}/{job_name}",
+                secret.namespace
+            )))?;
+            tracing::info!(pvc = %format!("{ns}/{name}"), job = %format!("{}/{job_name}", secret.namespace), "restoring the snapshot into the prime PVC");
+            return Ok(Action::requeue(POLL));
+        }
+    };
+    match job_outcome(&job) {
+        Outcome::Running => return Ok(Action::requeue(POLL)),
+        Outcome::Failed(why) => {
+            return Err(invalid(format!(
+                "the Job restoring its snapshot failed ({why}): see `kubectl logs -n {} \
+                 job/{job_name}`; fix the cause, then delete the Job to try again",
+                secret.namespace
+            )));
+        }
+        Outcome::Succeeded => {}
+    }
+    let Some(pv) = prime
+        .spec
+        .as_ref()
+        .and_then(|s| s.volume_name.clone())
+        .filter(|v| !v.is_empty())
+    else {
+        return Ok(Action::requeue(POLL)); // bound before its pod ran: not seen yet
+    };
+    // Rebind: the PV's claimRef names the user's PVC (resourceVersion dropped: it was
+    // the prime PVC's), and it is labelled so that a later pass knows it was handed over.
+    let rebind = json!({
+        "metadata": {"labels": {PRIME_FOR: uid}},
+        "spec": {"claimRef": {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "namespace": ns,
+            "name": name,
+            "uid": uid,
+            "resourceVersion": null,
+        }},
+    });
+    Api::<PersistentVolume>::all(ctx.client.clone())
+        .patch(&pv, &PatchParams::default(), &Patch::Merge(&rebind))
+        .await
+        .map_err(kube(format!("handing PV {pv} to it")))?;
+    match pvcs.delete(&prime_name, &DeleteParams::default()).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(e) => return Err(kube(format!("deleting prime PVC {prime_name}"))(e)),
+    }
+    delete_job(&jobs, &job_name).await?;
+    tracing::info!(pvc = %format!("{ns}/{name}"), %pv, "filled before use: its PV handed over from the prime PVC");
+    Ok(Action::requeue(POLL))
+}
+
+/// Creates `obj`; one that exists already is fine (an earlier pass made it).
+async fn create<K>(api: &Api<K>, obj: &K) -> Result<(), kube::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    match api.create(&PostParams::default(), obj).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+async fn delete_job(jobs: &Api<Job>, name: &str) -> Result<(), PopulateError> {
+    let dp = DeleteParams {
+        propagation_policy: Some(PropagationPolicy::Background),
+        ..Default::default()
+    };
+    match jobs.delete(name, &dp).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(source) => Err(PopulateError::Kube {
+            what: format!("deleting Job {name}"),
+            source,
+        }),
+    }
+}
+
+/// Whether a PV was handed to the PVC of UID `uid`.
+fn handed_over(ctx: &Context, uid: &str) -> bool {
+    ctx.caches.pvs.state().iter().any(|pv| {
+        pv.labels().get(PRIME_FOR).is_some_and(|u| u == uid)
+            || pv
+                .spec
+                .as_ref()
+                .and_then(|s| s.claim_ref.as_ref())
+                .and_then(|c| c.uid.as_deref())
+                == Some(uid)
+    })
+}
+
+/// Which file of the secret holds the repository's key: `password`, or `key` (raw).
+async fn repository_key(ctx: &Context, r: &SecretRef, user: &str) -> Result<&'static str, String> {
+    let wanted = "`password` (or `key`, a raw key) and, for S3, `AWS_ACCESS_KEY_ID` and \
+                  `AWS_SECRET_ACCESS_KEY`";
+    let data = super::populator::source_secret(ctx, r, user, wanted).await?;
+    match (data.contains_key("password"), data.contains_key("key")) {
+        (true, _) => Ok("password"),
+        (false, true) => Ok("key"),
+        _ => Err(format!(
+            "secret {}/{} has no `password`: it needs {wanted}",
+            r.namespace, r.name
+        )),
+    }
+}
+
+/// The prime PVC for `pvc`: its class, size, mode and access modes, on the node the
+/// scheduler chose for it (if any).
+fn prime_pvc(pvc: &PersistentVolumeClaim, name: &str) -> PersistentVolumeClaim {
+    let spec = pvc.spec.clone().unwrap_or_default();
+    let mut annotations = serde_json::Map::new();
+    if let Some(node) = pvc.annotations().get(super::populator::SELECTED_NODE) {
+        annotations.insert(super::populator::SELECTED_NODE.into(), node.clone().into());
+    }
+    serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": name,
+            "labels": {PRIME_FOR: pvc.uid()},
+            "annotations": annotations,
+        },
+        "spec": {
+            "accessModes": spec.access_modes,
+            "resources": spec.resources,
+            "volumeMode": spec.volume_mode,
+            "storageClassName": spec.storage_class_name,
+        },
+    }))
+    .expect("a PVC")
+}
+
+/// The Job that restores `snap` into the prime PVC, as deploy/examples/jobs do by hand.
+fn restore_job(
+    name: &str,
+    prime: &PersistentVolumeClaim,
+    snap: &RepositorySnapshot,
+    secret: &SecretRef,
+    key_file: &str,
+    uid: &str,
+    image: &str,
+) -> Job {
+    let block = prime.spec.as_ref().and_then(|s| s.volume_mode.as_deref()) == Some("Block");
+    let target = if block {
+        "/dev/mover-target"
+    } else {
+        "/mnt/target"
+    };
+    let from_secret = |var: &str| json!({"name": var, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": var, "optional": true}}});
+    let mut env = vec![
+        from_secret("AWS_ACCESS_KEY_ID"),
+        from_secret("AWS_SECRET_ACCESS_KEY"),
+        json!({"name": if key_file == "key" { "MOVER_KEY_FILE" } else { "MOVER_PASSWORD_FILE" },
+               "value": format!("/etc/mover/repository/{key_file}")}),
+        json!({"name": "MOVER_CACHE_DIR", "value": "/mnt/cache"}),
+    ];
+    for (var, value) in [
+        ("MOVER_S3_ENDPOINT", &snap.s3_endpoint),
+        ("MOVER_S3_REGION", &snap.s3_region),
+    ] {
+        if let Some(v) = value {
+            env.push(json!({"name": var, "value": v}));
+        }
+    }
+    let mut mounts = vec![
+        json!({"name": "repository", "mountPath": "/etc/mover/repository", "readOnly": true}),
+        json!({"name": "cache", "mountPath": "/mnt/cache"}),
+    ];
+    let mut container = json!({
+        "name": "restore",
+        "image": image,
+        "args": ["snapshot", "restore", snap.repository, snap.id, target, "--progress-every", "30s"],
+        "env": env,
+        "securityContext": {
+            // Root restores a file tree's owners and modes; nothing else is needed.
+            "runAsUser": 0,
+            "allowPrivilegeEscalation": false,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "MKNOD"]},
+        },
+        "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+    });
+    if block {
+        container["volumeDevices"] = json!([{"name": "target", "devicePath": target}]);
+    } else {
+        mounts.push(json!({"name": "target", "mountPath": target}));
+    }
+    container["volumeMounts"] = Value::Array(mounts);
+    serde_json::from_value(json!({
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "labels": {PRIME_FOR: uid}},
+        "spec": {
+            "backoffLimit": 4,
+            // 2: refused (no such snapshot, a wrong password); 3: damaged data. Retrying
+            // changes neither; 1 (failed part way) is retried and resumes.
+            "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
+                "containerName": "restore", "operator": "In", "values": [2, 3]}}]},
+            "template": {
+                "metadata": {"labels": {PRIME_FOR: uid}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "target", "persistentVolumeClaim": {"claimName": prime.name_any()}},
+                        {"name": "repository", "secret": {"secretName": secret.name,
+                            "items": [{"key": key_file, "path": key_file}]}},
+                        {"name": "cache", "emptyDir": {}},
+                    ],
+                },
+            },
+        },
+    }))
+    .expect("a Job")
+}
+
+#[derive(Debug, PartialEq)]
+enum Outcome {
+    Running,
+    Succeeded,
+    Failed(String),
+}
+
+/// Where a Job is, by its conditions.
+fn job_outcome(job: &Job) -> Outcome {
+    let conditions = job
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.clone())
+        .unwrap_or_default();
+    for c in conditions.iter().filter(|c| c.status == "True") {
+        match c.type_.as_str() {
+            "Complete" => return Outcome::Succeeded,
+            "Failed" => {
+                return Outcome::Failed(
+                    [c.reason.as_deref(), c.message.as_deref()]
+                        .into_iter()
+                        .flatten()
+                        .collect::<Vec<_>>()
+                        .join(": "),
+                );
+            }
+            _ => {}
+        }
+    }
+    Outcome::Running
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pvc(mode: &str) -> PersistentVolumeClaim {
+        serde_json::from_value(json!({
+            "metadata": {"name": "db", "namespace": "app", "uid": "u1",
+                         "annotations": {"volume.kubernetes.io/selected-node": "n2"}},
+            "spec": {"accessModes": ["ReadWriteOnce"], "volumeMode": mode,
+                     "storageClassName": "fast",
+                     "resources": {"requests": {"storage": "4Gi"}},
+                     "dataSourceRef": {"apiGroup": "replication.mover", "kind": "HydrationSource", "name": "s"}},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_prime_pvc_is_the_users_without_its_data_source_on_its_node() {
+        let p = prime_pvc(&pvc("Block"), "prime-u1");
+        let spec = p.spec.clone().unwrap();
+        assert_eq!(spec.storage_class_name.as_deref(), Some("fast"));
+        assert_eq!(spec.volume_mode.as_deref(), Some("Block"));
+        assert!(spec.data_source_ref.is_none(), "no populator of its own");
+        assert_eq!(p.annotations()["volume.kubernetes.io/selected-node"], "n2");
+        assert_eq!(p.labels()[PRIME_FOR], "u1");
+    }
+
+    #[test]
+    fn the_job_restores_onto_the_device_or_into_the_file_system() {
+        let snap = RepositorySnapshot {
+            repository: "s3://dr/pg".into(),
+            id: "latest".into(),
+            s3_endpoint: Some("http://s3:9000".into()),
+            s3_region: None,
+        };
+        let secret = SecretRef {
+            name: "repo".into(),
+            namespace: "mover-system".into(),
+        };
+        let block = prime_pvc(&pvc("Block"), "prime-u1");
+        let job = serde_json::to_value(restore_job(
+            "populate-u1",
+            &block,
+            &snap,
+            &secret,
+            "key",
+            "u1",
+            "mover:1",
+        ))
+        .unwrap();
+        let c = &job["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(
+            c["args"].as_array().unwrap()[..5],
+            json!([
+                "snapshot",
+                "restore",
+                "s3://dr/pg",
+                "latest",
+                "/dev/mover-target"
+            ])
+            .as_array()
+            .unwrap()[..]
+        );
+        assert_eq!(c["volumeDevices"][0]["devicePath"], "/dev/mover-target");
+        assert_eq!(c["image"], "mover:1");
+        let env = c["env"].as_array().unwrap();
+        assert!(env.iter().any(|e| e["name"] == "MOVER_KEY_FILE" && e["value"] == "/etc/mover/repository/key"));
+        assert!(env.iter().any(|e| e["name"] == "MOVER_S3_ENDPOINT"));
+        assert!(!env.iter().any(|e| e["name"] == "MOVER_S3_REGION"));
+        let fs = prime_pvc(&pvc("Filesystem"), "prime-u1");
+        let job = serde_json::to_value(restore_job(
+            "populate-u1",
+            &fs,
+            &snap,
+            &secret,
+            "password",
+            "u1",
+            "mover",
+        ))
+        .unwrap();
+        let c = &job["spec"]["template"]["spec"]["containers"][0];
+        assert!(c["volumeDevices"].is_null());
+        assert!(
+            c["volumeMounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|m| m["mountPath"] == "/mnt/target")
+        );
+    }
+
+    #[test]
+    fn a_job_is_done_when_a_condition_says_so() {
+        let job = |conditions: Value| -> Job {
+            serde_json::from_value(
+                json!({"metadata": {"name": "j"}, "status": {"conditions": conditions}}),
+            )
+            .unwrap()
+        };
+        assert_eq!(job_outcome(&job(json!([]))), Outcome::Running);
+        assert_eq!(
+            job_outcome(&job(json!([{"type": "Complete", "status": "True"}]))),
+            Outcome::Succeeded
+        );
+        assert_eq!(
+            job_outcome(&job(
+                json!([{"type": "Failed", "status": "True", "reason": "PodFailurePolicy", "message": "exit code 2"}])
+            )),
+            Outcome::Failed("PodFailurePolicy: exit code 2".into())
+        );
+        assert_eq!(
+            job_outcome(&job(json!([{"type": "Failed", "status": "False"}]))),
+            Outcome::Running
+        );
+    }
+}
