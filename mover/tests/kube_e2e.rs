@@ -153,8 +153,16 @@ fn the_install_applies_and_the_api_server_refuses_bad_volume_replications() {
         "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: bad\n  namespace: app\nspec:\n  bwlimit: 2M\n",
     );
     assert!(
-        neither.contains("name either agent or snapshot"),
+        neither.contains("name one of agent, snapshot and volumeReplication"),
         "{neither}"
+    );
+    let both = refused(
+        &c,
+        "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: bad\n  namespace: app\nspec:\n  agent: agent://n@h:1/v\n  volumeReplication: data\n",
+    );
+    assert!(
+        both.contains("name one of agent, snapshot and volumeReplication"),
+        "{both}"
     );
     let vmove = |name: &str, spec: &str| {
         format!(
