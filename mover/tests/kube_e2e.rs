@@ -2798,6 +2798,49 @@ fn populated_pvcs_are_bound_at_once_and_their_devices_read_the_source_while_it_a
             bound.as_secs_f64(),
             readable.as_secs_f64()
         );
+        let kubelet = if name == "small" {
+            // Its agent killed (kill -9) mid-fill: a read answers an error or the
+            // source's bytes, never others. Started again, the agent clears the dead
+            // device, the kubelet's retry stages it anew and the fill resumes. (The
+            // emulated kubelet is forgotten, not dropped: a drop would unpublish the
+            // device before the kill; a new one for the same paths takes over.)
+            std::mem::forget(kubelet);
+            site.agents[1].kill();
+            let mid = Command::new("dd")
+                .arg(format!("if={}", target.display()))
+                .args(["iflag=direct", "bs=1M", "count=1", "skip=5", "status=none"])
+                .output()
+                .unwrap();
+            let mut want = vec![0u8; MIB as usize];
+            std::os::unix::fs::FileExt::read_exact_at(
+                &std::fs::File::open(&src).unwrap(),
+                &mut want,
+                5 * MIB,
+            )
+            .unwrap();
+            assert!(
+                !mid.status.success() || mid.stdout == want,
+                "a read with its agent dead gave bytes that are not the source's"
+            );
+            eprintln!(
+                "populated PVC, its agent killed mid-fill: a read of a region not yet here {}",
+                if mid.status.success() {
+                    "had arrived: the source's bytes"
+                } else {
+                    "failed (EIO)"
+                }
+            );
+            let port = site.port;
+            site.agents[1].restart(port);
+            let kubelet = kubelet_of(&site, &node2_dir, name, "pod-1", false);
+            let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+            common::csi::ok(unpublished, "NodeUnpublishVolume after the restart");
+            common::csi::ok(unstaged, "NodeUnstageVolume after the restart");
+            kubelet.stage_and_publish();
+            kubelet
+        } else {
+            kubelet
+        };
         if len <= 64 * MIB {
             // The rest, fetched on demand ahead of the 2 MiB/s fill: the source's bytes.
             assert_eq!(blake3_of(&target, len), blake3_of(&src, len));
