@@ -332,7 +332,7 @@ fn pipelined_copy(src: &File, dst: &File, offset: u64, body: u64) -> io::Result<
 }
 
 /// Reads `buf.len()` bytes at `offset`, or fewer at the end of the file.
-fn read_full(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+pub fn read_full(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     let mut got = 0;
     while got < buf.len() {
         match file.read_at(&mut buf[got..], offset + got as u64) {

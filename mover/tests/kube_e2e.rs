@@ -2922,22 +2922,10 @@ stringData:
   AWS_ACCESS_KEY_ID: {ACCESS_KEY}
   AWS_SECRET_ACCESS_KEY: {SECRET_KEY}
 ---
-apiVersion: replication.mover/v1alpha1
-kind: HydrationSource
-metadata:
-  name: from-snapshot
-  namespace: app
-spec:
-  snapshot:
-    repository: s3://snaps/pop
-    id: latest
-    s3Endpoint: {endpoint}
-  secretRef: {{name: pop-repository, namespace: mover-system}}
-  bwlimit: 2M
----
+{}---
 {}"#,
+        snapshot_source("from-snapshot", &s3.endpoint, "  bwlimit: 2M\n"),
         populated_pvc("from-snapshot", "pop-node2", "Block", "64Mi"),
-        endpoint = s3.endpoint
     ));
     let created = Instant::now();
     site.wait("the PVC of a snapshot bound", |s| {
@@ -2958,6 +2946,25 @@ spec:
     common::csi::ok(unpublished, "NodeUnpublishVolume");
     common::csi::ok(unstaged, "NodeUnstageVolume");
     a_pvc_of_another_class_is_filled_before_it_is_bound(&site, t.path(), &s3.endpoint, &small);
+}
+
+/// A HydrationSource `app/NAME` of the e2e's latest snapshot in S3 at `endpoint` (its
+/// secret pop-repository), with `extra` spec lines.
+fn snapshot_source(name: &str, endpoint: &str, extra: &str) -> String {
+    format!(
+        r#"apiVersion: replication.mover/v1alpha1
+kind: HydrationSource
+metadata:
+  name: {name}
+  namespace: app
+spec:
+  snapshot:
+    repository: s3://snaps/pop
+    id: latest
+    s3Endpoint: {endpoint}
+  secretRef: {{name: pop-repository, namespace: mover-system}}
+{extra}"#
+    )
 }
 
 /// A populated PVC of a StorageClass that is not mover's CSI driver: filled before it is
@@ -2984,19 +2991,9 @@ metadata:
 provisioner: kubernetes.io/no-provisioner
 volumeBindingMode: WaitForFirstConsumer
 ---
-apiVersion: replication.mover/v1alpha1
-kind: HydrationSource
-metadata:
-  name: restored
-  namespace: app
-spec:
-  snapshot:
-    repository: s3://snaps/pop
-    id: latest
-    s3Endpoint: {endpoint}
-  secretRef: {{name: pop-repository, namespace: mover-system}}
----
-{pvc}"#
+{}---
+{pvc}"#,
+        snapshot_source("restored", endpoint, "")
     ));
     let uid = site.get("pvc", "app", "restored")["metadata"]["uid"]
         .as_str()

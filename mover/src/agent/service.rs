@@ -200,6 +200,26 @@ impl AgentService {
                 r.volume, r.relationship
             ))));
         }
+        // A volume written in place (a first sync, a resync, a copy) is no cycle yet.
+        let rewritten = self
+            .sessions
+            .lock()
+            .expect("sessions lock")
+            .values()
+            .any(|s| {
+                s.export == r.volume
+                    && s.dest.lock().expect("dest lock").is_some()
+                    && s.cycle
+                        .as_ref()
+                        .is_none_or(|c| c.journal.lock().expect("journal lock").is_none())
+            });
+        if rewritten {
+            return Err(self.refuse(ServiceError::FailedPrecondition(format!(
+                "export {:?} is being written in place (a first sync, a resync or a copy): it \
+                 is no cycle to hold until that is done",
+                r.volume
+            ))));
+        }
         // Each caller's names are its own: one reader never releases another's hold.
         let key = format!("{}/{}", caller.map_or("local", |c| c.who.as_str()), r.hold);
         let dir = journal::cycles_dir(&self.state_dir, &r.relationship);

@@ -300,7 +300,7 @@ impl Hold {
             while at < end {
                 let n = (end - at).min(8 << 20);
                 buf.resize(n as usize, 0);
-                let got = read_full(file, &mut buf, at)?;
+                let got = chunker::direct::read_full(file, &mut buf, at)?;
                 buf[got..].fill(0); // past the end of the volume: zeros
                 let entry = if buf.iter().all(|&b| b == 0) {
                     Saved {
@@ -373,20 +373,6 @@ impl Hold {
     pub fn kept_bytes(&self) -> u64 {
         self.state.lock().expect("hold lock").undo_len
     }
-}
-
-/// Reads as much of `buf` as the file has at `offset`; returns how much.
-fn read_full(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    let mut got = 0;
-    while got < buf.len() {
-        match file.read_at(&mut buf[got..], offset + got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(got)
 }
 
 /// The saved entries that overlap `start .. end`, in order (entries never overlap).
