@@ -37,6 +37,9 @@ impl Role {
     }
 }
 
+/// [`Caller::who`] of a peer cluster's replication token.
+pub const REPLICATION_TOKEN: &str = "a replication token";
+
 /// The authenticated caller of one request (in its extensions once admitted).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Caller {
@@ -102,7 +105,7 @@ impl Authorize {
             if c.replication_tokens.iter().any(matches) {
                 return Ok(Caller {
                     role: Role::Replication,
-                    who: "a replication token".into(),
+                    who: REPLICATION_TOKEN.into(),
                 });
             }
             return Err(Status::unauthenticated(

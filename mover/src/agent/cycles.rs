@@ -140,7 +140,8 @@ impl CycleSession {
     /// only recorded. Called once the volume is complete at its final path.
     pub fn commit(&self, root: &[u8], volume: &Path) -> std::io::Result<AppliedCycle> {
         let cycle = self.applied(root);
-        match self.journal.lock().expect("journal lock").take() {
+        let staged = self.journal.lock().expect("journal lock").take();
+        let applied = match staged {
             Some(j) => {
                 let dir = j.commit(cycle, volume)?;
                 // Durable from its commit record on: the primary need not wait for the
@@ -151,6 +152,9 @@ impl CycleSession {
                 journal::record_applied(&self.dir, &cycle)?;
                 Ok(cycle)
             }
-        }
+        }?;
+        // The volume equals a cycle again: a reader may hold it.
+        crate::replicate::holds::reopen(volume);
+        Ok(applied)
     }
 }

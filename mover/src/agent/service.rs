@@ -200,19 +200,36 @@ impl AgentService {
                 r.volume, r.relationship
             ))));
         }
+        if !r.ranges_only {
+            return Err(self.refuse(ServiceError::InvalidArgument(
+                "a hold is read through a ranges-only session (its summary would be the \
+                 live volume's)"
+                    .into(),
+            )));
+        }
+        if caller.is_some_and(|c| c.who == transport::auth::REPLICATION_TOKEN) {
+            return Err(self.refuse(ServiceError::PermissionDenied(
+                "a peer cluster's replication token cannot hold a replica's cycle: holds are \
+                 for this cluster's agents and operators"
+                    .into(),
+            )));
+        }
         // A volume written in place (a first sync, a resync, a copy) is no cycle yet.
-        let rewritten = self
+        // (A staged cycle's journal is busy while it commits: that is no rewrite.)
+        let open: Vec<Arc<Session>> = self
             .sessions
             .lock()
             .expect("sessions lock")
             .values()
-            .any(|s| {
-                s.export == r.volume
-                    && s.dest.lock().expect("dest lock").is_some()
-                    && s.cycle
-                        .as_ref()
-                        .is_none_or(|c| c.journal.lock().expect("journal lock").is_none())
-            });
+            .filter(|s| s.export == r.volume)
+            .cloned()
+            .collect();
+        let rewritten = open.iter().any(|s| {
+            s.dest.lock().expect("dest lock").is_some()
+                && s.cycle
+                    .as_ref()
+                    .is_none_or(|c| c.journal.try_lock().is_ok_and(|j| j.is_none()))
+        });
         if rewritten {
             return Err(self.refuse(ServiceError::FailedPrecondition(format!(
                 "export {:?} is being written in place (a first sync, a resync or a copy): it \
@@ -718,9 +735,7 @@ impl Transfer for AgentService {
             let count = r.count.min(chunks - r.first);
             let path = s.path.clone();
             let (cs, size) = (s.chunk.get(), s.size);
-            // Where later cycles overwrote a held point, it may hold data the volume no
-            // longer has.
-            let overwritten = s.hold.as_ref().map(|h| h.overwritten()).unwrap_or_default();
+            let hold = s.hold.clone();
             let data = blocking(move || {
                 let v = BlockVolume::open(&path)?.limited_to_at_most(size);
                 let mut bits = vec![0u8; count.div_ceil(8) as usize];
@@ -736,6 +751,10 @@ impl Transfer for AgentService {
                     }
                     at = h;
                 }
+                // Where later cycles overwrote a held point it may have data the volume
+                // no longer has. Asked after the scan: a range punched since was kept
+                // before it was punched.
+                let overwritten = hold.map(|h| h.overwritten()).unwrap_or_default();
                 for (d, h) in overwritten
                     .into_iter()
                     .filter(|&(d, h)| d < end && h > start)

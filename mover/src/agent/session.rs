@@ -71,8 +71,8 @@ impl AgentService {
             let ids: Vec<String> = sessions
                 .iter()
                 // A reader of a held cycle reads through its hold, which later writes
-                // do not change (what ends a hold ends its readers).
-                .filter(|(_, s)| s.export == export && s.hold.is_none())
+                // do not change; one whose hold ended goes here.
+                .filter(|(_, s)| s.export == export && s.hold.as_ref().is_none_or(|h| h.is_ended()))
                 .map(|(id, _)| id.clone())
                 .collect();
             ids.iter().filter_map(|id| sessions.remove(id)).collect()

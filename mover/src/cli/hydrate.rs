@@ -40,7 +40,8 @@ Examples:
         /// --from is the replica (secondary) of this replication relationship: it is read
         /// as of the cycle it is at now, which its agent holds for this fill while later
         /// cycles are applied (replication goes on). The hold ends when the fill
-        /// completes or is cancelled, or the replica is promoted (the fill then fails).
+        /// completes, after 15 minutes with no reads (a cancelled fill started again
+        /// within them resumes), or when the replica is promoted (the fill then fails).
         #[arg(long, value_name = "RELATIONSHIP", requires = "from")]
         replica_of: Option<String>,
         /// Region size: the unit fetched and tracked (power of two, 64K to 8M; a

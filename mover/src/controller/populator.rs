@@ -103,20 +103,19 @@ pub async fn reconcile(
             crate::agent::csi::DRIVER
         )));
     }
-    let provisioner = Api::<StorageClass>::all(ctx.client.clone())
+    let sc = Api::<StorageClass>::all(ctx.client.clone())
         .get_opt(&class)
         .await
         .map_err(|source| PopulateError::Kube {
             what: what("reading its StorageClass"),
             source,
         })?
-        .map(|c| c.provisioner)
         .ok_or_else(|| {
             PopulateError::Invalid(format!("PVC {ns}/{name}: no StorageClass {class:?}"))
         })?;
     let hs = hydration_source(&ctx, &ns, &name, &source).await?;
-    if provisioner != crate::agent::csi::DRIVER {
-        return super::prime::reconcile(&pvc, &hs, &class, &provisioner, &ctx).await;
+    if sc.provisioner != crate::agent::csi::DRIVER {
+        return super::prime::reconcile(&pvc, &hs, &sc, &ctx).await;
     }
     let Some(node) = pvc.annotations().get(SELECTED_NODE).cloned() else {
         tracing::info!(pvc = %format!("{ns}/{name}"), "waiting for the scheduler to choose a node (the PVC's StorageClass must be WaitForFirstConsumer)");

@@ -4,8 +4,9 @@
 //! (its prime-PVC-and-rebind pattern; a restore with no hurry).
 //!
 //! 1. A prime PVC (`prime-UID`) of the same class, size, mode and access modes is made
-//!    in the namespace of the HydrationSource's secret (mover-system), with the node the
-//!    scheduler chose for the user's PVC, if it chose one.
+//!    in the namespace of the HydrationSource's secret (mover-system); in a
+//!    WaitForFirstConsumer class, once the scheduler has chosen a node for the user's
+//!    PVC, and on that node.
 //! 2. A Job there restores the snapshot into it with `mover snapshot restore`: a block
 //!    snapshot onto the raw device of a Block PVC, a file tree into the file system of a
 //!    Filesystem PVC. The repository's password and S3 keys come from the secret.
@@ -23,10 +24,11 @@ use super::reconcile::Context;
 use k8s_openapi::api::{
     batch::v1::Job,
     core::v1::{PersistentVolume, PersistentVolumeClaim},
+    storage::v1::StorageClass,
 };
 use kube::{
     Api, ResourceExt,
-    api::{DeleteParams, Patch, PatchParams, PostParams, PropagationPolicy},
+    api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, PropagationPolicy},
     runtime::controller::Action,
 };
 use serde_json::{Value, json};
@@ -37,13 +39,12 @@ pub const PRIME_FOR: &str = "replication.mover/prime-for";
 /// How soon a prime PVC being filled is looked at again.
 const POLL: Duration = Duration::from_secs(3);
 
-/// Fills PVC `pvc` (of StorageClass `class`, provisioner `provisioner`) from `hs` before
-/// it is bound. Idempotent: each pass takes the next step.
+/// Fills PVC `pvc` (of StorageClass `sc`, not mover's) from `hs` before it is bound.
+/// Idempotent: each pass takes the next step, from what the API server holds.
 pub(super) async fn reconcile(
     pvc: &PersistentVolumeClaim,
     hs: &HydrationSource,
-    class: &str,
-    provisioner: &str,
+    sc: &StorageClass,
     ctx: &Context,
 ) -> Result<Action, PopulateError> {
     let (ns, name, uid) = (
@@ -51,6 +52,7 @@ pub(super) async fn reconcile(
         pvc.name_any(),
         pvc.uid().unwrap_or_default(),
     );
+    let (class, provisioner) = (sc.name_any(), &sc.provisioner);
     let invalid = |e: String| PopulateError::Invalid(format!("PVC {ns}/{name}: {e}"));
     let (Some(snap), Some(secret)) = (&hs.spec.snapshot, &hs.spec.secret_ref) else {
         return Err(invalid(format!(
@@ -67,16 +69,33 @@ pub(super) async fn reconcile(
     let pvcs = Api::<PersistentVolumeClaim>::namespaced(ctx.client.clone(), &secret.namespace);
     let jobs = Api::<Job>::namespaced(ctx.client.clone(), &secret.namespace);
     let job_name = format!("populate-{uid}");
+    // Handed over already (asked of the API server, not a cache that may lag): the PV is
+    // this PVC's and kube-controller-manager binds them; what is left of the prime goes.
+    let handed = Api::<PersistentVolume>::all(ctx.client.clone())
+        .list(&ListParams::default().labels(&format!("{PRIME_FOR}={uid}")))
+        .await
+        .map_err(kube("listing PVs handed over".into()))?;
+    if !handed.items.is_empty() {
+        delete_job(&jobs, &job_name).await?;
+        delete(&pvcs, &prime_name).await?;
+        return Ok(Action::requeue(POLL));
+    }
+    // As lib-volume-populator: in a WaitForFirstConsumer class the volume is made where
+    // the user's pod will run, once the scheduler has said where.
+    let waits = sc.volume_binding_mode.as_deref() == Some("WaitForFirstConsumer");
+    if waits
+        && !pvc
+            .annotations()
+            .contains_key(super::populator::SELECTED_NODE)
+    {
+        tracing::info!(pvc = %format!("{ns}/{name}"), "waiting for the scheduler to choose a node for a pod using it");
+        return Ok(Action::requeue(POLL * 2));
+    }
     let Some(prime) = pvcs
         .get_opt(&prime_name)
         .await
         .map_err(kube(format!("reading prime PVC {prime_name}")))?
     else {
-        if handed_over(ctx, &uid) {
-            // The PV is this PVC's: kube-controller-manager binds them; the Job goes.
-            delete_job(&jobs, &job_name).await?;
-            return Ok(Action::requeue(POLL));
-        }
         create(&pvcs, &prime_pvc(pvc, &prime_name))
             .await
             .map_err(kube(format!(
@@ -86,6 +105,9 @@ pub(super) async fn reconcile(
         tracing::info!(pvc = %format!("{ns}/{name}"), prime = %format!("{}/{prime_name}", secret.namespace), %class, "populated PVC filled before use: prime PVC made");
         return Ok(Action::requeue(POLL));
     };
+    if prime.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::requeue(POLL)); // going: handed over, or deleted by hand
+    }
     let job = match jobs
         .get_opt(&job_name)
         .await
@@ -146,12 +168,8 @@ pub(super) async fn reconcile(
         .patch(&pv, &PatchParams::default(), &Patch::Merge(&rebind))
         .await
         .map_err(kube(format!("handing PV {pv} to it")))?;
-    match pvcs.delete(&prime_name, &DeleteParams::default()).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 404 => {}
-        Err(e) => return Err(kube(format!("deleting prime PVC {prime_name}"))(e)),
-    }
     delete_job(&jobs, &job_name).await?;
+    delete(&pvcs, &prime_name).await?;
     tracing::info!(pvc = %format!("{ns}/{name}"), %pv, "filled before use: its PV handed over from the prime PVC");
     Ok(Action::requeue(POLL))
 }
@@ -183,17 +201,16 @@ async fn delete_job(jobs: &Api<Job>, name: &str) -> Result<(), PopulateError> {
     }
 }
 
-/// Whether a PV was handed to the PVC of UID `uid`.
-fn handed_over(ctx: &Context, uid: &str) -> bool {
-    ctx.caches.pvs.state().iter().any(|pv| {
-        pv.labels().get(PRIME_FOR).is_some_and(|u| u == uid)
-            || pv
-                .spec
-                .as_ref()
-                .and_then(|s| s.claim_ref.as_ref())
-                .and_then(|c| c.uid.as_deref())
-                == Some(uid)
-    })
+/// Deletes the prime PVC `name` (gone already is fine).
+async fn delete(pvcs: &Api<PersistentVolumeClaim>, name: &str) -> Result<(), PopulateError> {
+    match pvcs.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(source) => Err(PopulateError::Kube {
+            what: format!("deleting prime PVC {name}"),
+            source,
+        }),
+    }
 }
 
 /// Which file of the secret holds the repository's key: `password`, or `key` (raw).

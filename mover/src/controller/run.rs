@@ -6,7 +6,7 @@ use super::leftovers::Leftovers;
 use super::reconcile::{self, Caches, Context};
 use super::secrets::SecretWatches;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use kube::api::{Api, DynamicObject};
@@ -66,16 +66,11 @@ pub struct RunOptions {
         env = "MOVER_SERVICE_ACCOUNT"
     )]
     pub service_account: String,
-    /// The image of the Jobs the controller runs: mover's own (the controller's). The
-    /// populator restores a snapshot with one into a PVC of a StorageClass that is not
-    /// mover's CSI driver, before the PVC is bound.
-    #[arg(
-        long,
-        value_name = "IMAGE",
-        default_value = "mover",
-        env = "MOVER_JOB_IMAGE"
-    )]
-    pub job_image: String,
+    /// The image of the Jobs the controller runs (the populator restores a snapshot with
+    /// one into a PVC of a StorageClass that is not mover's CSI driver, before the PVC
+    /// is bound) [default: the controller's own, read from its pod (POD_NAME)].
+    #[arg(long, value_name = "IMAGE", env = "MOVER_JOB_IMAGE")]
+    pub job_image: Option<String>,
     /// Talk to agents in plaintext with --token-file, and sign no certificates. By
     /// default the controller runs the cluster's mover CA (Secret mover-ca in its
     /// namespace): it signs the agents' certificate requests (signer
@@ -97,6 +92,27 @@ pub struct RunOptions {
     /// override the cluster CA with files).
     #[command(flatten)]
     pub connect: crate::remote::ConnectOptions,
+}
+
+/// The image of the controller's own container (its pod from POD_NAME, in `namespace`),
+/// for the Jobs it runs: whatever registry and tag the install chose. "mover" if it
+/// cannot be read (not in a pod), with a warning.
+async fn own_image(client: &kube::Client, namespace: &str) -> String {
+    let pod = match std::env::var("POD_NAME") {
+        Ok(name) => Api::<Pod>::namespaced(client.clone(), namespace)
+            .get(&name)
+            .await
+            .ok(),
+        Err(_) => None,
+    };
+    let image = pod
+        .and_then(|p| p.spec)
+        .and_then(|s| s.containers.into_iter().find(|c| c.name == "controller"))
+        .and_then(|c| c.image);
+    image.unwrap_or_else(|| {
+        tracing::warn!("cannot read this controller's pod image (POD_NAME): the populator's Jobs use image \"mover\"; set --job-image");
+        "mover".into()
+    })
 }
 
 /// How many VolumeReplications are reconciled at once.
@@ -327,7 +343,10 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             service_account: options.service_account.clone(),
             failed: Default::default(),
         },
-        job_image: options.job_image.clone(),
+        job_image: match &options.job_image {
+            Some(i) => i.clone(),
+            None => own_image(&client, &options.lease_namespace).await,
+        },
         metrics,
         secrets: Some(Arc::new(SecretWatches::new(
             client.clone(),

@@ -550,7 +550,8 @@ impl Hydration {
         }
         // Not waited for: a source that is down must not hold up a restart.
         let source = self.source.clone();
-        tokio::spawn(async move { source.close().await });
+        let complete = self.state.lock().expect("regions lock").map.is_complete();
+        tokio::spawn(async move { source.close(complete).await });
         self.filling.send_replace(false);
     }
 

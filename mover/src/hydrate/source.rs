@@ -37,9 +37,10 @@ pub trait RegionSource: Send + Sync {
     /// `urgent`: a client waits for it (it must not queue behind the filler's fetches).
     async fn fetch(&self, first: u64, count: u64, urgent: bool)
     -> Result<Vec<Piece>, HydrateError>;
-    /// The hydration is over (complete or cancelled): lets the source release what it
-    /// holds for it (an agent's session and its open file, a replica's held cycle).
-    async fn close(&self) {}
+    /// The hydration is over for now (cancelled) or for good (`complete`): lets the
+    /// source release what it holds for it (an agent's session and its open file; once
+    /// complete, a replica's held cycle, which a cancelled fill needs to resume).
+    async fn close(&self, _complete: bool) {}
     /// A replica's cycle the source reads, held for this fill.
     fn held_cycle(&self) -> Option<u64> {
         None
@@ -292,19 +293,19 @@ impl RegionSource for AgentSource {
         }
     }
 
-    async fn close(&self) {
+    async fn close(&self, complete: bool) {
         *self.urgent.lock().await = None;
         let session = self.session.lock().await.take();
-        match (session, &self.replica) {
-            (Some((c, id)), None) => finish_session(c, id, false).await,
-            (Some((c, id)), Some(_)) => finish_session(c, id, true).await,
+        let release = complete && self.replica.is_some();
+        match session {
+            Some((c, id)) => finish_session(c, id, release).await,
             // The held cycle is released through a session of its own.
-            (None, Some(_)) => {
+            None if release => {
                 if let Ok((c, id, _)) = self.open().await {
                     finish_session(c, id, true).await;
                 }
             }
-            (None, None) => {}
+            None => {}
         }
     }
 
@@ -560,9 +561,9 @@ impl RegionSource for Lazy {
         self.get().await?.fetch(first, count, urgent).await
     }
 
-    async fn close(&self) {
+    async fn close(&self, complete: bool) {
         if let Some(s) = self.cell.get() {
-            s.close().await;
+            s.close(complete).await;
         }
     }
 

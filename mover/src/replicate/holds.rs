@@ -18,24 +18,39 @@ use std::{
     io,
     os::unix::fs::FileExt,
     path::{Path, PathBuf},
-    sync::{Arc, LazyLock, Mutex},
+    sync::{Arc, LazyLock, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
-/// A hold no session reads through is ended after this long: its reader is gone, or
+/// A hold no reader has read through for this long is ended: its reader is gone, or
 /// will be refused when it comes back (unless the replica has not moved on).
 pub const IDLE: Duration = Duration::from_secs(15 * 60);
+/// Holds on one volume at most: each may keep up to the volume's size in its undo file.
+pub const MAX_PER_VOLUME: usize = 8;
 
-/// Holds by volume (canonical path).
-static HOLDS: LazyLock<Mutex<HashMap<PathBuf, Vec<Arc<Hold>>>>> = LazyLock::new(Default::default);
+/// The holds of every volume (by canonical path), and the volumes no hold may be taken
+/// on until their next cycle is applied, with why.
+#[derive(Default)]
+struct Registry {
+    holds: HashMap<PathBuf, Vec<Arc<Hold>>>,
+    closed: HashMap<PathBuf, String>,
+}
+
+static REGISTRY: LazyLock<Mutex<Registry>> = LazyLock::new(Default::default);
+
+/// Locks `m` even if a panic poisoned it: a hold's state stays consistent at each
+/// step, and the cycles' apply path must never panic for it.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// One held point in time of a replica.
 pub struct Hold {
     /// Who holds it (the reader's identity and its name for the hold).
     pub key: String,
-    /// The cycle held, and its point in time (Unix ms).
+    /// The cycle held.
     pub cycle: u64,
-    /// The held cycle's point in time.
+    /// The held cycle's point in time (Unix ms).
     pub point_in_time_ms: i64,
     volume: PathBuf,
     undo_path: PathBuf,
@@ -43,7 +58,9 @@ pub struct Hold {
 }
 
 struct State {
-    undo: File,
+    /// None once ended: the file is closed as well as removed, so its room is freed
+    /// even while a session still refers to the hold.
+    undo: Option<File>,
     undo_len: u64,
     /// Ranges of the volume overwritten since the hold was taken, by start: their held
     /// bytes, in the undo file (`None`: they were zeros).
@@ -80,7 +97,8 @@ fn canonical(volume: &Path) -> PathBuf {
 /// The hold `key` on `volume`, taken now if there is none: at the cycle last applied
 /// from the journals in `cycles_dir` (an apply under way finishes first, and none
 /// starts while it is taken). `expected`: the cycle its reader read before (it came
-/// back); refused if the replica is no longer at it. The undo file goes in `undo_dir`.
+/// back); refused if the replica is no longer at it. Without it, a hold of the same
+/// key is replaced (a reader starting over). The undo file goes in `undo_dir`.
 pub fn take(
     key: &str,
     volume: &Path,
@@ -88,17 +106,27 @@ pub fn take(
     undo_dir: &Path,
     expected: Option<u64>,
 ) -> Result<Arc<Hold>, HoldError> {
+    static SWEEPER: std::sync::Once = std::sync::Once::new();
+    SWEEPER.call_once(|| {
+        std::thread::spawn(|| {
+            loop {
+                std::thread::sleep(Duration::from_secs(60));
+                sweep();
+            }
+        });
+    });
     let volume = canonical(volume);
-    sweep();
-    let check = |h: Arc<Hold>| match expected {
-        Some(c) if c != h.cycle => Err(HoldError::Moved(format!(
-            "the hold {key:?} is at cycle {}, not at cycle {c}",
-            h.cycle
-        ))),
-        _ => Ok(h),
-    };
     if let Some(h) = find(&volume, key) {
-        return check(h);
+        match expected {
+            Some(c) if c == h.cycle => return Ok(h),
+            Some(c) => {
+                return Err(HoldError::Moved(format!(
+                    "the hold {key:?} is at cycle {}, not at cycle {c}",
+                    h.cycle
+                )));
+            }
+            None => end(&h, "its reader started over".into()),
+        }
     }
     fs::create_dir_all(undo_dir)?;
     // Taken under the journal's lock (then the registry's: the order an apply takes
@@ -121,17 +149,29 @@ pub fn take(
         if let Some(c) = expected.filter(|&c| c != a.id) {
             return Err(HoldError::Moved(format!(
                 "the replica was at cycle {c} when this reader began and is at cycle {} now, \
-                 and the hold on cycle {c} is gone (the agent restarted, or the hold was idle \
-                 for {} min): the data read so far and what is left are two points in time. \
-                 Start the fill again from the beginning",
+                 and the hold on cycle {c} is gone (the agent restarted, the hold was idle \
+                 for {} min, or the replica was promoted or rewritten): the data read so far \
+                 and what is left are two points in time. Start the fill again from the \
+                 beginning",
                 a.id,
                 IDLE.as_secs() / 60
             )));
         }
-        let mut all = HOLDS.lock().expect("holds lock");
-        let held = all.entry(volume.clone()).or_default();
+        let mut r = lock(&REGISTRY);
+        if let Some(why) = r.closed.get(&volume) {
+            return Err(HoldError::Moved(format!(
+                "no hold is taken on this replica until its next cycle is applied: {why}"
+            )));
+        }
+        let held = r.holds.entry(volume.clone()).or_default();
         if let Some(h) = held.iter().find(|h| h.key == key) {
             return Ok(h.clone());
+        }
+        if held.len() >= MAX_PER_VOLUME {
+            return Err(HoldError::Moved(format!(
+                "this replica already has {MAX_PER_VOLUME} holds (each may keep up to its \
+                 size): wait until a fill from it completes"
+            )));
         }
         let undo_path = undo_dir.join(format!(
             "{}.undo",
@@ -150,7 +190,7 @@ pub fn take(
             volume: volume.clone(),
             undo_path,
             state: Mutex::new(State {
-                undo,
+                undo: Some(undo),
                 undo_len: 0,
                 saved: BTreeMap::new(),
                 ended: None,
@@ -161,13 +201,12 @@ pub fn take(
         tracing::info!(volume = %volume.display(), hold = key, cycle = a.id, "replica held at a cycle for its reader");
         Ok(h)
     });
-    check(taken.map_err(HoldError::Io)??)
+    taken.map_err(HoldError::Io)?
 }
 
 fn find(volume: &Path, key: &str) -> Option<Arc<Hold>> {
-    HOLDS
-        .lock()
-        .expect("holds lock")
+    lock(&REGISTRY)
+        .holds
         .get(volume)?
         .iter()
         .find(|h| h.key == key)
@@ -176,9 +215,8 @@ fn find(volume: &Path, key: &str) -> Option<Arc<Hold>> {
 
 /// Whether any hold is on `volume`.
 pub fn any_on(volume: &Path) -> bool {
-    HOLDS
-        .lock()
-        .expect("holds lock")
+    lock(&REGISTRY)
+        .holds
         .get(&canonical(volume))
         .is_some_and(|v| !v.is_empty())
 }
@@ -187,7 +225,7 @@ pub fn any_on(volume: &Path) -> bool {
 /// overwrites it through `file`. A hold that cannot keep it (a full disk) is ended,
 /// so its reader fails instead of reading the new bytes; the cycle goes on.
 pub(crate) fn preserve(volume: &Path, file: &File, offset: u64, len: u64) {
-    let holds: Vec<Arc<Hold>> = match HOLDS.lock().expect("holds lock").get(volume) {
+    let holds: Vec<Arc<Hold>> = match lock(&REGISTRY).holds.get(volume) {
         Some(v) if !v.is_empty() => v.clone(),
         _ => return,
     };
@@ -221,18 +259,25 @@ pub fn release(volume: &Path, key: &str) -> bool {
     }
 }
 
-/// Ends every hold on `volume`, saying `why` to their readers: it is about to change
-/// other than by a cycle's journal (a promote, a resync, a deletion).
+/// Ends every hold on `volume` and refuses new ones until [`reopen`], saying `why` to
+/// their readers: it is about to change other than by a cycle's journal (a promote, a
+/// resync, a copy into it, a deletion).
 pub fn end_all(volume: &Path, why: &str) {
-    let holds = HOLDS
-        .lock()
-        .expect("holds lock")
-        .remove(&canonical(volume))
-        .unwrap_or_default();
+    let volume = canonical(volume);
+    let holds = {
+        let mut r = lock(&REGISTRY);
+        r.closed.insert(volume.clone(), why.to_string());
+        r.holds.remove(&volume).unwrap_or_default()
+    };
     for h in holds {
         tracing::warn!(volume = %volume.display(), hold = %h.key, cycle = h.cycle, "hold ended: {why}");
         end(&h, why.into());
     }
+}
+
+/// `volume` equals a cycle again (one was applied and recorded): holds may be taken.
+pub fn reopen(volume: &Path) {
+    lock(&REGISTRY).closed.remove(&canonical(volume));
 }
 
 /// Removes the undo files a previous run left (its holds ended with it).
@@ -246,59 +291,73 @@ pub fn clear_leftovers(undo_dir: &Path) {
 
 fn end(h: &Arc<Hold>, why: String) {
     {
-        let mut s = h.state.lock().expect("hold lock");
+        let mut s = lock(&h.state);
         if s.ended.is_none() {
             s.ended = Some(why);
         }
         s.saved.clear();
+        s.undo = None;
     }
     _ = fs::remove_file(&h.undo_path);
-    let mut all = HOLDS.lock().expect("holds lock");
-    if let Some(v) = all.get_mut(&h.volume) {
+    let mut r = lock(&REGISTRY);
+    if let Some(v) = r.holds.get_mut(&h.volume) {
         v.retain(|x| !Arc::ptr_eq(x, h));
         if v.is_empty() {
-            all.remove(&h.volume);
+            r.holds.remove(&h.volume);
         }
     }
 }
 
-/// Ends the holds no session has read through for [`IDLE`] (only the registry refers
-/// to them).
+/// Ends the holds no reader has read through for [`IDLE`].
 fn sweep() {
-    let idle: Vec<Arc<Hold>> = HOLDS
-        .lock()
-        .expect("holds lock")
-        .values()
-        .flatten()
-        .filter(|h| {
-            Arc::strong_count(h) == 1
-                && h.state.lock().expect("hold lock").last_used.elapsed() > IDLE
-        })
-        .cloned()
-        .collect();
-    for h in idle {
-        tracing::info!(hold = %h.key, cycle = h.cycle, "hold ended: idle");
-        end(
-            &h,
-            format!("the hold was idle for {} min", IDLE.as_secs() / 60),
-        );
+    let all: Vec<Arc<Hold>> = lock(&REGISTRY).holds.values().flatten().cloned().collect();
+    for h in all {
+        if lock(&h.state).last_used.elapsed() > IDLE {
+            tracing::info!(hold = %h.key, cycle = h.cycle, "hold ended: idle");
+            end(
+                &h,
+                format!("the hold was idle for {} min", IDLE.as_secs() / 60),
+            );
+        }
     }
 }
 
 impl Hold {
     /// Copies the bytes of `offset .. offset + len` not yet kept into the undo file.
     fn save(&self, file: &File, offset: u64, len: u64) -> io::Result<()> {
-        let mut s = self.state.lock().expect("hold lock");
-        if s.ended.is_some() {
-            return Ok(());
-        }
-        let gaps = gaps(&s.saved, offset, offset + len);
+        let mut s = lock(&self.state);
+        let State {
+            undo: Some(undo),
+            undo_len,
+            saved,
+            ..
+        } = &mut *s
+        else {
+            return Ok(()); // ended
+        };
         let mut buf = Vec::new();
-        for (start, end) in gaps {
-            // In pieces of at most 8 MiB: a cycle's zero run may cover gigabytes.
+        for (start, end) in gaps(saved, offset, offset + len) {
             let mut at = start;
             while at < end {
-                let n = (end - at).min(8 << 20);
+                // A hole (a trim's punched range, say) is known to be zeros unread.
+                let data = data_from(file, at).unwrap_or(end).min(end);
+                if data > at {
+                    saved.insert(
+                        at,
+                        Saved {
+                            end: data,
+                            at: None,
+                        },
+                    );
+                    at = data;
+                    continue;
+                }
+                // In pieces of at most 8 MiB: a cycle's zero run may cover gigabytes.
+                let stop = match hole_from(file, at).min(end) {
+                    h if h > at => h,
+                    _ => end,
+                };
+                let n = (stop - at).min(8 << 20);
                 buf.resize(n as usize, 0);
                 let got = chunker::direct::read_full(file, &mut buf, at)?;
                 buf[got..].fill(0); // past the end of the volume: zeros
@@ -308,15 +367,14 @@ impl Hold {
                         at: None,
                     }
                 } else {
-                    let pos = s.undo_len;
-                    s.undo.write_all_at(&buf, pos)?;
-                    s.undo_len += n;
+                    undo.write_all_at(&buf, *undo_len)?;
+                    *undo_len += n;
                     Saved {
                         end: at + n,
-                        at: Some(pos),
+                        at: Some(*undo_len - n),
                     }
                 };
-                s.saved.insert(at, entry);
+                saved.insert(at, entry);
                 at += n;
             }
         }
@@ -326,14 +384,20 @@ impl Hold {
     /// Reads `buf.len()` bytes of the held point in time at `offset`: from the undo
     /// file where a newer cycle overwrote them, else from the volume (`file`).
     pub fn read_at(&self, file: &File, buf: &mut [u8], offset: u64) -> Result<(), HoldError> {
-        let mut s = self.state.lock().expect("hold lock");
-        if let Some(why) = &s.ended {
-            return Err(HoldError::Ended(format!(
+        let mut s = lock(&self.state);
+        let ended = |why: &str| {
+            HoldError::Ended(format!(
                 "the replica's cycle {} is no longer held: {why}",
                 self.cycle
-            )));
+            ))
+        };
+        if let Some(why) = &s.ended {
+            return Err(ended(why));
         }
         s.last_used = Instant::now();
+        let Some(undo) = &s.undo else {
+            return Err(ended("its undo file is gone"));
+        };
         let end = offset + buf.len() as u64;
         let mut at = offset;
         for (start, e) in overlapping(&s.saved, offset, end) {
@@ -347,7 +411,7 @@ impl Hold {
             let upto = e.end.min(end);
             let part = &mut buf[(at - offset) as usize..(upto - offset) as usize];
             match e.at {
-                Some(pos) => s.undo.read_exact_at(part, pos + (at - start))?,
+                Some(pos) => undo.read_exact_at(part, pos + (at - start))?,
                 None => part.fill(0),
             }
             at = upto;
@@ -361,7 +425,7 @@ impl Hold {
     /// The ranges newer cycles overwrote: they may hold the held point's data even
     /// where the volume has a hole now.
     pub fn overwritten(&self) -> Vec<(u64, u64)> {
-        let s = self.state.lock().expect("hold lock");
+        let s = lock(&self.state);
         s.saved
             .iter()
             .filter(|(_, e)| e.at.is_some())
@@ -369,10 +433,30 @@ impl Hold {
             .collect()
     }
 
+    /// Whether it was ended (its readers are refused).
+    pub fn is_ended(&self) -> bool {
+        lock(&self.state).ended.is_some()
+    }
+
     /// Bytes kept in its undo file.
     pub fn kept_bytes(&self) -> u64 {
-        self.state.lock().expect("hold lock").undo_len
+        lock(&self.state).undo_len
     }
+}
+
+/// Where data starts at or after `at` (None: only a hole follows). A device, or a file
+/// system without SEEK_DATA, has data everywhere.
+fn data_from(file: &File, at: u64) -> Option<u64> {
+    match rustix::fs::seek(file, rustix::fs::SeekFrom::Data(at)) {
+        Ok(d) => Some(d),
+        Err(rustix::io::Errno::NXIO) => None,
+        Err(_) => Some(at),
+    }
+}
+
+/// Where the hole after the data at `at` starts (u64::MAX: not known).
+fn hole_from(file: &File, at: u64) -> u64 {
+    rustix::fs::seek(file, rustix::fs::SeekFrom::Hole(at)).unwrap_or(u64::MAX)
 }
 
 /// The saved entries that overlap `start .. end`, in order (entries never overlap).
@@ -505,5 +589,21 @@ mod tests {
         end_all(&volume, "the replica was promoted");
         let err = h2.read_at(&file, &mut part, 0).unwrap_err().to_string();
         assert!(err.contains("promoted"), "{err}");
+        assert!(h2.is_ended());
+        // No new hold until the volume equals a cycle again.
+        let refused = take("reader-3", &volume, &cycles, &undo, None)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            refused.contains("until its next cycle is applied"),
+            "{refused}"
+        );
+        reopen(&volume);
+        let h3 = take("reader-3", &volume, &cycles, &undo, None).unwrap();
+        // The same reader starting over (no cycle given) replaces its hold.
+        let h4 = take("reader-3", &volume, &cycles, &undo, None).unwrap();
+        assert!(h3.is_ended() && !h4.is_ended());
+        release(&volume, "reader-3");
     }
 }

@@ -278,6 +278,12 @@ pub(crate) fn at_applied_cycle<T>(
 /// directory's records first finishes them.
 pub(crate) fn apply_then_sync_in_background(dir: &Path) -> io::Result<AppliedCycle> {
     let mut written = settle(dir)?;
+    if !dir.join("commit.json").exists() {
+        // Applied whole already, by whoever took the lock first (a hold being taken).
+        if let Some(applied) = read_applied(dir) {
+            return Ok(applied);
+        }
+    }
     let (commit, volume) = open_commit(dir)?;
     write_journal(dir, &commit, &volume)?;
     *written = true;
