@@ -6,7 +6,7 @@ mod common;
 
 use common::{
     MIB,
-    agent::{Agent, hydrate},
+    agent::{Agent, hydrate, hydration_status},
     blake3_of, make_image,
 };
 use std::{
@@ -29,17 +29,6 @@ fn ok(out: Output) -> String {
 
 fn control(a: &Agent) -> String {
     format!("agent://127.0.0.1:{}", a.port)
-}
-
-fn status(a: &Agent, export: &str) -> serde_json::Value {
-    let out = ok(hydrate(&[
-        "status",
-        export,
-        "--json",
-        "--agent",
-        &control(a),
-    ]));
-    serde_json::from_str(&out).unwrap()
 }
 
 /// The NBD URI of `export` on the agent whose test directory is `dir`.
@@ -204,7 +193,7 @@ fn clients_read_and_write_a_volume_while_it_hydrates() {
     io_ok(qemu_io(&u, &["write -z 1000000 70000"]));
     writes.push((1_000_000, vec![0; 70_000]));
 
-    let s = status(&p.dst, "dst");
+    let s = hydration_status(&p.dst, "dst");
     assert!(s["phase"] == "Hydrating" || s["phase"] == "Complete", "{s}");
     assert!(s["foreground_fetches"].as_u64().unwrap() >= 1, "{s}");
     assert!(s["regions_written"].as_u64().unwrap() >= 1, "{s}");
@@ -217,7 +206,7 @@ fn clients_read_and_write_a_volume_while_it_hydrates() {
             p.dir.path().join("peer.img").to_str().unwrap(),
         ],
     );
-    if status(&p.dst, "dst")["phase"] == "Hydrating" {
+    if hydration_status(&p.dst, "dst")["phase"] == "Hydrating" {
         assert!(!copy_out.status.success());
         assert!(
             String::from_utf8_lossy(&copy_out.stderr).contains("hydrated"),
@@ -233,7 +222,7 @@ fn clients_read_and_write_a_volume_while_it_hydrates() {
     assert!(missing_bytes(&later) <= missing_bytes(&missing));
     p.wait();
     assert_eq!(missing_bytes(&presence(&u)), 0);
-    let s = status(&p.dst, "dst");
+    let s = hydration_status(&p.dst, "dst");
     assert_eq!(s["phase"], "Complete");
     assert_eq!(s["present"], s["regions"]);
     assert_eq!(
@@ -338,12 +327,12 @@ fn a_killed_destination_agent_resumes_and_keeps_flushed_writes() {
     p.start(&["--bwlimit", "8M", "--concurrency", "1"]);
     let u = uri(&p.b(), "dst");
     wait_until("some regions", 30, || {
-        status(&p.dst, "dst")["present"].as_u64().unwrap() >= 20
+        hydration_status(&p.dst, "dst")["present"].as_u64().unwrap() >= 20
     });
     io_ok(qemu_io(&u, &["write -P 0x5a 45000000 12345", "flush"]));
-    let before = status(&p.dst, "dst");
+    let before = hydration_status(&p.dst, "dst");
     p.dst.kill_and_restart();
-    let after = status(&p.dst, "dst");
+    let after = hydration_status(&p.dst, "dst");
     // The bitmap reloads: what was committed is still present.
     assert!(
         after["present"].as_u64().unwrap() + 2 >= before["present"].as_u64().unwrap(),
@@ -351,7 +340,7 @@ fn a_killed_destination_agent_resumes_and_keeps_flushed_writes() {
     );
     io_ok(qemu_io(&u, &["read -P 0x5a 45000000 12345"]));
     p.wait();
-    let s = status(&p.dst, "dst");
+    let s = hydration_status(&p.dst, "dst");
     // Fetched again at most what arrived after the last commit (1 s at 8 MiB/s, plus
     // one batch in flight).
     let total = before["bytes_fetched"].as_u64().unwrap() + s["bytes_fetched"].as_u64().unwrap();
@@ -366,7 +355,7 @@ fn an_unreachable_source_gives_eio_for_missing_regions_only_then_the_fill_comple
     p.start(&["--bwlimit", "8M", "--concurrency", "1"]);
     let u = uri(&p.b(), "dst");
     wait_until("the first regions", 30, || {
-        status(&p.dst, "dst")["present"].as_u64().unwrap() >= 4
+        hydration_status(&p.dst, "dst")["present"].as_u64().unwrap() >= 4
     });
     // The source agent dies.
     p.src.child.kill().unwrap();
@@ -381,10 +370,10 @@ fn an_unreachable_source_gives_eio_for_missing_regions_only_then_the_fill_comple
     );
     assert!(text.contains("Input/output error"), "{text}");
     wait_until("degraded", 30, || {
-        status(&p.dst, "dst")["phase"] == "Degraded"
+        hydration_status(&p.dst, "dst")["phase"] == "Degraded"
     });
     // The client's failed read is counted as a failure, not as a fetch.
-    let s = status(&p.dst, "dst");
+    let s = hydration_status(&p.dst, "dst");
     let (fetched, failed) = (
         s["foreground_fetches"].as_u64().unwrap(),
         s["foreground_failures"].as_u64().unwrap(),
@@ -461,7 +450,7 @@ fn hydrates_from_a_snapshot_in_s3() {
     io_ok(qemu_io(&u, &["read -P 0x77 21000000 4096"]));
     ok(hydrate(&["wait", "vol", "--agent", &c]));
     assert_eq!(blake3_of(&dst_img, 32 * MIB), blake3_of(&img, 32 * MIB));
-    let s = status(&agent, "vol");
+    let s = hydration_status(&agent, "vol");
     assert!(s["bytes_fetched"].as_u64().unwrap() <= 15 * MIB, "{s}");
 }
 
@@ -551,7 +540,7 @@ fn an_ext4_volume_is_mounted_and_used_while_it_hydrates() {
         let dev = LoopDevice::attach(&fuse.dir.join("disk"));
         let m = Mount::new(&dev.path, &b.join("mnt"));
         assert!(
-            status(&dst, "vol")["phase"] == "Hydrating",
+            hydration_status(&dst, "vol")["phase"] == "Hydrating",
             "the mount ran ahead of the filler"
         );
         assert_eq!(
@@ -609,7 +598,7 @@ fn nbdcopy_into_a_hydrating_export_needs_no_fetch_of_what_it_overwrites() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     p.wait();
     assert_eq!(blake3_of(&p.dst_img, SIZE), blake3_of(&local, SIZE));
-    let s = status(&p.dst, "dst");
+    let s = hydration_status(&p.dst, "dst");
     // Only what the filler fetched before nbdcopy overwrote it (1 MiB/s).
     assert!(
         s["bytes_fetched"].as_u64().unwrap() < 8 * MIB,
@@ -636,7 +625,7 @@ fn a_cancelled_hydration_stops_serving_and_a_new_start_resumes_it() {
         &[&format!("write -P 0xe1 {region_57} 1048576"), "flush"],
     ));
     ok(hydrate(&["cancel", "dst", "--agent", &control(&p.dst)]));
-    let s = status(&p.dst, "dst");
+    let s = hydration_status(&p.dst, "dst");
     assert_eq!(s["phase"], "Cancelled", "{s}");
     let before = s["present"].as_u64().unwrap();
     assert!(before < s["regions"].as_u64().unwrap(), "{s}");
@@ -666,7 +655,7 @@ fn a_cancelled_hydration_stops_serving_and_a_new_start_resumes_it() {
         "{other:?}"
     );
     p.start(&[]);
-    assert!(status(&p.dst, "dst")["present"].as_u64().unwrap() >= before);
+    assert!(hydration_status(&p.dst, "dst")["present"].as_u64().unwrap() >= before);
     p.wait();
     let want = expected(&p.src_img, &[(region_57, vec![0xe1; MIB as usize])]);
     assert!(

@@ -717,18 +717,6 @@ fn bad_relationship_specs_are_refused_with_what_to_fix() {
     assert!(out.contains("deleted"), "{out}");
 }
 
-/// `mover hydrate status EXPORT --json` on `agent`.
-fn fill_status(agent: &Agent, export: &str) -> serde_json::Value {
-    let out = ok(hydrate(&[
-        "status",
-        export,
-        "--json",
-        "--agent",
-        &control(agent),
-    ]));
-    serde_json::from_str(&out).unwrap()
-}
-
 #[test]
 fn a_fill_from_a_replica_reads_the_cycle_held_for_it_while_later_cycles_are_applied() {
     let p = pair(&[]);
@@ -772,7 +760,7 @@ fn a_fill_from_a_replica_reads_the_cycle_held_for_it_while_later_cycles_are_appl
     );
     assert!(p.same(), "the replica went on to the next cycle");
     assert_ne!(blake3_of(&p.b_img, LEN), at_first_cycle);
-    let during = fill_status(&c, "copy1");
+    let during = hydration_status(&c, "copy1");
     assert_eq!(during["phase"], "Hydrating", "still filling: {during}");
     ok(hydrate(&["wait", "copy1", "--agent", &control(&c)]));
     assert_eq!(
@@ -801,7 +789,7 @@ fn a_fill_from_a_replica_reads_the_cycle_held_for_it_while_later_cycles_are_appl
     ]));
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let s = fill_status(&c, "copy2");
+        let s = hydration_status(&c, "copy2");
         let err = s["last_error"].as_str().unwrap_or_default();
         // Its reads through the ended hold, or a new session's hold, are refused.
         if err.contains("promoted") || err.contains("is the primary of relationship") {

@@ -215,7 +215,6 @@ impl AgentService {
             )));
         }
         // A volume written in place (a first sync, a resync, a copy) is no cycle yet.
-        // (A staged cycle's journal is busy while it commits: that is no rewrite.)
         let open: Vec<Arc<Session>> = self
             .sessions
             .lock()
@@ -224,13 +223,7 @@ impl AgentService {
             .filter(|s| s.export == r.volume)
             .cloned()
             .collect();
-        let rewritten = open.iter().any(|s| {
-            s.dest.lock().expect("dest lock").is_some()
-                && s.cycle
-                    .as_ref()
-                    .is_none_or(|c| c.journal.try_lock().is_ok_and(|j| j.is_none()))
-        });
-        if rewritten {
+        if open.iter().any(|s| s.writes_in_place()) {
             return Err(self.refuse(ServiceError::FailedPrecondition(format!(
                 "export {:?} is being written in place (a first sync, a resync or a copy): it \
                  is no cycle to hold until that is done",
@@ -399,9 +392,6 @@ impl Transfer for AgentService {
                     // A volume that held a cycle (or a former primary's data) changes
                     // atomically; a first sync or a new image is complete only at the end.
                     let staged = known_before && d.partial.is_none() && !d.fresh;
-                    if !staged {
-                        holds::end_all(&export.path, "the replica is being rewritten in place (a first sync or a resync)");
-                    }
                     let j = if staged {
                         Some(blocking(|| Journal::create(&dir)).map_err(internal)?)
                     } else {
@@ -423,9 +413,6 @@ impl Transfer for AgentService {
                 .as_ref()
                 .filter(|_| indexed)
                 .and_then(|_| self.applied_cycle(&r.relationship));
-            if dest.is_some() && cycle.is_none() {
-                holds::end_all(&export.path, "the volume is being written by a copy");
-            }
             let hold = match r.hold.is_empty() {
                 true => None,
                 false => Some(self.hold(&r, &export.path, caller.as_ref())?),
@@ -475,6 +462,12 @@ impl Transfer for AgentService {
                 cycle,
                 hold,
             };
+            if session.writes_in_place() {
+                holds::end_all(
+                    &export.path,
+                    "the volume is being written in place (a first sync, a resync or a copy)",
+                );
+            }
             self.sessions
                 .lock()
                 .expect("sessions lock")
@@ -743,12 +736,15 @@ impl Transfer for AgentService {
                 // seeks, not a read.
                 let (start, end) = (r.first * cs, ((r.first + count) * cs).min(size));
                 let mut at = start;
-                while let Some(d) = v.next_data(at).filter(|&d| d < end) {
-                    let h = v.next_hole(d).min(end);
-                    for c in (d / cs)..h.div_ceil(cs) {
+                let mut mark = |from: u64, to: u64| {
+                    for c in (from / cs)..to.div_ceil(cs) {
                         let i = (c - r.first) as usize;
                         bits[i / 8] |= 1 << (i % 8);
                     }
+                };
+                while let Some(d) = v.next_data(at).filter(|&d| d < end) {
+                    let h = v.next_hole(d).min(end);
+                    mark(d, h);
                     at = h;
                 }
                 // Where later cycles overwrote a held point it may have data the volume
@@ -759,10 +755,7 @@ impl Transfer for AgentService {
                     .into_iter()
                     .filter(|&(d, h)| d < end && h > start)
                 {
-                    for c in (d.max(start) / cs)..h.min(end).div_ceil(cs) {
-                        let i = (c - r.first) as usize;
-                        bits[i / 8] |= 1 << (i % 8);
-                    }
+                    mark(d.max(start), h.min(end));
                 }
                 Ok::<_, chunker::ChunkerError>(bits)
             })

@@ -54,6 +54,18 @@ pub(super) struct Session {
     pub(super) hold: Option<Arc<crate::replicate::holds::Hold>>,
 }
 
+impl Session {
+    /// A WRITE session that writes into the volume in place (a first sync, a resync, a
+    /// copy) rather than into a cycle's journal. A journal busy committing is still one.
+    pub(super) fn writes_in_place(&self) -> bool {
+        self.dest.lock().expect("dest lock").is_some()
+            && self
+                .cycle
+                .as_ref()
+                .is_none_or(|c| c.journal.try_lock().is_ok_and(|j| j.is_none()))
+    }
+}
+
 impl AgentService {
     /// The open session `id`.
     pub(super) fn session(&self, id: &str) -> Result<Arc<Session>, ServiceError> {

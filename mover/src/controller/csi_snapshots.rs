@@ -553,7 +553,7 @@ async fn reader(
                 },
             }))
             .map_err(|e| e.to_string())?;
-            create_or_exists(pvcs.create(&PostParams::default(), &clone).await)
+            super::reconcile::created_or_exists(pvcs.create(&PostParams::default(), &clone).await)
                 .map_err(|e| format!("cannot create the clone PVC {ns}/{name}: {e}"))?;
             return Ok(None);
         }
@@ -586,7 +586,7 @@ async fn reader(
             },
         }))
         .map_err(|e| e.to_string())?;
-        create_or_exists(pods.create(&PostParams::default(), &pod).await)
+        super::reconcile::created_or_exists(pods.create(&PostParams::default(), &pod).await)
             .map_err(|e| format!("cannot create the reader pod {ns}/{name}: {e}"))?;
     }
     let bound = pvc.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
@@ -594,14 +594,6 @@ async fn reader(
         .spec
         .and_then(|s| s.volume_name)
         .filter(|v| bound && !v.is_empty()))
-}
-
-fn create_or_exists<T>(r: Result<T, kube::Error>) -> Result<(), kube::Error> {
-    match r {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-        Err(e) => Err(e),
-    }
 }
 
 /// The ranges changed from the snapshot `base` (a CSI handle) to the VolumeSnapshot

@@ -142,27 +142,34 @@ pub async fn reconcile(
                 create: true,
                 ..Default::default()
             };
-            match (&hs.spec.agent, &hs.spec.snapshot, &hs.spec.secret_ref) {
-                _ if hs.spec.volume_replication.is_some() => {
-                    let vr = hs.spec.volume_replication.as_deref().unwrap_or_default();
+            let from = &hs.spec;
+            match (
+                &from.volume_replication,
+                &from.agent,
+                &from.snapshot,
+                &from.secret_ref,
+            ) {
+                (Some(vr), ..) => {
                     let (url, relationship) = replica_of(&ctx, &ns, vr).await.map_err(invalid)?;
                     req.source = Some(hydrate::start_request::Source::Agent(url));
                     req.replica_of = relationship;
                 }
-                (Some(url), _, r) => {
+                (None, Some(url), _, r) => {
                     req.source = Some(hydrate::start_request::Source::Agent(url.clone()));
                     if let Some(r) = r {
                         (req.peer_token, req.peer_ca) =
                             peer_access(&ctx, r, &ns).await.map_err(invalid)?;
                     }
                 }
-                (None, Some(snap), Some(r)) => {
+                (None, None, Some(snap), Some(r)) => {
                     let s = snapshot_access(&ctx, snap, r, &ns).await.map_err(invalid)?;
                     req.source = Some(hydrate::start_request::Source::Snapshot(s));
                 }
                 _ => {
                     return Err(invalid(
-                        "names neither an agent nor a snapshot with its secretRef".into(),
+                        "names no agent, no VolumeReplication and no snapshot with its \
+                         secretRef"
+                            .into(),
                     ));
                 }
             }
@@ -298,6 +305,29 @@ async fn peer_access(ctx: &Context, r: &SecretRef, user: &str) -> Result<(String
     Ok((token, text("ca.crt").unwrap_or_default()))
 }
 
+/// The data of the repository secret `r` names (for namespace `user`) and which of its
+/// keys holds the repository's: `password`, or `key` (a raw key).
+pub(super) async fn repository_secret(
+    ctx: &Context,
+    r: &SecretRef,
+    user: &str,
+) -> Result<(std::collections::BTreeMap<String, Vec<u8>>, &'static str), String> {
+    let wanted = "`password` (or `key`, a raw key) and, for S3, `AWS_ACCESS_KEY_ID` and \
+                  `AWS_SECRET_ACCESS_KEY`";
+    let data = source_secret(ctx, r, user, wanted).await?;
+    let key = match (data.contains_key("password"), data.contains_key("key")) {
+        (true, _) => "password",
+        (false, true) => "key",
+        _ => {
+            return Err(format!(
+                "secret {}/{} has no `password`: it needs {wanted}",
+                r.namespace, r.name
+            ));
+        }
+    };
+    Ok((data, key))
+}
+
 /// The snapshot `snap` as the agent opens it, with the password (or raw key) and S3 keys
 /// of the secret `r` names.
 async fn snapshot_access(
@@ -306,23 +336,16 @@ async fn snapshot_access(
     r: &SecretRef,
     user: &str,
 ) -> Result<hydrate::SnapshotSource, String> {
-    let wanted = "`password` (or `key`, a raw key) and, for S3, `AWS_ACCESS_KEY_ID` and \
-                  `AWS_SECRET_ACCESS_KEY`";
-    let data = source_secret(ctx, r, user, wanted).await?;
+    let (data, key) = repository_secret(ctx, r, user).await?;
     let text = |k: &str| {
         data.get(k)
             .map(|v| String::from_utf8_lossy(v).trim().to_string())
             .unwrap_or_default()
     };
-    let (password, raw_key) = match (data.get("password"), data.get("key")) {
-        (Some(_), _) => (text("password").into_bytes(), false),
-        (None, Some(k)) => (k.clone(), true),
-        (None, None) => {
-            return Err(format!(
-                "secret {}/{} has no `password`: it needs {wanted}",
-                r.namespace, r.name
-            ));
-        }
+    let raw_key = key == "key";
+    let password = match raw_key {
+        true => data[key].clone(),
+        false => text(key).into_bytes(),
     };
     Ok(hydrate::SnapshotSource {
         repo: snap.repository.clone(),

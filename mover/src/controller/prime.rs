@@ -20,7 +20,7 @@
 
 use super::crd::{HydrationSource, RepositorySnapshot, SecretRef};
 use super::populator::PopulateError;
-use super::reconcile::Context;
+use super::reconcile::{Context, created_or_exists, deleted_or_gone};
 use k8s_openapi::api::{
     batch::v1::Job,
     core::v1::{PersistentVolume, PersistentVolumeClaim},
@@ -63,7 +63,9 @@ pub(super) async fn reconcile(
             crate::agent::csi::DRIVER
         )));
     };
-    let key_file = repository_key(ctx, secret, &ns).await.map_err(invalid)?;
+    let (_, key_file) = super::populator::repository_secret(ctx, secret, &ns)
+        .await
+        .map_err(invalid)?;
     let kube = |what: String| move |source| PopulateError::Kube { what, source };
     let prime_name = format!("prime-{uid}");
     let pvcs = Api::<PersistentVolumeClaim>::namespaced(ctx.client.clone(), &secret.namespace);
@@ -76,8 +78,7 @@ pub(super) async fn reconcile(
         .await
         .map_err(kube("listing PVs handed over".into()))?;
     if !handed.items.is_empty() {
-        delete_job(&jobs, &job_name).await?;
-        delete(&pvcs, &prime_name).await?;
+        clean_up(&jobs, &job_name, &pvcs, &prime_name).await?;
         return Ok(Action::requeue(POLL));
     }
     // As lib-volume-populator: in a WaitForFirstConsumer class the volume is made where
@@ -96,12 +97,14 @@ pub(super) async fn reconcile(
         .await
         .map_err(kube(format!("reading prime PVC {prime_name}")))?
     else {
-        create(&pvcs, &prime_pvc(pvc, &prime_name))
-            .await
-            .map_err(kube(format!(
-                "creating prime PVC {}/{prime_name}",
-                secret.namespace
-            )))?;
+        created_or_exists(
+            pvcs.create(&PostParams::default(), &prime_pvc(pvc, &prime_name))
+                .await,
+        )
+        .map_err(kube(format!(
+            "creating prime PVC {}/{prime_name}",
+            secret.namespace
+        )))?;
         tracing::info!(pvc = %format!("{ns}/{name}"), prime = %format!("{}/{prime_name}", secret.namespace), %class, "populated PVC filled before use: prime PVC made");
         return Ok(Action::requeue(POLL));
     };
@@ -124,10 +127,9 @@ pub(super) async fn reconcile(
                 &uid,
                 &ctx.job_image,
             );
-            create(&jobs, &job).await.map_err(kube(format!(
-                "creating Job {}/{job_name}",
-                secret.namespace
-            )))?;
+            created_or_exists(jobs.create(&PostParams::default(), &job).await).map_err(kube(
+                format!("creating Job {}/{job_name}", secret.namespace),
+            ))?;
             tracing::info!(pvc = %format!("{ns}/{name}"), job = %format!("{}/{job_name}", secret.namespace), "restoring the snapshot into the prime PVC");
             return Ok(Action::requeue(POLL));
         }
@@ -168,64 +170,33 @@ pub(super) async fn reconcile(
         .patch(&pv, &PatchParams::default(), &Patch::Merge(&rebind))
         .await
         .map_err(kube(format!("handing PV {pv} to it")))?;
-    delete_job(&jobs, &job_name).await?;
-    delete(&pvcs, &prime_name).await?;
+    clean_up(&jobs, &job_name, &pvcs, &prime_name).await?;
     tracing::info!(pvc = %format!("{ns}/{name}"), %pv, "filled before use: its PV handed over from the prime PVC");
     Ok(Action::requeue(POLL))
 }
 
-/// Creates `obj`; one that exists already is fine (an earlier pass made it).
-async fn create<K>(api: &Api<K>, obj: &K) -> Result<(), kube::Error>
-where
-    K: kube::Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
-{
-    match api.create(&PostParams::default(), obj).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-        Err(e) => Err(e),
-    }
-}
-
-async fn delete_job(jobs: &Api<Job>, name: &str) -> Result<(), PopulateError> {
-    let dp = DeleteParams {
+/// Deletes the Job (its pods with it) and then the prime PVC, once the PV is handed
+/// over; either gone already is fine.
+async fn clean_up(
+    jobs: &Api<Job>,
+    job: &str,
+    pvcs: &Api<PersistentVolumeClaim>,
+    prime: &str,
+) -> Result<(), PopulateError> {
+    let background = DeleteParams {
         propagation_policy: Some(PropagationPolicy::Background),
         ..Default::default()
     };
-    match jobs.delete(name, &dp).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-        Err(source) => Err(PopulateError::Kube {
-            what: format!("deleting Job {name}"),
+    deleted_or_gone(jobs.delete(job, &background).await).map_err(|source| PopulateError::Kube {
+        what: format!("deleting Job {job}"),
+        source,
+    })?;
+    deleted_or_gone(pvcs.delete(prime, &DeleteParams::default()).await).map_err(|source| {
+        PopulateError::Kube {
+            what: format!("deleting prime PVC {prime}"),
             source,
-        }),
-    }
-}
-
-/// Deletes the prime PVC `name` (gone already is fine).
-async fn delete(pvcs: &Api<PersistentVolumeClaim>, name: &str) -> Result<(), PopulateError> {
-    match pvcs.delete(name, &DeleteParams::default()).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-        Err(source) => Err(PopulateError::Kube {
-            what: format!("deleting prime PVC {name}"),
-            source,
-        }),
-    }
-}
-
-/// Which file of the secret holds the repository's key: `password`, or `key` (raw).
-async fn repository_key(ctx: &Context, r: &SecretRef, user: &str) -> Result<&'static str, String> {
-    let wanted = "`password` (or `key`, a raw key) and, for S3, `AWS_ACCESS_KEY_ID` and \
-                  `AWS_SECRET_ACCESS_KEY`";
-    let data = super::populator::source_secret(ctx, r, user, wanted).await?;
-    match (data.contains_key("password"), data.contains_key("key")) {
-        (true, _) => Ok("password"),
-        (false, true) => Ok("key"),
-        _ => Err(format!(
-            "secret {}/{} has no `password`: it needs {wanted}",
-            r.namespace, r.name
-        )),
-    }
+        }
+    })
 }
 
 /// The prime PVC for `pvc`: its class, size, mode and access modes, on the node the

@@ -810,6 +810,25 @@ pub(super) async fn secret_data(
     Ok((data_of(secret), version))
 }
 
+/// A create's outcome, the object existing already counted as done (an earlier pass
+/// made it).
+pub(super) fn created_or_exists<T>(r: Result<T, kube::Error>) -> Result<(), kube::Error> {
+    match r {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// A delete's outcome, the object gone already counted as done.
+pub(super) fn deleted_or_gone<T>(r: Result<T, kube::Error>) -> Result<(), kube::Error> {
+    match r {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// A secret's data, each value as bytes.
 pub(super) fn data_of(secret: Secret) -> std::collections::BTreeMap<String, Vec<u8>> {
     let data = secret.data.unwrap_or_default();

@@ -90,7 +90,9 @@ pub enum HoldError {
     Io(#[from] io::Error),
 }
 
-fn canonical(volume: &Path) -> PathBuf {
+/// The registry's key for `volume` (what [`preserve`] is called with): its canonical
+/// path, so that a journal's and an export's paths of one file meet.
+pub(crate) fn key_of(volume: &Path) -> PathBuf {
     fs::canonicalize(volume).unwrap_or_else(|_| volume.to_path_buf())
 }
 
@@ -115,7 +117,7 @@ pub fn take(
             }
         });
     });
-    let volume = canonical(volume);
+    let volume = key_of(volume);
     if let Some(h) = find(&volume, key) {
         match expected {
             Some(c) if c == h.cycle => return Ok(h),
@@ -213,14 +215,6 @@ fn find(volume: &Path, key: &str) -> Option<Arc<Hold>> {
         .cloned()
 }
 
-/// Whether any hold is on `volume`.
-pub fn any_on(volume: &Path) -> bool {
-    lock(&REGISTRY)
-        .holds
-        .get(&canonical(volume))
-        .is_some_and(|v| !v.is_empty())
-}
-
 /// Keeps what the holds on `volume` read in `offset .. offset + len` before a cycle
 /// overwrites it through `file`. A hold that cannot keep it (a full disk) is ended,
 /// so its reader fails instead of reading the new bytes; the cycle goes on.
@@ -243,14 +237,9 @@ pub(crate) fn preserve(volume: &Path, file: &File, offset: u64, len: u64) {
     }
 }
 
-/// The registry's key for `volume`: what [`preserve`] is called with.
-pub(crate) fn key_of(volume: &Path) -> PathBuf {
-    canonical(volume)
-}
-
 /// Ends the hold `key` on `volume` (its reader is done).
 pub fn release(volume: &Path, key: &str) -> bool {
-    match find(&canonical(volume), key) {
+    match find(&key_of(volume), key) {
         Some(h) => {
             end(&h, "the hold was released by its reader".into());
             true
@@ -263,7 +252,7 @@ pub fn release(volume: &Path, key: &str) -> bool {
 /// their readers: it is about to change other than by a cycle's journal (a promote, a
 /// resync, a copy into it, a deletion).
 pub fn end_all(volume: &Path, why: &str) {
-    let volume = canonical(volume);
+    let volume = key_of(volume);
     let holds = {
         let mut r = lock(&REGISTRY);
         r.closed.insert(volume.clone(), why.to_string());
@@ -277,7 +266,7 @@ pub fn end_all(volume: &Path, why: &str) {
 
 /// `volume` equals a cycle again (one was applied and recorded): holds may be taken.
 pub fn reopen(volume: &Path) {
-    lock(&REGISTRY).closed.remove(&canonical(volume));
+    lock(&REGISTRY).closed.remove(&key_of(volume));
 }
 
 /// Removes the undo files a previous run left (its holds ended with it).
@@ -578,7 +567,10 @@ mod tests {
             err.contains("no longer held") && err.contains("released"),
             "{err}"
         );
-        assert!(!any_on(&volume));
+        assert!(
+            !lock(&REGISTRY).holds.contains_key(&key_of(&volume)),
+            "none left"
+        );
         assert_eq!(
             fs::read_dir(&undo).unwrap().count(),
             0,

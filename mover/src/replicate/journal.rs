@@ -251,6 +251,12 @@ pub(crate) fn apply(dir: &Path) -> io::Result<AppliedCycle> {
             )
         });
     }
+    apply_committed(dir)
+}
+
+/// Writes the committed journal in `dir` onto its volume and finishes it (the caller
+/// holds the directory's lock).
+fn apply_committed(dir: &Path) -> io::Result<AppliedCycle> {
     let (commit, volume) = open_commit(dir)?;
     write_journal(dir, &commit, &volume)?;
     finish(dir, commit, &volume)
@@ -264,9 +270,7 @@ pub(crate) fn at_applied_cycle<T>(
 ) -> io::Result<T> {
     let _settled = settle(dir)?;
     if dir.join("commit.json").exists() {
-        let (commit, volume) = open_commit(dir)?;
-        write_journal(dir, &commit, &volume)?;
-        finish(dir, commit, &volume)?;
+        apply_committed(dir)?;
     }
     Ok(f(read_applied(dir).as_ref()))
 }

@@ -263,11 +263,11 @@ pub fn control(agent: &Agent) -> String {
     format!("agent://127.0.0.1:{}", agent.port)
 }
 
-/// The stdout of a `mover replicate` run that must succeed.
+/// The stdout of a `mover` run that must succeed.
 pub fn ok(out: std::process::Output) -> String {
     assert!(
         out.status.success(),
-        "mover replicate failed: {}",
+        "mover failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
@@ -278,6 +278,18 @@ pub fn status_of(agent: &Agent, name: &str) -> serde_json::Value {
     let out = ok(replicate(&[
         "status",
         name,
+        "--json",
+        "--agent",
+        &control(agent),
+    ]));
+    serde_json::from_str(&out).unwrap()
+}
+
+/// `mover hydrate status EXPORT --json` on `agent`.
+pub fn hydration_status(agent: &Agent, export: &str) -> serde_json::Value {
+    let out = ok(hydrate(&[
+        "status",
+        export,
         "--json",
         "--agent",
         &control(agent),
