@@ -30,7 +30,7 @@ use super::crd::{
     VolumeMoveStatus, VolumeReplication,
 };
 use super::populator::SELECTED_NODE;
-use super::reconcile::{Context, owned, typed};
+use super::reconcile::{Context, created_or_exists, deleted_or_gone, owned, typed};
 use super::status::{reasons, types};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
@@ -562,20 +562,16 @@ impl Step<'_> {
                 secret_ref: None,
             },
         );
-        match Api::<HydrationSource>::namespaced(self.ctx.client.clone(), self.ns)
-            .create(&PostParams::default(), &source)
-            .await
-        {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(e) => {
-                return Err(kube_err(format!(
-                    "creating HydrationSource {}/{}",
-                    self.ns,
-                    source.name_any()
-                ))(e));
-            }
-        }
+        created_or_exists(
+            Api::<HydrationSource>::namespaced(self.ctx.client.clone(), self.ns)
+                .create(&PostParams::default(), &source)
+                .await,
+        )
+        .map_err(kube_err(format!(
+            "creating HydrationSource {}/{}",
+            self.ns,
+            source.name_any()
+        )))?;
         vol.phase = MovePhase::Recreating;
         vol.message = Some(format!(
             "released; the PVC is made again in {class}, filled from {pv} on {node}"
@@ -666,11 +662,8 @@ impl Step<'_> {
             }
         }))
         .expect("a PVC");
-        match api.create(&PostParams::default(), &pvc).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(e) => return Err(kube_err(format!("creating {what}"))(e)),
-        }
+        created_or_exists(api.create(&PostParams::default(), &pvc).await)
+            .map_err(kube_err(format!("creating {what}")))?;
         tracing::info!(pvc = %format!("{}/{}", self.ns, vol.pvc), "made again, filled on demand");
         vol.phase = MovePhase::Filling;
         vol.message = Some("made again; usable where its next pod runs".into());
@@ -766,11 +759,8 @@ impl Step<'_> {
                 )));
             }
             if pod.metadata.deletion_timestamp.is_none() {
-                match pods.delete(&name, &DeleteParams::default()).await {
-                    Ok(_) => {}
-                    Err(kube::Error::Api(e)) if e.code == 404 => {}
-                    Err(e) => return Err(kube_err(format!("deleting pod {name}"))(e)),
-                }
+                deleted_or_gone(pods.delete(&name, &DeleteParams::default()).await)
+                    .map_err(kube_err(format!("deleting pod {name}")))?;
                 tracing::info!(pod = %format!("{}/{name}", self.ns), "deleted for a move");
             }
             held.push(format!("pod {name} is still there"));
