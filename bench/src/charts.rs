@@ -54,10 +54,16 @@ pub fn rates(samples: &[(f64, u64)]) -> Vec<(f64, f64)> {
 }
 
 /// A line chart of each series' MB/s over time, written as SVG to `path`.
-pub fn throughput_chart(path: &Path, title: &str, series: &[Series]) -> Result<()> {
+pub fn throughput_chart(
+    path: &Path,
+    title: &str,
+    series: &[Series],
+    floor_seconds: Option<f64>,
+) -> Result<()> {
     let t_max = series
         .iter()
         .flat_map(|s| s.points.iter().map(|p| p.0))
+        .chain(floor_seconds)
         .fold(1.0_f64, f64::max);
     let y_max = series
         .iter()
@@ -89,6 +95,21 @@ pub fn throughput_chart(path: &Path, title: &str, series: &[Series]) -> Result<(
             .map_err(draw_err)?
             .label(s.label.clone())
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    if let Some(floor) = floor_seconds {
+        // The device floor: the least time the job's bytes take on this disk, measured in
+        // the same run; a line ending far right of it is time the job spent on its own.
+        let dashed = BLACK.stroke_width(1);
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(floor, 0.0), (floor, y_max)],
+                6,
+                4,
+                dashed,
+            ))
+            .map_err(draw_err)?
+            .label(format!("device floor ({floor:.1} s)"))
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], dashed));
     }
     chart
         .configure_series_labels()
@@ -247,7 +268,7 @@ mod tests {
             label: "tool-a".into(),
             points: vec![(0.0, 0.0), (1.0, 250.0), (2.0, 10.0)],
         }];
-        throughput_chart(&dir.join("t.svg"), "phase one", &series).unwrap();
+        throughput_chart(&dir.join("t.svg"), "phase one", &series, Some(2.0)).unwrap();
         let bars = [Bar {
             label: "speed-up of x".into(),
             value: 1.7,

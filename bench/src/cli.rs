@@ -60,6 +60,13 @@ source (the loop device and today.img) read into it. The targets checked:
 Every copy is checked byte-identical to its source after it is timed (untimed).
 
 Prints a table of figures, ratios and PASS/FAIL, and writes every figure as JSON.
+Every phase first measures the disk under --workdir with O_DIRECT (reads of today.img,
+writes of a scratch file, each alone and both at once, ~8 s): each job's floor is the least
+time its bytes take on that disk (for jobs that hash, at least the time b3sum takes on
+them), shown as /floor; every judged mover job must stay within 1.3x of its floor.
+--throttle W[:R] runs the same bench on a disk made slow (the block cgroup's throttle on
+the workdir's disk, lifted at the end): a result that holds only on fast disks shows.
+
 Exit status: 0 all targets met, 2 some target missed, 1 error.
 
 Needs root (loop devices, mount, drop_caches), cp, dd, rsync, b3sum, mkfs.ext4, losetup,
@@ -117,13 +124,51 @@ pub struct Args {
     /// cp reference is timed within the phase either way.
     #[arg(long, conflicts_with_all = ["only_snapshot", "skip_agent"])]
     pub only_agent: bool,
+
+    /// Throttle the workdir's disk for the timed runs, as on a slow day: WRITE[:READ] in
+    /// bytes per second with binary suffixes (`400M` = 400 MiB/s writes, reads unlimited;
+    /// `400M:900M` limits reads too). Uses the block cgroup (v1 blkio or v2 io.max) and
+    /// lifts it at the end.
+    #[arg(long, value_name = "WRITE[:READ]", value_parser = parse_throttle)]
+    pub throttle: Option<(u64, u64)>,
 }
 
 /// Smallest volume that holds the ext4 metadata plus every kind of content.
 pub const MIN_SIZE: u64 = 256 << 20;
 
+/// Parses a throttle `WRITE[:READ]` into bytes per second (READ 0 when absent).
+pub fn parse_throttle(text: &str) -> Result<(u64, u64), String> {
+    let (write, read) = text.split_once(':').unwrap_or((text, ""));
+    let write = parse_bytes(write)?;
+    let read = if read.is_empty() {
+        0
+    } else {
+        parse_bytes(read)?
+    };
+    if write < 1 << 20 || (read != 0 && read < 1 << 20) {
+        return Err(format!(
+            "{text}: a throttle below 1M (1 MiB/s) would stall the bench"
+        ));
+    }
+    Ok((write, read))
+}
+
 /// Parses a byte size such as `4G`, `512M`, `1536K` or `4294967296` (binary multiples).
 pub fn parse_size(text: &str) -> Result<u64, String> {
+    let size = parse_bytes(text)?;
+    if size < MIN_SIZE {
+        return Err(format!(
+            "{text} is too small: the volume needs at least 256M"
+        ));
+    }
+    if size % 4096 != 0 {
+        return Err(format!("{text} is not a multiple of 4 KiB"));
+    }
+    Ok(size)
+}
+
+/// A byte count with an optional binary suffix.
+fn parse_bytes(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text
         .find(|c: char| !c.is_ascii_digit())
@@ -140,18 +185,9 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         "T" | "TIB" => 40,
         _ => return Err(format!("unknown size suffix `{suffix}` (use K, M, G or T)")),
     };
-    let size = number
+    number
         .checked_mul(1 << shift)
-        .ok_or_else(|| format!("`{text}` is too large"))?;
-    if size < MIN_SIZE {
-        return Err(format!(
-            "{text} is too small: the volume needs at least 256M"
-        ));
-    }
-    if size % 4096 != 0 {
-        return Err(format!("{text} is not a multiple of 4 KiB"));
-    }
-    Ok(size)
+        .ok_or_else(|| format!("`{text}` is too large"))
 }
 
 #[cfg(test)]
@@ -172,6 +208,14 @@ mod tests {
         assert!(parse_size("G").is_err());
         assert!(parse_size("1M").is_err(), "below the minimum");
         assert!(parse_size("268435457").is_err(), "not page aligned");
+    }
+
+    #[test]
+    fn throttles_are_write_then_read() {
+        assert_eq!(parse_throttle("400M"), Ok((400 << 20, 0)));
+        assert_eq!(parse_throttle("400M:1G"), Ok((400 << 20, 1 << 30)));
+        assert!(parse_throttle("10K").is_err(), "too slow to finish");
+        assert!(parse_throttle("400M:x").is_err());
     }
 
     #[test]

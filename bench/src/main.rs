@@ -9,6 +9,7 @@ mod charts;
 mod cli;
 mod daemon;
 mod diff;
+mod floor;
 mod guard;
 mod image;
 mod mover;
@@ -28,11 +29,12 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 
 use crate::cli::Args;
+use crate::floor::{DeviceSpeed, Throttle};
 use crate::guard::LoopDevice;
 use crate::image::CachePaths;
 use crate::phases::{Cache, Ctx};
 use crate::progress::note;
-use crate::report::Results;
+use crate::report::{Floors, Results};
 use crate::tools::Tools;
 
 /// Exit status when the run completed but some target was missed.
@@ -72,6 +74,15 @@ fn run(args: &Args) -> Result<bool> {
 
     let images = image::prepare(&tools, &cache, args.size, args.skip_build)?;
     let scratch = workdir.join("destination.img");
+    // After the images are built (that is not what is measured), until the results are
+    // out; lifted on drop, errors included.
+    let throttle = args
+        .throttle
+        .map(|(write, read)| Throttle::apply(&workdir, write, read))
+        .transpose()?;
+    if let Some(throttle) = &throttle {
+        note!("{}", throttle.describe());
+    }
     let outcome = measure_and_publish(
         &tools,
         &mover,
@@ -83,7 +94,9 @@ fn run(args: &Args) -> Result<bool> {
             report: args.report.as_deref(),
         },
         chosen,
+        throttle.as_ref().map(Throttle::describe),
     );
+    drop(throttle);
     image::remove_if_present(&scratch)?;
     if !args.keep {
         note!("removing the images (pass --keep to reuse them with --skip-build)");
@@ -123,6 +136,7 @@ fn measure_and_publish(
     images: &image::Images,
     places: Places,
     chosen: Phases,
+    throttle: Option<String>,
 ) -> Result<bool> {
     let started_unix_secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -164,6 +178,18 @@ fn measure_and_publish(
         bench_peak_rss_bytes: 0,
         load_before: load_average(),
         load_after: String::new(),
+        throttle,
+        floors: Floors::default(),
+    };
+    // The disk's speed right before each phase: what that phase's jobs are judged by.
+    let floor = || -> Result<Option<DeviceSpeed>> {
+        let speed = DeviceSpeed::measure(places.workdir, &images.today)?;
+        note!(
+            "disk under {}: {}",
+            places.workdir.display(),
+            speed.describe()
+        );
+        Ok(Some(speed))
     };
     // The JSON is rewritten after every phase, so a run stopped (or failed) midway keeps
     // the figures of the phases it finished.
@@ -172,6 +198,11 @@ fn measure_and_publish(
         results.hash = phases::hash(&ctx)?;
         save(&results)?;
         for cache in [Cache::Cold, Cache::Warm] {
+            let speed = floor()?;
+            match cache {
+                Cache::Cold => results.floors.copies_cold = speed,
+                Cache::Warm => results.floors.copies_warm = speed,
+            }
             results.full_copy.push(phases::full_copy(&ctx, cache)?);
             save(&results)?;
             results.delta_copy.push(phases::delta_copy(&ctx, cache)?);
@@ -181,10 +212,12 @@ fn measure_and_publish(
         save(&results)?;
     }
     if chosen.agent {
+        results.floors.agent = floor()?;
         results.agent = Some(phases::agent_copy(&ctx)?);
         save(&results)?;
     }
     if chosen.snapshot {
+        results.floors.snapshot = floor()?;
         results.snapshot = Some(phases::snapshot(&ctx)?);
     }
     results.load_after = load_average();

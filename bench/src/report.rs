@@ -8,24 +8,30 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
+use crate::floor::DeviceSpeed;
 use crate::image::Manifest;
 use crate::phases::{
-    AgentCopy, DeltaCopy, FullCopy, HashResult, Run, SnapshotPhase, SnapshotStep, SparseCopy,
+    AgentCopy, Cache, DeltaCopy, FullCopy, HashResult, Run, SnapshotPhase, SnapshotStep, SparseCopy,
 };
 
 /// Targets mover must meet.
 const HASH_MIN_RATIO: f64 = 0.90;
-const FULL_COPY_MAX_RATIO: f64 = 1.10;
-const DELTA_MIN_SPEEDUP: f64 = 5.0;
+/// Mover's time over cp's: at least as fast as cp, in every run.
+const FULL_COPY_MAX_RATIO: f64 = 1.0;
+const DELTA_MIN_SPEEDUP: f64 = 8.0;
 const DELTA_MAX_WRITE_RATIO: f64 = 1.10;
 const MAX_RSS_MIB: f64 = 256.0;
+/// The push client (a copy to an agent) holds no more than this.
+const PUSH_MAX_RSS_MIB: f64 = 128.0;
 const AGENT_FULL_MAX_RATIO: f64 = 1.25;
-const AGENT_FULL_MIN_SPEEDUP: f64 = 1.5;
-const AGENT_DELTA_MIN_SPEEDUP: f64 = 5.0;
+const AGENT_FULL_MIN_SPEEDUP: f64 = 2.0;
+const AGENT_DELTA_MIN_SPEEDUP: f64 = 8.0;
 const AGENT_TLS_MIN_RATIO: f64 = 0.85;
-const SNAPSHOT_FIRST_MIN_SPEEDUP: f64 = 2.0;
+const SNAPSHOT_FIRST_MIN_SPEEDUP: f64 = 2.5;
 const SNAPSHOT_INCREMENTAL_MIN_SPEEDUP: f64 = 3.0;
-const SNAPSHOT_RESTORE_MIN_SPEEDUP: f64 = 2.0;
+const SNAPSHOT_RESTORE_MIN_SPEEDUP: f64 = 3.0;
+/// Every mover job's time over its device floor.
+const FLOOR_MAX_RATIO: f64 = 1.3;
 
 /// Bytes per MiB.
 const MIB: f64 = 1024.0 * 1024.0;
@@ -68,6 +74,91 @@ pub struct Results {
     pub agent: Option<AgentCopy>,
     /// The snapshots against restic (absent with --skip-snapshot).
     pub snapshot: Option<SnapshotPhase>,
+    /// The throttle the run was made under (`--throttle`), if any.
+    pub throttle: Option<String>,
+    /// The disk's speed, measured before each phase.
+    pub floors: Floors,
+}
+
+/// The disk's O_DIRECT speed measured right before each phase, which that phase's jobs
+/// are judged against.
+#[derive(Debug, Default, Serialize)]
+pub struct Floors {
+    /// Before the cold copies.
+    pub copies_cold: Option<DeviceSpeed>,
+    /// Before the warm copies.
+    pub copies_warm: Option<DeviceSpeed>,
+    /// Before the copies through the agent.
+    pub agent: Option<DeviceSpeed>,
+    /// Before the snapshots.
+    pub snapshot: Option<DeviceSpeed>,
+}
+
+impl Floors {
+    /// The floor of the copies in `cache`.
+    fn of_copies(&self, cache: Cache) -> Option<DeviceSpeed> {
+        match cache {
+            Cache::Cold => self.copies_cold,
+            Cache::Warm => self.copies_warm,
+        }
+    }
+}
+
+/// The bytes a full copy must write: the least any tool's copy of today's image occupies
+/// (holes and zeros need no write), or the image's own allocation.
+fn full_copy_written(results: &Results) -> u64 {
+    results
+        .full_copy
+        .iter()
+        .flat_map(|f| [&f.cp, &f.dd, &f.mover])
+        .filter_map(|run| run.destination_allocated_bytes)
+        .chain([results.images.today_allocated])
+        .min()
+        .unwrap_or(0)
+}
+
+/// Every mover row with a floor, checked against it: a mover job takes at most
+/// `FLOOR_MAX_RATIO` times what its bytes take on the disk.
+fn floor_checks(rows: &[Row]) -> Vec<Check> {
+    rows.iter()
+        .filter(|r| r.tool.starts_with("mover") && r.check.is_some())
+        .filter_map(|r| {
+            let ratio = r.over_floor()?;
+            Some(Check::new(
+                &format!("{}: {} time / device floor", r.phase, r.tool),
+                ratio,
+                Rule::AtMost,
+                FLOOR_MAX_RATIO,
+                Unit::Ratio,
+            ))
+        })
+        .collect()
+}
+
+/// What a job cannot do without: bytes it must read from the disk, write to it, and hash.
+#[derive(Debug, Clone, Copy)]
+struct Work {
+    read: u64,
+    write: u64,
+    hash: u64,
+}
+
+/// The floors of one phase: its disk, and how fast this machine hashes (b3sum on every
+/// CPU, page-cached, from the hash phase), for jobs that must hash what they compare.
+#[derive(Debug, Clone, Copy)]
+struct PhaseFloor {
+    disk: Option<DeviceSpeed>,
+    hash_bps: Option<f64>,
+}
+
+impl PhaseFloor {
+    /// The least time `work` takes here: the disk's floor, or hashing, whichever is
+    /// longer; none when the disk was not measured.
+    fn seconds(self, work: Work) -> Option<f64> {
+        let disk = self.disk?.floor_seconds(work.read, work.write);
+        let hashing = self.hash_bps.map_or(0.0, |bps| work.hash as f64 / bps);
+        Some(disk.max(hashing))
+    }
 }
 
 /// How a measured figure is compared with its limit.
@@ -171,6 +262,8 @@ struct Row<'a> {
     bytes: u64,
     /// The target this row is judged by, if any.
     check: Option<Check>,
+    /// The least time the job's bytes take on the phase's disk, if measured.
+    floor_seconds: Option<f64>,
 }
 
 /// The table rows and the checks not tied to a row.
@@ -183,6 +276,15 @@ impl<'a> Summary<'a> {
     /// Derives rows and checks from `results`.
     fn new(results: &'a Results) -> Self {
         let size = results.images.size;
+        let floors = &results.floors;
+        // b3sum on every CPU over a page-cached image: how fast this machine can hash.
+        let hash_bps = results
+            .hash
+            .iter()
+            .max_by_key(|h| h.threads)
+            .map(|h| size as f64 / h.b3sum.seconds);
+        let phase_floor = |disk: Option<DeviceSpeed>| PhaseFloor { disk, hash_bps };
+        let full_written = full_copy_written(results);
         let mut rows = Vec::new();
         for hash in &results.hash {
             let phase = format!("hash N={}", hash.threads);
@@ -194,25 +296,32 @@ impl<'a> Summary<'a> {
             rows.push(row(&phase, &hash.mover_on_image_file, size, None));
         }
         for full in &results.full_copy {
-            rows.extend(full_copy_rows(full, size));
+            let floor = phase_floor(floors.of_copies(full.cache));
+            rows.extend(full_copy_rows(full, size, floor, full_written));
         }
         for delta in &results.delta_copy {
-            rows.extend(delta_copy_rows(delta, size));
+            let floor = phase_floor(floors.of_copies(delta.cache));
+            rows.extend(delta_copy_rows(delta, size, floor));
         }
         if let Some(sparse) = &results.sparse_copy {
             rows.push(row("sparse 64G", &sparse.cp, sparse.size, None));
             rows.push(row("sparse 64G", &sparse.mover, sparse.size, None));
         }
         if let Some(agent) = &results.agent {
-            rows.extend(agent_rows(agent, size));
+            rows.extend(agent_rows(
+                agent,
+                size,
+                phase_floor(floors.agent),
+                full_written,
+            ));
         }
         if let Some(snapshot) = &results.snapshot {
-            rows.extend(snapshot_rows(snapshot, size));
+            let floor = phase_floor(floors.snapshot);
+            rows.extend(snapshot_rows(snapshot, size, floor, full_written));
         }
-        Self {
-            rows,
-            other_checks: other_checks(results),
-        }
+        let mut other_checks = other_checks(results);
+        other_checks.extend(floor_checks(&rows));
+        Self { rows, other_checks }
     }
 
     /// Every check, row checks first.
@@ -232,12 +341,36 @@ fn row<'a>(phase: &str, run: &'a Run, bytes: u64, check: Option<Check>) -> Row<'
         tool: run.tool.clone(),
         bytes,
         check,
+        floor_seconds: None,
+    }
+}
+
+impl Row<'_> {
+    /// This row with its floor.
+    fn floor(mut self, floor: Option<f64>) -> Self {
+        self.floor_seconds = floor;
+        self
+    }
+
+    /// Time over the floor.
+    fn over_floor(&self) -> Option<f64> {
+        self.floor_seconds
+            .filter(|f| *f > 0.0)
+            .map(|f| self.run.seconds / f)
     }
 }
 
 /// Rows of the full copy: cp, dd, and mover judged against cp.
-fn full_copy_rows(full: &FullCopy, size: u64) -> Vec<Row<'_>> {
+fn full_copy_rows(full: &FullCopy, size: u64, floor: PhaseFloor, written: u64) -> Vec<Row<'_>> {
     let phase = full.cache.phase("full copy");
+    // Cold, the whole device is read (only the file system knows its holes); warm, the
+    // page cache serves it.
+    let read = if full.cache == Cache::Cold { size } else { 0 };
+    let floor = floor.seconds(Work {
+        read,
+        write: written,
+        hash: 0,
+    });
     let ratio = full.mover.seconds / full.cp.seconds;
     let check = Check::new(
         &format!("{phase}: mover time / cp --sparse=always time"),
@@ -247,15 +380,23 @@ fn full_copy_rows(full: &FullCopy, size: u64) -> Vec<Row<'_>> {
         Unit::Ratio,
     );
     vec![
-        row(&phase, &full.cp, size, None),
-        row(&phase, &full.dd, size, None),
-        row(&phase, &full.mover, size, Some(check)),
+        row(&phase, &full.cp, size, None).floor(floor),
+        row(&phase, &full.dd, size, None).floor(floor),
+        row(&phase, &full.mover, size, Some(check)).floor(floor),
     ]
 }
 
 /// Rows of the delta copy: rsync, and mover judged by its speed-up over rsync.
-fn delta_copy_rows(delta: &DeltaCopy, size: u64) -> Vec<Row<'_>> {
+fn delta_copy_rows(delta: &DeltaCopy, size: u64, floor: PhaseFloor) -> Vec<Row<'_>> {
     let phase = delta.cache.phase("delta copy");
+    // The source is read whole (cold) and hashed; only the changed pages are written.
+    // The destination need not be read: mover's index of it spares that.
+    let read = if delta.cache == Cache::Cold { size } else { 0 };
+    let floor = floor.seconds(Work {
+        read,
+        write: delta.changed.differing_bytes(),
+        hash: size,
+    });
     let speedup = delta.rsync.seconds / delta.mover.seconds;
     let check = Check::new(
         &format!("{phase}: rsync time / mover time"),
@@ -265,17 +406,29 @@ fn delta_copy_rows(delta: &DeltaCopy, size: u64) -> Vec<Row<'_>> {
         Unit::Ratio,
     );
     vec![
-        row(&phase, &delta.rsync, size, None),
-        row(&phase, &delta.mover_unindexed, size, None),
-        row(&phase, &delta.mover, size, Some(check)),
+        row(&phase, &delta.rsync, size, None).floor(floor),
+        row(&phase, &delta.mover_unindexed, size, None).floor(floor),
+        row(&phase, &delta.mover, size, Some(check)).floor(floor),
     ]
 }
 
 /// Rows of the copies over the network: local cp for reference, rsync to its daemon, and
 /// mover to the agent judged against cp and, with mutual TLS, against itself without;
 /// then the delta copies, mover judged by its speed-up over rsync.
-fn agent_rows(agent: &AgentCopy, size: u64) -> Vec<Row<'_>> {
+fn agent_rows(agent: &AgentCopy, size: u64, floor: PhaseFloor, written: u64) -> Vec<Row<'_>> {
     let (full, delta) = (&agent.full, &agent.delta);
+    // Both ends are on the one disk: the full copy reads the device and writes its data;
+    // the delta reads and hashes the source and writes the changed pages.
+    let full_floor = floor.seconds(Work {
+        read: size,
+        write: written,
+        hash: 0,
+    });
+    let delta_floor = floor.seconds(Work {
+        read: size,
+        write: delta.changed.differing_bytes(),
+        hash: size,
+    });
     let local_cp = &full.cp;
     let vs_cp = Check::new(
         "agent full copy: mover time / local cp --sparse=always time",
@@ -299,13 +452,13 @@ fn agent_rows(agent: &AgentCopy, size: u64) -> Vec<Row<'_>> {
         Unit::Ratio,
     );
     vec![
-        row("agent full", local_cp, size, None),
-        row("agent full", &full.rsync, size, None),
-        row("agent full", &full.mover, size, Some(vs_cp)),
-        row("agent full", &full.mover_tls, size, Some(tls)),
-        row("agent delta", &delta.rsync, size, None),
-        row("agent delta", &delta.mover_unindexed, size, None),
-        row("agent delta", &delta.mover, size, Some(speedup)),
+        row("agent full", local_cp, size, None).floor(full_floor),
+        row("agent full", &full.rsync, size, None).floor(full_floor),
+        row("agent full", &full.mover, size, Some(vs_cp)).floor(full_floor),
+        row("agent full", &full.mover_tls, size, Some(tls)).floor(full_floor),
+        row("agent delta", &delta.rsync, size, None).floor(delta_floor),
+        row("agent delta", &delta.mover_unindexed, size, None).floor(delta_floor),
+        row("agent delta", &delta.mover, size, Some(speedup)).floor(delta_floor),
     ]
 }
 
@@ -332,22 +485,47 @@ fn agent_checks(agent: &AgentCopy) -> Vec<Check> {
 
 /// Rows of the snapshots: restic, and mover judged by its speed-up over restic, for the
 /// first snapshot, the incremental one and the restore.
-fn snapshot_rows(snapshot: &SnapshotPhase, size: u64) -> Vec<Row<'_>> {
-    let steps: [(&str, &SnapshotStep, f64); 3] = [
-        ("snap first", &snapshot.first, SNAPSHOT_FIRST_MIN_SPEEDUP),
+fn snapshot_rows(
+    snapshot: &SnapshotPhase,
+    size: u64,
+    floor: PhaseFloor,
+    written: u64,
+) -> Vec<Row<'_>> {
+    let (first, incr) = (&snapshot.first, &snapshot.incremental);
+    // A snapshot reads and hashes the volume once and writes what its repository gained;
+    // a restore reads the repository and writes the volume's data.
+    let first_floor = floor.seconds(Work {
+        read: size,
+        write: first.mover_repo_bytes,
+        hash: size,
+    });
+    let incr_floor = floor.seconds(Work {
+        read: size,
+        write: incr.mover_repo_bytes.saturating_sub(first.mover_repo_bytes),
+        hash: size,
+    });
+    let restore_floor = floor.seconds(Work {
+        read: incr.mover_repo_bytes,
+        write: written,
+        hash: 0,
+    });
+    let steps: [(&str, &SnapshotStep, f64, Option<f64>); 3] = [
+        ("snap first", first, SNAPSHOT_FIRST_MIN_SPEEDUP, first_floor),
         (
             "snap incr",
-            &snapshot.incremental,
+            incr,
             SNAPSHOT_INCREMENTAL_MIN_SPEEDUP,
+            incr_floor,
         ),
         (
             "snap restore",
             &snapshot.restore,
             SNAPSHOT_RESTORE_MIN_SPEEDUP,
+            restore_floor,
         ),
     ];
     let mut rows = Vec::new();
-    for (phase, step, limit) in steps {
+    for (phase, step, limit, floor) in steps {
         let check = Check::new(
             &format!("{phase}: restic time / mover time"),
             step.restic.seconds / step.mover.seconds,
@@ -355,8 +533,8 @@ fn snapshot_rows(snapshot: &SnapshotPhase, size: u64) -> Vec<Row<'_>> {
             limit,
             Unit::Ratio,
         );
-        rows.push(row(phase, &step.restic, size, None));
-        rows.push(row(phase, &step.mover, size, Some(check)));
+        rows.push(row(phase, &step.restic, size, None).floor(floor));
+        rows.push(row(phase, &step.mover, size, Some(check)).floor(floor));
     }
     rows
 }
@@ -425,6 +603,13 @@ fn other_checks(results: &Results) -> Vec<Check> {
         mover_copies.push(&sparse.mover);
     }
     if let Some(agent) = &results.agent {
+        checks.push(Check::new(
+            "peak RSS of mover, push client of the agent full copy",
+            agent.full.mover.max_rss_bytes as f64 / MIB,
+            Rule::AtMost,
+            PUSH_MAX_RSS_MIB,
+            Unit::Mib,
+        ));
         mover_copies.extend([
             &agent.full.mover,
             &agent.full.mover_tls,
@@ -528,7 +713,12 @@ fn write_html(dir: &Path, summary: &Summary, table: &str) -> Result<()> {
             continue;
         }
         let file = format!("{}.svg", slug(phase));
-        throughput_chart(&dir.join(&file), phase, &series)?;
+        let floor = summary
+            .rows
+            .iter()
+            .find(|r| r.phase == phase)
+            .and_then(|r| r.floor_seconds);
+        throughput_chart(&dir.join(&file), phase, &series, floor)?;
         figures.push(Figure {
             file,
             caption: format!("{phase}: each tool's I/O over time (its best run)"),
@@ -582,8 +772,17 @@ fn render(results: &Results, summary: &Summary) -> String {
     let _ = writeln!(out, "\n{}", headline(results));
     let _ = writeln!(
         out,
-        "\n{:<12} {:<34} {:>9} {:>10} {:>10} {:>11} {:>7} {:>9} {:>6}",
-        "phase", "tool", "seconds", "MiB/s", "peak RSS", "CPU s", "ratio", "target", "result"
+        "\n{:<12} {:<34} {:>9} {:>7} {:>10} {:>10} {:>11} {:>7} {:>9} {:>6}",
+        "phase",
+        "tool",
+        "seconds",
+        "/floor",
+        "MiB/s",
+        "peak RSS",
+        "CPU s",
+        "ratio",
+        "target",
+        "result"
     );
     for row in &summary.rows {
         let _ = writeln!(out, "{}", render_row(row).trim_end());
@@ -669,7 +868,27 @@ fn snapshot_notes(snapshot: &SnapshotPhase) -> String {
 fn headline(results: &Results) -> String {
     let images = &results.images;
     let diff = &images.diff;
-    format!(
+    let mut disk = String::new();
+    if let Some(throttle) = &results.throttle {
+        let _ = writeln!(disk, "{throttle}");
+    }
+    let floors = &results.floors;
+    for (phase, speed) in [
+        ("copies, cold", floors.copies_cold),
+        ("copies, warm", floors.copies_warm),
+        ("agent", floors.agent),
+        ("snapshots", floors.snapshot),
+    ] {
+        if let Some(speed) = speed {
+            let _ = writeln!(disk, "disk before the {phase}: {}", speed.describe());
+        }
+    }
+    let _ = write!(
+        disk,
+        "/floor: time over the least the job's bytes take on that disk (and, for jobs that \
+         hash, over hashing them at b3sum's speed)"
+    );
+    let head = format!(
         "mover-bench: {:.2} GiB volume ({:.2} GiB allocated), {} CPUs, kernel {}\n\
          load average before/after the timed runs: {} / {}\n\
          day of changes: {} of {} 4 KiB pages differ ({:.1}% of the volume, {:.1}% of pages \
@@ -684,7 +903,8 @@ fn headline(results: &Results) -> String {
         diff.total_pages,
         percent(diff.differing_pages, diff.total_pages),
         percent(diff.differing_pages, diff.compared_pages),
-    )
+    );
+    format!("{head}\n{disk}")
 }
 
 /// `part` as a percentage of `whole`.
@@ -707,11 +927,15 @@ fn render_row(row: &Row) -> String {
         Some(server) => format!("{:.1}+{server:.1}", run.cpu_seconds),
         None => format!("{:.1}", run.cpu_seconds),
     };
+    let over_floor = row
+        .over_floor()
+        .map_or_else(String::new, |r| format!("{r:.2}x"));
     format!(
-        "{:<12} {:<34} {:>9.3} {:>10.1} {:>10} {:>11} {:>7} {:>9} {:>6}",
+        "{:<12} {:<34} {:>9.3} {:>7} {:>10.1} {:>10} {:>11} {:>7} {:>9} {:>6}",
         row.phase,
         tool,
         run.seconds,
+        over_floor,
         row.bytes as f64 / MIB / run.seconds,
         format!("{:.1} MiB", run.max_rss_bytes as f64 / MIB),
         cpu,

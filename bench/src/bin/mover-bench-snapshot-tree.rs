@@ -345,6 +345,7 @@ fn write_report(dir: &Path, results: &Results, table: &str) -> Result<()> {
                     points: rates(&s.mover.io_samples),
                 },
             ],
+            None,
         )?;
         figures.push(Figure {
             file,

@@ -253,7 +253,7 @@ fn write_report(dir: &Path, steps: &[Step], sources: &[PathBuf], table: &str) ->
             })
             .collect();
         let file = format!("{}.svg", s.name);
-        throughput_chart(&dir.join(&file), s.name, &series)?;
+        throughput_chart(&dir.join(&file), s.name, &series, None)?;
         figures.push(Figure {
             file,
             caption: format!(
