@@ -129,33 +129,16 @@ pub struct Args {
     /// bytes per second with binary suffixes (`400M` = 400 MiB/s writes, reads unlimited;
     /// `400M:900M` limits reads too). Uses the block cgroup (v1 blkio or v2 io.max) and
     /// lifts it at the end.
-    #[arg(long, value_name = "WRITE[:READ]", value_parser = parse_throttle)]
+    #[arg(long, value_name = "WRITE[:READ]", value_parser = crate::floor::parse_throttle)]
     pub throttle: Option<(u64, u64)>,
 }
 
 /// Smallest volume that holds the ext4 metadata plus every kind of content.
 pub const MIN_SIZE: u64 = 256 << 20;
 
-/// Parses a throttle `WRITE[:READ]` into bytes per second (READ 0 when absent).
-pub fn parse_throttle(text: &str) -> Result<(u64, u64), String> {
-    let (write, read) = text.split_once(':').unwrap_or((text, ""));
-    let write = parse_bytes(write)?;
-    let read = if read.is_empty() {
-        0
-    } else {
-        parse_bytes(read)?
-    };
-    if write < 1 << 20 || (read != 0 && read < 1 << 20) {
-        return Err(format!(
-            "{text}: a throttle below 1M (1 MiB/s) would stall the bench"
-        ));
-    }
-    Ok((write, read))
-}
-
 /// Parses a byte size such as `4G`, `512M`, `1536K` or `4294967296` (binary multiples).
 pub fn parse_size(text: &str) -> Result<u64, String> {
-    let size = parse_bytes(text)?;
+    let size = crate::floor::parse_bytes(text)?;
     if size < MIN_SIZE {
         return Err(format!(
             "{text} is too small: the volume needs at least 256M"
@@ -165,29 +148,6 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         return Err(format!("{text} is not a multiple of 4 KiB"));
     }
     Ok(size)
-}
-
-/// A byte count with an optional binary suffix.
-fn parse_bytes(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (digits, suffix) = text.split_at(split);
-    let number: u64 = digits
-        .parse()
-        .map_err(|_| format!("`{text}` is not a size like 4G, 512M or 1073741824"))?;
-    let shift = match suffix.to_ascii_uppercase().as_str() {
-        "" | "B" => 0,
-        "K" | "KIB" => 10,
-        "M" | "MIB" => 20,
-        "G" | "GIB" => 30,
-        "T" | "TIB" => 40,
-        _ => return Err(format!("unknown size suffix `{suffix}` (use K, M, G or T)")),
-    };
-    number
-        .checked_mul(1 << shift)
-        .ok_or_else(|| format!("`{text}` is too large"))
 }
 
 #[cfg(test)]
@@ -208,14 +168,6 @@ mod tests {
         assert!(parse_size("G").is_err());
         assert!(parse_size("1M").is_err(), "below the minimum");
         assert!(parse_size("268435457").is_err(), "not page aligned");
-    }
-
-    #[test]
-    fn throttles_are_write_then_read() {
-        assert_eq!(parse_throttle("400M"), Ok((400 << 20, 0)));
-        assert_eq!(parse_throttle("400M:1G"), Ok((400 << 20, 1 << 30)));
-        assert!(parse_throttle("10K").is_err(), "too slow to finish");
-        assert!(parse_throttle("400M:x").is_err());
     }
 
     #[test]

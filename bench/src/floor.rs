@@ -357,6 +357,46 @@ fn whole_disk_of(dir: &Path) -> Result<String> {
     Ok(format!("{major}:{minor}"))
 }
 
+/// Parses a throttle `WRITE[:READ]` into bytes per second (READ 0 when absent).
+pub fn parse_throttle(text: &str) -> Result<(u64, u64), String> {
+    let (write, read) = text.split_once(':').unwrap_or((text, ""));
+    let write = parse_bytes(write)?;
+    let read = if read.is_empty() {
+        0
+    } else {
+        parse_bytes(read)?
+    };
+    if write < 1 << 20 || (read != 0 && read < 1 << 20) {
+        return Err(format!(
+            "{text}: a throttle below 1M (1 MiB/s) would stall the bench"
+        ));
+    }
+    Ok((write, read))
+}
+
+/// A byte count with an optional binary suffix.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, suffix) = text.split_at(split);
+    let number: u64 = digits
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size like 4G, 512M or 1073741824"))?;
+    let shift = match suffix.to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KIB" => 10,
+        "M" | "MIB" => 20,
+        "G" | "GIB" => 30,
+        "T" | "TIB" => 40,
+        _ => return Err(format!("unknown size suffix `{suffix}` (use K, M, G or T)")),
+    };
+    number
+        .checked_mul(1 << shift)
+        .ok_or_else(|| format!("`{text}` is too large"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -374,6 +414,14 @@ mod tests {
         // A read alone is at the read speed, not the mixed one.
         assert!((disk.floor_seconds(1_000_000_000, 0) - 1.0).abs() < 1e-9);
         assert_eq!(disk.floor_seconds(0, 0), 0.0);
+    }
+
+    #[test]
+    fn throttles_are_write_then_read() {
+        assert_eq!(parse_throttle("400M"), Ok((400 << 20, 0)));
+        assert_eq!(parse_throttle("400M:1G"), Ok((400 << 20, 1 << 30)));
+        assert!(parse_throttle("10K").is_err(), "too slow to finish");
+        assert!(parse_throttle("400M:x").is_err());
     }
 
     #[test]

@@ -82,7 +82,8 @@ pub fn read_in_turns<T: Send, E: Send, R>(
         let mut outs = Vec::new();
         let mut recycle = Vec::new();
         for first in 0..readers {
-            let (read_tx, read_rx) = mpsc::sync_channel::<Result<T, E>>(depth.max(1));
+            // Depth 0: a reader holds its one item until it is taken (a rendezvous).
+            let (read_tx, read_rx) = mpsc::sync_channel::<Result<T, E>>(depth);
             let (empty_tx, empty_rx) = mpsc::channel::<T>();
             let mut k = first;
             let turn = move |recycled| {

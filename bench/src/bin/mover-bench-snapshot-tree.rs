@@ -4,6 +4,12 @@
 #[allow(dead_code)] // shared with mover-bench
 #[path = "../charts.rs"]
 mod charts;
+#[allow(dead_code)] // the device floor and --throttle, shared with mover-bench
+#[path = "../floor.rs"]
+mod floor;
+#[allow(dead_code)] // the floor's random bytes
+#[path = "../prng.rs"]
+mod prng;
 #[allow(dead_code)] // the bench's process helpers, shared with mover-bench
 #[path = "../process.rs"]
 mod process;
@@ -70,6 +76,10 @@ struct Args {
     /// each step's median round, speed-up and memory against the targets).
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
+    /// Throttle the workdir's disk for the timed runs, as on a slow day: WRITE[:READ]
+    /// bytes per second (`400M`, `400M:900M`), through the block cgroup.
+    #[arg(long, value_name = "WRITE[:READ]", value_parser = floor::parse_throttle)]
+    throttle: Option<(u64, u64)>,
 }
 
 /// One tool's run.
@@ -159,6 +169,14 @@ fn run(args: &Args) -> Result<bool> {
     let src = volume.mnt.join("src");
     copy_sources(&sources, &src)?;
     let repos = args.workdir.join("repos");
+    // The tree is copied in at full speed; the snapshots run on the slow disk.
+    let throttle = args
+        .throttle
+        .map(|(write, read)| floor::Throttle::apply(&args.workdir, write, read))
+        .transpose()?;
+    if let Some(t) = &throttle {
+        eprintln!("mover-bench-snapshot-tree: {}", t.describe());
+    }
     let paths = Paths {
         src: src.clone(),
         restic_repo: repos.join("restic"),

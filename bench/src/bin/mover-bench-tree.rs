@@ -6,6 +6,12 @@
 #[allow(dead_code)] // shared with mover-bench
 #[path = "../charts.rs"]
 mod charts;
+#[allow(dead_code)] // the device floor and --throttle, shared with mover-bench
+#[path = "../floor.rs"]
+mod floor;
+#[allow(dead_code)] // the floor's random bytes
+#[path = "../prng.rs"]
+mod prng;
 #[allow(dead_code)] // the bench's process helpers, shared with mover-bench
 #[path = "../process.rs"]
 mod process;
@@ -52,8 +58,9 @@ added with 10% of its files changed); the targets are the same.
 After each step's three timed runs both of mover's copies are checked identical to the
 source by `rsync -aHAXnc --delete -i` (untimed; any itemized line is a failure).
 Peak memory (wait4 ru_maxrss) is reported for each run.
-Exit status: 0 all targets met by --replica (the mode for reruns onto a copy only mover
-writes), 2 some target missed, 1 error. Needs root and rsync.";
+--throttle W[:R] makes the workdir's disk slow for the timed runs (see mover-bench --help).
+Exit status: 0 all targets met, by plain mover and by --replica alike, 2 some target
+missed, 1 error. Needs root and rsync.";
 
 /// Benchmark `mover copy` of file trees against rsync.
 #[derive(Debug, Parser)]
@@ -91,6 +98,10 @@ struct Args {
     /// each step, the speed-ups against the targets, peak memory).
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
+    /// Throttle the workdir's disk for the timed runs, as on a slow day: WRITE[:READ]
+    /// bytes per second (`400M`, `400M:900M`), through the block cgroup.
+    #[arg(long, value_name = "WRITE[:READ]", value_parser = floor::parse_throttle)]
+    throttle: Option<(u64, u64)>,
 }
 
 /// One step, timed for rsync and both of mover's modes.
@@ -171,6 +182,14 @@ fn run(args: &Args) -> Result<bool> {
     }
     let state = args.workdir.join("state");
     _ = fs::remove_dir_all(&state);
+    // The tree is built at full speed; the copies run on the slow disk. Lifted on drop.
+    let throttle = args
+        .throttle
+        .map(|(write, read)| floor::Throttle::apply(&args.workdir, write, read))
+        .transpose()?;
+    if let Some(t) = &throttle {
+        eprintln!("mover-bench-tree: {}", t.describe());
+    }
     let dsts = Dsts {
         rsync: volume.mnt.join("rsync-dst"),
         mover: volume.mnt.join("mover-dst"),
@@ -382,7 +401,8 @@ fn step(
         replica,
         speedup,
         replica_speedup,
-        pass: replica_speedup >= target,
+        // Both modes: a plain rerun is what most users type.
+        pass: speedup >= target && replica_speedup >= target,
     })
 }
 

@@ -120,7 +120,9 @@ pub(crate) fn read_groups(
     known: Option<std::sync::Arc<KnownChunks>>,
     cvs: Option<std::sync::Arc<CvFile>>,
 ) -> tokio::sync::mpsc::Receiver<Result<Group, CopyError>> {
-    let (tx, rx) = tokio::sync::mpsc::channel(3);
+    // One group queued: the readers hold the groups read ahead already (each group is a
+    // window of 8 MiB, and every one queued here is memory the push client holds).
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
     std::thread::spawn(move || {
         if known.is_none() {
             volume.advise_sequential(); // not for scattered changed chunks: no readahead
@@ -219,12 +221,13 @@ pub(crate) fn read_groups(
             let kinds = (known.is_some() && r.is_ok()).then(|| hash(&win, &plans, g, false));
             Some(r.map(|read| (win, plans, read, kinds)))
         };
-        // Readers take turns by group, each a group ahead of this thread, so the disk
+        // Readers take turns by group, each holding the group it read until this thread
+        // takes it (depth 0: a window each, not two, for the push client's memory), so the disk
         // always has several groups' reads in flight while this one finds zeros and hashes
         // (whole groups, in parallel on the rayon pool; the few scattered chunks of a
         // cycle are hashed by their readers instead). A reader stops at its first error,
         // or when this thread stops taking groups (dropping `turns`).
-        chunker::read_in_turns(1, readers as usize, read, |mut turns| {
+        chunker::read_in_turns(0, readers as usize, read, |mut turns| {
             for g in 0..groups {
                 let (win, plans, bytes_read, kinds) = match turns.next() {
                     Some(Ok(read)) => read,
