@@ -149,6 +149,9 @@ struct Work {
 struct PhaseFloor {
     disk: Option<DeviceSpeed>,
     hash_bps: Option<f64>,
+    /// What reading the volume costs the disk: its image's allocated bytes (the loop
+    /// device reads the image's holes as zeros without touching the disk).
+    volume_read: u64,
 }
 
 impl PhaseFloor {
@@ -283,7 +286,11 @@ impl<'a> Summary<'a> {
             .iter()
             .max_by_key(|h| h.threads)
             .map(|h| size as f64 / h.b3sum.seconds);
-        let phase_floor = |disk: Option<DeviceSpeed>| PhaseFloor { disk, hash_bps };
+        let phase_floor = |disk: Option<DeviceSpeed>| PhaseFloor {
+            disk,
+            hash_bps,
+            volume_read: results.images.today_allocated,
+        };
         let full_written = full_copy_written(results);
         let mut rows = Vec::new();
         for hash in &results.hash {
@@ -363,9 +370,12 @@ impl Row<'_> {
 /// Rows of the full copy: cp, dd, and mover judged against cp.
 fn full_copy_rows(full: &FullCopy, size: u64, floor: PhaseFloor, written: u64) -> Vec<Row<'_>> {
     let phase = full.cache.phase("full copy");
-    // Cold, the whole device is read (only the file system knows its holes); warm, the
-    // page cache serves it.
-    let read = if full.cache == Cache::Cold { size } else { 0 };
+    // Cold, the volume is read from the disk; warm, the page cache serves it.
+    let read = if full.cache == Cache::Cold {
+        floor.volume_read
+    } else {
+        0
+    };
     let floor = floor.seconds(Work {
         read,
         write: written,
@@ -391,7 +401,11 @@ fn delta_copy_rows(delta: &DeltaCopy, size: u64, floor: PhaseFloor) -> Vec<Row<'
     let phase = delta.cache.phase("delta copy");
     // The source is read whole (cold) and hashed; only the changed pages are written.
     // The destination need not be read: mover's index of it spares that.
-    let read = if delta.cache == Cache::Cold { size } else { 0 };
+    let read = if delta.cache == Cache::Cold {
+        floor.volume_read
+    } else {
+        0
+    };
     let floor = floor.seconds(Work {
         read,
         write: delta.changed.differing_bytes(),
@@ -420,12 +434,12 @@ fn agent_rows(agent: &AgentCopy, size: u64, floor: PhaseFloor, written: u64) -> 
     // Both ends are on the one disk: the full copy reads the device and writes its data;
     // the delta reads and hashes the source and writes the changed pages.
     let full_floor = floor.seconds(Work {
-        read: size,
+        read: floor.volume_read,
         write: written,
         hash: 0,
     });
     let delta_floor = floor.seconds(Work {
-        read: size,
+        read: floor.volume_read,
         write: delta.changed.differing_bytes(),
         hash: size,
     });
@@ -495,12 +509,12 @@ fn snapshot_rows(
     // A snapshot reads and hashes the volume once and writes what its repository gained;
     // a restore reads the repository and writes the volume's data.
     let first_floor = floor.seconds(Work {
-        read: size,
+        read: floor.volume_read,
         write: first.mover_repo_bytes,
         hash: size,
     });
     let incr_floor = floor.seconds(Work {
-        read: size,
+        read: floor.volume_read,
         write: incr.mover_repo_bytes.saturating_sub(first.mover_repo_bytes),
         hash: size,
     });

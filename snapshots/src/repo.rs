@@ -9,7 +9,7 @@ use crate::{
     manifest::{MANIFEST_VERSION, Manifest, Snapshot, decode_list},
     pack::{
         BlobKind, FOOTER_LEN, FinishedPack, PackBuilder, PackEntry, PackId, open_blob, pack_key,
-        parse_trailer, seal_blob, trailer_len,
+        parse_trailer, seal_blob, seal_blob_at, trailer_len,
     },
 };
 use bytes::Bytes;
@@ -193,6 +193,18 @@ impl Repository {
     /// blocking thread or rayon).
     pub fn seal_blob(&self, kind: BlobKind, id: &ChunkId, plain: &[u8]) -> Vec<u8> {
         seal_blob(&self.key, kind, id, plain)
+    }
+
+    /// Seals a volume's data chunk, at the volume chunks' zstd level (1, where a file
+    /// tree's blobs take 3: why is told at `VOLUME_ZSTD_LEVEL` in pack.rs).
+    pub fn seal_volume_chunk(&self, id: &ChunkId, plain: &[u8]) -> Vec<u8> {
+        seal_blob_at(
+            &self.key,
+            BlobKind::Data,
+            id,
+            plain,
+            crate::pack::VOLUME_ZSTD_LEVEL,
+        )
     }
 
     /// Seals a pack's trailer and names it.

@@ -485,7 +485,7 @@ fn seal_new(
             );
         }
     }
-    (repo.seal_blob(BlobKind::Data, id, plain), None)
+    (repo.seal_volume_chunk(id, plain), None)
 }
 
 #[cfg(test)]
