@@ -270,6 +270,43 @@ fn produce(
     let mut lists = Vec::new();
     let mut sum = SnapshotSummary::default();
     let send = |pack: PackBuilder| tx.send(repo.finish_pack(pack));
+    // Seals new chunks (as deltas of their fetched bases where that pays) into the data
+    // pack, sending it when full.
+    let store = |chunks: &[(ChunkId, &[u8])],
+                 bases: &[Option<(ChunkId, BlobLoc)>],
+                 fetched: &Fetched,
+                 data_pack: &mut PackBuilder,
+                 sum: &mut SnapshotSummary|
+     -> Result<(), RepoError> {
+        let sealed: Vec<Sealed> = chunks
+            .par_iter()
+            .zip(bases)
+            .map(|((id, plain), base)| {
+                let base = base.and_then(|(bid, _)| Some((bid, fetched.get(&bid)?)));
+                seal_new(repo, id, plain, base)
+            })
+            .collect();
+        for ((id, plain), (s, delta)) in chunks.iter().zip(sealed) {
+            match delta {
+                Some((base, pages)) => {
+                    data_pack.push_delta(*id, base, &s);
+                    sum.delta_chunks += 1;
+                    sum.delta_bytes += (pages * DELTA_PAGE) as u64;
+                }
+                None => data_pack.push(BlobKind::Data, *id, &s),
+            }
+            sum.new_chunks += 1;
+            sum.new_bytes += plain.len() as u64;
+            if data_pack.len() >= pack_size {
+                send(std::mem::replace(
+                    data_pack,
+                    PackBuilder::with_capacity(data_pack_room),
+                ))?;
+            }
+        }
+        Ok(())
+    };
+    let mut waiting: Option<Waiting> = None;
     let mut flush_list = |kinds: &[ChunkKind],
                           list_pack: &mut PackBuilder,
                           seen: &mut HashSet<chunker::ChunkId>|
@@ -315,32 +352,27 @@ fn produce(
                 p.base_at(repo, index, rt, first + *i as u64)
             })
             .collect();
-        let fetched = fetch_bases(repo, rt, &bases)?;
-        let sealed: Vec<Sealed> = new
-            .par_iter()
-            .zip(&bases)
-            .map(|((i, id), base)| {
-                let plain = &win.buf[ranges[*i].clone()];
-                let base = base.and_then(|(bid, _)| Some((bid, fetched.get(&bid)?)));
-                seal_new(repo, id, plain, base)
-            })
+        let fetch = start_fetch(repo, rt, &bases);
+        // The window before's new chunks first (their bases were fetched while this
+        // window was hashed), so chunks go into packs in volume order.
+        if let Some(pending) = waiting.take() {
+            let (chunks, bases, fetch) = pending;
+            let fetched = finish_fetch(rt, fetch)?;
+            let plain: Vec<_> = chunks.iter().map(|(id, p)| (*id, &p[..])).collect();
+            store(&plain, &bases, &fetched, &mut data_pack, &mut sum)?;
+        }
+        let plain: Vec<_> = new
+            .iter()
+            .map(|(i, id)| (*id, &win.buf[ranges[*i].clone()]))
             .collect();
-        for ((i, id), (s, delta)) in new.iter().zip(sealed) {
-            match delta {
-                Some((base, pages)) => {
-                    data_pack.push_delta(*id, base, &s);
-                    sum.delta_chunks += 1;
-                    sum.delta_bytes += (pages * DELTA_PAGE) as u64;
-                }
-                None => data_pack.push(BlobKind::Data, *id, &s),
-            }
-            sum.new_chunks += 1;
-            sum.new_bytes += ranges[*i].len() as u64;
-            if data_pack.len() >= pack_size {
-                send(std::mem::replace(
-                    &mut data_pack,
-                    PackBuilder::with_capacity(data_pack_room),
-                ))?;
+        match fetch {
+            // Nothing to fetch (a first snapshot, new data): sealed at once, no copy.
+            None => store(&plain, &bases, &HashMap::new(), &mut data_pack, &mut sum)?,
+            // The bases are read while the next window is hashed; the chunks wait for
+            // them, copied out of the window the reader will reuse.
+            Some(fetch) => {
+                let chunks = plain.iter().map(|(id, p)| (*id, p.to_vec())).collect();
+                waiting = Some((chunks, bases, fetch));
             }
         }
         for k in kinds {
@@ -352,6 +384,11 @@ fn produce(
         }
         Ok(())
     })?;
+    if let Some((chunks, bases, fetch)) = waiting.take() {
+        let fetched = finish_fetch(rt, fetch)?;
+        let plain: Vec<_> = chunks.iter().map(|(id, p)| (*id, &p[..])).collect();
+        store(&plain, &bases, &fetched, &mut data_pack, &mut sum)?;
+    }
     if !kinds_acc.is_empty() {
         flush_list(&kinds_acc, &mut list_pack, &mut seen)?;
     }
@@ -425,13 +462,25 @@ impl ParentChunks {
     }
 }
 
-/// Fetches the sealed blobs of the distinct bases: ranged reads grouped by pack, the
-/// packs' reads concurrently.
-fn fetch_bases(
+/// The sealed blobs of bases, by id.
+type Fetched = HashMap<ChunkId, (BlobLoc, Bytes)>;
+/// A fetch of bases under way.
+type FetchTask = tokio::task::JoinHandle<Result<Fetched, RepoError>>;
+/// A window's new chunks waiting for their bases: each chunk's id and bytes (copied out
+/// of the window), their bases, and the fetch of those.
+type Waiting = (
+    Vec<(ChunkId, Vec<u8>)>,
+    Vec<Option<(ChunkId, BlobLoc)>>,
+    FetchTask,
+);
+
+/// Starts fetching the sealed blobs of the distinct bases (ranged reads grouped by pack,
+/// the packs' reads concurrently) on the runtime; `None` when there are none.
+fn start_fetch(
     repo: &Arc<Repository>,
     rt: &tokio::runtime::Handle,
     bases: &[Option<(ChunkId, BlobLoc)>],
-) -> Result<HashMap<ChunkId, (BlobLoc, Bytes)>, RepoError> {
+) -> Option<FetchTask> {
     let mut by_pack: HashMap<PackId, Vec<(ChunkId, BlobLoc)>> = HashMap::new();
     let mut seen = HashSet::new();
     for (id, loc) in bases.iter().flatten() {
@@ -440,9 +489,10 @@ fn fetch_bases(
         }
     }
     if by_pack.is_empty() {
-        return Ok(HashMap::new());
+        return None;
     }
-    rt.block_on(async {
+    let repo = repo.clone();
+    Some(rt.spawn(async move {
         let mut reads = tokio::task::JoinSet::new();
         for (pack, blobs) in by_pack {
             let repo = repo.clone();
@@ -457,7 +507,15 @@ fn fetch_bases(
             out.extend(got.into_iter().map(|(id, loc, sealed)| (id, (loc, sealed))));
         }
         Ok(out)
-    })
+    }))
+}
+
+/// Waits for a fetch of bases (on a blocking thread).
+fn finish_fetch(rt: &tokio::runtime::Handle, fetch: FetchTask) -> Result<Fetched, RepoError> {
+    rt.block_on(fetch).map_err(|e| RepoError::Refused {
+        what: "snapshot base read".into(),
+        why: format!("failed: {e}"),
+    })?
 }
 
 /// A sealed new chunk and, if it is a delta, its base and number of differing pages.
