@@ -255,6 +255,16 @@ pub async fn restore_snapshot(
                     }
                 }
             }
+            // Packs in the volume order of their first chunk: a new image is then written
+            // front to back, not in a hash map's order (a snapshot's packs hold the
+            // volume in order, so this is also the order they were written in).
+            let mut by_pack: Vec<_> = by_pack.into_iter().collect();
+            by_pack.sort_by_key(|(_, blobs)| {
+                blobs
+                    .iter()
+                    .filter_map(|(id, _)| at.get(id)?.first().copied())
+                    .min()
+            });
             let at = Arc::new(at);
             // Delta chunks, a group at a time: the deltas and their bases fetched with
             // merged ranged reads per pack, each chunk rebuilt and checked, then written.
