@@ -761,6 +761,36 @@ fn write_html(dir: &Path, summary: &Summary, table: &str) -> Result<()> {
             caption: "every ratio the bench checks: green met, red missed".into(),
         });
     }
+    // Every job against the disk: time over its floor, the floor at 1 and the target
+    // (mover's jobs) marked.
+    let floors: Vec<Bar> = summary
+        .rows
+        .iter()
+        .filter_map(|r| {
+            let over = r.over_floor()?;
+            let judged = r.tool.starts_with("mover") && r.check.is_some();
+            Some(Bar {
+                label: format!("{}: {}", r.phase, r.tool),
+                value: over,
+                target: judged.then_some(FLOOR_MAX_RATIO),
+                pass: !judged || over <= FLOOR_MAX_RATIO,
+            })
+        })
+        .collect();
+    if !floors.is_empty() {
+        bar_chart(
+            &dir.join("floor.svg"),
+            "time over the device floor (1.0 = the disk's own speed)",
+            "time / floor (target for judged mover jobs: black tick, 1.3)",
+            &floors,
+        )?;
+        figures.push(Figure {
+            file: "floor.svg".into(),
+            caption: "each job's time over the least its bytes take on the disk measured \
+                      right before its phase"
+                .into(),
+        });
+    }
     let memory: Vec<Bar> = summary
         .rows
         .iter()

@@ -83,11 +83,12 @@ pub struct PackEntry {
 /// zstd level of blobs.
 const ZSTD_LEVEL: i32 = 3;
 /// zstd level of a volume's chunks: 1 MiB of block data (database pages, file system
-/// blocks), where level 1 compressed as well as level 3 at 2.4x its speed (measured on
-/// the bench's 4 GiB ext4 volume with 1 MiB blocks: ratio 2.263 at level 1, 2.248 at 3;
-/// 369 and 157 MB/s), and level 3 was 60% of a first snapshot's CPU. A file tree's
-/// blobs keep level 3: there it gained 9% (a /usr tar, 3.00 against 2.73).
-pub(crate) const VOLUME_ZSTD_LEVEL: i32 = 1;
+/// blocks). Measured on the bench's 4 GiB ext4 volume in 1 MiB blocks: level 1 2.551x
+/// at 558 MB/s, level 2 2.584x at 450 MB/s, level 3 2.575x at 329 MB/s. Level 2 stores
+/// no more than 3 at 1.4x its speed (level 3 was 60% of a first snapshot's CPU); level 1
+/// is faster still but made the repository 1.3% larger than restic's. A file tree's
+/// blobs keep level 3 (a /usr tar: 3.00x against level 1's 2.73x).
+pub(crate) const VOLUME_ZSTD_LEVEL: i32 = 2;
 /// Blobs larger than this are first judged by compressing samples of them.
 const SAMPLE_ABOVE: usize = 64 << 10;
 /// Sample size and count: [`SAMPLES`] pieces of [`SAMPLE`] bytes spread over the blob

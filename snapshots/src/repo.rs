@@ -195,7 +195,7 @@ impl Repository {
         seal_blob(&self.key, kind, id, plain)
     }
 
-    /// Seals a volume's data chunk, at the volume chunks' zstd level (1, where a file
+    /// Seals a volume's data chunk, at the volume chunks' zstd level (2, where a file
     /// tree's blobs take 3: why is told at `VOLUME_ZSTD_LEVEL` in pack.rs).
     pub fn seal_volume_chunk(&self, id: &ChunkId, plain: &[u8]) -> Vec<u8> {
         seal_blob_at(
