@@ -269,6 +269,17 @@ impl Throttle {
         })
     }
 
+    /// The throttle `--throttle` asked for (`None`: none), applied to the disk of `dir`
+    /// and said on stderr by `bench`.
+    pub fn from_arg(dir: &Path, arg: Option<(u64, u64)>, bench: &str) -> Result<Option<Self>> {
+        let Some((write, read)) = arg else {
+            return Ok(None);
+        };
+        let throttle = Self::apply(dir, write, read)?;
+        eprintln!("{bench}: {}", throttle.describe());
+        Ok(Some(throttle))
+    }
+
     /// What is throttled, for the log and the results.
     pub fn describe(&self) -> String {
         let mb = |bps: u64| bps as f64 / 1e6;

@@ -76,13 +76,7 @@ fn run(args: &Args) -> Result<bool> {
     let scratch = workdir.join("destination.img");
     // After the images are built (that is not what is measured), until the results are
     // out; lifted on drop, errors included.
-    let throttle = args
-        .throttle
-        .map(|(write, read)| Throttle::apply(&workdir, write, read))
-        .transpose()?;
-    if let Some(throttle) = &throttle {
-        note!("{}", throttle.describe());
-    }
+    let throttle = Throttle::from_arg(&workdir, args.throttle, "mover-bench")?;
     let outcome = measure_and_publish(
         &tools,
         &mover,

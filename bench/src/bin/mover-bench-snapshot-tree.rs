@@ -170,13 +170,8 @@ fn run(args: &Args) -> Result<bool> {
     copy_sources(&sources, &src)?;
     let repos = args.workdir.join("repos");
     // The tree is copied in at full speed; the snapshots run on the slow disk.
-    let throttle = args
-        .throttle
-        .map(|(write, read)| floor::Throttle::apply(&args.workdir, write, read))
-        .transpose()?;
-    if let Some(t) = &throttle {
-        eprintln!("mover-bench-snapshot-tree: {}", t.describe());
-    }
+    let _throttle =
+        floor::Throttle::from_arg(&args.workdir, args.throttle, "mover-bench-snapshot-tree")?;
     let paths = Paths {
         src: src.clone(),
         restic_repo: repos.join("restic"),

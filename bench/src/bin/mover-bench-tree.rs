@@ -183,13 +183,7 @@ fn run(args: &Args) -> Result<bool> {
     let state = args.workdir.join("state");
     _ = fs::remove_dir_all(&state);
     // The tree is built at full speed; the copies run on the slow disk. Lifted on drop.
-    let throttle = args
-        .throttle
-        .map(|(write, read)| floor::Throttle::apply(&args.workdir, write, read))
-        .transpose()?;
-    if let Some(t) = &throttle {
-        eprintln!("mover-bench-tree: {}", t.describe());
-    }
+    let _throttle = floor::Throttle::from_arg(&args.workdir, args.throttle, "mover-bench-tree")?;
     let dsts = Dsts {
         rsync: volume.mnt.join("rsync-dst"),
         mover: volume.mnt.join("mover-dst"),
