@@ -126,7 +126,7 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["only_snapshot", "skip_agent"])]
     pub only_agent: bool,
 
-    /// Throttle the workdir's disk for the timed runs, as on a slow day: WRITE[:READ] in
+    /// Throttle the workdir's disk for the timed runs, as on a slow day: `WRITE[:READ]` in
     /// bytes per second with binary suffixes (`400M` = 400 MiB/s writes, reads unlimited;
     /// `400M:900M` limits reads too). Uses the block cgroup (v1 blkio or v2 io.max) and
     /// lifts it at the end.

@@ -76,7 +76,7 @@ struct Args {
     /// each step's median round, speed-up and memory against the targets).
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
-    /// Throttle the workdir's disk for the timed runs, as on a slow day: WRITE[:READ]
+    /// Throttle the workdir's disk for the timed runs, as on a slow day: `WRITE[:READ]`
     /// bytes per second (`400M`, `400M:900M`), through the block cgroup.
     #[arg(long, value_name = "WRITE[:READ]", value_parser = floor::parse_throttle)]
     throttle: Option<(u64, u64)>,
