@@ -138,57 +138,52 @@ impl AlignedBuffer {
 /// spell, or until `stop`; returns bytes per second.
 fn read_spell(source: &File, len: u64, depth: usize, stop: Option<&AtomicBool>) -> Result<f64> {
     let requests = len / REQUEST as u64;
-    let spell = |lane: usize| -> Result<u64> {
-        let mut buffer = AlignedBuffer::new(lane as u64);
-        let start = Instant::now();
-        let mut done = 0u64;
-        let mut index = lane as u64;
-        while start.elapsed() < SPELL
-            && done < SPELL_BYTES / depth as u64
-            && !stop.is_some_and(|s| s.load(Ordering::Relaxed))
-        {
-            let offset = (index % requests) * REQUEST as u64;
-            source.read_exact_at(buffer.get(), offset)?;
-            done += REQUEST as u64;
-            index += depth as u64;
-        }
-        Ok(done)
-    };
-    timed_lanes(depth, spell, || Ok(()))
+    timed_lanes(
+        depth,
+        stop,
+        |buffer, index| source.read_exact_at(buffer, (index % requests) * REQUEST as u64),
+        || Ok(()),
+    )
 }
 
 /// Writes a new file at `path` with `depth` requests in flight for one spell, then
 /// fdatasyncs it; returns bytes per second, the sync included.
 fn write_spell(path: &Path, depth: usize) -> Result<f64> {
     let file = open_direct(path, true)?;
-    let spell = |lane: usize| -> Result<u64> {
-        let mut buffer = AlignedBuffer::new(lane as u64 + 100);
-        let start = Instant::now();
-        let mut done = 0u64;
-        let mut index = lane as u64;
-        while start.elapsed() < SPELL && done < SPELL_BYTES / depth as u64 {
-            file.write_all_at(buffer.get(), index * REQUEST as u64)?;
+    timed_lanes(
+        depth,
+        None,
+        |buffer, index| file.write_all_at(buffer, index * REQUEST as u64),
+        || Ok(file.sync_data()?),
+    )
+}
+
+/// Runs `depth` lanes at once for one spell (or until `stop`), lane `l` doing requests
+/// `l`, `l + depth`, ... with `request(buffer, index)` from a buffer of its own, then
+/// `finish`; returns their bytes per second together, `finish` included.
+fn timed_lanes(
+    depth: usize,
+    stop: Option<&AtomicBool>,
+    request: impl Fn(&mut [u8], u64) -> std::io::Result<()> + Sync,
+    finish: impl FnOnce() -> Result<()>,
+) -> Result<f64> {
+    let lane = |lane: usize| -> Result<u64> {
+        let mut buffer = AlignedBuffer::new(lane as u64);
+        let (start, mut done, mut index) = (Instant::now(), 0u64, lane as u64);
+        while start.elapsed() < SPELL
+            && done < SPELL_BYTES / depth as u64
+            && !stop.is_some_and(|s| s.load(Ordering::Relaxed))
+        {
+            request(buffer.get(), index)?;
             done += REQUEST as u64;
             index += depth as u64;
         }
         Ok(done)
     };
-    timed_lanes(depth, spell, || Ok(file.sync_data()?))
-}
-
-/// Runs `spell` on `depth` threads at once, then `finish`; returns their bytes per second
-/// together, `finish` included.
-fn timed_lanes(
-    depth: usize,
-    spell: impl Fn(usize) -> Result<u64> + Sync,
-    finish: impl FnOnce() -> Result<()>,
-) -> Result<f64> {
     let started = Instant::now();
     let bytes = std::thread::scope(|s| {
-        let spell = &spell;
-        let lanes: Vec<_> = (0..depth)
-            .map(|lane| s.spawn(move || spell(lane)))
-            .collect();
+        let lane = &lane;
+        let lanes: Vec<_> = (0..depth).map(|l| s.spawn(move || lane(l))).collect();
         lanes
             .into_iter()
             .map(|l| l.join().expect("floor lane panicked"))
@@ -208,10 +203,10 @@ pub struct Throttle {
     device: String,
     /// What was set, to say so and to lift it.
     how: ThrottleKind,
-    /// Bytes per second, for the results.
-    pub write_bps: u64,
+    /// Bytes per second.
+    write_bps: u64,
     /// Bytes per second, 0 for none.
-    pub read_bps: u64,
+    read_bps: u64,
 }
 
 #[derive(Debug)]
@@ -310,10 +305,17 @@ impl Drop for Throttle {
             }
         };
         if let Err(err) = lifted {
+            let by_hand = match &self.how {
+                ThrottleKind::V1(root) => format!(
+                    "write `{} 0` into {}/blkio.throttle.{{write,read}}_bps_device",
+                    self.device,
+                    root.display()
+                ),
+                ThrottleKind::V2(group) => format!("remove the cgroup {}", group.display()),
+            };
             eprintln!(
-                "mover-bench: warning: cannot lift the throttle on disk {}: {err:#}; \
-                 write `{} 0` into {BLKIO_V1}/blkio.throttle.write_bps_device",
-                self.device, self.device
+                "mover-bench: warning: cannot lift the throttle on disk {}: {err:#}; {by_hand}",
+                self.device
             );
         }
     }

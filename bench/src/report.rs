@@ -117,24 +117,6 @@ fn full_copy_written(results: &Results) -> u64 {
         .unwrap_or(0)
 }
 
-/// Every mover row with a floor, checked against it: a mover job takes at most
-/// `FLOOR_MAX_RATIO` times what its bytes take on the disk.
-fn floor_checks(rows: &[Row]) -> Vec<Check> {
-    rows.iter()
-        .filter(|r| r.tool.starts_with("mover") && r.check.is_some())
-        .filter_map(|r| {
-            let ratio = r.over_floor()?;
-            Some(Check::new(
-                &format!("{}: {} time / device floor", r.phase, r.tool),
-                ratio,
-                Rule::AtMost,
-                FLOOR_MAX_RATIO,
-                Unit::Ratio,
-            ))
-        })
-        .collect()
-}
-
 /// What a job cannot do without: bytes it must read from the disk, write to it, and hash.
 #[derive(Debug, Clone, Copy)]
 struct Work {
@@ -152,9 +134,19 @@ struct PhaseFloor {
     /// What reading the volume costs the disk: its image's allocated bytes (the loop
     /// device reads the image's holes as zeros without touching the disk).
     volume_read: u64,
+    /// What writing the volume whole costs: see [`full_copy_written`].
+    volume_written: u64,
 }
 
 impl PhaseFloor {
+    /// What reading the volume costs in `cache`: nothing once the page cache holds it.
+    fn source_read(self, cache: Cache) -> u64 {
+        match cache {
+            Cache::Cold => self.volume_read,
+            Cache::Warm => 0,
+        }
+    }
+
     /// The least time `work` takes here: the disk's floor, or hashing, whichever is
     /// longer; none when the disk was not measured.
     fn seconds(self, work: Work) -> Option<f64> {
@@ -290,8 +282,8 @@ impl<'a> Summary<'a> {
             disk,
             hash_bps,
             volume_read: results.images.today_allocated,
+            volume_written: full_copy_written(results),
         };
-        let full_written = full_copy_written(results);
         let mut rows = Vec::new();
         for hash in &results.hash {
             let phase = format!("hash N={}", hash.threads);
@@ -304,7 +296,7 @@ impl<'a> Summary<'a> {
         }
         for full in &results.full_copy {
             let floor = phase_floor(floors.of_copies(full.cache));
-            rows.extend(full_copy_rows(full, size, floor, full_written));
+            rows.extend(full_copy_rows(full, size, floor));
         }
         for delta in &results.delta_copy {
             let floor = phase_floor(floors.of_copies(delta.cache));
@@ -315,19 +307,14 @@ impl<'a> Summary<'a> {
             rows.push(row("sparse 64G", &sparse.mover, sparse.size, None));
         }
         if let Some(agent) = &results.agent {
-            rows.extend(agent_rows(
-                agent,
-                size,
-                phase_floor(floors.agent),
-                full_written,
-            ));
+            rows.extend(agent_rows(agent, size, phase_floor(floors.agent)));
         }
         if let Some(snapshot) = &results.snapshot {
             let floor = phase_floor(floors.snapshot);
-            rows.extend(snapshot_rows(snapshot, size, floor, full_written));
+            rows.extend(snapshot_rows(snapshot, size, floor));
         }
         let mut other_checks = other_checks(results);
-        other_checks.extend(floor_checks(&rows));
+        other_checks.extend(rows.iter().filter_map(Row::floor_check));
         Self { rows, other_checks }
     }
 
@@ -365,20 +352,29 @@ impl Row<'_> {
             .filter(|f| *f > 0.0)
             .map(|f| self.run.seconds / f)
     }
+
+    /// A judged mover job's time over its floor, checked: at most `FLOOR_MAX_RATIO` times
+    /// what its bytes take on the disk. None for peers and for rows without a floor.
+    fn floor_check(&self) -> Option<Check> {
+        if !self.tool.starts_with("mover") || self.check.is_none() {
+            return None;
+        }
+        Some(Check::new(
+            &format!("{}: {} time / device floor", self.phase, self.tool),
+            self.over_floor()?,
+            Rule::AtMost,
+            FLOOR_MAX_RATIO,
+            Unit::Ratio,
+        ))
+    }
 }
 
 /// Rows of the full copy: cp, dd, and mover judged against cp.
-fn full_copy_rows(full: &FullCopy, size: u64, floor: PhaseFloor, written: u64) -> Vec<Row<'_>> {
+fn full_copy_rows(full: &FullCopy, size: u64, floor: PhaseFloor) -> Vec<Row<'_>> {
     let phase = full.cache.phase("full copy");
-    // Cold, the volume is read from the disk; warm, the page cache serves it.
-    let read = if full.cache == Cache::Cold {
-        floor.volume_read
-    } else {
-        0
-    };
     let floor = floor.seconds(Work {
-        read,
-        write: written,
+        read: floor.source_read(full.cache),
+        write: floor.volume_written,
         hash: 0,
     });
     let ratio = full.mover.seconds / full.cp.seconds;
@@ -401,13 +397,8 @@ fn delta_copy_rows(delta: &DeltaCopy, size: u64, floor: PhaseFloor) -> Vec<Row<'
     let phase = delta.cache.phase("delta copy");
     // The source is read whole (cold) and hashed; only the changed pages are written.
     // The destination need not be read: mover's index of it spares that.
-    let read = if delta.cache == Cache::Cold {
-        floor.volume_read
-    } else {
-        0
-    };
     let floor = floor.seconds(Work {
-        read,
+        read: floor.source_read(delta.cache),
         write: delta.changed.differing_bytes(),
         hash: size,
     });
@@ -429,13 +420,13 @@ fn delta_copy_rows(delta: &DeltaCopy, size: u64, floor: PhaseFloor) -> Vec<Row<'
 /// Rows of the copies over the network: local cp for reference, rsync to its daemon, and
 /// mover to the agent judged against cp and, with mutual TLS, against itself without;
 /// then the delta copies, mover judged by its speed-up over rsync.
-fn agent_rows(agent: &AgentCopy, size: u64, floor: PhaseFloor, written: u64) -> Vec<Row<'_>> {
+fn agent_rows(agent: &AgentCopy, size: u64, floor: PhaseFloor) -> Vec<Row<'_>> {
     let (full, delta) = (&agent.full, &agent.delta);
     // Both ends are on the one disk: the full copy reads the device and writes its data;
     // the delta reads and hashes the source and writes the changed pages.
     let full_floor = floor.seconds(Work {
         read: floor.volume_read,
-        write: written,
+        write: floor.volume_written,
         hash: 0,
     });
     let delta_floor = floor.seconds(Work {
@@ -499,12 +490,7 @@ fn agent_checks(agent: &AgentCopy) -> Vec<Check> {
 
 /// Rows of the snapshots: restic, and mover judged by its speed-up over restic, for the
 /// first snapshot, the incremental one and the restore.
-fn snapshot_rows(
-    snapshot: &SnapshotPhase,
-    size: u64,
-    floor: PhaseFloor,
-    written: u64,
-) -> Vec<Row<'_>> {
+fn snapshot_rows(snapshot: &SnapshotPhase, size: u64, floor: PhaseFloor) -> Vec<Row<'_>> {
     let (first, incr) = (&snapshot.first, &snapshot.incremental);
     // A snapshot reads and hashes the volume once and writes what its repository gained;
     // a restore reads the repository and writes the volume's data.
@@ -520,7 +506,7 @@ fn snapshot_rows(
     });
     let restore_floor = floor.seconds(Work {
         read: incr.mover_repo_bytes,
-        write: written,
+        write: floor.volume_written,
         hash: 0,
     });
     let steps: [(&str, &SnapshotStep, f64, Option<f64>); 3] = [
@@ -749,48 +735,47 @@ fn write_html(dir: &Path, summary: &Summary, table: &str) -> Result<()> {
             pass: c.pass,
         })
         .collect();
-    if !ratios.is_empty() {
-        bar_chart(
-            &dir.join("ratios.svg"),
-            "ratios against targets",
-            "ratio (target: black tick)",
-            &ratios,
-        )?;
+    let mut bars = |file: &str, title: &str, x_desc: &str, bars: &[Bar], caption: &str| {
+        if bars.is_empty() {
+            return Ok(());
+        }
+        bar_chart(&dir.join(file), title, x_desc, bars)?;
         figures.push(Figure {
-            file: "ratios.svg".into(),
-            caption: "every ratio the bench checks: green met, red missed".into(),
+            file: file.into(),
+            caption: caption.into(),
         });
-    }
-    // Every job against the disk: time over its floor, the floor at 1 and the target
-    // (mover's jobs) marked.
+        Ok::<_, anyhow::Error>(())
+    };
+    bars(
+        "ratios.svg",
+        "ratios against targets",
+        "ratio (target: black tick)",
+        &ratios,
+        "every ratio the bench checks: green met, red missed",
+    )?;
+    // Every job against the disk: time over its floor, the target marked on the judged
+    // mover jobs.
     let floors: Vec<Bar> = summary
         .rows
         .iter()
         .filter_map(|r| {
-            let over = r.over_floor()?;
-            let judged = r.tool.starts_with("mover") && r.check.is_some();
+            let check = r.floor_check();
             Some(Bar {
                 label: format!("{}: {}", r.phase, r.tool),
-                value: over,
-                target: judged.then_some(FLOOR_MAX_RATIO),
-                pass: !judged || over <= FLOOR_MAX_RATIO,
+                value: r.over_floor()?,
+                target: check.as_ref().map(|c| c.limit),
+                pass: check.is_none_or(|c| c.pass),
             })
         })
         .collect();
-    if !floors.is_empty() {
-        bar_chart(
-            &dir.join("floor.svg"),
-            "time over the device floor (1.0 = the disk's own speed)",
-            "time / floor (target for judged mover jobs: black tick, 1.3)",
-            &floors,
-        )?;
-        figures.push(Figure {
-            file: "floor.svg".into(),
-            caption: "each job's time over the least its bytes take on the disk measured \
-                      right before its phase"
-                .into(),
-        });
-    }
+    bars(
+        "floor.svg",
+        "time over the device floor (1.0 = the disk's own speed)",
+        "time / floor (target for judged mover jobs: black tick, 1.3)",
+        &floors,
+        "each job's time over the least its bytes take on the disk measured right before \
+         its phase",
+    )?;
     let memory: Vec<Bar> = summary
         .rows
         .iter()
@@ -802,11 +787,13 @@ fn write_html(dir: &Path, summary: &Summary, table: &str) -> Result<()> {
             pass: !r.tool.starts_with("mover") || r.run.max_rss_bytes as f64 / MIB <= MAX_RSS_MIB,
         })
         .collect();
-    bar_chart(&dir.join("memory.svg"), "peak memory (RSS)", "MiB", &memory)?;
-    figures.push(Figure {
-        file: "memory.svg".into(),
-        caption: "peak resident memory of every timed run".into(),
-    });
+    bars(
+        "memory.svg",
+        "peak memory (RSS)",
+        "MiB",
+        &memory,
+        "peak resident memory of every timed run",
+    )?;
     crate::charts::write_page(dir, "mover-bench: mover against its peers", table, &figures)
 }
 
