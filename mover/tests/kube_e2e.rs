@@ -2344,8 +2344,10 @@ fn a_csi_volume_replicates_through_volume_snapshots_reading_only_changed_blocks(
         "{log}"
     );
 
-    // The sidecar's streams cut twice part way: resumed, the same replica.
-    let proxy = common::csi::CuttingProxy::start(p.csi.metadata_port, 2, 8000);
+    // The sidecar's streams cut twice part way: resumed, the same replica. A cycle may
+    // start while the pages are being written and split them over two deltas of a few
+    // KB each, so the cut comes after 2,000 bytes: either delta is long enough for both.
+    let proxy = common::csi::CuttingProxy::start(p.csi.metadata_port, 2, 2000);
     p.metadata_at(proxy.port);
     let before = p.cycles_read().len();
     let pages = p.scribble(12, 1500, 32 * MIB..48 * MIB);
