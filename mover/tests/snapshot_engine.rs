@@ -255,6 +255,93 @@ async fn injected_500_503_and_timeouts_are_retried() {
     assert_eq!(repo.snapshots().await.unwrap().len(), 1);
 }
 
+/// A backend whose reads of more than 64 KiB of a pack fail, once `fail` is set: the
+/// bases an incremental snapshot fetches (1 MiB chunks of random bytes), not the chunk
+/// lists it reads (a few KiB).
+#[derive(Debug)]
+struct BaseReadsFail {
+    inner: Arc<dyn Backend>,
+    fail: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Backend for BaseReadsFail {
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+
+    async fn list(&self, prefix: &str) -> snapshots::Result<Vec<snapshots::ObjectInfo>> {
+        self.inner.list(prefix).await
+    }
+
+    async fn get(
+        &self,
+        key: &str,
+        range: Option<std::ops::Range<u64>>,
+    ) -> snapshots::Result<snapshots::Bytes> {
+        let big = range.as_ref().is_some_and(|r| r.end - r.start > 64 * 1024);
+        if big && self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(RepoError::Backend {
+                location: self.location(),
+                op: "get",
+                key: key.into(),
+                retryable: false,
+                detail: "injected: no base reads".into(),
+            });
+        }
+        self.inner.get(key, range).await
+    }
+
+    async fn put(&self, key: &str, data: snapshots::Bytes) -> snapshots::Result<()> {
+        self.inner.put(key, data).await
+    }
+
+    async fn delete(&self, key: &str) -> snapshots::Result<()> {
+        self.inner.delete(key).await
+    }
+}
+
+/// An incremental snapshot seals its new chunks behind the reading, on a thread of their
+/// own: a base that cannot be fetched fails the snapshot with the backend's own error,
+/// saves no snapshot, and the next run (bases readable again) stores the same chunks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incremental_whose_bases_cannot_be_read_fails_with_the_read_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = Arc::new(BaseReadsFail {
+        inner: Arc::new(LocalBackend::new(dir.path().join("repo"))),
+        fail: false.into(),
+    });
+    let repo = init(backend.clone()).await;
+    let img = dir.path().join("vol.img");
+    make_image(&img, 40, 5);
+    let opts = SnapshotCreateOptions::default();
+    create_snapshot(repo.clone(), &img, &opts).await.unwrap();
+    // Every window's chunks changed: each of them waits for bases.
+    let changed: Vec<u64> = (0..40).filter(|c| !(2..=4).contains(c)).collect();
+    change_chunks(&img, &changed, 6);
+
+    backend.fail.store(true, std::sync::atomic::Ordering::SeqCst);
+    let e = create_snapshot(repo.clone(), &img, &opts).await.unwrap_err();
+    assert!(
+        e.to_string().contains("injected: no base reads"),
+        "the read's error, not the sealer's: {e}"
+    );
+    assert_eq!(repo.snapshots().await.unwrap().len(), 1);
+
+    backend.fail.store(false, std::sync::atomic::Ordering::SeqCst);
+    let s = create_snapshot(repo.clone(), &img, &opts).await.unwrap();
+    // Every changed chunk is new; all but the one that was zeros are deltas of their
+    // parent chunk (one page of 256 differs).
+    let sum = &s.manifest.summary;
+    assert_eq!(sum.new_chunks, changed.len() as u64, "{sum:?}");
+    assert_eq!(sum.delta_chunks, changed.len() as u64 - 1, "{sum:?}");
+    let out = dir.path().join("out.img");
+    restore_snapshot(repo.clone(), "latest", &out, &RestoreOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(b3(&out), b3(&img));
+}
+
 /// Flips one byte inside a data blob of the first data pack on disk.
 fn flip_byte_in_a_pack(repo_dir: &Path) -> std::path::PathBuf {
     let mut packs: Vec<_> = fs::read_dir(repo_dir.join("packs"))

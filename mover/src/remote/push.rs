@@ -96,11 +96,15 @@ struct Sent {
     pages: AtomicU64,
 }
 
-/// The result of a finished group task, or of its panic.
-fn joined(r: Option<std::result::Result<Result<()>, tokio::task::JoinError>>) -> Result<()> {
+/// The stream a finished group task freed, or its error or panic.
+fn joined(r: Option<std::result::Result<Result<usize>, tokio::task::JoinError>>) -> Result<usize> {
     match r {
-        None | Some(Ok(Ok(()))) => Ok(()),
-        Some(Ok(Err(e))) => Err(e),
+        Some(Ok(r)) => r,
+        None => Err(CopyError::Remote {
+            url: String::new(),
+            code: RemoteCode::Error,
+            message: "no transfer task was running".into(),
+        }),
         Some(Err(join)) => Err(CopyError::Remote {
             url: String::new(),
             code: RemoteCode::Error,
@@ -163,15 +167,17 @@ impl Backlog {
 }
 
 impl Ship {
-    /// Builds group `g`'s frames and queues them on its stream. A closed stream is not
-    /// an error here: the stream's own error is collected when it ends.
+    /// Builds group `g`'s frames and queues them on stream `stream`, returned once the
+    /// stream has taken them all. A closed stream is not an error here: the stream's own
+    /// error is collected when it ends.
     async fn group(
         mut self,
         g: u64,
+        stream: usize,
         win: chunker::Window,
         leaves: Option<Vec<ChunkId>>,
         chunk: chunker::ChunkSize,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         let (client, url, key) = (&mut self.client, &self.url, &self.key);
         let compress = Compression {
             whole: match self.compress {
@@ -219,10 +225,15 @@ impl Ship {
             };
             self.backlog.record(self.tx.capacity() == 0);
             if self.tx.send(frame).await.is_err() {
-                return Ok(());
+                return Ok(stream);
             }
         }
-        Ok(())
+        // A raw frame is a slice of the group's 8 MiB window: the window is freed only
+        // once the stream has encoded the last of them. Waiting for that here, before the
+        // stream takes its next group, keeps one window per stream, not two (h2's own
+        // buffer keeps the connection busy meanwhile).
+        let _ = self.tx.reserve_many(self.tx.max_capacity()).await;
+        Ok(stream)
     }
 }
 
@@ -322,8 +333,18 @@ async fn attempt(
     };
     progress.begin("push", size);
     let mut g = 0u64;
+    // Streams without a group task: each takes one group at a time.
+    let mut free: Vec<usize> = (0..senders.len()).rev().collect();
     let pass: Result<()> = async {
-        while let Some(item) = reader.recv().await {
+        loop {
+            // A group is taken from the reader only once a stream can take it: until then
+            // it stays in the reader's channel rather than in one more window here.
+            while free.is_empty() {
+                free.push(joined(inflight.join_next().await)?);
+            }
+            let Some(item) = reader.recv().await else {
+                break;
+            };
             let group = item?;
             sum.source_bytes_read += group.bytes_read;
             for (i, r) in group.chunk_ranges(chunk).enumerate() {
@@ -362,10 +383,7 @@ async fn attempt(
                 }
                 // Groups are compared and framed concurrently (one in flight per
                 // stream), so round trips and compression overlap the reading.
-                while inflight.len() >= senders.len() {
-                    joined(inflight.join_next().await)?;
-                }
-                let stream = (g % senders.len() as u64) as usize;
+                let stream = free.pop().expect("a free stream, waited for above");
                 let ship = Ship {
                     client: clients[stream].clone(),
                     url: url.clone(),
@@ -392,7 +410,7 @@ async fn attempt(
                 if win.buf.len() < group.len {
                     win.buf.resize(group.len);
                 }
-                inflight.spawn(ship.group(g, win, leaves, chunk));
+                inflight.spawn(ship.group(g, stream, win, leaves, chunk));
             }
             g += 1;
             progress.update(done);
