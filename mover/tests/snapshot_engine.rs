@@ -320,15 +320,21 @@ async fn an_incremental_whose_bases_cannot_be_read_fails_with_the_read_error() {
     let changed: Vec<u64> = (0..40).filter(|c| !(2..=4).contains(c)).collect();
     change_chunks(&img, &changed, 6);
 
-    backend.fail.store(true, std::sync::atomic::Ordering::SeqCst);
-    let e = create_snapshot(repo.clone(), &img, &opts).await.unwrap_err();
+    backend
+        .fail
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let e = create_snapshot(repo.clone(), &img, &opts)
+        .await
+        .unwrap_err();
     assert!(
         e.to_string().contains("injected: no base reads"),
         "the read's error, not the sealer's: {e}"
     );
     assert_eq!(repo.snapshots().await.unwrap().len(), 1);
 
-    backend.fail.store(false, std::sync::atomic::Ordering::SeqCst);
+    backend
+        .fail
+        .store(false, std::sync::atomic::Ordering::SeqCst);
     let s = create_snapshot(repo.clone(), &img, &opts).await.unwrap();
     // Every changed chunk is new; all but the one that was zeros are deltas of their
     // parent chunk (one page of 256 differs).
