@@ -301,9 +301,9 @@ impl Backend for BaseReadsFail {
     }
 }
 
-/// An incremental snapshot seals its new chunks behind the reading, on a thread of their
-/// own: a base that cannot be fetched fails the snapshot with the backend's own error,
-/// saves no snapshot, and the next run (bases readable again) stores the same chunks.
+/// An incremental snapshot fetches its new chunks' bases a window ahead, on the runtime:
+/// a base that cannot be fetched fails the snapshot with the backend's own error, saves
+/// no snapshot, and the next run (bases readable again) stores the chunks as deltas.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_incremental_whose_bases_cannot_be_read_fails_with_the_read_error() {
     let dir = tempfile::tempdir().unwrap();

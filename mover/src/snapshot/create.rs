@@ -306,6 +306,7 @@ fn produce(
         }
         Ok(())
     };
+    let mut waiting: Option<Waiting> = None;
     let mut flush_list = |kinds: &[ChunkKind],
                           list_pack: &mut PackBuilder,
                           seen: &mut HashSet<chunker::ChunkId>|
@@ -325,105 +326,69 @@ fn produce(
         }
         Ok(())
     };
-    // With a parent, a window's new chunks wait for their bases: they are sealed on a
-    // thread of their own, up to SEAL_BEHIND windows behind the reading, so the disk keeps
-    // reading the volume while the bases are fetched and compared (an incremental snapshot
-    // used about one core of two, the reading stalled behind each window's sealing).
-    // Without one, there is nothing to wait for: sealed at once, in place.
-    std::thread::scope(|scope| -> Result<(), RepoError> {
-        let (behind, sealer) = match parent.is_some() {
-            false => (None, None),
-            true => {
-                let (tx, rx) = std::sync::mpsc::sync_channel::<Waiting>(SEAL_BEHIND);
-                let seal = |rx: std::sync::mpsc::Receiver<Waiting>| {
-                    let mut data_pack = PackBuilder::with_capacity(data_pack_room);
-                    let mut sum = SnapshotSummary::default();
-                    for (chunks, bases, fetch) in rx {
-                        let fetched = match fetch {
-                            Some(fetch) => finish_fetch(rt, fetch)?,
-                            None => HashMap::new(),
-                        };
-                        let plain: Vec<_> = chunks.iter().map(|(id, p)| (*id, &p[..])).collect();
-                        store(&plain, &bases, &fetched, &mut data_pack, &mut sum)?;
-                    }
-                    if !data_pack.is_empty() {
-                        send(data_pack)?;
-                    }
-                    Ok::<_, RepoError>(sum)
-                };
-                (Some(tx), Some(scope.spawn(move || seal(rx))))
-            }
-        };
-        let read = for_each_window::<RepoError>(&vol, chunk, |win: &mut Window| {
-            let kinds = hash_chunks(key, chunk, win);
-            let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
-            progress.add(ranges.iter().map(|r| r.len() as u64).sum());
-            let mut new = Vec::new();
-            for (i, k) in kinds.iter().enumerate() {
-                match k {
-                    ChunkKind::Zero => sum.zero_chunks += 1,
-                    ChunkKind::Data(id) => {
-                        sum.data_chunks += 1;
-                        sum.data_bytes += ranges[i].len() as u64;
-                        if !index.contains(id) && seen.insert(*id) {
-                            new.push((i, *id));
-                        }
+    for_each_window::<RepoError>(&vol, chunk, |win: &mut Window| {
+        let kinds = hash_chunks(key, chunk, win);
+        let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
+        progress.add(ranges.iter().map(|r| r.len() as u64).sum());
+        let mut new = Vec::new();
+        for (i, k) in kinds.iter().enumerate() {
+            match k {
+                ChunkKind::Zero => sum.zero_chunks += 1,
+                ChunkKind::Data(id) => {
+                    sum.data_chunks += 1;
+                    sum.data_bytes += ranges[i].len() as u64;
+                    if !index.contains(id) && seen.insert(*id) {
+                        new.push((i, *id));
                     }
                 }
             }
-            // The base each new chunk may be a delta of, and those bases' sealed blobs.
-            let first = win.offset / chunk.get();
-            let bases: Vec<Option<(ChunkId, BlobLoc)>> = new
-                .iter()
-                .map(|(i, _)| {
-                    let p = parent.as_mut()?;
-                    p.base_at(repo, index, rt, first + *i as u64)
-                })
-                .collect();
-            let plain: Vec<_> = new
-                .iter()
-                .map(|(i, id)| (*id, &win.buf[ranges[*i].clone()]))
-                .collect();
-            match &behind {
-                // No parent: nothing to wait for, sealed at once, no copy.
-                None => store(&plain, &bases, &HashMap::new(), &mut data_pack, &mut sum)?,
-                // The bases are read while the next windows are; the chunks wait for them,
-                // copied out of the window the reader will reuse. In order, so chunks go into
-                // packs in volume order.
-                Some(behind) if !plain.is_empty() => {
-                    let fetch = start_fetch(repo, rt, &bases);
-                    let chunks = plain.iter().map(|(id, p)| (*id, p.to_vec())).collect();
-                    // A sealer that stopped has its own error, returned below.
-                    if behind.send((chunks, bases, fetch)).is_err() {
-                        return Err(sealer_stopped());
-                    }
-                }
-                Some(_) => {}
+        }
+        // The base each new chunk may be a delta of, and those bases' sealed blobs.
+        let first = win.offset / chunk.get();
+        let bases: Vec<Option<(ChunkId, BlobLoc)>> = new
+            .iter()
+            .map(|(i, _)| {
+                let p = parent.as_mut()?;
+                p.base_at(repo, index, rt, first + *i as u64)
+            })
+            .collect();
+        let fetch = start_fetch(repo, rt, &bases);
+        // The window before's new chunks first (their bases were fetched while this
+        // window was hashed), so chunks go into packs in volume order.
+        if let Some(pending) = waiting.take() {
+            let (chunks, bases, fetch) = pending;
+            let fetched = finish_fetch(rt, fetch)?;
+            let plain: Vec<_> = chunks.iter().map(|(id, p)| (*id, &p[..])).collect();
+            store(&plain, &bases, &fetched, &mut data_pack, &mut sum)?;
+        }
+        let plain: Vec<_> = new
+            .iter()
+            .map(|(i, id)| (*id, &win.buf[ranges[*i].clone()]))
+            .collect();
+        match fetch {
+            // Nothing to fetch (a first snapshot, new data): sealed at once, no copy.
+            None => store(&plain, &bases, &HashMap::new(), &mut data_pack, &mut sum)?,
+            // The bases are read while the next window is hashed; the chunks wait for
+            // them, copied out of the window the reader will reuse.
+            Some(fetch) => {
+                let chunks = plain.iter().map(|(id, p)| (*id, p.to_vec())).collect();
+                waiting = Some((chunks, bases, fetch));
             }
-            for k in kinds {
-                kinds_acc.push(k);
-                if kinds_acc.len() == CHUNKS_PER_LIST as usize {
-                    flush_list(&kinds_acc, &mut list_pack, &mut seen)?;
-                    kinds_acc.clear();
-                }
+        }
+        for k in kinds {
+            kinds_acc.push(k);
+            if kinds_acc.len() == CHUNKS_PER_LIST as usize {
+                flush_list(&kinds_acc, &mut list_pack, &mut seen)?;
+                kinds_acc.clear();
             }
-            Ok(())
-        });
-        drop(behind);
-        // The sealer's error explains a stopped read better than the read's own.
-        let sealed = match sealer {
-            Some(sealer) => Some(sealer.join().map_err(|_| sealer_stopped())??),
-            None => None,
-        };
-        read?;
-        if let Some(sealed) = sealed {
-            sum.new_chunks += sealed.new_chunks;
-            sum.new_bytes += sealed.new_bytes;
-            sum.delta_chunks += sealed.delta_chunks;
-            sum.delta_bytes += sealed.delta_bytes;
         }
         Ok(())
     })?;
+    if let Some((chunks, bases, fetch)) = waiting.take() {
+        let fetched = finish_fetch(rt, fetch)?;
+        let plain: Vec<_> = chunks.iter().map(|(id, p)| (*id, &p[..])).collect();
+        store(&plain, &bases, &fetched, &mut data_pack, &mut sum)?;
+    }
     if !kinds_acc.is_empty() {
         flush_list(&kinds_acc, &mut list_pack, &mut seen)?;
     }
@@ -434,18 +399,6 @@ fn produce(
         send(list_pack)?;
     }
     Ok(Produced { lists, sum, size })
-}
-
-/// Windows of new chunks queued to the sealer of an incremental snapshot: each holds its
-/// chunks' bytes (up to a window, 8 MiB) and its fetched bases.
-const SEAL_BEHIND: usize = 4;
-
-/// The sealer of an incremental snapshot panicked, or a window found it stopped.
-fn sealer_stopped() -> RepoError {
-    RepoError::Refused {
-        what: "snapshot".into(),
-        why: "the thread sealing new chunks stopped".into(),
-    }
 }
 
 /// The parent snapshot's chunk list, read one list blob at a time as the volume is.
@@ -514,12 +467,11 @@ type Fetched = HashMap<ChunkId, (BlobLoc, Bytes)>;
 /// A fetch of bases under way.
 type FetchTask = tokio::task::JoinHandle<Result<Fetched, RepoError>>;
 /// A window's new chunks waiting for their bases: each chunk's id and bytes (copied out
-/// of the window), their bases, and the fetch of those (none when none is in the
-/// repository).
+/// of the window), their bases, and the fetch of those.
 type Waiting = (
     Vec<(ChunkId, Vec<u8>)>,
     Vec<Option<(ChunkId, BlobLoc)>>,
-    Option<FetchTask>,
+    FetchTask,
 );
 
 /// Starts fetching the sealed blobs of the distinct bases (ranged reads grouped by pack,
