@@ -123,8 +123,6 @@ pub(crate) fn read_groups(
     // One group queued: the readers hold the groups read ahead already (each group is a
     // window of 8 MiB, and every one queued here is memory the push client holds).
     let (tx, rx) = tokio::sync::mpsc::channel(1);
-    // To wait for room in the channel from the reading thread (the caller is async).
-    let runtime = tokio::runtime::Handle::current();
     std::thread::spawn(move || {
         if known.is_none() {
             volume.advise_sequential(); // not for scattered changed chunks: no readahead
@@ -231,15 +229,10 @@ pub(crate) fn read_groups(
         // or when this thread stops taking groups (dropping `turns`).
         chunker::read_in_turns(0, readers as usize, read, |mut turns| {
             for g in 0..groups {
-                // Room in the channel first, then the group from its reader: this thread
-                // and the channel hold one window between them, not one each.
-                let Ok(room) = runtime.block_on(tx.reserve()) else {
-                    return; // the consumer went away (its own error explains why)
-                };
                 let (win, plans, bytes_read, kinds) = match turns.next() {
                     Some(Ok(read)) => read,
                     Some(Err(e)) => {
-                        room.send(Err(e));
+                        let _ = tx.blocking_send(Err(e));
                         return;
                     }
                     None => {
@@ -250,7 +243,7 @@ pub(crate) fn read_groups(
                             offset: g * group_len,
                             cause: std::io::Error::other("the reader thread failed"),
                         };
-                        room.send(Err(CopyError::from(died)));
+                        let _ = tx.blocking_send(Err(CopyError::from(died)));
                         return;
                     }
                 };
@@ -265,7 +258,10 @@ pub(crate) fn read_groups(
                 let kinds = kinds.unwrap_or_else(|| hash(&group.win, &plans, g, true));
                 group.zero = kinds.iter().map(|k| *k == ChunkKind::Zero).collect();
                 group.set_kinds(&key, chunk, kinds);
-                room.send(Ok(group));
+                // The consumer went away: stop reading (its own error explains why).
+                if tx.blocking_send(Ok(group)).is_err() {
+                    return;
+                }
             }
         });
         tracing::debug!(

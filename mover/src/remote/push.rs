@@ -336,15 +336,7 @@ async fn attempt(
     // Streams without a group task: each takes one group at a time.
     let mut free: Vec<usize> = (0..senders.len()).rev().collect();
     let pass: Result<()> = async {
-        loop {
-            // A group is taken from the reader only once a stream can take it: until then
-            // it stays in the reader's channel rather than in one more window here.
-            while free.is_empty() {
-                free.push(joined(inflight.join_next().await)?);
-            }
-            let Some(item) = reader.recv().await else {
-                break;
-            };
+        while let Some(item) = reader.recv().await {
             let group = item?;
             sum.source_bytes_read += group.bytes_read;
             for (i, r) in group.chunk_ranges(chunk).enumerate() {
@@ -383,6 +375,9 @@ async fn attempt(
                 }
                 // Groups are compared and framed concurrently (one in flight per
                 // stream), so round trips and compression overlap the reading.
+                while free.is_empty() {
+                    free.push(joined(inflight.join_next().await)?);
+                }
                 let stream = free.pop().expect("a free stream, waited for above");
                 let ship = Ship {
                     client: clients[stream].clone(),
