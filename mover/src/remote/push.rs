@@ -97,20 +97,14 @@ struct Sent {
 }
 
 /// The stream a finished group task freed, or its error or panic.
-fn joined(r: Option<std::result::Result<Result<usize>, tokio::task::JoinError>>) -> Result<usize> {
-    match r {
-        Some(Ok(r)) => r,
-        None => Err(CopyError::Remote {
-            url: String::new(),
-            code: RemoteCode::Error,
-            message: "no transfer task was running".into(),
-        }),
-        Some(Err(join)) => Err(CopyError::Remote {
+fn joined(r: std::result::Result<Result<usize>, tokio::task::JoinError>) -> Result<usize> {
+    r.unwrap_or_else(|join| {
+        Err(CopyError::Remote {
             url: String::new(),
             code: RemoteCode::Error,
             message: format!("a transfer task failed: {join}"),
-        }),
-    }
+        })
+    })
 }
 
 /// What a group task needs to compare one group with the agent's and ship the difference.
@@ -376,7 +370,8 @@ async fn attempt(
                 // Groups are compared and framed concurrently (one in flight per
                 // stream), so round trips and compression overlap the reading.
                 while free.is_empty() {
-                    free.push(joined(inflight.join_next().await)?);
+                    let busy = inflight.join_next().await;
+                    free.push(joined(busy.expect("a task for every busy stream"))?);
                 }
                 let stream = free.pop().expect("a free stream, waited for above");
                 let ship = Ship {
@@ -410,8 +405,8 @@ async fn attempt(
             g += 1;
             progress.update(done);
         }
-        while !inflight.is_empty() {
-            joined(inflight.join_next().await)?;
+        while let Some(r) = inflight.join_next().await {
+            joined(r)?;
         }
         Ok(())
     }
