@@ -169,7 +169,16 @@ impl CvFile {
     /// Opens (creating) the CV file at `path` for chunks of `chunk_len` bytes under `key`;
     /// `None` where such chunks are one unit or less.
     pub fn open(path: &Path, key: &ChunkKey, chunk_len: usize) -> io::Result<Option<CvFile>> {
-        let Some(hasher) = UnitHasher::new(key, chunk_len) else {
+        Self::with_hasher(path, UnitHasher::new(key, chunk_len))
+    }
+
+    /// Opens (creating) a CV file of 4 KiB pages ([`UnitHasher::pages`]) at `path`.
+    pub fn open_pages(path: &Path, key: &ChunkKey, chunk_len: usize) -> io::Result<Option<CvFile>> {
+        Self::with_hasher(path, UnitHasher::pages(key, chunk_len))
+    }
+
+    fn with_hasher(path: &Path, hasher: Option<UnitHasher>) -> io::Result<Option<CvFile>> {
+        let Some(hasher) = hasher else {
             return Ok(None);
         };
         let file = File::options()

@@ -348,6 +348,86 @@ async fn an_incremental_whose_bases_cannot_be_read_fails_with_the_read_error() {
     assert_eq!(b3(&out), b3(&img));
 }
 
+/// With the repository's local cache, a snapshot keeps the page hashes (BLAKE3 CVs) of
+/// the chunks it stores whole, and the next one finds a changed chunk's differing pages
+/// from them: it reads no base (base reads fail here), stores the same deltas, and
+/// restores exactly. A kept record that does not match its base (damaged here) costs
+/// the base's read, never a wrong delta, and is written anew from the base read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incremental_finds_changed_pages_from_kept_page_hashes_without_reading_bases() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let dir = tempfile::tempdir().unwrap();
+    let backend = Arc::new(BaseReadsFail {
+        inner: Arc::new(LocalBackend::new(dir.path().join("repo"))),
+        fail: false.into(),
+    });
+    let cache = dir.path().join("cache");
+    let repo = Arc::new(
+        Repository::init(backend.clone(), &password(), &InitOptions::default())
+            .await
+            .unwrap()
+            .with_cache_dir(Some(cache.clone())),
+    );
+    let img = dir.path().join("vol.img");
+    make_image(&img, 40, 5);
+    let opts = SnapshotCreateOptions::default();
+    create_snapshot(repo.clone(), &img, &opts).await.unwrap();
+    let changed: Vec<u64> = (0..40).filter(|c| !(2..=4).contains(c)).collect();
+    let restores_exactly = || async {
+        let out = dir.path().join("out.img");
+        _ = fs::remove_file(&out);
+        restore_snapshot(repo.clone(), "latest", &out, &RestoreOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(b3(&out), b3(&img));
+    };
+
+    change_chunks(&img, &changed, 6);
+    backend.fail.store(true, SeqCst);
+    let s = create_snapshot(repo.clone(), &img, &opts).await.unwrap();
+    let sum = &s.manifest.summary;
+    assert_eq!(sum.new_chunks, changed.len() as u64, "{sum:?}");
+    // All but the chunk that was zeros (it has no base) are one-page deltas.
+    assert_eq!(sum.delta_chunks, changed.len() as u64 - 1, "{sum:?}");
+    assert_eq!(
+        sum.delta_bytes,
+        (changed.len() as u64 - 1) * 4096,
+        "{sum:?}"
+    );
+    backend.fail.store(false, SeqCst);
+    restores_exactly().await;
+
+    // Damage every kept record of a changed place: its CVs no longer merge into the id
+    // of the base, so the base is read (and with reads failing, the snapshot fails).
+    let kept: Vec<_> = fs::read_dir(repo.cache_dir().unwrap().join("pages"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(kept.len(), 1, "one record file per volume: {kept:?}");
+    let f = fs::OpenOptions::new().write(true).open(&kept[0]).unwrap();
+    for c in &changed {
+        f.write_all_at(&[0xa5; 32], c * 256 * 32 + 64).unwrap();
+    }
+    change_chunks(&img, &changed, 7);
+    backend.fail.store(true, SeqCst);
+    let e = create_snapshot(repo.clone(), &img, &opts)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("injected: no base reads"), "{e}");
+    backend.fail.store(false, SeqCst);
+    let s = create_snapshot(repo.clone(), &img, &opts).await.unwrap();
+    assert_eq!(s.manifest.summary.delta_chunks, changed.len() as u64);
+    restores_exactly().await;
+
+    // The base reads wrote the records anew: no base is read again.
+    change_chunks(&img, &changed, 8);
+    backend.fail.store(true, SeqCst);
+    let s = create_snapshot(repo.clone(), &img, &opts).await.unwrap();
+    assert_eq!(s.manifest.summary.delta_chunks, changed.len() as u64);
+    backend.fail.store(false, SeqCst);
+    restores_exactly().await;
+}
+
 /// Flips one byte inside a data blob of the first data pack on disk.
 fn flip_byte_in_a_pack(repo_dir: &Path) -> std::path::PathBuf {
     let mut packs: Vec<_> = fs::read_dir(repo_dir.join("packs"))

@@ -31,16 +31,27 @@ pub fn make_delta(base_id: &ChunkId, base: &[u8], chunk: &[u8]) -> Option<(Vec<u
     if base.len() != chunk.len() || chunk.is_empty() {
         return None;
     }
-    let pages = chunk.len().div_ceil(DELTA_PAGE);
+    let mut pairs = base.chunks(DELTA_PAGE).zip(chunk.chunks(DELTA_PAGE));
+    let (bitmap, differing) = delta_bitmap(chunk.len(), |_| {
+        let (a, b) = pairs.next().expect("one pair per page");
+        a != b
+    })?;
+    Some((encode_delta(base_id, chunk, &bitmap), differing))
+}
+
+/// Marks which pages of a chunk of `len` bytes differ from its base (`differs`, asked
+/// for each page in order): the bitmap a delta carries, and how many differ. `None` as
+/// soon as more than 1/[`DELTA_MAX_SHARE`] do (no delta then).
+pub fn delta_bitmap(
+    len: usize,
+    mut differs: impl FnMut(usize) -> bool,
+) -> Option<(Vec<u8>, usize)> {
+    let pages = len.div_ceil(DELTA_PAGE);
     let limit = pages / DELTA_MAX_SHARE;
     let mut bitmap = vec![0u8; pages.div_ceil(8)];
     let mut differing = 0;
-    for (p, (a, b)) in base
-        .chunks(DELTA_PAGE)
-        .zip(chunk.chunks(DELTA_PAGE))
-        .enumerate()
-    {
-        if a != b {
+    for p in 0..pages {
+        if differs(p) {
             differing += 1;
             if differing > limit {
                 return None;
@@ -48,18 +59,27 @@ pub fn make_delta(base_id: &ChunkId, base: &[u8], chunk: &[u8]) -> Option<(Vec<u
             bitmap[p / 8] |= 1 << (p % 8);
         }
     }
+    Some((bitmap, differing))
+}
+
+/// The delta plaintext of `chunk` against base `base_id`: the pages `bitmap` marks.
+pub fn encode_delta(base_id: &ChunkId, chunk: &[u8], bitmap: &[u8]) -> Vec<u8> {
+    let marked = |p: usize| bitmap[p / 8] & (1 << (p % 8)) != 0;
+    let differing = (0..chunk.len().div_ceil(DELTA_PAGE))
+        .filter(|&p| marked(p))
+        .count();
     let mut out = Vec::with_capacity(HEADER + bitmap.len() + differing * DELTA_PAGE);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&base_id.0);
     out.extend_from_slice(&(chunk.len() as u32).to_le_bytes());
-    out.extend_from_slice(&bitmap);
+    out.extend_from_slice(bitmap);
     for (p, page) in chunk.chunks(DELTA_PAGE).enumerate() {
-        if bitmap[p / 8] & (1 << (p % 8)) != 0 {
+        if marked(p) {
             out.extend_from_slice(page);
         }
     }
-    Some((out, differing))
+    out
 }
 
 /// The base a delta names, if `delta` is one.

@@ -43,7 +43,7 @@ pub use backend::{
 };
 /// The byte buffer blobs are read into ([`Repository::read_sealed`]).
 pub use bytes::Bytes;
-pub use delta::{DELTA_MAX_SHARE, DELTA_PAGE, delta_base, make_delta};
+pub use delta::{DELTA_MAX_SHARE, DELTA_PAGE, delta_base, delta_bitmap, encode_delta, make_delta};
 pub use error::{RepoError, Result};
 pub use index::{BlobLoc, Index};
 pub use keys::{Config, Credentials, REPO_VERSION};

@@ -269,6 +269,12 @@ impl Repository {
         self
     }
 
+    /// This repository's local cache directory (`None` with the cache off): the index
+    /// copies are in it, and whatever else a client keeps for this repository.
+    pub fn cache_dir(&self) -> Option<&std::path::Path> {
+        self.cache.as_deref().and_then(|c| c.parent())
+    }
+
     /// Loads every index delta: one LIST, and one GET for each not in the local cache.
     pub async fn load_index(&self) -> Result<Index> {
         // An index object can vanish between LIST and GET when a prune compacts the

@@ -6,12 +6,16 @@
 //! delta of those pages (shared/DESIGN.md §3), so scattered small writes cost about what
 //! they wrote. The parent's chunk list is streamed one list blob at a time.
 
-use chunker::{BlockVolume, ChunkId, ChunkKind, ChunkSize, Window, for_each_window, hash_chunks};
+use chunker::{
+    BlockVolume, ChunkId, ChunkKind, ChunkSize, Window,
+    cv::{Cv, CvFile, UnitHasher},
+    for_each_window, hash_chunks,
+};
 use rayon::prelude::*;
 use snapshots::{
     BlobKind, BlobLoc, Bytes, CHUNKS_PER_LIST, Content, DELTA_PAGE, FinishedPack, Index, Manifest,
-    PackBuilder, PackId, RepoError, Repository, Snapshot, SnapshotSummary, Uploader, encode_list,
-    hex, make_delta,
+    PackBuilder, PackId, RepoError, Repository, Snapshot, SnapshotSummary, Uploader, delta_bitmap,
+    encode_delta, encode_list, hex, make_delta,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -94,13 +98,24 @@ pub async fn create_snapshot(
         .and_then(|s| ParentChunks::new(&s.manifest.content, repo.chunk_size()));
 
     let index = Arc::new(index);
+    let name_for_pages = name.clone();
     let (mut produced, packs, bytes) = {
         let (read_repo, index) = (repo.clone(), index.clone());
         let rt = tokio::runtime::Handle::current();
         let progress = opts.progress.clone();
         progress.begin("snapshot", vol.size());
         produce_and_upload(&repo, opts.uploads, move |tx| {
-            produce(&read_repo, &index, vol, parent_chunks, &rt, tx, progress)
+            let pages = PageCvs::open(&read_repo, &name_for_pages);
+            produce(
+                &read_repo,
+                &index,
+                vol,
+                parent_chunks,
+                pages,
+                &rt,
+                tx,
+                progress,
+            )
         })
         .await?
     };
@@ -247,11 +262,13 @@ fn hostname() -> String {
 
 /// The blocking side: reads and hashes windows, seals new chunks into packs, builds the
 /// chunk list, and sends full packs to the uploader.
+#[allow(clippy::too_many_arguments)] // the one place a snapshot's parts meet
 fn produce(
     repo: &Arc<Repository>,
     index: &Index,
     vol: BlockVolume,
     mut parent: Option<ParentChunks>,
+    pages: Option<PageCvs>,
     rt: &tokio::runtime::Handle,
     tx: PackSender,
     progress: crate::copy::SharedProgress,
@@ -270,33 +287,34 @@ fn produce(
     let mut lists = Vec::new();
     let mut sum = SnapshotSummary::default();
     let send = |pack: PackBuilder| tx.send(repo.finish_pack(pack));
-    // Seals new chunks (as deltas of their fetched bases where that pays) into the data
-    // pack, sending it when full.
-    let store = |chunks: &[(ChunkId, &[u8])],
-                 bases: &[Option<(ChunkId, BlobLoc)>],
+    // Seals new chunks (as deltas of their bases where that pays) into the data pack,
+    // sending it when full, and keeps the page CVs of what the next snapshot compares
+    // each place with.
+    let store = |chunks: &[NewChunk<'_>],
+                 bases: &[Base],
                  fetched: &Fetched,
                  data_pack: &mut PackBuilder,
                  sum: &mut SnapshotSummary|
      -> Result<(), RepoError> {
-        let sealed: Vec<Sealed> = chunks
+        let sealed: Vec<SealedChunk> = chunks
             .par_iter()
             .zip(bases)
-            .map(|((id, plain), base)| {
-                let base = base.and_then(|(bid, _)| Some((bid, fetched.get(&bid)?)));
-                seal_new(repo, id, plain, base)
-            })
+            .map(|(c, base)| seal_new(repo, pages.as_ref(), c, base, fetched))
             .collect();
-        for ((id, plain), (s, delta)) in chunks.iter().zip(sealed) {
-            match delta {
+        for (c, s) in chunks.iter().zip(sealed) {
+            match s.delta {
                 Some((base, pages)) => {
-                    data_pack.push_delta(*id, base, &s);
+                    data_pack.push_delta(c.id, base, &s.sealed);
                     sum.delta_chunks += 1;
                     sum.delta_bytes += (pages * DELTA_PAGE) as u64;
                 }
-                None => data_pack.push(BlobKind::Data, *id, &s),
+                None => data_pack.push(BlobKind::Data, c.id, &s.sealed),
+            }
+            if let (Some(p), Some(cvs)) = (&pages, &s.keep) {
+                p.put(c.at, cvs);
             }
             sum.new_chunks += 1;
-            sum.new_bytes += plain.len() as u64;
+            sum.new_bytes += c.plain.len() as u64;
             if data_pack.len() >= pack_size {
                 send(std::mem::replace(
                     data_pack,
@@ -343,35 +361,45 @@ fn produce(
                 }
             }
         }
-        // The base each new chunk may be a delta of, and those bases' sealed blobs.
+        // The base each new chunk may be a delta of: known by its page CVs where this
+        // host kept them, else its sealed blob is fetched.
         let first = win.offset / chunk.get();
-        let bases: Vec<Option<(ChunkId, BlobLoc)>> = new
+        let chunks: Vec<NewChunk> = new
             .iter()
-            .map(|(i, _)| {
-                let p = parent.as_mut()?;
-                p.base_at(repo, index, rt, first + *i as u64)
+            .map(|(i, id)| NewChunk {
+                at: first + *i as u64,
+                id: *id,
+                plain: &win.buf[ranges[*i].clone()],
             })
             .collect();
+        let bases: Vec<Option<(ChunkId, BlobLoc)>> = chunks
+            .iter()
+            .map(|c| parent.as_mut()?.base_at(repo, index, rt, c.at))
+            .collect();
+        let bases = match &pages {
+            Some(p) => p.known_bases(&chunks, bases),
+            None => bases.into_iter().map(Base::from).collect(),
+        };
         let fetch = start_fetch(repo, rt, &bases);
         // The window before's new chunks first (their bases were fetched while this
         // window was hashed), so chunks go into packs in volume order.
         if let Some(pending) = waiting.take() {
             let (chunks, bases, fetch) = pending;
             let fetched = finish_fetch(rt, fetch)?;
-            let plain: Vec<_> = chunks.iter().map(|(id, p)| (*id, &p[..])).collect();
-            store(&plain, &bases, &fetched, &mut data_pack, &mut sum)?;
+            let chunks: Vec<_> = chunks.iter().map(NewChunk::from).collect();
+            store(&chunks, &bases, &fetched, &mut data_pack, &mut sum)?;
         }
-        let plain: Vec<_> = new
-            .iter()
-            .map(|(i, id)| (*id, &win.buf[ranges[*i].clone()]))
-            .collect();
         match fetch {
-            // Nothing to fetch (a first snapshot, new data): sealed at once, no copy.
-            None => store(&plain, &bases, &HashMap::new(), &mut data_pack, &mut sum)?,
+            // Nothing to fetch (a first snapshot, new data, bases known by their page
+            // CVs): sealed at once, no copy.
+            None => store(&chunks, &bases, &HashMap::new(), &mut data_pack, &mut sum)?,
             // The bases are read while the next window is hashed; the chunks wait for
             // them, copied out of the window the reader will reuse.
             Some(fetch) => {
-                let chunks = plain.iter().map(|(id, p)| (*id, p.to_vec())).collect();
+                let chunks = chunks
+                    .iter()
+                    .map(|c| (c.at, c.id, c.plain.to_vec()))
+                    .collect();
                 waiting = Some((chunks, bases, fetch));
             }
         }
@@ -386,8 +414,8 @@ fn produce(
     })?;
     if let Some((chunks, bases, fetch)) = waiting.take() {
         let fetched = finish_fetch(rt, fetch)?;
-        let plain: Vec<_> = chunks.iter().map(|(id, p)| (*id, &p[..])).collect();
-        store(&plain, &bases, &fetched, &mut data_pack, &mut sum)?;
+        let chunks: Vec<_> = chunks.iter().map(NewChunk::from).collect();
+        store(&chunks, &bases, &fetched, &mut data_pack, &mut sum)?;
     }
     if !kinds_acc.is_empty() {
         flush_list(&kinds_acc, &mut list_pack, &mut seen)?;
@@ -466,24 +494,131 @@ impl ParentChunks {
 type Fetched = HashMap<ChunkId, (BlobLoc, Bytes)>;
 /// A fetch of bases under way.
 type FetchTask = tokio::task::JoinHandle<Result<Fetched, RepoError>>;
-/// A window's new chunks waiting for their bases: each chunk's id and bytes (copied out
-/// of the window), their bases, and the fetch of those.
-type Waiting = (
-    Vec<(ChunkId, Vec<u8>)>,
-    Vec<Option<(ChunkId, BlobLoc)>>,
-    FetchTask,
-);
+/// A window's new chunks waiting for their bases: each chunk's place, id and bytes
+/// (copied out of the window), their bases, and the fetch of those.
+type Waiting = (Vec<(u64, ChunkId, Vec<u8>)>, Vec<Base>, FetchTask);
+
+/// A chunk to store: its place in the volume (in chunks), id and bytes.
+struct NewChunk<'a> {
+    at: u64,
+    id: ChunkId,
+    plain: &'a [u8],
+}
+
+impl<'a> From<&'a (u64, ChunkId, Vec<u8>)> for NewChunk<'a> {
+    fn from((at, id, plain): &'a (u64, ChunkId, Vec<u8>)) -> Self {
+        NewChunk {
+            at: *at,
+            id: *id,
+            plain,
+        }
+    }
+}
+
+/// What a new chunk may be stored as a delta of.
+enum Base {
+    /// Nothing: stored whole.
+    None,
+    /// A data blob whose page CVs this host kept: the pages that differ are found
+    /// without reading it.
+    Pages(ChunkId, Vec<Cv>),
+    /// A data blob to fetch and compare with.
+    Sealed(ChunkId, BlobLoc),
+}
+
+impl From<Option<(ChunkId, BlobLoc)>> for Base {
+    fn from(b: Option<(ChunkId, BlobLoc)>) -> Self {
+        b.map_or(Base::None, |(id, loc)| Base::Sealed(id, loc))
+    }
+}
+
+/// The page CVs of the chunks a volume's next snapshot compares with, kept in the
+/// repository's local cache: chunk `i`'s record holds the CVs of the data blob last
+/// stored whole at place `i` (or read there as a base). A record is used only if its
+/// CVs merge into the id of the base it stands for (see [`CvFile`]), so a stale, torn
+/// or lost one costs the base's read, never a wrong delta.
+struct PageCvs {
+    file: CvFile,
+    path: std::path::PathBuf,
+    /// A write failed (logged once): the next snapshot reads more bases.
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl PageCvs {
+    /// The page CVs of volume `name` in `repo`'s cache; `None` without a cache (or
+    /// where a chunk is one page).
+    fn open(repo: &Repository, name: &str) -> Option<PageCvs> {
+        let dir = repo.cache_dir()?.join("pages");
+        let path = dir.join(format!(
+            "{}.cvs",
+            &blake3::hash(name.as_bytes()).to_hex()[..32]
+        ));
+        let opened = std::fs::create_dir_all(&dir)
+            .and_then(|()| CvFile::open_pages(&path, &repo.chunk_key(), repo.chunk_size().bytes()));
+        match opened {
+            Ok(file) => Some(PageCvs {
+                file: file?,
+                path,
+                failed: Default::default(),
+            }),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot keep page hashes: changed chunks are compared by reading their bases");
+                None
+            }
+        }
+    }
+
+    /// The hasher of the records.
+    fn hasher(&self) -> &UnitHasher {
+        self.file.hasher()
+    }
+
+    /// `bases` (one per chunk of `chunks`) with those whose page CVs are kept known by
+    /// them.
+    fn known_bases(
+        &self,
+        chunks: &[NewChunk<'_>],
+        bases: Vec<Option<(ChunkId, BlobLoc)>>,
+    ) -> Vec<Base> {
+        let hasher = self.hasher();
+        let wanted = chunks.iter().zip(&bases).filter_map(|(c, b)| {
+            let (bid, _) = b.as_ref()?;
+            hasher
+                .merges(c.plain.len())
+                .then_some((c.at, c.plain.len(), ChunkKind::Data(*bid)))
+        });
+        let mut kept = self.file.load(wanted, usize::MAX);
+        chunks
+            .iter()
+            .zip(bases)
+            .map(|(c, b)| match (b, kept.remove(&c.at)) {
+                (Some((bid, _)), Some(cvs)) => Base::Pages(bid, cvs),
+                (b, _) => Base::from(b),
+            })
+            .collect()
+    }
+
+    /// Keeps `cvs` as place `at`'s record.
+    fn put(&self, at: u64, cvs: &[Cv]) {
+        if let Err(e) = self.file.put(at, cvs)
+            && !self.failed.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!(path = %self.path.display(), error = %e, "cannot keep page hashes: the next snapshot reads more bases");
+        }
+    }
+}
 
 /// Starts fetching the sealed blobs of the distinct bases (ranged reads grouped by pack,
 /// the packs' reads concurrently) on the runtime; `None` when there are none.
 fn start_fetch(
     repo: &Arc<Repository>,
     rt: &tokio::runtime::Handle,
-    bases: &[Option<(ChunkId, BlobLoc)>],
+    bases: &[Base],
 ) -> Option<FetchTask> {
     let mut by_pack: HashMap<PackId, Vec<(ChunkId, BlobLoc)>> = HashMap::new();
     let mut seen = HashSet::new();
-    for (id, loc) in bases.iter().flatten() {
+    for b in bases {
+        let Base::Sealed(id, loc) = b else { continue };
         if seen.insert(*id) {
             by_pack.entry(loc.pack).or_default().push((*id, *loc));
         }
@@ -518,32 +653,63 @@ fn finish_fetch(rt: &tokio::runtime::Handle, fetch: FetchTask) -> Result<Fetched
     })?
 }
 
-/// A sealed new chunk and, if it is a delta, its base and number of differing pages.
-type Sealed = (Vec<u8>, Option<(ChunkId, usize)>);
+/// A new chunk sealed.
+struct SealedChunk {
+    sealed: Vec<u8>,
+    /// For a delta: its base and number of differing pages.
+    delta: Option<(ChunkId, usize)>,
+    /// The page CVs to keep for its place: of the chunk stored whole, or of the base it
+    /// was read as a delta of (`None`: the record there is right already).
+    keep: Option<Vec<Cv>>,
+}
 
-/// Seals a new chunk: as a delta of `base` (its sealed blob) when few pages differ,
-/// else whole. Returns the sealed blob and, for a delta, its base and differing pages.
-/// A base that does not open is only logged: the chunk is then stored whole.
+/// Seals a new chunk: as a delta of its base when few pages differ, else whole. A base
+/// that does not open is only logged: the chunk is then stored whole.
 fn seal_new(
     repo: &Repository,
-    id: &ChunkId,
-    plain: &[u8],
-    base: Option<(ChunkId, &(BlobLoc, Bytes))>,
-) -> Sealed {
-    if let Some((bid, (loc, sealed))) = base {
-        let opened = repo.open_base(&bid, loc, sealed).inspect_err(|e| {
-            tracing::warn!(base = %bid.to_hex(), error = %e, "cannot read a base chunk: storing the chunk whole");
-        });
-        if let Ok(base_plain) = opened
-            && let Some((delta, pages)) = make_delta(&bid, &base_plain, plain)
-        {
-            return (
-                repo.seal_blob(BlobKind::Delta, id, &delta),
-                Some((bid, pages)),
-            );
+    pages: Option<&PageCvs>,
+    c: &NewChunk<'_>,
+    base: &Base,
+    fetched: &Fetched,
+) -> SealedChunk {
+    let hasher = pages
+        .map(PageCvs::hasher)
+        .filter(|h| h.merges(c.plain.len()));
+    let page_cvs = |plain: &[u8]| hasher.map(|h| h.cvs(plain));
+    let delta = |bid: &ChunkId, delta: Vec<u8>, pages: usize, keep: Option<Vec<Cv>>| SealedChunk {
+        sealed: repo.seal_blob(BlobKind::Delta, &c.id, &delta),
+        delta: Some((*bid, pages)),
+        keep,
+    };
+    let mut cvs = None;
+    match base {
+        Base::Pages(bid, base_cvs) => {
+            let mine = page_cvs(c.plain).expect("kept CVs come with a hasher");
+            let differ = |p: usize| mine[p] != base_cvs[p];
+            if let Some((bitmap, n)) = delta_bitmap(c.plain.len(), differ) {
+                return delta(bid, encode_delta(bid, c.plain, &bitmap), n, None);
+            }
+            cvs = Some(mine);
         }
+        Base::Sealed(bid, _) => {
+            if let Some((loc, sealed)) = fetched.get(bid) {
+                let opened = repo.open_base(bid, loc, sealed).inspect_err(|e| {
+                    tracing::warn!(base = %bid.to_hex(), error = %e, "cannot read a base chunk: storing the chunk whole");
+                });
+                if let Ok(base_plain) = opened
+                    && let Some((d, n)) = make_delta(bid, &base_plain, c.plain)
+                {
+                    return delta(bid, d, n, page_cvs(&base_plain));
+                }
+            }
+        }
+        Base::None => {}
     }
-    (repo.seal_volume_chunk(id, plain), None)
+    SealedChunk {
+        sealed: repo.seal_volume_chunk(&c.id, c.plain),
+        delta: None,
+        keep: cvs.or_else(|| page_cvs(c.plain)),
+    }
 }
 
 #[cfg(test)]
