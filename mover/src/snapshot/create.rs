@@ -303,10 +303,10 @@ fn produce(
             .collect();
         for (c, s) in chunks.iter().zip(sealed) {
             match s.delta {
-                Some((base, pages)) => {
+                Some((base, differing)) => {
                     data_pack.push_delta(c.id, base, &s.sealed);
                     sum.delta_chunks += 1;
-                    sum.delta_bytes += (pages * DELTA_PAGE) as u64;
+                    sum.delta_bytes += (differing * DELTA_PAGE) as u64;
                 }
                 None => data_pack.push(BlobKind::Data, c.id, &s.sealed),
             }
@@ -553,8 +553,9 @@ impl PageCvs {
             "{}.cvs",
             &blake3::hash(name.as_bytes()).to_hex()[..32]
         ));
-        let opened = std::fs::create_dir_all(&dir)
-            .and_then(|()| CvFile::open_pages(&path, &repo.chunk_key(), repo.chunk_size().bytes()));
+        let (key, chunk) = (repo.chunk_key(), repo.chunk_size().bytes());
+        let opened =
+            std::fs::create_dir_all(&dir).and_then(|()| CvFile::open_pages(&path, key, chunk));
         match opened {
             Ok(file) => Some(PageCvs {
                 file: file?,
