@@ -344,8 +344,15 @@ fn produce(
         }
         Ok(())
     };
+    // Without a parent every chunk is new and its page CVs are kept: its id is merged
+    // from them, so each byte is hashed once. With one, most chunks are as before, and
+    // a whole chunk hashes faster than its pages.
+    let hash_pages = pages
+        .as_ref()
+        .filter(|_| parent.is_none())
+        .map(PageCvs::hasher);
     for_each_window::<RepoError>(&vol, chunk, |win: &mut Window| {
-        let kinds = hash_chunks(key, chunk, win);
+        let (kinds, mut cvs) = hash_window(key, chunk, win, hash_pages);
         let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
         progress.add(ranges.iter().map(|r| r.len() as u64).sum());
         let mut new = Vec::new();
@@ -370,6 +377,7 @@ fn produce(
                 at: first + *i as u64,
                 id: *id,
                 plain: &win.buf[ranges[*i].clone()],
+                cvs: cvs[*i].take(),
             })
             .collect();
         let bases: Vec<Option<(ChunkId, BlobLoc)>> = chunks
@@ -397,8 +405,8 @@ fn produce(
             // them, copied out of the window the reader will reuse.
             Some(fetch) => {
                 let chunks = chunks
-                    .iter()
-                    .map(|c| (c.at, c.id, c.plain.to_vec()))
+                    .into_iter()
+                    .map(|c| (c.at, c.id, c.plain.to_vec(), c.cvs))
                     .collect();
                 waiting = Some((chunks, bases, fetch));
             }
@@ -494,25 +502,58 @@ impl ParentChunks {
 type Fetched = HashMap<ChunkId, (BlobLoc, Bytes)>;
 /// A fetch of bases under way.
 type FetchTask = tokio::task::JoinHandle<Result<Fetched, RepoError>>;
-/// A window's new chunks waiting for their bases: each chunk's place, id and bytes
-/// (copied out of the window), their bases, and the fetch of those.
-type Waiting = (Vec<(u64, ChunkId, Vec<u8>)>, Vec<Base>, FetchTask);
+/// A window's new chunks waiting for their bases: each chunk's place, id, bytes
+/// (copied out of the window) and page CVs if known, their bases, and the fetch of
+/// those.
+type Waiting = (Vec<CopiedChunk>, Vec<Base>, FetchTask);
+type CopiedChunk = (u64, ChunkId, Vec<u8>, Option<Vec<Cv>>);
 
-/// A chunk to store: its place in the volume (in chunks), id and bytes.
+/// A chunk to store: its place in the volume (in chunks), id, bytes, and page CVs if
+/// its id was merged from them.
 struct NewChunk<'a> {
     at: u64,
     id: ChunkId,
     plain: &'a [u8],
+    cvs: Option<Vec<Cv>>,
 }
 
-impl<'a> From<&'a (u64, ChunkId, Vec<u8>)> for NewChunk<'a> {
-    fn from((at, id, plain): &'a (u64, ChunkId, Vec<u8>)) -> Self {
+impl<'a> From<&'a CopiedChunk> for NewChunk<'a> {
+    fn from((at, id, plain, cvs): &'a CopiedChunk) -> Self {
         NewChunk {
             at: *at,
             id: *id,
             plain,
+            cvs: cvs.clone(),
         }
     }
+}
+
+/// The kinds of a window's chunks and, with `pages`, the page CVs of each chunk holding
+/// data, its id merged from them (a chunk in a hole is zero without being hashed).
+fn hash_window(
+    key: &chunker::ChunkKey,
+    chunk: ChunkSize,
+    win: &Window,
+    pages: Option<&UnitHasher>,
+) -> (Vec<ChunkKind>, Vec<Option<Vec<Cv>>>) {
+    let Some(h) = pages else {
+        let kinds = hash_chunks(key, chunk, win);
+        let none = vec![None; kinds.len()];
+        return (kinds, none);
+    };
+    let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
+    ranges
+        .into_par_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let data = &win.buf[r];
+            if win.unread[i] || !h.merges(data.len()) || chunker::is_zero(data) {
+                return (chunker::classify(key, data, win.unread[i]), None);
+            }
+            let cvs = h.cvs(data);
+            (h.kind(&cvs, data.len()), Some(cvs))
+        })
+        .unzip()
 }
 
 /// What a new chunk may be stored as a delta of.
@@ -677,6 +718,8 @@ fn seal_new(
         .map(PageCvs::hasher)
         .filter(|h| h.merges(c.plain.len()));
     let page_cvs = |plain: &[u8]| hasher.map(|h| h.cvs(plain));
+    // Known when the id was merged from them.
+    let own_cvs = || c.cvs.clone().or_else(|| page_cvs(c.plain));
     let delta = |bid: &ChunkId, delta: Vec<u8>, pages: usize, keep: Option<Vec<Cv>>| SealedChunk {
         sealed: repo.seal_blob(BlobKind::Delta, &c.id, &delta),
         delta: Some((*bid, pages)),
@@ -685,7 +728,7 @@ fn seal_new(
     let mut cvs = None;
     match base {
         Base::Pages(bid, base_cvs) => {
-            let mine = page_cvs(c.plain).expect("kept CVs come with a hasher");
+            let mine = own_cvs().expect("kept CVs come with a hasher");
             let differ = |p: usize| mine[p] != base_cvs[p];
             if let Some((bitmap, n)) = delta_bitmap(c.plain.len(), differ) {
                 return delta(bid, encode_delta(bid, c.plain, &bitmap), n, None);
@@ -709,7 +752,7 @@ fn seal_new(
     SealedChunk {
         sealed: repo.seal_volume_chunk(&c.id, c.plain),
         delta: None,
-        keep: cvs.or_else(|| page_cvs(c.plain)),
+        keep: cvs.or_else(own_cvs),
     }
 }
 
