@@ -5,6 +5,10 @@
 //! the parent's chunk is itself a delta): if few 4 KiB pages differ it is stored as a
 //! delta of those pages (shared/DESIGN.md §3), so scattered small writes cost about what
 //! they wrote. The parent's chunk list is streamed one list blob at a time.
+//!
+//! The pages are compared by their BLAKE3 CVs where the local cache kept the base's
+//! ([`PageCvs`]), so the base is not read back from the repository; else the base is
+//! fetched (a window ahead) and compared byte by byte.
 
 use chunker::{
     BlockVolume, ChunkId, ChunkKind, ChunkSize, Window,
