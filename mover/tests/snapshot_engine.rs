@@ -264,6 +264,16 @@ struct BaseReadsFail {
     fail: std::sync::atomic::AtomicBool,
 }
 
+impl BaseReadsFail {
+    /// A local repository at `dir`, its base reads working until `fail` is set.
+    fn local(dir: &Path) -> Arc<BaseReadsFail> {
+        Arc::new(BaseReadsFail {
+            inner: Arc::new(LocalBackend::new(dir)),
+            fail: false.into(),
+        })
+    }
+}
+
 #[async_trait::async_trait]
 impl Backend for BaseReadsFail {
     fn location(&self) -> String {
@@ -307,10 +317,7 @@ impl Backend for BaseReadsFail {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_incremental_whose_bases_cannot_be_read_fails_with_the_read_error() {
     let dir = tempfile::tempdir().unwrap();
-    let backend = Arc::new(BaseReadsFail {
-        inner: Arc::new(LocalBackend::new(dir.path().join("repo"))),
-        fail: false.into(),
-    });
+    let backend = BaseReadsFail::local(&dir.path().join("repo"));
     let repo = init(backend.clone()).await;
     let img = dir.path().join("vol.img");
     make_image(&img, 40, 5);
@@ -357,10 +364,7 @@ async fn an_incremental_whose_bases_cannot_be_read_fails_with_the_read_error() {
 async fn an_incremental_finds_changed_pages_from_kept_page_hashes_without_reading_bases() {
     use std::sync::atomic::Ordering::SeqCst;
     let dir = tempfile::tempdir().unwrap();
-    let backend = Arc::new(BaseReadsFail {
-        inner: Arc::new(LocalBackend::new(dir.path().join("repo"))),
-        fail: false.into(),
-    });
+    let backend = BaseReadsFail::local(&dir.path().join("repo"));
     let cache = dir.path().join("cache");
     let repo = Arc::new(
         Repository::init(backend.clone(), &password(), &InitOptions::default())

@@ -88,8 +88,9 @@ pub(crate) fn index_path(state_dir: &Path, dst: &Path) -> PathBuf {
     state_file(state_dir, "index", &abs, "idx")
 }
 
-/// The state file in `state_dir/kind/` for the destination at the absolute path `abs`:
-/// named by a hash of the path, so any path gives a short, safe name.
+/// The state file in `state_dir/kind/` for the destination at the absolute path `abs`
+/// (or any name, such as a snapshot's volume name): named by a hash of it, so any path
+/// gives a short, safe name.
 pub(crate) fn state_file(state_dir: &Path, kind: &str, abs: &Path, ext: &str) -> PathBuf {
     let name = blake3::hash(abs.as_os_str().as_encoded_bytes()).to_hex();
     state_dir.join(kind).join(format!("{}.{ext}", &name[..32]))

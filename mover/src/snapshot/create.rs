@@ -593,14 +593,16 @@ impl PageCvs {
     /// The page CVs of volume `name` in `repo`'s cache; `None` without a cache (or
     /// where a chunk is one page).
     fn open(repo: &Repository, name: &str) -> Option<PageCvs> {
-        let dir = repo.cache_dir()?.join("pages");
-        let path = dir.join(format!(
-            "{}.cvs",
-            &blake3::hash(name.as_bytes()).to_hex()[..32]
-        ));
+        let path = crate::copy::index::state_file(
+            repo.cache_dir()?,
+            "pages",
+            std::path::Path::new(name),
+            "cvs",
+        );
+        let dir = path.parent().expect("state files are in a directory");
         let (key, chunk) = (repo.chunk_key(), repo.chunk_size().bytes());
         let opened =
-            std::fs::create_dir_all(&dir).and_then(|()| CvFile::open_pages(&path, key, chunk));
+            std::fs::create_dir_all(dir).and_then(|()| CvFile::open_pages(&path, key, chunk));
         match opened {
             Ok(file) => Some(PageCvs {
                 file: file?,
@@ -724,18 +726,19 @@ fn seal_new(
     let page_cvs = |plain: &[u8]| hasher.map(|h| h.cvs(plain));
     // Known when the id was merged from them.
     let own_cvs = || c.cvs.clone().or_else(|| page_cvs(c.plain));
-    let delta = |bid: &ChunkId, delta: Vec<u8>, pages: usize, keep: Option<Vec<Cv>>| SealedChunk {
-        sealed: repo.seal_blob(BlobKind::Delta, &c.id, &delta),
-        delta: Some((*bid, pages)),
-        keep,
-    };
+    let as_delta =
+        |bid: &ChunkId, plain: Vec<u8>, pages: usize, keep: Option<Vec<Cv>>| SealedChunk {
+            sealed: repo.seal_blob(BlobKind::Delta, &c.id, &plain),
+            delta: Some((*bid, pages)),
+            keep,
+        };
     let mut cvs = None;
     match base {
         Base::Pages(bid, base_cvs) => {
             let mine = own_cvs().expect("kept CVs come with a hasher");
             let differ = |p: usize| mine[p] != base_cvs[p];
             if let Some((bitmap, n)) = delta_bitmap(c.plain.len(), differ) {
-                return delta(bid, encode_delta(bid, c.plain, &bitmap), n, None);
+                return as_delta(bid, encode_delta(bid, c.plain, &bitmap), n, None);
             }
             cvs = Some(mine);
         }
@@ -747,7 +750,7 @@ fn seal_new(
                 if let Ok(base_plain) = opened
                     && let Some((d, n)) = make_delta(bid, &base_plain, c.plain)
                 {
-                    return delta(bid, d, n, page_cvs(&base_plain));
+                    return as_delta(bid, d, n, page_cvs(&base_plain));
                 }
             }
         }
