@@ -7,6 +7,7 @@ use http::{Request, Response};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::api::DynamicObject;
 use kube::client::Body;
+use kube::runtime::controller::Action;
 use mover::controller::agents::{AgentError, Agents};
 use mover::controller::crd::{
     CSI_ADDONS_GROUP, MOVER_GROUP, RelationshipRef, ReplicationState, VolumeReplication,
@@ -79,6 +80,17 @@ struct FakeAgents {
     refuse_export: Option<String>,
     /// (agent, name) -> the schedule applied.
     schedules: Mutex<HashMap<(String, String), transport::schedule::Spec>>,
+    /// The agents do not answer (the controller's connection is refused).
+    down: std::sync::atomic::AtomicBool,
+}
+
+/// What the controller's connection to an agent that is down says (its error chain
+/// names the TCP error twice, as tonic's and hyper's errors both do).
+const REFUSED: &str = "cannot connect: transport error: tcp connect error: tcp connect error: \
+                       Connection refused (os error 111)";
+
+fn now_ms() -> i64 {
+    k8s_openapi::jiff::Timestamp::now().as_millisecond()
 }
 
 fn status(name: &str, role: &str, state: &str, epoch: u64) -> control::Status {
@@ -96,7 +108,8 @@ fn status(name: &str, role: &str, state: &str, epoch: u64) -> control::Status {
         rpo_seconds: 4.0,
         last_cycle: Some(control::CycleReport {
             id: 9,
-            point_in_time_ms: 1_700_000_000_000,
+            // Recent: older than 3 intervals would be late.
+            point_in_time_ms: now_ms() - 4_000,
             duration_ms: 1_500,
             bytes_shipped: 8192,
             ..Default::default()
@@ -159,6 +172,15 @@ impl Agents for FakeAgents {
     }
     async fn get(&self, agent: &str, name: &str) -> Result<Option<control::Status>, AgentError> {
         self.record(format!("get {agent} {name}"));
+        if self.down.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(AgentError {
+                agent: agent.into(),
+                op: "get",
+                name: name.into(),
+                code: tonic::Code::Unavailable,
+                message: REFUSED.into(),
+            });
+        }
         let map = self.relationships.lock().unwrap();
         Ok(map.get(&(agent.to_string(), name.to_string())).cloned())
     }
@@ -428,6 +450,17 @@ async fn run_once(
     vr: &VolumeReplication,
     n: usize,
 ) -> Vec<Sent> {
+    run_once_for(group, world, agents, vr, n).await.0
+}
+
+/// [`run_once`], and when the controller looks again.
+async fn run_once_for(
+    group: &str,
+    world: World,
+    agents: Arc<FakeAgents>,
+    vr: &VolumeReplication,
+    n: usize,
+) -> (Vec<Sent>, Action) {
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let client = kube::Client::new(service, "default");
     let ctx = Arc::new(Context {
@@ -452,11 +485,12 @@ async fn run_once(
     });
     let obj = dynamic(vr, group);
     let server = api_server(handle, n, serde_json::to_value(&obj).unwrap());
-    reconcile(Arc::new(obj), ctx).await.expect("reconcile");
-    tokio::time::timeout(std::time::Duration::from_secs(5), server)
+    let action = reconcile(Arc::new(obj), ctx).await.expect("reconcile");
+    let sent = tokio::time::timeout(std::time::Duration::from_secs(5), server)
         .await
         .expect("the controller sent fewer requests than expected")
-        .unwrap()
+        .unwrap();
+    (sent, action)
 }
 
 /// The status in a server-side apply to the status subresource.
@@ -480,6 +514,20 @@ fn condition<'a>(st: &'a VolumeReplicationStatus, ty: &str) -> (&'a str, &'a str
         .find(|c| c.type_ == ty)
         .unwrap_or_else(|| panic!("no {ty} condition in {:#?}", st.conditions));
     (c.status.as_str(), c.reason.as_str(), c.message.as_str())
+}
+
+/// rpoSeconds is now minus lastSyncTime (as the status was written: the test reads it
+/// within a second).
+fn assert_rpo_is_since_last_sync(st: &VolumeReplicationStatus) {
+    let since = st.last_sync_time.as_ref().expect("a last sync").0;
+    let age = k8s_openapi::jiff::Timestamp::now()
+        .duration_since(since)
+        .as_secs_f64();
+    let rpo = st.rpo_seconds.expect("an RPO");
+    assert!(
+        rpo <= age + 0.1 && rpo > age - 1.0,
+        "rpo {rpo}, since {age}"
+    );
 }
 
 /// RamenDR's gate: the status and every condition carry the current generation.
@@ -566,7 +614,7 @@ async fn create_adds_the_finalizer_then_creates_the_relationship_and_applies_sta
     assert_eq!(st.epoch, Some(1));
     assert_eq!(st.last_sync_duration.as_deref(), Some("1.5s"));
     assert_eq!(st.last_sync_bytes, Some(8192));
-    assert_eq!(st.rpo_seconds, Some(4.0));
+    assert_rpo_is_since_last_sync(&st);
     assert!(st.last_sync_time.is_some() && st.last_completion_time.is_some());
     assert_eq!(
         st.relationship,
@@ -595,16 +643,18 @@ async fn a_second_look_with_nothing_changed_sends_no_request() {
         &format!("get {AGENT} app/pg")
     );
     // A new cycle on the agent is written.
+    let cycle = now_ms();
     agents
         .change("test", AGENT, "app/pg", |s| {
-            s.last_cycle.as_mut().unwrap().point_in_time_ms += 60_000
+            s.last_cycle.as_mut().unwrap().point_in_time_ms = cycle
         })
         .unwrap();
     let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v2, 1).await;
     let st = applied_status(&sent[0], MOVER_GROUP);
+    // Written to the second.
     assert_eq!(
-        st.last_sync_time,
-        Some(mover::controller::status::time_ms(1_700_000_060_000))
+        st.last_sync_time.map(|t| t.0.as_second()),
+        Some(cycle / 1000)
     );
 }
 
@@ -856,6 +906,216 @@ async fn a_refused_promotion_is_forced_as_csi_addons_does_in_the_csi_addons_grou
     let st = applied_status(&sent[0], CSI_ADDONS_GROUP);
     assert_eq!(st.epoch, Some(5));
     assert_generation(&st, 5);
+}
+
+/// A primary VolumeReplication (generation 1) as the controller last wrote it, with the
+/// relationship the agents hold for it in `state`, its last error `error` and its last
+/// cycle `age_ms` old.
+async fn primary_with(
+    agents: &Arc<FakeAgents>,
+    state: &str,
+    error: &str,
+    age_ms: i64,
+) -> VolumeReplicationStatus {
+    let mut s = status("app/pg", "primary", state, 1);
+    s.last_error = error.into();
+    s.last_cycle.as_mut().unwrap().point_in_time_ms = now_ms() - age_ms;
+    agents.set(AGENT, s);
+    let v = vr(ReplicationState::Primary, 1, true);
+    let sent = run_once(MOVER_GROUP, World::default(), agents.clone(), &v, 1).await;
+    applied_status(&sent[0], MOVER_GROUP)
+}
+
+/// Every message of the status: the conditions' and status.message.
+fn messages(st: &VolumeReplicationStatus) -> Vec<String> {
+    let mut all: Vec<String> = st.conditions.iter().map(|c| c.message.clone()).collect();
+    all.extend(st.message.clone());
+    all
+}
+
+#[tokio::test]
+async fn a_promoted_volume_whose_agent_stops_answering_stays_completed_and_is_degraded() {
+    use mover::controller::crd::State;
+    let agents = Arc::new(FakeAgents::default());
+    let mut st = primary_with(&agents, "Replicating", "", 4_000).await;
+    assert_eq!(condition(&st, "Completed").1, "Promoted");
+    // Minutes later the agent stops answering; the last sync was 100 s ago.
+    agents
+        .down
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    st.last_sync_time = Some(mover::controller::status::time_ms(now_ms() - 100_000));
+    let mut v = vr(ReplicationState::Primary, 1, true);
+    v.status = Some(st);
+    let (sent, action) = run_once_for(MOVER_GROUP, World::default(), agents.clone(), &v, 1).await;
+    let st = applied_status(&sent[0], MOVER_GROUP);
+    // The promotion happened: Completed still says so.
+    assert_eq!(
+        condition(&st, "Completed"),
+        (
+            "True",
+            "Promoted",
+            "volume is promoted to primary and replicating to secondary"
+        )
+    );
+    assert_eq!(st.state, Some(State::Primary));
+    let (status, reason, message) = condition(&st, "Degraded");
+    assert_eq!((status, reason), ("True", "Unreachable"), "{message}");
+    assert!(
+        message.contains("the agent on node node-a (10.0.0.1:7070) does not answer"),
+        "{message}"
+    );
+    let (status, reason, _) = condition(&st, "Replicating");
+    assert_eq!((status, reason), ("False", "Unreachable"));
+    for m in messages(&st) {
+        assert!(!m.contains("failed to promote"), "{m}");
+        assert!(m.matches("tcp connect error").count() <= 1, "{m}");
+    }
+    assert_generation(&st, 1);
+    // The RPO grew with the time since the last sync, though the agent said nothing.
+    assert_rpo_is_since_last_sync(&st);
+    assert!(st.rpo_seconds.unwrap() >= 100.0, "{:?}", st.rpo_seconds);
+    // Looked at again within the interval and 10 s.
+    assert_eq!(action, Action::requeue(std::time::Duration::from_secs(10)));
+
+    // A later generation asking for the same state (autoResync edited) does not undo it.
+    let mut v = vr(ReplicationState::Primary, 2, true);
+    v.status = Some(st);
+    let st = applied_status(
+        &run_once(MOVER_GROUP, World::default(), agents.clone(), &v, 1).await[0],
+        MOVER_GROUP,
+    );
+    assert_eq!(condition(&st, "Completed").0, "True");
+    assert_generation(&st, 2);
+
+    // Its agent pod gone from the node: the same.
+    let mut v = vr(ReplicationState::Primary, 2, true);
+    v.status = Some(st);
+    let world = World {
+        agents: vec![],
+        ..World::default()
+    };
+    let st = applied_status(
+        &run_once(MOVER_GROUP, world, agents.clone(), &v, 1).await[0],
+        MOVER_GROUP,
+    );
+    assert_eq!(condition(&st, "Completed").0, "True");
+    assert_eq!(condition(&st, "Degraded").1, "Unreachable");
+    assert_eq!(condition(&st, "Validated").0, "False");
+
+    // A promotion that never completed did fail, and says so once.
+    let st = applied_status(
+        &run_once(
+            MOVER_GROUP,
+            World::default(),
+            agents.clone(),
+            &vr(ReplicationState::Primary, 1, true),
+            1,
+        )
+        .await[0],
+        MOVER_GROUP,
+    );
+    assert_eq!(
+        condition(&st, "Completed"),
+        ("False", "FailedToPromote", "failed to promote volume")
+    );
+    let (_, _, message) = condition(&st, "Degraded");
+    assert_eq!(message.matches("tcp connect error").count(), 1, "{message}");
+}
+
+#[tokio::test]
+async fn an_rpo_past_its_bound_is_degraded_in_a_message_that_stays_the_same() {
+    // The agent's sentence, as replicate::late writes it (interval 1m: bound 180 s).
+    let late =
+        |rpo: u32| format!("RPO {rpo}s is past 3 intervals (180s): no cycle has completed since");
+    let agents = Arc::new(FakeAgents::default());
+    let st = primary_with(&agents, "Degraded", &late(200), 200_000).await;
+    assert_eq!(condition(&st, "Completed").0, "True");
+    let (status, reason, message) = condition(&st, "Degraded");
+    assert_eq!((status, reason), ("True", "VolumeDegraded"), "{message}");
+    assert!(
+        message.contains("no cycle has completed since")
+            && message.contains("more than 3 intervals (180s) ago"),
+        "{message}"
+    );
+    assert_eq!(condition(&st, "Replicating").0, "False");
+    assert!(messages(&st).iter().all(|m| !m.contains("RPO 200s")));
+    assert_rpo_is_since_last_sync(&st);
+    assert!(st.rpo_seconds.unwrap() >= 200.0);
+
+    // A second later the agent says 201 s: nothing to write (the RPO is written by the
+    // interval, the message does not tick).
+    agents
+        .change("test", AGENT, "app/pg", |s| s.last_error = late(201))
+        .unwrap();
+    let mut v = vr(ReplicationState::Primary, 1, true);
+    v.status = Some(st);
+    let (sent, action) = run_once_for(MOVER_GROUP, World::default(), agents.clone(), &v, 0).await;
+    assert!(sent.is_empty());
+    assert_eq!(action, Action::requeue(std::time::Duration::from_secs(10)));
+
+    // An agent that still says Replicating (its clock behind): late by the controller's.
+    let agents = Arc::new(FakeAgents::default());
+    let st = primary_with(&agents, "Replicating", "", 200_000).await;
+    let (status, _, message) = condition(&st, "Degraded");
+    assert_eq!(status, "True", "{message}");
+    assert!(
+        message.contains("no cycle has completed since"),
+        "{message}"
+    );
+    assert_eq!(condition(&st, "Replicating").0, "False");
+}
+
+#[tokio::test]
+async fn an_unreachable_peer_locator_is_degraded_and_named_as_the_peer_clusters_locator() {
+    let error = "agent agent://mover-locator@dr.example:7471/-: unavailable: cannot connect: \
+                 transport error: tcp connect error: tcp connect error: Connection refused (os \
+                 error 111) (is the agent running and reachable? rerunning continues the \
+                 transfer)";
+    let agents = Arc::new(FakeAgents::default());
+    let st = primary_with(&agents, "Degraded", error, 4_000).await;
+    assert_eq!(condition(&st, "Completed").0, "True");
+    let (status, reason, message) = condition(&st, "Degraded");
+    assert_eq!((status, reason), ("True", "VolumeDegraded"));
+    assert_eq!(
+        message,
+        "volume is degraded: relationship Degraded: the peer cluster's Locator at \
+         dr.example:7471: unavailable: cannot connect: transport error: tcp connect error: \
+         Connection refused (os error 111)"
+    );
+    assert_eq!(condition(&st, "Replicating").0, "False");
+    for m in messages(&st) {
+        assert!(!m.contains("agent://") && !m.contains("rerunning"), "{m}");
+        assert!(m.matches("tcp connect error").count() <= 1, "{m}");
+    }
+}
+
+#[tokio::test]
+async fn a_fenced_side_is_told_to_set_secondary_with_auto_resync_not_a_command() {
+    let error = "\"app/pg\" is halted (Fenced): another side was promoted; run `mover replicate \
+                 resync app/pg` here to make this side its secondary";
+    let agents = Arc::new(FakeAgents::default());
+    let st = primary_with(&agents, "Fenced", error, 4_000).await;
+    let (status, reason, message) = condition(&st, "Degraded");
+    assert_eq!((status, reason), ("True", "VolumeDegraded"));
+    assert!(
+        message.contains("`replicationState: secondary`") && message.contains("`autoResync: true`"),
+        "{message}"
+    );
+    assert_eq!(condition(&st, "Replicating").0, "False");
+    for m in messages(&st) {
+        assert!(!m.contains("mover replicate"), "{m}");
+    }
+
+    // Made secondary without autoResync: Degraded says to set it.
+    let mut v = vr(ReplicationState::Secondary, 2, true);
+    v.status = Some(st);
+    let st = applied_status(
+        &run_once(MOVER_GROUP, World::default(), agents.clone(), &v, 1).await[0],
+        MOVER_GROUP,
+    );
+    let (status, _, message) = condition(&st, "Degraded");
+    assert_eq!(status, "True");
+    assert!(message.contains("`autoResync: true`"), "{message}");
 }
 
 #[tokio::test]
@@ -1276,10 +1536,11 @@ async fn a_thousand_volume_replications_cost_one_request_each_per_new_cycle_and_
     let (vrs, at_rest) = pass(vrs).await;
     assert_eq!(at_rest, 0, "nothing changed: no request");
     // A cycle completes on every relationship: one status write each.
+    let cycle = now_ms();
     for i in 0..N {
         agents
             .change("test", AGENT, &format!("app/pg-{i}"), |s| {
-                s.last_cycle.as_mut().unwrap().point_in_time_ms += 60_000
+                s.last_cycle.as_mut().unwrap().point_in_time_ms = cycle
             })
             .unwrap();
     }

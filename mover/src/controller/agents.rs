@@ -36,6 +36,14 @@ impl AgentError {
         self.code == tonic::Code::FailedPrecondition
     }
 
+    /// The agent did not answer (down, or not reachable from the controller).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self.code,
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+        )
+    }
+
     /// The agent answered and said no (rather than not answering).
     pub fn is_refusal(&self) -> bool {
         use tonic::Code::*;
@@ -246,11 +254,11 @@ impl GrpcAgents {
                 fail("no agent pod has this address: its certificate's name is unknown".into())
             })?);
         }
-        let c = self
-            .remote
-            .channel(&url)
-            .await
-            .map_err(|e| fail(e.to_string()))?;
+        // The connection's own message: this error names the agent already.
+        let c = self.remote.channel(&url).await.map_err(|e| match e {
+            crate::error::CopyError::Remote { message, .. } => fail(message),
+            e => fail(e.to_string()),
+        })?;
         self.clients.lock().await.insert(agent.into(), c.clone());
         Ok(c)
     }

@@ -525,6 +525,9 @@ fn requirement_holds(r: &NodeSelectorRequirement, value: Option<&str>) -> bool {
     }
 }
 
+/// What a volume whose node runs no agent pod fails.
+pub const NO_AGENT: &str = "failed to find agent";
+
 /// The address (HOST:PORT) of the running agent pod on `node`.
 pub fn agent_on(node: &str, pods: &[Pod], port: u16) -> Result<String, Invalid> {
     let running = pods.iter().find(|p| {
@@ -537,7 +540,7 @@ pub fn agent_on(node: &str, pods: &[Pod], port: u16) -> Result<String, Invalid> 
         .and_then(|s| s.pod_ip.clone())
         .ok_or_else(|| {
             invalid(
-                "failed to find agent",
+                NO_AGENT,
                 format!(
                     "no running mover agent on node {node}: the agent DaemonSet must run there \
                      (check its node selector, tolerations and pod status)"

@@ -36,6 +36,9 @@ pub const FIELD_MANAGER: &str = "mover";
 pub const RETRY: Duration = Duration::from_secs(30);
 /// When a deletion whose agent did not answer is retried.
 pub const DELETE_RETRY: Duration = Duration::from_secs(5);
+/// How soon a volume whose replication is in trouble is looked at again (at most; its
+/// interval if shorter): often enough that its conditions and RPO follow the trouble.
+pub const TROUBLE_RETRY: Duration = Duration::from_secs(10);
 
 /// Why a reconcile failed (it is retried).
 #[derive(Debug, thiserror::Error)]
@@ -313,6 +316,7 @@ async fn apply(
     let (st, action) = decide(&vr, ctx, now()).await;
     // The RPO grows between cycles by itself; it is written when it moved by a whole
     // interval (a cycle is late), so a read RPO is never more than an interval stale.
+    // One past its bound is written at once: Degraded and Replicating change with it.
     let rpo_step = ctx
         .class(&vr.spec.volume_replication_class)
         .and_then(|c| desired::class_params(&c).ok())
@@ -372,22 +376,67 @@ pub async fn decide(
     ctx: &Context,
     now: Time,
 ) -> (VolumeReplicationStatus, Action) {
+    let (mut st, action) = decide_by_state(vr, ctx, now.clone()).await;
+    // Whatever path was taken (an agent that did not answer too), the RPO is that of
+    // the lastSyncTime written with it.
+    st.rpo_seconds = status::rpo(st.last_sync_time.as_ref(), &now);
+    st.message = st.message.as_deref().map(status::plain);
+    (st, action)
+}
+
+/// A failed agent call once the requested state was reached: the condition reason and
+/// the detail, which names the agent's node.
+fn trouble(d: &Desired, e: &AgentError) -> (&'static str, String) {
+    if e.is_unreachable() {
+        let detail = format!(
+            "the agent on node {} ({}) does not answer: {} {}: {}",
+            d.node, e.agent, e.op, e.name, e.message
+        );
+        (status::reasons::UNREACHABLE, detail)
+    } else {
+        (status::reasons::ERROR, e.to_string())
+    }
+}
+
+async fn decide_by_state(
+    vr: &VolumeReplication,
+    ctx: &Context,
+    now: Time,
+) -> (VolumeReplicationStatus, Action) {
     let generation = vr.meta().generation.unwrap_or(0);
     let state = vr.spec.replication_state;
     let mut st = vr.status.clone().unwrap_or_default();
+    // Completed reports the requested state change: once it happened, a failed call is
+    // news of the replication (Degraded), not a failed promotion or demotion.
+    let done = status::completed(&st, state);
     let kind = vr.spec.data_source.kind.clone();
     st.observed_generation = Some(generation);
     let not_valid = |mut st: VolumeReplicationStatus, invalid: desired::Invalid| {
         let mut c = Conditions::new(&mut st.conditions, generation, &kind, now.clone());
-        c.failed_validation(state, invalid.what, &invalid.detail);
-        if state == ReplicationState::Primary {
-            c.replicating(Health::Unknown, &invalid.detail);
+        let primary = state == ReplicationState::Primary;
+        let retry = if done {
+            // Reached already: what is missing now (an agent pod gone) is trouble of
+            // the replication, not a failed state change.
+            let reason = match invalid.what {
+                desired::NO_AGENT => status::reasons::UNREACHABLE,
+                _ => status::reasons::ERROR,
+            };
+            c.trouble(reason, &invalid.detail, primary);
+            c.not_validated(&invalid.detail);
+            TROUBLE_RETRY
         } else {
+            c.failed_validation(state, invalid.what, &invalid.detail);
+            if primary {
+                c.replicating(Health::Unknown, &invalid.detail);
+            }
+            RETRY
+        };
+        if !primary {
             c.remove(status::types::REPLICATING);
         }
         st.state = Some(current(&st));
         st.message = Some(invalid.to_string());
-        (st, Action::requeue(RETRY))
+        (st, Action::requeue(retry))
     };
     let mut d = match resolve(vr, ctx) {
         Ok(d) => d,
@@ -483,22 +532,33 @@ pub async fn decide(
             match result {
                 Ok(s) => {
                     c.promoted();
-                    let (h, detail) = status::health(&s);
+                    let (h, detail) = status::health(&s, &now, d.params.interval);
                     c.replicating(h, &detail);
                     c.consistency(&s.consistency, &s.last_error);
                     if is_split(&s) {
-                        c.split(&format!(
+                        c.degraded(&format!(
                             "relationship {}: another cluster's side was promoted past this \
-                             one; set replicationState secondary (with autoResync) to follow it, \
-                             discarding the writes made here since",
+                             one; set `replicationState: secondary` with `autoResync: true` in \
+                             this VolumeReplication to follow it, discarding the writes made \
+                             here since",
                             s.state
                         ));
                     }
-                    status::apply_report(&mut st, &s);
+                    status::apply_report(&mut st, &s, &now);
                     st.state = Some(State::Primary);
                     st.message = Some(status::marked(state));
                     st.last_completion_time = Some(now);
+                    let next = match h {
+                        Health::Degraded => next.min(TROUBLE_RETRY),
+                        _ => next,
+                    };
                     (st, Action::requeue(next))
+                }
+                Err(e) if done => {
+                    let (reason, detail) = trouble(&d, &e);
+                    c.trouble(reason, &detail, true);
+                    st.message = Some(detail);
+                    (st, Action::requeue(next.min(TROUBLE_RETRY)))
                 }
                 Err(e) => {
                     c.failed_promotion("failed to promote volume", &e.to_string());
@@ -540,6 +600,13 @@ pub async fn decide(
             };
             st.last_sync_time = None;
             match outcome {
+                Err(e) if done => {
+                    let (reason, detail) = trouble(&d, &e);
+                    c.trouble(reason, &detail, false);
+                    st.message = Some(detail);
+                    let next = info_interval(d.params.interval).min(TROUBLE_RETRY);
+                    (st, Action::requeue(next))
+                }
                 Err(e) => {
                     c.failed_demotion("failed to demote volume", &e.to_string());
                     st.state = Some(current(&st));
@@ -576,6 +643,12 @@ pub async fn decide(
                 Err(e) => Err(e),
             };
             match resynced {
+                Err(e) if done => {
+                    let (reason, detail) = trouble(&d, &e);
+                    c.trouble(reason, &detail, false);
+                    st.message = Some(detail);
+                    (st, Action::requeue(TROUBLE_RETRY))
+                }
                 Err(e) => {
                     c.failed_resync("failed to resync volume", &e.to_string());
                     st.state = Some(current(&st));
@@ -647,11 +720,13 @@ async fn secondary(
     let split = is_split(&s);
     if split && !d.auto_resync {
         c.demoted();
-        st.message = Some(format!(
-            "volume is degraded: relationship {}: set spec.autoResync or replicationState \
-             resync to discard this side's writes since the last common cycle",
+        let advice = format!(
+            "relationship {}: set `autoResync: true` (or `replicationState: resync`) to \
+             discard this side's writes since the last common cycle and follow the primary",
             s.state
-        ));
+        );
+        c.degraded(&advice);
+        st.message = Some(format!("volume is degraded: {advice}"));
         return (st, Action::requeue(RETRY));
     }
     let s = if split {

@@ -54,6 +54,8 @@ pub async fn reconcile(
     kind: &str,
     now: Time,
 ) -> (VolumeReplicationStatus, Option<Duration>) {
+    // Promoted already: a failure now is trouble of the schedule, not a failed promotion.
+    let done = status::completed(&st, state);
     let mut c = Conditions::new(&mut st.conditions, generation, kind, now.clone());
     if state != ReplicationState::Primary {
         let detail = format!(
@@ -76,9 +78,9 @@ pub async fn reconcile(
     // The secret is read on every look (one request): a rotated password or S3 key
     // reaches the agent at the next look, told by the secret's version.
     let result = match access(ctx, d, repo).await {
-        Err(e) => Err(e),
+        Err(e) => Err((status::reasons::ERROR, e)),
         Ok((access, version)) => match ctx.agents.schedule(&d.agent, &d.name).await {
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(failed(&e)),
             Ok(Some(s)) if s.spec.as_ref() == Some(&want(version.clone())) => Ok(s),
             Ok(_) => {
                 let spec = schedule::Spec {
@@ -88,7 +90,7 @@ pub async fn reconcile(
                 ctx.agents
                     .apply_schedule(&d.agent, spec)
                     .await
-                    .map_err(|e: AgentError| e.to_string())
+                    .map_err(|e| failed(&e))
             }
         },
     };
@@ -111,7 +113,14 @@ pub async fn reconcile(
             st.last_completion_time = Some(now);
             (st, Some(d.params.interval))
         }
-        Err(e) => {
+        Err((reason, e)) if done => {
+            c.trouble(reason, &e, true);
+            (
+                st,
+                Some(d.params.interval.min(super::reconcile::TROUBLE_RETRY)),
+            )
+        }
+        Err((_, e)) => {
             c.failed_promotion("failed to promote volume", &e);
             c.replicating(Health::Unknown, &e);
             st.state = Some(st.state.unwrap_or(State::Unknown));
@@ -119,6 +128,16 @@ pub async fn reconcile(
             (st, None)
         }
     }
+}
+
+/// A failed call to the agent: the condition reason (Unreachable when it did not
+/// answer) and the message.
+fn failed(e: &AgentError) -> (&'static str, String) {
+    let reason = match e.is_unreachable() {
+        true => status::reasons::UNREACHABLE,
+        false => status::reasons::ERROR,
+    };
+    (reason, e.to_string())
 }
 
 /// The repository's password and S3 keys, from the class's secret, and the secret's
@@ -163,7 +182,8 @@ async fn access(
     Ok((access, version))
 }
 
-/// The last snapshot as the last sync: its time, duration, bytes stored; the RPO.
+/// The last snapshot as the last sync: its time, duration, bytes stored (the RPO
+/// follows from its time: see `reconcile::decide`).
 fn report(st: &mut VolumeReplicationStatus, s: &schedule::Status, url: &str) {
     st.destination_volume_id = Some(url.to_string());
     st.progress = None;
@@ -174,7 +194,5 @@ fn report(st: &mut VolumeReplicationStatus, s: &schedule::Status, url: &str) {
             s.last_duration_ms,
         )));
         st.last_sync_bytes = Some(s.last_bytes_added as i64);
-        let age = (crate::replicate::now_ms() - s.last_time_ms) as f64 / 1000.0;
-        st.rpo_seconds = Some((age.max(0.0) * 10.0).round() / 10.0);
     }
 }

@@ -8,6 +8,8 @@
 //! `setStatusCondition`).
 
 use super::crd::{ReplicationState, State, VolumeReplicationStatus};
+// A primary is late past this many intervals: the agent's bound, and the controller's.
+use crate::replicate::LATE_INTERVALS;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use std::time::Duration;
 
@@ -51,6 +53,9 @@ pub mod reasons {
     pub const CRASH_INCONSISTENT: &str = "CrashInconsistent";
     pub const FILE_CONSISTENT: &str = "FileConsistent";
     pub const NO_CYCLE: &str = "NoCycle";
+    /// mover: the controller cannot reach the agent (Degraded and Replicating, once the
+    /// requested state was reached: Completed stays as it was).
+    pub const UNREACHABLE: &str = "Unreachable";
 }
 
 /// Condition messages (csi-addons' texts, after "volume ").
@@ -97,13 +102,14 @@ impl<'a> Conditions<'a> {
     }
 
     /// csi-addons' setStatusCondition: add, or update in place; the transition time
-    /// moves only when the status changes.
+    /// moves only when the status changes. Every message is put in the reader's words
+    /// ([`plain`]).
     fn set(&mut self, type_: &str, status: &str, reason: &str, message: String) {
         let new = Condition {
             type_: type_.into(),
             status: status.into(),
             reason: reason.into(),
-            message,
+            message: plain(&message),
             observed_generation: Some(self.generation),
             last_transition_time: self.now.clone(),
         };
@@ -152,11 +158,28 @@ impl<'a> Conditions<'a> {
         self.not_resyncing();
     }
 
-    /// A primary the peer's promotion fenced, or split from: it no longer replicates, and
-    /// its writes since are not on the peer. Degraded, saying what to do.
-    pub fn split(&mut self, detail: &str) {
+    /// Replication is broken (late, a peer or Locator unreachable, fenced or split):
+    /// Degraded, saying what is wrong (and what to do, where the caller knows).
+    pub fn degraded(&mut self, detail: &str) {
         let m = format!("{} {}: {detail}", self.source, messages::DEGRADED);
         self.set(types::DEGRADED, "True", reasons::VOLUME_DEGRADED, m);
+    }
+
+    /// Trouble once the requested state was reached (an agent that stopped answering):
+    /// Completed stays as it is, since it reports the state change and that happened;
+    /// Degraded (and, on a primary, Replicating) say what is wrong now, with `reason`.
+    pub fn trouble(&mut self, reason: &str, detail: &str, primary: bool) {
+        // What stands (Completed, Resyncing) stands at this generation too: RamenDR
+        // reads only conditions of the current one.
+        for c in self.list.iter_mut() {
+            c.observed_generation = Some(self.generation);
+        }
+        let m = format!("{} {}: {detail}", self.source, messages::DEGRADED);
+        self.set(types::DEGRADED, "True", reason, m);
+        if primary {
+            let m = format!("{} {}: {detail}", self.source, messages::NOT_REPLICATING);
+            self.set(types::REPLICATING, "False", reason, m);
+        }
     }
 
     /// setFailedPromotionCondition.
@@ -185,6 +208,11 @@ impl<'a> Conditions<'a> {
         self.set(types::COMPLETED, "False", reason, m);
         self.set(types::DEGRADED, "True", reasons::ERROR, degraded.into());
         self.not_resyncing();
+        self.not_validated(detail);
+    }
+
+    /// Validated=False, saying what to fix.
+    pub fn not_validated(&mut self, detail: &str) {
         let m = format!("{}: {detail}", messages::FAILED_PRECONDITION);
         self.set(types::VALIDATED, "False", reasons::PREREQUISITE_NOT_MET, m);
     }
@@ -251,11 +279,17 @@ impl<'a> Conditions<'a> {
         }
     }
 
-    /// setReplicationCondition from the primary's health.
+    /// setReplicationCondition from the primary's health; broken replication makes the
+    /// volume Degraded too (csi-addons' Degraded: "not usable as asked"), so that
+    /// Degraded never says Healthy while Replicating says why not.
     pub fn replicating(&mut self, health: Health, detail: &str) {
         let (status, reason, what) = match health {
             Health::Healthy => ("True", reasons::REPLICATING, messages::REPLICATING),
-            Health::Degraded => ("False", reasons::NOT_REPLICATING, messages::NOT_REPLICATING),
+            Health::Waiting => ("False", reasons::NOT_REPLICATING, messages::NOT_REPLICATING),
+            Health::Degraded => {
+                self.degraded(detail);
+                ("False", reasons::NOT_REPLICATING, messages::NOT_REPLICATING)
+            }
             Health::Unknown => (
                 "Unknown",
                 reasons::REPLICATING,
@@ -309,24 +343,144 @@ pub fn last_sync_consistency(consistency: &str) -> Option<String> {
 pub enum Health {
     /// Cycles complete.
     Healthy,
-    /// Cycles fail, or the relationship is fenced, split or paused.
+    /// Not replicating, and nothing broken: the first cycle under way, or paused.
+    Waiting,
+    /// Broken: cycles fail or are late, or the relationship is fenced or split.
     Degraded,
     /// The agent could not be asked.
     Unknown,
 }
 
-/// The health of a primary from its agent's relationship state, and the detail shown.
-pub fn health(s: &transport::control::Status) -> (Health, String) {
-    let detail = if s.last_error.is_empty() {
-        format!("relationship {}", s.state)
-    } else {
-        format!("relationship {}: {}", s.state, s.last_error)
+/// The health of a primary from its agent's relationship state at `now`, and the detail
+/// shown. A last cycle older than [`LATE_INTERVALS`] intervals is broken whatever the
+/// agent says (the controller's clock judges what the status shows).
+pub fn health(s: &transport::control::Status, now: &Time, interval: Duration) -> (Health, String) {
+    let last_sync = s
+        .last_cycle
+        .as_ref()
+        .filter(|c| c.point_in_time_ms > 0)
+        .map(|c| time_ms(c.point_in_time_ms));
+    let bound = interval.as_secs_f64() * LATE_INTERVALS as f64;
+    let late = rpo(last_sync.as_ref(), now).is_some_and(|r| r > bound);
+    // The agent's sentence for lateness names the RPO, which grows each second: said
+    // as the last sync time instead, the message stays the same while nothing else
+    // changes, and the status is not rewritten at every look.
+    let agents_late = s.last_error.starts_with("RPO ")
+        && s.last_error
+            .contains(&format!(" is past {LATE_INTERVALS} intervals"));
+    let error = match &last_sync {
+        Some(t) if agents_late || (late && s.last_error.is_empty()) => late_since(t, interval),
+        _ => s.last_error.clone(),
     };
-    let h = match s.state.as_str() {
+    let state = match s.state.as_str() {
+        "Replicating" if late => "Degraded",
+        state => state,
+    };
+    let detail = if error.is_empty() {
+        format!("relationship {state}")
+    } else {
+        format!("relationship {state}: {error}")
+    };
+    let h = match state {
         "Replicating" => Health::Healthy,
+        "Resyncing" | "Paused" => Health::Waiting,
         _ => Health::Degraded,
     };
     (h, detail)
+}
+
+/// Why a primary is late, naming its last sync (to the second, as the status shows it).
+fn late_since(last_sync: &Time, interval: Duration) -> String {
+    let whole =
+        k8s_openapi::jiff::Timestamp::from_second(last_sync.0.as_second()).unwrap_or(last_sync.0);
+    format!(
+        "no cycle has completed since {whole}, more than {LATE_INTERVALS} intervals ({}s) ago",
+        interval.as_secs() * LATE_INTERVALS
+    )
+}
+
+/// `status.rpoSeconds`: `now` minus the last sync's point in time, to a tenth of a
+/// second (none before a first sync). Computed when the status is written, never copied
+/// from an agent: an agent's number is as old as its answer, and an agent that no
+/// longer answers would leave it standing still while the RPO grows.
+pub fn rpo(last_sync: Option<&Time>, now: &Time) -> Option<f64> {
+    let age = now.0.duration_since(last_sync?.0).as_secs_f64().max(0.0);
+    Some((age * 10.0).round() / 10.0)
+}
+
+/// Whether the state `state` asks for was reached already: the status is in it and
+/// Completed says that state change completed. Later trouble does not undo a completed
+/// state change, nor does a later generation asking for the same state.
+pub fn completed(status: &VolumeReplicationStatus, state: ReplicationState) -> bool {
+    let reason = match state {
+        ReplicationState::Primary => reasons::PROMOTED,
+        ReplicationState::Secondary | ReplicationState::Resync => reasons::DEMOTED,
+    };
+    status.state == Some(reached(state))
+        && status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == types::COMPLETED && c.status == "True" && c.reason == reason)
+}
+
+/// A message in the words of the VolumeReplication's reader: the peer cluster's Locator
+/// by that name (not as the `agent://` URL an agent dials it by), a fenced side's remedy
+/// as the spec fields to set (not a CLI command), no CLI flags, and each cause once (an
+/// error's source chain may repeat one: "tcp connect error: tcp connect error").
+pub fn plain(text: &str) -> String {
+    let mut s = text.to_string();
+    // agent://mover-locator@HOST:PORT/- is how an agent names the Locator it dials.
+    let locator = format!("agent://{}@", crate::remote::LOCATOR_NAME);
+    while let Some(at) = s.find(&locator) {
+        let rest = &s[at + locator.len()..];
+        let Some(end) = rest.find("/-") else { break };
+        let authority = rest[..end].to_string();
+        let start = if s[..at].ends_with("agent ") {
+            at - "agent ".len()
+        } else {
+            at
+        };
+        let stop = at + locator.len() + end + "/-".len();
+        s.replace_range(
+            start..stop,
+            &format!("the peer cluster's Locator at {authority}"),
+        );
+    }
+    // The agents' remedy for a fenced side, as its CLI user would apply it.
+    let cli = "run `mover replicate resync ";
+    while let Some(at) = s.find(cli) {
+        let Some(end) = s[at + cli.len()..].find('`') else {
+            break;
+        };
+        let mut stop = at + cli.len() + end + 1;
+        if s[stop..].starts_with(" here") {
+            stop += " here".len();
+        }
+        s.replace_range(
+            at..stop,
+            "set `replicationState: secondary` with `autoResync: true` in this side's \
+             VolumeReplication",
+        );
+    }
+    for (flags, api) in [
+        (
+            " (is the agent running and reachable? rerunning continues the transfer)",
+            "",
+        ),
+        (
+            " (check --token-file / MOVER_TOKEN, or the TLS certificates)",
+            " (check the token and ca.crt of the class's replication secret)",
+        ),
+    ] {
+        s = s.replace(flags, api);
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    for part in s.split(": ") {
+        if parts.last() != Some(&part) {
+            parts.push(part);
+        }
+    }
+    parts.join(": ")
 }
 
 /// csi-addons' GetReplicationState: the state a successful operation reaches.
@@ -345,12 +499,16 @@ pub fn marked(state: ReplicationState) -> String {
     }
 }
 
-/// Copies what a primary's agent reports into the status: last sync, RPO, epoch,
-/// progress. csi-addons clears lastSyncDuration/Bytes when a new sync time has none.
-pub fn apply_report(status: &mut VolumeReplicationStatus, s: &transport::control::Status) {
+/// Copies what a primary's agent reports into the status: last sync, epoch, progress;
+/// the RPO from the last sync at `now` ([`rpo`]). csi-addons clears
+/// lastSyncDuration/Bytes when a new sync time has none.
+pub fn apply_report(
+    status: &mut VolumeReplicationStatus,
+    s: &transport::control::Status,
+    now: &Time,
+) {
     status.epoch = Some(s.epoch as i64);
     status.last_sync_consistency = last_sync_consistency(&s.consistency);
-    status.rpo_seconds = (s.rpo_seconds >= 0.0).then_some((s.rpo_seconds * 10.0).round() / 10.0);
     status.progress = (s.progress_total > 0).then_some(super::crd::Progress {
         bytes_done: s.progress_done as i64,
         bytes_total: s.progress_total as i64,
@@ -367,6 +525,7 @@ pub fn apply_report(status: &mut VolumeReplicationStatus, s: &transport::control
         status.last_sync_duration = Some(go_duration(Duration::from_millis(c.duration_ms)));
         status.last_sync_bytes = (c.bytes_shipped != 0).then_some(c.bytes_shipped as i64);
     }
+    status.rpo_seconds = rpo(status.last_sync_time.as_ref(), now);
 }
 
 /// True when writing `new` over `old` would change nothing but what moves by itself:
@@ -464,6 +623,7 @@ pub fn transitions(
                     | reasons::VOLUME_DEGRADED
                     | reasons::PREREQUISITE_NOT_MET
                     | reasons::NOT_REPLICATING
+                    | reasons::UNREACHABLE
             );
             Event {
                 type_: if failure {
@@ -693,9 +853,12 @@ mod tests {
             ..Default::default()
         };
         let mut st = VolumeReplicationStatus::default();
-        apply_report(&mut st, &s);
+        // The RPO is the controller's: now minus the cycle's point in time, whatever
+        // the agent said.
+        let now = time_ms(1_700_000_020_040);
+        apply_report(&mut st, &s, &now);
         assert_eq!(st.epoch, Some(3));
-        assert_eq!(st.rpo_seconds, Some(12.3));
+        assert_eq!(st.rpo_seconds, Some(20.0));
         assert_eq!(st.last_sync_duration.as_deref(), Some("1m30.5s"));
         assert_eq!(st.last_sync_bytes, Some(4096));
         assert_eq!(st.last_sync_time, Some(time_ms(1_700_000_000_000)));
@@ -707,7 +870,7 @@ mod tests {
             })
         );
         assert_eq!(
-            health(&s),
+            health(&s, &now, Duration::from_secs(60)),
             (
                 Health::Degraded,
                 "relationship Degraded: secondary unreachable".into()
@@ -722,5 +885,145 @@ mod tests {
             marked(ReplicationState::Primary),
             "volume is marked primary"
         );
+    }
+
+    #[test]
+    fn rpo_is_now_minus_the_last_sync() {
+        let last = time_ms(1_700_000_000_000);
+        assert_eq!(rpo(Some(&last), &time_ms(1_700_000_036_260)), Some(36.3));
+        assert_eq!(rpo(None, &time_ms(1_700_000_036_260)), None);
+        // A clock behind the agent's: no negative RPO.
+        assert_eq!(rpo(Some(&last), &time_ms(1_699_999_999_000)), Some(0.0));
+    }
+
+    fn report(state: &str, error: &str, age_ms: i64, now_ms: i64) -> transport::control::Status {
+        transport::control::Status {
+            state: state.into(),
+            last_error: error.into(),
+            last_cycle: Some(transport::control::CycleReport {
+                point_in_time_ms: now_ms - age_ms,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_late_primary_is_degraded_in_words_that_do_not_tick() {
+        let (now, ten) = (1_700_000_036_000, Duration::from_secs(10));
+        let agents_late = report(
+            "Degraded",
+            "RPO 36s is past 3 intervals (30s): no cycle has completed since",
+            36_000,
+            now,
+        );
+        let want = "relationship Degraded: no cycle has completed since \
+                    2023-11-14T22:13:20Z, more than 3 intervals (30s) ago";
+        assert_eq!(
+            health(&agents_late, &time_ms(now), ten),
+            (Health::Degraded, want.to_string())
+        );
+        // A second later: the same sentence (no status write for it).
+        let later = report(
+            "Degraded",
+            "RPO 37s is past 3 intervals (30s): no cycle has completed since",
+            37_000,
+            now + 1_000,
+        );
+        assert_eq!(health(&later, &time_ms(now + 1_000), ten).1, want);
+        // The agent says Replicating, the controller's clock says late.
+        let replicating = report("Replicating", "", 36_000, now);
+        assert_eq!(
+            health(&replicating, &time_ms(now), ten),
+            (Health::Degraded, want.to_string())
+        );
+        let on_time = report("Replicating", "", 25_000, now);
+        assert_eq!(health(&on_time, &time_ms(now), ten).0, Health::Healthy);
+        // The first cycle under way is not broken.
+        let first = transport::control::Status {
+            state: "Resyncing".into(),
+            ..Default::default()
+        };
+        assert_eq!(health(&first, &time_ms(now), ten).0, Health::Waiting);
+
+        // Broken replication makes the volume Degraded, not Healthy.
+        let mut list = Vec::new();
+        let mut c = Conditions::new(&mut list, 1, "PersistentVolumeClaim", t(1));
+        c.promoted();
+        c.replicating(Health::Degraded, want);
+        let get = |ty| list.iter().find(|c| c.type_ == ty).unwrap();
+        assert_eq!(get(types::DEGRADED).status, "True");
+        assert_eq!(get(types::DEGRADED).reason, reasons::VOLUME_DEGRADED);
+        assert_eq!(
+            get(types::DEGRADED).message,
+            format!("volume is degraded: {want}")
+        );
+        assert_eq!(get(types::REPLICATING).status, "False");
+        assert_eq!(get(types::COMPLETED).status, "True");
+    }
+
+    #[test]
+    fn trouble_after_a_promotion_keeps_completed() {
+        let mut st = VolumeReplicationStatus::default();
+        Conditions::new(&mut st.conditions, 1, "PersistentVolumeClaim", t(1)).promoted();
+        assert!(!completed(&st, ReplicationState::Primary), "no state yet");
+        st.state = Some(State::Primary);
+        assert!(completed(&st, ReplicationState::Primary));
+        assert!(!completed(&st, ReplicationState::Secondary));
+        let mut c = Conditions::new(&mut st.conditions, 2, "PersistentVolumeClaim", t(2));
+        c.trouble(reasons::UNREACHABLE, "the agent does not answer", true);
+        assert!(
+            st.conditions
+                .iter()
+                .all(|c| c.observed_generation == Some(2))
+        );
+        let get = |ty| st.conditions.iter().find(|c| c.type_ == ty).unwrap();
+        assert_eq!(
+            (
+                get(types::COMPLETED).status.as_str(),
+                get(types::COMPLETED).reason.as_str()
+            ),
+            ("True", reasons::PROMOTED)
+        );
+        assert_eq!(
+            (
+                get(types::DEGRADED).status.as_str(),
+                get(types::DEGRADED).reason.as_str()
+            ),
+            ("True", reasons::UNREACHABLE)
+        );
+        assert_eq!(get(types::REPLICATING).status, "False");
+        assert!(completed(&st, ReplicationState::Primary), "still");
+    }
+
+    #[test]
+    fn messages_are_in_the_readers_words() {
+        assert_eq!(
+            plain(
+                "relationship Degraded: agent agent://mover-locator@dr.example:7471/-: \
+                 unavailable: cannot connect: transport error: tcp connect error: tcp connect \
+                 error: Connection refused (os error 111) (is the agent running and \
+                 reachable? rerunning continues the transfer)"
+            ),
+            "relationship Degraded: the peer cluster's Locator at dr.example:7471: \
+             unavailable: cannot connect: transport error: tcp connect error: Connection \
+             refused (os error 111)"
+        );
+        assert_eq!(
+            plain("agent://mover-locator@[fd00::1]:7471/- refused"),
+            "the peer cluster's Locator at [fd00::1]:7471 refused"
+        );
+        assert_eq!(
+            plain(
+                "\"app/pg\" is halted (Fenced): another side was promoted; run `mover \
+                 replicate resync app/pg` here to make this side its secondary"
+            ),
+            "\"app/pg\" is halted (Fenced): another side was promoted; set \
+             `replicationState: secondary` with `autoResync: true` in this side's \
+             VolumeReplication to make this side its secondary"
+        );
+        // An agent named by its node stays so; a cause said twice apart stays.
+        let kept = "agent agent://node-b@10.0.0.2:7070/pv-1: refused: no: yes: no";
+        assert_eq!(plain(kept), kept);
     }
 }
