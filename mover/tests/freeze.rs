@@ -105,3 +105,48 @@ fn a_freeze_target_is_a_mount_point_only_while_mounted() {
     drop(fs);
     assert!(!is_mount_point(&mount), "unmounted");
 }
+
+/// What a replication cycle freezes for a catch-up of an image's clone (issue 52): the
+/// file systems mounted from the loop devices over the image, and only when those are
+/// its only writers; anything else takes a fresh clone instead.
+#[test]
+fn the_only_writers_of_an_image_are_the_file_systems_mounted_from_it() {
+    use mover::node::holders::sole_writers;
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let image = dir.path().join("vol.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(64 * MIB)
+        .unwrap();
+    let mkfs = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&image)
+        .output()
+        .unwrap();
+    assert!(mkfs.status.success(), "{mkfs:?}");
+    assert_eq!(
+        sole_writers(&image).unwrap(),
+        None,
+        "no loop device: any process may open it and write"
+    );
+    let dev = common::LoopDevice::attach(&image);
+    assert_eq!(
+        sole_writers(&image).unwrap(),
+        None,
+        "a loop device not mounted is used raw: nothing to freeze"
+    );
+    let mount = common::Mount::new(&dev.path, &dir.path().join("mnt"));
+    assert_eq!(
+        sole_writers(&image).unwrap(),
+        Some(vec![mount.dir.clone()]),
+        "the ext4 mounted from it is its only writer"
+    );
+    let held = std::fs::File::open(&image).unwrap();
+    assert_eq!(
+        sole_writers(&image).unwrap(),
+        None,
+        "a process holding the image may write around a freeze"
+    );
+    drop(held);
+    assert!(sole_writers(&image).unwrap().is_some());
+}

@@ -78,12 +78,17 @@ fn pair(b_env: &[(&str, &str)]) -> Pair {
 
 /// A pair whose images live under `root`.
 fn pair_in(root: &Path, b_env: &[(&str, &str)]) -> Pair {
+    pair_with_env(root, &[], b_env)
+}
+
+/// A pair whose images live under `root`, its agents started with `a_env` and `b_env`.
+fn pair_with_env(root: &Path, a_env: &[(&str, &str)], b_env: &[(&str, &str)]) -> Pair {
     let (da, db) = (root.join("a"), root.join("b"));
     std::fs::create_dir_all(&da).unwrap();
     std::fs::create_dir_all(&db).unwrap();
     let (a_img, b_img) = (da.join("vol.img"), db.join("vol.img"));
     make_image(&a_img, LEN, 1, &[(0, 6 * MIB), (20 * MIB, 3 * MIB)]);
-    let a = Agent::start(&da, &[("vol", &a_img, false)], None);
+    let a = Agent::start_with_env(&da, &[("vol", &a_img, false)], a_env);
     let b = Agent::start_with_env(&db, &[("vol", &b_img, false)], b_env);
     Pair {
         root: root.into(),
@@ -315,13 +320,98 @@ fn on_xfs_a_cycle_reads_only_the_chunks_written_since_the_last_one() {
     );
 }
 
+/// Where the torn-cycle writer keeps its counter: two places 19 MiB apart, in data the
+/// image already holds (so each cycle's changed ranges are two, far apart).
+const FIRST_PLACE: u64 = MIB + 3 * PAGE;
+const SECOND_PLACE: u64 = 20 * MIB + 5 * PAGE;
+
+/// The counters at the writer's two places of `image`.
+fn counters(image: &Path) -> (u64, u64) {
+    let f = std::fs::File::open(image).unwrap();
+    let at = |offset| {
+        let mut b = [0u8; 8];
+        f.read_exact_at(&mut b, offset).unwrap();
+        u64::from_le_bytes(b)
+    };
+    (at(FIRST_PLACE), at(SECOND_PLACE))
+}
+
+/// Regression (issue 52, torn cycles from a live catch-up): a writer keeps an invariant
+/// across two places of the image far apart (counter n at the first, then n at the
+/// second, forever), so every instant of the image holds (n, n) or (n, n - 1). Cycles
+/// run while it writes, with the window between the ranges of a catch-up widened by a
+/// pause; every replica applied on the secondary must hold one of those states. A
+/// catch-up of a live image recloned the first place, then the second 300 ms later, and
+/// applied a (n, n + millions) that never existed while calling it point-in-time.
+#[test]
+fn on_xfs_every_cycle_of_a_live_image_is_one_instant() {
+    cycles_under_a_live_writer(&[]);
+}
+
+/// As above, with a freeze that does not hold the writer back (it writes into the image
+/// itself, not through the frozen file system): the catch-up is taken, and its ctime
+/// check sees the writes and takes a fresh clone instead.
+#[test]
+fn on_xfs_a_catch_up_written_under_is_not_taken_for_one_instant() {
+    let elsewhere = ScratchFs::new("ext4", 32 * MIB);
+    cycles_under_a_live_writer(&["--freeze", elsewhere.path().to_str().unwrap()]);
+}
+
+/// Cycles of a relationship created with `extra` arguments while a writer keeps its
+/// invariant across the image's two places; every replica must hold one of its states.
+fn cycles_under_a_live_writer(extra: &[&str]) {
+    let fs = ScratchFs::new("xfs", 512 * MIB);
+    let mut p = pair_with_env(fs.path(), &[("MOVER_PAUSE", "catch-up-range=300")], &[]);
+    p._fs = Some(fs);
+    p.create_with("r", extra);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (stop, image) = (stop.clone(), p.a_img.clone());
+        std::thread::spawn(move || {
+            let f = std::fs::File::options().write(true).open(image).unwrap();
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                n += 1;
+                f.write_all_at(&n.to_le_bytes(), FIRST_PLACE).unwrap();
+                f.write_all_at(&n.to_le_bytes(), SECOND_PLACE).unwrap();
+            }
+            n
+        })
+    };
+    let mut seen = Vec::new();
+    for _ in 0..6 {
+        std::thread::sleep(Duration::from_millis(50));
+        let s = sync(&p.a, "r");
+        assert_eq!(s["consistency"], "point-in-time", "{s}");
+        seen.push((s["last_cycle"]["id"].as_u64().unwrap(), counters(&p.b_img)));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let written = writer.join().unwrap();
+    let torn: Vec<_> = seen
+        .iter()
+        .filter(|(_, (first, second))| !(first == second || *first == second + 1))
+        .collect();
+    assert!(
+        torn.is_empty(),
+        "cycles (id, (first, second)) holding a state that never existed: {torn:?} of {seen:?}"
+    );
+    assert!(
+        seen.windows(2).all(|w| w[0].1.0 < w[1].1.0) && seen[0].1.0 > 0,
+        "each cycle carried the writer's progress ({written} writes): {seen:?}"
+    );
+}
+
 #[test]
 fn on_xfs_writes_of_a_cycle_that_failed_after_its_point_in_time_go_with_the_next() {
     let fs = ScratchFs::new("xfs", 512 * MIB);
     let mut p = pair_in(fs.path(), &[("MOVER_FAILPOINT", "cycle-staged")]);
     p._fs = Some(fs);
+    // A cycle catches the last one's clone up only with every writer held back: here
+    // the relationship's freeze, which says so of a file system of its own (the test
+    // writes into the image between cycles, never during one).
+    let held = ScratchFs::new("ext4", 32 * MIB);
     // The first cycle fills a new image under a temp name: no journal, no failpoint.
-    p.create("r");
+    p.create_with("r", &["--freeze", held.path().to_str().unwrap()]);
     let base_files = |p: &Pair| {
         let mut names: Vec<String> = std::fs::read_dir(p.a_img.parent().unwrap())
             .unwrap()
@@ -801,4 +891,57 @@ fn a_fill_from_a_replica_reads_the_cycle_held_for_it_while_later_cycles_are_appl
         std::thread::sleep(Duration::from_millis(200));
     }
     ok(hydrate(&["cancel", "copy2", "--agent", &control(&c)]));
+}
+
+/// Regression (issue 52): `replicate run SRC DST` with a DST other than the saved
+/// relationship's peer shipped its cycles to the old peer, said nothing and exited 0.
+#[test]
+fn replicate_run_follows_a_new_dst_and_says_so() {
+    let t = tempfile::tempdir().unwrap();
+    let (db, dc) = (t.path().join("b"), t.path().join("c"));
+    std::fs::create_dir_all(&db).unwrap();
+    std::fs::create_dir_all(&dc).unwrap();
+    let (src, b_img, c_img) = (
+        t.path().join("src.img"),
+        db.join("rep.img"),
+        dc.join("rep.img"),
+    );
+    make_image(&src, LEN, 41, &[(0, 4 * MIB), (12 * MIB, 2 * MIB)]);
+    // Both export "rep": the relationship's default name, run/rep, is the same for both.
+    let b = Agent::start(&db, &[("rep", &b_img, false)], None);
+    let c = Agent::start(&dc, &[("rep", &c_img, false)], None);
+    let state = t.path().join("state");
+    let run = |to: &Agent| {
+        let out = replicate(&[
+            "run",
+            src.to_str().unwrap(),
+            &to.url("rep"),
+            "--cycles",
+            "2",
+            "--interval",
+            "1s",
+            "--state-dir",
+            state.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    run(&b);
+    assert_eq!(blake3_of(&b_img, LEN), blake3_of(&src, LEN));
+    scribble(&src, 42, 50);
+    let said = run(&c);
+    assert_eq!(
+        blake3_of(&c_img, LEN),
+        blake3_of(&src, LEN),
+        "the cycles went to the new DST"
+    );
+    assert!(
+        said.contains(&b.url("rep")) && said.contains("afresh"),
+        "the change of secondary is said: {said}"
+    );
+    assert_ne!(
+        blake3_of(&b_img, LEN),
+        blake3_of(&src, LEN),
+        "the old secondary kept its last cycle"
+    );
 }

@@ -40,6 +40,30 @@ pub fn holders(volume: &Path, except: u32) -> io::Result<Vec<String>> {
     Ok(out)
 }
 
+/// Where to freeze so that nothing can write into the image file `image`: one mount
+/// point of each loop device bound to it. `None` where freezing those could not hold
+/// every writer back: no loop device is bound to it, one is not mounted (a raw block
+/// volume: nothing to freeze), or some process has the image or one of those devices
+/// open (this one included: the agent may serve it).
+pub fn sole_writers(image: &Path) -> io::Result<Option<Vec<PathBuf>>> {
+    let meta = std::fs::metadata(image)?;
+    let devices = super::loop_device::bound_to(image)?;
+    if devices.is_empty() {
+        return Ok(None);
+    }
+    let mut mounts = Vec::with_capacity(devices.len());
+    let mut wanted = vec![identity(&meta)];
+    for dev in &devices {
+        let Some(mount) = super::freeze::mounts_of(dev)?.into_iter().next() else {
+            return Ok(None);
+        };
+        mounts.push(mount);
+        wanted.push(identity(&std::fs::metadata(dev)?));
+    }
+    // pid 0 is no process: none is excepted.
+    Ok(processes_holding(&wanted, 0).is_empty().then_some(mounts))
+}
+
 /// Files are told apart by (device, inode), block devices by their number: a path under
 /// /dev of a container or a kubelet's per-pod device entry names the same device.
 fn identity(m: &std::fs::Metadata) -> (u64, u64) {

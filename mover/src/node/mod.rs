@@ -17,7 +17,7 @@ pub mod point_in_time;
 pub use chunker::durable::write_durably;
 pub use duration::parse_duration;
 pub use exports::{Export, ExportError, Exports};
-pub use failpoint::failpoint;
+pub use failpoint::{failpoint, pause};
 pub use labels::label_value;
 
 /// A name (a relationship's, a schedule's) as a file name or label value: 32 hex digits

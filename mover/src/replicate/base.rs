@@ -173,7 +173,10 @@ impl Base {
         save_pending(&pending_path(source, name), self.cycle, &pending)?;
         self.pending = pending;
         crate::node::failpoint("catch-up-recorded");
-        extents::reclone_ranges(&image, &clone, &differ)?;
+        for range in &differ {
+            extents::reclone_ranges(&image, &clone, std::slice::from_ref(range))?;
+            crate::node::pause("catch-up-range");
+        }
         tracing::debug!(
             relationship = name,
             ranges = differ.len(),

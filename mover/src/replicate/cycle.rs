@@ -9,7 +9,10 @@ use super::{
 use crate::{
     CopyOptions, Progress,
     error::{CopyError, RemoteCode},
-    node::freeze::{self, Frozen, check_freeze},
+    node::{
+        freeze::{self, Frozen, check_freeze},
+        holders,
+    },
     remote::{AgentUrl, CyclePush, RemoteOptions, push_cycle, push_tree_cycle},
 };
 use chunker::{ChunkId, ChunkSize, extents};
@@ -57,16 +60,9 @@ fn take_point_in_time(
     freeze: Option<&Path>,
     base: Option<&mut base::Base>,
 ) -> Result<PointInTime, CopyError> {
-    let freeze_err = |mount: &Path, e: std::io::Error| CopyError::BadSource {
-        path: mount.into(),
-        why: format!(
-            "cannot freeze the filesystem mounted there ({e}); fix the relationship's \
-             freeze setting or drop it"
-        ),
-    };
     let freeze_for = |max| {
         freeze
-            .map(|m| freeze::freeze(m, max).map_err(|e| freeze_err(m, e)))
+            .map(|m| freeze::freeze(m, max).map_err(|e| freeze_error(m, e)))
             .transpose()
     };
     // Unmounted since it was set (a workload stopped for a planned demote): nothing
@@ -93,38 +89,19 @@ fn take_point_in_time(
         path: source.into(),
         why: format!("the clone outlasted the freeze ({e}); the next cycle tries again"),
     };
-    if let Some(base) = base.filter(|_| is_file) {
-        let frozen = freeze_for(FREEZE_FOR_CLONE)?;
-        let at_ms = now_ms();
-        match base.catch_up(source, name) {
-            Ok(true) => {
-                if let Some(Err(e)) = frozen.map(Frozen::thaw) {
-                    return Err(thawed_early(e));
-                }
-                return Ok(PointInTime {
-                    read: base.clone_file().into(),
-                    clone: None,
-                    caught_up: true,
-                    at_ms,
-                    consistency: POINT_IN_TIME,
-                });
-            }
-            // No extent maps, or the reclone failed: a fresh clone instead (the ranges
-            // recorded as pending keep the base's comparison right).
-            Ok(false) => {}
-            Err(e) => {
-                tracing::warn!(
-                    relationship = name,
-                    "cannot bring the last cycle's clone up to date: {e}; taking a fresh clone"
-                );
-            }
-        }
+    if let Some(base) = base.filter(|_| is_file)
+        && let Some(pit) = catch_up_still(source, name, freeze, base)?
+    {
+        return Ok(pit);
     }
     if is_file {
         let clone = clone_path(source, name);
+        let held = Instant::now();
         let frozen = freeze_for(FREEZE_FOR_CLONE)?;
         let at_ms = now_ms();
-        match extents::clone_fresh(source, &clone) {
+        let cloned = extents::clone_fresh(source, &clone);
+        log_hold(name, held, "fresh clone");
+        match cloned {
             Ok(true) => {
                 // Thawed by the watchdog before the clone was done: not a point in time.
                 if let Some(Err(e)) = frozen.map(Frozen::thaw) {
@@ -157,6 +134,121 @@ fn take_point_in_time(
         consistency: CRASH_INCONSISTENT,
         at_ms: now_ms(),
     })
+}
+
+/// The base's clone brought up to date with the image `source`, if that can be one
+/// instant: a catch-up reclones range by range, so nothing may write into the image
+/// from its comparison to its last reclone. It runs only with every writer held back:
+/// the relationship's freeze, or else the file systems mounted from the loop devices
+/// over the image when those are its only writers ([`holders::sole_writers`]). And it
+/// is kept only if the image's ctime, which any write moves, did not move meanwhile.
+/// `None`: no such hold, or the catch-up could not be made or kept; then a fresh clone,
+/// which the file system takes under one lock, is the point in time.
+fn catch_up_still(
+    source: &Path,
+    name: &str,
+    freeze: Option<&Path>,
+    base: &mut base::Base,
+) -> Result<Option<PointInTime>, CopyError> {
+    let mounts = match freeze {
+        Some(m) => vec![m.to_path_buf()],
+        None => match holders::sole_writers(source) {
+            Ok(Some(mounts)) => mounts,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                tracing::debug!(relationship = name, "cannot tell the image's writers: {e}");
+                return Ok(None);
+            }
+        },
+    };
+    let held = Instant::now();
+    let mut frozen = Vec::with_capacity(mounts.len());
+    for m in &mounts {
+        match freeze::freeze(m, FREEZE_FOR_CLONE) {
+            Ok(f) => frozen.push(f),
+            Err(e) if freeze.is_some() => {
+                let _ = thaw_all(frozen);
+                return Err(freeze_error(m, e));
+            }
+            Err(e) => {
+                let _ = thaw_all(frozen);
+                tracing::info!(relationship = name, mount = %m.display(), "cannot freeze the file system on the image ({e}): taking a fresh clone");
+                return Ok(None);
+            }
+        }
+    }
+    let written = || {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(source).map(|m| (m.ctime(), m.ctime_nsec(), m.size()))
+    };
+    let before = written();
+    let at_ms = now_ms();
+    let caught_up = base.catch_up(source, name);
+    let still = before.is_ok() && written().ok() == before.as_ref().ok().copied();
+    let thawed = thaw_all(frozen);
+    log_hold(name, held, "catch-up under freeze");
+    if let Err(e) = thawed {
+        return Err(CopyError::BadSource {
+            path: source.into(),
+            why: format!("the catch-up outlasted the freeze ({e}); the next cycle tries again"),
+        });
+    }
+    match caught_up {
+        Ok(true) if still => Ok(Some(PointInTime {
+            read: base.clone_file().into(),
+            clone: None,
+            caught_up: true,
+            at_ms,
+            consistency: POINT_IN_TIME,
+        })),
+        // The ranges recloned are recorded as pending: the fresh clone's comparison with
+        // the base stays right.
+        Ok(true) => {
+            tracing::warn!(
+                relationship = name,
+                "the image was written while its clone caught up, though frozen: taking a fresh clone"
+            );
+            Ok(None)
+        }
+        // No extent maps.
+        Ok(false) => Ok(None),
+        Err(e) => {
+            tracing::warn!(
+                relationship = name,
+                "cannot bring the last cycle's clone up to date: {e}; taking a fresh clone"
+            );
+            Ok(None)
+        }
+    }
+}
+
+/// Says how long taking a point in time held the volume's writers back (a freeze, or
+/// the image's lock that a whole-file clone holds): what bench/pit-cost.sh reads.
+fn log_hold(name: &str, since: Instant, how: &str) {
+    let ms = since.elapsed().as_secs_f64() * 1000.0;
+    tracing::debug!(
+        relationship = name,
+        "held writers back for {ms:.1} ms ({how})"
+    );
+}
+
+/// The error of a relationship's freeze that failed.
+fn freeze_error(mount: &Path, e: std::io::Error) -> CopyError {
+    CopyError::BadSource {
+        path: mount.into(),
+        why: format!(
+            "cannot freeze the filesystem mounted there ({e}); fix the relationship's \
+             freeze setting or drop it"
+        ),
+    }
+}
+
+/// Thaws every file system in `frozen`; the first error, if any (all are thawed).
+fn thaw_all(frozen: Vec<Frozen>) -> std::io::Result<()> {
+    frozen
+        .into_iter()
+        .map(Frozen::thaw)
+        .fold(Ok(()), std::io::Result::and)
 }
 
 /// The error of a cycle that a relationship requiring a point in time must not ship:
