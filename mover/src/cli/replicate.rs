@@ -221,7 +221,9 @@ pub enum ReplicateCommand {
     Run {
         /// The primary volume: an image file, a block device, or a directory.
         src: PathBuf,
-        /// The secondary volume: agent://HOST:PORT/EXPORT.
+        /// The secondary volume: agent://HOST:PORT/EXPORT. A DST other than the one the
+        /// saved relationship of the same name ships to starts it afresh there (its first
+        /// cycle compares every chunk); the old secondary keeps its last cycle.
         dst: String,
         /// Time between the starts of two cycles.
         #[arg(long, default_value = "30s", value_parser = mover::node::parse_duration)]

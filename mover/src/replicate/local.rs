@@ -61,7 +61,25 @@ pub async fn run_local(
         cause: std::io::Error::other(e.to_string()),
     })?);
     let volume = run.src.display().to_string();
+    let peer = run.peer.to_string();
     let mut record = match store.get(&name) {
+        // A new secondary for a relationship this side still runs: its cycles follow
+        // DST (never the saved peer, silently). The new secondary holds none of the old
+        // one's cycles, so the relationship starts afresh there: a full comparison, and
+        // the old clone, whose cycle it never saw, dropped.
+        Some(r) if r.spec.peer != peer && r.role == Role::Primary && r.halt.is_none() => {
+            tracing::warn!(
+                relationship = %name,
+                "the saved relationship ships to {}, not {peer}: starting it afresh on \
+                 {peer} (its first cycle compares every chunk; {} keeps its replica of \
+                 cycle {})",
+                r.spec.peer,
+                r.spec.peer,
+                r.last_cycle.as_ref().map_or(0, |c| c.id),
+            );
+            super::base::forget(&run.src, &name);
+            new_record(&run, &name, &volume)?
+        }
         Some(r) => r,
         None => new_record(&run, &name, &volume)?,
     };
@@ -69,11 +87,15 @@ pub async fn run_local(
         return Err(CopyError::BadSource {
             path: run.src.clone(),
             why: format!(
-                "relationship {name:?} in {} is {}: this side no longer runs its cycles",
+                "relationship {name:?} in {} is {} (its peer: {}): this side no longer runs \
+                 its cycles; to replicate {} anew, name another relationship \
+                 (--relationship NAME)",
                 store_dir.display(),
                 record
                     .halt
-                    .map_or("a secondary".into(), |h| format!("halted ({h:?})"))
+                    .map_or("a secondary".into(), |h| format!("halted ({h:?})")),
+                record.spec.peer,
+                run.src.display(),
             ),
         });
     }
