@@ -198,6 +198,29 @@ enum ControllerCommand {
     },
     /// Run the controller (in the cluster, or with a kubeconfig) until SIGINT or SIGTERM.
     Run(Box<mover::controller::RunOptions>),
+    /// Mint a short-lived client certificate for an operator, from the cluster's mover CA.
+    #[command(long_about = "Mint a short-lived client certificate for an operator, \
+        signed by the cluster's mover CA (Secret mover-ca, read with your kubeconfig: \
+        whoever may read that Secret may do this). Agents take it as an operator's own: \
+        the control role (status, sync, promote, demote), as the controller's.\n\n\
+        Example:\n  mover controller operator-cert --out ~/.mover/prod\n  \
+        mover replicate status NAME --agent agent://NODE@NODE_IP:7070 \\\n      \
+        --tls-ca ~/.mover/prod/ca.crt --tls-cert ~/.mover/prod/tls.crt \
+        --tls-key ~/.mover/prod/tls.key")]
+    OperatorCert {
+        /// Where to write tls.crt, tls.key (mode 0600) and ca.crt.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// How long it is valid (at most 24h).
+        #[arg(long, default_value = "1h", value_parser = mover::node::parse_duration)]
+        valid: std::time::Duration,
+        /// The controller's namespace, where the CA's Secret is.
+        #[arg(long, default_value = "mover-system")]
+        namespace: String,
+        /// Who it is for (its common name) [default: $USER].
+        #[arg(long, value_name = "NAME")]
+        name: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {

@@ -1446,6 +1446,37 @@ fn default_install_refusals(a: &Site, b: &Site) {
         !e.contains("\"role\""),
         "an expired certificate was answered: {e}"
     );
+    // An operator's certificate minted from the cluster's CA by `mover controller
+    // operator-cert` (README, install step 8): the control role. These agents also have
+    // a control token, so it is asked for beside the certificate.
+    let minted = a.cluster.dir.join("operator");
+    let out = Command::new(env!("CARGO_BIN_EXE_mover"))
+        .args(["controller", "operator-cert", "--valid", "10m", "--out"])
+        .arg(&minted)
+        .env("KUBECONFIG", &a.cluster.kubeconfig)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "operator-cert: {out:?}");
+    let (crt, key, minted_ca) = (
+        minted.join("tls.crt"),
+        minted.join("tls.key"),
+        minted.join("ca.crt"),
+    );
+    let operator = [
+        "--tls-ca",
+        minted_ca.to_str().unwrap(),
+        "--tls-cert",
+        crt.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+    ];
+    let answered = status(&url, &operator, common::agent::TOKEN).expect("the operator's cert");
+    assert!(answered.contains("\"role\""), "{answered}");
+    let e = status(&url, &operator, "").unwrap_err();
+    assert!(
+        e.contains("bearer token") && !e.contains("\"role\""),
+        "one factor of two: {e}"
+    );
     // The peer cluster's token (the replication role) may not register an export, and
     // nothing is registered.
     let exports = agent.dir.join("state/exports.json");

@@ -46,6 +46,16 @@ pub fn run_controller(cmd: crate::ControllerCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        crate::ControllerCommand::OperatorCert {
+            out,
+            valid,
+            namespace,
+            name,
+        } => {
+            let runtime =
+                tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+            runtime.block_on(operator_cert(&out, valid, &namespace, name))
+        }
         crate::ControllerCommand::Run(options) => {
             let runtime =
                 tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
@@ -53,4 +63,56 @@ pub fn run_controller(cmd: crate::ControllerCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `mover controller operator-cert`: a client certificate of the cluster's CA for an
+/// operator, written into `out`.
+#[cfg(feature = "controller")]
+async fn operator_cert(
+    out: &std::path::Path,
+    valid: std::time::Duration,
+    namespace: &str,
+    name: Option<String>,
+) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    const LONGEST: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+    anyhow::ensure!(
+        valid <= LONGEST,
+        "--valid {valid:?}: at most 24h (a certificate cannot be revoked; mint another \
+         when it expires)"
+    );
+    let who = name
+        .or_else(|| std::env::var("USER").ok())
+        .unwrap_or_else(|| "operator".into());
+    let client = kube::Client::try_default()
+        .await
+        .context("cannot reach the Kubernetes API server (kubeconfig or in-cluster)")?;
+    let ca = mover::controller::issuer::Authority::load(&client, namespace).await?;
+    let pem = ca
+        .operator_identity(&who, valid)
+        .context("cannot sign the certificate")?;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    for (file, bytes, mode) in [
+        ("tls.key", &pem.key, 0o600),
+        ("tls.crt", &pem.cert, 0o600),
+        ("ca.crt", &pem.ca, 0o644),
+    ] {
+        let path = out.join(file);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&path)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        std::io::Write::write_all(&mut f, bytes)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    println!(
+        "{}/tls.crt: for {who}, valid {}; use with --tls-ca {0}/ca.crt --tls-cert {0}/tls.crt \
+         --tls-key {0}/tls.key",
+        out.display(),
+        mover::controller::status::go_duration(valid)
+    );
+    Ok(())
 }

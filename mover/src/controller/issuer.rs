@@ -98,6 +98,51 @@ impl Authority {
         Err(fail("created and deleted concurrently, three times".into()))
     }
 
+    /// The CA from its Secret, for an operator's command: never made here (a new CA
+    /// would be trusted by no agent).
+    pub async fn load(client: &kube::Client, namespace: &str) -> Result<Self, AuthorityError> {
+        let fail = |why: String| AuthorityError::new(namespace, why);
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+        let secret = secrets
+            .get_opt(CA_SECRET)
+            .await
+            .map_err(|e| fail(format!("cannot read it: {e}")))?
+            .ok_or_else(|| {
+                fail("not found: is the mover controller installed in this namespace?".into())
+            })?;
+        let data = secret.data.unwrap_or_default();
+        let text = |k: &str| {
+            data.get(k)
+                .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+                .ok_or_else(|| fail(format!("it has no {k}")))
+        };
+        let (ca_pem, key_pem) = (text("ca.crt")?, text("ca.key")?);
+        let key = KeyPair::from_pem(&key_pem).map_err(|e| fail(format!("ca.key: {e}")))?;
+        Ok(Authority { ca_pem, key })
+    }
+
+    /// A client certificate for an operator `who`, valid for `life`: it names no mover
+    /// role, so agents take it as an operator's own (the control role: status, sync,
+    /// promote), as they take the certificates of a CA given in their `[tls]`.
+    pub fn operator_identity(
+        &self,
+        who: &str,
+        life: std::time::Duration,
+    ) -> Result<TlsPem, rcgen::Error> {
+        let mut p = CertificateParams::new(Vec::<String>::new())?;
+        p.distinguished_name
+            .push(DnType::CommonName, format!("mover operator {who}"));
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let key = KeyPair::generate()?;
+        (p.not_before, p.not_after) = validity(life);
+        let cert = p.signed_by(&key, &self.issuer()?)?;
+        Ok(TlsPem {
+            cert: cert.pem().into_bytes(),
+            key: key.serialize_pem().into_bytes(),
+            ca: self.ca_pem.clone().into_bytes(),
+        })
+    }
+
     fn issuer(&self) -> Result<rcgen::Issuer<'static, &KeyPair>, rcgen::Error> {
         rcgen::Issuer::from_ca_cert_pem(&self.ca_pem, &self.key)
     }
@@ -378,6 +423,29 @@ mod tests {
             transport::auth::certificate_caller(&der).role,
             transport::auth::Role::Control
         );
+    }
+
+    #[test]
+    fn an_operators_certificate_has_the_control_role_and_a_short_life() {
+        let (ca_pem, key) = new_ca().unwrap();
+        let ca = Authority { ca_pem, key };
+        let life = std::time::Duration::from_secs(3600);
+        let pem = ca.operator_identity("alice", life).unwrap();
+        let der = rustls_pemfile_der(std::str::from_utf8(&pem.cert).unwrap());
+        let caller = transport::auth::certificate_caller(&der);
+        assert_eq!(
+            caller.role,
+            transport::auth::Role::Control,
+            "{}",
+            caller.who
+        );
+        let facts = transport::tls::Facts::of_der(&der).unwrap();
+        let lived = facts.not_after - facts.not_before;
+        assert!(
+            (3600..=3660).contains(&lived),
+            "valid for an hour: {lived} s"
+        );
+        assert_eq!(pem.ca, ca.ca_pem.as_bytes(), "the CA agents trust");
     }
 
     fn rustls_pemfile_der(pem: &str) -> Vec<u8> {
