@@ -2,7 +2,9 @@
 //! cluster on ext4 inside an image on XFS while a relationship ships a reflink clone of
 //! the image, taken with the ext4 frozen, every 2 s. The secondary is then promoted by
 //! force, as when the primary's node is lost: its ext4 passes `e2fsck -fn`, PostgreSQL
-//! starts on it by crash recovery, and every pgbench transaction in it is whole.
+//! starts on it by crash recovery, and every pgbench transaction in it is whole. And with
+//! no freeze set, twenty replicas taken under pgbench each start with every transaction
+//! whole (the agent freezes the ext4 it finds mounted from the image).
 //!
 //! Needs root (loop devices, mounts, FIFREEZE, running PostgreSQL as `postgres`) and
 //! PostgreSQL 15, as CI has (.ci/run installs it).
@@ -259,4 +261,116 @@ fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
     elapsed(&format!(
         "{history} of {written} transactions on the secondary, all whole"
     ));
+}
+
+/// Replicas checked as a forced promotion would find them.
+const PROMOTIONS: usize = 20;
+
+/// Regression (issue 52: a forced promotion found a database whose balances did not add
+/// up, from a cycle recloned range by range while PostgreSQL wrote). No `--freeze` is
+/// set: the agent finds the ext4 mounted from the image's loop device and freezes it for
+/// each catch-up of the clone. Twenty cycles under pgbench; after each, the secondary's
+/// image (the replica a forced promotion would start from) is cloned, and that copy must
+/// pass e2fsck and start PostgreSQL by crash recovery with every transaction whole:
+/// history, tellers and branches sum to what the accounts sum to.
+#[test]
+fn twenty_replicas_of_pgbench_each_start_with_balances_that_add_up() {
+    let t0 = Instant::now();
+    let elapsed = |what: &str| eprintln!("[{:5.1}s] {what}", t0.elapsed().as_secs_f64());
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "this test needs root (loop devices, mounts, FIFREEZE), as CI has"
+    );
+    assert!(
+        Path::new(PG_BIN).join("initdb").exists(),
+        "PostgreSQL 15 is not installed in {PG_BIN} (.ci/run installs it)"
+    );
+    let xfs = ScratchFs::new("xfs", 3 << 30);
+    let (da, db) = (xfs.path().join("a"), xfs.path().join("b"));
+    std::fs::create_dir_all(&da).unwrap();
+    std::fs::create_dir_all(&db).unwrap();
+    let (a_img, b_img) = (da.join("pg.img"), db.join("pg.img"));
+    std::fs::File::create(&a_img)
+        .unwrap()
+        .set_len(1 << 30)
+        .unwrap();
+    run_ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&a_img));
+    let dirs = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dirs.path(), Permissions::from_mode(0o755)).unwrap();
+    let (run_a, run_b) = (dirs.path().join("run-a"), dirs.path().join("run-b"));
+    for d in [&run_a, &run_b] {
+        std::fs::create_dir(d).unwrap();
+        chown_postgres(d);
+    }
+    let ext4_a = Ext4::mount(&a_img, &dirs.path().join("mnt-a"));
+    let a = Agent::start(&da, &[("pg", &a_img, false)], None);
+    let b = Agent::start(&db, &[("pg", &b_img, false)], None);
+    let mut pg_a = Postgres::init(ext4_a.mount.dir.join("pgdata"), run_a);
+    pg_a.start();
+    run_ok(
+        pg_a.cmd("pgbench")
+            .args(["-i", "-q", "-s", &SCALE.to_string()]),
+    );
+    // Cycles only when asked: the secondary holds still while its copy is taken.
+    ok(replicate(&[
+        "create",
+        "pg",
+        "--agent",
+        &control(&a),
+        "--volume",
+        "pg",
+        "--secondary",
+        &b.url("pg"),
+        "--interval",
+        "1h",
+        "--consistency",
+        "point-in-time",
+    ]));
+    wait_for(&a, "the first cycle", |s| {
+        s["last_cycle"]["id"].as_u64() >= Some(1)
+    });
+    elapsed("pgbench initialised, first cycle done");
+
+    let mut load = pg_a.load(Duration::from_secs(3600));
+    let copy = xfs.path().join("promoted.img");
+    let mut histories = Vec::new();
+    for round in 0..PROMOTIONS {
+        std::thread::sleep(Duration::from_millis(300));
+        ok(replicate(&["sync", "pg", "--agent", &control(&a)]));
+        let s = status(&a);
+        assert_eq!(s["consistency"], "point-in-time", "{s}");
+        assert!(
+            s["last_cycle"]["bytes_shipped"].as_u64() > Some(0),
+            "pgbench wrote: {s}"
+        );
+        assert!(load.0.try_wait().unwrap().is_none(), "pgbench still runs");
+        let written = pg_a.count("select count(*) from pgbench_history");
+        let _ = std::fs::remove_file(&copy);
+        run_ok(
+            Command::new("cp")
+                .arg("--reflink=always")
+                .arg(&b_img)
+                .arg(&copy),
+        );
+        common::pg::assert_ext4_clean(&copy);
+        let ext4 = Ext4::mount(&copy, &dirs.path().join("mnt-promoted"));
+        let data = ext4.mount.dir.join("pgdata");
+        // The primary's postmaster runs on this machine: its pid file in the copy would
+        // name a live process, which a promoted node's would not.
+        std::fs::remove_file(data.join("postmaster.pid")).unwrap();
+        let mut pg = Postgres::existing(data, run_b.clone());
+        pg.start();
+        let history = common::pg::assert_recovered(&pg, SCALE, written);
+        assert!(pg.stop(Signal::QUIT).is_some(), "{}", pg.log());
+        drop(ext4);
+        histories.push(history);
+        elapsed(&format!(
+            "replica {round}: {history} whole transactions of {written}"
+        ));
+    }
+    drop(load);
+    assert!(
+        histories.windows(2).all(|w| w[0] < w[1]),
+        "each replica carried the load's progress: {histories:?}"
+    );
 }
