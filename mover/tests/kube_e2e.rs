@@ -917,6 +917,25 @@ fn condition_in(vr: &Value, ty: &str) -> Value {
         .unwrap_or(Value::Null)
 }
 
+/// A VR status's conditions in one line: TYPE=STATUS(REASON) "message", for the log.
+fn conditions_line(status: &Value) -> String {
+    status["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| {
+            format!(
+                "{}={}({}) {:?}",
+                c["type"].as_str().unwrap_or(""),
+                c["status"].as_str().unwrap_or(""),
+                c["reason"].as_str().unwrap_or(""),
+                c["message"].as_str().unwrap_or("")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 fn http_get(url: &str) -> String {
     use std::io::{Read, Write};
     let rest = url.strip_prefix("http://").unwrap();
@@ -1994,10 +2013,30 @@ fn a_forced_failover_with_the_primary_cluster_gone_then_its_return_and_resync() 
         "B holds the last cycle"
     );
     scribble_pages(&b.image, 21, 40, 0..VOLUME_LEN);
-    // While A is away, B's cycles fail: B's VR says so once its RPO is late.
-    b.wait("B's VR not replicating while its peer is gone", |s| {
-        s.condition("Replicating").0 == "False"
-    });
+    // While A is away, B's cycles fail: B's VR says so once its RPO is late. The
+    // promotion happened: Completed stays Promoted; replication is broken: Degraded.
+    b.wait(
+        "B's VR degraded, not replicating, still promoted while its peer is gone",
+        |s| {
+            s.condition("Replicating").0 == "False"
+                && s.condition("Degraded").0 == "True"
+                && completed(s, "Promoted")
+        },
+    );
+    let st = b.vr()["status"].clone();
+    eprintln!("B's VR with its peer gone: {}", conditions_line(&st));
+    // rpoSeconds is that of lastSyncTime when written, and written often enough to
+    // follow it (30 s at most behind).
+    let last_sync: k8s_openapi::jiff::Timestamp =
+        st["lastSyncTime"].as_str().unwrap().parse().unwrap();
+    let behind = k8s_openapi::jiff::Timestamp::now()
+        .duration_since(last_sync)
+        .as_secs_f64();
+    let rpo = st["rpoSeconds"].as_f64().unwrap();
+    assert!(
+        rpo <= behind + 1.0 && behind - rpo <= 31.0,
+        "rpoSeconds {rpo} with the last sync {behind:.1} s ago: {st}"
+    );
 
     // A returns as it was, still primary in its own eyes, with writes of its own.
     scribble_pages(&a.image, 22, 10, 0..VOLUME_LEN);
@@ -2007,7 +2046,8 @@ fn a_forced_failover_with_the_primary_cluster_gone_then_its_return_and_resync() 
         agent.restart(port);
     }
     a.start_controller("a-controller-2");
-    // Its cycle is refused by B (a newer epoch): fenced, and reported as degraded.
+    // Its cycle is refused by B (a newer epoch): fenced, and reported as degraded, with
+    // what to set in the VolumeReplication (not a CLI command).
     a.wait("A's VR degraded and not replicating: fenced by B", |s| {
         s.condition("Degraded").0 == "True"
             && s.condition("Replicating").0 == "False"
@@ -2015,6 +2055,13 @@ fn a_forced_failover_with_the_primary_cluster_gone_then_its_return_and_resync() 
                 .to_string()
                 .contains("Fenced")
     });
+    let st = a.vr()["status"].clone();
+    eprintln!("A's VR fenced: {}", conditions_line(&st));
+    let degraded = condition_in(&a.vr(), "Degraded")["message"].to_string();
+    assert!(
+        degraded.contains("autoResync") && !degraded.contains("mover replicate"),
+        "{degraded}"
+    );
     // RamenDR makes A the secondary with autoResync: its own writes are discarded, and
     // B's volume comes back to it.
     a.cluster.apply(&format!(

@@ -78,52 +78,83 @@ fn wait_for(agent: &Agent, what: &str, cond: impl Fn(&serde_json::Value) -> bool
     }
 }
 
+/// The scene of these tests: PostgreSQL 15 with pgbench's tables (scale [`SCALE`]) on
+/// ext4 in an image on XFS on the primary's node, and both nodes' agents. Fields drop in
+/// this order: PostgreSQL, the agents (so none freezes the ext4 once it is unmounted),
+/// the ext4, the directories, the XFS.
+struct Scene {
+    pg_a: Postgres,
+    a: Agent,
+    b: Agent,
+    ext4_a: Ext4,
+    b_img: std::path::PathBuf,
+    run_b: std::path::PathBuf,
+    dirs: tempfile::TempDir,
+    xfs: ScratchFs,
+}
+
+impl Scene {
+    fn new() -> Scene {
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "this test needs root (loop devices, mounts, FIFREEZE), as CI has"
+        );
+        assert!(
+            Path::new(PG_BIN).join("initdb").exists(),
+            "PostgreSQL 15 is not installed in {PG_BIN} (.ci/run installs it)"
+        );
+        // Images on XFS: each cycle reads a reflink clone, a point in time.
+        let xfs = ScratchFs::new("xfs", 3 << 30);
+        let (da, db) = (xfs.path().join("a"), xfs.path().join("b"));
+        std::fs::create_dir_all(&da).unwrap();
+        std::fs::create_dir_all(&db).unwrap();
+        let (a_img, b_img) = (da.join("pg.img"), db.join("pg.img"));
+        std::fs::File::create(&a_img)
+            .unwrap()
+            .set_len(1 << 30)
+            .unwrap();
+        run_ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&a_img));
+        // Mount points and the nodes' run directories, where postgres may enter.
+        let dirs = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dirs.path(), Permissions::from_mode(0o755)).unwrap();
+        let (run_a, run_b) = (dirs.path().join("run-a"), dirs.path().join("run-b"));
+        for d in [&run_a, &run_b] {
+            std::fs::create_dir(d).unwrap();
+            chown_postgres(d);
+        }
+        let ext4_a = Ext4::mount(&a_img, &dirs.path().join("mnt-a"));
+        let a = Agent::start(&da, &[("pg", &a_img, false)], None);
+        let b = Agent::start(&db, &[("pg", &b_img, false)], None);
+        let mut pg_a = Postgres::init(ext4_a.mount.dir.join("pgdata"), run_a);
+        pg_a.start();
+        run_ok(
+            pg_a.cmd("pgbench")
+                .args(["-i", "-q", "-s", &SCALE.to_string()]),
+        );
+        Scene {
+            pg_a,
+            a,
+            b,
+            ext4_a,
+            b_img,
+            run_b,
+            dirs,
+            xfs,
+        }
+    }
+}
+
 #[test]
 fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
     let t0 = Instant::now();
     let elapsed = |what: &str| eprintln!("[{:5.1}s] {what}", t0.elapsed().as_secs_f64());
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "this test needs root (loop devices, mounts, FIFREEZE), as CI has"
-    );
-    assert!(
-        Path::new(PG_BIN).join("initdb").exists(),
-        "PostgreSQL 15 is not installed in {PG_BIN} (.ci/run installs it)"
-    );
-
-    // Images on XFS: each cycle reads a reflink clone, a point in time.
-    let xfs = ScratchFs::new("xfs", 3 << 30);
-    let (da, db) = (xfs.path().join("a"), xfs.path().join("b"));
-    std::fs::create_dir_all(&da).unwrap();
-    std::fs::create_dir_all(&db).unwrap();
-    let (a_img, b_img) = (da.join("pg.img"), db.join("pg.img"));
-    std::fs::File::create(&a_img)
-        .unwrap()
-        .set_len(1 << 30)
-        .unwrap();
-    run_ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&a_img));
-
-    // Mount points and the nodes' run directories, where postgres may enter.
-    let dirs = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dirs.path(), Permissions::from_mode(0o755)).unwrap();
-    let (run_a, run_b) = (dirs.path().join("run-a"), dirs.path().join("run-b"));
-    for d in [&run_a, &run_b] {
-        std::fs::create_dir(d).unwrap();
-        chown_postgres(d);
-    }
-    let ext4_a = Ext4::mount(&a_img, &dirs.path().join("mnt-a"));
-    let mnt_a = ext4_a.mount.dir.clone();
-
-    // Declared after the ext4 mount, so dropped before it: no agent freezes it while it
-    // is unmounted.
-    let a = Agent::start(&da, &[("pg", &a_img, false)], None);
-    let b = Agent::start(&db, &[("pg", &b_img, false)], None);
-
-    let mut pg_a = Postgres::init(mnt_a.join("pgdata"), run_a);
-    pg_a.start();
-    run_ok(
-        pg_a.cmd("pgbench")
-            .args(["-i", "-q", "-s", &SCALE.to_string()]),
+    let mut scene = Scene::new();
+    let (a, b, pg_a) = (&scene.a, &scene.b, &mut scene.pg_a);
+    let (mnt_a, b_img, run_b, dirs) = (
+        scene.ext4_a.mount.dir.clone(),
+        &scene.b_img,
+        scene.run_b.clone(),
+        &scene.dirs,
     );
     elapsed("pgbench initialised");
 
@@ -131,7 +162,7 @@ fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
         "create",
         "pg",
         "--agent",
-        &control(&a),
+        &control(a),
         "--volume",
         "pg",
         "--secondary",
@@ -141,10 +172,10 @@ fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
         "--freeze",
         mnt_a.to_str().unwrap(),
     ]));
-    wait_for(&a, "the first cycle", |s| {
+    wait_for(a, "the first cycle", |s| {
         s["last_cycle"]["id"].as_u64() >= Some(1)
     });
-    assert_eq!(status(&a)["freeze"].as_str(), mnt_a.to_str());
+    assert_eq!(status(a)["freeze"].as_str(), mnt_a.to_str());
     elapsed("first cycle done");
 
     // The load: 4 clients, each transaction updating 3 balances and adding a history row.
@@ -156,7 +187,7 @@ fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
         if let Some(st) = pgbench.0.try_wait().unwrap() {
             break st;
         }
-        let s = status(&a);
+        let s = status(a);
         assert_eq!(
             (s["role"].as_str(), s["state"].as_str()),
             (Some("primary"), Some("Replicating")),
@@ -204,7 +235,7 @@ fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
         ids.windows(2).all(|w| w[0] < w[1]),
         "cycle ids advance: {ids:?}"
     );
-    let s = status(&a);
+    let s = status(a);
     assert_eq!(s["cycles_failed"], 0, "{s}");
 
     // Disaster recovery, the case that matters: the secondary is promoted by force from
@@ -217,9 +248,9 @@ fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
         "pg",
         "--force",
         "--agent",
-        &control(&b),
+        &control(b),
     ]));
-    let s = status(&b);
+    let s = status(b);
     assert_eq!(
         (s["role"].as_str(), s["epoch"].as_u64()),
         (Some("primary"), Some(2)),
@@ -230,7 +261,7 @@ fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
         promoted_from >= *ids.last().unwrap(),
         "the secondary holds the last cycle seen under load ({ids:?}): {s}"
     );
-    wait_for(&a, "the old primary fenced", |s| s["state"] == "Fenced");
+    wait_for(a, "the old primary fenced", |s| s["state"] == "Fenced");
     elapsed(&format!(
         "promoted from cycle {promoted_from}; the old primary is fenced"
     ));
@@ -243,9 +274,9 @@ fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
     );
 
     // Frozen around each clone: clean, the copy's journal flushed.
-    common::pg::assert_ext4_clean(&b_img);
+    common::pg::assert_ext4_clean(b_img);
 
-    let ext4_b = Ext4::mount(&b_img, &dirs.path().join("mnt-b"));
+    let ext4_b = Ext4::mount(b_img, &dirs.path().join("mnt-b"));
     let mut pg_b = Postgres::existing(ext4_b.mount.dir.join("pgdata"), run_b);
     pg_b.start();
     elapsed("PostgreSQL started on the promoted secondary");
@@ -277,46 +308,15 @@ const PROMOTIONS: usize = 20;
 fn twenty_replicas_of_pgbench_each_start_with_balances_that_add_up() {
     let t0 = Instant::now();
     let elapsed = |what: &str| eprintln!("[{:5.1}s] {what}", t0.elapsed().as_secs_f64());
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "this test needs root (loop devices, mounts, FIFREEZE), as CI has"
-    );
-    assert!(
-        Path::new(PG_BIN).join("initdb").exists(),
-        "PostgreSQL 15 is not installed in {PG_BIN} (.ci/run installs it)"
-    );
-    let xfs = ScratchFs::new("xfs", 3 << 30);
-    let (da, db) = (xfs.path().join("a"), xfs.path().join("b"));
-    std::fs::create_dir_all(&da).unwrap();
-    std::fs::create_dir_all(&db).unwrap();
-    let (a_img, b_img) = (da.join("pg.img"), db.join("pg.img"));
-    std::fs::File::create(&a_img)
-        .unwrap()
-        .set_len(1 << 30)
-        .unwrap();
-    run_ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&a_img));
-    let dirs = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dirs.path(), Permissions::from_mode(0o755)).unwrap();
-    let (run_a, run_b) = (dirs.path().join("run-a"), dirs.path().join("run-b"));
-    for d in [&run_a, &run_b] {
-        std::fs::create_dir(d).unwrap();
-        chown_postgres(d);
-    }
-    let ext4_a = Ext4::mount(&a_img, &dirs.path().join("mnt-a"));
-    let a = Agent::start(&da, &[("pg", &a_img, false)], None);
-    let b = Agent::start(&db, &[("pg", &b_img, false)], None);
-    let mut pg_a = Postgres::init(ext4_a.mount.dir.join("pgdata"), run_a);
-    pg_a.start();
-    run_ok(
-        pg_a.cmd("pgbench")
-            .args(["-i", "-q", "-s", &SCALE.to_string()]),
-    );
+    let scene = Scene::new();
+    let (a, b, pg_a) = (&scene.a, &scene.b, &scene.pg_a);
+    let (b_img, run_b, dirs, xfs) = (&scene.b_img, &scene.run_b, &scene.dirs, &scene.xfs);
     // Cycles only when asked: the secondary holds still while its copy is taken.
     ok(replicate(&[
         "create",
         "pg",
         "--agent",
-        &control(&a),
+        &control(a),
         "--volume",
         "pg",
         "--secondary",
@@ -326,7 +326,7 @@ fn twenty_replicas_of_pgbench_each_start_with_balances_that_add_up() {
         "--consistency",
         "point-in-time",
     ]));
-    wait_for(&a, "the first cycle", |s| {
+    wait_for(a, "the first cycle", |s| {
         s["last_cycle"]["id"].as_u64() >= Some(1)
     });
     elapsed("pgbench initialised, first cycle done");
@@ -336,8 +336,8 @@ fn twenty_replicas_of_pgbench_each_start_with_balances_that_add_up() {
     let mut histories = Vec::new();
     for round in 0..PROMOTIONS {
         std::thread::sleep(Duration::from_millis(300));
-        ok(replicate(&["sync", "pg", "--agent", &control(&a)]));
-        let s = status(&a);
+        ok(replicate(&["sync", "pg", "--agent", &control(a)]));
+        let s = status(a);
         assert_eq!(s["consistency"], "point-in-time", "{s}");
         assert!(
             s["last_cycle"]["bytes_shipped"].as_u64() > Some(0),
@@ -349,7 +349,7 @@ fn twenty_replicas_of_pgbench_each_start_with_balances_that_add_up() {
         run_ok(
             Command::new("cp")
                 .arg("--reflink=always")
-                .arg(&b_img)
+                .arg(b_img)
                 .arg(&copy),
         );
         common::pg::assert_ext4_clean(&copy);

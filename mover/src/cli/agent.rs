@@ -84,6 +84,7 @@ async fn operator_cert(
     let who = name
         .or_else(|| std::env::var("USER").ok())
         .unwrap_or_else(|| "operator".into());
+    transport::tls::install_crypto_provider();
     let client = kube::Client::try_default()
         .await
         .context("cannot reach the Kubernetes API server (kubeconfig or in-cluster)")?;

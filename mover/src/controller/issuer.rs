@@ -63,15 +63,7 @@ impl Authority {
                 .await
                 .map_err(|e| fail(format!("cannot read it: {e}")))?
             {
-                let data = s.data.unwrap_or_default();
-                let text = |k: &str| {
-                    data.get(k)
-                        .map(|v| String::from_utf8_lossy(&v.0).into_owned())
-                        .ok_or_else(|| fail(format!("it has no {k}: delete it to make a new CA")))
-                };
-                let (ca_pem, key_pem) = (text("ca.crt")?, text("ca.key")?);
-                let key = KeyPair::from_pem(&key_pem).map_err(|e| fail(format!("ca.key: {e}")))?;
-                return Ok(Authority { ca_pem, key });
+                return Authority::from_secret(s, namespace);
             }
             let (ca_pem, key) = new_ca().map_err(|e| fail(e.to_string()))?;
             let secret = Secret {
@@ -110,11 +102,21 @@ impl Authority {
             .ok_or_else(|| {
                 fail("not found: is the mover controller installed in this namespace?".into())
             })?;
+        Authority::from_secret(secret, namespace)
+    }
+
+    /// The CA held in its Secret `secret` of `namespace`.
+    fn from_secret(secret: Secret, namespace: &str) -> Result<Self, AuthorityError> {
+        let fail = |why: String| AuthorityError::new(namespace, why);
         let data = secret.data.unwrap_or_default();
         let text = |k: &str| {
             data.get(k)
                 .map(|v| String::from_utf8_lossy(&v.0).into_owned())
-                .ok_or_else(|| fail(format!("it has no {k}")))
+                .ok_or_else(|| {
+                    fail(format!(
+                        "it has no {k} (the controller makes a new CA once it is deleted)"
+                    ))
+                })
         };
         let (ca_pem, key_pem) = (text("ca.crt")?, text("ca.key")?);
         let key = KeyPair::from_pem(&key_pem).map_err(|e| fail(format!("ca.key: {e}")))?;

@@ -548,8 +548,14 @@ async fn decide_by_state(
                     st.state = Some(State::Primary);
                     st.message = Some(status::marked(state));
                     st.last_completion_time = Some(now);
+                    // A late cycle (or worse) is looked at often, so that the RPO and the
+                    // conditions follow it.
+                    let late = st
+                        .rpo_seconds
+                        .is_some_and(|rpo| rpo > d.params.interval.as_secs_f64());
                     let next = match h {
                         Health::Degraded => next.min(TROUBLE_RETRY),
+                        _ if late => next.min(TROUBLE_RETRY),
                         _ => next,
                     };
                     (st, Action::requeue(next))

@@ -530,11 +530,12 @@ pub fn apply_report(
 
 /// True when writing `new` over `old` would change nothing but what moves by itself:
 /// the times of this reconcile, the running cycle's progress, and the RPO by less than
-/// `rpo_step` (at least [`MIN_RPO_STEP`]). Such a write is skipped: it would cost an API
-/// request per resource per look and, since a status write is itself a watch event,
-/// make the controller look again at once. So rpoSeconds is written with each new cycle
-/// and, while a cycle is late, once per `rpo_step`: at most two writes per resource per
-/// minute, none between cycles on time.
+/// `rpo_step` (the interval, held between [`MIN_RPO_STEP`] and [`MAX_RPO_STEP`]). Such a
+/// write is skipped: it would cost an API request per resource per look and, since a
+/// status write is itself a watch event, make the controller look again at once. So
+/// rpoSeconds is written with each new cycle and, while a cycle is late, once per step:
+/// it lags now − lastSyncTime by 30 s at most (a reader acts on it), at the cost of at
+/// most six writes per late resource per minute, none between cycles on time.
 pub fn unchanged(
     old: Option<&VolumeReplicationStatus>,
     new: &VolumeReplicationStatus,
@@ -543,7 +544,7 @@ pub fn unchanged(
     let Some(old) = old else {
         return false;
     };
-    let step = rpo_step.max(MIN_RPO_STEP).as_secs_f64();
+    let step = rpo_step.clamp(MIN_RPO_STEP, MAX_RPO_STEP).as_secs_f64();
     match (old.rpo_seconds, new.rpo_seconds) {
         (Some(a), Some(b)) if (b - a).abs() >= step => return false,
         (None, Some(_)) | (Some(_), None) => return false,
@@ -586,7 +587,9 @@ pub fn changed_fields(
 }
 
 /// The smallest RPO change that is written by itself (see [`unchanged`]).
-pub const MIN_RPO_STEP: Duration = Duration::from_secs(30);
+pub const MIN_RPO_STEP: Duration = Duration::from_secs(10);
+/// The largest RPO change left unwritten: how far rpoSeconds may lag (see [`unchanged`]).
+pub const MAX_RPO_STEP: Duration = Duration::from_secs(30);
 
 /// The events a status change is worth: one per condition whose status or reason
 /// changed (a promotion, a failed demotion, a volume going degraded and back), as
@@ -721,10 +724,15 @@ mod tests {
             !unchanged(Some(&old), &new, minute),
             "a stale RPO is written"
         );
+        // Long intervals: the RPO lags by 30 s at most, whatever the interval.
+        assert!(!unchanged(Some(&old), &new, Duration::from_secs(300)));
+        new.rpo_seconds = Some(32.0);
         assert!(unchanged(Some(&old), &new, Duration::from_secs(300)));
-        // Short intervals: at most one RPO-only write per 30 s.
-        new.rpo_seconds = Some(20.0);
+        // Short intervals: at most one RPO-only write per 10 s.
+        new.rpo_seconds = Some(12.0);
         assert!(unchanged(Some(&old), &new, Duration::from_secs(5)));
+        new.rpo_seconds = Some(13.0);
+        assert!(!unchanged(Some(&old), &new, Duration::from_secs(5)));
         new.rpo_seconds = Some(9.0);
         new.observed_generation = Some(2);
         assert!(
