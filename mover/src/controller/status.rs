@@ -446,6 +446,33 @@ pub fn plain(text: &str) -> String {
             &format!("the peer cluster's Locator at {authority}"),
         );
     }
+    // agent://NODE@HOST:PORT/EXPORT is how an agent names a peer's agent it dials.
+    let peer = "agent agent://";
+    while let Some(at) = s.find(peer) {
+        let rest = &s[at + peer.len()..];
+        let end = rest.find([' ', ':']).map_or(rest.len(), |e| {
+            // HOST:PORT holds a colon: the URL ends at the export's end.
+            rest[e..].find([' ', ',']).map_or(rest.len(), |f| e + f)
+        });
+        let url = rest[..end].trim_end_matches(':').to_string();
+        let (node, address) = match url.split_once('@') {
+            Some((node, addr)) => (node.to_string(), addr),
+            None => (String::new(), url.as_str()),
+        };
+        let address = address.split('/').next().unwrap_or(address).to_string();
+        let named = if node.is_empty() {
+            format!("the peer's agent at {address}")
+        } else {
+            format!("the peer's agent on node {node} ({address})")
+        };
+        let stop = at + peer.len() + url.len();
+        s.replace_range(at..stop, &named);
+    }
+    s = s.replace(
+        ". Resync from the current primary",
+        ": set `replicationState: secondary` with `autoResync: true` in this side's \
+         VolumeReplication",
+    );
     // The agents' remedy for a fenced side, as its CLI user would apply it.
     let cli = "run `mover replicate resync ";
     while let Some(at) = s.find(cli) {
@@ -1030,8 +1057,21 @@ mod tests {
              `replicationState: secondary` with `autoResync: true` in this side's \
              VolumeReplication to make this side its secondary"
         );
-        // An agent named by its node stays so; a cause said twice apart stays.
-        let kept = "agent agent://node-b@10.0.0.2:7070/pv-1: refused: no: yes: no";
+        // A peer's agent by its node and address; a cause said twice apart stays.
+        assert_eq!(
+            plain("agent agent://node-b@10.0.0.2:7070/pv-1: refused: no: yes: no"),
+            "the peer's agent on node node-b (10.0.0.2:7070): refused: no: yes: no"
+        );
+        assert_eq!(
+            plain(
+                "agent agent://b-node1@127.0.20.1:41267/pv-data: refused: stale epoch 1: \
+                 this side was demoted or fenced. Resync from the current primary"
+            ),
+            "the peer's agent on node b-node1 (127.0.20.1:41267): refused: stale epoch 1: \
+             this side was demoted or fenced: set `replicationState: secondary` with \
+             `autoResync: true` in this side's VolumeReplication"
+        );
+        let kept = "the agent on node a (10.0.0.1:7070) does not answer";
         assert_eq!(plain(kept), kept);
     }
 }
