@@ -21,10 +21,12 @@ MOVER=$(realpath "${MOVER:-${CARGO_TARGET_DIR:-target}/debug/mover}")
 PG=/usr/lib/postgresql/15/bin
 W=$(mktemp -d /var/tmp/pit-cost.XXXX)
 PIDS=()
+pgrun() { setpriv --reuid=postgres --regid=postgres --init-groups -- env PGHOST="$W/run" "$@"; }
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   fsfreeze --unfreeze "$W/pg" 2>/dev/null || true
+  pgrun "$PG/pg_ctl" -s -D "$W/pg/data" -m immediate stop 2>/dev/null || true
   umount "$W/pg" 2>/dev/null || true
   umount "$W/xfs" 2>/dev/null || true
   rm -rf "$W"
@@ -52,9 +54,9 @@ mkfs.ext4 -q -F "$IMG"
 mount -o loop "$IMG" "$W/pg"
 
 echo "== PostgreSQL 15 on the ext4, pgbench scale 20"
+chmod 755 "$W" "$W/pg"
 mkdir -p "$W/pg/data" && chown -R postgres:postgres "$W/pg/data" "$W/run"
-pgrun() { setpriv --reuid=postgres --regid=postgres --init-groups -- env PGHOST="$W/run" "$@"; }
-pgrun "$PG/initdb" -q -D "$W/pg/data" >/dev/null
+pgrun "$PG/initdb" -D "$W/pg/data" >/dev/null
 pgrun "$PG/pg_ctl" -s -D "$W/pg/data" -o "-k $W/run -c listen_addresses=''" -l "$W/run/log" start
 pgrun "$PG/pgbench" -q -i -s 20 postgres 2>/dev/null
 
@@ -76,17 +78,21 @@ for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$PORT) 2>/dev/null && break;
 # Runs CYCLES cycles (one a second) under pgbench; prints the holds' p50/p99/max.
 cycles() {
   local log=$W/run/$1.log
-  pgrun "$PG/pgbench" -c 4 -T $((CYCLES + 30)) postgres >"$W/run/$1.pgbench" 2>&1 & local bench=$!
+  pgrun "$PG/pgbench" -c 4 -T 3600 postgres >"$W/run/$1.pgbench" 2>&1 & local bench=$!
   RUST_LOG=mover::replicate=debug "$MOVER" replicate run "$IMG" "agent://127.0.0.1:$PORT/vol" \
     --interval 1s --cycles "$CYCLES" --state-dir "$W/state" >"$W/run/$1.out" 2>"$log"
   kill $bench 2>/dev/null; wait $bench 2>/dev/null || true
   grep -o 'held writers back for [0-9.]* ms ([a-z -]*)' "$log" | sed -n '2,$p' |
     awk '{print $5, $7, $8, $9}' | sort -n | awk -v what="$1" '
       { t[NR] = $1; how[$2" "$3" "$4]++ }
-      END { if (NR == 0) { print what ": no holds logged"; exit 1 }
-            printf "%s: %d cycles, holds p50 %.1f ms, p99 %.1f ms, max %.1f ms;", what, NR,
-              t[int(NR * 0.5 + 0.5)], t[int(NR * 0.99 + 0.5) > NR ? NR : int(NR * 0.99 + 0.5)], t[NR]
-            for (h in how) printf " %s x%d", h, how[h]; print "" }'
+      END {
+        if (NR == 0) { print what ": no holds logged"; exit 1 }
+        p99 = int(NR * 0.99 + 0.5); if (p99 > NR) p99 = NR
+        printf "%s: %d cycles, holds p50 %.1f ms, p99 %.1f ms, max %.1f ms;", what, NR,
+          t[int(NR * 0.5 + 0.5)], t[p99], t[NR]
+        for (h in how) printf " %s x%d", h, how[h]
+        print ""
+      }'
 }
 
 echo "== cycles while only the ext4 writes: catch-up under a freeze"
