@@ -60,11 +60,6 @@ fn take_point_in_time(
     freeze: Option<&Path>,
     base: Option<&mut base::Base>,
 ) -> Result<PointInTime, CopyError> {
-    let freeze_for = |max| {
-        freeze
-            .map(|m| freeze::freeze(m, max).map_err(|e| freeze_error(m, e)))
-            .transpose()
-    };
     // Unmounted since it was set (a workload stopped for a planned demote): nothing
     // writes through it, so there is nothing to freeze. Skipped, and said.
     let freeze = match freeze {
@@ -84,6 +79,13 @@ fn take_point_in_time(
             why,
         })?;
     }
+    // After the check above: a freeze target no longer mounted is not frozen (freezing
+    // the directory would freeze whatever file system holds it).
+    let freeze_for = |max| {
+        freeze
+            .map(|m| freeze::freeze(m, max).map_err(|e| freeze_error(m, e)))
+            .transpose()
+    };
     let is_file = std::fs::metadata(source).is_ok_and(|m| m.is_file());
     let thawed_early = |e: std::io::Error| CopyError::BadSource {
         path: source.into(),
