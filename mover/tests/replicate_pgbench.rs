@@ -62,6 +62,23 @@ impl Drop for Ext4 {
     }
 }
 
+/// `mover replicate create pg` of export pg on `a` into pg on `b`, with `extra` arguments.
+fn create_pg(a: &Agent, b: &Agent, extra: &[&str]) {
+    let (agent, secondary) = (control(a), b.url("pg"));
+    let mut args = vec![
+        "create",
+        "pg",
+        "--agent",
+        &agent,
+        "--volume",
+        "pg",
+        "--secondary",
+        &secondary,
+    ];
+    args.extend_from_slice(extra);
+    ok(replicate(&args));
+}
+
 fn status(agent: &Agent) -> serde_json::Value {
     status_of(agent, "pg")
 }
@@ -158,20 +175,11 @@ fn pgbench_on_ext4_in_an_xfs_image_survives_a_forced_failover() {
     );
     elapsed("pgbench initialised");
 
-    ok(replicate(&[
-        "create",
-        "pg",
-        "--agent",
-        &control(a),
-        "--volume",
-        "pg",
-        "--secondary",
-        &b.url("pg"),
-        "--interval",
-        "2s",
-        "--freeze",
-        mnt_a.to_str().unwrap(),
-    ]));
+    create_pg(
+        a,
+        b,
+        &["--interval", "2s", "--freeze", mnt_a.to_str().unwrap()],
+    );
     wait_for(a, "the first cycle", |s| {
         s["last_cycle"]["id"].as_u64() >= Some(1)
     });
@@ -312,20 +320,11 @@ fn twenty_replicas_of_pgbench_each_start_with_balances_that_add_up() {
     let (a, b, pg_a) = (&scene.a, &scene.b, &scene.pg_a);
     let (b_img, run_b, dirs, xfs) = (&scene.b_img, &scene.run_b, &scene.dirs, &scene.xfs);
     // Cycles only when asked: the secondary holds still while its copy is taken.
-    ok(replicate(&[
-        "create",
-        "pg",
-        "--agent",
-        &control(a),
-        "--volume",
-        "pg",
-        "--secondary",
-        &b.url("pg"),
-        "--interval",
-        "1h",
-        "--consistency",
-        "point-in-time",
-    ]));
+    create_pg(
+        a,
+        b,
+        &["--interval", "1h", "--consistency", "point-in-time"],
+    );
     wait_for(a, "the first cycle", |s| {
         s["last_cycle"]["id"].as_u64() >= Some(1)
     });

@@ -135,14 +135,7 @@ impl Authority {
         p.distinguished_name
             .push(DnType::CommonName, format!("mover operator {who}"));
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        let key = KeyPair::generate()?;
-        (p.not_before, p.not_after) = validity(life);
-        let cert = p.signed_by(&key, &self.issuer()?)?;
-        Ok(TlsPem {
-            cert: cert.pem().into_bytes(),
-            key: key.serialize_pem().into_bytes(),
-            ca: self.ca_pem.clone().into_bytes(),
-        })
+        self.signed(p, life)
     }
 
     fn issuer(&self) -> Result<rcgen::Issuer<'static, &KeyPair>, rcgen::Error> {
@@ -171,9 +164,18 @@ impl Authority {
     }
 
     /// A certificate of `p` for a key made here, for this process's own use.
-    fn own(&self, mut p: CertificateParams) -> Result<TlsPem, rcgen::Error> {
+    fn own(&self, p: CertificateParams) -> Result<TlsPem, rcgen::Error> {
+        self.signed(p, LIFETIME)
+    }
+
+    /// A certificate of `p`, valid for `life`, for a key made here.
+    fn signed(
+        &self,
+        mut p: CertificateParams,
+        life: std::time::Duration,
+    ) -> Result<TlsPem, rcgen::Error> {
         let key = KeyPair::generate()?;
-        (p.not_before, p.not_after) = validity(LIFETIME);
+        (p.not_before, p.not_after) = validity(life);
         let cert = p.signed_by(&key, &self.issuer()?)?;
         Ok(TlsPem {
             cert: cert.pem().into_bytes(),
