@@ -384,18 +384,20 @@ pub async fn decide(
     (st, action)
 }
 
-/// A failed agent call once the requested state was reached: the condition reason and
-/// the detail, which names the agent's node.
-fn trouble(d: &Desired, e: &AgentError) -> (&'static str, String) {
-    if e.is_unreachable() {
-        let detail = format!(
+/// A failed agent call once the requested state was reached: sets the conditions of
+/// trouble (see [`Conditions::trouble`]) and returns the detail for the status message,
+/// which names the agent's node when it did not answer.
+fn trouble(c: &mut Conditions, d: &Desired, e: &AgentError, primary: bool) -> String {
+    let detail = if e.is_unreachable() {
+        format!(
             "the agent on node {} ({}) does not answer: {} {}: {}",
             d.node, e.agent, e.op, e.name, e.message
-        );
-        (status::reasons::UNREACHABLE, detail)
+        )
     } else {
-        (status::reasons::ERROR, e.to_string())
-    }
+        e.to_string()
+    };
+    c.trouble(e.condition_reason(), &detail, primary);
+    detail
 }
 
 async fn decide_by_state(
@@ -561,9 +563,7 @@ async fn decide_by_state(
                     (st, Action::requeue(next))
                 }
                 Err(e) if done => {
-                    let (reason, detail) = trouble(&d, &e);
-                    c.trouble(reason, &detail, true);
-                    st.message = Some(detail);
+                    st.message = Some(trouble(&mut c, &d, &e, true));
                     (st, Action::requeue(next.min(TROUBLE_RETRY)))
                 }
                 Err(e) => {
@@ -607,9 +607,7 @@ async fn decide_by_state(
             st.last_sync_time = None;
             match outcome {
                 Err(e) if done => {
-                    let (reason, detail) = trouble(&d, &e);
-                    c.trouble(reason, &detail, false);
-                    st.message = Some(detail);
+                    st.message = Some(trouble(&mut c, &d, &e, false));
                     let next = info_interval(d.params.interval).min(TROUBLE_RETRY);
                     (st, Action::requeue(next))
                 }
@@ -650,9 +648,7 @@ async fn decide_by_state(
             };
             match resynced {
                 Err(e) if done => {
-                    let (reason, detail) = trouble(&d, &e);
-                    c.trouble(reason, &detail, false);
-                    st.message = Some(detail);
+                    st.message = Some(trouble(&mut c, &d, &e, false));
                     (st, Action::requeue(TROUBLE_RETRY))
                 }
                 Err(e) => {

@@ -3,7 +3,6 @@
 //! class, password and S3 keys from the class's secret), reported as a primary that is
 //! replicating: lastSyncTime is the last snapshot's time.
 
-use super::agents::AgentError;
 use super::crd::{ReplicationState, State, VolumeReplicationStatus};
 use super::desired::{Desired, RepositoryTarget};
 use super::reconcile::Context;
@@ -80,7 +79,7 @@ pub async fn reconcile(
     let result = match access(ctx, d, repo).await {
         Err(e) => Err((status::reasons::ERROR, e)),
         Ok((access, version)) => match ctx.agents.schedule(&d.agent, &d.name).await {
-            Err(e) => Err(failed(&e)),
+            Err(e) => Err((e.condition_reason(), e.to_string())),
             Ok(Some(s)) if s.spec.as_ref() == Some(&want(version.clone())) => Ok(s),
             Ok(_) => {
                 let spec = schedule::Spec {
@@ -90,7 +89,7 @@ pub async fn reconcile(
                 ctx.agents
                     .apply_schedule(&d.agent, spec)
                     .await
-                    .map_err(|e| failed(&e))
+                    .map_err(|e| (e.condition_reason(), e.to_string()))
             }
         },
     };
@@ -128,16 +127,6 @@ pub async fn reconcile(
             (st, None)
         }
     }
-}
-
-/// A failed call to the agent: the condition reason (Unreachable when it did not
-/// answer) and the message.
-fn failed(e: &AgentError) -> (&'static str, String) {
-    let reason = match e.is_unreachable() {
-        true => status::reasons::UNREACHABLE,
-        false => status::reasons::ERROR,
-    };
-    (reason, e.to_string())
 }
 
 /// The repository's password and S3 keys, from the class's secret, and the secret's

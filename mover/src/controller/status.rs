@@ -161,8 +161,13 @@ impl<'a> Conditions<'a> {
     /// Replication is broken (late, a peer or Locator unreachable, fenced or split):
     /// Degraded, saying what is wrong (and what to do, where the caller knows).
     pub fn degraded(&mut self, detail: &str) {
+        self.degraded_for(reasons::VOLUME_DEGRADED, detail);
+    }
+
+    /// Degraded=True with `reason`, saying `detail`.
+    fn degraded_for(&mut self, reason: &str, detail: &str) {
         let m = format!("{} {}: {detail}", self.source, messages::DEGRADED);
-        self.set(types::DEGRADED, "True", reasons::VOLUME_DEGRADED, m);
+        self.set(types::DEGRADED, "True", reason, m);
     }
 
     /// Trouble once the requested state was reached (an agent that stopped answering):
@@ -174,8 +179,7 @@ impl<'a> Conditions<'a> {
         for c in self.list.iter_mut() {
             c.observed_generation = Some(self.generation);
         }
-        let m = format!("{} {}: {detail}", self.source, messages::DEGRADED);
-        self.set(types::DEGRADED, "True", reason, m);
+        self.degraded_for(reason, detail);
         if primary {
             let m = format!("{} {}: {detail}", self.source, messages::NOT_REPLICATING);
             self.set(types::REPLICATING, "False", reason, m);
@@ -468,12 +472,10 @@ pub fn plain(text: &str) -> String {
         let stop = at + peer.len() + url.len();
         s.replace_range(at..stop, &named);
     }
-    s = s.replace(
-        ". Resync from the current primary",
-        ": set `replicationState: secondary` with `autoResync: true` in this side's \
-         VolumeReplication",
-    );
     // The agents' remedy for a fenced side, as its CLI user would apply it.
+    const REMEDY: &str = "set `replicationState: secondary` with `autoResync: true` in this side's \
+         VolumeReplication";
+    s = s.replace(". Resync from the current primary", &format!(": {REMEDY}"));
     let cli = "run `mover replicate resync ";
     while let Some(at) = s.find(cli) {
         let Some(end) = s[at + cli.len()..].find('`') else {
@@ -483,11 +485,7 @@ pub fn plain(text: &str) -> String {
         if s[stop..].starts_with(" here") {
             stop += " here".len();
         }
-        s.replace_range(
-            at..stop,
-            "set `replicationState: secondary` with `autoResync: true` in this side's \
-             VolumeReplication",
-        );
+        s.replace_range(at..stop, REMEDY);
     }
     for (flags, api) in [
         (

@@ -87,10 +87,6 @@ fn take_point_in_time(
             .transpose()
     };
     let is_file = std::fs::metadata(source).is_ok_and(|m| m.is_file());
-    let thawed_early = |e: std::io::Error| CopyError::BadSource {
-        path: source.into(),
-        why: format!("the clone outlasted the freeze ({e}); the next cycle tries again"),
-    };
     if let Some(base) = base.filter(|_| is_file)
         && let Some(pit) = catch_up_still(source, name, freeze, base)?
     {
@@ -108,7 +104,7 @@ fn take_point_in_time(
                 // Thawed by the watchdog before the clone was done: not a point in time.
                 if let Some(Err(e)) = frozen.map(Frozen::thaw) {
                     let _ = std::fs::remove_file(&clone);
-                    return Err(thawed_early(e));
+                    return Err(outlasted_freeze(source, "clone", e));
                 }
                 return Ok(PointInTime {
                     read: clone.clone(),
@@ -190,10 +186,7 @@ fn catch_up_still(
     let thawed = thaw_all(frozen);
     log_hold(name, held, "catch-up under freeze");
     if let Err(e) = thawed {
-        return Err(CopyError::BadSource {
-            path: source.into(),
-            why: format!("the catch-up outlasted the freeze ({e}); the next cycle tries again"),
-        });
+        return Err(outlasted_freeze(source, "catch-up", e));
     }
     match caught_up {
         Ok(true) if still => Ok(Some(PointInTime {
@@ -232,6 +225,15 @@ fn log_hold(name: &str, since: Instant, how: &str) {
         relationship = name,
         "held writers back for {ms:.1} ms ({how})"
     );
+}
+
+/// The error of a point in time (`what`: the clone, the catch-up) that the freeze's
+/// watchdog cut short: not one instant.
+fn outlasted_freeze(source: &Path, what: &str, e: std::io::Error) -> CopyError {
+    CopyError::BadSource {
+        path: source.into(),
+        why: format!("the {what} outlasted the freeze ({e}); the next cycle tries again"),
+    }
 }
 
 /// The error of a relationship's freeze that failed.

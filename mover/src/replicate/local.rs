@@ -68,14 +68,12 @@ pub async fn run_local(
         // one's cycles, so the relationship starts afresh there: a full comparison, and
         // the old clone, whose cycle it never saw, dropped.
         Some(r) if r.spec.peer != peer && r.role == Role::Primary && r.halt.is_none() => {
+            let (old, kept) = (&r.spec.peer, r.last_cycle.as_ref().map_or(0, |c| c.id));
             tracing::warn!(
                 relationship = %name,
-                "the saved relationship ships to {}, not {peer}: starting it afresh on \
-                 {peer} (its first cycle compares every chunk; {} keeps its replica of \
-                 cycle {})",
-                r.spec.peer,
-                r.spec.peer,
-                r.last_cycle.as_ref().map_or(0, |c| c.id),
+                "the saved relationship ships to {old}, not {peer}: starting it afresh on \
+                 {peer} (its first cycle compares every chunk; {old} keeps its replica of \
+                 cycle {kept})",
             );
             super::base::forget(&run.src, &name);
             new_record(&run, &name, &volume)?
