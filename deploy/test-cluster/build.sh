@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Builds what the end-to-end tests run into a cache outside the clone, once:
-#  - the control plane: kube-apiserver, kube-controller-manager, kubectl from
-#    k8s.io/kubernetes (kube/go.mod); etcd from go.etcd.io/etcd/server/v3 (etcd/go.mod);
+#  - the control plane and the nodes: kube-apiserver, kube-controller-manager,
+#    kube-scheduler, kubectl, kubelet and kube-proxy from k8s.io/kubernetes (kube/go.mod); etcd from go.etcd.io/etcd/server/v3 (etcd/go.mod);
 #    cert-manager's CRDs;
 #  - the CSI stack of issue 39 (versions: CSI_VERSIONS below, the one place they are
 #    recorded; each is required by a small wrapper module under csi/, since `go install
 #    mod@version` refuses every one of them for the replace directives in its go.mod, and
 #    this script fails if a wrapper's go.mod says otherwise): hostpathplugin, csi-provisioner,
-#    csi-snapshotter, snapshot-controller, csi-snapshot-metadata, and grpcurl as the tests'
-#    gRPC client; the VolumeSnapshot* and SnapshotMetadataService CRDs into $bin/crds and
+#    csi-snapshotter, snapshot-controller, csi-snapshot-metadata, grpcurl as the tests'
+#    gRPC client, and csi-node-driver-registrar for the real nodes' agent pods (a copy of
+#    its source in csi/registrar, refused by the proxy like the hostpath driver); the VolumeSnapshot* and SnapshotMetadataService CRDs into $bin/crds and
 #    the CSI spec's csi.proto into $bin/proto. The Go module proxy refuses
 #    csi-driver-host-path (403), so csi/hostpath is a copy of its source at its tag (see
 #    csi/hostpath/README.md).
@@ -43,6 +44,7 @@ snapshotter       github.com/kubernetes-csi/external-snapshotter/client/v8      
 snapshot-metadata github.com/kubernetes-csi/external-snapshot-metadata             v1.1.0
 snapshot-metadata github.com/kubernetes-csi/external-snapshot-metadata/client      v1.0.0
 grpcurl           github.com/fullstorydev/grpcurl                                  v1.9.4
+registrar         github.com/kubernetes-csi/node-driver-registrar                  v2.15.0
 "
 # module, version of csi-sanity (wrapper dir sanity/).
 CSI_SANITY="github.com/kubernetes-csi/csi-test/v5 v5.6.0"
@@ -63,7 +65,7 @@ control_plane() {
   v=k8s.io/component-base/version
   ldflags="-s -w -X $v.gitVersion=$k8s_version -X $v.gitMajor=1 -X $v.gitMinor=$minor -X $v.gitTreeState=clean -X $v.buildDate=1970-01-01T00:00:00Z"
   cd "$here/kube"
-  for cmd in kube-apiserver kube-controller-manager kubectl; do
+  for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; do
     echo "build.sh: building $cmd $k8s_version" >&2
     go build -trimpath -ldflags "$ldflags" -o "$bin/$cmd" "k8s.io/kubernetes/cmd/$cmd"
   done
@@ -78,12 +80,12 @@ control_plane() {
 }
 
 csi_stack() {
-  local dir mod ver pinned hostpath provisioner snapshotter metadata grpcurl
+  local dir mod ver pinned hostpath provisioner snapshotter metadata grpcurl registrar
   # Each wrapper's go.mod must pin what CSI_VERSIONS says.
   while read -r dir mod ver; do
     [ -n "$dir" ] || continue
-    if [ "$dir" = hostpath ]; then
-      pinned="$(awk '/^module / {print $2}' "$here/csi/hostpath/go.mod") $(cat "$here/csi/hostpath/VERSION")"
+    if [ "$dir" = hostpath ] || [ "$dir" = registrar ]; then  # copies of their source
+      pinned="$(awk '/^module / {print $2}' "$here/csi/$dir/go.mod") $(cat "$here/csi/$dir/VERSION")"
     else
       pinned="$(cd "$here/csi/$dir" && go list -m -f '{{.Path}} {{.Version}}' "$mod")"
     fi
@@ -94,6 +96,7 @@ csi_stack() {
   snapshotter="$(csi_version github.com/kubernetes-csi/external-snapshotter/v8)"
   metadata="$(csi_version github.com/kubernetes-csi/external-snapshot-metadata)"
   grpcurl="$(csi_version github.com/fullstorydev/grpcurl)"
+  registrar="$(csi_version github.com/kubernetes-csi/node-driver-registrar)"
   echo "build.sh: building hostpathplugin $hostpath" >&2
   (cd "$here/csi/hostpath" && go build -trimpath -ldflags "-s -w -X main.version=$hostpath" -o "$bin/hostpathplugin" ./cmd/hostpathplugin)
   echo "build.sh: building csi-provisioner $provisioner" >&2
@@ -106,6 +109,8 @@ csi_stack() {
   (cd "$here/csi/snapshot-metadata" && go build -trimpath -ldflags "-s -w -X main.version=$metadata" -o "$bin/csi-snapshot-metadata" github.com/kubernetes-csi/external-snapshot-metadata/cmd/csi-snapshot-metadata)
   echo "build.sh: building grpcurl $grpcurl" >&2
   (cd "$here/csi/grpcurl" && go build -trimpath -ldflags "-s -w -X main.version=$grpcurl" -o "$bin/grpcurl" github.com/fullstorydev/grpcurl/cmd/grpcurl)
+  echo "build.sh: building csi-node-driver-registrar $registrar" >&2
+  (cd "$here/csi/registrar" && go build -trimpath -ldflags "-s -w -X main.version=$registrar" -o "$bin/csi-node-driver-registrar" ./cmd/csi-node-driver-registrar)
   mkdir -p "$bin/crds" "$bin/proto"
   cp "$(module_dir snapshotter github.com/kubernetes-csi/external-snapshotter/client/v8)"/config/crd/snapshot.storage.k8s.io_volumesnapshot*.yaml "$bin/crds/"
   cp "$(module_dir snapshot-metadata github.com/kubernetes-csi/external-snapshot-metadata/client)"/config/crd/cbt.storage.k8s.io_snapshotmetadataservices.yaml "$bin/crds/"
