@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The images the test nodes run besides mover's own (deploy/image/build.sh), packed as
+# OCI archives without a registry by deploy/image/oci-pack.py, into $MOVER_KUBE_BIN/images:
+#   localhost/pause:1        the pods' sandbox: Debian's busybox-static sleeping
+#   localhost/busybox:1      the tests' workload pods: busybox-static with its applets
+#   registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.15.0
+#                            the registrar deploy/base runs beside each agent, built from
+#                            its source by build.sh, named as deploy/base names it
+# Prints the directory. Needs busybox-static (Debian) and build.sh's output.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+bin="${MOVER_KUBE_BIN:-/var/tmp/mover-kube/bin}"
+out="$bin/images"
+pack="$here/../image/oci-pack.py"
+[ -x /bin/busybox ] || { echo "images.sh: /bin/busybox is missing: apt-get install busybox-static" >&2; exit 1; }
+[ -x "$bin/csi-node-driver-registrar" ] || { echo "images.sh: run build.sh first" >&2; exit 1; }
+mkdir -p "$out"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+
+# layer NAME FILE:PATH...: a layer tarball with each FILE at PATH (mode kept).
+layer() {
+  local name="$1" spec; shift
+  mkdir -p "$work/$name"
+  for spec in "$@"; do
+    install -D "${spec%%:*}" "$work/$name/${spec#*:}"
+  done
+}
+tarball() {
+  tar --sort=name --mtime=@1700000000 --owner=0 --group=0 --numeric-owner -C "$work/$1" -cf "$work/$1.tar" .
+}
+
+layer busybox /bin/busybox:bin/busybox
+# Every applet as a link, as busybox --install would make.
+for a in $(/bin/busybox --list); do [ "$a" = busybox ] || ln -sf busybox "$work/busybox/bin/$a"; done
+mkdir -p "$work/busybox/tmp" "$work/busybox/etc"; chmod 1777 "$work/busybox/tmp"
+tarball busybox
+python3 "$pack" --name localhost/busybox:1 --out "$out/busybox.oci.tar" --cmd '["/bin/sh"]' "$work/busybox.tar" >/dev/null
+# The sandbox holds the pod's namespaces; runc kills it with SIGKILL.
+python3 "$pack" --name localhost/pause:1 --out "$out/pause.oci.tar" \
+  --entrypoint '["/bin/sleep", "2147483647"]' "$work/busybox.tar" >/dev/null
+
+layer registrar "$bin/csi-node-driver-registrar:csi-node-driver-registrar"
+tarball registrar
+python3 "$pack" --name registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.15.0 \
+  --out "$out/csi-node-driver-registrar.oci.tar" --entrypoint '["/csi-node-driver-registrar"]' \
+  "$work/registrar.tar" >/dev/null
+echo "$out"
