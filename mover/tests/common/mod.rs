@@ -6,6 +6,8 @@ pub mod agent;
 pub mod cluster;
 #[cfg(feature = "controller")]
 pub mod csi;
+#[cfg(feature = "controller")]
+pub mod nodes;
 pub mod pg;
 pub mod slowdown;
 pub mod tree;

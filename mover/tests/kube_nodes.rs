@@ -1,0 +1,308 @@
+//! The end-to-end scenarios on real nodes: two clusters started by
+//! `deploy/test-cluster/cluster.sh` (kubelet, containerd + runc, kube-proxy, the
+//! scheduler; a network and mount namespace per node), mover installed exactly as the
+//! README says (`kubectl apply --server-side -k deploy/base` with the image
+//! `deploy/image/build.sh` made). Nothing here writes a pod's status, binds a pod, calls
+//! a CSI method or patches a VolumeAttachment: the kubelet, the scheduler and the agents'
+//! pods do. The test stands in for the workload only where it writes a volume's bytes
+//! from the host (the node's /mnt/disks is a directory the host sees), and says so.
+//!
+//! Needs root, the binaries of `deploy/test-cluster/build.sh`, the images of
+//! `deploy/test-cluster/images.sh` and `MOVER_IMAGE` (`.ci/run` provides all).
+#![cfg(feature = "controller")]
+
+mod common;
+
+use common::{MIB, blake3_of, make_image, nodes::RealCluster, scribble_pages};
+use serde_json::Value;
+use std::time::Duration;
+
+/// One test at a time: the clusters' addresses are fixed per index.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const VOLUME_LEN: u64 = 64 * MIB;
+const WAIT: Duration = Duration::from_secs(120);
+
+/// A cluster with mover installed, an `app` namespace and the PVC `app/data` on a local
+/// PV of node `on`: `/mnt/disks/data.img` there, a Block volume as a local disk's
+/// partition would be.
+struct Site {
+    c: RealCluster,
+    on: u8,
+}
+
+impl Site {
+    fn start(name: &str, index: u8) -> Option<Site> {
+        let c = RealCluster::start(name, index, 2)?;
+        c.install(&format!("replication-token-of-{name}"));
+        Some(Site { c, on: 1 })
+    }
+
+    fn image(&self) -> std::path::PathBuf {
+        self.c.disks(self.on).join("data.img")
+    }
+
+    fn volume(&self, seed: u64) {
+        let extents: &[(u64, u64)] = if seed == 0 {
+            &[]
+        } else {
+            &[(0, 4 * MIB), (20 * MIB, 2 * MIB), (60 * MIB, MIB)]
+        };
+        make_image(&self.image(), VOLUME_LEN, seed, extents);
+        self.c.kubectl_ok(&["create", "namespace", "app"]);
+        self.c.apply(&format!(
+            r#"apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata:
+  name: local
+provisioner: kubernetes.io/no-provisioner
+volumeBindingMode: Immediate
+---
+apiVersion: v1
+kind: PersistentVolume
+metadata:
+  name: pv-data
+spec:
+  capacity:
+    storage: 64Mi
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  persistentVolumeReclaimPolicy: Retain
+  local:
+    path: /mnt/disks/data.img
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - key: kubernetes.io/hostname
+          operator: In
+          values: [{node}]
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: data
+  namespace: app
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  resources:
+    requests:
+      storage: 64Mi
+"#,
+            node = self.c.node(self.on)
+        ));
+        self.c.wait("the PVC Bound", WAIT, || {
+            self.c.get(&["pvc/data", "-n", "app"], "{.status.phase}") == "Bound"
+        });
+    }
+
+    /// README step 5: the Locator as a NodePort; its port.
+    fn expose_locator(&self) -> String {
+        self.c.kubectl_ok(&[
+            "-n",
+            "mover-system",
+            "patch",
+            "svc",
+            "mover-locator",
+            "-p",
+            r#"{"spec":{"type":"NodePort"}}"#,
+        ]);
+        self.c.get(
+            &["svc/mover-locator", "-n", "mover-system"],
+            "{.spec.ports[0].nodePort}",
+        )
+    }
+
+    /// README step 7: the class replicating to `peer`, its secret holding what the
+    /// administrator copies from the peer (its replication token and mover CA, read
+    /// there with the commands of deploy/examples/class-peer-cluster.yaml).
+    fn class_to(&self, peer: &Site, peer_locator_port: &str) {
+        let read = |secret: &str, key: &str| {
+            peer.c.kubectl_ok(&[
+                "-n",
+                "mover-system",
+                "get",
+                "secret",
+                secret,
+                "-o",
+                &format!("go-template={{{{index .data \"{key}\" | base64decode}}}}"),
+            ])
+        };
+        let token = read("mover-replication-token", "token");
+        let ca = read("mover-ca", "ca.crt");
+        self.c.kubectl_ok(&[
+            "-n",
+            "mover-system",
+            "create",
+            "secret",
+            "generic",
+            "mover-dr-peer",
+            &format!("--from-literal=token={token}"),
+            &format!("--from-literal=ca.crt={ca}"),
+        ]);
+        self.c.apply(&format!(
+            r#"apiVersion: replication.mover/v1alpha1
+kind: VolumeReplicationClass
+metadata:
+  name: mover-dr
+spec:
+  provisioner: kubernetes.io/no-provisioner
+  parameters:
+    schedulingInterval: 2s
+    target: cluster://{ip}:{peer_locator_port}
+    replication.storage.openshift.io/replication-secret-name: mover-dr-peer
+    replication.storage.openshift.io/replication-secret-namespace: mover-system
+"#,
+            ip = peer.c.node_ip(2)
+        ));
+    }
+
+    fn set_state(&self, state: &str) {
+        self.c.apply(&format!(
+            "apiVersion: replication.mover/v1alpha1\nkind: VolumeReplication\nmetadata:\n  name: data\n  namespace: app\nspec:\n  volumeReplicationClass: mover-dr\n  replicationState: {state}\n  dataSource:\n    kind: PersistentVolumeClaim\n    name: data\n"
+        ));
+    }
+
+    fn vr(&self) -> Value {
+        let out = self.c.kubectl(&["get", "vr", "data", "-n", "app", "-o", "json"]);
+        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+    }
+
+    /// Condition `ty`'s (status, reason).
+    fn condition(&self, ty: &str) -> (String, String) {
+        let vr = self.vr();
+        let c = vr["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == ty).cloned())
+            .unwrap_or(Value::Null);
+        (
+            c["status"].as_str().unwrap_or_default().into(),
+            c["reason"].as_str().unwrap_or_default().into(),
+        )
+    }
+
+    fn completed(&self, reason: &str) -> bool {
+        self.condition("Completed") == ("True".into(), reason.into())
+    }
+
+    fn wait_vr(&self, what: &str, check: impl Fn(&Site) -> bool) {
+        self.c.wait(what, WAIT, || check(self));
+    }
+}
+
+/// Waits until `b`'s image equals `a`'s as it is now.
+fn in_sync(a: &Site, b: &Site, what: &str) {
+    let want = blake3_of(&a.image(), VOLUME_LEN);
+    b.c.wait(what, WAIT, || blake3_of(&b.image(), VOLUME_LEN) == want);
+}
+
+#[test]
+fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
+    let _one = serial();
+    let Some(east) = Site::start("east", 1) else {
+        return;
+    };
+    let Some(mut west) = Site::start("west", 2) else {
+        return;
+    };
+    west.on = 2;
+
+    // What the install did by itself on real nodes: each registrar registered the CSI
+    // plugin with its kubelet, each agent got its certificate through the CSR API with
+    // the token its kubelet projected (the controller checks the node it names).
+    for s in [&east, &west] {
+        for n in 1..=2 {
+            let node = s.c.node(n);
+            let drivers = s.c.get(&["csinode", &node], "{.spec.drivers[*].name}");
+            assert_eq!(drivers, "csi.replication.mover", "{node}'s kubelet registered");
+        }
+        let csrs = s.c.kubectl_ok(&["get", "csr", "-o", "json"]);
+        let csrs: Value = serde_json::from_str(&csrs).unwrap();
+        let issued: Vec<_> = csrs["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["spec"]["signerName"] == "replication.mover/agent")
+            .filter(|c| c["status"]["certificate"].is_string())
+            .map(|c| {
+                assert_eq!(
+                    c["spec"]["username"],
+                    "system:serviceaccount:mover-system:mover-agent"
+                );
+                c["spec"]["extra"]["authentication.kubernetes.io/node-name"][0]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        for n in 1..=2 {
+            assert!(
+                issued.contains(&s.c.node(n)),
+                "no certificate issued to {}'s agent: {issued:?}",
+                s.c.node(n)
+            );
+        }
+    }
+
+    east.volume(7);
+    west.volume(0);
+    let east_locator = east.expose_locator();
+    let west_locator = west.expose_locator();
+    east.class_to(&west, &west_locator);
+    west.class_to(&east, &east_locator);
+
+    // RamenDR's order: the secondary first, then the primary.
+    west.set_state("secondary");
+    west.wait_vr("the secondary VR Secondary", |s| {
+        s.vr()["status"]["state"] == "Secondary"
+    });
+    east.set_state("primary");
+    east.wait_vr("the primary Promoted with a lastSyncTime", |s| {
+        s.completed("Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
+    });
+    // An image file on XFS with no writer holding it: each cycle is a reflink clone of
+    // one instant.
+    assert_eq!(
+        east.condition("PointInTime").0,
+        "True",
+        "{}",
+        east.vr()["status"]
+    );
+    in_sync(&east, &west, "the first cycle on the replica");
+
+    // The workload's writes (made from the host into the node's disk) follow.
+    let first_sync = east.vr()["status"]["lastSyncTime"].clone();
+    scribble_pages(&east.image(), 3, 30, 0..VOLUME_LEN);
+    east.wait_vr("lastSyncTime to advance", |s| {
+        s.vr()["status"]["lastSyncTime"] != first_sync
+    });
+    in_sync(&east, &west, "the writes on the replica");
+
+    // Planned failover: a final cycle ships what was written, then the roles swap.
+    scribble_pages(&east.image(), 4, 20, 0..VOLUME_LEN);
+    let want = blake3_of(&east.image(), VOLUME_LEN);
+    east.set_state("secondary");
+    east.wait_vr("east demoted", |s| s.completed("Demoted"));
+    west.set_state("primary");
+    west.wait_vr("west promoted", |s| s.completed("Promoted"));
+    assert_eq!(blake3_of(&west.image(), VOLUME_LEN), want, "the final cycle arrived");
+    assert_eq!(west.vr()["status"]["epoch"], 2, "the promotion raised the epoch");
+
+    // Failback: west's writes reach east, then the roles swap back.
+    scribble_pages(&west.image(), 5, 25, 0..VOLUME_LEN);
+    in_sync(&west, &east, "west's writes on east");
+    west.set_state("secondary");
+    west.wait_vr("west demoted", |s| s.completed("Demoted"));
+    east.set_state("primary");
+    east.wait_vr("east promoted again", |s| s.completed("Promoted"));
+    assert_eq!(
+        blake3_of(&east.image(), VOLUME_LEN),
+        blake3_of(&west.image(), VOLUME_LEN)
+    );
+}
