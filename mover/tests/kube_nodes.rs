@@ -219,8 +219,9 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
     for s in [&east, &west] {
         for n in 1..=2 {
             let node = s.c.node(n);
-            let drivers = s.c.get(&["csinode", &node], "{.spec.drivers[*].name}");
-            assert_eq!(drivers, "csi.replication.mover", "{node}'s kubelet registered");
+            s.c.wait(&format!("{node}'s kubelet registering the CSI plugin"), WAIT, || {
+                s.c.get(&["csinode", &node], "{.spec.drivers[*].name}") == "csi.replication.mover"
+            });
         }
         let csrs = s.c.kubectl_ok(&["get", "csr", "-o", "json"]);
         let csrs: Value = serde_json::from_str(&csrs).unwrap();
@@ -275,14 +276,7 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
         east.vr()["status"]
     );
     in_sync(&east, &west, "the first cycle on the replica");
-
-    // The workload's writes (made from the host into the node's disk) follow.
-    let first_sync = east.vr()["status"]["lastSyncTime"].clone();
-    scribble_pages(&east.image(), 3, 30, 0..VOLUME_LEN);
-    east.wait_vr("lastSyncTime to advance", |s| {
-        s.vr()["status"]["lastSyncTime"] != first_sync
-    });
-    in_sync(&east, &west, "the writes on the replica");
+    a_pod_reads_one_cycle_of_the_replica_while_replication_goes_on(&east, &west);
 
     // Planned failover: a final cycle ships what was written, then the roles swap.
     scribble_pages(&east.image(), 4, 20, 0..VOLUME_LEN);
@@ -305,4 +299,101 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
         blake3_of(&east.image(), VOLUME_LEN),
         blake3_of(&west.image(), VOLUME_LEN)
     );
+}
+
+/// sha256 of the first `len` bytes of `path`, as busybox's sha256sum prints it.
+fn sha256_of(path: &std::path::Path) -> String {
+    let out = std::process::Command::new("sha256sum").arg(path).output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// On the DR side, a PVC populated from the replica, used by a real pod the scheduler
+/// places and the kubelet runs: the kubelet stages and publishes it through the
+/// registered CSI plugin (the agent's pod), and the pod reads the cycle the fill began
+/// at while the next cycles land on the replica.
+fn a_pod_reads_one_cycle_of_the_replica_while_replication_goes_on(east: &Site, west: &Site) {
+    let held = sha256_of(&west.image());
+    // 256 KiB/s: the fill is far from done when the next cycle lands; the pod's reads
+    // fetch what they need at once.
+    west.c.apply(
+        r#"apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata:
+  name: mover-populated
+provisioner: csi.replication.mover
+volumeBindingMode: WaitForFirstConsumer
+---
+apiVersion: replication.mover/v1alpha1
+kind: HydrationSource
+metadata:
+  name: replica-copy
+  namespace: app
+spec:
+  volumeReplication: data
+  bwlimit: 256K
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: replica-copy
+  namespace: app
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: mover-populated
+  resources:
+    requests:
+      storage: 64Mi
+  dataSourceRef:
+    apiGroup: replication.mover
+    kind: HydrationSource
+    name: replica-copy
+"#,
+    );
+    // The pod waits for a word from the test (through `kubectl exec`, which the API
+    // server passes to its kubelet) before it reads.
+    west.c.apply(
+        r#"apiVersion: v1
+kind: Pod
+metadata:
+  name: reader
+  namespace: app
+spec:
+  restartPolicy: Never
+  containers:
+  - name: reader
+    image: localhost/busybox:1
+    command: [sh, -c, "until [ -e /tmp/go ]; do sleep 0.2; done; sha256sum /dev/replica"]
+    volumeDevices: [{name: replica, devicePath: /dev/replica}]
+  volumes:
+  - name: replica
+    persistentVolumeClaim: {claimName: replica-copy}
+"#,
+    );
+    west.c.wait("the reader pod Running on its populated PVC", WAIT, || {
+        west.c.get(&["pod/reader", "-n", "app"], "{.status.phase}") == "Running"
+    });
+    // The workload's writes (made from the host into the node's disk) go on.
+    let first_sync = east.vr()["status"]["lastSyncTime"].clone();
+    scribble_pages(&east.image(), 3, 30, 0..VOLUME_LEN);
+    east.wait_vr("lastSyncTime to advance", |s| {
+        s.vr()["status"]["lastSyncTime"] != first_sync
+    });
+    in_sync(east, west, "the writes on the replica");
+    assert_ne!(sha256_of(&west.image()), held);
+    west.c.kubectl_ok(&["exec", "-n", "app", "reader", "--", "touch", "/tmp/go"]);
+    west.c.wait("the reader pod Succeeded", WAIT, || {
+        west.c.get(&["pod/reader", "-n", "app"], "{.status.phase}") == "Succeeded"
+    });
+    let read = west.c.kubectl_ok(&["logs", "-n", "app", "reader"]);
+    assert_eq!(
+        read.split_whitespace().next().unwrap_or_default(),
+        held,
+        "the pod reads the cycle its fill began at, none of the next"
+    );
+    west.c.kubectl_ok(&["delete", "pod", "reader", "-n", "app", "--wait"]);
 }
