@@ -31,7 +31,11 @@ fn unpack(archive: &Path, root: &Path) {
     let oci = root.with_extension("oci");
     std::fs::create_dir_all(&oci).unwrap();
     std::fs::create_dir_all(root).unwrap();
-    run(Command::new("tar").arg("-xf").arg(archive).arg("-C").arg(&oci));
+    run(Command::new("tar")
+        .arg("-xf")
+        .arg(archive)
+        .arg("-C")
+        .arg(&oci));
     let json = |p: PathBuf| -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap()
     };
@@ -100,7 +104,13 @@ fn every_program_the_agent_runs_is_in_the_image_and_works_there() {
     // and not to the image (or to this list) fails here.
     let named = programs_the_code_runs();
     let exercised: BTreeSet<String> = [
-        "blkid", "losetup", "mkfs.ext4", "mkfs.xfs", "mount", "umount", "sleep",
+        "blkid",
+        "losetup",
+        "mkfs.ext4",
+        "mkfs.xfs",
+        "mount",
+        "umount",
+        "sleep",
     ]
     .map(String::from)
     .into();
@@ -147,7 +157,10 @@ done
     let out = run(Command::new("chroot")
         .arg(&root)
         .args(["/bin/sh", "-c", script])
-        .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"));
+        .env(
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        ));
     assert!(out.contains("mover "), "mover --version said {out:?}");
     assert!(out.contains("ext4 ok") && out.contains("xfs ok"), "{out}");
 }
@@ -179,7 +192,10 @@ fn the_install_names_the_image_the_build_makes() {
         };
         assert_eq!(
             (field("newName:"), field("newTag:")),
-            ("localhost/mover".to_string(), env!("CARGO_PKG_VERSION").to_string()),
+            (
+                "localhost/mover".to_string(),
+                env!("CARGO_PKG_VERSION").to_string()
+            ),
             "{k}/kustomization.yaml names another image than deploy/image/build.sh makes"
         );
     }

@@ -170,7 +170,9 @@ spec:
     }
 
     fn vr(&self) -> Value {
-        let out = self.c.kubectl(&["get", "vr", "data", "-n", "app", "-o", "json"]);
+        let out = self
+            .c
+            .kubectl(&["get", "vr", "data", "-n", "app", "-o", "json"]);
         serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
     }
 
@@ -219,9 +221,14 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
     for s in [&east, &west] {
         for n in 1..=2 {
             let node = s.c.node(n);
-            s.c.wait(&format!("{node}'s kubelet registering the CSI plugin"), WAIT, || {
-                s.c.get(&["csinode", &node], "{.spec.drivers[*].name}") == "csi.replication.mover"
-            });
+            s.c.wait(
+                &format!("{node}'s kubelet registering the CSI plugin"),
+                WAIT,
+                || {
+                    s.c.get(&["csinode", &node], "{.spec.drivers[*].name}")
+                        == "csi.replication.mover"
+                },
+            );
         }
         let csrs = s.c.kubectl_ok(&["get", "csr", "-o", "json"]);
         let csrs: Value = serde_json::from_str(&csrs).unwrap();
@@ -285,8 +292,16 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
     east.wait_vr("east demoted", |s| s.completed("Demoted"));
     west.set_state("primary");
     west.wait_vr("west promoted", |s| s.completed("Promoted"));
-    assert_eq!(blake3_of(&west.image(), VOLUME_LEN), want, "the final cycle arrived");
-    assert_eq!(west.vr()["status"]["epoch"], 2, "the promotion raised the epoch");
+    assert_eq!(
+        blake3_of(&west.image(), VOLUME_LEN),
+        want,
+        "the final cycle arrived"
+    );
+    assert_eq!(
+        west.vr()["status"]["epoch"],
+        2,
+        "the promotion raised the epoch"
+    );
 
     // Failback: west's writes reach east, then the roles swap back.
     scribble_pages(&west.image(), 5, 25, 0..VOLUME_LEN);
@@ -303,7 +318,10 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
 
 /// sha256 of the first `len` bytes of `path`, as busybox's sha256sum prints it.
 fn sha256_of(path: &std::path::Path) -> String {
-    let out = std::process::Command::new("sha256sum").arg(path).output().unwrap();
+    let out = std::process::Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .unwrap();
     String::from_utf8_lossy(&out.stdout)
         .split_whitespace()
         .next()
@@ -374,9 +392,10 @@ spec:
     persistentVolumeClaim: {claimName: replica-copy}
 "#,
     );
-    west.c.wait("the reader pod Running on its populated PVC", WAIT, || {
-        west.c.get(&["pod/reader", "-n", "app"], "{.status.phase}") == "Running"
-    });
+    west.c
+        .wait("the reader pod Running on its populated PVC", WAIT, || {
+            west.c.get(&["pod/reader", "-n", "app"], "{.status.phase}") == "Running"
+        });
     // The workload's writes (made from the host into the node's disk) go on.
     let first_sync = east.vr()["status"]["lastSyncTime"].clone();
     scribble_pages(&east.image(), 3, 30, 0..VOLUME_LEN);
@@ -385,7 +404,8 @@ spec:
     });
     in_sync(east, west, "the writes on the replica");
     assert_ne!(sha256_of(&west.image()), held);
-    west.c.kubectl_ok(&["exec", "-n", "app", "reader", "--", "touch", "/tmp/go"]);
+    west.c
+        .kubectl_ok(&["exec", "-n", "app", "reader", "--", "touch", "/tmp/go"]);
     west.c.wait("the reader pod Succeeded", WAIT, || {
         west.c.get(&["pod/reader", "-n", "app"], "{.status.phase}") == "Succeeded"
     });
@@ -395,5 +415,116 @@ spec:
         held,
         "the pod reads the cycle its fill began at, none of the next"
     );
-    west.c.kubectl_ok(&["delete", "pod", "reader", "-n", "app", "--wait"]);
+    west.c
+        .kubectl_ok(&["delete", "pod", "reader", "-n", "app", "--wait"]);
+}
+
+/// A local PV of node 1 of `c`: the directory `/mnt/disks/DIR`, a file system.
+fn local_fs_pv(c: &RealCluster, dir: &str, claim: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: PersistentVolume
+metadata:
+  name: pv-{dir}
+spec:
+  capacity:
+    storage: 1Gi
+  accessModes: [ReadWriteOnce]
+  volumeMode: Filesystem
+  storageClassName: local
+  persistentVolumeReclaimPolicy: Retain
+  claimRef: {{namespace: app, name: {claim}}}
+  local:
+    path: /mnt/disks/{dir}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - key: kubernetes.io/hostname
+          operator: In
+          values: [{node}]
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: {claim}
+  namespace: app
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: local
+  resources:
+    requests:
+      storage: 1Gi
+"#,
+        node = c.node(1)
+    )
+}
+
+#[test]
+fn on_real_nodes_the_copy_job_of_the_examples_runs_from_the_image() {
+    let _one = serial();
+    let Some(c) = RealCluster::start("jobs", 3, 1) else {
+        return;
+    };
+    c.install("replication-token-of-jobs");
+    // A real tree (the host's /usr/include) and one with every kind of entry and
+    // metadata mover keeps (hard links, xattrs, ACLs, odd names).
+    let disks = c.disks(1);
+    let src = disks.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::create_dir_all(disks.join("dst")).unwrap();
+    let cp = std::process::Command::new("cp")
+        .args(["-a", "/usr/include"])
+        .arg(src.join("include"))
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    common::tree::make_tree(&src.join("made"), 11);
+    c.kubectl_ok(&["create", "namespace", "app"]);
+    c.apply(&format!(
+        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: local\nprovisioner: kubernetes.io/no-provisioner\nvolumeBindingMode: WaitForFirstConsumer\n---\n{}---\n{}",
+        local_fs_pv(&c, "src", "data"),
+        local_fs_pv(&c, "dst", "data-copy")
+    ));
+    // The Job as the examples render it (README: "apply the one you want").
+    let rendered = c.kubectl_ok(&[
+        "kustomize",
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/examples/jobs")
+            .to_str()
+            .unwrap(),
+    ]);
+    let job = rendered
+        .split("\n---\n")
+        .find(|d| d.contains("name: mover-copy-pvc-to-pvc"))
+        .expect("the copy Job in deploy/examples/jobs");
+    let out = common::cluster::run_kubectl(
+        &c.bin,
+        &c.kubeconfig,
+        &["apply", "-n", "app", "-f", "-"],
+        Some(job),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    c.wait("the copy Job complete", Duration::from_secs(300), || {
+        let failed = c.get(
+            &["job/mover-copy-pvc-to-pvc", "-n", "app"],
+            "{.status.failed}",
+        );
+        assert!(
+            failed.is_empty() || failed == "0",
+            "the Job's pod failed:\n{}",
+            c.kubectl_ok(&["logs", "-n", "app", "job/mover-copy-pvc-to-pvc"])
+        );
+        c.get(
+            &["job/mover-copy-pvc-to-pvc", "-n", "app"],
+            "{.status.succeeded}",
+        ) == "1"
+    });
+    common::tree::assert_same_tree(&src, &disks.join("dst"));
+    let log = c.kubectl_ok(&["logs", "-n", "app", "job/mover-copy-pvc-to-pvc"]);
+    assert!(!log.trim().is_empty(), "the Job's pod says what it did");
 }

@@ -23,7 +23,10 @@ pub struct RealCluster {
 }
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().into()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .into()
 }
 
 fn script(bin: &Path, args: &[&str]) -> Output {
@@ -187,7 +190,14 @@ impl RealCluster {
             "app.kubernetes.io/name=mover-controller",
         ] {
             out += &text(&[
-                "logs", "-n", "mover-system", "-l", sel, "--all-containers", "--prefix", "--tail=30",
+                "logs",
+                "-n",
+                "mover-system",
+                "-l",
+                sel,
+                "--all-containers",
+                "--prefix",
+                "--tail=30",
             ]);
         }
         out
@@ -216,12 +226,16 @@ impl RealCluster {
             "crd/volumereplications.replication.mover",
         ]);
         let nodes = self.nodes.to_string();
-        self.wait("the agents Ready on every node", Duration::from_secs(180), || {
-            self.get(
-                &["ds/mover-agent", "-n", "mover-system"],
-                "{.status.numberReady}",
-            ) == nodes
-        });
+        self.wait(
+            "the agents Ready on every node",
+            Duration::from_secs(180),
+            || {
+                self.get(
+                    &["ds/mover-agent", "-n", "mover-system"],
+                    "{.status.numberReady}",
+                ) == nodes
+            },
+        );
         self.wait("the controller Ready", Duration::from_secs(120), || {
             self.get(
                 &["deploy/mover-controller", "-n", "mover-system"],
@@ -233,7 +247,13 @@ impl RealCluster {
     /// The mover pods' logs (every container, the previous run's too where one restarted).
     pub fn logs(&self, selector: &str) -> String {
         let out = self.kubectl(&[
-            "logs", "-n", "mover-system", "-l", selector, "--all-containers", "--prefix",
+            "logs",
+            "-n",
+            "mover-system",
+            "-l",
+            selector,
+            "--all-containers",
+            "--prefix",
             "--tail=-1",
         ]);
         String::from_utf8_lossy(&out.stdout).into_owned()
