@@ -189,6 +189,9 @@ state = "$nd/containerd/state"
   sandbox_image = "localhost/pause:1"
   # This VM lacks CAP_SYS_RESOURCE: nobody may lower oom_score_adj.
   restrict_oom_score_adj = true
+  # The pods' network namespaces pinned under the node's state, not the machine's
+  # /run/netns (where the pins of gone nodes would linger).
+  netns_mounts_under_state_dir = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
