@@ -138,7 +138,7 @@ node() {
   local n="$1" node="$name-$1" ip="10.250.$index.$1" pods="10.$((100 + index)).$1.0/24"
   local nd="$dir/nodes/$node" ns="mover-$name-$1" veth="mv$index$1-$name" cg="mover-$name-$1"
   veth="${veth:0:15}"
-  mkdir -p "$nd"/{kubelet,mover,disks,containerd/root,containerd/state,net.d,cni,pki}
+  mkdir -p "$nd"/{kubelet,mover,disks,containerd/root,containerd/state,net.d,cni,pki,pod-logs,container-logs}
   # Network: a namespace on the shared bridge; the host routes each node's pod range.
   ip netns add "$ns"
   ip link add "$veth" type veth peer name eth0 netns "$ns"
@@ -158,12 +158,15 @@ node() {
   touch "$dir/ns/$node"
   unshare --mount="$dir/ns/$node" --propagation slave true
   nsenter --mount="$dir/ns/$node" -- sh -ec "
-    mkdir -p /var/lib/kubelet /var/lib/mover /mnt/disks /var/lib/cni /etc/cni/net.d
+    mkdir -p /var/lib/kubelet /var/lib/mover /mnt/disks /var/lib/cni /etc/cni/net.d /var/log/pods /var/log/containers
     mount --bind '$nd/kubelet' /var/lib/kubelet
     mount --bind '$nd/mover' /var/lib/mover
     mount --rbind '$nd/disks' /mnt/disks
     mount --bind '$nd/cni' /var/lib/cni
     mount --bind '$nd/net.d' /etc/cni/net.d
+    # Each kubelet removes the log directories of pods it does not know.
+    mount --bind '$nd/pod-logs' /var/log/pods
+    mount --bind '$nd/container-logs' /var/log/containers
     # Shared, as systemd makes every mount of a host: pods' Bidirectional and
     # HostToContainer mounts need it.
     mount --make-rshared /"

@@ -4,10 +4,26 @@
 //! validation of VolumeReplications, the controller's RBAC as the real authorizer sees
 //! it, and two clusters replicating a volume through `mover controller run` processes.
 //!
-//! No kubelet runs here. Its part is emulated through the API, and only that: Node
-//! objects are created as a kubelet registers its node, and the agent pods are marked
-//! Running with their IP as a kubelet reports them; the agents themselves are real
-//! `mover agent` processes, one per "node", on their own loopback address.
+//! **No node runs here; its parts are emulated**, which the scenarios of
+//! `kube_nodes.rs` (real kubelets, containerd, the scheduler, mover's pods from its
+//! image) do not. These scenarios predate the real nodes and are being moved there; what
+//! they stand in for, each where it is done:
+//! - the kubelet: Node objects created, the agent DaemonSet's pods bound to them and
+//!   reported Running with a loopback IP (`run_agent_pods`); each agent a `mover agent`
+//!   host process with a pod-bound token from `kubectl create token` (what the kubelet
+//!   projects); the controller a host process; CSI Node calls made with grpcurl on the
+//!   kubelet's paths (`kubelet_of`, `ReaderKubelet`); workload and Job pods as host
+//!   processes, their status reported by the test;
+//! - the scheduler: the `selected-node` annotation and pod bindings written by the test;
+//! - the external-attacher: VolumeAttachments marked attached (`attach`);
+//! - the CSI hostpath driver's sidecars: host processes as system:masters.
+//!
+//! Covered on real nodes already (`kube_nodes.rs`): the install, the agents' certificates
+//! through projected tokens, the CSI plugin's registration, two-cluster replication with
+//! planned failover and failback, a populated PVC of the replica read by a real pod, the
+//! copy Job. Still only here: forced failover and resync, controller takeover and API
+//! server restart, VolumeMove (between clusters and of a StatefulSet), CSI-snapshot
+//! cycles and their hooks, the thousand-VR scale run, refusals of the default install.
 #![cfg(feature = "controller")]
 
 mod common;

@@ -314,6 +314,50 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
         blake3_of(&east.image(), VOLUME_LEN),
         blake3_of(&west.image(), VOLUME_LEN)
     );
+    readme_step_8_the_operators_view(&east);
+}
+
+/// README install step 8: `kubectl get vr` shows the state, the last sync and the RPO;
+/// an operator's certificate from `mover controller operator-cert` opens the agent's
+/// own view (the default install has no control token: the certificate is the one
+/// factor).
+fn readme_step_8_the_operators_view(s: &Site) {
+    let columns = s.c.kubectl_ok(&["get", "vr", "-A"]);
+    let header = columns.lines().next().unwrap_or_default();
+    assert!(
+        header.contains("STATE") && header.contains("LAST SYNC") && header.contains("RPO"),
+        "{columns}"
+    );
+    assert!(columns.contains("Primary"), "{columns}");
+    let minted = s.c.dir.join("operator");
+    let mover = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(args)
+            .env("KUBECONFIG", &s.c.kubeconfig)
+            .env_remove("MOVER_TOKEN")
+            .output()
+            .unwrap()
+    };
+    let out = mover(&[
+        "controller",
+        "operator-cert",
+        "--out",
+        minted.to_str().unwrap(),
+        "--valid",
+        "10m",
+    ]);
+    assert!(out.status.success(), "operator-cert: {out:?}");
+    let file = |f: &str| minted.join(f).display().to_string();
+    let url = format!("agent://{}@{}:7070", s.c.node(s.on), s.c.node_ip(s.on));
+    let out = mover(&[
+        "replicate", "status", "app/data", "--json", "--agent", &url, "--tls-ca",
+        &file("ca.crt"), "--tls-cert", &file("tls.crt"), "--tls-key", &file("tls.key"),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("\"role\""),
+        "the agent's view with an operator's certificate: {out:?}"
+    );
 }
 
 /// sha256 of the first `len` bytes of `path`, as busybox's sha256sum prints it.

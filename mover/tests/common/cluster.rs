@@ -5,7 +5,7 @@
 //!
 //! No kubelet and no scheduler run: where a test needs a node's part (a Node object, an
 //! agent pod Running with an IP), it writes it through the API as the kubelet would, and
-//! says so.
+//! says so. Clusters with real nodes: `nodes.rs`.
 
 use super::agent::free_port;
 use std::{
