@@ -312,21 +312,29 @@ down() {
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
   done
   sleep 0.5
+  # Loop devices over the cluster's files: the agents' over images, the hostpath
+  # driver's, the kubelet's locks over device nodes of local PVs. The kernel names their
+  # backing files as the process that attached them saw them (a container's path), so
+  # they are matched by (device, inode), before the files go.
+  local ours loop majmin ino
+  ours="$(find "$dir" ! -type d -exec stat -c '%Hd:%Ld %i' {} + 2>/dev/null | sort -u)"
+  losetup -nO NAME,BACK-MAJ:MIN,BACK-INO 2>/dev/null | while read -r loop majmin ino; do
+    grep -qxF "$majmin $ino" <<<"$ours" && losetup -d "$loop" 2>/dev/null || true
+  done
   for nd in "$dir"/nodes/*/; do
     [ -d "$nd" ] || continue
     node="$(basename "$nd")" ns="mover-$node"
-    # Loop devices the node's agent attached over its disks.
-    losetup -nO NAME,BACK-FILE | awk -v d="$nd" 'index($2, d) == 1 {print $1}' | xargs -r -n1 losetup -d 2>/dev/null || true
     umount "$dir/ns/$node" 2>/dev/null || true
     umount -l "$nd/disks" 2>/dev/null || true
     ip netns del "$ns" 2>/dev/null || true
+    # The host's route to the node's pods is via the bridge: it outlives the veth.
+    ip route del "10.$((100 + $(cat "$dir/index"))).${node##*-}.0/24" 2>/dev/null || true
     for h in /sys/fs/cgroup/*/"mover-$node"; do
       [ -d "$h" ] && find "$h" -depth -type d -exec rmdir {} + 2>/dev/null || true
     done
   done
   umount "$dir/ns" 2>/dev/null || true
-  # Host routes to pod ranges went with the veths. Overlay mounts of containers were in
-  # the node's mount namespace, gone with it.
+  # Overlay mounts of containers were in the node's mount namespace, gone with it.
   rm -rf "$dir"
 }
 
