@@ -2,6 +2,9 @@
 # The images the test nodes run besides mover's own (deploy/image/build.sh), packed as
 # OCI archives without a registry by deploy/image/oci-pack.py, into $MOVER_KUBE_BIN/images:
 #   localhost/pause:1        the pods' sandbox: Debian's busybox-static sleeping
+#   registry.k8s.io/pause:3.10
+#                            the same, named as the controller's snapshot reader pods
+#                            name their image (csi_snapshots::READER_IMAGE)
 #   localhost/busybox:1      the tests' workload pods: busybox-static with its applets
 #   registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.15.0
 #                            the registrar deploy/base runs beside each agent, built from
@@ -38,6 +41,8 @@ tarball busybox
 python3 "$pack" --name localhost/busybox:1 --out "$out/busybox.oci.tar" --cmd '["/bin/sh"]' "$work/busybox.tar" >/dev/null
 # The sandbox holds the pod's namespaces; runc kills it with SIGKILL.
 python3 "$pack" --name localhost/pause:1 --out "$out/pause.oci.tar" \
+  --entrypoint '["/bin/sleep", "2147483647"]' "$work/busybox.tar" >/dev/null
+python3 "$pack" --name registry.k8s.io/pause:3.10 --out "$out/pause-3.10.oci.tar" \
   --entrypoint '["/bin/sleep", "2147483647"]' "$work/busybox.tar" >/dev/null
 
 layer registrar "$bin/csi-node-driver-registrar:csi-node-driver-registrar"

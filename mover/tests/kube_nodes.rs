@@ -32,13 +32,26 @@ const WAIT: Duration = Duration::from_secs(120);
 struct Site {
     c: RealCluster,
     on: u8,
+    /// The VolumeReplication (and PVC) `app/NAME` this site replicates, and its class.
+    vr: &'static str,
+    class: &'static str,
 }
 
 impl Site {
     fn start(name: &str, index: u8) -> Option<Site> {
+        Site::start_from(name, index, "deploy/base")
+    }
+
+    /// A site whose install is the kustomization `dir` (the base or an overlay).
+    fn start_from(name: &str, index: u8, dir: &str) -> Option<Site> {
         let c = RealCluster::start(name, index, 2)?;
-        c.install(&format!("replication-token-of-{name}"));
-        Some(Site { c, on: 1 })
+        c.install_from(dir, &format!("replication-token-of-{name}"));
+        Some(Site {
+            c,
+            on: 1,
+            vr: "data",
+            class: "mover-dr",
+        })
     }
 
     fn image(&self) -> std::path::PathBuf {
@@ -123,6 +136,12 @@ spec:
     /// administrator copies from the peer (its replication token and mover CA, read
     /// there with the commands of deploy/examples/class-peer-cluster.yaml).
     fn class_to(&self, peer: &Site, peer_locator_port: &str) {
+        self.class_named("mover-dr", peer, peer_locator_port, "");
+    }
+
+    /// A class `name` as [`Site::class_to`] makes, with `params` (YAML lines, indented
+    /// four spaces) added to its parameters.
+    fn class_named(&self, name: &str, peer: &Site, peer_locator_port: &str, params: &str) {
         let read = |secret: &str, key: &str| {
             peer.c.kubectl_ok(&[
                 "-n",
@@ -136,21 +155,26 @@ spec:
         };
         let token = read("mover-replication-token", "token");
         let ca = read("mover-ca", "ca.crt");
-        self.c.kubectl_ok(&[
-            "-n",
-            "mover-system",
-            "create",
-            "secret",
-            "generic",
-            "mover-dr-peer",
-            &format!("--from-literal=token={token}"),
-            &format!("--from-literal=ca.crt={ca}"),
-        ]);
+        let secret = self
+            .c
+            .kubectl(&["-n", "mover-system", "get", "secret", "mover-dr-peer"]);
+        if !secret.status.success() {
+            self.c.kubectl_ok(&[
+                "-n",
+                "mover-system",
+                "create",
+                "secret",
+                "generic",
+                "mover-dr-peer",
+                &format!("--from-literal=token={token}"),
+                &format!("--from-literal=ca.crt={ca}"),
+            ]);
+        }
         self.c.apply(&format!(
             r#"apiVersion: replication.mover/v1alpha1
 kind: VolumeReplicationClass
 metadata:
-  name: mover-dr
+  name: {name}
 spec:
   provisioner: kubernetes.io/no-provisioner
   parameters:
@@ -158,21 +182,23 @@ spec:
     target: cluster://{ip}:{peer_locator_port}
     replication.storage.openshift.io/replication-secret-name: mover-dr-peer
     replication.storage.openshift.io/replication-secret-namespace: mover-system
-"#,
+{params}"#,
             ip = peer.c.node_ip(2)
         ));
     }
 
     fn set_state(&self, state: &str) {
         self.c.apply(&format!(
-            "apiVersion: replication.mover/v1alpha1\nkind: VolumeReplication\nmetadata:\n  name: data\n  namespace: app\nspec:\n  volumeReplicationClass: mover-dr\n  replicationState: {state}\n  dataSource:\n    kind: PersistentVolumeClaim\n    name: data\n"
+            "apiVersion: replication.mover/v1alpha1\nkind: VolumeReplication\nmetadata:\n  name: {vr}\n  namespace: app\nspec:\n  volumeReplicationClass: {class}\n  replicationState: {state}\n  dataSource:\n    kind: PersistentVolumeClaim\n    name: {vr}\n",
+            vr = self.vr,
+            class = self.class
         ));
     }
 
     fn vr(&self) -> Value {
         let out = self
             .c
-            .kubectl(&["get", "vr", "data", "-n", "app", "-o", "json"]);
+            .kubectl(&["get", "vr", self.vr, "-n", "app", "-o", "json"]);
         serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
     }
 
@@ -350,8 +376,18 @@ fn readme_step_8_the_operators_view(s: &Site) {
     let file = |f: &str| minted.join(f).display().to_string();
     let url = format!("agent://{}@{}:7070", s.c.node(s.on), s.c.node_ip(s.on));
     let out = mover(&[
-        "replicate", "status", "app/data", "--json", "--agent", &url, "--tls-ca",
-        &file("ca.crt"), "--tls-cert", &file("tls.crt"), "--tls-key", &file("tls.key"),
+        "replicate",
+        "status",
+        "app/data",
+        "--json",
+        "--agent",
+        &url,
+        "--tls-ca",
+        &file("ca.crt"),
+        "--tls-cert",
+        &file("tls.crt"),
+        "--tls-key",
+        &file("tls.key"),
     ]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -571,4 +607,382 @@ fn on_real_nodes_the_copy_job_of_the_examples_runs_from_the_image() {
     common::tree::assert_same_tree(&src, &disks.join("dst"));
     let log = c.kubectl_ok(&["logs", "-n", "app", "job/mover-copy-pvc-to-pvc"]);
     assert!(!log.trim().is_empty(), "the Job's pod says what it did");
+}
+
+/// A block device node at `/mnt/disks/NAME` of node 1 of `c` over a loop device of the
+/// image `NAME.img` there (as a local disk's partition, which the local static
+/// provisioner links under /mnt/disks); `cluster.sh down` detaches it.
+fn local_block_device(c: &RealCluster, name: &str) {
+    let disks = c.disks(1);
+    let image = disks.join(format!("{name}.img"));
+    let out = std::process::Command::new("losetup")
+        .args(["--find", "--show"])
+        .arg(&image)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "losetup: {out:?}");
+    let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let rdev = std::os::unix::fs::MetadataExt::rdev(&std::fs::metadata(&dev).unwrap());
+    let node = disks.join(name);
+    let mknod = std::process::Command::new("mknod")
+        .arg(&node)
+        .arg("b")
+        .arg(rustix::fs::major(rdev).to_string())
+        .arg(rustix::fs::minor(rdev).to_string())
+        .status()
+        .unwrap();
+    assert!(mknod.success());
+}
+
+/// The sha256 each pod of StatefulSet `db` printed on start (`HASH  /dev/data`), by
+/// ordinal, with the node it ran on.
+fn pods_reads(c: &RealCluster) -> Vec<(String, String)> {
+    (0..2)
+        .map(|n| {
+            let pod = format!("db-{n}");
+            let node = c.get(&["pod", &pod, "-n", "app"], "{.spec.nodeName}");
+            let out = c.kubectl(&["logs", "-n", "app", &pod]);
+            let log = String::from_utf8_lossy(&out.stdout);
+            (
+                node,
+                log.split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn on_real_nodes_a_stateful_sets_volumes_move_to_another_node_with_its_pods() {
+    let _one = serial();
+    let Some(c) = RealCluster::start("mv", 4, 2) else {
+        return;
+    };
+    c.install("replication-token-of-mv");
+    let mut want = Vec::new();
+    for n in 0..2u64 {
+        let image = c.disks(1).join(format!("db{n}.img"));
+        make_image(
+            &image,
+            VOLUME_LEN,
+            40 + n,
+            &[(0, 3 * MIB), (20 * MIB, 5 * MIB)],
+        );
+        want.push(sha256_of(&image));
+        local_block_device(&c, &format!("db{n}"));
+    }
+    c.kubectl_ok(&["create", "namespace", "app"]);
+    let mut yaml = String::from(
+        r#"apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: local}
+provisioner: kubernetes.io/no-provisioner
+volumeBindingMode: WaitForFirstConsumer
+---
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: mover-populated}
+provisioner: csi.replication.mover
+volumeBindingMode: WaitForFirstConsumer
+---
+apiVersion: apps/v1
+kind: StatefulSet
+metadata: {name: db, namespace: app}
+spec:
+  replicas: 2
+  serviceName: db
+  selector: {matchLabels: {app: db}}
+  template:
+    metadata: {labels: {app: db}}
+    spec:
+      terminationGracePeriodSeconds: 2
+      containers:
+      - name: db
+        image: localhost/busybox:1
+        # What it read on start, then it holds its device open, as a database would.
+        command: [sh, -c, "sha256sum /dev/data; exec 3</dev/data; exec sleep 1000000"]
+        volumeDevices: [{name: data, devicePath: /dev/data}]
+  volumeClaimTemplates:
+  - metadata: {name: data}
+    spec:
+      accessModes: [ReadWriteOnce]
+      volumeMode: Block
+      storageClassName: local
+      resources: {requests: {storage: 64Mi}}
+"#,
+    );
+    for n in 0..2 {
+        yaml += &format!(
+            r#"---
+apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: pv-db-{n}}}
+spec:
+  capacity: {{storage: 64Mi}}
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  persistentVolumeReclaimPolicy: Retain
+  claimRef: {{namespace: app, name: data-db-{n}}}
+  local: {{path: /mnt/disks/db{n}}}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {{key: kubernetes.io/hostname, operator: In, values: [{node}]}}
+"#,
+            node = c.node(1)
+        );
+    }
+    c.apply(&yaml);
+    c.wait("both pods Ready on node 1", WAIT, || {
+        c.get(&["sts/db", "-n", "app"], "{.status.readyReplicas}") == "2"
+    });
+    let before = pods_reads(&c);
+    for (n, (node, read)) in before.iter().enumerate() {
+        assert_eq!((node.as_str(), read), (c.node(1).as_str(), &want[n]));
+    }
+
+    // Node 1 is to be drained: nothing new goes there, and the volumes move with their
+    // pods, which the controller stops (scale to 0: the kubelet ends the containers,
+    // which let go of the devices) and starts again once the PVCs are made anew.
+    c.kubectl_ok(&["cordon", &c.node(1)]);
+    c.apply(
+        "apiVersion: replication.mover/v1alpha1\nkind: VolumeMove\nmetadata:\n  name: db\n  namespace: app\nspec:\n  side: Source\n  statefulSet: db\n  storageClassName: mover-populated\n  timeoutSeconds: 120\n",
+    );
+    c.wait(
+        "the move Completed and the StatefulSet scaled back",
+        WAIT,
+        || {
+            c.get(
+                &["volumemove/db", "-n", "app"],
+                "{.status.phase} {.status.scaledBack}",
+            ) == "Completed true"
+        },
+    );
+    c.wait("both pods Ready again", WAIT, || {
+        c.get(&["sts/db", "-n", "app"], "{.status.readyReplicas}") == "2"
+    });
+    let after = pods_reads(&c);
+    for (n, (node, read)) in after.iter().enumerate() {
+        assert_eq!(
+            (node.as_str(), read),
+            (c.node(2).as_str(), &want[n]),
+            "db-{n} runs on node 2 and reads its volume's bytes"
+        );
+    }
+    let order = c.get(&["volumemove/db", "-n", "app"], "{.status.volumes[*].pvc}");
+    assert_eq!(order, "data-db-0 data-db-1", "ordinal order");
+    for n in 0..2 {
+        let class = c.get(
+            &["pvc", &format!("data-db-{n}"), "-n", "app"],
+            "{.spec.storageClassName}",
+        );
+        assert_eq!(class, "mover-populated");
+        assert_eq!(
+            c.get(
+                &["pv", &format!("pv-db-{n}")],
+                "{.spec.persistentVolumeReclaimPolicy}"
+            ),
+            "Retain",
+            "the old volume's own policy again"
+        );
+    }
+}
+
+/// The `read=` figure of each "cycle committed" line of relationship `rel` in the logs of
+/// the agent on `node`, in order: what each cycle read of the volume.
+fn cycles_read(c: &RealCluster, node: &str, rel: &str) -> Vec<u64> {
+    let pod = c.kubectl_ok(&[
+        "get",
+        "pods",
+        "-n",
+        "mover-system",
+        "-l",
+        "app.kubernetes.io/name=mover-agent",
+        "--field-selector",
+        &format!("spec.nodeName={node}"),
+        "-o",
+        "jsonpath={.items[0].metadata.name}",
+    ]);
+    let log = c.kubectl_ok(&["logs", "-n", "mover-system", &pod, "-c", "agent"]);
+    log.lines()
+        .filter(|l| l.contains("cycle committed") && l.contains(&format!("relationship={rel}")))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix("read="))
+                .and_then(|n| n.parse().ok())
+        })
+        .collect()
+}
+
+#[test]
+fn on_real_nodes_a_csi_volume_replicates_through_volume_snapshots_with_a_hook_in_its_pod() {
+    let _one = serial();
+    // The primary cluster: the install with the hooks' rights (the overlay), and the
+    // hostpath CSI driver with its sidecars and the snapshot-controller as pods.
+    let Some(mut east) = Site::start_from("east", 1, "deploy/overlays/snapshot-hooks") else {
+        return;
+    };
+    east.c.csi_hostpath();
+    let Some(mut west) = Site::start("west", 2) else {
+        return;
+    };
+    for s in [&mut east, &mut west] {
+        s.vr = "vol";
+        s.class = "csi-dr";
+    }
+    east.c.kubectl_ok(&["create", "namespace", "app"]);
+    west.c.kubectl_ok(&["create", "namespace", "app"]);
+    // The workload: a pod the scheduler places (on the driver's node) on a Block PVC the
+    // driver provisions; it holds its device as a database would.
+    east.c.apply(
+        r#"apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: vol, namespace: app}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: csi-hostpath
+  resources: {requests: {storage: 64Mi}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: db, namespace: app}
+spec:
+  terminationGracePeriodSeconds: 2
+  containers:
+  - name: db
+    image: localhost/busybox:1
+    command: [sh, -c, "exec sleep 1000000"]
+    volumeDevices: [{name: vol, devicePath: /dev/vol}]
+  volumes:
+  - name: vol
+    persistentVolumeClaim: {claimName: vol}
+"#,
+    );
+    east.c.wait("the workload Running", WAIT, || {
+        east.c.get(&["pod/db", "-n", "app"], "{.status.phase}") == "Running"
+    });
+    let exec = |script: &str| {
+        east.c
+            .kubectl_ok(&["exec", "-n", "app", "db", "--", "sh", "-c", script])
+    };
+    exec("dd if=/dev/urandom of=/dev/vol bs=1M count=8 conv=fsync 2>/dev/null");
+    exec("dd if=/dev/urandom of=/dev/vol bs=1M seek=40 count=4 conv=fsync 2>/dev/null");
+    let volume_hash = || {
+        exec("sha256sum /dev/vol")
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    };
+
+    // The DR side: a local PV of the same name (as RamenDR restores it) on west's node 1.
+    let pv = east.c.get(&["pvc/vol", "-n", "app"], "{.spec.volumeName}");
+    let replica = west.c.disks(1).join("vol.img");
+    make_image(&replica, VOLUME_LEN, 0, &[]);
+    west.c.apply(&format!(
+        r#"apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {{name: local}}
+provisioner: kubernetes.io/no-provisioner
+volumeBindingMode: Immediate
+---
+apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: {pv}}}
+spec:
+  capacity: {{storage: 64Mi}}
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  persistentVolumeReclaimPolicy: Retain
+  local: {{path: /mnt/disks/vol.img}}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {{key: kubernetes.io/hostname, operator: In, values: [{node}]}}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: vol, namespace: app}}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  volumeName: {pv}
+  resources: {{requests: {{storage: 64Mi}}}}
+"#,
+        node = west.c.node(1)
+    ));
+    let east_locator = east.expose_locator();
+    let west_locator = west.expose_locator();
+    west.class_named("csi-dr", &east, &east_locator, "");
+    // Before each snapshot, the class's hook runs in the workload's container (through
+    // pods/exec, which the API server hands to the kubelet): it stamps a sector of the
+    // volume, so the replica shows each cycle's snapshot came after it.
+    east.class_named(
+        "csi-dr",
+        &west,
+        &west_locator,
+        r#"    volumeSnapshotClassName: csi-hostpath-snapclass
+    preSnapshotHook: '["/bin/sh", "-c", "date +hook-%s | dd of=/dev/vol bs=512 seek=32768 conv=notrunc,fsync 2>/dev/null"]'
+"#,
+    );
+    west.set_state("secondary");
+    west.wait_vr("the secondary VR Secondary", |s| {
+        s.vr()["status"]["state"] == "Secondary"
+    });
+    east.set_state("primary");
+    east.wait_vr("the primary Promoted with a lastSyncTime", |s| {
+        s.completed("Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
+    });
+    assert_eq!(
+        east.condition("PointInTime").0,
+        "True",
+        "{}",
+        east.vr()["status"]
+    );
+    let stamped = |path: &std::path::Path| {
+        let mut b = vec![0u8; 5];
+        std::os::unix::fs::FileExt::read_exact_at(
+            &std::fs::File::open(path).unwrap(),
+            &mut b,
+            16 * MIB,
+        )
+        .unwrap();
+        b == b"hook-"
+    };
+    west.c.wait("the hook's stamp on the replica", WAIT, || {
+        stamped(&replica)
+    });
+    // In sync: between a cycle's hook and the next, the volume is its last snapshot.
+    west.c.wait("the replica equal to the volume", WAIT, || {
+        sha256_of(&replica) == volume_hash()
+    });
+
+    // The workload's writes: 30 scattered pages, through its own device. The next cycles
+    // read the blocks the driver's SnapshotMetadata service says changed, not the volume.
+    let before = cycles_read(&east.c, &east.c.node(1), "app/vol").len();
+    exec(
+        "for i in $(seq 1 30); do dd if=/dev/urandom of=/dev/vol bs=4096 count=1 seek=$((i * 401)) conv=notrunc 2>/dev/null; done; sync",
+    );
+    let written = volume_hash();
+    east.c.wait("a cycle after the writes", WAIT, || {
+        cycles_read(&east.c, &east.c.node(1), "app/vol").len() > before + 1
+    });
+    west.c.wait("the writes on the replica", WAIT, || {
+        let now = volume_hash();
+        now != written && sha256_of(&replica) == now
+    });
+    let reads = cycles_read(&east.c, &east.c.node(1), "app/vol");
+    let last = *reads.last().unwrap();
+    assert!(
+        last < VOLUME_LEN / 8,
+        "a cycle read {last} bytes of a {VOLUME_LEN}-byte volume: the changed blocks only ({reads:?})"
+    );
 }

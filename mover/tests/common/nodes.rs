@@ -84,10 +84,15 @@ impl RealCluster {
             "cluster.sh up {name} failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let mut archives: Vec<String> = ["pause", "busybox", "csi-node-driver-registrar"]
-            .iter()
-            .map(|i| others.join(format!("{i}.oci.tar")).display().to_string())
-            .collect();
+        let mut archives: Vec<String> = [
+            "pause",
+            "pause-3.10",
+            "busybox",
+            "csi-node-driver-registrar",
+        ]
+        .iter()
+        .map(|i| others.join(format!("{i}.oci.tar")).display().to_string())
+        .collect();
         archives.push(mover.display().to_string());
         let mut args = vec!["import", name];
         args.extend(archives.iter().map(String::as_str));
@@ -207,6 +212,12 @@ impl RealCluster {
     /// `kubectl apply --server-side -k deploy/base`, the CRDs Established, every agent
     /// and controller pod Ready.
     pub fn install(&self, replication_token: &str) {
+        self.install_from("deploy/base", replication_token)
+    }
+
+    /// [`RealCluster::install`] of the kustomization `dir` (of the repository), e.g. an
+    /// overlay of the base.
+    pub fn install_from(&self, dir: &str, replication_token: &str) {
         self.kubectl_ok(&["create", "namespace", "mover-system"]);
         self.kubectl_ok(&[
             "-n",
@@ -217,7 +228,7 @@ impl RealCluster {
             "mover-replication-token",
             &format!("--from-literal=token={replication_token}"),
         ]);
-        let base = repo().join("deploy/base");
+        let base = repo().join(dir);
         self.kubectl_ok(&["apply", "--server-side", "-k", base.to_str().unwrap()]);
         self.kubectl_ok(&[
             "wait",
@@ -242,6 +253,22 @@ impl RealCluster {
                 "{.status.readyReplicas}",
             ) == "2"
         });
+    }
+
+    /// The hostpath CSI driver, its sidecars and the snapshot-controller as pods
+    /// (`deploy/test-cluster/csi-hostpath/up.sh`), the driver on node 1.
+    pub fn csi_hostpath(&self) {
+        let out = Command::new(repo().join("deploy/test-cluster/csi-hostpath/up.sh"))
+            .arg(&self.name)
+            .env("MOVER_KUBE_BIN", &self.bin)
+            .output()
+            .expect("csi-hostpath/up.sh");
+        assert!(
+            out.status.success(),
+            "csi-hostpath/up.sh {} failed: {}",
+            self.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// The mover pods' logs (every container, the previous run's too where one restarted).
