@@ -21,9 +21,11 @@
 //! Covered on real nodes already (`kube_nodes.rs`): the install, the agents' certificates
 //! through projected tokens, the CSI plugin's registration, two-cluster replication with
 //! planned failover and failback, a populated PVC of the replica read by a real pod, the
-//! copy Job. Still only here: forced failover and resync, controller takeover and API
-//! server restart, VolumeMove (between clusters and of a StatefulSet), CSI-snapshot
-//! cycles and their hooks, the thousand-VR scale run, refusals of the default install.
+//! copy Job, a StatefulSet's move within a cluster, CSI-snapshot cycles with a hook run
+//! in the workload's container. Still only here: forced failover and resync, controller
+//! takeover and API server restart, a VolumeMove between clusters with fencing, the
+//! failure paths of CSI-snapshot cycles (the metadata service cut, a hook refused), the
+//! thousand-VR scale run, refusals of the default install, deletion with an agent down.
 #![cfg(feature = "controller")]
 
 mod common;
