@@ -13,6 +13,8 @@
 #
 #   cluster.sh up NAME INDEX NODES     # start cluster NAME (INDEX 1..9 picks its addresses)
 #   cluster.sh import NAME ARCHIVE...  # load OCI image archives into every node's containerd
+#   cluster.sh stop NAME               # kill all its processes (a site losing power), keep its state
+#   cluster.sh start NAME              # start a stopped cluster again over its state
 #   cluster.sh down NAME               # stop it and remove everything it made
 #   cluster.sh env NAME                # print KUBECONFIG=... for a shell
 #
@@ -72,7 +74,7 @@ EOF
 spawn() {
   local what="$1"; shift
   mkdir -p "$dir/log" "$dir/pid"
-  setsid "$@" > "$dir/log/$what.log" 2>&1 < /dev/null &
+  setsid "$@" >> "$dir/log/$what.log" 2>&1 < /dev/null &
   echo $! > "$dir/pid/$what"
 }
 
@@ -105,7 +107,11 @@ control_plane() {
   openssl ecparam -name prime256v1 -genkey -noout -out "$pki/sa.key" 2>/dev/null
   openssl ec -in "$pki/sa.key" -pubout -out "$pki/sa.pub" 2>/dev/null
   for who in admin controller-manager scheduler proxy; do kubeconfig "$dir/$who.kubeconfig" "$who"; done
+  start_control_plane
+}
 
+# Starts (again) the control plane's processes over what control_plane made.
+start_control_plane() {
   spawn etcd "$bin/etcd" --data-dir "$dir/etcd" --unsafe-no-fsync --log-level=warn \
     --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
     --listen-peer-urls "http://127.0.0.1:$((etcd_port + 1))" \
@@ -238,6 +244,13 @@ imageGCLowThresholdPercent: 99
 # Pods' logs are kept short: the tests read them on failure.
 containerLogMaxSize: 5Mi
 EOF
+  start_node "$n"
+}
+
+# start_node N: (again) node N's containerd, kubelet and kube-proxy, in its namespaces.
+start_node() {
+  local n="$1" node="$name-$1" ip="10.250.$index.$1"
+  local nd="$dir/nodes/$node" ns="mover-$name-$1"
   local enter=(nsenter --mount="$dir/ns/$node" --net="/run/netns/$ns" --)
   spawn "containerd-$n" "${enter[@]}" containerd --config "$nd/containerd.toml"
   wait_for "containerd of $node" 30 ctr -a "$nd/containerd.sock" version
@@ -278,10 +291,61 @@ up() {
   modprobe br_netfilter 2>/dev/null || true
   control_plane
   for ((n = 1; n <= nodes; n++)); do node "$n"; done
-  for ((n = 1; n <= nodes; n++)); do
+  echo "$nodes" > "$dir/nodes-count"
+  nodes_ready "$nodes"
+  echo "$dir/admin.kubeconfig"
+}
+
+# nodes_ready COUNT: waits until each node is Ready.
+nodes_ready() {
+  local n
+  for ((n = 1; n <= $1; n++)); do
     wait_for "node $name-$n Ready" 120 sh -c "'$bin/kubectl' --kubeconfig '$dir/admin.kubeconfig' get node '$name-$n' -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
   done
-  echo "$dir/admin.kubeconfig"
+}
+
+# The cluster NAME's settings, from what up wrote.
+load() {
+  name="$1" dir="$top/$1"
+  [ -f "$dir/index" ] || die "no cluster $name in $top"
+  index="$(cat "$dir/index")" pki="$dir/pki"
+  api_port=$((6440 + index)) etcd_port=$((2400 + 10 * index))
+}
+
+# stop NAME: every process of the cluster killed (SIGKILL), as a site losing power
+# would; its state (etcd, the nodes' disks and directories, namespaces) kept.
+stop() {
+  load "$1"
+  kill_all
+}
+
+# start NAME: a stopped cluster's processes again, over its state.
+start() {
+  local n nodes
+  load "$1"
+  nodes="$(cat "$dir/nodes-count")"
+  start_control_plane
+  for ((n = 1; n <= nodes; n++)); do start_node "$n"; done
+  nodes_ready "$nodes"
+}
+
+# Kills every process of the cluster in $dir: the control plane, each node's daemons
+# and every container (by the node's cgroups; shims and containers outlive their
+# containerd).
+kill_all() {
+  local pid nd node h
+  for pid in "$dir"/pid/*; do [ -f "$pid" ] && kill -9 "$(cat "$pid")" 2>/dev/null || true; done
+  for nd in "$dir"/nodes/*/; do
+    [ -d "$nd" ] || continue
+    node="$(basename "$nd")"
+    for h in /sys/fs/cgroup/*/"mover-$node"; do
+      [ -d "$h" ] || continue
+      find "$h" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    done
+    ip netns pids "mover-$node" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+  done
+  rm -f "$dir"/pid/*
+  sleep 0.5
 }
 
 import() {
@@ -299,19 +363,7 @@ down() {
   local name="$1" nd node ns pid h
   dir="$top/$name"
   [ -d "$dir" ] || return 0
-  # Every process of the cluster: the control plane, each node's daemons and every
-  # container (by the node's cgroups; shims and containers outlive their containerd).
-  for pid in "$dir"/pid/*; do [ -f "$pid" ] && kill -9 "$(cat "$pid")" 2>/dev/null || true; done
-  for nd in "$dir"/nodes/*/; do
-    [ -d "$nd" ] || continue
-    node="$(basename "$nd")" ns="mover-$node"
-    for h in /sys/fs/cgroup/*/"mover-$node"; do
-      [ -d "$h" ] || continue
-      find "$h" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-    done
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-  done
-  sleep 0.5
+  kill_all
   # Loop devices over the cluster's files: the agents' over images, the hostpath
   # driver's, the kubelet's locks over device nodes of local PVs. The kernel names their
   # backing files as the process that attached them saw them (a container's path), so
@@ -342,6 +394,8 @@ case "${1:-}" in
   up) shift; up "$@" ;;
   import) shift; import "$@" ;;
   down) shift; down "$@" ;;
+  stop) shift; stop "$@" ;;
+  start) shift; start "$@" ;;
   env) echo "KUBECONFIG=$top/$2/admin.kubeconfig" ;;
-  *) die "usage: cluster.sh up NAME INDEX NODES | import NAME ARCHIVE... | down NAME | env NAME" ;;
+  *) die "usage: cluster.sh up NAME INDEX NODES | import NAME ARCHIVE... | stop NAME | start NAME | down NAME | env NAME" ;;
 esac

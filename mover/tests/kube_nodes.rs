@@ -230,16 +230,47 @@ fn in_sync(a: &Site, b: &Site, what: &str) {
     b.c.wait(what, WAIT, || blake3_of(&b.image(), VOLUME_LEN) == want);
 }
 
+/// Two clusters with mover installed, `app/data` replicating from `a` (primary, its
+/// node 1) to `b` (secondary, its node 2), the first cycle on the replica; the clusters
+/// by (name, index).
+fn replicating_pair(a: (&str, u8), b: (&str, u8)) -> Option<(Site, Site)> {
+    let east = Site::start(a.0, a.1)?;
+    let mut west = Site::start(b.0, b.1)?;
+    west.on = 2;
+    east.volume(7);
+    west.volume(0);
+    let east_locator = east.expose_locator();
+    let west_locator = west.expose_locator();
+    east.class_to(&west, &west_locator);
+    west.class_to(&east, &east_locator);
+
+    // RamenDR's order: the secondary first, then the primary.
+    west.set_state("secondary");
+    west.wait_vr("the secondary VR Secondary", |s| {
+        s.vr()["status"]["state"] == "Secondary"
+    });
+    east.set_state("primary");
+    east.wait_vr("the primary Promoted with a lastSyncTime", |s| {
+        s.completed("Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
+    });
+    // An image file on XFS with no writer holding it: each cycle is a reflink clone of
+    // one instant.
+    assert_eq!(
+        east.condition("PointInTime").0,
+        "True",
+        "{}",
+        east.vr()["status"]
+    );
+    in_sync(&east, &west, "the first cycle on the replica");
+    Some((east, west))
+}
+
 #[test]
 fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
     let _one = serial();
-    let Some(east) = Site::start("east", 1) else {
+    let Some((east, west)) = replicating_pair(("east", 1), ("west", 2)) else {
         return;
     };
-    let Some(mut west) = Site::start("west", 2) else {
-        return;
-    };
-    west.on = 2;
 
     // What the install did by itself on real nodes: each registrar registered the CSI
     // plugin with its kubelet, each agent got its certificate through the CSR API with
@@ -284,31 +315,6 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
         }
     }
 
-    east.volume(7);
-    west.volume(0);
-    let east_locator = east.expose_locator();
-    let west_locator = west.expose_locator();
-    east.class_to(&west, &west_locator);
-    west.class_to(&east, &east_locator);
-
-    // RamenDR's order: the secondary first, then the primary.
-    west.set_state("secondary");
-    west.wait_vr("the secondary VR Secondary", |s| {
-        s.vr()["status"]["state"] == "Secondary"
-    });
-    east.set_state("primary");
-    east.wait_vr("the primary Promoted with a lastSyncTime", |s| {
-        s.completed("Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
-    });
-    // An image file on XFS with no writer holding it: each cycle is a reflink clone of
-    // one instant.
-    assert_eq!(
-        east.condition("PointInTime").0,
-        "True",
-        "{}",
-        east.vr()["status"]
-    );
-    in_sync(&east, &west, "the first cycle on the replica");
     a_pod_reads_one_cycle_of_the_replica_while_replication_goes_on(&east, &west);
 
     // Planned failover: a final cycle ships what was written, then the roles swap.
@@ -1000,4 +1006,62 @@ spec:
         last < VOLUME_LEN / 8,
         "a cycle read {last} bytes of a {VOLUME_LEN}-byte volume: the changed blocks only ({reads:?})"
     );
+}
+
+#[test]
+fn on_real_nodes_a_forced_failover_with_the_primary_cluster_gone_then_its_return_and_resync() {
+    let _one = serial();
+    let Some((north, south)) = replicating_pair(("north", 5), ("south", 6)) else {
+        return;
+    };
+    let replicated = blake3_of(&south.image(), VOLUME_LEN);
+    // The primary site loses power: every process of its cluster killed at once (its
+    // control plane, kubelets, runtimes, mover's pods); its disks and etcd kept.
+    north.c.stop();
+    // RamenDR promotes the DR side alone: no final cycle can come, so it is forced.
+    south.set_state("primary");
+    south.wait_vr("south promoted without its peer", |s| {
+        s.completed("Promoted")
+    });
+    assert_eq!(south.vr()["status"]["epoch"], 2);
+    assert_eq!(
+        blake3_of(&south.image(), VOLUME_LEN),
+        replicated,
+        "south holds the last cycle"
+    );
+    scribble_pages(&south.image(), 21, 40, 0..VOLUME_LEN);
+    south.wait_vr(
+        "south degraded, not replicating, still promoted while its peer is gone",
+        |s| {
+            s.condition("Replicating").0 == "False"
+                && s.condition("Degraded").0 == "True"
+                && s.completed("Promoted")
+        },
+    );
+
+    // The old primary comes back as it was, primary in its own eyes, with writes of its
+    // own: the kubelets start mover's pods again, its cycles are refused for their
+    // epoch, and its VolumeReplication says it is fenced.
+    scribble_pages(&north.image(), 22, 10, 0..VOLUME_LEN);
+    north.c.start_again();
+    north.wait_vr("north degraded and not replicating: fenced by south", |s| {
+        s.condition("Degraded").0 == "True"
+            && s.condition("Replicating").0 == "False"
+            && s.vr()["status"]["conditions"]
+                .to_string()
+                .contains("Fenced")
+    });
+    // RamenDR makes it the secondary with autoResync: its own writes are discarded and
+    // south's volume comes back to it.
+    north.c.apply(
+        "apiVersion: replication.mover/v1alpha1\nkind: VolumeReplication\nmetadata:\n  name: data\n  namespace: app\nspec:\n  volumeReplicationClass: mover-dr\n  replicationState: secondary\n  autoResync: true\n  dataSource:\n    kind: PersistentVolumeClaim\n    name: data\n"
+    );
+    in_sync(&south, &north, "north resynced from south");
+    north.wait_vr("north healthy as south's secondary", |s| {
+        s.vr()["status"]["state"] == "Secondary"
+            && s.condition("Degraded") == ("False".into(), "Healthy".into())
+    });
+    south.wait_vr("south replicating again", |s| {
+        s.condition("Replicating").0 == "True"
+    });
 }

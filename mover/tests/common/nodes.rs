@@ -271,6 +271,20 @@ impl RealCluster {
         );
     }
 
+    /// Kills every process of the cluster, as a site losing power; its state is kept
+    /// (`cluster.sh stop`).
+    pub fn stop(&self) {
+        let out = script(&self.bin, &["stop", &self.name]);
+        assert!(out.status.success(), "cluster.sh stop: {out:?}");
+    }
+
+    /// Starts a stopped cluster again over its state, until its nodes are Ready
+    /// (`cluster.sh start`); the kubelets then start the pods again.
+    pub fn start_again(&self) {
+        let out = script(&self.bin, &["start", &self.name]);
+        assert!(out.status.success(), "cluster.sh start: {out:?}");
+    }
+
     /// The mover pods' logs (every container, the previous run's too where one restarted).
     pub fn logs(&self, selector: &str) -> String {
         let out = self.kubectl(&[
