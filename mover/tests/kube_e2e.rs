@@ -22,10 +22,12 @@
 //! through projected tokens, the CSI plugin's registration, two-cluster replication with
 //! planned failover and failback, a populated PVC of the replica read by a real pod, the
 //! copy Job, a StatefulSet's move within a cluster, CSI-snapshot cycles with a hook run
-//! in the workload's container. Still only here: forced failover and resync, controller
-//! takeover and API server restart, a VolumeMove between clusters with fencing, the
-//! failure paths of CSI-snapshot cycles (the metadata service cut, a hook refused), the
-//! thousand-VR scale run, refusals of the default install, deletion with an agent down.
+//! in the workload's container, a forced failover with the primary cluster gone and its
+//! resync. Still only here: controller takeover and API server restart, a VolumeMove
+//! between clusters with fencing, the failure paths of CSI-snapshot cycles (the metadata
+//! service cut, a hook refused), the thousand-VR scale run, refusals of the default
+//! install, deletion with an agent down, a secondary followed across nodes, populated
+//! PVCs of other classes.
 #![cfg(feature = "controller")]
 
 mod common;
@@ -933,25 +935,6 @@ fn condition_in(vr: &Value, ty: &str) -> Value {
         .find(|c| c["type"] == ty)
         .cloned()
         .unwrap_or(Value::Null)
-}
-
-/// A VR status's conditions in one line: TYPE=STATUS(REASON) "message", for the log.
-fn conditions_line(status: &Value) -> String {
-    status["conditions"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|c| {
-            format!(
-                "{}={}({}) {:?}",
-                c["type"].as_str().unwrap_or(""),
-                c["status"].as_str().unwrap_or(""),
-                c["reason"].as_str().unwrap_or(""),
-                c["message"].as_str().unwrap_or("")
-            )
-        })
-        .collect::<Vec<_>>()
-        .join("; ")
 }
 
 fn http_get(url: &str) -> String {
@@ -2001,104 +1984,6 @@ spec:
         "controller peak RSS {peak:.0} MiB with {} PVCs: over the Deployment's {LIMIT_MIB} MiB",
         n + others
     );
-}
-
-#[test]
-fn a_forced_failover_with_the_primary_cluster_gone_then_its_return_and_resync() {
-    let _one = serial();
-    let t = tempfile::tempdir().unwrap();
-    let Some((mut a, b)) = replicating_pair(t.path()) else {
-        return;
-    };
-    let replicated = blake3_of(&b.image, VOLUME_LEN);
-    // Cluster A is gone: its API server, its controller and its agents.
-    for c in &mut a.controllers {
-        let _ = c.child.kill();
-        let _ = c.child.wait();
-    }
-    a.controllers.clear();
-    a.cluster.stop_apiserver();
-    for agent in &mut a.agents {
-        agent.kill();
-    }
-    // RamenDR promotes B alone: no final cycle can come, so the promotion is forced.
-    b.set_state("primary");
-    b.wait("B promoted without its peer", |s| completed(s, "Promoted"));
-    assert_eq!(b.vr()["status"]["epoch"], 2);
-    assert_eq!(
-        blake3_of(&b.image, VOLUME_LEN),
-        replicated,
-        "B holds the last cycle"
-    );
-    scribble_pages(&b.image, 21, 40, 0..VOLUME_LEN);
-    // While A is away, B's cycles fail: B's VR says so once its RPO is late. The
-    // promotion happened: Completed stays Promoted; replication is broken: Degraded.
-    b.wait(
-        "B's VR degraded, not replicating, still promoted while its peer is gone",
-        |s| {
-            s.condition("Replicating").0 == "False"
-                && s.condition("Degraded").0 == "True"
-                && completed(s, "Promoted")
-        },
-    );
-    let st = b.vr()["status"].clone();
-    eprintln!("B's VR with its peer gone: {}", conditions_line(&st));
-    // rpoSeconds is that of lastSyncTime when written, and written often enough to
-    // follow it (30 s at most behind).
-    let last_sync: k8s_openapi::jiff::Timestamp =
-        st["lastSyncTime"].as_str().unwrap().parse().unwrap();
-    let behind = k8s_openapi::jiff::Timestamp::now()
-        .duration_since(last_sync)
-        .as_secs_f64();
-    let rpo = st["rpoSeconds"].as_f64().unwrap();
-    assert!(
-        rpo <= behind + 1.0 && behind - rpo <= 31.0,
-        "rpoSeconds {rpo} with the last sync {behind:.1} s ago: {st}"
-    );
-
-    // A returns as it was, still primary in its own eyes, with writes of its own.
-    scribble_pages(&a.image, 22, 10, 0..VOLUME_LEN);
-    a.cluster.start_apiserver();
-    let port = a.port;
-    for agent in &mut a.agents {
-        agent.restart(port);
-    }
-    a.start_controller("a-controller-2");
-    // Its cycle is refused by B (a newer epoch): fenced, and reported as degraded, with
-    // what to set in the VolumeReplication (not a CLI command).
-    a.wait("A's VR degraded and not replicating: fenced by B", |s| {
-        s.condition("Degraded").0 == "True"
-            && s.condition("Replicating").0 == "False"
-            && s.vr()["status"]["conditions"]
-                .to_string()
-                .contains("Fenced")
-    });
-    let st = a.vr()["status"].clone();
-    eprintln!("A's VR fenced: {}", conditions_line(&st));
-    let degraded = condition_in(&a.vr(), "Degraded")["message"].to_string();
-    assert!(
-        degraded.contains("autoResync") && !degraded.contains("mover replicate"),
-        "{degraded}"
-    );
-    // RamenDR makes A the secondary with autoResync: its own writes are discarded, and
-    // B's volume comes back to it.
-    a.cluster.apply(&format!(
-        "{}  autoResync: true\n",
-        vr_yaml("data", "secondary", "dr", Some("data"))
-    ));
-    let want = blake3_of(&b.image, VOLUME_LEN);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while blake3_of(&a.image, VOLUME_LEN) != want {
-        assert!(Instant::now() < deadline, "A was never resynced from B");
-        std::thread::sleep(Duration::from_millis(500));
-    }
-    a.wait("A healthy as B's secondary", |s| {
-        s.vr()["status"]["state"] == "Secondary"
-            && s.condition("Degraded") == ("False".into(), "Healthy".into())
-    });
-    b.wait("B replicating again", |s| {
-        s.condition("Replicating").0 == "True"
-    });
 }
 
 // ---------------------------------------------------------------------------------------

@@ -215,6 +215,17 @@ spec:
         )
     }
 
+    /// Condition `ty`'s message.
+    fn message(&self, ty: &str) -> String {
+        let vr = self.vr();
+        vr["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == ty))
+            .and_then(|c| c["message"].as_str())
+            .unwrap_or_default()
+            .to_string()
+    }
+
     fn completed(&self, reason: &str) -> bool {
         self.condition("Completed") == ("True".into(), reason.into())
     }
@@ -1038,6 +1049,19 @@ fn on_real_nodes_a_forced_failover_with_the_primary_cluster_gone_then_its_return
                 && s.completed("Promoted")
         },
     );
+    // rpoSeconds is that of lastSyncTime when written, and written often enough to
+    // follow it (30 s at most behind).
+    let st = south.vr()["status"].clone();
+    let last_sync: k8s_openapi::jiff::Timestamp =
+        st["lastSyncTime"].as_str().unwrap().parse().unwrap();
+    let behind = k8s_openapi::jiff::Timestamp::now()
+        .duration_since(last_sync)
+        .as_secs_f64();
+    let rpo = st["rpoSeconds"].as_f64().unwrap();
+    assert!(
+        rpo <= behind + 1.0 && behind - rpo <= 31.0,
+        "rpoSeconds {rpo} with the last sync {behind:.1} s ago: {st}"
+    );
 
     // The old primary comes back as it was, primary in its own eyes, with writes of its
     // own: the kubelets start mover's pods again, its cycles are refused for their
@@ -1051,6 +1075,12 @@ fn on_real_nodes_a_forced_failover_with_the_primary_cluster_gone_then_its_return
                 .to_string()
                 .contains("Fenced")
     });
+    // What to do, said in the VolumeReplication's terms (not a CLI command).
+    let degraded = north.message("Degraded");
+    assert!(
+        degraded.contains("autoResync") && !degraded.contains("mover replicate"),
+        "{degraded}"
+    );
     // RamenDR makes it the secondary with autoResync: its own writes are discarded and
     // south's volume comes back to it.
     north.c.apply(
