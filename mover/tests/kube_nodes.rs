@@ -413,7 +413,7 @@ fn readme_step_8_the_operators_view(s: &Site) {
     );
 }
 
-/// sha256 of the first `len` bytes of `path`, as busybox's sha256sum prints it.
+/// The sha256 of the file at `path`, as sha256sum (busybox's too, in the pods) prints it.
 fn sha256_of(path: &std::path::Path) -> String {
     let out = std::process::Command::new("sha256sum")
         .arg(path)
