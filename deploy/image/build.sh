@@ -58,10 +58,8 @@ layer="$(mktemp -d "$cache/layer.XXXXXX")"
 trap 'rm -rf "$layer"' EXIT
 mkdir -p "$layer/root/usr/local/bin"
 strip --strip-debug -o "$layer/root/usr/local/bin/mover" "$binary"
-tar --sort=name --mtime=@1700000000 --owner=0 --group=0 --numeric-owner \
-  -C "$layer/root" -cf "$layer/mover.tar" usr
 
 out="$cache/mover-$version.oci.tar"
 python3 "$here/oci-pack.py" --name "$name" --out "$out" \
-  --entrypoint '["/usr/local/bin/mover"]' "$base" "$layer/mover.tar" >/dev/null
+  --entrypoint '["/usr/local/bin/mover"]' "$base" "$layer/root" >/dev/null
 echo "$out"

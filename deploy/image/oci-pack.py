@@ -2,7 +2,10 @@
 """Packs layer tarballs into an OCI image archive, without a registry or a daemon.
 
     oci-pack.py --name localhost/mover:0.1.0 --out mover.oci.tar \
-        --entrypoint '["/usr/local/bin/mover"]' [--env K=V ...] LAYER.tar ...
+        --entrypoint '["/usr/local/bin/mover"]' [--env K=V ...] LAYER ...
+
+A LAYER is a tarball, or a directory packed here the one way every image of this
+repository packs one: names sorted, times fixed, owned by root (numeric ids).
 
 The archive (oci-layout, index.json, blobs/sha256/...) is what `ctr image import`,
 `skopeo copy oci-archive:...` and `podman load` read; its index names the image with the
@@ -12,6 +15,7 @@ Layers are gzip-compressed with a zero mtime, so the same inputs give the same d
 import argparse
 import gzip
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -26,6 +30,31 @@ def blob(blobs, data):
     return "sha256:" + digest, len(data)
 
 
+# The time every file of a layer packed from a directory carries.
+MTIME = 1700000000
+
+
+def layer_bytes(path):
+    """The uncompressed tar of layer `path`: the file as it is, or the directory packed
+    deterministically (the same tree gives the same bytes)."""
+    if not os.path.isdir(path):
+        with open(path, "rb") as f:
+            return f.read()
+
+    def normalize(info):
+        info.mtime = MTIME
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as t:
+        # add() recurses in sorted order; the top level is sorted here.
+        for name in sorted(os.listdir(path)):
+            t.add(os.path.join(path, name), arcname=name, filter=normalize)
+    return buf.getvalue()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--name", required=True, help="the image's full reference, e.g. localhost/mover:0.1.0")
@@ -33,7 +62,7 @@ def main():
     p.add_argument("--entrypoint", default="null", help="a JSON array")
     p.add_argument("--cmd", default="null", help="a JSON array")
     p.add_argument("--env", action="append", default=[], help="K=V, repeatable")
-    p.add_argument("layers", nargs="+", help="uncompressed layer tarballs, lowest first")
+    p.add_argument("layers", nargs="+", help="uncompressed layer tarballs or directories, lowest first")
     a = p.parse_args()
 
     work = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(a.out)))
@@ -42,8 +71,7 @@ def main():
         os.makedirs(blobs)
         layers, diff_ids = [], []
         for path in a.layers:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = layer_bytes(path)
             diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
             digest, size = blob(blobs, gzip.compress(raw, compresslevel=1, mtime=0))
             layers.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": digest, "size": size})

@@ -21,7 +21,7 @@ mkdir -p "$out"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-# layer NAME FILE:PATH...: a layer tarball with each FILE at PATH (mode kept).
+# layer NAME FILE:PATH...: a layer directory $work/NAME with each FILE at PATH (mode kept).
 layer() {
   local name="$1" spec; shift
   mkdir -p "$work/$name"
@@ -29,25 +29,20 @@ layer() {
     install -D "${spec%%:*}" "$work/$name/${spec#*:}"
   done
 }
-tarball() {
-  tar --sort=name --mtime=@1700000000 --owner=0 --group=0 --numeric-owner -C "$work/$1" -cf "$work/$1.tar" .
-}
 
 layer busybox /bin/busybox:bin/busybox
 # Every applet as a link, as busybox --install would make.
 for a in $(/bin/busybox --list); do [ "$a" = busybox ] || ln -sf busybox "$work/busybox/bin/$a"; done
 mkdir -p "$work/busybox/tmp" "$work/busybox/etc"; chmod 1777 "$work/busybox/tmp"
-tarball busybox
-python3 "$pack" --name localhost/busybox:1 --out "$out/busybox.oci.tar" --cmd '["/bin/sh"]' "$work/busybox.tar" >/dev/null
+python3 "$pack" --name localhost/busybox:1 --out "$out/busybox.oci.tar" --cmd '["/bin/sh"]' "$work/busybox" >/dev/null
 # The sandbox holds the pod's namespaces; runc kills it with SIGKILL.
 python3 "$pack" --name localhost/pause:1 --out "$out/pause.oci.tar" \
-  --entrypoint '["/bin/sleep", "2147483647"]' "$work/busybox.tar" >/dev/null
+  --entrypoint '["/bin/sleep", "2147483647"]' "$work/busybox" >/dev/null
 python3 "$pack" --name registry.k8s.io/pause:3.10 --out "$out/pause-3.10.oci.tar" \
-  --entrypoint '["/bin/sleep", "2147483647"]' "$work/busybox.tar" >/dev/null
+  --entrypoint '["/bin/sleep", "2147483647"]' "$work/busybox" >/dev/null
 
 layer registrar "$bin/csi-node-driver-registrar:csi-node-driver-registrar"
-tarball registrar
 python3 "$pack" --name registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.15.0 \
   --out "$out/csi-node-driver-registrar.oci.tar" --entrypoint '["/csi-node-driver-registrar"]' \
-  "$work/registrar.tar" >/dev/null
+  "$work/registrar" >/dev/null
 echo "$out"

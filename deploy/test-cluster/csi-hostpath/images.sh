@@ -51,10 +51,8 @@ image() {
   mkdir -p "$work/$name/tmp"
   chmod 1777 "$work/$name/tmp"
   install -m 0755 "$bin/$name" "$work/$name/$name"
-  # Deterministic: sorted, fixed times and owners, as ../images.sh.
-  tar --sort=name --mtime=@1700000000 --owner=0 --group=0 --numeric-owner -C "$work/$name" -cf "$work/$name.tar" .
   python3 "$pack" --name "$ref" --out "$out/csi-hostpath-$name.oci.tar" \
-    --entrypoint "[\"/$name\"]" "$@" "$work/$name.tar" >/dev/null
+    --entrypoint "[\"/$name\"]" "$@" "$work/$name" >/dev/null
 }
 
 image hostpathplugin "$(version github.com/kubernetes-csi/csi-driver-host-path)" "$base"
