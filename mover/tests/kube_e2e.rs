@@ -1132,13 +1132,7 @@ fn a_pvc_of_the_replica_holds_one_cycle_while_replication_goes_on(a: &Site, b: &
     // 256 KiB/s: one 1 MiB region every 4 s, so the fill is far from done when the
     // next cycle lands; the pod's reads fetch the rest at once.
     b.cluster.apply(&format!(
-        r#"apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata:
-  name: mover-populated
-provisioner: csi.replication.mover
-volumeBindingMode: WaitForFirstConsumer
----
+        r#"{}---
 apiVersion: replication.mover/v1alpha1
 kind: HydrationSource
 metadata:
@@ -1149,6 +1143,7 @@ spec:
   bwlimit: 256K
 ---
 {}"#,
+        common::POPULATED_STORAGE_CLASS,
         populated_pvc("replica-copy", "b-node2", "Block", "32Mi")
     ));
     b.wait("the PVC of the replica bound", |s| {
@@ -1180,7 +1175,8 @@ spec:
     );
     // A VolumeReplication that is primary here is no replica.
     a.cluster.apply(&format!(
-        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: mover-populated\nprovisioner: csi.replication.mover\nvolumeBindingMode: WaitForFirstConsumer\n---\napiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: primary-copy\n  namespace: app\nspec:\n  volumeReplication: data\n---\n{}",
+        "{}---\napiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: primary-copy\n  namespace: app\nspec:\n  volumeReplication: data\n---\n{}",
+        common::POPULATED_STORAGE_CLASS,
         populated_pvc("primary-copy", "a-node2", "Block", "32Mi")
     ));
     a.wait("the controller refusing a primary as a replica", |s| {
@@ -2721,9 +2717,7 @@ fn populated_pvcs_are_bound_at_once_and_their_devices_read_the_source_while_it_a
     );
     site.start_controller("pop-controller-1");
     wait_established(&site.cluster, &["hydrationsources.replication.mover"]);
-    site.cluster.apply(
-        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: mover-populated\nprovisioner: csi.replication.mover\nvolumeBindingMode: WaitForFirstConsumer\n",
-    );
+    site.cluster.apply(common::POPULATED_STORAGE_CLASS);
     let node2_dir = site.agents[1].dir.clone();
     let last_mib = |path: &Path, len: u64| {
         let mut buf = vec![0u8; MIB as usize];
@@ -3523,8 +3517,9 @@ fn a_pvc_is_populated_from_another_clusters_agent_with_its_token_and_ca() {
     wait_established(&b.cluster, &["hydrationsources.replication.mover"]);
     let ca = std::fs::read_to_string(a.agents[0].ca()).unwrap();
     b.cluster.apply(&format!(
-        "{}\n---\napiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: mover-populated\nprovisioner: csi.replication.mover\nvolumeBindingMode: WaitForFirstConsumer\n",
-        peer_secret(&format!("repl-{}", a.cluster.name), Some(&ca))
+        "{}\n---\n{}",
+        peer_secret(&format!("repl-{}", a.cluster.name), Some(&ca)),
+        common::POPULATED_STORAGE_CLASS
     ));
     let source = format!("agent://xa-node1@{}:{}/src", a.agents[0].ip, a.port);
     let populate = |name: &str, secret: &str| {

@@ -241,6 +241,25 @@ fn in_sync(a: &Site, b: &Site, what: &str) {
     b.c.wait(what, WAIT, || blake3_of(&b.image(), VOLUME_LEN) == want);
 }
 
+/// Makes `secondary`'s VolumeReplication, then `primary`'s (RamenDR's order), and waits
+/// until the primary has shipped a cycle of one instant (PointInTime True).
+fn start_replicating(primary: &Site, secondary: &Site) {
+    secondary.set_state("secondary");
+    secondary.wait_vr("the secondary VR Secondary", |s| {
+        s.vr()["status"]["state"] == "Secondary"
+    });
+    primary.set_state("primary");
+    primary.wait_vr("the primary Promoted with a lastSyncTime", |s| {
+        s.completed("Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
+    });
+    assert_eq!(
+        primary.condition("PointInTime").0,
+        "True",
+        "{}",
+        primary.vr()["status"]
+    );
+}
+
 /// Two clusters with mover installed, `app/data` replicating from `a` (primary, its
 /// node 1) to `b` (secondary, its node 2), the first cycle on the replica; the clusters
 /// by (name, index).
@@ -255,23 +274,9 @@ fn replicating_pair(a: (&str, u8), b: (&str, u8)) -> Option<(Site, Site)> {
     east.class_to(&west, &west_locator);
     west.class_to(&east, &east_locator);
 
-    // RamenDR's order: the secondary first, then the primary.
-    west.set_state("secondary");
-    west.wait_vr("the secondary VR Secondary", |s| {
-        s.vr()["status"]["state"] == "Secondary"
-    });
-    east.set_state("primary");
-    east.wait_vr("the primary Promoted with a lastSyncTime", |s| {
-        s.completed("Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
-    });
     // An image file on XFS with no writer holding it: each cycle is a reflink clone of
     // one instant.
-    assert_eq!(
-        east.condition("PointInTime").0,
-        "True",
-        "{}",
-        east.vr()["status"]
-    );
+    start_replicating(&east, &west);
     in_sync(&east, &west, "the first cycle on the replica");
     Some((east, west))
 }
@@ -372,7 +377,7 @@ fn readme_step_8_the_operators_view(s: &Site) {
         "{columns}"
     );
     assert!(columns.contains("Primary"), "{columns}");
-    let minted = s.c.dir.join("operator");
+    let minted = s.c.dir().join("operator");
     let mover = |args: &[&str]| {
         std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
             .args(args)
@@ -434,14 +439,8 @@ fn a_pod_reads_one_cycle_of_the_replica_while_replication_goes_on(east: &Site, w
     let held = sha256_of(&west.image());
     // 256 KiB/s: the fill is far from done when the next cycle lands; the pod's reads
     // fetch what they need at once.
-    west.c.apply(
-        r#"apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata:
-  name: mover-populated
-provisioner: csi.replication.mover
-volumeBindingMode: WaitForFirstConsumer
----
+    west.c.apply(&format!(
+        r#"{}---
 apiVersion: replication.mover/v1alpha1
 kind: HydrationSource
 metadata:
@@ -468,7 +467,8 @@ spec:
     kind: HydrationSource
     name: replica-copy
 "#,
-    );
+        common::POPULATED_STORAGE_CLASS
+    ));
     // The pod waits for a word from the test (through `kubectl exec`, which the API
     // server passes to its kubelet) before it reads.
     west.c.apply(
@@ -691,17 +691,11 @@ fn on_real_nodes_a_stateful_sets_volumes_move_to_another_node_with_its_pods() {
         local_block_device(&c, &format!("db{n}"));
     }
     c.kubectl_ok(&["create", "namespace", "app"]);
-    let mut yaml = String::from(
-        r#"apiVersion: storage.k8s.io/v1
+    let mut yaml = format!("{}---\n", common::POPULATED_STORAGE_CLASS);
+    yaml += r#"apiVersion: storage.k8s.io/v1
 kind: StorageClass
 metadata: {name: local}
 provisioner: kubernetes.io/no-provisioner
-volumeBindingMode: WaitForFirstConsumer
----
-apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata: {name: mover-populated}
-provisioner: csi.replication.mover
 volumeBindingMode: WaitForFirstConsumer
 ---
 apiVersion: apps/v1
@@ -728,8 +722,7 @@ spec:
       volumeMode: Block
       storageClassName: local
       resources: {requests: {storage: 64Mi}}
-"#,
-    );
+"#;
     for n in 0..2 {
         yaml += &format!(
             r#"---
@@ -954,20 +947,7 @@ spec:
     preSnapshotHook: '["/bin/sh", "-c", "date +hook-%s | dd of=/dev/vol bs=512 seek=32768 conv=notrunc,fsync 2>/dev/null"]'
 "#,
     );
-    west.set_state("secondary");
-    west.wait_vr("the secondary VR Secondary", |s| {
-        s.vr()["status"]["state"] == "Secondary"
-    });
-    east.set_state("primary");
-    east.wait_vr("the primary Promoted with a lastSyncTime", |s| {
-        s.completed("Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
-    });
-    assert_eq!(
-        east.condition("PointInTime").0,
-        "True",
-        "{}",
-        east.vr()["status"]
-    );
+    start_replicating(&east, &west);
     let stamped = |path: &std::path::Path| {
         let mut b = vec![0u8; 5];
         std::os::unix::fs::FileExt::read_exact_at(

@@ -22,6 +22,10 @@ use std::{
 
 pub const MIB: u64 = 1 << 20;
 
+/// mover's populated StorageClass (its CSI driver; a PVC is bound where its first pod
+/// runs) as every Kubernetes test names it, a YAML document.
+pub const POPULATED_STORAGE_CLASS: &str = "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: mover-populated\nprovisioner: csi.replication.mover\nvolumeBindingMode: WaitForFirstConsumer\n";
+
 /// A test's prerequisite (root, a tool, a kernel feature) is missing: under `CI=true`
 /// the test fails (`.ci/run` installs and allows everything the tests need), elsewhere
 /// it says so and the caller returns. Call as `if !have { return skip_unless_ci(..) }`.

@@ -17,8 +17,7 @@ pub struct RealCluster {
     pub index: u8,
     pub nodes: u8,
     pub bin: PathBuf,
-    /// The cluster's directory (logs under `log/`, each node under `nodes/NAME-N`).
-    pub dir: PathBuf,
+    /// The admin kubeconfig, in the cluster's directory.
     pub kubeconfig: PathBuf,
 }
 
@@ -72,10 +71,6 @@ impl RealCluster {
             name: name.into(),
             index,
             nodes,
-            dir: PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-                .parent()
-                .map(Path::to_path_buf)
-                .unwrap_or_default(),
             kubeconfig: PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()),
             bin: bin.clone(),
         };
@@ -115,9 +110,15 @@ impl RealCluster {
         format!("10.250.{}.{n}", self.index)
     }
 
+    /// The cluster's directory (logs under `log/`, each node under `nodes/NAME-N`):
+    /// where `cluster.sh up` wrote the kubeconfig it printed.
+    pub fn dir(&self) -> &Path {
+        self.kubeconfig.parent().unwrap_or(Path::new(""))
+    }
+
     /// Node `n`'s /mnt/disks as the host sees it.
     pub fn disks(&self, n: u8) -> PathBuf {
-        self.dir.join("nodes").join(self.node(n)).join("disks")
+        self.dir().join("nodes").join(self.node(n)).join("disks")
     }
 
     pub fn kubectl(&self, args: &[&str]) -> Output {
