@@ -15,6 +15,9 @@
 #   cluster.sh import NAME ARCHIVE...  # load OCI image archives into every node's containerd
 #   cluster.sh stop NAME               # kill all its processes (a site losing power), keep its state
 #   cluster.sh start NAME              # start a stopped cluster again over its state
+#   cluster.sh apiserver NAME stop|start   # kill its API server (SIGKILL) / start it again
+#   cluster.sh node NAME N stop|start  # one node losing power (every process of it
+#                                      # SIGKILLed, its disks kept) / coming back
 #   cluster.sh down NAME               # stop it and remove everything it made
 #   cluster.sh env NAME                # print KUBECONFIG=... for a shell
 #
@@ -117,6 +120,23 @@ start_control_plane() {
     --listen-peer-urls "http://127.0.0.1:$((etcd_port + 1))" \
     --initial-advertise-peer-urls "http://127.0.0.1:$((etcd_port + 1))" \
     --initial-cluster "default=http://127.0.0.1:$((etcd_port + 1))"
+  start_apiserver
+  spawn kube-controller-manager "$bin/kube-controller-manager" \
+    --kubeconfig "$dir/controller-manager.kubeconfig" --leader-elect=false --secure-port=0 \
+    --use-service-account-credentials \
+    --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" --v=1
+  spawn kube-scheduler "$bin/kube-scheduler" --kubeconfig "$dir/scheduler.kubeconfig" \
+    --leader-elect=false --secure-port=0 --v=1
+  wait_for "the default service account" 60 kubectl_ get serviceaccount default -n default
+}
+
+# The API server, until it is ready. Its audit log ($dir/log/audit.log) records what
+# service accounts do (verb, object, answer): the tests check the controller's RBAC and
+# its writes by it.
+start_apiserver() {
+  printf '%s\n' 'apiVersion: audit.k8s.io/v1' 'kind: Policy' 'omitStages: [RequestReceived]' \
+    'rules:' '- level: Metadata' '  userGroups: ["system:serviceaccounts"]' '- level: None' \
+    > "$dir/audit-policy.yaml"
   spawn kube-apiserver "$bin/kube-apiserver" --etcd-servers "http://127.0.0.1:$etcd_port" \
     --bind-address "$gateway" --advertise-address "$gateway" --secure-port "$api_port" \
     --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
@@ -127,15 +147,9 @@ start_control_plane() {
     --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
     --service-cluster-ip-range 10.96.0.0/16 --service-node-port-range 30000-32767 \
     --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction \
+    --audit-policy-file "$dir/audit-policy.yaml" --audit-log-path "$dir/log/audit.log" \
     --allow-privileged=true --profiling=false --v=1
   wait_for kube-apiserver 90 kubectl_ get --raw /readyz
-  spawn kube-controller-manager "$bin/kube-controller-manager" \
-    --kubeconfig "$dir/controller-manager.kubeconfig" --leader-elect=false --secure-port=0 \
-    --use-service-account-credentials \
-    --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" --v=1
-  spawn kube-scheduler "$bin/kube-scheduler" --kubeconfig "$dir/scheduler.kubeconfig" \
-    --leader-elect=false --secure-port=0 --v=1
-  wait_for "the default service account" 60 kubectl_ get serviceaccount default -n default
 }
 
 # --- a node -----------------------------------------------------------------------------
@@ -299,9 +313,11 @@ up() {
 # nodes_ready COUNT: waits until each node is Ready.
 nodes_ready() {
   local n
-  for ((n = 1; n <= $1; n++)); do
-    wait_for "node $name-$n Ready" 120 sh -c "'$bin/kubectl' --kubeconfig '$dir/admin.kubeconfig' get node '$name-$n' -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
-  done
+  for ((n = 1; n <= $1; n++)); do node_ready "$n"; done
+}
+
+node_ready() {
+  wait_for "node $name-$1 Ready" 120 sh -c "'$bin/kubectl' --kubeconfig '$dir/admin.kubeconfig' get node '$name-$1' -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
 }
 
 # The cluster NAME's settings, from what up wrote.
@@ -333,19 +349,56 @@ start() {
 # and every container (by the node's cgroups; shims and containers outlive their
 # containerd).
 kill_all() {
-  local pid nd node h
+  local pid nd
   for pid in "$dir"/pid/*; do [ -f "$pid" ] && kill -9 "$(cat "$pid")" 2>/dev/null || true; done
   for nd in "$dir"/nodes/*/; do
-    [ -d "$nd" ] || continue
-    node="$(basename "$nd")"
-    for h in /sys/fs/cgroup/*/"mover-$node"; do
-      [ -d "$h" ] || continue
-      find "$h" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-    done
-    ip netns pids "mover-$node" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    [ -d "$nd" ] && kill_node_processes "$(basename "$nd")"
   done
   rm -f "$dir"/pid/*
   sleep 0.5
+}
+
+# kill_node_processes NODE: every process in NODE's cgroups and network namespace.
+kill_node_processes() {
+  local node="$1" h
+  for h in /sys/fs/cgroup/*/"mover-$node"; do
+    [ -d "$h" ] || continue
+    find "$h" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+  done
+  ip netns pids "mover-$node" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+}
+
+# apiserver NAME stop|start
+apiserver() {
+  [ $# -eq 2 ] || die "usage: cluster.sh apiserver NAME stop|start"
+  load "$1"
+  case "$2" in
+    stop) kill -9 "$(cat "$dir/pid/kube-apiserver")" 2>/dev/null || true; rm -f "$dir/pid/kube-apiserver" ;;
+    start) start_apiserver ;;
+    *) die "apiserver NAME stop|start, not '$2'" ;;
+  esac
+}
+
+# node NAME N stop|start: node N's kubelet, containerd, kube-proxy and containers killed
+# (SIGKILL) as a node losing power, its disks and directories kept / started again
+# until it is Ready (the kubelet then starts its pods again).
+node_power() {
+  [ $# -eq 3 ] || die "usage: cluster.sh node NAME N stop|start"
+  load "$1"
+  local n="$2" what
+  [ -d "$dir/nodes/$name-$n" ] || die "cluster $name has no node $n"
+  case "$3" in
+    stop)
+      for what in containerd kubelet kube-proxy; do
+        kill -9 "$(cat "$dir/pid/$what-$n" 2>/dev/null)" 2>/dev/null || true
+        rm -f "$dir/pid/$what-$n"
+      done
+      kill_node_processes "$name-$n" ;;
+    start)
+      start_node "$n"
+      node_ready "$n" ;;
+    *) die "node NAME N stop|start, not '$3'" ;;
+  esac
 }
 
 import() {
@@ -396,6 +449,8 @@ case "${1:-}" in
   down) shift; down "$@" ;;
   stop) shift; stop "$@" ;;
   start) shift; start "$@" ;;
+  apiserver) shift; apiserver "$@" ;;
+  node) shift; node_power "$@" ;;
   env) echo "KUBECONFIG=$top/$2/admin.kubeconfig" ;;
-  *) die "usage: cluster.sh up NAME INDEX NODES | import NAME ARCHIVE... | stop NAME | start NAME | down NAME | env NAME" ;;
+  *) die "usage: cluster.sh up NAME INDEX NODES | import NAME ARCHIVE... | stop NAME | start NAME | apiserver NAME stop|start | node NAME N stop|start | down NAME | env NAME" ;;
 esac

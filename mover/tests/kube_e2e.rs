@@ -906,11 +906,8 @@ spec:
 
     /// The first node's agent's /metrics.
     fn metrics(&self) -> String {
-        let url = format!(
-            "http://{}:{}/metrics",
-            self.agents[0].ip, self.agents[0].metrics_port
-        );
-        http_get(&url)
+        let addr = format!("{}:{}", self.agents[0].ip, self.agents[0].metrics_port);
+        common::http_get(&addr, "/metrics")
     }
 
     /// The bytes the first node's agent shipped for the relationship (its series is
@@ -935,21 +932,6 @@ fn condition_in(vr: &Value, ty: &str) -> Value {
         .find(|c| c["type"] == ty)
         .cloned()
         .unwrap_or(Value::Null)
-}
-
-fn http_get(url: &str) -> String {
-    use std::io::{Read, Write};
-    let rest = url.strip_prefix("http://").unwrap();
-    let (host, path) = rest.split_once('/').unwrap();
-    let mut s = std::net::TcpStream::connect(host).unwrap();
-    write!(
-        s,
-        "GET /{path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
 }
 
 fn completed(s: &Site, reason: &str) -> bool {

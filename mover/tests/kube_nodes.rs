@@ -233,7 +233,63 @@ spec:
     fn wait_vr(&self, what: &str, check: impl Fn(&Site) -> bool) {
         self.c.wait(what, WAIT, || check(self));
     }
+
+    /// The bytes the agent of the volume's node shipped for the relationship, from its
+    /// /metrics on the node's address (the series is labelled with the current role:
+    /// summed over both).
+    fn shipped(&self) -> u64 {
+        let addr = format!("{}:9470", self.c.node_ip(self.on));
+        let series = "mover_replication_bytes_shipped_total{relationship=\"app/data\",";
+        common::http_get(&addr, "/metrics")
+            .lines()
+            .filter(|l| l.starts_with(series))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    }
+
+    /// No request of this cluster's controllers was forbidden by their RBAC (the API
+    /// server's audit log of the mover-controller ServiceAccount).
+    fn assert_nothing_forbidden(&self) {
+        let events = self.c.audit(CONTROLLER_USER);
+        assert!(
+            events.len() > 10,
+            "the audit log has the controller's requests"
+        );
+        let denied: Vec<_> = events
+            .iter()
+            .filter(|e| e["responseStatus"]["code"] == 403)
+            .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
+            .collect();
+        assert!(denied.is_empty(), "forbidden: {denied:#?}");
+    }
+
+    /// The agent of node `n`'s URL, by the name its certificate carries.
+    fn agent_url(&self, n: u8) -> String {
+        format!("agent://{}@{}:7070", self.c.node(n), self.c.node_ip(n))
+    }
+
+    /// The cluster's mover CA (secret mover-ca) in a file; (its path, the CA's key).
+    fn ca(&self) -> (std::path::PathBuf, String) {
+        let field = |k: &str| {
+            self.c.kubectl_ok(&[
+                "-n",
+                "mover-system",
+                "get",
+                "secret",
+                "mover-ca",
+                "-o",
+                &format!("go-template={{{{index .data \"{k}\" | base64decode}}}}"),
+            ])
+        };
+        let path = self.c.dir().join("mover-ca.crt");
+        std::fs::write(&path, field("ca.crt")).unwrap();
+        (path, field("ca.key"))
+    }
 }
+
+const AGENTS: &str = "app.kubernetes.io/name=mover-agent";
+const CONTROLLERS: &str = "app.kubernetes.io/name=mover-controller";
+const CONTROLLER_USER: &str = "system:serviceaccount:mover-system:mover-controller";
 
 /// Waits until `b`'s image equals `a`'s as it is now.
 fn in_sync(a: &Site, b: &Site, what: &str) {
@@ -351,8 +407,10 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
         "the promotion raised the epoch"
     );
 
-    // Failback: west's writes reach east, then the roles swap back.
-    scribble_pages(&west.image(), 5, 25, 0..VOLUME_LEN);
+    // Failback by delta: west's writes reach east, exactly the pages written, then the
+    // roles swap back.
+    let shipped_before = west.shipped();
+    let pages = scribble_pages(&west.image(), 5, 25, 0..VOLUME_LEN);
     in_sync(&west, &east, "west's writes on east");
     west.set_state("secondary");
     west.wait_vr("west demoted", |s| s.completed("Demoted"));
@@ -362,7 +420,17 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
         blake3_of(&east.image(), VOLUME_LEN),
         blake3_of(&west.image(), VOLUME_LEN)
     );
+    let shipped = west.shipped() - shipped_before;
+    assert!(
+        shipped >= pages * 4096 && shipped <= pages * 4096 * 2,
+        "west shipped {shipped} bytes for {pages} pages written: by delta"
+    );
     readme_step_8_the_operators_view(&east);
+    // Every request the controllers made was allowed by their RBAC.
+    for s in [&east, &west] {
+        s.assert_nothing_forbidden();
+    }
+    refusals_of_the_default_install(&east, &west);
 }
 
 /// README install step 8: `kubectl get vr` shows the state, the last sync and the RPO;
@@ -514,6 +582,35 @@ spec:
     );
     west.c
         .kubectl_ok(&["delete", "pod", "reader", "-n", "app", "--wait"]);
+    // The pod read everything: the fill is complete and the replica's hold released,
+    // having kept what the next cycle overwrote.
+    let holds = west
+        .c
+        .dir()
+        .join(format!("nodes/{}/mover/holds", west.c.node(west.on)));
+    west.c.wait("the replica's hold released", WAIT, || {
+        std::fs::read_dir(&holds).map_or(0, |d| d.count()) == 0
+    });
+    let log = west.c.logs(AGENTS);
+    assert!(
+        log.lines()
+            .any(|l| l.contains("hold released by its reader") && !l.contains("kept=0")),
+        "the hold kept what the next cycle overwrote, and was released:\n{log}"
+    );
+    // A VolumeReplication that is primary here is no replica to populate from.
+    east.c.apply(&format!(
+        "{}---\napiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: primary-copy\n  namespace: app\nspec:\n  volumeReplication: data\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: primary-copy\n  namespace: app\nspec:\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: mover-populated\n  resources:\n    requests:\n      storage: 64Mi\n  dataSourceRef:\n    apiGroup: replication.mover\n    kind: HydrationSource\n    name: primary-copy\n",
+        common::POPULATED_STORAGE_CLASS
+    ));
+    east.c.wait(
+        "the controller refusing a primary as a replica",
+        WAIT,
+        || {
+            east.c.logs(CONTROLLERS).lines().any(|l| {
+                l.contains("app/primary-copy") && l.contains("its volume is the one in use")
+            })
+        },
+    );
 }
 
 /// A local PV of node 1 of `c`: the directory `/mnt/disks/DIR`, a file system.
@@ -1074,4 +1171,418 @@ fn on_real_nodes_a_forced_failover_with_the_primary_cluster_gone_then_its_return
     south.wait_vr("south replicating again", |s| {
         s.condition("Replicating").0 == "True"
     });
+}
+
+/// The default install's agents answer only TLS, checked by name against their
+/// cluster's mover CA, and refuse a wrong CA, a wrong name, an expired certificate of
+/// the right CA, a peer cluster's replication token on the control API, and a peer
+/// reading an export for another relationship; none of them writes anything.
+fn refusals_of_the_default_install(a: &Site, b: &Site) {
+    let url = a.agent_url(a.on);
+    let (ca, ca_key) = a.ca();
+    let (other_ca, _) = b.ca();
+    let ca = ca.to_str().unwrap();
+    let mover = |args: &[&str], token: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(args)
+            .env("MOVER_TOKEN", token)
+            .output()
+            .unwrap();
+        match out.status.success() {
+            true => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+            false => Err(String::from_utf8_lossy(&out.stderr).into_owned()),
+        }
+    };
+    let status = |url: &str, tls: &[&str], token: &str| {
+        let mut args = vec!["replicate", "status", "app/data", "--json", "--agent", url];
+        args.extend_from_slice(tls);
+        mover(&args, token)
+    };
+    // Plaintext: no answer.
+    let plain = format!("agent://{}:7070", a.c.node_ip(a.on));
+    let e = status(&plain, &[], "").unwrap_err();
+    assert!(
+        !e.contains("\"role\""),
+        "a plaintext client was answered: {e}"
+    );
+    // The peer cluster's CA does not vouch for this cluster's agents.
+    let e = status(&url, &["--tls-ca", other_ca.to_str().unwrap()], "").unwrap_err();
+    assert!(
+        e.contains("UnknownIssuer") && e.contains("not accepted"),
+        "wrong CA: {e}"
+    );
+    // The certificate of this node is not the other node's.
+    let other = 3 - a.on;
+    let wrong_name = format!("agent://{}@{}:7070", a.c.node(other), a.c.node_ip(a.on));
+    let e = status(&wrong_name, &["--tls-ca", ca], "").unwrap_err();
+    assert!(
+        e.contains(&format!("not valid for name \"{}\"", a.c.node(other))),
+        "wrong name: {e}"
+    );
+    // An expired certificate of the right CA: refused.
+    let ca_crt = std::fs::read_to_string(ca).unwrap();
+    let issuer =
+        rcgen::Issuer::from_ca_cert_pem(&ca_crt, rcgen::KeyPair::from_pem(&ca_key).unwrap())
+            .unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.subject_alt_names.push(rcgen::SanType::URI(
+        transport::auth::CONTROLLER_URI.try_into().unwrap(),
+    ));
+    p.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    p.not_after = rcgen::date_time_ymd(2021, 1, 1);
+    let cert = p.signed_by(&key, &issuer).unwrap();
+    let dir = a.c.dir().join("expired");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (crt, key_file) = (dir.join("tls.crt"), dir.join("tls.key"));
+    std::fs::write(&crt, cert.pem()).unwrap();
+    std::fs::write(&key_file, key.serialize_pem()).unwrap();
+    let expired = [
+        "--tls-ca",
+        ca,
+        "--tls-cert",
+        crt.to_str().unwrap(),
+        "--tls-key",
+        key_file.to_str().unwrap(),
+    ];
+    let e = status(&url, &expired, "").unwrap_err();
+    assert!(
+        !e.contains("\"role\""),
+        "an expired certificate was answered: {e}"
+    );
+    // This cluster's replication token (what its peer holds) may not register an
+    // export, and nothing is registered.
+    let exports =
+        a.c.dir()
+            .join(format!("nodes/{}/mover/exports.json", a.c.node(a.on)));
+    let before = std::fs::read_to_string(&exports).unwrap();
+    let token = format!("replication-token-of-{}", a.c.name);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let peer = mover::controller::agents::GrpcAgents::new(mover::remote::ConnectOptions {
+        token: Some(token.clone()),
+        tls_ca: Some(ca.into()),
+        tls_server_name: Some(a.c.node(a.on)),
+        ..Default::default()
+    });
+    let e = rt
+        .block_on(mover::controller::agents::Agents::export(
+            &peer,
+            &format!("{}:7070", a.c.node_ip(a.on)),
+            "stolen",
+            "/etc",
+            false,
+            "app/data",
+        ))
+        .unwrap_err();
+    assert_eq!(e.code, tonic::Code::PermissionDenied, "{e}");
+    assert!(e.message.contains("may not call export"), "{e}");
+    assert_eq!(std::fs::read_to_string(&exports).unwrap(), before);
+    // A peer may read the PV only for the relationship it is registered for.
+    let dest = a.c.dir().join("stolen.img");
+    let source = format!("{url}/pv-data");
+    let e = mover(
+        &[
+            "copy",
+            &source,
+            dest.to_str().unwrap(),
+            "--relationship",
+            "other",
+            "--tls-ca",
+            ca,
+        ],
+        &token,
+    )
+    .unwrap_err();
+    assert!(
+        e.contains("only to the relationship it was registered for"),
+        "{e}"
+    );
+    assert!(!dest.exists(), "a refused copy left {}", dest.display());
+}
+
+/// The pod holding the controllers' Lease.
+fn leader(s: &Site) -> String {
+    s.c.get(
+        &["lease/mover-controller", "-n", "mover-system"],
+        "{.spec.holderIdentity}",
+    )
+}
+
+/// The controller pods that are not being deleted, by name.
+fn controller_pods(s: &Site) -> Vec<String> {
+    let list: Value = serde_json::from_str(&s.c.kubectl_ok(&[
+        "get",
+        "pods",
+        "-n",
+        "mover-system",
+        "-l",
+        CONTROLLERS,
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    list["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .filter_map(|p| p["metadata"]["name"].as_str().map(String::from))
+        .collect()
+}
+
+/// The controller pod not holding the Lease (the install runs two).
+fn standby_of(s: &Site) -> String {
+    let leading = leader(s);
+    controller_pods(s)
+        .into_iter()
+        .find(|p| *p != leading)
+        .expect("a second controller replica")
+}
+
+/// The VolumeReplication's conditions as (type, status, reason, lastTransitionTime).
+fn conditions(s: &Site) -> Vec<(String, String, String, String)> {
+    let vr = s.vr();
+    let mut all: Vec<_> = vr["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| {
+            let f = |k: &str| c[k].as_str().unwrap_or("").to_string();
+            (f("type"), f("status"), f("reason"), f("lastTransitionTime"))
+        })
+        .collect();
+    all.sort();
+    all
+}
+
+/// The host's process id of `mover ARG…` in pod `pod` (its HOSTNAME): containers are
+/// processes of this machine.
+fn process_of_pod(pod: &str, arg: &str) -> Option<i32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        let environ = std::fs::read(e.path().join("environ")).ok()?;
+        let has = |hay: &[u8], needle: &str| hay.split(|b| *b == 0).any(|w| w == needle.as_bytes());
+        (has(&cmdline, arg) && has(&environ, &format!("HOSTNAME={pod}"))).then_some(pid)
+    })
+}
+
+/// The relationship's record in the state of `s`'s agent on node `n`, as the host sees it.
+fn relationship_record(s: &Site, n: u8) -> std::path::PathBuf {
+    s.c.dir().join(format!(
+        "nodes/{}/mover/relationships/{}.json",
+        s.c.node(n),
+        &blake3::hash(b"app/data").to_hex()[..32]
+    ))
+}
+
+#[test]
+fn on_real_nodes_the_controller_outlives_its_leaders_death_an_api_server_restart_and_nodes_down() {
+    let _one = serial();
+    let Some((alpha, beta)) = replicating_pair(("alpha", 7), ("beta", 8)) else {
+        return;
+    };
+    // The install runs two controller replicas, one per node: one leads, one waits.
+    let pods = alpha.c.get(
+        &["pods", "-n", "mover-system", "-l", CONTROLLERS],
+        "{.items[*].spec.nodeName}",
+    );
+    let nodes: std::collections::BTreeSet<_> = pods.split_whitespace().collect();
+    assert_eq!(nodes.len(), 2, "the replicas share a node: {nodes:?}");
+    let leading = leader(&alpha);
+    let log = alpha
+        .c
+        .kubectl_ok(&["logs", "-n", "mover-system", &standby_of(&alpha)]);
+    assert!(log.contains("waiting for the leader lease"), "{log}");
+    let before = conditions(&alpha);
+
+    // kill -9 the leader's process. The kubelet starts its container again at once, and
+    // the pod, the Lease's holder by name, leads again without waiting for the Lease to
+    // run out; a standby would have waited for that (15 s, the install's default).
+    let pid = process_of_pod(&leading, "controller").expect("the leader's process");
+    let killed = std::time::Instant::now();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    alpha.c.wait(
+        "a controller leading again",
+        Duration::from_secs(40),
+        || {
+            let now = leader(&alpha);
+            process_of_pod(&now, "controller").is_some_and(|p| p != pid)
+                && alpha
+                    .c
+                    .kubectl(&["logs", "-n", "mover-system", &now])
+                    .stdout
+                    .windows(b"holding the leader lease".len())
+                    .any(|w| w == b"holding the leader lease")
+        },
+    );
+    let back = killed.elapsed();
+    eprintln!(
+        "a controller leads {:.1} s after kill -9 of the leader ({} now)",
+        back.as_secs_f64(),
+        leader(&alpha)
+    );
+    assert!(back <= Duration::from_secs(15 + 5), "{back:?}");
+    let sync = alpha.vr()["status"]["lastSyncTime"].clone();
+    scribble_pages(&alpha.image(), 9, 10, 0..VOLUME_LEN);
+    alpha.wait_vr("lastSyncTime to advance under the new leader", |s| {
+        s.vr()["status"]["lastSyncTime"] != sync
+    });
+    in_sync(
+        &alpha,
+        &beta,
+        "the writes on the replica under the new leader",
+    );
+    assert_eq!(
+        conditions(&alpha),
+        before,
+        "the conditions moved across the kill"
+    );
+
+    // The API server restarts (SIGKILL) while cycles run: the watches resume and the
+    // status keeps up, with no more writes than cycles.
+    let writes = |s: &Site| {
+        s.c.audit(CONTROLLER_USER)
+            .iter()
+            .filter(|e| e["verb"] == "patch" && e["objectRef"]["subresource"] == "status")
+            .count()
+    };
+    let writes_before = writes(&alpha);
+    alpha.c.apiserver("stop");
+    std::thread::sleep(Duration::from_secs(3));
+    alpha.c.apiserver("start");
+    let restarted = std::time::Instant::now();
+    let sync = alpha.vr()["status"]["lastSyncTime"].clone();
+    scribble_pages(&alpha.image(), 10, 10, 0..VOLUME_LEN);
+    alpha.wait_vr(
+        "lastSyncTime to advance after the API server restart",
+        |s| s.vr()["status"]["lastSyncTime"] != sync,
+    );
+    std::thread::sleep(Duration::from_secs(4));
+    let cycles = restarted.elapsed().as_secs() / 2 + 2;
+    let written = writes(&alpha) - writes_before;
+    assert!(
+        written as u64 <= cycles,
+        "{written} status writes for about {cycles} cycles after the restart"
+    );
+    assert_eq!(
+        conditions(&alpha),
+        before,
+        "the conditions moved across the restart"
+    );
+
+    // The leader's node loses power, with the primary's volume on it: the standby takes
+    // over once the Lease runs out. (The leader is moved there first if it is not: its
+    // pod deleted, as a rolling update does, the standby there takes over.)
+    while alpha.c.get(
+        &["pod", &leader(&alpha), "-n", "mover-system"],
+        "{.spec.nodeName}",
+    ) != alpha.c.node(alpha.on)
+    {
+        let was = leader(&alpha);
+        alpha
+            .c
+            .kubectl_ok(&["delete", "pod", "-n", "mover-system", &was, "--wait=false"]);
+        alpha
+            .c
+            .wait("another pod leading", Duration::from_secs(60), || {
+                let now = leader(&alpha);
+                now != was && process_of_pod(&now, "controller").is_some()
+            });
+    }
+    alpha.c.wait("two controller replicas Ready", WAIT, || {
+        controller_pods(&alpha).len() == 2
+            && alpha.c.get(
+                &["deploy/mover-controller", "-n", "mover-system"],
+                "{.status.readyReplicas}",
+            ) == "2"
+    });
+    let standby = standby_of(&alpha);
+    // beta's secondary loses its node at the same time. Then alpha's VolumeReplication
+    // is deleted, and beta's namespace with its own in it. Each deletion finishes after
+    // the grace (60 s, the install's default), a Warning event naming what was left.
+    alpha.c.node_power(alpha.on, "stop");
+    beta.c.node_power(beta.on, "stop");
+    let lost = std::time::Instant::now();
+    alpha.c.wait(
+        "the standby holding the Lease",
+        Duration::from_secs(40),
+        || leader(&alpha) == standby,
+    );
+    let takeover = lost.elapsed();
+    eprintln!(
+        "the standby leads {:.1} s after the leader's node lost power",
+        takeover.as_secs_f64()
+    );
+    assert!(takeover <= Duration::from_secs(15 + 5), "{takeover:?}");
+    let asked = std::time::Instant::now();
+    alpha
+        .c
+        .kubectl_ok(&["delete", "vr", "-n", "app", "data", "--wait=false"]);
+    beta.c
+        .kubectl_ok(&["delete", "namespace", "app", "--wait=false"]);
+    let bound = Duration::from_secs(60 + 15 + 30);
+    alpha.c.wait("the VolumeReplication deleted", bound, || {
+        alpha.vr().is_null()
+    });
+    eprintln!(
+        "deletion with the volume's node down: {:.1} s",
+        asked.elapsed().as_secs_f64()
+    );
+    let events = alpha.c.kubectl_ok(&[
+        "get",
+        "events",
+        "-n",
+        "app",
+        "--field-selector",
+        "reason=LeftOnAgent",
+        "-o",
+        "json",
+    ]);
+    assert!(
+        events.contains("relationship app/data") && events.contains("Warning"),
+        "a Warning event names what was left: {events}"
+    );
+    beta.c.wait("namespace app deleted", bound, || {
+        !beta
+            .c
+            .kubectl(&["get", "namespace", "app"])
+            .status
+            .success()
+    });
+    eprintln!(
+        "namespace deletion with the volume's node down: {:.1} s",
+        asked.elapsed().as_secs_f64()
+    );
+
+    // The nodes come back: the kubelets start the agents again and the leaders remove
+    // what was left on them, and only that.
+    for s in [&alpha, &beta] {
+        let record = relationship_record(s, s.on);
+        assert!(
+            record.exists(),
+            "the relationship was left: {}",
+            record.display()
+        );
+        s.c.node_power(s.on, "start");
+    }
+    for s in [&alpha, &beta] {
+        let record = relationship_record(s, s.on);
+        s.c.wait("the leftover removed", Duration::from_secs(120), || {
+            !record.exists()
+        });
+        let left = s.c.get(
+            &["configmap/mover-controller-leftovers", "-n", "mover-system"],
+            "{.data}",
+        );
+        assert!(
+            left.is_empty() || left == "{}",
+            "the record is emptied: {left}"
+        );
+        assert!(s.image().exists(), "the volume itself is kept");
+    }
 }

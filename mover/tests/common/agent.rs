@@ -1,7 +1,6 @@
 //! A real `mover agent` process for the tests, and `mover copy` with its token.
 
 use std::{
-    io::{Read, Write},
     net::{TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command},
@@ -183,18 +182,7 @@ impl Agent {
 
     /// GET `path` from the agent's metrics port; returns the body.
     pub fn http_get(&self, path: &str) -> String {
-        let mut s = TcpStream::connect(("127.0.0.1", self.metrics_port)).unwrap();
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
-        out.split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default()
+        super::http_get(&format!("127.0.0.1:{}", self.metrics_port), path)
     }
 
     /// kill -9, then start again on the same port and config.

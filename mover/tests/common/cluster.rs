@@ -312,12 +312,17 @@ impl Cluster {
     /// The audit log's completed requests made by `user` (e.g.
     /// `system:serviceaccount:mover-system:mover-controller`).
     pub fn audit(&self, user: &str) -> Vec<serde_json::Value> {
-        let text = std::fs::read_to_string(self.dir.join("audit.log")).unwrap_or_default();
-        text.lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|e| e["user"]["username"] == user && e["stage"] == "ResponseComplete")
-            .collect()
+        audit_of(&self.dir.join("audit.log"), user)
     }
+}
+
+/// The completed requests made by `user` in the API server's audit log at `path`.
+pub fn audit_of(path: &Path, user: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["user"]["username"] == user && e["stage"] == "ResponseComplete")
+        .collect()
 }
 
 enum User<'a> {

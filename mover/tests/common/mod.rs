@@ -75,6 +75,23 @@ pub fn scribble_pages(path: &Path, seed: u64, count: u64, within: std::ops::Rang
     chosen.len() as u64
 }
 
+/// GET `path` from the HTTP server at `addr` (HOST:PORT); the body of its 200 answer.
+pub fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "GET {addr}{path}: {out}");
+    out.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
 /// BLAKE3 of the first `len` bytes of a file or device.
 pub fn blake3_of(path: &Path, len: u64) -> String {
     use std::io::Read;

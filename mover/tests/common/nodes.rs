@@ -286,6 +286,27 @@ impl RealCluster {
         assert!(out.status.success(), "cluster.sh start: {out:?}");
     }
 
+    /// Kills the API server (SIGKILL) or starts it again until ready (`cluster.sh
+    /// apiserver NAME stop|start`).
+    pub fn apiserver(&self, what: &str) {
+        let out = script(&self.bin, &["apiserver", &self.name, what]);
+        assert!(out.status.success(), "cluster.sh apiserver {what}: {out:?}");
+    }
+
+    /// Node `n` loses power (`"stop"`: its kubelet, containerd, kube-proxy and every
+    /// container SIGKILLed; its disks kept) or comes back until Ready (`"start"`).
+    pub fn node_power(&self, n: u8, what: &str) {
+        let out = script(&self.bin, &["node", &self.name, &n.to_string(), what]);
+        assert!(out.status.success(), "cluster.sh node {n} {what}: {out:?}");
+    }
+
+    /// The audit log's completed requests made by `user` (e.g.
+    /// `system:serviceaccount:mover-system:mover-controller`): cluster.sh audits what
+    /// service accounts do.
+    pub fn audit(&self, user: &str) -> Vec<serde_json::Value> {
+        super::cluster::audit_of(&self.dir().join("log/audit.log"), user)
+    }
+
     /// The mover pods' logs (every container, the previous run's too where one restarted).
     pub fn logs(&self, selector: &str) -> String {
         let out = self.kubectl(&[
