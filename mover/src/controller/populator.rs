@@ -114,6 +114,13 @@ pub async fn reconcile(
             PopulateError::Invalid(format!("PVC {ns}/{name}: no StorageClass {class:?}"))
         })?;
     let hs = hydration_source(&ctx, &ns, &name, &source).await?;
+    // A VolumeReplication that is no replica here never will be one for this PVC: said
+    // now, not once a pod of it is scheduled.
+    if let Some(vr) = &hs.spec.volume_replication {
+        secondary_here(&ctx, &ns, vr)
+            .await
+            .map_err(|e| PopulateError::Invalid(format!("HydrationSource {ns}/{source}: {e}")))?;
+    }
     if sc.provisioner != crate::agent::csi::DRIVER {
         return super::prime::reconcile(&pvc, &hs, &sc, &ctx).await;
     }
@@ -233,6 +240,17 @@ async fn hydration_source(
 /// The agent URL of the replica that VolumeReplication `ns/name` keeps in this cluster,
 /// and its relationship: it must be the secondary side here.
 async fn replica_of(ctx: &Context, ns: &str, name: &str) -> Result<(String, String), String> {
+    let vr = secondary_here(ctx, ns, name).await?;
+    let d = super::reconcile::resolve(&vr, ctx)
+        .map_err(|e| format!("VolumeReplication {ns}/{name}: {e}"))?;
+    Ok((
+        format!("agent://{}@{}/{}", d.node, d.agent, d.volume),
+        d.name,
+    ))
+}
+
+/// VolumeReplication `ns/name`, if its state here is secondary (it keeps a replica).
+async fn secondary_here(ctx: &Context, ns: &str, name: &str) -> Result<VolumeReplication, String> {
     let vr = Api::<VolumeReplication>::namespaced(ctx.client.clone(), ns)
         .get_opt(name)
         .await
@@ -246,12 +264,7 @@ async fn replica_of(ctx: &Context, ns: &str, name: &str) -> Result<(String, Stri
             vr.spec.replication_state
         ));
     }
-    let d = super::reconcile::resolve(&vr, ctx)
-        .map_err(|e| format!("VolumeReplication {ns}/{name}: {e}"))?;
-    Ok((
-        format!("agent://{}@{}/{}", d.node, d.agent, d.volume),
-        d.name,
-    ))
+    Ok(vr)
 }
 
 /// The annotation on a secret that lists the namespaces whose HydrationSources may
