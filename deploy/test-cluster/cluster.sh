@@ -413,18 +413,23 @@ import() {
 }
 
 down() {
-  local name="$1" nd node ns pid h
+  local name="$1" nd node ns pid h set
   dir="$top/$name"
   [ -d "$dir" ] || return 0
   kill_all
   # Loop devices over the cluster's files: the agents' over images, the hostpath
-  # driver's, the kubelet's locks over device nodes of local PVs. The kernel names their
-  # backing files as the process that attached them saw them (a container's path), so
-  # they are matched by (device, inode), before the files go.
-  local ours loop majmin ino
+  # driver's. The kernel names their backing files as the process that attached them
+  # saw them (a container's path), so they are matched by (device, inode), before the
+  # files go. A kubelet holds each block volume it maps with a loop of its own over the
+  # volume's device node (a lock): those go first, or the loops they hold stay.
+  local ours held loop majmin ino
   ours="$(find "$dir" ! -type d -exec stat -c '%Hd:%Ld %i' {} + 2>/dev/null | sort -u)"
-  losetup -nO NAME,BACK-MAJ:MIN,BACK-INO 2>/dev/null | while read -r loop majmin ino; do
-    grep -qxF "$majmin $ino" <<<"$ours" && losetup -d "$loop" 2>/dev/null || true
+  held="$(losetup -nO NAME,BACK-MAJ:MIN,BACK-INO 2>/dev/null | while read -r loop majmin ino; do
+    grep -qxF "$majmin $ino" <<<"$ours" && stat -c '%Hd:%Ld %i' "$loop"; done || true)"
+  for set in "$held" "$ours"; do
+    losetup -nO NAME,BACK-MAJ:MIN,BACK-INO 2>/dev/null | while read -r loop majmin ino; do
+      grep -qxF "$majmin $ino" <<<"$set" && losetup -d "$loop" 2>/dev/null || true
+    done
   done
   for nd in "$dir"/nodes/*/; do
     [ -d "$nd" ] || continue
