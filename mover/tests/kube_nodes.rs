@@ -1094,7 +1094,163 @@ spec:
         last < VOLUME_LEN / 8,
         "a cycle read {last} bytes of a {VOLUME_LEN}-byte volume: the changed blocks only ({reads:?})"
     );
+    let cycles = || cycles_read(&east.c, &east.c.node(1), "app/vol");
+    let controllers = || east.c.logs(CONTROLLERS);
+    let in_sync_now = |what: &str| {
+        let want = volume_hash();
+        west.c.wait(what, WAIT, || replica_hash() == want);
+    };
+
+    // The sidecar's streams cut twice part way (a proxy on the host, between the
+    // controller's pod and the sidecar's): resumed, the same replica. A cycle may start
+    // while the pages are written and split them over two deltas of a few KB each, so
+    // the cut comes after 2,000 bytes: either delta is long enough for both.
+    let metadata = |address: &str| {
+        east.c.kubectl_ok(&[
+            "patch",
+            "snapshotmetadataservice",
+            "hostpath.csi.k8s.io",
+            "--type=merge",
+            "-p",
+            &format!(r#"{{"spec": {{"address": "{address}"}}}}"#),
+        ]);
+    };
+    let sidecar = east.c.get(
+        &[
+            "pods",
+            "-n",
+            "csi-hostpath",
+            "-l",
+            "app.kubernetes.io/name=csi-hostpathplugin",
+        ],
+        "{.items[0].status.podIP}",
+    );
+    let proxy = common::csi::CuttingProxy::between(GATEWAY, (sidecar, 50051), 2, 2000);
+    metadata(&format!("{GATEWAY}:{}", proxy.port));
+    let before = cycles().len();
+    exec(
+        "for i in $(seq 1 1500); do dd if=/dev/urandom of=/dev/vol bs=4096 count=1 seek=$((8192 + i * 2)) conv=notrunc 2>/dev/null; done; sync",
+    );
+    in_sync_now("1500 pages written through a cutting proxy");
+    let after = cycles()[before..].to_vec();
+    assert_eq!(
+        proxy.cut.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "the streams were cut"
+    );
+    assert!(
+        after.iter().sum::<u64>() <= 16 * MIB,
+        "1500 pages in 12 MiB: cycles read {after:?}"
+    );
+    let log = controllers();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("changed blocks from SnapshotMetadata") && !l.contains("calls=1")),
+        "a delta took more than one call:\n{log}"
+    );
+
+    // The service down: each cycle compares the whole volume, still exact.
+    let closed = std::net::TcpListener::bind((GATEWAY, 0)).unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    metadata(&format!("{GATEWAY}:{port}"));
+    let before = cycles().len();
+    exec(
+        "for i in $(seq 1 40); do dd if=/dev/urandom of=/dev/vol bs=4096 count=1 seek=$((12800 + i)) conv=notrunc 2>/dev/null; done; sync",
+    );
+    in_sync_now("40 pages written with the SnapshotMetadata service down");
+    east.c.wait("a full comparison", WAIT, || {
+        cycles()[before..].contains(&VOLUME_LEN)
+    });
+    assert!(
+        controllers().contains("is unavailable after"),
+        "the controller says why"
+    );
+    metadata("10.96.0.100:6443");
+    // Up to here, nothing the controller asked was forbidden (the hooks' rights are
+    // taken away next, on purpose).
+    east.assert_nothing_forbidden();
+
+    // The hook's rights taken away: the cycle fails before a snapshot, naming the
+    // overlay that grants them. Given back, a hook that fails in the pod stops the
+    // cycles before a snapshot too, saying so.
+    let reclass = |hook: &str| {
+        east.c
+            .kubectl_ok(&["delete", "volumereplicationclass", "csi-dr", "--wait"]);
+        east.class_named(
+            "csi-dr",
+            &west,
+            &west_locator,
+            &format!("    volumeSnapshotClassName: csi-hostpath-snapclass\n{hook}"),
+        );
+    };
+    let hook_failed = |says: &str| east.message("Replicating").contains(says);
+    let rights = common::nodes::repo().join("deploy/overlays/snapshot-hooks/hooks-rbac.yaml");
+    let rights = rights.to_str().unwrap();
+    east.c.kubectl_ok(&["delete", "-f", rights]);
+    east.wait_vr("the hook refused by RBAC, naming the overlay", |_| {
+        hook_failed("deploy/overlays/snapshot-hooks")
+    });
+    east.c.kubectl_ok(&["apply", "--server-side", "-f", rights]);
+    reclass("    preSnapshotHook: '[\"/bin/sh\", \"-c\", \"exit 3\"]'\n");
+    east.wait_vr("the hook failing in the workload's pod", |_| {
+        hook_failed(r#"hook ["/bin/sh", "-c", "exit 3"] in pod app/db"#)
+    });
+    let snapshots = || {
+        east.c
+            .kubectl_ok(&["get", "volumesnapshots", "-n", "app", "-o", "name"])
+    };
+    let kept = snapshots();
+    std::thread::sleep(Duration::from_secs(12));
+    assert_eq!(snapshots(), kept, "no snapshot without its pre-hook");
+
+    // Planned failover: east's final cycle reads a snapshot taken after the demote was
+    // asked for, so west is promoted without force and holds east's last writes.
+    reclass("");
+    east.wait_vr("cycles again without the hook", |s| {
+        s.condition("Replicating").0 == "True"
+    });
+    exec(
+        "dd if=/dev/urandom of=/dev/vol bs=4096 count=40 seek=5120 conv=notrunc,fsync 2>/dev/null",
+    );
+    let want = volume_hash();
+    east.set_state("secondary");
+    east.wait_vr("east demoted after a final cycle", |s| {
+        s.completed("Demoted")
+    });
+    west.set_state("primary");
+    west.wait_vr("west promoted", |s| s.completed("Promoted"));
+    assert_eq!(
+        replica_hash(),
+        want,
+        "the final cycle carried east's last writes"
+    );
+    let log = west.c.logs(AGENTS);
+    assert!(
+        log.lines().any(|l| l.contains("promoted")
+            && l.contains("relationship=app/vol")
+            && l.contains("force=false")),
+        "promoted from the final cycle, without force:\n{log}"
+    );
+
+    // Deleting the VolumeReplication deletes its snapshots, clones and readers.
+    east.c
+        .kubectl_ok(&["delete", "vr", "-n", "app", "vol", "--wait=true"]);
+    east.c
+        .wait("the snapshots, clones and readers deleted", WAIT, || {
+            let names = |kind: &str| {
+                east.c
+                    .kubectl_ok(&["get", kind, "-n", "app", "-o", "name"])
+                    .lines()
+                    .count()
+            };
+            // The workload's pod and its PVC stay.
+            names("volumesnapshots") == 0 && names("pods") == 1 && names("pvc") == 1
+        });
 }
+
+/// The clusters' bridge address on the host (`cluster.sh`): the nodes' pods reach it.
+const GATEWAY: &str = "10.250.0.1";
 
 #[test]
 fn on_real_nodes_a_forced_failover_with_the_primary_cluster_gone_then_its_return_and_resync() {

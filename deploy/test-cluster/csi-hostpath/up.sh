@@ -27,6 +27,9 @@ k() { "$bin/kubectl" --kubeconfig "$kubeconfig" "$@"; }
 ns=csi-hostpath
 # The sidecar's Service address (hostpath/csi-snapshot-metadata-service.yaml).
 service_ip=10.96.0.100
+# The clusters' bridge address on the host (cluster.sh): the certificate names it too, so
+# a test may put a fault-injecting proxy there between the controller and the sidecar.
+gateway=10.250.0.1
 
 # 1. Images.
 archives=("$bin/images/pause.oci.tar" "$bin/images/csi-node-driver-registrar.oci.tar")
@@ -66,7 +69,7 @@ else
 basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
-subjectAltName=IP:$service_ip,DNS:csi-snapshot-metadata,DNS:$svc,DNS:$svc.svc,DNS:$svc.svc.cluster.local
+subjectAltName=IP:$service_ip,IP:$gateway,DNS:csi-snapshot-metadata,DNS:$svc,DNS:$svc.svc,DNS:$svc.svc.cluster.local
 EOF
   openssl x509 -req -in "$overlay/tls.csr" -CA "$overlay/ca.crt" -CAkey "$overlay/ca.key" \
     -CAcreateserial -days 365 -extfile "$overlay/tls.ext" -out "$overlay/tls.crt" 2>/dev/null

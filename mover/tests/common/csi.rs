@@ -689,23 +689,28 @@ impl Drop for Kubelet<'_> {
 /// A TCP proxy to 127.0.0.1:`to` that cuts connections once `after` bytes came back
 /// from the server, until it has cut `cuts` of them: a stream cut part way, for real.
 pub struct CuttingProxy {
-    /// Where it listens (127.0.0.1).
+    /// Where it listens.
     pub port: u16,
     /// Connections cut so far.
     pub cut: Arc<AtomicU32>,
 }
 
 impl CuttingProxy {
-    /// Starts it in the background (its threads end with the process).
+    /// Starts it on 127.0.0.1, in the background (its threads end with the process).
     pub fn start(to: u16, cuts: u32, after: usize) -> CuttingProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        CuttingProxy::between("127.0.0.1", ("127.0.0.1".into(), to), cuts, after)
+    }
+
+    /// A proxy listening on `ip` (a free port) to the server at `to`.
+    pub fn between(ip: &str, to: (String, u16), cuts: u32, after: usize) -> CuttingProxy {
+        let listener = TcpListener::bind((ip, 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
         let cut = Arc::new(AtomicU32::new(0));
         let counter = cut.clone();
         std::thread::spawn(move || {
             for client in listener.incoming() {
                 let Ok(client) = client else { return };
-                let Ok(server) = TcpStream::connect(("127.0.0.1", to)) else {
+                let Ok(server) = TcpStream::connect((to.0.as_str(), to.1)) else {
                     continue;
                 };
                 let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());

@@ -21,7 +21,8 @@ pub struct RealCluster {
     pub kubeconfig: PathBuf,
 }
 
-fn repo() -> PathBuf {
+/// The repository's root.
+pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .unwrap()
