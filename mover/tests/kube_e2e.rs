@@ -36,7 +36,7 @@
 
 mod common;
 
-use common::cluster::Cluster;
+use common::cluster::{CONTROLLER_USER, Cluster};
 use common::{MIB, blake3_of, make_image, scribble_pages};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -376,7 +376,6 @@ fn peer_secret(token: &str, ca: Option<&str>) -> String {
 const LEASE: Duration = Duration::from_secs(6);
 /// The controllers' `--deletion-grace` here.
 const DELETION_GRACE: Duration = Duration::from_secs(5);
-const CONTROLLER_USER: &str = "system:serviceaccount:mover-system:mover-controller";
 /// A real `mover agent` on a "node": its own loopback address, the cluster's agent port,
 /// TLS with a certificate from its cluster's controller (through the CSR API, with a
 /// ServiceAccount token bound to its pod, as the kubelet projects it).
@@ -871,17 +870,7 @@ spec:
     /// No request of this cluster's controllers was forbidden by their RBAC (the API
     /// server's audit log of the mover-controller ServiceAccount).
     fn assert_nothing_forbidden(&self) {
-        let events = self.cluster.audit(CONTROLLER_USER);
-        assert!(
-            events.len() > 10,
-            "the audit log has the controller's requests"
-        );
-        let denied: Vec<_> = events
-            .iter()
-            .filter(|e| e["responseStatus"]["code"] == 403)
-            .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
-            .collect();
-        assert!(denied.is_empty(), "forbidden: {denied:#?}");
+        common::cluster::assert_nothing_forbidden(&self.cluster.audit(CONTROLLER_USER));
     }
 
     /// The VR's condition `ty` (null when it has none).

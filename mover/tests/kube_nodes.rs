@@ -13,7 +13,9 @@
 
 mod common;
 
-use common::{MIB, blake3_of, make_image, nodes::RealCluster, scribble_pages};
+use common::{
+    MIB, blake3_of, cluster::CONTROLLER_USER, make_image, nodes::RealCluster, scribble_pages,
+};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -142,19 +144,8 @@ spec:
     /// A class `name` as [`Site::class_to`] makes, with `params` (YAML lines, indented
     /// four spaces) added to its parameters.
     fn class_named(&self, name: &str, peer: &Site, peer_locator_port: &str, params: &str) {
-        let read = |secret: &str, key: &str| {
-            peer.c.kubectl_ok(&[
-                "-n",
-                "mover-system",
-                "get",
-                "secret",
-                secret,
-                "-o",
-                &format!("go-template={{{{index .data \"{key}\" | base64decode}}}}"),
-            ])
-        };
-        let token = read("mover-replication-token", "token");
-        let ca = read("mover-ca", "ca.crt");
+        let token = peer.secret("mover-replication-token", "token");
+        let ca = peer.secret("mover-ca", "ca.crt");
         let secret = self
             .c
             .kubectl(&["-n", "mover-system", "get", "secret", "mover-dr-peer"]);
@@ -250,17 +241,7 @@ spec:
     /// No request of this cluster's controllers was forbidden by their RBAC (the API
     /// server's audit log of the mover-controller ServiceAccount).
     fn assert_nothing_forbidden(&self) {
-        let events = self.c.audit(CONTROLLER_USER);
-        assert!(
-            events.len() > 10,
-            "the audit log has the controller's requests"
-        );
-        let denied: Vec<_> = events
-            .iter()
-            .filter(|e| e["responseStatus"]["code"] == 403)
-            .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
-            .collect();
-        assert!(denied.is_empty(), "forbidden: {denied:#?}");
+        common::cluster::assert_nothing_forbidden(&self.c.audit(CONTROLLER_USER));
     }
 
     /// The agent of node `n`'s URL, by the name its certificate carries.
@@ -268,28 +249,29 @@ spec:
         format!("agent://{}@{}:7070", self.c.node(n), self.c.node_ip(n))
     }
 
+    /// Key `key` of secret `name` in mover-system, decoded (as an administrator reads it).
+    fn secret(&self, name: &str, key: &str) -> String {
+        self.c.kubectl_ok(&[
+            "-n",
+            "mover-system",
+            "get",
+            "secret",
+            name,
+            "-o",
+            &format!("go-template={{{{index .data \"{key}\" | base64decode}}}}"),
+        ])
+    }
+
     /// The cluster's mover CA (secret mover-ca) in a file; (its path, the CA's key).
     fn ca(&self) -> (std::path::PathBuf, String) {
-        let field = |k: &str| {
-            self.c.kubectl_ok(&[
-                "-n",
-                "mover-system",
-                "get",
-                "secret",
-                "mover-ca",
-                "-o",
-                &format!("go-template={{{{index .data \"{k}\" | base64decode}}}}"),
-            ])
-        };
         let path = self.c.dir().join("mover-ca.crt");
-        std::fs::write(&path, field("ca.crt")).unwrap();
-        (path, field("ca.key"))
+        std::fs::write(&path, self.secret("mover-ca", "ca.crt")).unwrap();
+        (path, self.secret("mover-ca", "ca.key"))
     }
 }
 
 const AGENTS: &str = "app.kubernetes.io/name=mover-agent";
 const CONTROLLERS: &str = "app.kubernetes.io/name=mover-controller";
-const CONTROLLER_USER: &str = "system:serviceaccount:mover-system:mover-controller";
 
 /// Waits until `b`'s image equals `a`'s as it is now.
 fn in_sync(a: &Site, b: &Site, what: &str) {

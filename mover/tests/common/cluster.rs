@@ -316,6 +316,24 @@ impl Cluster {
     }
 }
 
+/// The mover controller's ServiceAccount, as the audit log names it.
+pub const CONTROLLER_USER: &str = "system:serviceaccount:mover-system:mover-controller";
+
+/// No request of the controller in `events` (its audit log entries, at least a few)
+/// was forbidden by its RBAC.
+pub fn assert_nothing_forbidden(events: &[serde_json::Value]) {
+    assert!(
+        events.len() > 10,
+        "the audit log has the controller's requests"
+    );
+    let denied: Vec<_> = events
+        .iter()
+        .filter(|e| e["responseStatus"]["code"] == 403)
+        .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
+        .collect();
+    assert!(denied.is_empty(), "forbidden: {denied:#?}");
+}
+
 /// The completed requests made by `user` in the API server's audit log at `path`.
 pub fn audit_of(path: &Path, user: &str) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
