@@ -116,11 +116,13 @@ pub async fn reconcile(
     let hs = hydration_source(&ctx, &ns, &name, &source).await?;
     // A VolumeReplication that is no replica here never will be one for this PVC: said
     // now, not once a pod of it is scheduled.
-    if let Some(vr) = &hs.spec.volume_replication {
-        secondary_here(&ctx, &ns, vr)
-            .await
-            .map_err(|e| PopulateError::Invalid(format!("HydrationSource {ns}/{source}: {e}")))?;
-    }
+    let replica =
+        match &hs.spec.volume_replication {
+            None => None,
+            Some(vr) => Some(secondary_here(&ctx, &ns, vr).await.map_err(|e| {
+                PopulateError::Invalid(format!("HydrationSource {ns}/{source}: {e}"))
+            })?),
+        };
     if sc.provisioner != crate::agent::csi::DRIVER {
         return super::prime::reconcile(&pvc, &hs, &sc, &ctx).await;
     }
@@ -151,13 +153,13 @@ pub async fn reconcile(
             };
             let from = &hs.spec;
             match (
-                &from.volume_replication,
+                replica.as_ref(),
                 &from.agent,
                 &from.snapshot,
                 &from.secret_ref,
             ) {
                 (Some(vr), ..) => {
-                    let (url, relationship) = replica_of(&ctx, &ns, vr).await.map_err(invalid)?;
+                    let (url, relationship) = replica_of(&ctx, vr).map_err(invalid)?;
                     req.source = Some(hydrate::start_request::Source::Agent(url));
                     req.replica_of = relationship;
                 }
@@ -237,11 +239,11 @@ async fn hydration_source(
         })
 }
 
-/// The agent URL of the replica that VolumeReplication `ns/name` keeps in this cluster,
-/// and its relationship: it must be the secondary side here.
-async fn replica_of(ctx: &Context, ns: &str, name: &str) -> Result<(String, String), String> {
-    let vr = secondary_here(ctx, ns, name).await?;
-    let d = super::reconcile::resolve(&vr, ctx)
+/// The agent URL of the replica that VolumeReplication `vr` (the secondary side here,
+/// see [`secondary_here`]) keeps in this cluster, and its relationship.
+fn replica_of(ctx: &Context, vr: &VolumeReplication) -> Result<(String, String), String> {
+    let (ns, name) = (vr.namespace().unwrap_or_default(), vr.name_any());
+    let d = super::reconcile::resolve(vr, ctx)
         .map_err(|e| format!("VolumeReplication {ns}/{name}: {e}"))?;
     Ok((
         format!("agent://{}@{}/{}", d.node, d.agent, d.volume),
