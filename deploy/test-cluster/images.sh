@@ -6,10 +6,13 @@
 #                            the same, named as the controller's snapshot reader pods
 #                            name their image (csi_snapshots::READER_IMAGE)
 #   localhost/busybox:1      the tests' workload pods: busybox-static with its applets
+#   localhost/postgres:15    the tests' database pods: Debian 12's postgresql-15 and mount,
+#                            made by mmdebstrap and cached under $MOVER_IMAGE_CACHE (as
+#                            deploy/image/build.sh caches mover's base layer)
 #   registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.15.0
 #                            the registrar deploy/base runs beside each agent, built from
 #                            its source by build.sh, named as deploy/base names it
-# Prints the directory. Needs busybox-static (Debian) and build.sh's output.
+# Prints the directory. Needs busybox-static and mmdebstrap (Debian) and build.sh's output.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 bin="${MOVER_KUBE_BIN:-/var/tmp/mover-kube/bin}"
@@ -40,6 +43,26 @@ python3 "$pack" --name localhost/pause:1 --out "$out/pause.oci.tar" \
   --entrypoint '["/bin/sleep", "2147483647"]' "$work/busybox" >/dev/null
 python3 "$pack" --name registry.k8s.io/pause:3.10 --out "$out/pause-3.10.oci.tar" \
   --entrypoint '["/bin/sleep", "2147483647"]' "$work/busybox" >/dev/null
+
+# The database image: one layer, rebuilt only when what makes it changes.
+cache="${MOVER_IMAGE_CACHE:-/var/tmp/mover-image}"
+mirror="${MOVER_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+command -v mmdebstrap >/dev/null || { echo "images.sh: mmdebstrap is missing: apt-get install mmdebstrap" >&2; exit 1; }
+postgres_layer() {
+  SOURCE_DATE_EPOCH=1700000000 mmdebstrap --quiet --format=tar --variant=essential \
+    --include=postgresql-15,mount \
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+    --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/var/log/*' \
+    bookworm "$1.part" "$mirror"
+  mv "$1.part" "$1"
+}
+mkdir -p "$cache"
+postgres="$cache/postgres-$( (echo "$mirror"; declare -f postgres_layer) | sha256sum | cut -c1-16).tar"
+[ -f "$postgres" ] || postgres_layer "$postgres"
+python3 "$pack" --name localhost/postgres:15 --out "$out/postgres.oci.tar" \
+  --env PATH=/usr/lib/postgresql/15/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+  --cmd '["/bin/sh"]' "$postgres" >/dev/null
 
 layer registrar "$bin/csi-node-driver-registrar:csi-node-driver-registrar"
 python3 "$pack" --name registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.15.0 \

@@ -714,3 +714,53 @@ fn healthz_fails_at_once_when_the_state_directory_turns_read_only() {
     mount(&["-o", "remount,rw"]);
     assert_eq!(healthz(&agent).0, "HTTP/1.1 200 OK");
 }
+
+/// A device whose file system is mounted (a pod's, on a Block volume) is served for
+/// reading, as a primary's cycles read it live; a write into it is refused, and names
+/// the mount, while it stays mounted.
+#[test]
+fn a_mounted_device_is_read_but_never_written() {
+    if !common::tree::is_root() {
+        return skip_unless_ci("loop devices and mounts need root");
+    }
+    let t = tempfile::tempdir().unwrap();
+    let image = t.path().join("fs.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(32 * MIB)
+        .unwrap();
+    let mkfs = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&image)
+        .status()
+        .unwrap();
+    assert!(mkfs.success());
+    let dev = LoopDevice::attach(&image);
+    let mount = Mount::new(&dev.path, &t.path().join("mnt"));
+    std::fs::write(mount.dir.join("file"), b"written by the device's user").unwrap();
+    let agent = Agent::start(t.path(), &[("busy", &dev.path, false)], None);
+
+    let copied = t.path().join("copy.img");
+    json_of(&copy(
+        t.path(),
+        &[&agent.url("busy"), copied.to_str().unwrap()],
+    ));
+    assert_eq!(
+        blake3_of(&copied, 32 * MIB),
+        blake3_of(&dev.path, 32 * MIB),
+        "the mounted device read whole"
+    );
+
+    let src = t.path().join("src.img");
+    make_image(&src, 32 * MIB, 45, &[(0, 32 * MIB)]);
+    let before = blake3_of(&dev.path, 32 * MIB);
+    let out = copy(t.path(), &[src.to_str().unwrap(), &agent.url("busy")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("mounted at") && err.contains(mount.dir.to_str().unwrap()),
+        "the refusal names the mount: {err}"
+    );
+    assert_eq!(blake3_of(&dev.path, 32 * MIB), before, "nothing written");
+    drop(mount);
+}

@@ -28,10 +28,11 @@
 //! refused by RBAC or failing in its pod, a planned failover from the final snapshot,
 //! the deletion of what cycles made), a forced failover with the primary cluster gone and
 //! its resync, the controller's leader killed, an API server restart, a standby taking
-//! over when the leader's node loses power, and deletions with the volume's node down.
-//! Still only here: a VolumeMove between clusters with fencing (postgres), pgbench on a
-//! CSI volume, the thousand-VR scale run, a secondary followed across nodes, populated
-//! PVCs (bound at once, of other classes, from another cluster's agent).
+//! over when the leader's node loses power, deletions with the volume's node down, and a
+//! PostgreSQL volume's move between clusters (planned, then with its old owner fenced).
+//! Still only here: pgbench on a CSI volume, the thousand-VR scale run, a secondary
+//! followed across nodes, populated PVCs (bound at once, of other classes, from another
+//! cluster's agent).
 #![cfg(feature = "controller")]
 
 mod common;
@@ -383,7 +384,6 @@ struct NodeAgent {
     child: Child,
     ip: String,
     node: String,
-    metrics_port: u16,
     dir: PathBuf,
     extra: String,
     /// Earlier starts in its log (each says "agent serving").
@@ -431,7 +431,6 @@ impl NodeAgent {
             child,
             ip: ip.into(),
             node: node.into(),
-            metrics_port,
             dir: dir.into(),
             extra: extra.into(),
             starts,
@@ -885,12 +884,6 @@ spec:
             c["status"].as_str().unwrap_or("").into(),
             c["reason"].as_str().unwrap_or("").into(),
         )
-    }
-
-    /// The first node's agent's /metrics.
-    fn metrics(&self) -> String {
-        let addr = format!("{}:{}", self.agents[0].ip, self.agents[0].metrics_port);
-        common::http_get(&addr, "/metrics")
     }
 }
 
@@ -2389,264 +2382,6 @@ fn walk_bytes(dir: &Path) -> u64 {
 }
 
 /// A VolumeMove of PVC `app/data` on `side`, waiting `timeout` s (detach or final cycle).
-fn move_yaml(name: &str, side: &str, timeout: u64) -> String {
-    format!(
-        "apiVersion: replication.mover/v1alpha1\nkind: VolumeMove\nmetadata:\n  name: {name}\n  namespace: app\nspec:\n  side: {side}\n  pvc: data\n  timeoutSeconds: {timeout}\n"
-    )
-}
-
-/// The reclaim policy of the sites' PV.
-fn reclaim(s: &Site) -> Value {
-    s.get("pv", "", "pv-data")["spec"]["persistentVolumeReclaimPolicy"].clone()
-}
-
-/// Moves of a PostgreSQL volume between two clusters, each cluster's half a VolumeMove.
-///
-/// Planned: pgbench writes on A; A's move deletes the pod (the kubelet's part emulated:
-/// the database stops, the pod object goes, the mount last), waits until A's agent sees
-/// nothing holding the volume, and demotes; B's move promotes once the final cycle is
-/// applied. PostgreSQL on B then holds every transaction committed on A. Both PVs were
-/// `Retain` during the move and `Delete` again after.
-///
-/// Fenced: the workload now on B, B's agent stops answering (SIGSTOP) while pgbench
-/// still writes there. A's move waits 5 s for a final cycle, then promotes by force and
-/// says `fenced`. When B's agent runs again, its cycles (the late writes) are refused
-/// for their stale epoch: A's agent logs and counts each, and A's volume is unchanged.
-#[test]
-fn a_postgres_volume_moves_between_clusters_planned_then_with_its_old_owner_fenced() {
-    use common::pg::{PG_BIN, Postgres, chown_postgres, run_ok};
-    use rustix::process::{Pid, Signal, kill_process};
-    use std::os::unix::fs::PermissionsExt;
-    const LEN: u64 = 192 * MIB;
-    let _one = serial();
-    if !Path::new(PG_BIN).join("initdb").exists() {
-        return common::skip_unless_ci(&format!(
-            "PostgreSQL 15 is not installed in {PG_BIN} (.ci/run installs it)"
-        ));
-    }
-    let t = tempfile::tempdir().unwrap();
-    let Some(mut a) = Site::start(t.path(), "a", 10) else {
-        return;
-    };
-    let mut b = Site::start(t.path(), "b", 20).unwrap();
-    for s in [&a, &b] {
-        std::fs::File::create(&s.image)
-            .unwrap()
-            .set_len(LEN)
-            .unwrap();
-        // The user's policy, which the moves keep at Retain while they run.
-        s.cluster.kubectl_ok(&[
-            "patch",
-            "pv",
-            "pv-data",
-            "-p",
-            r#"{"spec":{"persistentVolumeReclaimPolicy":"Delete"}}"#,
-        ]);
-    }
-    run_ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&a.image));
-    let dirs = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dirs.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let (run_a, run_b) = (dirs.path().join("run-a"), dirs.path().join("run-b"));
-    for d in [&run_a, &run_b] {
-        std::fs::create_dir(d).unwrap();
-        chown_postgres(d);
-    }
-    // The workload on A's node 1: its pod's mount of the volume and its database.
-    let dev_a = common::LoopDevice::attach(&a.image);
-    let mnt_a = common::Mount::new(&dev_a.path, &dirs.path().join("mnt-a"));
-    let mut pg_a = Postgres::init(mnt_a.dir.join("pgdata"), run_a);
-    pg_a.start();
-    run_ok(pg_a.cmd("pgbench").args(["-i", "-q", "-s", "2"]));
-    a.start_controller("a-controller-1");
-    b.start_controller("b-controller-1");
-    let torn = Some("crash-inconsistent");
-    a.cluster.apply(&a.class_to(&b, torn));
-    b.cluster.apply(&b.class_to(&a, torn));
-    b.set_state("secondary");
-    b.wait("B secondary", |s| s.vr()["status"]["state"] == "Secondary");
-    a.set_state("primary");
-    a.wait("A replicating", |s| {
-        completed(s, "Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
-    });
-    // The pod, as an API object on A's node 1 (no kubelet runs it: pg_a is its process).
-    a.cluster.apply(
-        r#"apiVersion: v1
-kind: Pod
-metadata:
-  name: db
-  namespace: app
-spec:
-  nodeName: a-node1
-  automountServiceAccountToken: false
-  containers:
-  - name: postgres
-    image: postgres:15
-    volumeDevices: [{name: data, devicePath: /dev/data}]
-  volumes:
-  - name: data
-    persistentVolumeClaim: {claimName: data}
-"#,
-    );
-    let load = pg_a.load(Duration::from_secs(600));
-    std::thread::sleep(Duration::from_secs(6));
-
-    // The planned move.
-    a.cluster.apply(&move_yaml("to-b", "Source", 120));
-    b.cluster.apply(&move_yaml("from-a", "Destination", 120));
-    a.wait("the move deleting the pod", |s| {
-        s.get("pod", "app", "db")["metadata"]["deletionTimestamp"].is_string()
-    });
-    // The kubelet's part: the containers stop, the pod object goes; the volume is still
-    // mounted for a while (an unmount that lags).
-    let stopped = Instant::now();
-    drop(load);
-    // pgbench's backends finish what they had (a COMMIT sent before the kill still
-    // commits): counted once they are gone, nothing else can commit.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while pg_a.count(
-        "select count(*) from pg_stat_activity where backend_type = 'client backend' \
-         and pid <> pg_backend_pid()",
-    ) > 0
-    {
-        assert!(Instant::now() < deadline, "pgbench's backends did not end");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let committed = pg_a.count("select count(*) from pgbench_history");
-    assert_eq!(pg_a.stop(Signal::INT), Some(true), "{}", pg_a.log());
-    a.cluster.kubectl_ok(&[
-        "delete",
-        "pod",
-        "db",
-        "-n",
-        "app",
-        "--grace-period=0",
-        "--force",
-    ]);
-    let mount = mnt_a.dir.display().to_string();
-    a.wait("the move waiting for the mount its agent sees", |s| {
-        let m = s.get("volumemove", "app", "to-b");
-        m["status"]["phase"] == "Detaching"
-            && m["status"]["message"]
-                .as_str()
-                .is_some_and(|m| m.contains(&format!("is mounted at {mount}")))
-    });
-    for s in [&a, &b] {
-        assert_eq!(
-            reclaim(s),
-            "Retain",
-            "{}: Retain while moving",
-            s.cluster.name
-        );
-    }
-    assert_eq!(
-        a.vr()["spec"]["replicationState"],
-        "primary",
-        "no demote yet"
-    );
-    drop(mnt_a);
-    drop(dev_a);
-    let released = Instant::now();
-    b.wait("B's half completed", |s| {
-        s.get("volumemove", "app", "from-a")["status"]["phase"] == "Completed"
-    });
-    let (downtime, after_release) = (stopped.elapsed(), released.elapsed());
-    a.wait("A's half completed", |s| {
-        s.get("volumemove", "app", "to-b")["status"]["phase"] == "Completed"
-    });
-    let (ma, mb) = (
-        a.get("volumemove", "app", "to-b"),
-        b.get("volumemove", "app", "from-a"),
-    );
-    eprintln!(
-        "planned move: {:.1} s from the database stopping to B owning the volume, {:.1} s \
-         from its release (the final cycle and both halves' polls)\nA: {}\nB: {}",
-        downtime.as_secs_f64(),
-        after_release.as_secs_f64(),
-        ma["status"],
-        mb["status"]
-    );
-    assert_eq!(mb["status"]["fenced"], false, "{mb}");
-    assert_eq!(mb["status"]["volumes"][0]["epoch"], 2, "{mb}");
-    assert!(
-        ma["status"]["volumes"][0]["releasedTime"].is_string(),
-        "{ma}"
-    );
-    assert_eq!(a.vr()["status"]["state"], "Secondary");
-    for s in [&a, &b] {
-        assert_eq!(
-            reclaim(s),
-            "Delete",
-            "{}: the user's policy again",
-            s.cluster.name
-        );
-    }
-    // The database on B holds every transaction committed on A.
-    let dev_b = common::LoopDevice::attach(&b.image);
-    let mnt_b = common::Mount::new(&dev_b.path, &dirs.path().join("mnt-b"));
-    let mut pg_b = Postgres::existing(mnt_b.dir.join("pgdata"), run_b);
-    pg_b.start();
-    assert_eq!(
-        pg_b.count("select count(*) from pgbench_history"),
-        committed,
-        "every committed transaction moved"
-    );
-    common::pg::assert_transactions_whole(&pg_b);
-    eprintln!("{committed} committed transactions on A, all of them on B");
-
-    // The workload on B; then B's node stops answering while it still writes.
-    let synced = b.vr()["status"]["lastSyncTime"].clone();
-    let load = pg_b.load(Duration::from_secs(600));
-    b.wait("a cycle of B's applied at A", |s| {
-        let t = &s.vr()["status"]["lastSyncTime"];
-        t.is_string() && *t != synced
-    });
-    let b_agent = Pid::from_raw(b.agents[0].child.id() as i32).unwrap();
-    kill_process(b_agent, Signal::STOP).unwrap();
-    a.cluster.apply(&move_yaml("back-to-a", "Destination", 5));
-    a.wait("A owning the volume, its old owner fenced", |s| {
-        s.get("volumemove", "app", "back-to-a")["status"]["phase"] == "Completed"
-    });
-    let back = a.get("volumemove", "app", "back-to-a");
-    assert_eq!(back["status"]["fenced"], true, "{back}");
-    assert_eq!(back["status"]["volumes"][0]["epoch"], 3, "{back}");
-    assert!(
-        back["status"]["volumes"][0]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("old owner is fenced")),
-        "{back}"
-    );
-    let owned = blake3_of(&a.image, LEN);
-    let refusals = |s: &Site| -> u64 {
-        s.metrics()
-            .lines()
-            .find_map(|l| l.strip_prefix("mover_agent_stale_epoch_refusals_total "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(0.0) as u64
-    };
-    let before = refusals(&a);
-    kill_process(b_agent, Signal::CONT).unwrap();
-    a.wait("B's late writes refused at A", |s| refusals(s) > before);
-    let log = std::fs::read_to_string(a.agents[0].dir.join("agent.log")).unwrap();
-    assert!(
-        log.contains("write refused: stale fencing epoch")
-            && log.contains("given=2")
-            && log.contains("highest=3"),
-        "A's agent log says why:\n{log}"
-    );
-    assert_eq!(
-        blake3_of(&a.image, LEN),
-        owned,
-        "nothing of B's landed on A"
-    );
-    drop(load);
-    drop(pg_b);
-    drop(mnt_b);
-    drop(dev_b);
-    for s in [&a, &b] {
-        s.assert_nothing_forbidden();
-    }
-}
-
 /// A PVC in cluster B populated from a volume an agent of cluster A serves. B's agent
 /// reaches it with A's replication token and trusts A's CA alone, both from the secret
 /// the HydrationSource names (what an administrator copies between clusters); the

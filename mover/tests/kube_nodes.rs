@@ -67,6 +67,13 @@ impl Site {
             &[(0, 4 * MIB), (20 * MIB, 2 * MIB), (60 * MIB, MIB)]
         };
         make_image(&self.image(), VOLUME_LEN, seed, extents);
+        self.claim(VOLUME_LEN, "/mnt/disks/data.img");
+    }
+
+    /// The namespace `app` and its PVC `data`, bound to a PV of `len` bytes at `path`
+    /// on the site's node (made already).
+    fn claim(&self, len: u64, path: &str) {
+        let mib = len / MIB;
         self.c.kubectl_ok(&["create", "namespace", "app"]);
         self.c.apply(&format!(
             r#"apiVersion: storage.k8s.io/v1
@@ -82,13 +89,13 @@ metadata:
   name: pv-data
 spec:
   capacity:
-    storage: 64Mi
+    storage: {mib}Mi
   accessModes: [ReadWriteOnce]
   volumeMode: Block
   storageClassName: local
   persistentVolumeReclaimPolicy: Retain
   local:
-    path: /mnt/disks/data.img
+    path: {path}
   nodeAffinity:
     required:
       nodeSelectorTerms:
@@ -108,7 +115,7 @@ spec:
   storageClassName: local
   resources:
     requests:
-      storage: 64Mi
+      storage: {mib}Mi
 "#,
             node = self.c.node(self.on)
         ));
@@ -705,11 +712,11 @@ fn on_real_nodes_the_copy_job_of_the_examples_runs_from_the_image() {
     assert!(!log.trim().is_empty(), "the Job's pod says what it did");
 }
 
-/// A block device node at `/mnt/disks/NAME` of node 1 of `c` over a loop device of the
+/// A block device node at `/mnt/disks/NAME` of node `n` of `c` over a loop device of the
 /// image `NAME.img` there (as a local disk's partition, which the local static
 /// provisioner links under /mnt/disks); `cluster.sh down` detaches it.
-fn local_block_device(c: &RealCluster, name: &str) {
-    let disks = c.disks(1);
+fn local_block_device(c: &RealCluster, n: u8, name: &str) {
+    let disks = c.disks(n);
     let image = disks.join(format!("{name}.img"));
     let out = std::process::Command::new("losetup")
         .args(["--find", "--show"])
@@ -767,7 +774,7 @@ fn on_real_nodes_a_stateful_sets_volumes_move_to_another_node_with_its_pods() {
             &[(0, 3 * MIB), (20 * MIB, 5 * MIB)],
         );
         want.push(sha256_of(&image));
-        local_block_device(&c, &format!("db{n}"));
+        local_block_device(&c, 1, &format!("db{n}"));
     }
     c.kubectl_ok(&["create", "namespace", "app"]);
     let mut yaml = format!("{}---\n", common::POPULATED_STORAGE_CLASS);
@@ -881,22 +888,38 @@ spec:
     }
 }
 
-/// The `read=` figure of each "cycle committed" line of relationship `rel` in the logs of
-/// the agent on `node`, in order: what each cycle read of the volume.
-fn cycles_read(c: &RealCluster, node: &str, rel: &str) -> Vec<u64> {
-    let pod = c.kubectl_ok(&[
+/// The name of the agent's pod on `node`.
+fn agent_pod(c: &RealCluster, node: &str) -> String {
+    c.kubectl_ok(&[
         "get",
         "pods",
         "-n",
         "mover-system",
         "-l",
-        "app.kubernetes.io/name=mover-agent",
+        AGENTS,
         "--field-selector",
         &format!("spec.nodeName={node}"),
         "-o",
         "jsonpath={.items[0].metadata.name}",
-    ]);
-    let log = c.kubectl_ok(&["logs", "-n", "mover-system", &pod, "-c", "agent"]);
+    ])
+}
+
+/// The log of the agent on `node` (its container's current run).
+fn agent_log(c: &RealCluster, node: &str) -> String {
+    c.kubectl_ok(&[
+        "logs",
+        "-n",
+        "mover-system",
+        &agent_pod(c, node),
+        "-c",
+        "agent",
+    ])
+}
+
+/// The `read=` figure of each "cycle committed" line of relationship `rel` in the logs of
+/// the agent on `node`, in order: what each cycle read of the volume.
+fn cycles_read(c: &RealCluster, node: &str, rel: &str) -> Vec<u64> {
+    let log = agent_log(c, node);
     log.lines()
         .filter(|l| l.contains("cycle committed") && l.contains(&format!("relationship={rel}")))
         .filter_map(|l| {
@@ -1493,15 +1516,16 @@ fn conditions(s: &Site) -> Vec<(String, String, String, String)> {
     all
 }
 
-/// The host's process id of `mover ARG…` in pod `pod` (its HOSTNAME): containers are
-/// processes of this machine.
-fn process_of_pod(pod: &str, arg: &str) -> Option<i32> {
+/// The host's process id of `mover ARG…` whose environment holds `env` (`HOSTNAME=POD`
+/// for a pod's, `NODE_NAME=NODE` for an agent's: its pod shares the node's network and
+/// name): containers are processes of this machine.
+fn process_of(arg: &str, env: &str) -> Option<i32> {
     std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
         let pid: i32 = e.file_name().to_str()?.parse().ok()?;
         let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
         let environ = std::fs::read(e.path().join("environ")).ok()?;
         let has = |hay: &[u8], needle: &str| hay.split(|b| *b == 0).any(|w| w == needle.as_bytes());
-        (has(&cmdline, arg) && has(&environ, &format!("HOSTNAME={pod}"))).then_some(pid)
+        (has(&cmdline, arg) && has(&environ, env)).then_some(pid)
     })
 }
 
@@ -1537,7 +1561,8 @@ fn on_real_nodes_the_controller_outlives_its_leaders_death_an_api_server_restart
     // kill -9 the leader's process. The kubelet starts its container again at once, and
     // the pod, the Lease's holder by name, leads again without waiting for the Lease to
     // run out; a standby would have waited for that (15 s, the install's default).
-    let pid = process_of_pod(&leading, "controller").expect("the leader's process");
+    let pid =
+        process_of("controller", &format!("HOSTNAME={leading}")).expect("the leader's process");
     let killed = std::time::Instant::now();
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(pid).unwrap(),
@@ -1549,7 +1574,7 @@ fn on_real_nodes_the_controller_outlives_its_leaders_death_an_api_server_restart
         Duration::from_secs(40),
         || {
             let now = leader(&alpha);
-            process_of_pod(&now, "controller").is_some_and(|p| p != pid)
+            process_of("controller", &format!("HOSTNAME={now}")).is_some_and(|p| p != pid)
                 && alpha
                     .c
                     .kubectl(&["logs", "-n", "mover-system", &now])
@@ -1629,7 +1654,7 @@ fn on_real_nodes_the_controller_outlives_its_leaders_death_an_api_server_restart
             .c
             .wait("another pod leading", Duration::from_secs(60), || {
                 let now = leader(&alpha);
-                now != was && process_of_pod(&now, "controller").is_some()
+                now != was && process_of("controller", &format!("HOSTNAME={now}")).is_some()
             });
     }
     alpha.c.wait("two controller replicas Ready", WAIT, || {
@@ -1722,5 +1747,326 @@ fn on_real_nodes_the_controller_outlives_its_leaders_death_an_api_server_restart
             "the record is emptied: {left}"
         );
         assert!(s.image().exists(), "the volume itself is kept");
+    }
+}
+
+/// The script of the database pods (`localhost/postgres:15`, privileged to mount its
+/// block volume's ext4 as a database's own pod would with a filesystem volume): it
+/// starts PostgreSQL on the volume (a new cluster with pgbench's tables if there is
+/// none), says `ready`, starts pgbench once `/tmp/go` exists, and on SIGTERM (the
+/// kubelet stopping the pod) stops pgbench, waits until its backends have ended (a
+/// COMMIT sent before the stop still commits), writes how many transactions the
+/// database holds to `/out/committed` (the node's /mnt/disks, for the test) and stops
+/// PostgreSQL cleanly.
+const DB_SCRIPT: &str = r#"set -eu
+pg() { runuser -u postgres -- "$@"; }
+sql() { pg psql -XAtq -v ON_ERROR_STOP=1 -c "$1"; }
+mkdir -p /pg
+mount /dev/data /pg
+install -d -o postgres /run/postgresql
+if [ ! -d /pg/pgdata ]; then
+  rm -rf /pg/new
+  install -d -o postgres -m 700 /pg/new
+  pg initdb -D /pg/new >/dev/null
+  mv /pg/new /pg/pgdata
+  fresh=1
+fi
+pg pg_ctl -D /pg/pgdata -l /tmp/postgres.log -w -o "-c listen_addresses=" start
+[ -z "${fresh:-}" ] || pg pgbench -i -q -s 2
+load=
+stop() {
+  # SIGTERM: a background job of a script ignores SIGINT; runuser passes it on.
+  [ -z "$load" ] || { kill -TERM "$load"; wait "$load" || true; }
+  while [ "$(sql "select count(*) from pg_stat_activity where backend_type = 'client backend' and pid <> pg_backend_pid()")" != 0 ]; do sleep 0.1; done
+  sql "select count(*) from pgbench_history" >/out/committed.part
+  mv /out/committed.part /out/committed
+  pg pg_ctl -D /pg/pgdata -m fast -w stop
+  umount /pg
+  exit 0
+}
+trap stop TERM
+echo ready
+while [ ! -e /tmp/go ]; do sleep 0.2; done
+runuser -u postgres -- pgbench -n -c 2 -T 3600 >/tmp/pgbench.log 2>&1 &
+load=$!
+echo loading
+wait "$load"
+"#;
+
+/// Pod `db` in `app` running [`DB_SCRIPT`] on the PVC `data`, ready once PostgreSQL is.
+fn db_pod() -> String {
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "db", "namespace": "app"},
+        "spec": {
+            "terminationGracePeriodSeconds": 30,
+            "automountServiceAccountToken": false,
+            "containers": [{
+                "name": "postgres",
+                "image": "localhost/postgres:15",
+                "command": ["sh", "-c", DB_SCRIPT],
+                "securityContext": {"privileged": true},
+                "readinessProbe": {
+                    "exec": {"command": ["pg_isready", "-q"]},
+                    "periodSeconds": 1
+                },
+                "volumeDevices": [{"name": "data", "devicePath": "/dev/data"}],
+                "volumeMounts": [{"name": "out", "mountPath": "/out"}]
+            }],
+            "volumes": [
+                {"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
+                {"name": "out", "hostPath": {"path": "/mnt/disks/out", "type": "DirectoryOrCreate"}}
+            ]
+        }
+    })
+    .to_string()
+}
+
+/// `program ARGS` of PostgreSQL's, run as postgres in pod `db` of `s`: its stdout.
+fn db_run(s: &Site, program: &str, args: &[&str]) -> String {
+    let mut exec = vec![
+        "exec", "-n", "app", "db", "--", "runuser", "-u", "postgres", "--",
+    ];
+    exec.push(program);
+    exec.extend_from_slice(args);
+    s.c.kubectl_ok(&exec)
+}
+
+/// SQL `sql`'s answer from the database in pod `db` of `s`.
+fn db_sql(s: &Site, sql: &str) -> String {
+    db_run(s, "psql", &["-XAtq", "-v", "ON_ERROR_STOP=1", "-c", sql])
+        .trim()
+        .to_string()
+}
+
+/// A VolumeMove `name` of `app/data`, this cluster's `side` of it.
+fn volume_move(s: &Site, name: &str, side: &str, timeout: u64) {
+    s.c.apply(&format!(
+        "apiVersion: replication.mover/v1alpha1\nkind: VolumeMove\nmetadata:\n  name: {name}\n  namespace: app\nspec:\n  side: {side}\n  pvc: data\n  timeoutSeconds: {timeout}\n"
+    ));
+}
+
+/// The status of VolumeMove `name` in `app`.
+fn move_status(s: &Site, name: &str) -> Value {
+    let out =
+        s.c.kubectl(&["get", "volumemove", name, "-n", "app", "-o", "json"]);
+    serde_json::from_slice::<Value>(&out.stdout).unwrap_or(Value::Null)["status"].clone()
+}
+
+/// Moves of a PostgreSQL volume between two clusters, each cluster's half a VolumeMove.
+///
+/// Planned: pgbench writes in a pod on A; A's move deletes the pod (the kubelet stops
+/// it: pgbench, then PostgreSQL), waits until A's agent sees nothing holding the volume
+/// and demotes; B's move promotes once the final cycle is applied. PostgreSQL in a pod
+/// on B then holds every transaction committed on A, each whole. Both PVs are `Retain`
+/// while the move runs and the user's `Delete` after.
+///
+/// Fenced: the database now on B and writing, B's agent stops answering (SIGSTOP). A's
+/// move waits 5 s for a final cycle, then promotes by force and says `fenced`. When B's
+/// agent runs again its cycles (the late writes) are refused for their stale epoch: A's
+/// agent logs and counts each, and A's volume is unchanged.
+#[test]
+fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_old_owner_fenced() {
+    const LEN: u64 = 192 * MIB;
+    let _one = serial();
+    let Some(a) = Site::start("pga", 9) else {
+        return;
+    };
+    let mut b = Site::start("pgb", 3).unwrap();
+    b.on = 2;
+    for s in [&a, &b] {
+        s.c.import_test_image("postgres");
+        std::fs::File::create(s.image())
+            .unwrap()
+            .set_len(LEN)
+            .unwrap();
+    }
+    // The volume's file system, made where the test can (the database's pod makes its
+    // cluster in it).
+    let mkfs = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(a.image())
+        .status()
+        .unwrap();
+    assert!(mkfs.success());
+    for s in [&a, &b] {
+        // A device node, as a local disk's partition: the database's pod is privileged
+        // (to mount it), and containerd gives a privileged container only devices.
+        local_block_device(&s.c, s.on, "data");
+        s.claim(LEN, "/mnt/disks/data");
+        // The user's policy, which the moves keep at Retain while they run.
+        s.c.kubectl_ok(&[
+            "patch",
+            "pv",
+            "pv-data",
+            "-p",
+            r#"{"spec":{"persistentVolumeReclaimPolicy":"Delete"}}"#,
+        ]);
+    }
+    let (a_locator, b_locator) = (a.expose_locator(), b.expose_locator());
+    // A mounted file system is written while cycles read it: each cycle is
+    // crash-consistent at best, and the move's final cycle (nothing holding it) whole.
+    let torn = "    consistency: crash-inconsistent\n";
+    a.class_named("mover-dr", &b, &b_locator, torn);
+    b.class_named("mover-dr", &a, &a_locator, torn);
+    b.set_state("secondary");
+    b.wait_vr("B secondary", |s| s.vr()["status"]["state"] == "Secondary");
+    a.set_state("primary");
+    a.wait_vr("A replicating", |s| {
+        s.completed("Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
+    });
+
+    // The database on A, written by pgbench.
+    a.c.apply(&db_pod());
+    let started = Duration::from_secs(300);
+    a.c.wait("the database Ready on A", started, || {
+        a.c.get(
+            &["pod/db", "-n", "app"],
+            "{.status.containerStatuses[0].ready}",
+        ) == "true"
+    });
+    a.c.kubectl_ok(&["exec", "-n", "app", "db", "--", "touch", "/tmp/go"]);
+    let synced = a.vr()["status"]["lastSyncTime"].clone();
+    a.wait_vr("a cycle of the loaded database", |s| {
+        s.vr()["status"]["lastSyncTime"] != synced
+    });
+
+    // The planned move; both PVs' policies sampled while it runs.
+    let moving = std::time::Instant::now();
+    volume_move(&a, "to-b", "Source", 120);
+    volume_move(&b, "from-a", "Destination", 120);
+    let reclaim = |s: &Site| {
+        s.c.get(&["pv/pv-data"], "{.spec.persistentVolumeReclaimPolicy}")
+    };
+    let mut while_moving = Vec::new();
+    a.c.wait(
+        "B's half of the move Completed",
+        Duration::from_secs(240),
+        || {
+            let (ma, mb) = (move_status(&a, "to-b"), move_status(&b, "from-a"));
+            if ma["phase"].is_string() && ma["phase"] != "Completed" {
+                while_moving.push((ma["phase"].to_string(), reclaim(&a), reclaim(&b)));
+            }
+            mb["phase"] == "Completed"
+        },
+    );
+    let downtime = moving.elapsed();
+    a.c.wait("A's half of the move Completed", WAIT, || {
+        move_status(&a, "to-b")["phase"] == "Completed"
+    });
+    let (ma, mb) = (move_status(&a, "to-b"), move_status(&b, "from-a"));
+    eprintln!(
+        "planned move: {:.1} s from the moves' creation to B owning the volume\nA: {ma}\nB: {mb}\nwhile moving (phase, A's policy, B's): {while_moving:?}",
+        downtime.as_secs_f64()
+    );
+    assert!(!while_moving.is_empty(), "the move was seen running");
+    for (phase, pa, pb) in &while_moving {
+        if phase != "\"Pending\"" {
+            assert_eq!(
+                (pa.as_str(), pb.as_str()),
+                ("Retain", "Retain"),
+                "{phase}: Retain while moving"
+            );
+        }
+    }
+    assert_eq!(mb["fenced"], false, "{mb}");
+    assert_eq!(mb["volumes"][0]["epoch"], 2, "{mb}");
+    assert!(ma["volumes"][0]["releasedTime"].is_string(), "{ma}");
+    assert_eq!(a.vr()["status"]["state"], "Secondary");
+    assert!(
+        !a.c.kubectl(&["get", "pod", "db", "-n", "app"])
+            .status
+            .success(),
+        "the move deleted A's database pod"
+    );
+    for s in [&a, &b] {
+        assert_eq!(
+            reclaim(s),
+            "Delete",
+            "{}: the user's policy again",
+            s.c.name
+        );
+    }
+    let committed: i64 = std::fs::read_to_string(a.c.disks(1).join("out/committed"))
+        .expect("A's database wrote its count as it stopped")
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(committed > 0, "pgbench committed on A");
+
+    // The database on B holds every transaction committed on A, each whole.
+    b.c.apply(&db_pod());
+    b.c.wait("the database Ready on B", started, || {
+        b.c.get(
+            &["pod/db", "-n", "app"],
+            "{.status.containerStatuses[0].ready}",
+        ) == "true"
+    });
+    assert_eq!(
+        db_sql(&b, "select count(*) from pgbench_history"),
+        committed.to_string(),
+        "every committed transaction moved"
+    );
+    common::pg::assert_transactions_whole_by(
+        |sql| db_sql(&b, sql),
+        |program, args| {
+            db_run(&b, program, args);
+        },
+    );
+    eprintln!("{committed} committed transactions on A, all of them on B");
+
+    // The database writes on B; then B's agent stops answering.
+    b.c.kubectl_ok(&["exec", "-n", "app", "db", "--", "touch", "/tmp/go"]);
+    let synced = b.vr()["status"]["lastSyncTime"].clone();
+    b.wait_vr("a cycle of B's applied at A", |s| {
+        let t = &s.vr()["status"]["lastSyncTime"];
+        t.is_string() && *t != synced
+    });
+    let b_agent = process_of("agent", &format!("NODE_NAME={}", b.c.node(2)))
+        .and_then(rustix::process::Pid::from_raw)
+        .expect("B's agent's process");
+    use rustix::process::{Signal, kill_process};
+    kill_process(b_agent, Signal::STOP).unwrap();
+    volume_move(&a, "back-to-a", "Destination", 5);
+    a.c.wait("A owning the volume, its old owner fenced", WAIT, || {
+        move_status(&a, "back-to-a")["phase"] == "Completed"
+    });
+    let back = move_status(&a, "back-to-a");
+    assert_eq!(back["fenced"], true, "{back}");
+    assert_eq!(back["volumes"][0]["epoch"], 3, "{back}");
+    assert!(
+        back["volumes"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("old owner is fenced")),
+        "{back}"
+    );
+    let owned = blake3_of(&a.image(), LEN);
+    let refusals = || -> u64 {
+        common::http_get(&format!("{}:9470", a.c.node_ip(1)), "/metrics")
+            .lines()
+            .find_map(|l| l.strip_prefix("mover_agent_stale_epoch_refusals_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0) as u64
+    };
+    let before = refusals();
+    // (The kubelet may have restarted it meanwhile, its liveness probe unanswered: the
+    // new process ships B's late writes just the same.)
+    let _ = kill_process(b_agent, Signal::CONT);
+    a.c.wait("B's late writes refused at A", WAIT, || refusals() > before);
+    let log = agent_log(&a.c, &a.c.node(1));
+    assert!(
+        log.contains("write refused: stale fencing epoch")
+            && log.contains("given=2")
+            && log.contains("highest=3"),
+        "A's agent log says why:\n{log}"
+    );
+    assert_eq!(
+        blake3_of(&a.image(), LEN),
+        owned,
+        "nothing of B's landed on A"
+    );
+    for s in [&a, &b] {
+        s.assert_nothing_forbidden();
     }
 }

@@ -228,7 +228,10 @@ impl Exports {
                 "agent.toml exports that volume as {other:?}; it has one name"
             )));
         }
-        check_not_mounted(path).map_err(refused)?;
+        // A device in use (a pod's mounted file system) is registered all the same: a
+        // primary's cycles read it live (crash-consistent at best, and said so), and a
+        // write into it (a secondary's cycle, a restore) is refused where it opens the
+        // device (`copy::prepare_destination`: DestinationInUse).
         let want = Registered {
             path: path.into(),
             block,
@@ -319,29 +322,6 @@ fn same_file(a: &Path, b: &Path) -> bool {
     match (std::fs::metadata(a), std::fs::metadata(b)) {
         (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
         _ => false,
-    }
-}
-
-/// Refuses a block device the kernel holds (a mounted file system, a device-mapper or
-/// RAID member): writing it under its user would corrupt it. An exclusive open fails
-/// with EBUSY on such a device and holds nothing once closed.
-fn check_not_mounted(path: &Path) -> Result<(), String> {
-    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-    let is_block = std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device());
-    if !is_block {
-        return Ok(());
-    }
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_EXCL)
-        .open(path)
-    {
-        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Err(
-            "the device is mounted or held by the kernel (a file system, LVM, RAID): export \
-             the volume's own device or its mount point, never a device in use"
-                .into(),
-        ),
-        _ => Ok(()),
     }
 }
 

@@ -101,6 +101,22 @@ impl RealCluster {
         Some(c)
     }
 
+    /// Loads test image `name` of `deploy/test-cluster/images.sh` (`localhost/NAME:…`,
+    /// from `NAME.oci.tar`) into every node, for the tests that run it.
+    pub fn import_test_image(&self, name: &str) {
+        let archive = self.bin.join("images").join(format!("{name}.oci.tar"));
+        let out = script(
+            &self.bin,
+            &["import", &self.name, archive.to_str().unwrap()],
+        );
+        assert!(
+            out.status.success(),
+            "cluster.sh import {}: {}",
+            archive.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// Node `n`'s name.
     pub fn node(&self, n: u8) -> String {
         format!("{}-{n}", self.name)

@@ -202,21 +202,32 @@ impl Drop for Running {
 /// teller and branch and records it in the history), and no page of a table or index
 /// is torn or stale (pg_amcheck).
 pub fn assert_transactions_whole(pg: &Postgres) {
-    let sums = pg.sql(
+    assert_transactions_whole_by(
+        |sql| pg.sql(sql),
+        |program, args| {
+            run_ok(pg.cmd(program).args(args));
+        },
+    );
+}
+
+/// [`assert_transactions_whole`] of a database reached through `sql` (an answer to a
+/// query) and `run` (a program of its server, with arguments, run as postgres): a pod's.
+pub fn assert_transactions_whole_by(sql: impl Fn(&str) -> String, run: impl Fn(&str, &[&str])) {
+    let sums = sql(
         "select (select coalesce(sum(delta), 0) from pgbench_history) || ' ' || \
      (select sum(abalance) from pgbench_accounts) || ' ' || \
      (select sum(tbalance) from pgbench_tellers) || ' ' || \
      (select sum(bbalance) from pgbench_branches)",
     );
-    let sums: Vec<&str> = sums.split(' ').collect();
+    let sums: Vec<&str> = sums.trim().split(' ').collect();
     assert!(
-        sums.iter().all(|s| *s == sums[0]),
+        sums.len() == 4 && sums.iter().all(|s| *s == sums[0]),
         "history, accounts, tellers, branches: {sums:?}"
     );
     // No torn or stale page in tables or indexes.
-    run_ok(
-        pg.cmd("pg_amcheck")
-            .args(["--install-missing", "--heapallindexed", "postgres"]),
+    run(
+        "pg_amcheck",
+        &["--install-missing", "--heapallindexed", "postgres"],
     );
 }
 
