@@ -6,7 +6,7 @@
 #                            the same, named as the controller's snapshot reader pods
 #                            name their image (csi_snapshots::READER_IMAGE)
 #   localhost/busybox:1      the tests' workload pods: busybox-static with its applets
-#   localhost/postgres:15    the tests' database pods: Debian 12's postgresql-15 and mount,
+#   localhost/postgres:15    the tests' database pods: Debian 12's postgresql-15, mount, mkfs.ext4,
 #                            made by mmdebstrap and cached under $MOVER_IMAGE_CACHE (as
 #                            deploy/image/build.sh caches mover's base layer)
 #   registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.15.0
@@ -50,7 +50,7 @@ mirror="${MOVER_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 command -v mmdebstrap >/dev/null || { echo "images.sh: mmdebstrap is missing: apt-get install mmdebstrap" >&2; exit 1; }
 postgres_layer() {
   SOURCE_DATE_EPOCH=1700000000 mmdebstrap --quiet --format=tar --variant=essential \
-    --include=postgresql-15,mount \
+    --include=postgresql-15,mount,e2fsprogs \
     --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
     --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
     --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/var/log/*' \

@@ -1751,9 +1751,9 @@ fn on_real_nodes_the_controller_outlives_its_leaders_death_an_api_server_restart
 }
 
 /// The script of the database pods (`localhost/postgres:15`, privileged to mount its
-/// block volume's ext4 as a database's own pod would with a filesystem volume): it
-/// starts PostgreSQL on the volume (a new cluster with pgbench's tables if there is
-/// none), says `ready`, starts pgbench once `/tmp/go` exists, and on SIGTERM (the
+/// Block volume's ext4 itself): it makes the file system if the volume has none,
+/// starts PostgreSQL on it (a new cluster with pgbench's tables if there is none),
+/// says `ready`, starts pgbench once `/tmp/go` exists, and on SIGTERM (the
 /// kubelet stopping the pod) stops pgbench, waits until its backends have ended (a
 /// COMMIT sent before the stop still commits), writes how many transactions the
 /// database holds to `/out/committed` (the node's /mnt/disks, for the test) and stops
@@ -1762,6 +1762,7 @@ const DB_SCRIPT: &str = r#"set -eu
 pg() { runuser -u postgres -- "$@"; }
 sql() { pg psql -XAtq -v ON_ERROR_STOP=1 -c "$1"; }
 mkdir -p /pg
+blkid /dev/data >/dev/null || mkfs.ext4 -q /dev/data
 mount /dev/data /pg
 install -d -o postgres /run/postgresql
 if [ ! -d /pg/pgdata ]; then
@@ -1793,8 +1794,8 @@ echo loading
 wait "$load"
 "#;
 
-/// Pod `db` in `app` running [`DB_SCRIPT`] on the PVC `data`, ready once PostgreSQL is.
-fn db_pod() -> String {
+/// Pod `db` in `app` running [`DB_SCRIPT`] on the PVC `claim`, ready once PostgreSQL is.
+fn db_pod(claim: &str) -> String {
     serde_json::json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -1815,7 +1816,7 @@ fn db_pod() -> String {
                 "volumeMounts": [{"name": "out", "mountPath": "/out"}]
             }],
             "volumes": [
-                {"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
+                {"name": "data", "persistentVolumeClaim": {"claimName": claim}},
                 {"name": "out", "hostPath": {"path": "/mnt/disks/out", "type": "DirectoryOrCreate"}}
             ]
         }
@@ -1882,14 +1883,6 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
             .set_len(LEN)
             .unwrap();
     }
-    // The volume's file system, made where the test can (the database's pod makes its
-    // cluster in it).
-    let mkfs = std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F"])
-        .arg(a.image())
-        .status()
-        .unwrap();
-    assert!(mkfs.success());
     for s in [&a, &b] {
         // A device node, as a local disk's partition: the database's pod is privileged
         // (to mount it), and containerd gives a privileged container only devices.
@@ -1918,7 +1911,7 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
     });
 
     // The database on A, written by pgbench.
-    a.c.apply(&db_pod());
+    a.c.apply(&db_pod("data"));
     let started = Duration::from_secs(300);
     a.c.wait("the database Ready on A", started, || {
         a.c.get(
@@ -1996,7 +1989,7 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
     assert!(committed > 0, "pgbench committed on A");
 
     // The database on B holds every transaction committed on A, each whole.
-    b.c.apply(&db_pod());
+    b.c.apply(&db_pod("data"));
     b.c.wait("the database Ready on B", started, || {
         b.c.get(
             &["pod/db", "-n", "app"],
@@ -2069,4 +2062,161 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
     for s in [&a, &b] {
         s.assert_nothing_forbidden();
     }
+}
+
+/// PostgreSQL under pgbench in a pod on a Block PVC of the hostpath CSI driver, its ext4
+/// mounted inside the pod (where the node cannot see it, so the agent cannot freeze it):
+/// the class's hooks freeze it (`fsfreeze -f` before each VolumeSnapshot, `-u` once the
+/// driver has cut it), cycles run every 2 s under the load, and the DR cluster promoted
+/// by force opens the last applied cycle as a database: its ext4 clean, every
+/// transaction in it whole, none the primary had not committed.
+#[test]
+fn on_real_nodes_pgbench_in_a_csi_block_volume_replicates_through_snapshots_its_hooks_freeze() {
+    const SCALE: i64 = 2;
+    const LEN: u64 = 256 * MIB;
+    let _one = serial();
+    let Some(mut east) = Site::start_from("east", 1, "deploy/overlays/snapshot-hooks") else {
+        return;
+    };
+    east.c.csi_hostpath();
+    let mut west = Site::start("west", 2).unwrap();
+    for s in [&mut east, &mut west] {
+        s.vr = "vol";
+        s.class = "csi-dr";
+        s.c.import_test_image("postgres");
+        s.c.kubectl_ok(&["create", "namespace", "app"]);
+    }
+    east.c.apply(
+        "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {name: vol, namespace: app}\nspec:\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: csi-hostpath\n  resources: {requests: {storage: 256Mi}}\n",
+    );
+    east.c.apply(&db_pod("vol"));
+    let started = Duration::from_secs(300);
+    east.c.wait("the database Ready on east", started, || {
+        east.c.get(
+            &["pod/db", "-n", "app"],
+            "{.status.containerStatuses[0].ready}",
+        ) == "true"
+    });
+
+    // The DR side: a local PV of the same name (as RamenDR restores it) on west's node 1,
+    // a device node as in the move test (the database's pod there is privileged too).
+    let pv = east.c.get(&["pvc/vol", "-n", "app"], "{.spec.volumeName}");
+    let replica = west.c.disks(1).join("vol.img");
+    make_image(&replica, LEN, 0, &[]);
+    local_block_device(&west.c, 1, "vol");
+    west.c.apply(&format!(
+        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata: {{name: local}}\nprovisioner: kubernetes.io/no-provisioner\nvolumeBindingMode: Immediate\n---\napiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: {pv}}}\nspec:\n  capacity: {{storage: 256Mi}}\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: local\n  persistentVolumeReclaimPolicy: Retain\n  local: {{path: /mnt/disks/vol}}\n  nodeAffinity:\n    required:\n      nodeSelectorTerms:\n      - matchExpressions:\n        - {{key: kubernetes.io/hostname, operator: In, values: [{node}]}}\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {{name: vol, namespace: app}}\nspec:\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: local\n  volumeName: {pv}\n  resources: {{requests: {{storage: 256Mi}}}}\n",
+        node = west.c.node(1)
+    ));
+    let (east_locator, west_locator) = (east.expose_locator(), west.expose_locator());
+    west.class_named("csi-dr", &east, &east_locator, "");
+    let hooked = |extra: &str| {
+        east.class_named(
+            "csi-dr",
+            &west,
+            &west_locator,
+            &format!(
+                r#"    volumeSnapshotClassName: csi-hostpath-snapclass
+    preSnapshotHook: '["fsfreeze", "-f", "/pg"]'
+    postSnapshotHook: '["fsfreeze", "-u", "/pg"]'
+{extra}"#
+            ),
+        )
+    };
+    hooked("");
+    start_replicating(&east, &west);
+
+    // The load, with a cycle due every 2 s: each a snapshot cut with the ext4 frozen.
+    east.c
+        .kubectl_ok(&["exec", "-n", "app", "db", "--", "touch", "/tmp/go"]);
+    let load = std::time::Instant::now();
+    let mut synced = std::collections::BTreeSet::new();
+    while load.elapsed() < Duration::from_secs(40) {
+        if let Some(t) = east.vr()["status"]["lastSyncTime"].as_str() {
+            synced.insert(t.to_string());
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let during = db_sql(&east, "select count(*) from pgbench_history");
+    eprintln!(
+        "{} cycles while pgbench ran 40 s ({during} transactions): {synced:?}",
+        synced.len()
+    );
+    // A cycle is a hook, a snapshot, a clone, its reader published, the delta: several
+    // seconds on two cores that also run both clusters and the database.
+    assert!(
+        synced.len() >= 3,
+        "cycles due every 2 s under load: {synced:?}\n{}",
+        east.c.logs(CONTROLLERS)
+    );
+    let log = east.c.logs(CONTROLLERS);
+    let (pre, post) = (
+        log.matches("pre-snapshot hook ran").count(),
+        log.matches("post-snapshot hook ran").count(),
+    );
+    assert!(
+        pre >= synced.len() && post >= pre - 1,
+        "every freeze undone: {pre} pre, {post} post"
+    );
+    // A post-hook that failed is a warning naming it ("post-snapshot hook [...] in pod").
+    assert!(!log.contains("post-snapshot hook ["), "{log}");
+
+    // A snapshot the driver does not cut within freezeTimeout: deleted, the cycle failed
+    // and said so, the post-hook run all the same (the database writes on).
+    let reclass = |extra: &str| {
+        east.c
+            .kubectl_ok(&["delete", "volumereplicationclass", "csi-dr", "--wait"]);
+        hooked(extra);
+    };
+    reclass("    freezeTimeout: 1ms\n");
+    east.wait_vr("a cycle failed for a snapshot not cut in time", |s| {
+        let m = s.message("Replicating");
+        m.contains("freezeTimeout 1ms") && m.contains("pre-snapshot hook left it")
+    });
+    let before: i64 = db_sql(&east, "select count(*) from pgbench_history")
+        .parse()
+        .unwrap();
+    east.c.wait("pgbench writing, thawed", WAIT, || {
+        db_sql(&east, "select count(*) from pgbench_history")
+            .parse::<i64>()
+            .unwrap()
+            > before
+    });
+    reclass("");
+    east.wait_vr("cycles again", |s| s.condition("Degraded").0 == "False");
+
+    // Disaster recovery: west promoted by force from its last applied cycle.
+    west.set_state("primary");
+    west.wait_vr("west promoted", |s| s.completed("Promoted"));
+    let written: i64 = db_sql(&east, "select count(*) from pgbench_history")
+        .parse()
+        .unwrap();
+    // Frozen around each snapshot: clean, its journal flushed.
+    common::pg::assert_ext4_clean(&replica);
+    west.c.apply(&db_pod("vol"));
+    west.c.wait("the database Ready on west", started, || {
+        west.c.get(
+            &["pod/db", "-n", "app"],
+            "{.status.containerStatuses[0].ready}",
+        ) == "true"
+    });
+    assert_eq!(
+        db_sql(&west, "select count(*) from pgbench_accounts"),
+        (SCALE * 100_000).to_string()
+    );
+    let history: i64 = db_sql(&west, "select count(*) from pgbench_history")
+        .parse()
+        .unwrap();
+    assert!(
+        0 < history && history <= written,
+        "{history} transactions on the replica, {written} on the primary"
+    );
+    common::pg::assert_transactions_whole_by(
+        |sql| db_sql(&west, sql),
+        |program, args| {
+            db_run(&west, program, args);
+        },
+    );
+    eprintln!("{history} of {written} transactions on the replica, all whole");
+    east.assert_nothing_forbidden();
 }

@@ -413,10 +413,13 @@ async fn take_frozen(
         .await
         .map_err(|e| e.to_string())?;
     let created = create(&ctx.client, d, src, last).await;
+    // Whatever holds the workload still (the agent's freeze, or the class's hooks: a
+    // pre-hook's `fsfreeze -f` in the pod) is let go only once the driver has cut the
+    // snapshot, not when its object is made: a driver cuts it later, and a cut after the
+    // post-hook's thaw would not be the instant the hooks made.
+    let held = !frozen.mounts.is_empty() || d.params.hooks.1.is_some();
     let cut = match &created {
-        Ok(name) if !frozen.mounts.is_empty() => {
-            wait_cut(&ctx.client, &src.namespace, name, bound).await
-        }
+        Ok(name) if held => wait_cut(&ctx.client, &src.namespace, name, bound).await,
         _ => Ok(()),
     };
     let thawed = match frozen.mounts.is_empty() {
@@ -428,12 +431,15 @@ async fn take_frozen(
     let name = created?;
     if let Err(e) = thawed.map_err(|e| e.message).and(cut) {
         remove_snapshot(&ctx.client, &src.namespace, &name).await?;
+        let still = match frozen.mounts.is_empty() {
+            true => "the workload stayed as its pre-snapshot hook left it".to_string(),
+            false => format!("{} stayed frozen", frozen.mounts.join(", ")),
+        };
         return Err(format!(
-            "VolumeSnapshot {}/{name} was not cut while {} stayed frozen (freezeTimeout {}ms): \
+            "VolumeSnapshot {}/{name} was not cut while {still} (freezeTimeout {}ms): \
              {e}; it is deleted and the next cycle tries again (raise the class's \
              freezeTimeout if the driver is slow to cut snapshots)",
             src.namespace,
-            frozen.mounts.join(", "),
             bound.as_millis()
         ));
     }
