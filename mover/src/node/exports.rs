@@ -328,7 +328,8 @@ fn same_file(a: &Path, b: &Path) -> bool {
 /// A registration as served now: a block volume's device directory is resolved to its
 /// first device entry (by name), so a new pod's entry is found without registering again.
 fn resolve(name: &str, r: &Registered) -> Result<Export, ExportError> {
-    let path = if r.block && r.path.is_dir() {
+    // A device directory the kubelet has not made yet is one with no device yet.
+    let path = if r.block && (r.path.is_dir() || !r.path.exists()) {
         // Hidden entries are never the volume (mover's own clones beside an image).
         let mut entries: Vec<PathBuf> = std::fs::read_dir(&r.path)
             .map(|d| {
@@ -427,7 +428,18 @@ mod tests {
         assert!(e.contains("registered as \"pv-9\""), "{e}");
         assert!(exports.unregister("pv-9").unwrap());
 
-        // A block volume's device directory: no device yet, then the first entry.
+        // A block volume's device directory not made yet, or empty: no device yet; then
+        // its first entry.
+        assert!(
+            exports
+                .register("pv-0", &root.join("pv-0/dev"), true, "")
+                .unwrap()
+        );
+        assert!(matches!(
+            exports.get("pv-0"),
+            Err(ExportError::NoDevice { .. })
+        ));
+        assert!(exports.unregister("pv-0").unwrap());
         let dir = root.join("pv-1/dev");
         assert!(exports.register("pv-1", &dir, true, "").unwrap());
         assert!(matches!(
