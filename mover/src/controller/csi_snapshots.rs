@@ -298,7 +298,8 @@ async fn run_step(
         Some(pv) => pv,
         None => {
             return Ok(Step::Waiting(format!(
-                "the clone of VolumeSnapshot {ns}/{name} is not bound yet"
+                "the clone of VolumeSnapshot {ns}/{name} is not bound, or its reader pod not \
+                 running, yet"
             )));
         }
     };
@@ -515,7 +516,7 @@ async fn create(
 }
 
 /// Makes sure the clone PVC of snapshot `name` and its reader pod exist; returns the
-/// clone's PV once it is bound.
+/// clone's PV once it is bound and its reader pod runs.
 async fn reader(
     client: &kube::Client,
     d: &Desired,
@@ -565,12 +566,14 @@ async fn reader(
         }
     };
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    if pods
-        .get_opt(name)
-        .await
-        .map_err(|e| e.to_string())?
-        .is_none()
-    {
+    // The kubelet publishes the clone's device before it starts the pod's container: a
+    // running reader is a device the agent can open.
+    let existing = pods.get_opt(name).await.map_err(|e| e.to_string())?;
+    let running = existing
+        .as_ref()
+        .and_then(|p| p.status.as_ref()?.phase.as_deref())
+        == Some("Running");
+    if existing.is_none() {
         let pod: Pod = serde_json::from_value(serde_json::json!({
             "metadata": {
                 "name": name,
@@ -599,7 +602,7 @@ async fn reader(
     Ok(pvc
         .spec
         .and_then(|s| s.volume_name)
-        .filter(|v| bound && !v.is_empty()))
+        .filter(|v| bound && running && !v.is_empty()))
 }
 
 /// The ranges changed from the snapshot `base` (a CSI handle) to the VolumeSnapshot

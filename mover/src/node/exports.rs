@@ -328,8 +328,7 @@ fn same_file(a: &Path, b: &Path) -> bool {
 /// A registration as served now: a block volume's device directory is resolved to its
 /// first device entry (by name), so a new pod's entry is found without registering again.
 fn resolve(name: &str, r: &Registered) -> Result<Export, ExportError> {
-    // A device directory the kubelet has not made yet is one with no device yet.
-    let path = if r.block && (r.path.is_dir() || !r.path.exists()) {
+    let path = if r.block && r.path.is_dir() {
         // Hidden entries are never the volume (mover's own clones beside an image).
         let mut entries: Vec<PathBuf> = std::fs::read_dir(&r.path)
             .map(|d| {
