@@ -59,7 +59,11 @@ postgres_layer() {
 }
 mkdir -p "$cache"
 postgres="$cache/postgres-$( (echo "$mirror"; declare -f postgres_layer) | sha256sum | cut -c1-16).tar"
-[ -f "$postgres" ] || postgres_layer "$postgres"
+if [ ! -f "$postgres" ]; then
+  postgres_layer "$postgres"
+  # Only the current one is kept: each is about 400 MB.
+  find "$cache" -maxdepth 1 -name 'postgres-*.tar' ! -path "$postgres" -delete
+fi
 python3 "$pack" --name localhost/postgres:15 --out "$out/postgres.oci.tar" \
   --env PATH=/usr/lib/postgresql/15/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   --cmd '["/bin/sh"]' "$postgres" >/dev/null
