@@ -836,6 +836,9 @@ spec:
     c.wait("both pods Ready on node 1", WAIT, || {
         c.get(&["sts/db", "-n", "app"], "{.status.readyReplicas}") == "2"
     });
+    c.wait("both pods' reads done", WAIT, || {
+        pods_reads(&c).iter().all(|(_, read)| !read.is_empty())
+    });
     let before = pods_reads(&c);
     for (n, (node, read)) in before.iter().enumerate() {
         assert_eq!((node.as_str(), read), (c.node(1).as_str(), &want[n]));
@@ -860,6 +863,11 @@ spec:
     );
     c.wait("both pods Ready again", WAIT, || {
         c.get(&["sts/db", "-n", "app"], "{.status.readyReplicas}") == "2"
+    });
+    // Ready once started: each pod's read of its volume (fetched on demand, while it
+    // still arrives) may still be running.
+    c.wait("both pods' reads done", WAIT, || {
+        pods_reads(&c).iter().all(|(_, read)| !read.is_empty())
     });
     let after = pods_reads(&c);
     for (n, (node, read)) in after.iter().enumerate() {
@@ -1933,14 +1941,17 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
     let reclaim = |s: &Site| {
         s.c.get(&["pv/pv-data"], "{.spec.persistentVolumeReclaimPolicy}")
     };
+    // Each side's policy while its own half runs (B's half may end before A's says so).
     let mut while_moving = Vec::new();
     a.c.wait(
         "B's half of the move Completed",
         Duration::from_secs(240),
         || {
             let (ma, mb) = (move_status(&a, "to-b"), move_status(&b, "from-a"));
-            if ma["phase"].is_string() && ma["phase"] != "Completed" {
-                while_moving.push((ma["phase"].to_string(), reclaim(&a), reclaim(&b)));
+            for (side, m, s) in [("A", &ma, &a), ("B", &mb, &b)] {
+                if m["phase"].is_string() && m["phase"] != "Completed" {
+                    while_moving.push((side, m["phase"].to_string(), reclaim(s)));
+                }
             }
             mb["phase"] == "Completed"
         },
@@ -1951,17 +1962,13 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
     });
     let (ma, mb) = (move_status(&a, "to-b"), move_status(&b, "from-a"));
     eprintln!(
-        "planned move: {:.1} s from the moves' creation to B owning the volume\nA: {ma}\nB: {mb}\nwhile moving (phase, A's policy, B's): {while_moving:?}",
+        "planned move: {:.1} s from the moves' creation to B owning the volume\nA: {ma}\nB: {mb}\nwhile moving (side, phase, its PV's policy): {while_moving:?}",
         downtime.as_secs_f64()
     );
     assert!(!while_moving.is_empty(), "the move was seen running");
-    for (phase, pa, pb) in &while_moving {
+    for (side, phase, policy) in &while_moving {
         if phase != "\"Pending\"" {
-            assert_eq!(
-                (pa.as_str(), pb.as_str()),
-                ("Retain", "Retain"),
-                "{phase}: Retain while moving"
-            );
+            assert_eq!(policy, "Retain", "{side} {phase}: Retain while moving");
         }
     }
     assert_eq!(mb["fenced"], false, "{mb}");
