@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the mover image from this repository, without a registry or a daemon:
 #  - layer 1: a Debian 12 root file system made by mmdebstrap from Debian's packages
-#    (Essential plus ./packages, without docs, man pages and locales), cached outside the
-#    clone under the hash of its inputs;
+#    (Essential plus ./packages, without docs, man pages and locales: ./debian-layer.sh),
+#    cached outside the clone under the hash of its inputs;
 #  - layer 2: the release build of `mover` at /usr/local/bin/mover (its entrypoint).
 # Packed by ./oci-pack.py as an OCI archive named localhost/mover:VERSION (VERSION from
 # Cargo.toml: the tag deploy/base's kustomization names). Prints the archive's path.
@@ -19,9 +19,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 cache="${MOVER_IMAGE_CACHE:-/var/tmp/mover-image}"
-mirror="${MOVER_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 mkdir -p "$cache"
-command -v mmdebstrap >/dev/null || { echo "image/build.sh: mmdebstrap is needed (apt-get install mmdebstrap)" >&2; exit 1; }
 
 version="$(awk -F'"' '/^version = / {print $2; exit}' "$repo/Cargo.toml")"
 name="localhost/mover:$version"
@@ -29,22 +27,7 @@ name="localhost/mover:$version"
 # The package list without its comments.
 packages="$(sed 's/#.*//' "$here/packages" | xargs | tr ' ' ',')"
 
-base_layer() {
-  # Deterministic: fixed timestamps, no docs or caches that differ between runs.
-  SOURCE_DATE_EPOCH=1700000000 mmdebstrap --quiet --format=tar --variant=essential --include="$packages" \
-    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
-    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
-    --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/var/log/*' \
-    bookworm "$1.part" "$mirror"
-  mv "$1.part" "$1"
-}
-
-stamp="$( (echo "$packages $mirror"; declare -f base_layer) | sha256sum | cut -c1-16)"
-base="$cache/base-$stamp.tar"
-if [ ! -f "$base" ]; then
-  echo "image/build.sh: making the Debian base layer ($packages)" >&2
-  base_layer "$base"
-fi
+base="$("$here/debian-layer.sh" base "$packages")"
 
 binary="${MOVER_BINARY:-}"
 if [ -z "$binary" ]; then

@@ -45,25 +45,7 @@ python3 "$pack" --name registry.k8s.io/pause:3.10 --out "$out/pause-3.10.oci.tar
   --entrypoint '["/bin/sleep", "2147483647"]' "$work/busybox" >/dev/null
 
 # The database image: one layer, rebuilt only when what makes it changes.
-cache="${MOVER_IMAGE_CACHE:-/var/tmp/mover-image}"
-mirror="${MOVER_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-command -v mmdebstrap >/dev/null || { echo "images.sh: mmdebstrap is missing: apt-get install mmdebstrap" >&2; exit 1; }
-postgres_layer() {
-  SOURCE_DATE_EPOCH=1700000000 mmdebstrap --quiet --format=tar --variant=essential \
-    --include=postgresql-15,mount,e2fsprogs \
-    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
-    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
-    --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/var/log/*' \
-    bookworm "$1.part" "$mirror"
-  mv "$1.part" "$1"
-}
-mkdir -p "$cache"
-postgres="$cache/postgres-$( (echo "$mirror"; declare -f postgres_layer) | sha256sum | cut -c1-16).tar"
-if [ ! -f "$postgres" ]; then
-  postgres_layer "$postgres"
-  # Only the current one is kept: each is about 400 MB.
-  find "$cache" -maxdepth 1 -name 'postgres-*.tar' ! -path "$postgres" -delete
-fi
+postgres="$("$here/../image/debian-layer.sh" postgres postgresql-15,mount,e2fsprogs)"
 python3 "$pack" --name localhost/postgres:15 --out "$out/postgres.oci.tar" \
   --env PATH=/usr/lib/postgresql/15/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   --cmd '["/bin/sh"]' "$postgres" >/dev/null
