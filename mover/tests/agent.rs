@@ -724,21 +724,10 @@ fn a_mounted_device_is_read_but_never_written() {
         return skip_unless_ci("loop devices and mounts need root");
     }
     let t = tempfile::tempdir().unwrap();
-    let image = t.path().join("fs.img");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(32 * MIB)
-        .unwrap();
-    let mkfs = std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F"])
-        .arg(&image)
-        .status()
-        .unwrap();
-    assert!(mkfs.success());
-    let dev = LoopDevice::attach(&image);
-    let mount = Mount::new(&dev.path, &t.path().join("mnt"));
-    std::fs::write(mount.dir.join("file"), b"written by the device's user").unwrap();
-    let agent = Agent::start(t.path(), &[("busy", &dev.path, false)], None);
+    let fs = ScratchFs::new("ext4", 32 * MIB);
+    std::fs::write(fs.path().join("file"), b"written by the device's user").unwrap();
+    let dev = fs.device();
+    let agent = Agent::start(t.path(), &[("busy", dev, false)], None);
 
     let copied = t.path().join("copy.img");
     json_of(&copy(
@@ -747,20 +736,19 @@ fn a_mounted_device_is_read_but_never_written() {
     ));
     assert_eq!(
         blake3_of(&copied, 32 * MIB),
-        blake3_of(&dev.path, 32 * MIB),
+        blake3_of(dev, 32 * MIB),
         "the mounted device read whole"
     );
 
     let src = t.path().join("src.img");
     make_image(&src, 32 * MIB, 45, &[(0, 32 * MIB)]);
-    let before = blake3_of(&dev.path, 32 * MIB);
+    let before = blake3_of(dev, 32 * MIB);
     let out = copy(t.path(), &[src.to_str().unwrap(), &agent.url("busy")]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("mounted at") && err.contains(mount.dir.to_str().unwrap()),
+        err.contains("mounted at") && err.contains(fs.path().to_str().unwrap()),
         "the refusal names the mount: {err}"
     );
-    assert_eq!(blake3_of(&dev.path, 32 * MIB), before, "nothing written");
-    drop(mount);
+    assert_eq!(blake3_of(dev, 32 * MIB), before, "nothing written");
 }

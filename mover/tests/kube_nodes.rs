@@ -1850,6 +1850,30 @@ fn db_sql(s: &Site, sql: &str) -> String {
         .to_string()
 }
 
+/// Starts pod `db` on the PVC `claim` of `s` and waits until PostgreSQL is ready in it
+/// (the first start makes the file system, the cluster and pgbench's tables).
+fn db_start(s: &Site, claim: &str) {
+    s.c.apply(&db_pod(claim));
+    s.c.wait("the database Ready", Duration::from_secs(300), || {
+        s.c.get(
+            &["pod/db", "-n", "app"],
+            "{.status.containerStatuses[0].ready}",
+        ) == "true"
+    });
+}
+
+/// Starts pgbench in pod `db` of `s` (what [`DB_SCRIPT`] waits for).
+fn db_load(s: &Site) {
+    s.c.kubectl_ok(&["exec", "-n", "app", "db", "--", "touch", "/tmp/go"]);
+}
+
+/// How many pgbench transactions the database in pod `db` of `s` holds.
+fn db_history(s: &Site) -> i64 {
+    let n = db_sql(s, "select count(*) from pgbench_history");
+    n.parse()
+        .unwrap_or_else(|_| panic!("pgbench_history count: {n:?}"))
+}
+
 /// A VolumeMove `name` of `app/data`, this cluster's `side` of it.
 fn volume_move(s: &Site, name: &str, side: &str, timeout: u64) {
     s.c.apply(&format!(
@@ -1920,15 +1944,8 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
     });
 
     // The database on A, written by pgbench.
-    a.c.apply(&db_pod("data"));
-    let started = Duration::from_secs(300);
-    a.c.wait("the database Ready on A", started, || {
-        a.c.get(
-            &["pod/db", "-n", "app"],
-            "{.status.containerStatuses[0].ready}",
-        ) == "true"
-    });
-    a.c.kubectl_ok(&["exec", "-n", "app", "db", "--", "touch", "/tmp/go"]);
+    db_start(&a, "data");
+    db_load(&a);
     let synced = a.vr()["status"]["lastSyncTime"].clone();
     a.wait_vr("a cycle of the loaded database", |s| {
         s.vr()["status"]["lastSyncTime"] != synced
@@ -1941,19 +1958,26 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
     let reclaim = |s: &Site| {
         s.c.get(&["pv/pv-data"], "{.spec.persistentVolumeReclaimPolicy}")
     };
-    // Each side's policy while its own half runs (B's half may end before A's says so).
+    // Each side's policy while its own half runs (B's half may end before A's says so),
+    // read between two reads of that half's phase: a policy read after the half had
+    // begun (past Pending, its PV set Retain) and before it completed.
     let mut while_moving = Vec::new();
+    let halves = [("A", &a, "to-b"), ("B", &b, "from-a")];
     a.c.wait(
         "B's half of the move Completed",
         Duration::from_secs(240),
         || {
-            let (ma, mb) = (move_status(&a, "to-b"), move_status(&b, "from-a"));
-            for (side, m, s) in [("A", &ma, &a), ("B", &mb, &b)] {
-                if m["phase"].is_string() && m["phase"] != "Completed" {
-                    while_moving.push((side, m["phase"].to_string(), reclaim(s)));
+            for (side, s, name) in halves {
+                let phase = move_status(s, name)["phase"].clone();
+                if !phase.is_string() || phase == "Completed" {
+                    continue;
+                }
+                let policy = reclaim(s);
+                if move_status(s, name)["phase"] != "Completed" {
+                    while_moving.push((side, phase.to_string(), policy));
                 }
             }
-            mb["phase"] == "Completed"
+            move_status(&b, "from-a")["phase"] == "Completed"
         },
     );
     let downtime = moving.elapsed();
@@ -1997,16 +2021,10 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
     assert!(committed > 0, "pgbench committed on A");
 
     // The database on B holds every transaction committed on A, each whole.
-    b.c.apply(&db_pod("data"));
-    b.c.wait("the database Ready on B", started, || {
-        b.c.get(
-            &["pod/db", "-n", "app"],
-            "{.status.containerStatuses[0].ready}",
-        ) == "true"
-    });
+    db_start(&b, "data");
     assert_eq!(
-        db_sql(&b, "select count(*) from pgbench_history"),
-        committed.to_string(),
+        db_history(&b),
+        committed,
         "every committed transaction moved"
     );
     common::pg::assert_transactions_whole_by(
@@ -2018,7 +2036,7 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
     eprintln!("{committed} committed transactions on A, all of them on B");
 
     // The database writes on B; then B's agent stops answering.
-    b.c.kubectl_ok(&["exec", "-n", "app", "db", "--", "touch", "/tmp/go"]);
+    db_load(&b);
     let synced = b.vr()["status"]["lastSyncTime"].clone();
     b.wait_vr("a cycle of B's applied at A", |s| {
         let t = &s.vr()["status"]["lastSyncTime"];
@@ -2097,14 +2115,7 @@ fn on_real_nodes_pgbench_in_a_csi_block_volume_replicates_through_snapshots_its_
     east.c.apply(
         "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {name: vol, namespace: app}\nspec:\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: csi-hostpath\n  resources: {requests: {storage: 256Mi}}\n",
     );
-    east.c.apply(&db_pod("vol"));
-    let started = Duration::from_secs(300);
-    east.c.wait("the database Ready on east", started, || {
-        east.c.get(
-            &["pod/db", "-n", "app"],
-            "{.status.containerStatuses[0].ready}",
-        ) == "true"
-    });
+    db_start(&east, "vol");
 
     // The DR side: a local PV of the same name (as RamenDR restores it) on west's node 1,
     // a device node as in the move test (the database's pod there is privileged too).
@@ -2137,8 +2148,7 @@ fn on_real_nodes_pgbench_in_a_csi_block_volume_replicates_through_snapshots_its_
     // The load, with a cycle due every 2 s: each a snapshot cut with the ext4 frozen.
     const LOAD: Duration = Duration::from_secs(60);
     let before_load = east.vr()["status"]["lastSyncTime"].clone();
-    east.c
-        .kubectl_ok(&["exec", "-n", "app", "db", "--", "touch", "/tmp/go"]);
+    db_load(&east);
     let load = std::time::Instant::now();
     let mut synced = std::collections::BTreeSet::new();
     while load.elapsed() < LOAD {
@@ -2148,7 +2158,7 @@ fn on_real_nodes_pgbench_in_a_csi_block_volume_replicates_through_snapshots_its_
         }
         std::thread::sleep(Duration::from_millis(500));
     }
-    let during = db_sql(&east, "select count(*) from pgbench_history");
+    let during = db_history(&east);
     eprintln!(
         "{} cycles while pgbench ran {} s ({during} transactions): {synced:?}",
         synced.len(),
@@ -2186,14 +2196,9 @@ fn on_real_nodes_pgbench_in_a_csi_block_volume_replicates_through_snapshots_its_
         let m = s.message("Replicating");
         m.contains("freezeTimeout 1ms") && m.contains("pre-snapshot hook left it")
     });
-    let before: i64 = db_sql(&east, "select count(*) from pgbench_history")
-        .parse()
-        .unwrap();
+    let before = db_history(&east);
     east.c.wait("pgbench writing, thawed", WAIT, || {
-        db_sql(&east, "select count(*) from pgbench_history")
-            .parse::<i64>()
-            .unwrap()
-            > before
+        db_history(&east) > before
     });
     let failed_at = east.vr()["status"]["lastSyncTime"].clone();
     reclass("");
@@ -2207,25 +2212,15 @@ fn on_real_nodes_pgbench_in_a_csi_block_volume_replicates_through_snapshots_its_
     // Disaster recovery: west promoted by force from its last applied cycle.
     west.set_state("primary");
     west.wait_vr("west promoted", |s| s.completed("Promoted"));
-    let written: i64 = db_sql(&east, "select count(*) from pgbench_history")
-        .parse()
-        .unwrap();
+    let written = db_history(&east);
     // Frozen around each snapshot: clean, its journal flushed.
     common::pg::assert_ext4_clean(&replica);
-    west.c.apply(&db_pod("vol"));
-    west.c.wait("the database Ready on west", started, || {
-        west.c.get(
-            &["pod/db", "-n", "app"],
-            "{.status.containerStatuses[0].ready}",
-        ) == "true"
-    });
+    db_start(&west, "vol");
     assert_eq!(
         db_sql(&west, "select count(*) from pgbench_accounts"),
         (SCALE * 100_000).to_string()
     );
-    let history: i64 = db_sql(&west, "select count(*) from pgbench_history")
-        .parse()
-        .unwrap();
+    let history = db_history(&west);
     assert!(
         0 < history && history <= written,
         "{history} transactions on the replica, {written} on the primary"

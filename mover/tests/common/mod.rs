@@ -198,7 +198,7 @@ impl Drop for Mount {
 /// mounted at `dir`; unmounted, detached and removed on drop (fields drop in order).
 pub struct ScratchFs {
     pub mount: Mount,
-    _dev: LoopDevice,
+    dev: LoopDevice,
     _image: tempfile::TempDir,
 }
 
@@ -217,13 +217,18 @@ impl ScratchFs {
         let mount = Mount::new(&dev.path, &image_dir.path().join("mnt"));
         ScratchFs {
             mount,
-            _dev: dev,
+            dev,
             _image: image_dir,
         }
     }
 
     pub fn path(&self) -> &Path {
         &self.mount.dir
+    }
+
+    /// The loop device the filesystem is mounted from.
+    pub fn device(&self) -> &Path {
+        &self.dev.path
     }
 
     /// Bytes in use on the filesystem, after flushing it.
