@@ -662,6 +662,17 @@ fn a_cancelled_hydration_stops_serving_and_a_new_start_resumes_it() {
         std::fs::read(&p.dst_img).unwrap() == want,
         "the resumed hydration is the source plus the write made before the cancel"
     );
+    // A cancel that comes after the fill completed (as a late one races it) leaves the
+    // volume complete, and a start again from the same source says so: neither is
+    // refused, nor does it touch the volume.
+    ok(hydrate(&["cancel", "dst", "--agent", &control(&p.dst)]));
+    assert_eq!(hydration_status(&p.dst, "dst")["phase"], "Complete");
+    p.start(&[]);
+    assert_eq!(hydration_status(&p.dst, "dst")["phase"], "Complete");
+    assert!(
+        std::fs::read(&p.dst_img).unwrap() == want,
+        "a start after completion changed the volume"
+    );
 }
 
 #[test]

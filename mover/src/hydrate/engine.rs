@@ -310,7 +310,7 @@ impl Hydration {
 
     fn set_phase(&self, phase: Phase, error: Option<String>) {
         let mut h = self.health.lock().expect("health lock");
-        if h.0 == Phase::Cancelled || (h.0 == Phase::Complete && phase != Phase::Cancelled) {
+        if h.0 == Phase::Cancelled || h.0 == Phase::Complete {
             return;
         }
         *h = (phase, error);
@@ -497,10 +497,19 @@ impl Hydration {
         Ok(())
     }
 
-    /// Stops the filler; nothing more is fetched.
-    pub fn cancel(&self) {
-        self.set_phase(Phase::Cancelled, None);
+    /// Stops the filler; nothing more is fetched. False if the hydration had already
+    /// completed: a complete volume stays complete (its record is being forgotten).
+    pub fn cancel(&self) -> bool {
+        {
+            let mut h = self.health.lock().expect("health lock");
+            if h.0 == Phase::Complete {
+                return false;
+            }
+            *h = (Phase::Cancelled, None);
+            self.phase_tx.send_replace(Phase::Cancelled);
+        }
         self.stop.send_replace(true);
+        true
     }
 
     fn stopped(&self) -> bool {

@@ -175,6 +175,8 @@ pub struct Hydrations {
     exports: Exports,
     remote: RemoteOptions,
     active: Mutex<HashMap<String, Arc<Hydration>>>,
+    /// The source each known hydration was started from (a complete one has no record).
+    sources: Mutex<HashMap<String, SourceSpec>>,
     /// Exports a start is under way for: two starts of one export never race.
     starting: Mutex<HashSet<String>>,
 }
@@ -202,6 +204,7 @@ impl Hydrations {
             exports,
             remote,
             active: Mutex::default(),
+            sources: Mutex::default(),
             starting: Mutex::default(),
         }))
     }
@@ -221,6 +224,15 @@ impl Hydrations {
             .expect("hydrations lock")
             .get(export)
             .cloned()
+    }
+
+    /// Whether the known hydration of `export` was started from `source`.
+    fn started_from(&self, export: &str, source: &SourceSpec) -> bool {
+        self.sources
+            .lock()
+            .expect("sources lock")
+            .get(export)
+            .is_some_and(|s| s.same_source(source))
     }
 
     /// Every hydration known, by export name.
@@ -340,6 +352,11 @@ impl Hydrations {
         let _reserved = Starting(self, req.export.clone());
         if let Some(h) = self.get(&req.export) {
             let p = h.progress();
+            // Started again after it completed (a cancel that came too late, or a
+            // retried start): the volume is already whole from that source.
+            if p.phase == Phase::Complete && self.started_from(&req.export, &req.source) {
+                return Ok(h);
+            }
             if p.phase != Phase::Complete && p.phase != Phase::Cancelled {
                 return Err(refused(format!(
                     "it is already hydrating from {} ({}/{} regions)",
@@ -420,14 +437,16 @@ impl Hydrations {
             what: format!("cancel of export {export}"),
             why: "it is not hydrating".into(),
         })?;
-        if h.progress().phase == Phase::Complete {
+        // The phase changes first, under the lock the filler's completion takes: a fill
+        // that completes meanwhile keeps its Complete (and forgets its record), and one
+        // cancelled never completes, so the record saved below is not removed.
+        if !h.cancel() {
             return Ok(h);
         }
         if let Ok(mut r) = load_record(&self.record_path(export)) {
             r.cancelled = true;
             self.save(&r).map_err(|e| self.state_err(e))?;
         }
-        h.cancel();
         let _ = h.commit().await;
         Ok(h)
     }
@@ -542,6 +561,10 @@ impl Hydrations {
         if record.cancelled {
             h.cancel();
         }
+        self.sources
+            .lock()
+            .expect("sources lock")
+            .insert(record.export.clone(), record.source.clone());
         self.active
             .lock()
             .expect("hydrations lock")
