@@ -1205,10 +1205,20 @@ spec:
         hook_failed("deploy/overlays/snapshot-hooks")
     });
     east.c.kubectl_ok(&["apply", "--server-side", "-f", rights]);
-    reclass("    preSnapshotHook: '[\"/bin/sh\", \"-c\", \"exit 3\"]'\n");
+    // Its post-hook runs all the same, to undo what part of it was done.
+    reclass(
+        "    preSnapshotHook: '[\"/bin/sh\", \"-c\", \"exit 3\"]'\n    postSnapshotHook: '[\"touch\", \"/tmp/undone\"]'\n",
+    );
     east.wait_vr("the hook failing in the workload's pod", |_| {
         hook_failed(r#"hook ["/bin/sh", "-c", "exit 3"] in pod app/db"#)
     });
+    east.c
+        .wait("the post-hook run after the failed pre-hook", WAIT, || {
+            east.c
+                .kubectl(&["exec", "-n", "app", "db", "--", "test", "-e", "/tmp/undone"])
+                .status
+                .success()
+        });
     let snapshots = || {
         east.c
             .kubectl_ok(&["get", "volumesnapshots", "-n", "app", "-o", "name"])
@@ -1535,6 +1545,38 @@ fn process_of(arg: &str, env: &str) -> Option<i32> {
         let has = |hay: &[u8], needle: &str| hay.split(|b| *b == 0).any(|w| w == needle.as_bytes());
         (has(&cmdline, arg) && has(&environ, env)).then_some(pid)
     })
+}
+
+/// Ends the next reader pod the controller makes on `s` before it runs, as the kubelet's
+/// eviction manager ends a pod under node pressure (phase Failed, reason Evicted: the
+/// kubelet then stops it; this machine cannot be put under pressure on demand, and a
+/// container killed after it starts races the controller's read); the pod's name.
+fn evict_next_reader(s: &Site) -> String {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        // A reader waits for its clone to be provisioned (seconds): Pending, not deleted.
+        let pending = s.c.get(
+            &["pods", "-n", "app"],
+            r#"{range .items[?(@.status.phase=="Pending")]}{.metadata.name} {.metadata.deletionTimestamp}{"\n"}{end}"#,
+        );
+        let reader = pending.lines().find_map(|l| {
+            let mut w = l.split_whitespace();
+            let name = w.next()?;
+            (name.starts_with("vol-mover-") && w.next().is_none()).then_some(name)
+        });
+        if let Some(name) = reader {
+            s.c.kubectl_ok(&[
+                "patch", "pod", name, "-n", "app", "--subresource", "status", "--type", "merge",
+                "-p", r#"{"status":{"phase":"Failed","reason":"Evicted","message":"The node was low on resource: memory."}}"#,
+            ]);
+            return name.to_string();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no reader pod made within {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// The relationship's record in the state of `s`'s agent on node `n`, as the host sees it.
@@ -2207,6 +2249,21 @@ fn on_real_nodes_pgbench_in_a_csi_block_volume_replicates_through_snapshots_its_
     east.wait_vr("cycles again", |s| {
         let t = &s.vr()["status"]["lastSyncTime"];
         t.is_string() && *t != failed_at
+    });
+
+    // A reader pod that ended before it ran (evicted) never runs again: the controller
+    // makes it anew and the cycles go on.
+    let evicted = evict_next_reader(&east);
+    east.wait_vr("the evicted reader made again", |s| {
+        s.c.logs(CONTROLLERS).lines().any(|l| {
+            l.contains("reader pod ended before it was read")
+                && l.contains(&format!("app/{evicted}"))
+                && l.contains("Evicted")
+        })
+    });
+    let remade_at = east.vr()["status"]["lastSyncTime"].clone();
+    east.wait_vr("a cycle after the reader was made again", |s| {
+        s.vr()["status"]["lastSyncTime"] != remade_at
     });
 
     // Disaster recovery: west promoted by force from its last applied cycle.

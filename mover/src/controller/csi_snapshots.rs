@@ -140,23 +140,54 @@ async fn content_of(
 
 /// Deletes `name`'s clone PVC and reader pod (absent is fine).
 async fn remove_reader(client: &kube::Client, ns: &str, name: &str) -> Result<(), String> {
-    let gone = |e: kube::Error| match e {
-        kube::Error::Api(s) if s.code == 404 => Ok(()),
-        e => Err(format!("cannot delete the reader of {ns}/{name}: {e}")),
-    };
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let background = DeleteParams {
+    remove_pod(&Api::namespaced(client.clone(), ns), ns, name).await?;
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    match pvcs.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => Err(format!("cannot delete the clone PVC {ns}/{name}: {e}")),
+    }
+}
+
+/// Deletes the reader pod `name` at once (absent is fine).
+async fn remove_pod(pods: &Api<Pod>, ns: &str, name: &str) -> Result<(), String> {
+    let now = DeleteParams {
         grace_period_seconds: Some(0),
         ..Default::default()
     };
-    if let Err(e) = pods.delete(name, &background).await {
-        gone(e)?;
+    match pods.delete(name, &now).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => Err(format!("cannot delete the reader pod {ns}/{name}: {e}")),
     }
-    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
-    if let Err(e) = pvcs.delete(name, &DeleteParams::default()).await {
-        gone(e)?;
-    }
-    Ok(())
+}
+
+/// How a pod ended ("Failed: reason: message"), if it did.
+fn ended(pod: &Pod) -> Option<String> {
+    let st = pod.status.as_ref()?;
+    let phase = st
+        .phase
+        .as_deref()
+        .filter(|p| *p == "Failed" || *p == "Succeeded")?;
+    let exit = st
+        .container_statuses
+        .iter()
+        .flatten()
+        .find_map(|c| c.state.as_ref()?.terminated.as_ref())
+        .map(|t| match &t.reason {
+            Some(r) => format!("its container exited {} ({r})", t.exit_code),
+            None => format!("its container exited {}", t.exit_code),
+        });
+    let why = [st.reason.clone(), st.message.clone(), exit]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(": ");
+    Some(if why.is_empty() {
+        phase.to_string()
+    } else {
+        format!("{phase}: {why}")
+    })
 }
 
 /// Deletes the snapshot `name` with its clone and reader.
@@ -378,8 +409,11 @@ async fn take(ctx: &Context, d: &Desired, src: &Source, last: bool) -> Result<St
     taken
 }
 
-/// The class's pre-hook, the frozen snapshot, then its post-hook (also after a failed
-/// snapshot: it undoes what the pre-hook did).
+/// The class's pre-hook, the frozen snapshot, then its post-hook: after any pre-hook
+/// that was tried, it undoes what the pre-hook did, whether the snapshot or the
+/// pre-hook itself failed (a pre-hook may have done its work in one pod and failed in
+/// the next, or answered too late; and a controller stopped between the two hooks left
+/// a workload frozen that only the next post-hook lets go).
 async fn take_hooked(
     ctx: &Context,
     d: &Desired,
@@ -387,11 +421,16 @@ async fn take_hooked(
     last: bool,
 ) -> Result<String, String> {
     let (pre, post) = &d.params.hooks;
-    if let Some(h) = pre {
-        let pods = super::hooks::run(&ctx.client, &src.namespace, &src.pvc, h).await?;
-        tracing::info!(relationship = %d.name, ?pods, "pre-snapshot hook ran");
-    }
-    let taken = take_frozen(ctx, d, src, last).await;
+    let taken = match pre {
+        Some(h) => match super::hooks::run(&ctx.client, &src.namespace, &src.pvc, h).await {
+            Ok(pods) => {
+                tracing::info!(relationship = %d.name, ?pods, "pre-snapshot hook ran");
+                take_frozen(ctx, d, src, last).await
+            }
+            Err(e) => Err(e),
+        },
+        None => take_frozen(ctx, d, src, last).await,
+    };
     if let Some(h) = post {
         match super::hooks::run(&ctx.client, &src.namespace, &src.pvc, h).await {
             Ok(pods) => tracing::info!(relationship = %d.name, ?pods, "post-snapshot hook ran"),
@@ -569,6 +608,17 @@ async fn reader(
     // The kubelet publishes the clone's device before it starts the pod's container: a
     // running reader is a device the agent can open.
     let existing = pods.get_opt(name).await.map_err(|e| e.to_string())?;
+    if let Some(pod) = &existing
+        && let Some(ended) = ended(pod)
+    {
+        // Its container ended (killed, evicted, its node restarted): a pod that never
+        // restarts never runs again. Deleted, it is made anew at the next look.
+        if pod.metadata.deletion_timestamp.is_none() {
+            tracing::warn!(relationship = %d.name, pod = %format!("{ns}/{name}"), "reader pod ended before it was read ({ended}); making it again");
+            remove_pod(&pods, ns, name).await?;
+        }
+        return Ok(None);
+    }
     let running = existing
         .as_ref()
         .and_then(|p| p.status.as_ref()?.phase.as_deref())

@@ -5,8 +5,9 @@
 //!
 //! The workload's pods are the running pods of the PVC's namespace that mount the PVC.
 //! A pre-hook that fails (a non-zero exit, no answer within [`TIMEOUT`]) fails the
-//! cycle before anything is frozen or taken; a post-hook's failure is logged, since the
-//! snapshot is already taken by then.
+//! cycle before anything is frozen or taken, and the post-hook runs all the same, to
+//! undo whatever part of it was done; a post-hook's failure is logged, since the
+//! snapshot is already taken (or the cycle failed) by then.
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams, ListParams};
