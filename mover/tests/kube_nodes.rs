@@ -420,6 +420,86 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
         s.assert_nothing_forbidden();
     }
     refusals_of_the_default_install(&east, &west);
+    a_pvc_is_populated_from_the_other_clusters_agent(&east, &west);
+}
+
+/// A PVC on `b` populated from a volume `a`'s agent on node 1 serves (an export of its
+/// configuration). `b`'s agent reaches it with `a`'s replication token and trusts `a`'s
+/// CA alone, both from the secret the HydrationSource names (what an administrator
+/// copies between clusters), once the secret's annotation lets namespace `app` use it.
+/// Without the secret the agents do not trust each other's certificates: the PVC stays
+/// unbound and the controller says why.
+fn a_pvc_is_populated_from_the_other_clusters_agent(a: &Site, b: &Site) {
+    const LEN: u64 = 64 * MIB;
+    let img = a.c.disks(1).join("src.img");
+    make_image(&img, LEN, 77, &[(0, 8 * MIB), (40 * MIB, 8 * MIB)]);
+    add_agent_exports(
+        &a.c,
+        "[exports.src]\npath = \"/mnt/disks/src.img\"\nread_only = true\n",
+    );
+    let populate = |name: &str, secret: &str| {
+        b.c.apply(&format!(
+            "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata: {{name: {name}, namespace: app}}\nspec:\n  agent: agent://{}@{}:7070/src\n{secret}---\n{}",
+            a.c.node(1),
+            a.c.node_ip(1),
+            populated_pvc(name, "mover-populated", "Block", "64Mi")
+        ));
+        volume_pod(
+            &b.c,
+            name,
+            2,
+            true,
+            "echo whole $(sha256sum /dev/v); sleep 3600",
+        );
+    };
+    populate("plain", "");
+    b.c.wait(
+        "the controller saying why it cannot populate without the secret",
+        WAIT,
+        || {
+            b.c.logs(CONTROLLERS)
+                .lines()
+                .any(|l| l.contains("cannot populate") && l.contains("app/plain"))
+        },
+    );
+    assert_ne!(
+        b.c.get(&["pvc/plain", "-n", "app"], "{.status.phase}"),
+        "Bound"
+    );
+    // The class's secret lies in mover-system: naming it is not enough, its
+    // administrator lets namespaces use it.
+    populate(
+        "peer",
+        "  secretRef: {name: mover-dr-peer, namespace: mover-system}\n",
+    );
+    b.c.wait(
+        "the controller refusing a secret not meant for namespace app",
+        WAIT,
+        || {
+            b.c.logs(CONTROLLERS).lines().any(|l| {
+                l.contains("app/peer") && l.contains("is not for HydrationSources of namespace app")
+            })
+        },
+    );
+    let annotated = std::time::Instant::now();
+    b.c.kubectl_ok(&[
+        "annotate",
+        "secret",
+        "-n",
+        "mover-system",
+        "mover-dr-peer",
+        "replication.mover/for-namespaces=app",
+    ]);
+    assert_eq!(
+        logged(&b.c, "peer", "whole "),
+        sha256_of(&img),
+        "the pod reads cluster A's volume"
+    );
+    eprintln!(
+        "populated from another cluster's agent: read whole by its pod {:.2} s after the \
+         secret was annotated (a refused PVC is looked at again every 30 s)",
+        annotated.elapsed().as_secs_f64()
+    );
 }
 
 /// README install step 8: `kubectl get vr` shows the state, the last sync and the RPO;
@@ -477,10 +557,12 @@ fn readme_step_8_the_operators_view(s: &Site) {
 
 /// The sha256 of the file at `path`, as sha256sum (busybox's too, in the pods) prints it.
 fn sha256_of(path: &std::path::Path) -> String {
-    let out = std::process::Command::new("sha256sum")
-        .arg(path)
-        .output()
-        .unwrap();
+    first_word_of(std::process::Command::new("sha256sum").arg(path))
+}
+
+/// The first word `cmd` prints (a checksum tool's sum).
+fn first_word_of(cmd: &mut std::process::Command) -> String {
+    let out = cmd.output().unwrap();
     String::from_utf8_lossy(&out.stdout)
         .split_whitespace()
         .next()
@@ -2290,4 +2372,447 @@ fn on_real_nodes_pgbench_in_a_csi_block_volume_replicates_through_snapshots_its_
     );
     eprintln!("{history} of {written} transactions on the replica, all whole");
     east.assert_nothing_forbidden();
+}
+
+/// The SHA-256 of `count` MiB of `path` from MiB `skip` on.
+fn sha256_of_mib(path: &std::path::Path, skip: u64, count: u64) -> String {
+    first_word_of(std::process::Command::new("sh").arg("-c").arg(format!(
+        "dd if='{}' bs=1M skip={skip} count={count} status=none | sha256sum",
+        path.display()
+    )))
+}
+
+/// Adds `exports` (`[exports.NAME]` tables) to the agents' configuration (the install's
+/// ConfigMap, the same on every node) and restarts them until every one is Ready again.
+/// An export's path is opened only when it is used: one that is on node 1's disk alone
+/// is no trouble to node 2's agent.
+fn add_agent_exports(c: &RealCluster, exports: &str) {
+    let ns = ["-n", "mover-system"];
+    let name = c.get(
+        &["ds/mover-agent", ns[0], ns[1]],
+        r#"{.spec.template.spec.volumes[?(@.name=="config")].configMap.name}"#,
+    );
+    let config = c.get(&["cm", &name, ns[0], ns[1]], r"{.data.agent\.toml}");
+    let cm = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": "mover-system"},
+        "data": {"agent.toml": format!("{config}\n{exports}")},
+    });
+    c.apply(&cm.to_string());
+    c.kubectl_ok(&["rollout", "restart", "ds/mover-agent", ns[0], ns[1]]);
+    c.kubectl_ok(&[
+        "rollout",
+        "status",
+        "ds/mover-agent",
+        ns[0],
+        ns[1],
+        "--timeout=180s",
+    ]);
+}
+
+/// A pod `app/NAME` on node `node` of the PVC `app/NAME`, running `script` with the
+/// volume as the device /dev/v (Block) or mounted at /data (Filesystem).
+fn volume_pod(c: &RealCluster, name: &str, node: u8, block: bool, script: &str) {
+    let (use_it, key) = match block {
+        true => (
+            serde_json::json!([{"name": "v", "devicePath": "/dev/v"}]),
+            "volumeDevices",
+        ),
+        false => (
+            serde_json::json!([{"name": "v", "mountPath": "/data"}]),
+            "volumeMounts",
+        ),
+    };
+    let mut container = serde_json::json!({
+        "name": "use",
+        "image": "localhost/busybox:1",
+        "command": ["sh", "-c", script],
+    });
+    container[key] = use_it;
+    let pod = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "app"},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 0,
+            "nodeSelector": {"kubernetes.io/hostname": c.node(node)},
+            "containers": [container],
+            "volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": name}}],
+        },
+    });
+    c.apply(&pod.to_string());
+}
+
+/// A PVC `app/NAME` of `size` and volume mode `mode` in StorageClass `class`, filled
+/// from the HydrationSource of the same name.
+fn populated_pvc(name: &str, class: &str, mode: &str, size: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {{name: {name}, namespace: app}}\nspec:\n  accessModes: [ReadWriteOnce]\n  volumeMode: {mode}\n  storageClassName: {class}\n  resources: {{requests: {{storage: \"{size}\"}}}}\n  dataSourceRef: {{apiGroup: replication.mover, kind: HydrationSource, name: {name}}}\n"
+    )
+}
+
+/// Waits until pod `app/NAME`'s log has a line starting with `prefix`; that line.
+fn log_line(c: &RealCluster, pod: &str, prefix: &str) -> String {
+    let mut line = String::new();
+    c.wait(&format!("pod {pod} to log {prefix:?}"), WAIT, || {
+        let log = c.kubectl(&["logs", "-n", "app", pod]);
+        let log = String::from_utf8_lossy(&log.stdout).into_owned();
+        match log.lines().find(|l| l.starts_with(prefix)) {
+            Some(l) => {
+                line = l.to_string();
+                true
+            }
+            None => false,
+        }
+    });
+    line
+}
+
+/// The word after `prefix` in pod `app/NAME`'s log, once it is there.
+fn logged(c: &RealCluster, pod: &str, prefix: &str) -> String {
+    let line = log_line(c, pod, prefix);
+    line[prefix.len()..]
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn on_real_nodes_populated_pvcs_are_bound_at_once_and_their_pods_read_the_sources_while_they_arrive()
+ {
+    let _one = serial();
+    let Some(c) = RealCluster::start("pop", 9, 2) else {
+        return;
+    };
+    c.install("replication-token-of-pop");
+    c.kubectl_ok(&["create", "namespace", "app"]);
+    c.apply(common::POPULATED_STORAGE_CLASS);
+    // The sources, on node 1's disk: data at both ends, a hole between for the big ones.
+    let sources: [(&str, u64); 3] = [("small", 64 * MIB), ("four-gib", 4 << 30), ("tib", 1 << 40)];
+    let mut exports = String::new();
+    for (name, len) in sources {
+        let data = (8 * MIB).min(len / 2);
+        let img = c.disks(1).join(format!("{name}.img"));
+        make_image(&img, len, len % 97, &[(0, data), (len - data, data)]);
+        exports +=
+            &format!("[exports.{name}]\npath = \"/mnt/disks/{name}.img\"\nread_only = true\n");
+    }
+    // An ext4 volume of files, for a Filesystem PVC.
+    let t = tempfile::tempdir().unwrap();
+    let tree = t.path().join("tree");
+    common::csi::source_tree(&tree);
+    let files_img = c.disks(1).join("files.img");
+    let made = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-d"])
+        .arg(&tree)
+        .arg(&files_img)
+        .arg("256M")
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "mkfs.ext4 -d: {made:?}");
+    exports += "[exports.files]\npath = \"/mnt/disks/files.img\"\nread_only = true\n";
+    add_agent_exports(&c, &exports);
+    let source = |name: &str| {
+        format!(
+            "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata: {{name: {name}, namespace: app}}\nspec:\n  agent: agent://{}@{}:7070/{name}\n  bwlimit: 2M\n",
+            c.node(1),
+            c.node_ip(1)
+        )
+    };
+
+    // Block PVCs used by pods on node 2, at 2 MiB/s: each pod reads its device's last
+    // MiB (a region the fill reaches last), then waits.
+    for (name, len) in sources {
+        let last = len / MIB - 1;
+        let created = std::time::Instant::now();
+        c.apply(&format!(
+            "{}---\n{}",
+            source(name),
+            populated_pvc(name, "mover-populated", "Block", &len.to_string())
+        ));
+        volume_pod(
+            &c,
+            name,
+            2,
+            true,
+            &format!("echo last $(dd if=/dev/v bs=1M skip={last} count=1 | sha256sum); sleep 3600"),
+        );
+        c.wait("the populated PVC bound", WAIT, || {
+            c.get(&["pvc", name, "-n", "app"], "{.status.phase}") == "Bound"
+        });
+        let bound = created.elapsed();
+        let read = logged(&c, name, "last ");
+        let readable = created.elapsed();
+        let src = c.disks(1).join(format!("{name}.img"));
+        assert_eq!(
+            read,
+            sha256_of_mib(&src, last, 1),
+            "{name}: the pod's last MiB is the source's"
+        );
+        let pv = c.get(&["pvc", name, "-n", "app"], "{.spec.volumeName}");
+        assert_eq!(
+            c.get(
+                &["pv", &pv],
+                "{.spec.csi.driver} {.spec.persistentVolumeReclaimPolicy} {.spec.csi.volumeHandle}"
+            ),
+            format!("csi.replication.mover Retain {pv}")
+        );
+        eprintln!(
+            "populated PVC of {} MiB: bound {:.2} s after its creation, its pod's read of the last MiB done {:.2} s after",
+            len / MIB,
+            bound.as_secs_f64(),
+            readable.as_secs_f64()
+        );
+        if name == "small" {
+            a_populated_pods_agent_killed_mid_fill(&c, &src);
+        }
+        c.kubectl_ok(&["delete", "pod", name, "-n", "app", "--wait"]);
+    }
+
+    // A Filesystem PVC of an ext4 source: mounted while its regions still arrive, every
+    // file read through the pod's path as the source has it.
+    let created = std::time::Instant::now();
+    c.apply(&format!(
+        "{}---\n{}",
+        source("files"),
+        populated_pvc("files", "mover-populated", "Filesystem", "256Mi")
+    ));
+    volume_pod(
+        &c,
+        "files",
+        2,
+        false,
+        "cd /data && find . -type f | sort | while read f; do echo \"file $(sha256sum \"$f\")\"; done; echo done; sleep 3600",
+    );
+    log_line(&c, "files", "done");
+    let read = created.elapsed();
+    let log = c.kubectl_ok(&["logs", "-n", "app", "files"]);
+    let seen: std::collections::BTreeMap<String, String> = log
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.strip_prefix("file ")?.split_whitespace();
+            let hash = w.next()?.to_string();
+            Some((w.next()?.trim_start_matches("./").to_string(), hash))
+        })
+        .collect();
+    let want: std::collections::BTreeMap<String, String> = seen
+        .keys()
+        .map(|rel| (rel.clone(), sha256_of(&tree.join(rel))))
+        .collect();
+    assert_eq!(seen.len(), 8, "the pod read every file: {log}");
+    assert_eq!(seen, want, "a file read through the populated PVC differs");
+    eprintln!(
+        "populated Filesystem PVC of 256 MiB: mounted and every file read {:.2} s after its creation",
+        read.as_secs_f64()
+    );
+    c.kubectl_ok(&["delete", "pod", "files", "-n", "app", "--wait"]);
+
+    populated_from_a_snapshot_in_s3(&c, t.path());
+}
+
+/// Node 2's agent killed (kill -9) while the pod of the PVC `small` reads it: a read
+/// answers an error or the source's bytes, never others. The kubelet starts the agent
+/// again, which clears the dead device; a new pod of the PVC is staged anew and reads
+/// the whole source. (The pod on the old device keeps failing until it is made again:
+/// keeping FUSE connections across an agent restart is issue 55's.)
+fn a_populated_pods_agent_killed_mid_fill(c: &RealCluster, src: &std::path::Path) {
+    let node = c.node(2);
+    let agent = process_of("agent", &format!("NODE_NAME={node}")).expect("node 2's agent process");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(agent).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let mid = c.kubectl(&[
+        "exec",
+        "-n",
+        "app",
+        "small",
+        "--",
+        "sh",
+        "-c",
+        "dd if=/dev/v of=/tmp/mid bs=1M skip=5 count=1 iflag=direct && sha256sum /tmp/mid",
+    ]);
+    let said = String::from_utf8_lossy(&mid.stdout).into_owned();
+    assert!(
+        !mid.status.success() || said.starts_with(&sha256_of_mib(src, 5, 1)),
+        "a read with its agent dead gave bytes that are not the source's: {said}"
+    );
+    eprintln!(
+        "populated PVC, its agent killed mid-fill: a read of a region not yet here {}",
+        if mid.status.success() {
+            "had arrived: the source's bytes"
+        } else {
+            "failed (EIO)"
+        }
+    );
+    c.wait("node 2's agent started again and Ready", WAIT, || {
+        process_of("agent", &format!("NODE_NAME={node}")).is_some_and(|p| p != agent)
+            && c.get(
+                &["ds/mover-agent", "-n", "mover-system"],
+                "{.status.numberReady}",
+            ) == "2"
+    });
+    c.kubectl_ok(&["delete", "pod", "small", "-n", "app", "--wait"]);
+    volume_pod(
+        c,
+        "small",
+        2,
+        true,
+        "echo whole $(sha256sum /dev/v); sleep 3600",
+    );
+    assert_eq!(
+        logged(c, "small", "whole "),
+        sha256_of(src),
+        "the new pod reads the whole source"
+    );
+}
+
+/// A PVC of a snapshot in S3 (an s3s-fs on the host's bridge address, which the nodes
+/// reach), its password and keys from the secret the HydrationSource names: in mover's
+/// class, its pod reads the snapshot whole; in another driver's class (the hostpath
+/// driver's, WaitForFirstConsumer), it is filled before it is bound, by a prime PVC and
+/// a restore Job, then its PV handed over.
+fn populated_from_a_snapshot_in_s3(c: &RealCluster, dir: &std::path::Path) {
+    use snapshots::testing::{ACCESS_KEY, S3Server, SECRET_KEY};
+    let s3 = S3Server::start_on(&dir.join("s3"), GATEWAY);
+    s3.create_bucket("snaps");
+    let password = dir.join("repo-password");
+    std::fs::write(&password, "pop-password\n").unwrap();
+    let small = c.disks(1).join("small.img");
+    for args in [
+        vec!["repo", "init", "s3://snaps/pop"],
+        vec![
+            "snapshot",
+            "create",
+            "s3://snaps/pop",
+            small.to_str().unwrap(),
+        ],
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(&args)
+            .env("MOVER_S3_ENDPOINT", &s3.endpoint)
+            .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+            .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+            .env("MOVER_PASSWORD_FILE", &password)
+            .env("MOVER_CACHE_DIR", dir.join("cache"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "mover {args:?}: {out:?}");
+    }
+    let snapshot_source = |name: &str, extra: &str| {
+        format!(
+            "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata: {{name: {name}, namespace: app}}\nspec:\n  snapshot:\n    repository: s3://snaps/pop\n    id: latest\n    s3Endpoint: {}\n  secretRef: {{name: pop-repository, namespace: mover-system}}\n{extra}",
+            s3.endpoint
+        )
+    };
+    c.apply(&format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: pop-repository\n  namespace: mover-system\n  annotations: {{replication.mover/for-namespaces: app}}\nstringData: {{password: pop-password, AWS_ACCESS_KEY_ID: {ACCESS_KEY}, AWS_SECRET_ACCESS_KEY: {SECRET_KEY}}}\n---\n{}---\n{}",
+        snapshot_source("from-snapshot", "  bwlimit: 2M\n"),
+        populated_pvc("from-snapshot", "mover-populated", "Block", "64Mi"),
+    ));
+    let created = std::time::Instant::now();
+    volume_pod(
+        c,
+        "from-snapshot",
+        2,
+        true,
+        "echo whole $(sha256sum /dev/v); sleep 3600",
+    );
+    assert_eq!(
+        logged(c, "from-snapshot", "whole "),
+        sha256_of(&small),
+        "the pod reads the snapshot"
+    );
+    eprintln!(
+        "populated from a snapshot in S3 (64 MiB): read whole by its pod {:.2} s after the PVC's creation",
+        created.elapsed().as_secs_f64()
+    );
+    c.kubectl_ok(&["delete", "pod", "from-snapshot", "-n", "app", "--wait"]);
+
+    // Another driver's class: the hostpath driver (on node 1), WaitForFirstConsumer.
+    c.csi_hostpath();
+    c.apply(&format!(
+        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata: {{name: hostpath-wffc}}\nprovisioner: hostpath.csi.k8s.io\nvolumeBindingMode: WaitForFirstConsumer\n---\n{}---\n{}",
+        snapshot_source("restored", ""),
+        populated_pvc("restored", "hostpath-wffc", "Block", "64Mi"),
+    ));
+    volume_pod(
+        c,
+        "restored",
+        1,
+        true,
+        "echo whole $(sha256sum /dev/v); sleep 3600",
+    );
+    let uid = c.get(&["pvc", "restored", "-n", "app"], "{.metadata.uid}");
+    let prime = format!("prime-{uid}");
+    c.wait("the prime PVC", WAIT, || {
+        !c.get(&["pvc", &prime, "-n", "mover-system"], "{.metadata.name}")
+            .is_empty()
+    });
+    assert_eq!(
+        c.get(
+            &["pvc", &prime, "-n", "mover-system"],
+            r"{.spec.storageClassName} {.spec.volumeMode} {.metadata.annotations.volume\.kubernetes\.io/selected-node}"
+        ),
+        format!("hostpath-wffc Block {}", c.node(1))
+    );
+    // The restore Job's pod (mover's image) fills the prime volume; only then is the
+    // user's PVC bound, to the filled PV. Its log is followed from its start (the Job
+    // and its pod are deleted once the PV is handed over).
+    let selector = format!("replication.mover/prime-for={uid}");
+    let job_pod = || {
+        c.get(
+            &["pods", "-n", "mover-system", "-l", &selector],
+            "{.items[0].metadata.name} {.items[0].status.phase}",
+        )
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    let pod = loop {
+        let now = job_pod();
+        if let Some((name, "Running" | "Succeeded")) = now.split_once(' ') {
+            break name.to_string();
+        }
+        assert!(
+            !now.ends_with("Failed"),
+            "the restore Job's pod failed: {now}"
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the restore Job's pod never ran: {now}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let job_log = c.kubectl_ok(&["logs", "-f", "-n", "mover-system", &pod]);
+    assert!(
+        job_log.contains("restore: done") && job_log.contains("restored"),
+        "progress and a summary in the Job's log: {job_log}"
+    );
+    // Bound only once the pod is done: the PVC's phase first, then the pod's.
+    c.wait("the PVC bound to the filled volume", WAIT, || {
+        let bound = c.get(&["pvc", "restored", "-n", "app"], "{.status.phase}") == "Bound";
+        let running = job_pod().ends_with("Running");
+        assert!(
+            !(bound && running),
+            "bound while the restore Job's pod still ran"
+        );
+        bound
+    });
+    assert_eq!(
+        logged(c, "restored", "whole "),
+        sha256_of(&small),
+        "the PVC of the other class holds the snapshot"
+    );
+    c.wait("the prime PVC and the Job gone", WAIT, || {
+        c.get(&["pvc", &prime, "-n", "mover-system"], "{.metadata.name}")
+            .is_empty()
+            && c.get(
+                &["jobs", "-n", "mover-system", "-l", &selector],
+                "{.items[*].metadata.name}",
+            )
+            .is_empty()
+    });
 }

@@ -1,5 +1,6 @@
 //! Helpers for tests of code that uses repositories: a real S3 server (`s3s-fs`) on a
-//! free port of 127.0.0.1, started and stopped by the test.
+//! free port of 127.0.0.1 (or another address of the machine), started and stopped by
+//! the test.
 
 use crate::S3Options;
 use std::{
@@ -28,13 +29,19 @@ impl S3Server {
     /// waits until it accepts connections. Panics with install instructions if the
     /// binary is missing.
     pub fn start(root: &Path) -> S3Server {
-        let port = TcpListener::bind("127.0.0.1:0")
+        S3Server::start_on(root, "127.0.0.1")
+    }
+
+    /// [`S3Server::start`] listening on `host` (an address of this machine), e.g. a
+    /// bridge address that containers on this machine reach.
+    pub fn start_on(root: &Path, host: &str) -> S3Server {
+        let port = TcpListener::bind((host, 0))
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
         std::fs::create_dir_all(root).expect("create the S3 server's root directory");
         let mut child = Command::new("s3s-fs")
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--host", host, "--port", &port.to_string()])
             .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
             .arg(root)
             .stdout(Stdio::null())
@@ -47,7 +54,7 @@ impl S3Server {
                 )
             });
         let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while TcpStream::connect((host, port)).is_err() {
             assert!(
                 Instant::now() < deadline,
                 "s3s-fs did not start listening on port {port}"
@@ -59,7 +66,7 @@ impl S3Server {
         }
         S3Server {
             child,
-            endpoint: format!("http://127.0.0.1:{port}"),
+            endpoint: format!("http://{host}:{port}"),
             root: root.to_path_buf(),
         }
     }
