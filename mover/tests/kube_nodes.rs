@@ -2,10 +2,12 @@
 //! `deploy/test-cluster/cluster.sh` (kubelet, containerd + runc, kube-proxy, the
 //! scheduler; a network and mount namespace per node), mover installed exactly as the
 //! README says (`kubectl apply --server-side -k deploy/base` with the image
-//! `deploy/image/build.sh` made). Nothing here writes a pod's status, binds a pod, calls
-//! a CSI method or patches a VolumeAttachment: the kubelet, the scheduler and the agents'
-//! pods do. The test stands in for the workload only where it writes a volume's bytes
-//! from the host (the node's /mnt/disks is a directory the host sees), and says so.
+//! `deploy/image/build.sh` made). Nothing here binds a pod, calls a CSI method or patches
+//! a VolumeAttachment: the kubelet, the scheduler and the agents' pods do. The test
+//! stands in for the workload only where it writes a volume's bytes from the host (the
+//! node's /mnt/disks is a directory the host sees), and for node pressure once: it marks
+//! a reader pod Failed (Evicted) as the kubelet's eviction manager would
+//! (`evict_next_reader`); each place says so.
 //!
 //! Needs root, the binaries of `deploy/test-cluster/build.sh`, the images of
 //! `deploy/test-cluster/images.sh` and `MOVER_IMAGE` (`.ci/run` provides all).
