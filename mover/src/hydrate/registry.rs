@@ -174,9 +174,9 @@ pub struct Hydrations {
     dir: PathBuf,
     exports: Exports,
     remote: RemoteOptions,
-    active: Mutex<HashMap<String, Arc<Hydration>>>,
-    /// The source each known hydration was started from (a complete one has no record).
-    sources: Mutex<HashMap<String, SourceSpec>>,
+    /// Each known hydration with the source it was started from (a complete one has no
+    /// record to say it).
+    active: Mutex<HashMap<String, (Arc<Hydration>, SourceSpec)>>,
     /// Exports a start is under way for: two starts of one export never race.
     starting: Mutex<HashSet<String>>,
 }
@@ -204,7 +204,6 @@ impl Hydrations {
             exports,
             remote,
             active: Mutex::default(),
-            sources: Mutex::default(),
             starting: Mutex::default(),
         }))
     }
@@ -223,16 +222,16 @@ impl Hydrations {
             .lock()
             .expect("hydrations lock")
             .get(export)
-            .cloned()
+            .map(|(h, _)| h.clone())
     }
 
     /// Whether the known hydration of `export` was started from `source`.
     fn started_from(&self, export: &str, source: &SourceSpec) -> bool {
-        self.sources
+        self.active
             .lock()
-            .expect("sources lock")
+            .expect("hydrations lock")
             .get(export)
-            .is_some_and(|s| s.same_source(source))
+            .is_some_and(|(_, s)| s.same_source(source))
     }
 
     /// Every hydration known, by export name.
@@ -242,7 +241,7 @@ impl Hydrations {
             .lock()
             .expect("hydrations lock")
             .values()
-            .cloned()
+            .map(|(h, _)| h.clone())
             .collect();
         v.sort_by(|a, b| a.name().cmp(b.name()));
         v
@@ -561,14 +560,10 @@ impl Hydrations {
         if record.cancelled {
             h.cancel();
         }
-        self.sources
-            .lock()
-            .expect("sources lock")
-            .insert(record.export.clone(), record.source.clone());
         self.active
             .lock()
             .expect("hydrations lock")
-            .insert(record.export.clone(), h.clone());
+            .insert(record.export.clone(), (h.clone(), record.source.clone()));
         let (me, h2) = (self.clone(), h.clone());
         tokio::spawn(async move {
             h2.clone().run().await;
