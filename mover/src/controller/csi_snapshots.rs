@@ -421,15 +421,15 @@ async fn take_hooked(
     last: bool,
 ) -> Result<String, String> {
     let (pre, post) = &d.params.hooks;
-    let taken = match pre {
-        Some(h) => match super::hooks::run(&ctx.client, &src.namespace, &src.pvc, h).await {
-            Ok(pods) => {
-                tracing::info!(relationship = %d.name, ?pods, "pre-snapshot hook ran");
-                take_frozen(ctx, d, src, last).await
-            }
-            Err(e) => Err(e),
-        },
-        None => take_frozen(ctx, d, src, last).await,
+    let prepared = match pre {
+        Some(h) => super::hooks::run(&ctx.client, &src.namespace, &src.pvc, h)
+            .await
+            .map(|pods| tracing::info!(relationship = %d.name, ?pods, "pre-snapshot hook ran")),
+        None => Ok(()),
+    };
+    let taken = match prepared {
+        Ok(()) => take_frozen(ctx, d, src, last).await,
+        Err(e) => Err(e),
     };
     if let Some(h) = post {
         match super::hooks::run(&ctx.client, &src.namespace, &src.pvc, h).await {
