@@ -2,7 +2,8 @@
 //! - csi-sanity, the CSI conformance suite (github.com/kubernetes-csi/csi-test, built by
 //!   deploy/test-cluster/build.sh), for Filesystem and Block volumes;
 //! - the kubelet's step for a pod, made here with the plugin's own Node calls through
-//!   grpcurl (no kubelet runs on these machines), on a volume still hydrating from a
+//!   grpcurl, to check each call's outcome on its own (the real kubelet making them for
+//!   real pods is `kube_nodes.rs`' populated PVCs), on a volume still hydrating from a
 //!   peer agent: its device and file system are usable at once, every byte read is the
 //!   source's, and an agent killed mid-fill gives errors, never a wrong byte.
 

@@ -2,12 +2,14 @@
 //! `deploy/test-cluster/cluster.sh` (kubelet, containerd + runc, kube-proxy, the
 //! scheduler; a network and mount namespace per node), mover installed exactly as the
 //! README says (`kubectl apply --server-side -k deploy/base` with the image
-//! `deploy/image/build.sh` made). Nothing here binds a pod, calls a CSI method or patches
-//! a VolumeAttachment: the kubelet, the scheduler and the agents' pods do. The test
-//! stands in for the workload only where it writes a volume's bytes from the host (the
-//! node's /mnt/disks is a directory the host sees), and for node pressure once: it marks
-//! a reader pod Failed (Evicted) as the kubelet's eviction manager would
-//! (`evict_next_reader`); each place says so.
+//! `deploy/image/build.sh` made). Nothing here binds a pod or calls a CSI method: the
+//! kubelet, the scheduler and the agents' pods do. The test stands in for the workload
+//! only where it writes a volume's bytes from the host (the node's /mnt/disks is a
+//! directory the host sees); for node pressure once: it marks a reader pod Failed
+//! (Evicted) as the kubelet's eviction manager would (`evict_next_reader`); and for the
+//! one network disk, attachable to either node, whose driver does not run here: it
+//! plays the external-attacher and the kubelet's map of its device
+//! (`a_secondary_follows_its_volume_to_the_node_it_is_attached_to`). Each place says so.
 //!
 //! Needs root, the binaries of `deploy/test-cluster/build.sh`, the images of
 //! `deploy/test-cluster/images.sh` and `MOVER_IMAGE` (`.ci/run` provides all).
@@ -423,6 +425,121 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
     }
     refusals_of_the_default_install(&east, &west);
     a_pvc_is_populated_from_the_other_clusters_agent(&east, &west);
+    a_secondary_follows_its_volume_to_the_node_it_is_attached_to(&east, &west);
+}
+
+/// A secondary whose volume is a network disk, attached to node 2 of `b` and then to
+/// node 1: `a`'s cycles reach it through `b`'s Locator on whichever node it is attached
+/// to, and none goes to node 2 once the volume left it. `a` is primary of `app/data`
+/// (its class `mover-dr` names `b`'s Locator), `b` its secondary.
+///
+/// Emulated here, and only here: the network disk. It must be attachable to either node;
+/// no CSI driver of such a disk runs on this machine (the hostpath driver's volumes live
+/// on one node, mover's own are not attachable). So the test plays the external-attacher
+/// (a VolumeAttachment marked attached, [`attach`]) and the kubelet's map of the block
+/// volume (the disk's one file, hard-linked where the kubelet puts a block volume's
+/// device on each node, as a network disk is seen by both). The agents, the Locator and
+/// the controllers are the install's pods.
+fn a_secondary_follows_its_volume_to_the_node_it_is_attached_to(a: &Site, b: &Site) {
+    const LEN: u64 = 32 * MIB;
+    const PV: &str = "pv-moving";
+    let source = a.c.disks(1).join("moving.img");
+    make_image(&source, LEN, 11, &[(0, 2 * MIB), (30 * MIB, MIB)]);
+    let disk = b.c.dir().join("network-disk.img");
+    make_image(&disk, LEN, 0, &[]);
+    for n in 1..=2 {
+        let dev = b.c.dir().join(format!(
+            "nodes/{}/kubelet/plugins/kubernetes.io/csi/volumeDevices/{PV}/dev",
+            b.c.node(n)
+        ));
+        std::fs::create_dir_all(&dev).unwrap();
+        std::fs::hard_link(&disk, dev.join("pod-1")).unwrap();
+    }
+    let volume = |source: &str| {
+        format!(
+            "apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: {PV}}}\nspec:\n  capacity: {{storage: 32Mi}}\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: ''\n  persistentVolumeReclaimPolicy: Retain\n{source}---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {{name: moving, namespace: app}}\nspec:\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: ''\n  volumeName: {PV}\n  resources: {{requests: {{storage: 32Mi}}}}\n"
+        )
+    };
+    a.c.apply(&volume(&format!(
+        "  local: {{path: /mnt/disks/moving.img}}\n  nodeAffinity:\n    required:\n      nodeSelectorTerms:\n      - matchExpressions:\n        - {{key: kubernetes.io/hostname, operator: In, values: [{}]}}\n",
+        a.c.node(1)
+    )));
+    b.c.apply(&volume(
+        "  csi: {driver: disk.example.com, volumeHandle: vol-moving}\n",
+    ));
+    attach(b, PV, 2);
+    let vr = |state: &str| {
+        format!(
+            "apiVersion: replication.mover/v1alpha1\nkind: VolumeReplication\nmetadata: {{name: moving, namespace: app}}\nspec:\n  volumeReplicationClass: mover-dr\n  replicationState: {state}\n  dataSource: {{kind: PersistentVolumeClaim, name: moving}}\n"
+        )
+    };
+    b.c.apply(&vr("secondary"));
+    a.c.apply(&vr("primary"));
+    // The last cycle node N of `b` applied (0: none), from its agent's record.
+    let applied = |n: u8| {
+        let record = relationship_record(b, n, "app/moving");
+        std::fs::read(record)
+            .ok()
+            .and_then(|r| serde_json::from_slice::<Value>(&r).ok())
+            .and_then(|r| r["last_cycle"]["id"].as_u64())
+            .unwrap_or(0)
+    };
+    let equal = |what: &str| {
+        let want = blake3_of(&source, LEN);
+        b.c.wait(what, WAIT, || blake3_of(&disk, LEN) == want);
+    };
+    b.c.wait("a cycle applied on node 2", WAIT, || applied(2) > 0);
+    assert_eq!(applied(1), 0, "node 1 has no part in it yet");
+    equal("the volume on node 2 equal to the source");
+
+    // The volume moves to node 1: detached from node 2, attached there.
+    b.c.kubectl_ok(&[
+        "delete",
+        "volumeattachment",
+        &format!("{PV}-{}", b.c.node(2)),
+    ]);
+    attach(b, PV, 1);
+    scribble_pages(&source, 12, 40, 0..LEN);
+    b.c.wait(
+        "the relationship following the volume to node 1",
+        WAIT,
+        || applied(1) > 0,
+    );
+    let on_node2 = applied(2);
+    equal("the volume on node 1 equal to the source");
+    // Cycles go on, into node 1 only.
+    let seen = applied(1);
+    b.c.wait("two more cycles on node 1", WAIT, || applied(1) >= seen + 2);
+    assert_eq!(
+        applied(2),
+        on_node2,
+        "a cycle went to node 2 after the volume left it"
+    );
+    assert_eq!(blake3_of(&disk, LEN), blake3_of(&source, LEN));
+}
+
+/// A VolumeAttachment of `pv` to `s`'s node `n`, marked attached: the external-attacher's
+/// part, for the one volume whose driver does not run here (see
+/// [`a_secondary_follows_its_volume_to_the_node_it_is_attached_to`]).
+fn attach(s: &Site, pv: &str, n: u8) {
+    let node = s.c.node(n);
+    let name = format!("{pv}-{node}");
+    s.c.apply(
+        &serde_json::json!({"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment",
+                "metadata": {"name": name},
+                "spec": {"attacher": "disk.example.com", "nodeName": node,
+                         "source": {"persistentVolumeName": pv}}})
+        .to_string(),
+    );
+    s.c.kubectl_ok(&[
+        "patch",
+        "volumeattachment",
+        &name,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status": {"attached": true}}"#,
+    ]);
 }
 
 /// A PVC on `b` populated from a volume `a`'s agent on node 1 serves (an export of its
@@ -1663,12 +1780,13 @@ fn evict_next_reader(s: &Site) -> String {
     }
 }
 
-/// The relationship's record in the state of `s`'s agent on node `n`, as the host sees it.
-fn relationship_record(s: &Site, n: u8) -> std::path::PathBuf {
+/// Relationship `name`'s record in the state of `s`'s agent on node `n`, as the host sees
+/// it.
+fn relationship_record(s: &Site, n: u8, name: &str) -> std::path::PathBuf {
     s.c.dir().join(format!(
         "nodes/{}/mover/relationships/{}.json",
         s.c.node(n),
-        &blake3::hash(b"app/data").to_hex()[..32]
+        &blake3::hash(name.as_bytes()).to_hex()[..32]
     ))
 }
 
@@ -1859,7 +1977,7 @@ fn on_real_nodes_the_controller_outlives_its_leaders_death_an_api_server_restart
     // The nodes come back: the kubelets start the agents again and the leaders remove
     // what was left on them, and only that.
     for s in [&alpha, &beta] {
-        let record = relationship_record(s, s.on);
+        let record = relationship_record(s, s.on, "app/data");
         assert!(
             record.exists(),
             "the relationship was left: {}",
@@ -1868,7 +1986,7 @@ fn on_real_nodes_the_controller_outlives_its_leaders_death_an_api_server_restart
         s.c.node_power(s.on, "start");
     }
     for s in [&alpha, &beta] {
-        let record = relationship_record(s, s.on);
+        let record = relationship_record(s, s.on, "app/data");
         s.c.wait("the leftover removed", Duration::from_secs(120), || {
             !record.exists()
         });
@@ -2817,4 +2935,254 @@ fn populated_from_a_snapshot_in_s3(c: &RealCluster, dir: &std::path::Path) {
             )
             .is_empty()
     });
+}
+
+/// The CPU time process `pid` used so far (user + system), in seconds.
+fn cpu_secs(pid: i32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+/// A size line of /proc/PID/status (e.g. `VmHWM:`, the peak resident size), in MiB.
+fn proc_status_mib(pid: i32, field: &str) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    kib / 1024.0
+}
+
+/// A thousand VolumeReplications (`MOVER_E2E_VRS`: fewer, to look at the costs by hand)
+/// on node 1's local PVs, each replicating every minute into an export of node 2's
+/// agent: what the controller asks of the API server at rest, and what it holds, as the
+/// install runs it (the release build in its pod, under the Deployment's memory limit,
+/// which the kubelet enforces).
+#[test]
+fn on_real_nodes_a_thousand_volume_replications_cost_few_requests_and_fit_the_controllers_memory() {
+    let n: usize = std::env::var("MOVER_E2E_VRS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    const INTERVAL: Duration = Duration::from_secs(60);
+    let _one = serial();
+    let Some(s) = Site::start("scale", 4) else {
+        return;
+    };
+    let c = &s.c;
+    // Node 1 holds the volumes (sparse images on its disk); node 2's agent serves their
+    // copies as exports of its config (what a secondary cluster's controller would
+    // register), so each relationship cycles for real. The one ConfigMap configures both
+    // agents: the copies are at the volumes' paths on node 2, so that node 1's agent
+    // takes its own volume's registration under the same name.
+    let mut exports = String::new();
+    let mut objects = String::new();
+    for i in 0..n {
+        for k in [1, 2] {
+            let image = c.disks(k).join(format!("v{i}.img"));
+            std::fs::File::create(image).unwrap().set_len(MIB).unwrap();
+        }
+        exports += &format!("[exports.pv-{i}]\npath = \"/mnt/disks/v{i}.img\"\n");
+        objects += &format!(
+            r#"---
+apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: pv-{i}}}
+spec:
+  capacity: {{storage: 1Mi}}
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  claimRef: {{namespace: app, name: data-{i}}}
+  local: {{path: /mnt/disks/v{i}.img}}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {{key: kubernetes.io/hostname, operator: In, values: [{node}]}}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: data-{i}, namespace: app}}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  volumeName: pv-{i}
+  resources: {{requests: {{storage: 1Mi}}}}
+---
+apiVersion: replication.mover/v1alpha1
+kind: VolumeReplication
+metadata: {{name: vr-{i}, namespace: app}}
+spec:
+  volumeReplicationClass: dr
+  replicationState: primary
+  dataSource: {{kind: PersistentVolumeClaim, name: data-{i}}}
+"#,
+            node = c.node(1)
+        );
+    }
+    add_agent_exports(c, &exports);
+    // The class names node 2's agent; the secret holds this cluster's own replication
+    // token (its agents trust its own CA).
+    let token = s.secret("mover-replication-token", "token");
+    c.kubectl_ok(&["create", "namespace", "app"]);
+    c.kubectl_ok(&[
+        "-n",
+        "mover-system",
+        "create",
+        "secret",
+        "generic",
+        "mover-dr-peer",
+        &format!("--from-literal=token={token}"),
+    ]);
+    c.apply(&format!(
+        r#"apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {{name: local}}
+provisioner: kubernetes.io/no-provisioner
+volumeBindingMode: Immediate
+---
+apiVersion: replication.mover/v1alpha1
+kind: VolumeReplicationClass
+metadata: {{name: dr}}
+spec:
+  provisioner: kubernetes.io/no-provisioner
+  parameters:
+    schedulingInterval: {}s
+    target: {}
+    consistency: crash-inconsistent
+    replication.storage.openshift.io/replication-secret-name: mover-dr-peer
+    replication.storage.openshift.io/replication-secret-namespace: mover-system
+"#,
+        INTERVAL.as_secs(),
+        s.agent_url(2)
+    ));
+    let created = std::time::Instant::now();
+    c.apply(&objects);
+    eprintln!(
+        "{} objects applied in {:.0} s",
+        3 * n,
+        created.elapsed().as_secs_f64()
+    );
+    let synced = || {
+        c.get(
+            &["vr", "-n", "app"],
+            "{range .items[*]}{.status.lastSyncTime}{\"\\n\"}{end}",
+        )
+        .lines()
+        .filter(|l| !l.is_empty())
+        .count()
+    };
+    c.wait(
+        &format!("{n} VolumeReplications synced"),
+        Duration::from_secs(900),
+        || synced() >= n,
+    );
+    let leading = leader(&s);
+    let pid =
+        process_of("controller", &format!("HOSTNAME={leading}")).expect("the leader's process");
+    let agent = |k: u8| {
+        process_of("agent", &format!("NODE_NAME={}", c.node(k))).expect("an agent's process")
+    };
+    eprintln!(
+        "{n} VolumeReplications created and first synced in {:.0} s; CPU s: controller {:.1}, agents {:.1} + {:.1}",
+        created.elapsed().as_secs_f64(),
+        cpu_secs(pid),
+        cpu_secs(agent(1)),
+        cpu_secs(agent(2)),
+    );
+
+    // At rest: the controllers' requests over two intervals, from the API server's own
+    // audit log (the standby's Lease reads included).
+    let requests = || {
+        c.audit(CONTROLLER_USER)
+            .iter()
+            .filter(|e| e["verb"] != "watch")
+            .count()
+    };
+    let before = requests();
+    std::thread::sleep(2 * INTERVAL);
+    let made = requests() - before;
+    let per_vr_per_interval = made as f64 / n as f64 / 2.0;
+    let rss = proc_status_mib(pid, "VmHWM:");
+    let file = proc_status_mib(pid, "RssFile:");
+    eprintln!(
+        "{n} VolumeReplications: {made} controller requests in two intervals of {} s: {per_vr_per_interval:.2} per VR per interval; the leader's RSS now {:.0} MiB ({file:.0} MiB of its binary and files), peak {rss:.0} MiB",
+        INTERVAL.as_secs(),
+        proc_status_mib(pid, "VmRSS:"),
+    );
+    let mut kinds = std::collections::BTreeMap::<String, usize>::new();
+    for e in c.audit(CONTROLLER_USER).iter().skip(before) {
+        let key = format!(
+            "{} {} {} {}",
+            e["verb"],
+            e["objectRef"]["resource"],
+            e["objectRef"]["subresource"],
+            e["responseStatus"]["code"]
+        );
+        *kinds.entry(key).or_default() += 1;
+    }
+    assert!(
+        per_vr_per_interval <= 2.0,
+        "{per_vr_per_interval:.2} requests per VR per interval: {kinds:#?}"
+    );
+    assert!(
+        rss - file <= 100.0,
+        "the controller's peak RSS {rss:.0} MiB ({file:.0} MiB of them its binary) with {n} VolumeReplications"
+    );
+
+    // A cluster of 10,000 PVCs: 9,000 more that no VolumeReplication names (pending, no
+    // volume). The controller caches them (slimmed) within the Deployment's memory limit.
+    let others = n * 9;
+    let mut pvcs = String::new();
+    for i in 0..others {
+        pvcs += &format!(
+            "---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {{name: other-{i}, namespace: app}}\nspec:\n  accessModes: [ReadWriteOnce]\n  storageClassName: none\n  resources: {{requests: {{storage: 1Gi}}}}\n"
+        );
+    }
+    let applying = std::time::Instant::now();
+    c.apply(&pvcs);
+    eprintln!(
+        "{others} PVCs applied in {:.0} s",
+        applying.elapsed().as_secs_f64()
+    );
+    // Its cache holds them once it has seen the last one: give the watch time to
+    // deliver them all.
+    std::thread::sleep(Duration::from_secs(20));
+    let peak = proc_status_mib(pid, "VmHWM:");
+    eprintln!(
+        "with {} PVCs in the cluster: the leader's peak RSS {peak:.0} MiB",
+        n + others
+    );
+    let limit = c.get(
+        &["deploy/mover-controller", "-n", "mover-system"],
+        "{.spec.template.spec.containers[0].resources.limits.memory}",
+    );
+    let limit_mib: f64 = limit
+        .strip_suffix("Mi")
+        .and_then(|m| m.parse().ok())
+        .unwrap_or_else(|| panic!("the Deployment's memory limit {limit:?} in Mi"));
+    assert!(
+        peak <= limit_mib,
+        "the controller's peak RSS {peak:.0} MiB with {} PVCs: over the Deployment's {limit}",
+        n + others
+    );
+    assert_eq!(
+        process_of("controller", &format!("HOSTNAME={leading}")),
+        Some(pid),
+        "the leader's container was restarted (killed at its memory limit?):\n{}",
+        c.get(
+            &["pods", "-n", "mover-system", "-l", CONTROLLERS],
+            "{range .items[*]}{.metadata.name} {.status.containerStatuses[0].restartCount} {.status.containerStatuses[0].lastState}{\"\\n\"}{end}"
+        )
+    );
 }
