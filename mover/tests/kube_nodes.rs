@@ -475,13 +475,18 @@ fn a_secondary_follows_its_volume_to_the_node_it_is_attached_to(a: &Site, b: &Si
     };
     b.c.apply(&vr("secondary"));
     a.c.apply(&vr("primary"));
-    // The last cycle node N of `b` applied (0: none), from its agent's record.
+    // The last cycle node N of `b` applied (0: none), from its agent's state as the
+    // host sees it.
     let applied = |n: u8| {
-        let record = relationship_record(b, n, "app/moving");
+        let record = b.c.dir().join(format!(
+            "nodes/{}/mover/cycles/{}/applied.json",
+            b.c.node(n),
+            &blake3::hash(b"app/moving").to_hex()[..32]
+        ));
         std::fs::read(record)
             .ok()
             .and_then(|r| serde_json::from_slice::<Value>(&r).ok())
-            .and_then(|r| r["last_cycle"]["id"].as_u64())
+            .and_then(|r| r["id"].as_u64())
             .unwrap_or(0)
     };
     let equal = |what: &str| {
@@ -1780,13 +1785,12 @@ fn evict_next_reader(s: &Site) -> String {
     }
 }
 
-/// Relationship `name`'s record in the state of `s`'s agent on node `n`, as the host sees
-/// it.
-fn relationship_record(s: &Site, n: u8, name: &str) -> std::path::PathBuf {
+/// The relationship's record in the state of `s`'s agent on node `n`, as the host sees it.
+fn relationship_record(s: &Site, n: u8) -> std::path::PathBuf {
     s.c.dir().join(format!(
         "nodes/{}/mover/relationships/{}.json",
         s.c.node(n),
-        &blake3::hash(name.as_bytes()).to_hex()[..32]
+        &blake3::hash(b"app/data").to_hex()[..32]
     ))
 }
 
@@ -1977,7 +1981,7 @@ fn on_real_nodes_the_controller_outlives_its_leaders_death_an_api_server_restart
     // The nodes come back: the kubelets start the agents again and the leaders remove
     // what was left on them, and only that.
     for s in [&alpha, &beta] {
-        let record = relationship_record(s, s.on, "app/data");
+        let record = relationship_record(s, s.on);
         assert!(
             record.exists(),
             "the relationship was left: {}",
@@ -1986,7 +1990,7 @@ fn on_real_nodes_the_controller_outlives_its_leaders_death_an_api_server_restart
         s.c.node_power(s.on, "start");
     }
     for s in [&alpha, &beta] {
-        let record = relationship_record(s, s.on, "app/data");
+        let record = relationship_record(s, s.on);
         s.c.wait("the leftover removed", Duration::from_secs(120), || {
             !record.exists()
         });
