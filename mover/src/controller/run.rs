@@ -239,6 +239,21 @@ where
     (reader, run, changes)
 }
 
+/// The VolumeReplications (of kind `vr`) among `vrs` whose dataSource is `pvc`.
+fn naming(
+    vrs: &[Arc<DynamicObject>],
+    pvc: &ObjectRef<PersistentVolumeClaim>,
+    vr: &kube::api::ApiResource,
+) -> Vec<ObjectRef<DynamicObject>> {
+    vrs.iter()
+        .filter(|v| {
+            v.namespace() == pvc.namespace
+                && v.data["spec"]["dataSource"]["name"].as_str() == Some(&pvc.name)
+        })
+        .map(|v| ObjectRef::from_obj_with(v.as_ref(), vr.clone()))
+        .collect()
+}
+
 /// A cache of the Nodes' metadata only (names and labels: what node affinities select).
 /// A metadata-only watch: a Node's status (images, conditions) is most of its size.
 fn node_cache(client: kube::Client) -> (Store<Node>, impl std::future::Future<Output = ()> + Send) {
@@ -487,16 +502,7 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
     let naming_pvc = {
         let (vrs, vr) = (vr_cache.clone(), vr.clone());
         move |pvc: ObjectRef<PersistentVolumeClaim>| {
-            let refs: Vec<_> = vrs
-                .state()
-                .iter()
-                .filter(|v| {
-                    v.namespace() == pvc.namespace
-                        && v.data["spec"]["dataSource"]["name"].as_str() == Some(&pvc.name)
-                })
-                .map(|v| ObjectRef::from_obj_with(v.as_ref(), vr.clone()))
-                .collect();
-            futures::stream::iter(refs)
+            futures::stream::iter(naming(&vrs.state(), &pvc, &vr))
         }
     };
     let controller = Controller::for_stream_with(vr_events, vr_cache, vr)
@@ -658,5 +664,35 @@ async fn lost(leader: &mut tokio::sync::watch::Receiver<bool>) {
         if leader.changed().await.is_err() || !*leader.borrow_and_update() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pvcs_change_names_the_volume_replications_of_its_namespace_that_replicate_it() {
+        let vr = crd::api_resource(crd::MOVER_GROUP, "VolumeReplication");
+        let object = |ns: &str, name: &str, pvc: &str| {
+            let mut o = DynamicObject::new(name, &vr).within(ns);
+            o.data = serde_json::json!({"spec": {"dataSource": {"kind": "PersistentVolumeClaim", "name": pvc}}});
+            Arc::new(o)
+        };
+        let vrs = [
+            object("app", "data", "data"),
+            object("app", "logs", "logs"),
+            object("other", "data", "data"),
+            object("app", "data-again", "data"),
+        ];
+        let pvc = ObjectRef::<PersistentVolumeClaim>::new("data").within("app");
+        let mut named: Vec<String> = naming(&vrs, &pvc, &vr)
+            .into_iter()
+            .map(|r| format!("{}/{}", r.namespace.unwrap(), r.name))
+            .collect();
+        named.sort();
+        assert_eq!(named, ["app/data", "app/data-again"]);
+        let unnamed = ObjectRef::<PersistentVolumeClaim>::new("other-0").within("app");
+        assert!(naming(&vrs, &unnamed, &vr).is_empty());
     }
 }

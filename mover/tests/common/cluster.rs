@@ -79,7 +79,7 @@ impl Cluster {
             kcm: None,
             etcd_port: free_port(),
         };
-        c.write_kubeconfig(&c.kubeconfig, User::Certificate("admin"));
+        c.write_kubeconfig(&c.kubeconfig, "admin");
         c.start_etcd();
         c.start_apiserver();
         c.start_controller_manager();
@@ -117,9 +117,8 @@ impl Cluster {
         });
     }
 
-    /// Starts the API server (again, after [`Cluster::stop_apiserver`]) and waits until
-    /// `/readyz` says so.
-    pub fn start_apiserver(&mut self) {
+    /// Starts the API server and waits until `/readyz` says so.
+    fn start_apiserver(&mut self) {
         let d = |f: &str| self.dir.join(f).display().to_string();
         let args = [
             format!("--etcd-servers=http://127.0.0.1:{}", self.etcd_port),
@@ -149,14 +148,6 @@ impl Cluster {
         self.wait_for("kube-apiserver /readyz", Duration::from_secs(90), |c| {
             c.kubectl(&["get", "--raw", "/readyz"]).status.success()
         });
-    }
-
-    /// Kills the API server (SIGKILL), as a crash would.
-    pub fn stop_apiserver(&mut self) {
-        if let Some(mut p) = self.apiserver.take() {
-            let _ = p.kill();
-            let _ = p.wait();
-        }
     }
 
     fn start_controller_manager(&mut self) {
@@ -228,39 +219,13 @@ impl Cluster {
         ok(self.kubectl_as(&self.kubeconfig, &args, Some(yaml)), &args)
     }
 
-    /// A kubeconfig for the service account `namespace/name`, with a token from the
-    /// TokenRequest API (as a pod's projected token), written at `path`.
-    pub fn service_account_kubeconfig(&self, namespace: &str, name: &str, path: &Path) {
-        let token = self.kubectl_ok(&["create", "token", name, "-n", namespace, "--duration=2h"]);
-        self.write_kubeconfig(path, User::Token(token.trim()));
-    }
-
-    /// A kubeconfig at `path` with a token of ServiceAccount `namespace/name` bound to
-    /// the pod `pod`, as the kubelet projects it into the pod: the API server then
-    /// records the pod's node with each request (the `extra` of a CSR).
-    pub fn pod_kubeconfig(&self, namespace: &str, name: &str, pod: &str, path: &Path) {
-        let token = self.kubectl_ok(&[
-            "create",
-            "token",
-            name,
-            "-n",
-            namespace,
-            "--duration=2h",
-            "--bound-object-kind=Pod",
-            &format!("--bound-object-name={pod}"),
-        ]);
-        self.write_kubeconfig(path, User::Token(token.trim()));
-    }
-
-    fn write_kubeconfig(&self, path: &Path, user: User<'_>) {
-        let user = match user {
-            User::Certificate(name) => format!(
-                "client-certificate: {}\n    client-key: {}",
-                self.dir.join(format!("{name}.crt")).display(),
-                self.dir.join(format!("{name}.key")).display()
-            ),
-            User::Token(token) => format!("token: {token}"),
-        };
+    /// A kubeconfig at `path` for the client certificate `cert` (`CERT.crt`, `CERT.key`).
+    fn write_kubeconfig(&self, path: &Path, cert: &str) {
+        let user = format!(
+            "client-certificate: {}\n    client-key: {}",
+            self.dir.join(format!("{cert}.crt")).display(),
+            self.dir.join(format!("{cert}.key")).display()
+        );
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: {name}\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority: {ca}\nusers:\n- name: user\n  user:\n    {user}\ncontexts:\n- name: {name}\n  context:\n    cluster: {name}\n    user: user\ncurrent-context: {name}\n",
             name = self.name,
@@ -341,11 +306,6 @@ pub fn audit_of(path: &Path, user: &str) -> Vec<serde_json::Value> {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|e| e["user"]["username"] == user && e["stage"] == "ResponseComplete")
         .collect()
-}
-
-enum User<'a> {
-    Certificate(&'a str),
-    Token(&'a str),
 }
 
 fn ok(out: Output, args: &[&str]) -> String {
