@@ -703,34 +703,9 @@ fn a_pod_reads_one_cycle_of_the_replica_while_replication_goes_on(east: &Site, w
     // 256 KiB/s: the fill is far from done when the next cycle lands; the pod's reads
     // fetch what they need at once.
     west.c.apply(&format!(
-        r#"{}---
-apiVersion: replication.mover/v1alpha1
-kind: HydrationSource
-metadata:
-  name: replica-copy
-  namespace: app
-spec:
-  volumeReplication: data
-  bwlimit: 256K
----
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata:
-  name: replica-copy
-  namespace: app
-spec:
-  accessModes: [ReadWriteOnce]
-  volumeMode: Block
-  storageClassName: mover-populated
-  resources:
-    requests:
-      storage: 64Mi
-  dataSourceRef:
-    apiGroup: replication.mover
-    kind: HydrationSource
-    name: replica-copy
-"#,
-        common::POPULATED_STORAGE_CLASS
+        "{}---\napiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata: {{name: replica-copy, namespace: app}}\nspec:\n  volumeReplication: data\n  bwlimit: 256K\n---\n{}",
+        common::POPULATED_STORAGE_CLASS,
+        populated_pvc("replica-copy", "mover-populated", "Block", "64Mi")
     ));
     // The pod waits for a word from the test (through `kubectl exec`, which the API
     // server passes to its kubelet) before it reads.
@@ -794,8 +769,9 @@ spec:
     );
     // A VolumeReplication that is primary here is no replica to populate from.
     east.c.apply(&format!(
-        "{}---\napiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata:\n  name: primary-copy\n  namespace: app\nspec:\n  volumeReplication: data\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: primary-copy\n  namespace: app\nspec:\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: mover-populated\n  resources:\n    requests:\n      storage: 64Mi\n  dataSourceRef:\n    apiGroup: replication.mover\n    kind: HydrationSource\n    name: primary-copy\n",
-        common::POPULATED_STORAGE_CLASS
+        "{}---\napiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata: {{name: primary-copy, namespace: app}}\nspec:\n  volumeReplication: data\n---\n{}",
+        common::POPULATED_STORAGE_CLASS,
+        populated_pvc("primary-copy", "mover-populated", "Block", "64Mi")
     ));
     east.c.wait(
         "the controller refusing a primary as a replica",
