@@ -378,6 +378,14 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
                 s.c.node(n)
             );
         }
+        // Each signed once, with no failure logged that was none (the approval's own
+        // event arriving after the signature).
+        let logs = s.c.logs(CONTROLLERS);
+        let warned: Vec<_> = logs
+            .lines()
+            .filter(|l| l.contains("cannot sign") || l.contains("cannot approve"))
+            .collect();
+        assert!(warned.is_empty(), "{warned:#?}");
     }
 
     a_pod_reads_one_cycle_of_the_replica_while_replication_goes_on(&east, &west);

@@ -380,6 +380,12 @@ pub async fn sign_requests(
                     .await
                 {
                     Ok(_) => tracing::info!(csr = %name, %node, "signed an agent's certificate"),
+                    // The request changed since this event: most often the approval's own
+                    // event, arriving after this signer already signed. The next event
+                    // decides (a signed request is skipped), so this is no failure.
+                    Err(kube::Error::Api(e)) if e.code == 409 => {
+                        tracing::debug!(csr = %name, "changed since this event: the next one decides")
+                    }
                     Err(e) => tracing::warn!(csr = %name, "cannot sign: {e}"),
                 }
             }
