@@ -1747,19 +1747,37 @@ fn evict_next_reader(s: &Site) -> String {
         // A reader waits for its clone to be provisioned (seconds): Pending, not deleted.
         let pending = s.c.get(
             &["pods", "-n", "app"],
-            r#"{range .items[?(@.status.phase=="Pending")]}{.metadata.name} {.metadata.deletionTimestamp}{"\n"}{end}"#,
+            r#"{range .items[?(@.status.phase=="Pending")]}{.metadata.name} {.metadata.resourceVersion} {.metadata.deletionTimestamp}{"\n"}{end}"#,
         );
         let reader = pending.lines().find_map(|l| {
             let mut w = l.split_whitespace();
-            let name = w.next()?;
-            (name.starts_with("vol-mover-") && w.next().is_none()).then_some(name)
+            let (name, version) = (w.next()?, w.next()?);
+            (name.starts_with("vol-mover-") && w.next().is_none()).then_some((name, version))
         });
-        if let Some(name) = reader {
-            s.c.kubectl_ok(&[
-                "patch", "pod", name, "-n", "app", "--subresource", "status", "--type", "merge",
-                "-p", r#"{"status":{"phase":"Failed","reason":"Evicted","message":"The node was low on resource: memory."}}"#,
+        if let Some((name, version)) = reader {
+            // Only the pod as it was seen, still Pending: a pod the kubelet has reported
+            // Running since may have been read already (the patch is then refused, 409).
+            let evicted = serde_json::json!({
+                "metadata": {"resourceVersion": version},
+                "status": {"phase": "Failed", "reason": "Evicted",
+                           "message": "The node was low on resource: memory."},
+            });
+            let out = s.c.kubectl(&[
+                "patch",
+                "pod",
+                name,
+                "-n",
+                "app",
+                "--subresource",
+                "status",
+                "--type",
+                "merge",
+                "-p",
+                &evicted.to_string(),
             ]);
-            return name.to_string();
+            if out.status.success() {
+                return name.to_string();
+            }
         }
         assert!(
             std::time::Instant::now() < deadline,
