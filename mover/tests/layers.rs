@@ -1,34 +1,49 @@
-//! The house rule of shared/DESIGN.md §2, checked on the source: inside the `mover`
-//! library the floors follow the data path and no import climbs a floor, and folders on
-//! one floor never import each other both ways (so any of them can become a crate).
+//! The house rule inside each crate under `mover/`: the floors follow the data path and
+//! no import climbs a floor, and folders never import each other in a circle (so any of
+//! them can become a crate). Between crates Cargo keeps the rule (docs/ARCHITECTURE.md):
+//! this test checks only what Cargo cannot say.
 //!
-//! Every `crate::…` path in `mover/src` (outside the binary's `main.rs` and `cli/`) is an
-//! arrow from its file's top-level module to the module it names; a name re-exported
-//! at the crate root (`crate::CopyError`) counts as the module that defines it.
+//! Every `crate::…` path in a crate's `src` is an arrow from its file's top-level
+//! module to the module it names (a `super::` in a top-level file names the root, as
+//! `crate::` does); a name re-exported at the crate root (`crate::CopyError`) counts as
+//! the module that defines it. `use crate as …` would hide arrows and is refused.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// The floors of the library, lowest first.
-const FLOORS: &[&[&str]] = &[
-    // Node state: exports, durable writes, failpoints, labels, freeze, durations.
-    &["node"],
-    // The block copy and what every job reports with.
-    &["error", "copy", "hash"],
-    // Trees, and copies to and from an agent.
-    &["tree", "remote"],
-    // Snapshots, and the one call behind `mover copy`.
-    &["snapshot", "endpoints"],
-    // Jobs that run on their own: replication, copy-on-demand, scheduled snapshots.
-    &["replicate", "hydrate", "schedule"],
-    // The gRPC and NBD adapters over the jobs.
-    &["agent"],
-    // The Kubernetes controller.
-    &["controller"],
+/// Each crate's folder under `mover/` and its floors, lowest first.
+const CRATES: &[(&str, &[&[&str]])] = &[
+    (
+        "engine",
+        &[
+            // Node state: exports, durable writes, failpoints, labels, freeze, durations.
+            &["node"],
+            // The block copy and what every job reports with.
+            &["error", "copy", "hash"],
+            // Trees, and copies to and from an agent.
+            &["tree", "remote"],
+            // Snapshots, and the one call behind `mover copy`.
+            &["snapshot", "endpoints"],
+        ],
+    ),
+    (
+        "node",
+        &[
+            // Jobs that run on their own: replication, copy-on-demand, scheduled snapshots.
+            &["replicate", "hydrate", "schedule"],
+            // The gRPC, NBD and CSI adapters over the jobs.
+            &["agent"],
+        ],
+    ),
 ];
 
-fn floor_of(module: &str) -> usize {
-    FLOORS
+/// The floors of crate `name`.
+fn floors(name: &str) -> &'static [&'static [&'static str]] {
+    CRATES.iter().find(|(n, _)| *n == name).unwrap().1
+}
+
+fn floor_of(krate: &str, module: &str) -> usize {
+    floors(krate)
         .iter()
         .position(|f| f.contains(&module))
         .unwrap_or_else(|| panic!("module {module:?} is on no floor: add it to FLOORS"))
@@ -114,9 +129,12 @@ fn root_reexports(lib: &str) -> BTreeMap<String, String> {
     map
 }
 
-/// Every arrow between top-level modules: (from, to) with the files that make it.
-fn import_graph() -> BTreeMap<(String, String), BTreeSet<String>> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+/// Every arrow between top-level modules of crate `krate` (its folder under `mover/`):
+/// (from, to) with the files that make it.
+fn import_graph(krate: &str) -> BTreeMap<(String, String), BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(krate)
+        .join("src");
     let reexports = root_reexports(&std::fs::read_to_string(src.join("lib.rs")).unwrap());
     let mut files = Vec::new();
     rust_files(&src, &mut files);
@@ -127,8 +145,7 @@ fn import_graph() -> BTreeMap<(String, String), BTreeSet<String>> {
             .unwrap()
             .to_string_lossy()
             .into_owned();
-        // The binary sits above every floor.
-        if rel == "main.rs" || rel == "lib.rs" || rel.starts_with("cli/") {
+        if rel == "lib.rs" {
             continue;
         }
         let from = rel.split('/').next().unwrap().trim_end_matches(".rs");
@@ -138,7 +155,22 @@ fn import_graph() -> BTreeMap<(String, String), BTreeSet<String>> {
             .filter(|l| !l.trim_start().starts_with("//"))
             .collect::<Vec<_>>()
             .join("\n");
-        for name in crate_paths(&code) {
+        assert!(
+            !code.contains("crate as "),
+            "{rel}: `use crate as …` hides the arrows this test follows"
+        );
+        let depth = rel.matches('/').count();
+        // In a top-level file `super::` is the crate root.
+        let top_level_supers = if depth == 0 {
+            code.replace("super::super::", "")
+                .replace("super::", "crate::")
+        } else {
+            String::new()
+        };
+        for name in crate_paths(&code)
+            .into_iter()
+            .chain(crate_paths(&top_level_supers))
+        {
             let to = if src.join(&name).is_dir() || src.join(format!("{name}.rs")).is_file() {
                 name.clone()
             } else {
@@ -155,7 +187,6 @@ fn import_graph() -> BTreeMap<(String, String), BTreeSet<String>> {
         }
         // `super::super::…` from a top-level module's child leaves the module: one
         // `super::` more than the file is deep (two in its inline `mod tests`).
-        let depth = rel.matches('/').count();
         let (body, tests) =
             code.split_at(code.find("#[cfg(test)]\nmod tests").unwrap_or(code.len()));
         for (part, levels) in [(body, depth + 1), (tests, depth + 2)] {
@@ -171,22 +202,36 @@ fn import_graph() -> BTreeMap<(String, String), BTreeSet<String>> {
 
 #[test]
 fn no_import_climbs_a_floor() {
-    let climbing: Vec<String> = import_graph()
-        .into_iter()
-        .filter(|((from, to), _)| floor_of(to) > floor_of(from))
-        .map(|((from, to), files)| format!("{from} -> {to} in {files:?}"))
+    let climbing: Vec<String> = CRATES
+        .iter()
+        .flat_map(|(krate, _)| {
+            import_graph(krate)
+                .into_iter()
+                .filter(|((from, to), _)| floor_of(krate, to) > floor_of(krate, from))
+                .map(move |((from, to), files)| format!("{krate}: {from} -> {to} in {files:?}"))
+        })
         .collect();
     assert!(
         climbing.is_empty(),
-        "imports that climb a floor (shared/DESIGN.md §2):\n{}",
+        "imports that climb a floor (docs/ARCHITECTURE.md):\n{}",
         climbing.join("\n")
     );
 }
 
 #[test]
-fn folders_on_one_floor_never_import_each_other_both_ways() {
-    let graph = import_graph();
-    let edges: BTreeSet<(String, String)> = graph.keys().cloned().collect();
+fn no_folder_imports_itself_through_others() {
+    for (krate, _) in CRATES {
+        let edges: BTreeSet<(String, String)> = import_graph(krate).into_keys().collect();
+        assert!(
+            cycles_of(&edges).is_empty(),
+            "{krate}: import cycles: {:?}",
+            cycles_of(&edges)
+        );
+    }
+}
+
+/// The modules of `edges` that reach themselves.
+fn cycles_of(edges: &BTreeSet<(String, String)>) -> Vec<String> {
     // Any cycle, whatever its length, shows as a module that reaches itself.
     let modules: BTreeSet<&String> = edges.iter().flat_map(|(a, b)| [a, b]).collect();
     let mut cycles = Vec::new();
@@ -204,21 +249,21 @@ fn folders_on_one_floor_never_import_each_other_both_ways() {
             }
         }
     }
-    assert!(cycles.is_empty(), "import cycles: {cycles:?}");
+    cycles
 }
 
 #[test]
 fn the_graph_sees_the_imports_it_checks() {
     // The parser must find known arrows, or the two checks above would pass on nothing.
-    let graph = import_graph();
-    for (from, to) in [
-        ("agent", "replicate"),
-        ("replicate", "node"),
-        ("copy", "error"),
+    for (krate, from, to) in [
+        ("node", "agent", "replicate"),
+        ("engine", "snapshot", "node"),
+        ("engine", "copy", "error"),
     ] {
+        let graph = import_graph(krate);
         assert!(
             graph.contains_key(&(from.to_string(), to.to_string())),
-            "{from} -> {to} not found: the parser misses imports"
+            "{krate}: {from} -> {to} not found: the parser misses imports"
         );
     }
     assert_eq!(

@@ -9,15 +9,18 @@
 //! - [`csi`]: the Container Storage Interface (`proto/csi.proto`), server side, for
 //!   mover's CSI plugin.
 //! - [`auth`]: the control and replication roles, by bearer token or certificate.
+//! - [`cluster`]: what an agent and the controller of one cluster agree on (the CSI
+//!   driver's name, the certificate signer, token files, replication bounds).
 //! - [`tls`]: TLS configuration from PEM files or memory (rustls).
 //! - [`frames`]: packing volume data into frames, zstd-compressed only when it shrinks.
 //! - [`nbd`]: the NBD protocol, server side, over any byte stream.
 //! - [`RateLimiter`]: a token bucket for `--bwlimit`.
 //!
-//! The service itself (what an agent does with a session) lives in the `mover` crate;
+//! The service itself (what an agent does with a session) lives in `mover-node`;
 //! this crate is the wire and its security.
 
 pub mod auth;
+pub mod cluster;
 pub mod frames;
 pub mod nbd;
 mod rate;

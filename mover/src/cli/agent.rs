@@ -29,9 +29,30 @@ pub fn run_agent(config_path: &std::path::Path) -> anyhow::Result<()> {
             }
             tracing::info!("shutting down: finishing calls in flight");
         };
-        mover::agent::serve(config, listener, metrics, shutdown).await?;
+        #[cfg(feature = "controller")]
+        let signer = Some(&ClusterSigner as &dyn mover::agent::certificate::Signer);
+        #[cfg(not(feature = "controller"))]
+        let signer = None;
+        mover::agent::serve(config, listener, metrics, shutdown, signer).await?;
         Ok(())
     })
+}
+
+/// The agent's certificate requests, sent to the cluster's CertificateSigningRequest API
+/// by the controller crate (the one that speaks Kubernetes).
+#[cfg(feature = "controller")]
+struct ClusterSigner;
+
+#[cfg(feature = "controller")]
+impl mover::agent::certificate::Signer for ClusterSigner {
+    fn sign<'a>(
+        &'a self,
+        name: &'a str,
+        request: String,
+        wait: std::time::Duration,
+    ) -> mover::agent::certificate::SignFuture<'a> {
+        Box::pin(mover::controller::agent_csr::sign(name, request, wait))
+    }
 }
 
 /// `mover controller ...`.
@@ -84,11 +105,7 @@ async fn operator_cert(
     let who = name
         .or_else(|| std::env::var("USER").ok())
         .unwrap_or_else(|| "operator".into());
-    transport::tls::install_crypto_provider();
-    let client = kube::Client::try_default()
-        .await
-        .context("cannot reach the Kubernetes API server (kubeconfig or in-cluster)")?;
-    let ca = mover::controller::issuer::Authority::load(&client, namespace).await?;
+    let ca = mover::controller::issuer::Authority::load_from_cluster(namespace).await?;
     let pem = ca
         .operator_identity(&who, valid)
         .context("cannot sign the certificate")?;

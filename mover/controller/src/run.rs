@@ -1,0 +1,699 @@
+//! `mover controller run`: watch caches, the controller loop, shutdown on a signal.
+
+use super::agents::GrpcAgents;
+use super::crd;
+use super::leftovers::Leftovers;
+use super::reconcile::{self, Caches, Context};
+use super::secrets::SecretWatches;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::ResourceExt;
+use kube::api::{Api, DynamicObject};
+use kube::core::PartialObjectMeta;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{Controller, WatchStreamExt, watcher};
+use std::sync::Arc;
+
+/// Options of `mover controller run`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct RunOptions {
+    /// The API group to serve: replication.mover, or replication.storage.openshift.io
+    /// where no csi-addons controller runs (RamenDR then drives mover as it is).
+    #[arg(long, default_value = crd::MOVER_GROUP, env = "MOVER_GROUP")]
+    pub group: String,
+    /// The namespace of the agent DaemonSet's pods.
+    #[arg(long, default_value = "mover-system", env = "MOVER_AGENT_NAMESPACE")]
+    pub agent_namespace: String,
+    /// The label selector of the agent pods.
+    #[arg(long, default_value = "app.kubernetes.io/name=mover-agent")]
+    pub agent_selector: String,
+    /// The agents' gRPC port.
+    #[arg(long, default_value_t = 7070)]
+    pub agent_port: u16,
+    /// The namespace of the Lease on which controller replicas elect the one that acts
+    /// (the controller's own namespace).
+    #[arg(long, default_value = "mover-system", env = "POD_NAMESPACE")]
+    pub lease_namespace: String,
+    /// Act at once, without electing a leader (one replica only, or outside a cluster).
+    #[arg(long)]
+    pub no_leader_election: bool,
+    /// How long the leader's Lease holds without renewal: a standby replica takes over
+    /// this long after the leader died (client-go's default, 15s; it renews well before).
+    #[arg(long, default_value = "15s", value_parser = lease_seconds)]
+    pub lease_duration: u64,
+    /// How long the deletion of a VolumeReplication waits for an agent that does not
+    /// answer. Then it finishes, with a Warning event naming what was left on the agent;
+    /// the leader removes it once the agent answers again.
+    #[arg(long, default_value = "60s", value_parser = mover_engine::node::parse_duration)]
+    pub deletion_grace: std::time::Duration,
+    /// Where /metrics (Prometheus) and /healthz are served.
+    #[arg(long, default_value = "0.0.0.0:9471")]
+    pub metrics_listen: std::net::SocketAddr,
+    /// The namespaces whose Secrets classes may name (a Role in each lets the
+    /// controller read them; see deploy/README.md) [default: the controller's own].
+    #[arg(long = "secret-namespace", value_name = "NAMESPACE")]
+    pub secret_namespaces: Vec<String>,
+    /// The agents' ServiceAccount (NAMESPACE/NAME is implied by --agent-namespace):
+    /// only its pod-bound tokens get agent certificates.
+    #[arg(long, default_value = "mover-agent")]
+    pub agent_service_account: String,
+    /// The controller's own ServiceAccount (in --lease-namespace): it asks for tokens of
+    /// it to read changed blocks from CSI drivers' SnapshotMetadata services.
+    #[arg(
+        long,
+        default_value = "mover-controller",
+        env = "MOVER_SERVICE_ACCOUNT"
+    )]
+    pub service_account: String,
+    /// The image of the Jobs the controller runs (the populator restores a snapshot with
+    /// one into a PVC of a StorageClass that is not mover's CSI driver, before the PVC
+    /// is bound) [default: the controller's own, read from its pod (POD_NAME)].
+    #[arg(long, value_name = "IMAGE", env = "MOVER_JOB_IMAGE")]
+    pub job_image: Option<String>,
+    /// Talk to agents in plaintext with --token-file, and sign no certificates. By
+    /// default the controller runs the cluster's mover CA (Secret mover-ca in its
+    /// namespace): it signs the agents' certificate requests (signer
+    /// replication.mover/agent) and reaches agents over TLS with a certificate of its own,
+    /// checking each agent's against its node's name.
+    #[arg(long)]
+    pub insecure_plaintext: bool,
+    /// Where the Locator listens: peer clusters' agents ask it which agent holds a
+    /// relationship's secondary (their class's target is cluster://ADDRESS; expose it to
+    /// them with a LoadBalancer or NodePort Service). Served only with
+    /// --replication-token-file.
+    #[arg(long, default_value = "0.0.0.0:7471")]
+    pub locator_listen: std::net::SocketAddr,
+    /// The replication tokens (one per line) peer clusters present to the Locator: the
+    /// agents' replication_token_file.
+    #[arg(long, value_name = "FILE")]
+    pub replication_token_file: Option<std::path::PathBuf>,
+    /// Authentication and TLS towards the agents (with --insecure-plaintext, or to
+    /// override the cluster CA with files).
+    #[command(flatten)]
+    pub connect: mover_engine::remote::ConnectOptions,
+}
+
+/// The image of the controller's own container (its pod from POD_NAME, in `namespace`),
+/// for the Jobs it runs: whatever registry and tag the install chose. "mover" if it
+/// cannot be read (not in a pod), with a warning.
+async fn own_image(client: &kube::Client, namespace: &str) -> String {
+    let pod = match std::env::var("POD_NAME") {
+        Ok(name) => Api::<Pod>::namespaced(client.clone(), namespace)
+            .get(&name)
+            .await
+            .ok(),
+        Err(_) => None,
+    };
+    let image = pod
+        .and_then(|p| p.spec)
+        .and_then(|s| s.containers.into_iter().find(|c| c.name == "controller"))
+        .and_then(|c| c.image);
+    image.unwrap_or_else(|| {
+        tracing::warn!("cannot read this controller's pod image (POD_NAME): the populator's Jobs use image \"mover\"; set --job-image");
+        "mover".into()
+    })
+}
+
+/// How many VolumeReplications are reconciled at once.
+const RECONCILES_AT_ONCE: u16 = 16;
+
+/// Why the controller stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// No kubeconfig or in-cluster configuration.
+    #[error(
+        "cannot reach the Kubernetes API: run in a pod with a service account, or set \
+         KUBECONFIG (or write ~/.kube/config)"
+    )]
+    Client(#[source] kube::Error),
+    /// The metrics port is taken.
+    #[error("cannot listen for metrics on {addr}")]
+    Listen {
+        /// --metrics-listen.
+        addr: std::net::SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The Lease could not be created or read.
+    #[error("leader election on Lease {namespace}/mover-controller failed")]
+    Lease {
+        /// --lease-namespace.
+        namespace: String,
+        /// What failed.
+        source: kube_lease_manager::LeaseManagerError,
+    },
+    /// `--replication-token-file` cannot be read, or holds no token.
+    #[error("--replication-token-file: {0}")]
+    Tokens(transport::cluster::TokenFileError),
+    /// The cluster's mover CA could not be loaded or made.
+    #[error(transparent)]
+    Authority(super::issuer::AuthorityError),
+    /// A watch cache stopped before its first list arrived.
+    #[error("a watch cache stopped before it was filled")]
+    CachesStopped,
+    /// Another replica took the lease: this one stops (and is restarted as a standby)
+    /// rather than act next to it.
+    #[error("lost the leader lease to another replica; stopping")]
+    LostLease,
+    /// The CRDs are not installed in the served group.
+    #[error(
+        "VolumeReplications in group {group} cannot be listed; install the CRDs: \
+         mover controller crds --group {group} --out DIR && kubectl apply -f DIR"
+    )]
+    NoCrd {
+        /// The served group.
+        group: String,
+        /// What the API server said.
+        source: kube::Error,
+    },
+}
+
+/// Drops what a cached object carries and the controller never reads: managedFields
+/// and the last-applied annotation are most of a small object's size (with 10,000 PVCs,
+/// most of the controller's memory).
+fn slim<K: kube::Resource>(o: &mut K) {
+    o.managed_fields_mut().clear();
+    o.annotations_mut()
+        .remove("kubectl.kubernetes.io/last-applied-configuration");
+}
+
+/// A watch cache of `api` kept up to date by the returned future.
+fn cache<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    dyntype: K::DynamicType,
+) -> (Store<K>, impl std::future::Future<Output = ()> + Send)
+where
+    K: kube::Resource
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+    K::DynamicType: Clone + Eq + std::hash::Hash + Send + Sync,
+{
+    let writer = reflector::store::Writer::new(dyntype);
+    let reader = writer.as_reader();
+    let run = reflector::reflector(writer, watcher(api, config).modify(slim))
+        .default_backoff()
+        .for_each(|_| futures::future::ready(()));
+    (reader, run)
+}
+
+/// A cache as [`cache`] makes that also sends the reference of each object it sees made,
+/// changed or deleted, for reconciles of another kind to wait on. At most `buffer` wait:
+/// more are dropped (a standby consumes none; whatever they would have started happens
+/// at the next retry anyway).
+fn cache_with_changes<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    buffer: usize,
+) -> (
+    Store<K>,
+    impl std::future::Future<Output = ()> + Send,
+    futures::channel::mpsc::Receiver<ObjectRef<K>>,
+)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let writer = reflector::store::Writer::new(());
+    let reader = writer.as_reader();
+    let (mut changed, changes) = futures::channel::mpsc::channel(buffer);
+    let run = reflector::reflector(writer, watcher(api, config).modify(slim))
+        .default_backoff()
+        .touched_objects()
+        .for_each(move |object| {
+            if let Ok(object) = object {
+                let _ = changed.try_send(ObjectRef::from_obj(&object));
+            }
+            futures::future::ready(())
+        });
+    (reader, run, changes)
+}
+
+/// The VolumeReplications (of kind `vr`) among `vrs` whose dataSource is `pvc`.
+fn naming(
+    vrs: &[Arc<DynamicObject>],
+    pvc: &ObjectRef<PersistentVolumeClaim>,
+    vr: &kube::api::ApiResource,
+) -> Vec<ObjectRef<DynamicObject>> {
+    vrs.iter()
+        .filter(|v| {
+            v.namespace() == pvc.namespace
+                && v.data["spec"]["dataSource"]["name"].as_str() == Some(&pvc.name)
+        })
+        .map(|v| ObjectRef::from_obj_with(v.as_ref(), vr.clone()))
+        .collect()
+}
+
+/// A cache of the Nodes' metadata only (names and labels: what node affinities select).
+/// A metadata-only watch: a Node's status (images, conditions) is most of its size.
+fn node_cache(client: kube::Client) -> (Store<Node>, impl std::future::Future<Output = ()> + Send) {
+    use futures::TryStreamExt;
+    use watcher::Event;
+    let writer = reflector::store::Writer::<Node>::default();
+    let reader = writer.as_reader();
+    let node = |m: PartialObjectMeta<Node>| Node {
+        metadata: ObjectMeta {
+            name: m.metadata.name,
+            uid: m.metadata.uid,
+            resource_version: m.metadata.resource_version,
+            labels: m.metadata.labels,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let api = Api::<PartialObjectMeta<Node>>::all_with(client, &Default::default());
+    let events = watcher(api, watcher::Config::default()).map_ok(move |e| match e {
+        Event::Apply(m) => Event::Apply(node(m)),
+        Event::Delete(m) => Event::Delete(node(m)),
+        Event::InitApply(m) => Event::InitApply(node(m)),
+        Event::Init => Event::Init,
+        Event::InitDone => Event::InitDone,
+    });
+    let run = reflector::reflector(writer, events)
+        .default_backoff()
+        .for_each(|_| futures::future::ready(()));
+    (reader, run)
+}
+
+/// Runs the controller until SIGINT or SIGTERM.
+pub async fn run(options: RunOptions) -> Result<(), RunError> {
+    // The API server is reached over TLS, and rustls will not pick between the two
+    // crypto providers the dependencies bring.
+    transport::tls::install_crypto_provider();
+    let client = kube::Client::try_default()
+        .await
+        .map_err(RunError::Client)?;
+    let group = options.group.clone();
+    let vr = crd::api_resource(&group, "VolumeReplication");
+    let vrs: Api<DynamicObject> = Api::all_with(client.clone(), &vr);
+    vrs.list(&kube::api::ListParams::default().limit(1))
+        .await
+        .map_err(|source| RunError::NoCrd {
+            group: group.clone(),
+            source,
+        })?;
+    let class = crd::api_resource(&group, "VolumeReplicationClass");
+    let (classes, w1) = cache(
+        Api::<DynamicObject>::all_with(client.clone(), &class),
+        watcher::Config::default(),
+        class.clone(),
+    );
+    let (pvcs, w2, pvc_changes) =
+        cache_with_changes(Api::all(client.clone()), watcher::Config::default(), 4096);
+    let (pvs, w3) = cache(Api::all(client.clone()), watcher::Config::default(), ());
+    let (attachments, w4) = cache(Api::all(client.clone()), watcher::Config::default(), ());
+    let (agents, w5) = cache(
+        Api::namespaced(client.clone(), &options.agent_namespace),
+        watcher::Config::default().labels(&options.agent_selector),
+        (),
+    );
+    let (nodes, w6) = node_cache(client.clone());
+    let listener = tokio::net::TcpListener::bind(options.metrics_listen)
+        .await
+        .map_err(|source| RunError::Listen {
+            addr: options.metrics_listen,
+            source,
+        })?;
+    let metrics = Arc::new(super::metrics::Metrics::default());
+    let m = metrics.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || async move { m.render() }),
+        )
+        .route("/healthz", axum::routing::get(|| async { "ok" }));
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    });
+    let mut connect = options.connect.clone();
+    let ca_error = |e: rcgen::Error| {
+        RunError::Authority(super::issuer::AuthorityError::new(
+            &options.lease_namespace,
+            e.to_string(),
+        ))
+    };
+    let (authority, locator_tls) = if options.insecure_plaintext {
+        (None, None)
+    } else {
+        let a = super::issuer::Authority::load_or_create(&client, &options.lease_namespace)
+            .await
+            .map_err(RunError::Authority)?;
+        connect.tls_pem = Some(Arc::new(a.controller_identity().map_err(ca_error)?));
+        let locator = a.locator_identity().map_err(ca_error)?;
+        // Its own certificates are made at start for LIFETIME: two thirds of the way it
+        // exits (the Deployment starts it again, a standby leads meanwhile), so they never
+        // expire in use.
+        tokio::spawn(async {
+            tokio::time::sleep(transport::cluster::AGENT_CERTIFICATE_LIFETIME * 2 / 3).await;
+            tracing::info!("exiting to renew this controller's own certificates");
+            std::process::exit(0);
+        });
+        (Some(Arc::new(a)), Some(locator))
+    };
+    let mut grpc_agents = GrpcAgents::new(connect);
+    if authority.is_some() {
+        // Agents run in the host network: an agent pod's address is its node's.
+        let pods: Store<k8s_openapi::api::core::v1::Pod> = agents.clone();
+        grpc_agents = grpc_agents.with_server_names(Box::new(move |host: &str| {
+            pods.state().iter().find_map(|p| {
+                let ip = p.status.as_ref()?.pod_ip.as_deref()?;
+                (ip == host).then(|| p.spec.as_ref()?.node_name.clone())?
+            })
+        }));
+    }
+    let secret_namespaces = if options.secret_namespaces.is_empty() {
+        vec![options.lease_namespace.clone()]
+    } else {
+        options.secret_namespaces.clone()
+    };
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        group,
+        agents: Arc::new(grpc_agents),
+        caches: Caches {
+            classes,
+            pvcs,
+            pvs,
+            attachments,
+            agents,
+            nodes,
+        },
+        agent_port: options.agent_port,
+        csi: super::csi_snapshots::Settings {
+            namespace: options.lease_namespace.clone(),
+            service_account: options.service_account.clone(),
+            failed: Default::default(),
+        },
+        job_image: match &options.job_image {
+            Some(i) => i.clone(),
+            None => own_image(&client, &options.lease_namespace).await,
+        },
+        metrics,
+        secrets: Some(Arc::new(SecretWatches::new(
+            client.clone(),
+            secret_namespaces,
+        ))),
+        leftovers: Some((
+            options.deletion_grace,
+            Arc::new(Leftovers::new(client.clone(), &options.lease_namespace)),
+        )),
+        recorder: Some(kube::runtime::events::Recorder::new(
+            client.clone(),
+            kube::runtime::events::Reporter {
+                controller: "mover-controller".into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        )),
+    });
+    tokio::spawn(w1);
+    tokio::spawn(w2);
+    tokio::spawn(w3);
+    tokio::spawn(w4);
+    tokio::spawn(w5);
+    tokio::spawn(w6);
+    // No reconcile before every cache holds its first full list: a VR looked at with
+    // an empty cache would be marked Degraded ("PVC not found") for nothing, with a
+    // Warning event and a status write each, on every start and leader change.
+    let caches = &ctx.caches;
+    let ready = async {
+        caches.classes.wait_until_ready().await?;
+        caches.pvcs.wait_until_ready().await?;
+        caches.pvs.wait_until_ready().await?;
+        caches.attachments.wait_until_ready().await?;
+        caches.agents.wait_until_ready().await?;
+        caches.nodes.wait_until_ready().await
+    };
+    ready.await.map_err(|_| RunError::CachesStopped)?;
+    tracing::info!("watch caches synced");
+    // Every replica answers peer clusters' agents (a standby from caches of its own).
+    if let Some(file) = &options.replication_token_file {
+        let (vrs, w) = cache(
+            Api::<DynamicObject>::all_with(client.clone(), &vr),
+            watcher::Config::default(),
+            vr.clone(),
+        );
+        tokio::spawn(w);
+        vrs.wait_until_ready()
+            .await
+            .map_err(|_| RunError::CachesStopped)?;
+        let service = super::locator::LocatorService {
+            vrs,
+            ctx: ctx.clone(),
+        };
+        serve_locator(options.locator_listen, file, locator_tls, service).await?;
+    }
+    // Replicas keep their caches warm; only the Lease holder reconciles.
+    let mut leader = if options.no_leader_election {
+        None
+    } else {
+        Some(elect(&client, &options.lease_namespace, options.lease_duration).await?)
+    };
+    tracing::info!(group = %ctx.group, "controller started");
+    // The leader signs the agents' certificate requests.
+    if let Some(authority) = authority {
+        let user = format!(
+            "system:serviceaccount:{}:{}",
+            options.agent_namespace, options.agent_service_account
+        );
+        tokio::spawn(super::issuer::sign_requests(
+            client.clone(),
+            authority,
+            user,
+        ));
+    }
+    // The leader removes what deletions left on agents that were down, once they answer.
+    if let Some((grace, leftovers)) = ctx.leftovers.clone() {
+        let agents = ctx.agents.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(grace.min(std::time::Duration::from_secs(30)));
+            loop {
+                every.tick().await;
+                if let Err(e) = leftovers.sweep(&*agents).await {
+                    tracing::warn!(error = %e, "cannot read or update the leftovers record");
+                }
+            }
+        });
+    }
+    // The VolumeReplications' own cache, slimmed as the others: their managedFields
+    // (the status the controller applies, field by field) were half its memory.
+    let writer = reflector::store::Writer::new(vr.clone());
+    let vr_cache = writer.as_reader();
+    let vr_events = reflector::reflector(
+        writer,
+        watcher(vrs, watcher::Config::default()).modify(slim),
+    )
+    .default_backoff()
+    .applied_objects();
+    // A VolumeReplication is looked at again when its PVC changes: one made with its PVC
+    // starts as soon as the PVC binds, not a retry later (1,000 made at once took six
+    // minutes to start, waiting on 30 s retries as kube-controller-manager bound them).
+    let naming_pvc = {
+        let (vrs, vr) = (vr_cache.clone(), vr.clone());
+        move |pvc: ObjectRef<PersistentVolumeClaim>| {
+            futures::stream::iter(naming(&vrs.state(), &pvc, &vr))
+        }
+    };
+    let controller = Controller::for_stream_with(vr_events, vr_cache, vr)
+        .reconcile_on(pvc_changes.flat_map(naming_pvc))
+        // A bounded number of reconciles at once: on a start with 1,000 resources, all
+        // of them at once held 1,000 agent calls' buffers (a 150 MiB peak).
+        .with_config(kube::runtime::controller::Config::default().concurrency(RECONCILES_AT_ONCE))
+        .shutdown_on_signal()
+        .run(reconcile::reconcile, reconcile::error_policy, ctx.clone())
+        .for_each(|r| {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "reconcile");
+            }
+            futures::future::ready(())
+        });
+    // The volume populator: PVCs whose dataSourceRef names a HydrationSource (only
+    // when mover's own group is served: the kind is mover's).
+    let populator = (ctx.group == super::crd::MOVER_GROUP).then(|| {
+        Controller::new(
+            Api::<k8s_openapi::api::core::v1::PersistentVolumeClaim>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .shutdown_on_signal()
+        .run(
+            super::populator::reconcile,
+            super::populator::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| futures::future::ready(()))
+    });
+    // Moves of owned volumes (mover's group only, as the populator).
+    let moves = (ctx.group == super::crd::MOVER_GROUP).then(|| {
+        Controller::new(
+            Api::<super::crd::VolumeMove>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .shutdown_on_signal()
+        .run(
+            super::moves::reconcile,
+            super::moves::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| futures::future::ready(()))
+    });
+    let own = async {
+        match (populator, moves) {
+            (Some(p), Some(m)) => {
+                futures::join!(p, m);
+            }
+            _ => std::future::pending().await,
+        }
+    };
+    let both = async {
+        tokio::select! {
+            _ = controller => {}
+            _ = own => {}
+        }
+    };
+    match &mut leader {
+        None => both.await,
+        Some(leader) => {
+            tokio::select! {
+                _ = both => {}
+                _ = lost(leader) => return Err(RunError::LostLease),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Serves the Locator on `addr` (TLS with `tls`), to callers with a token in
+/// `token_file`.
+async fn serve_locator(
+    addr: std::net::SocketAddr,
+    token_file: &std::path::Path,
+    tls: Option<transport::tls::TlsPem>,
+    service: super::locator::LocatorService,
+) -> Result<(), RunError> {
+    use transport::auth::{Authorize, Credentials, Role};
+    let credentials = Arc::new(Credentials {
+        replication_tokens: transport::cluster::read_tokens(token_file)
+            .map_err(RunError::Tokens)?,
+        ..Default::default()
+    });
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| RunError::Listen { addr, source })?;
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(pem) = &tls {
+        builder = builder
+            .tls_config(pem.server(true))
+            .map_err(|e| RunError::Listen {
+                addr,
+                source: std::io::Error::other(e.to_string()),
+            })?;
+    }
+    let router = builder.add_service(tonic::service::interceptor::InterceptedService::new(
+        transport::locate::locator_server::LocatorServer::new(service),
+        Authorize::new(credentials, Role::Replication, "the Locator"),
+    ));
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    tracing::info!(%addr, tls = tls.is_some(), "locator serving");
+    tokio::spawn(async move {
+        if let Err(e) = router.serve_with_incoming(incoming).await {
+            tracing::error!(error = %e, "locator stopped");
+        }
+    });
+    Ok(())
+}
+
+/// `--lease-duration`: whole seconds, at least 2 (a renewal must fit in it).
+fn lease_seconds(s: &str) -> Result<u64, String> {
+    let d = mover_engine::node::parse_duration(s)?;
+    match d.as_secs() {
+        n if n >= 2 => Ok(n),
+        _ => Err(format!("{s:?} is shorter than 2 seconds")),
+    }
+}
+
+/// Waits until this replica holds the Lease `mover-controller`; the returned channel
+/// says when it no longer does.
+async fn elect(
+    client: &kube::Client,
+    namespace: &str,
+    duration: u64,
+) -> Result<tokio::sync::watch::Receiver<bool>, RunError> {
+    let identity = std::env::var("HOSTNAME").unwrap_or_else(|_| "mover-controller".into());
+    let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), "mover-controller")
+        .with_namespace(namespace)
+        // Renewed a third of the duration before it ends. The field manager is the
+        // library's, one per identity: server-side apply's conflicts are what keep two
+        // replicas from taking the Lease at once, and a shared manager has none.
+        .with_parameters(kube_lease_manager::LeaseParams::new(
+            identity.clone(),
+            duration,
+            (duration / 3).max(1),
+        ))
+        .build()
+        .await
+        .map_err(|source| RunError::Lease {
+            namespace: namespace.into(),
+            source,
+        })?;
+    let (mut leader, task) = manager.watch().await;
+    // The task holds the lease while the receiver lives; it ends with the process.
+    drop(task);
+    tracing::info!(%identity, "waiting for the leader lease");
+    while !*leader.borrow_and_update() {
+        if leader.changed().await.is_err() {
+            return Err(RunError::LostLease);
+        }
+    }
+    tracing::info!(%identity, "holding the leader lease");
+    Ok(leader)
+}
+
+/// Resolves when the lease is lost (or its manager ended).
+async fn lost(leader: &mut tokio::sync::watch::Receiver<bool>) {
+    loop {
+        if leader.changed().await.is_err() || !*leader.borrow_and_update() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pvcs_change_names_the_volume_replications_of_its_namespace_that_replicate_it() {
+        let vr = crd::api_resource(crd::MOVER_GROUP, "VolumeReplication");
+        let object = |ns: &str, name: &str, pvc: &str| {
+            let mut o = DynamicObject::new(name, &vr).within(ns);
+            o.data = serde_json::json!({"spec": {"dataSource": {"kind": "PersistentVolumeClaim", "name": pvc}}});
+            Arc::new(o)
+        };
+        let vrs = [
+            object("app", "data", "data"),
+            object("app", "logs", "logs"),
+            object("other", "data", "data"),
+            object("app", "data-again", "data"),
+        ];
+        let pvc = ObjectRef::<PersistentVolumeClaim>::new("data").within("app");
+        let mut named: Vec<String> = naming(&vrs, &pvc, &vr)
+            .into_iter()
+            .map(|r| format!("{}/{}", r.namespace.unwrap(), r.name))
+            .collect();
+        named.sort();
+        assert_eq!(named, ["app/data", "app/data-again"]);
+        let unnamed = ObjectRef::<PersistentVolumeClaim>::new("other-0").within("app");
+        assert!(naming(&vrs, &unnamed, &vr).is_empty());
+    }
+}
