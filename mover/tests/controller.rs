@@ -148,6 +148,7 @@ impl FakeAgents {
                 name: name.into(),
                 code: tonic::Code::NotFound,
                 message: "no such relationship".into(),
+                refusal: None,
             })?;
         f(s);
         Ok(s.clone())
@@ -179,6 +180,7 @@ impl Agents for FakeAgents {
                 name: name.into(),
                 code: tonic::Code::Unavailable,
                 message: REFUSED.into(),
+                refusal: None,
             });
         }
         let map = self.relationships.lock().unwrap();
@@ -208,6 +210,7 @@ impl Agents for FakeAgents {
                 name: name.into(),
                 code: tonic::Code::FailedPrecondition,
                 message: "the last cycle is not a demote's final cycle".into(),
+                refusal: None,
             });
         }
         self.change("promote", agent, name, |s| {
@@ -283,6 +286,7 @@ impl Agents for FakeAgents {
                 name: volume.into(),
                 code: tonic::Code::PermissionDenied,
                 message: message.clone(),
+                refusal: None,
             });
         }
         let key = (agent.to_string(), volume.to_string());

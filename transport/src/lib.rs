@@ -12,6 +12,9 @@
 //! - [`cluster`]: what an agent and the controller of one cluster agree on (the CSI
 //!   driver's name, the certificate signer, token files, replication bounds).
 //! - [`tls`]: TLS configuration from PEM files or memory (rustls).
+//! - [`refusal`]: a refusal's kind (stale epoch, no session, no device), carried beside
+//!   the status code so callers match a type, not a message.
+//! - [`states`]: a relationship's side and state, a schedule's state, as types.
 //! - [`frames`]: packing volume data into frames, zstd-compressed only when it shrinks.
 //! - [`nbd`]: the NBD protocol, server side, over any byte stream.
 //! - [`RateLimiter`]: a token bucket for `--bwlimit`.
@@ -24,6 +27,8 @@ pub mod cluster;
 pub mod frames;
 pub mod nbd;
 mod rate;
+pub mod refusal;
+pub mod states;
 pub mod tls;
 
 pub use rate::RateLimiter;

@@ -189,3 +189,113 @@ impl Facts {
         Facts::of_der(&block.contents)
     }
 }
+
+/// `e` and every error under it, looking inside `io::Error`s too (their `source()`
+/// skips the error they wrap, where rustls puts its own).
+fn causes<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(e), |cur| match cur.downcast_ref::<std::io::Error>() {
+        Some(io) => io
+            .get_ref()
+            .map(|inner| inner as &(dyn std::error::Error + 'static)),
+        None => cur.source(),
+    })
+}
+
+/// Whether `e` is this side refusing the TLS peer's certificate (another CA's, or not
+/// naming the peer): a retry meets the same certificate.
+pub fn is_certificate_refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    causes(e).any(|c| {
+        matches!(
+            c.downcast_ref::<rustls::Error>(),
+            Some(rustls::Error::InvalidCertificate(_))
+        )
+    })
+}
+
+/// Whether `e` is a plaintext HTTP/2 client reading a TLS server's answer: the TLS
+/// record, read as an HTTP/2 frame, has an impossible size.
+pub fn is_plaintext_to_tls(e: &(dyn std::error::Error + 'static)) -> bool {
+    causes(e).any(|c| {
+        c.downcast_ref::<h2::Error>().and_then(h2::Error::reason)
+            == Some(h2::Reason::FRAME_SIZE_ERROR)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plaintext client meets a server that answers in TLS: the error says so by its
+    /// type, whatever its words.
+    #[tokio::test]
+    async fn a_plaintext_client_of_a_tls_server_is_told_by_type() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            // A TLS alert record, as a TLS server answers a client hello it cannot
+            // parse; read as an HTTP/2 frame header its length is 1.4 MB.
+            conn.write_all(&[0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x46])
+                .await
+                .unwrap();
+            let mut sink = vec![0; 4096];
+            while conn.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+        });
+        let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut client = crate::control::replication_client::ReplicationClient::new(channel);
+        let s = client
+            .get(crate::control::NameRequest { name: "r".into() })
+            .await
+            .unwrap_err();
+        assert!(is_plaintext_to_tls(&s), "{s:?}");
+        assert!(!is_certificate_refused(&s), "{s:?}");
+        assert!(!is_plaintext_to_tls(&tonic::Status::internal(
+            "frame with invalid size"
+        )));
+    }
+
+    /// A server whose certificate another CA signed: refused by type.
+    #[tokio::test]
+    async fn a_certificate_of_another_ca_is_refused_by_type() {
+        install_crypto_provider();
+        let self_signed = |name: &str| {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let cert = rcgen::CertificateParams::new(vec![name.to_string()])
+                .unwrap()
+                .self_signed(&key)
+                .unwrap();
+            (cert.pem().into_bytes(), key.serialize_pem().into_bytes())
+        };
+        let (cert, key) = self_signed("agent");
+        let (other_ca, _) = self_signed("other");
+        let acceptor = TlsPem {
+            cert: cert.clone(),
+            key,
+            ca: cert,
+        }
+        .acceptor()
+        .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (conn, _) = listener.accept().await.unwrap();
+            let _ = acceptor.accept(conn).await;
+        });
+        let e = tonic::transport::Channel::from_shared(format!("https://{addr}"))
+            .unwrap()
+            .tls_config(client_trusting(&other_ca, "agent"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap_err();
+        assert!(is_certificate_refused(&e), "{e:?}");
+        assert!(!is_plaintext_to_tls(&e), "{e:?}");
+    }
+}

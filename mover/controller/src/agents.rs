@@ -27,6 +27,8 @@ pub struct AgentError {
     pub code: tonic::Code,
     /// The agent's explanation.
     pub message: String,
+    /// The refusal's kind, when the agent named one: what the controller matches.
+    pub refusal: Option<transport::refusal::Refusal>,
 }
 
 impl AgentError {
@@ -170,6 +172,7 @@ fn not_served(agent: &str, op: &'static str, name: &str) -> AgentError {
         name: name.into(),
         code: tonic::Code::Unimplemented,
         message: "this implementation serves no hydrations or moves".into(),
+        refusal: None,
     }
 }
 
@@ -253,6 +256,7 @@ impl GrpcAgents {
             name: name.into(),
             code: tonic::Code::Unavailable,
             message,
+            refusal: None,
         };
         // The control API ignores the volume part of an agent URL.
         let mut url = AgentUrl::parse(&format!("agent://{agent}/-"))
@@ -294,7 +298,8 @@ impl GrpcAgents {
                 op,
                 name: name.into(),
                 code: s.code(),
-                message: match mover_engine::remote::tls_hint(s.message()) {
+                refusal: transport::refusal::Refusal::of(&s),
+                message: match mover_engine::remote::tls_hint(&s) {
                     Some(hint) => format!("{hint} ({})", s.message()),
                     None => s.message().into(),
                 },

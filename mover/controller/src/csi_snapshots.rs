@@ -372,7 +372,7 @@ async fn run_step(
     };
     let ran = ctx.agents.cycle_from(&d.agent, req).await;
     if let Err(e) = &ran
-        && e.message.contains("no device under")
+        && e.refusal == Some(transport::refusal::Refusal::NoDevice)
     {
         return Ok(Step::Waiting(format!(
             "the clone of VolumeSnapshot {ns}/{name} is not published on node {} yet (its \

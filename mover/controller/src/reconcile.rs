@@ -26,6 +26,7 @@ use kube::{Resource, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
 use transport::control;
+use transport::states::{RelationshipState, Side};
 
 /// Held on every VolumeReplication the controller set up, until its relationship is
 /// deleted from the agent.
@@ -511,7 +512,7 @@ async fn decide_by_state(
             let result = match agents.get(&d.agent, &d.name).await {
                 Err(e) => Err(e),
                 Ok(None) => agents.create(&d.agent, spec_of(&d)).await,
-                Ok(Some(s)) if s.role == "secondary" => {
+                Ok(Some(s)) if s.side() == Some(Side::Secondary) => {
                     // csi-addons: a refused promotion (the peer did not hand over with a
                     // final cycle) is retried with force.
                     match agents.promote(&d.agent, &d.name, false).await {
@@ -536,7 +537,11 @@ async fn decide_by_state(
                     c.promoted();
                     let (h, detail) = status::health(&s, &now, d.params.interval);
                     c.replicating(h, &detail);
-                    c.consistency(&s.consistency, &s.last_error);
+                    c.consistency(
+                        &s.consistency,
+                        &s.last_error,
+                        s.last_error_kind() == transport::control::ErrorKind::NoPointInTime,
+                    );
                     if is_split(&s) {
                         c.degraded(&format!(
                             "relationship {}: another cluster's side was promoted past this \
@@ -583,25 +588,27 @@ async fn decide_by_state(
                 Ok(None) => Ok(None),
                 // A primary fenced or split by the peer's promotion has no final cycle to
                 // hand over: it is a split secondary (resynced with autoResync).
-                Ok(Some(s)) if s.role == "primary" && !is_split(&s) => match &d.snapshots {
-                    None => agents.demote(&d.agent, &d.name).await.map(|_| None),
-                    // The final cycle reads a snapshot taken now, as every cycle does.
-                    Some(src) => {
-                        let (s, next) = snapshot_step(ctx, &d, src, s, true).await;
-                        if s.role == "primary" {
-                            st.message = Some(format!(
-                                "demoting: the final cycle from a VolumeSnapshot: {}",
-                                if s.last_error.is_empty() {
-                                    "under way"
-                                } else {
-                                    &s.last_error
-                                }
-                            ));
-                            return (st, Action::requeue(next));
+                Ok(Some(s)) if s.side() == Some(Side::Primary) && !is_split(&s) => {
+                    match &d.snapshots {
+                        None => agents.demote(&d.agent, &d.name).await.map(|_| None),
+                        // The final cycle reads a snapshot taken now, as every cycle does.
+                        Some(src) => {
+                            let (s, next) = snapshot_step(ctx, &d, src, s, true).await;
+                            if s.side() == Some(Side::Primary) {
+                                st.message = Some(format!(
+                                    "demoting: the final cycle from a VolumeSnapshot: {}",
+                                    if s.last_error.is_empty() {
+                                        "under way"
+                                    } else {
+                                        &s.last_error
+                                    }
+                                ));
+                                return (st, Action::requeue(next));
+                            }
+                            Ok(None)
                         }
-                        Ok(None)
                     }
-                },
+                }
                 Ok(Some(s)) => update_if_changed(agents, &d, s).await.map(Some),
             };
             st.last_sync_time = None;
@@ -697,7 +704,7 @@ async fn snapshot_step(
             tracing::warn!(relationship = %d.name, "{why}");
             let mut s = s;
             s.last_error = why;
-            if s.state == "Replicating" {
+            if s.relationship_state() == Some(RelationshipState::Replicating) {
                 s.state = "Degraded".into();
             }
             (s, RETRY.min(d.params.interval))
@@ -745,7 +752,11 @@ async fn secondary(
     };
     c.demoted();
     c.resync();
-    c.consistency(&s.consistency, &s.last_error);
+    c.consistency(
+        &s.consistency,
+        &s.last_error,
+        s.last_error_kind() == transport::control::ErrorKind::NoPointInTime,
+    );
     st.last_sync_consistency = status::last_sync_consistency(&s.consistency);
     if in_sync(&s) {
         c.not_degraded();
@@ -763,7 +774,7 @@ async fn secondary(
 /// volume of record); an active primary is refused with what to do instead.
 pub fn resync_discards(s: &control::Status) -> Result<bool, String> {
     let name = s.spec.as_ref().map(|s| s.name.as_str()).unwrap_or_default();
-    match s.role == "secondary" || is_split(s) {
+    match s.side() == Some(Side::Secondary) || is_split(s) {
         true => Ok(true),
         false => Err(format!(
             "relationship {name} is the active primary here: replicationState resync would \
@@ -776,12 +787,17 @@ pub fn resync_discards(s: &control::Status) -> Result<bool, String> {
 
 /// The peer was promoted past this side (fenced) or both wrote (split brain).
 fn is_split(s: &control::Status) -> bool {
-    matches!(s.state.as_str(), "Fenced" | "SplitBrain")
+    matches!(
+        s.relationship_state(),
+        Some(RelationshipState::Fenced | RelationshipState::SplitBrain)
+    )
 }
 
 /// A secondary holding a complete cycle and following the primary.
 fn in_sync(s: &control::Status) -> bool {
-    s.role == "secondary" && s.state == "Secondary" && s.last_cycle.is_some()
+    s.side() == Some(Side::Secondary)
+        && s.relationship_state() == Some(RelationshipState::Secondary)
+        && s.last_cycle.is_some()
 }
 
 fn spec_of(d: &Desired) -> control::Spec {
@@ -811,7 +827,7 @@ async fn update_if_changed(
 ) -> Result<control::Status, AgentError> {
     let have = s.spec.clone().unwrap_or_default();
     let want = spec_of(d);
-    let primary = s.role == "primary";
+    let primary = s.side() == Some(Side::Primary);
     let schedule = primary
         && (
             have.interval_ms,

@@ -96,16 +96,17 @@ pub async fn reconcile(
     match result {
         Ok(s) => {
             c.promoted();
-            let (health, detail) = if s.state == "Failing" {
-                (
-                    Health::Degraded,
-                    format!("snapshots failing: {}", s.last_error),
-                )
-            } else {
-                (Health::Healthy, format!("snapshots to {}", repo.url))
-            };
+            let (health, detail) =
+                if s.schedule_state() == Some(transport::states::ScheduleState::Failing) {
+                    (
+                        Health::Degraded,
+                        format!("snapshots failing: {}", s.last_error),
+                    )
+                } else {
+                    (Health::Healthy, format!("snapshots to {}", repo.url))
+                };
             c.replicating(health, &detail);
-            c.consistency(&s.consistency, &s.last_error);
+            c.consistency(&s.consistency, &s.last_error, s.no_point_in_time);
             report(&mut st, &s, &repo.url);
             st.state = Some(State::Primary);
             st.message = Some(status::marked(state));

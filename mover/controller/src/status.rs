@@ -306,12 +306,11 @@ impl<'a> Conditions<'a> {
 
     /// mover's PointInTime condition, from the consistency of the last applied cycle
     /// ("" when none is): what RamenDR and `kubectl get` show beside Completed. Where
-    /// `last_error` is the agent's refusal for want of a point in time (see
-    /// `node::point_in_time::refusal`), Degraded too, with its sentence saying what is
-    /// missing.
-    pub fn consistency(&mut self, consistency: &str, last_error: &str) {
+    /// the agent refused the last run for want of a point in time (`no_point_in_time`),
+    /// Degraded too, with its sentence (`last_error`) saying what is missing.
+    pub fn consistency(&mut self, consistency: &str, last_error: &str, no_point_in_time: bool) {
         use mover_engine::node::point_in_time::{
-            CRASH_INCONSISTENT, FILE_CONSISTENT, NO_POINT_IN_TIME, POINT_IN_TIME,
+            CRASH_INCONSISTENT, FILE_CONSISTENT, POINT_IN_TIME,
         };
         let (status, reason, what) = match consistency {
             POINT_IN_TIME => ("True", reasons::POINT_IN_TIME, "the volume at one instant"),
@@ -330,7 +329,7 @@ impl<'a> Conditions<'a> {
         };
         let m = format!("{}'s last applied cycle: {what}", self.source);
         self.set(types::POINT_IN_TIME, status, reason, m);
-        if last_error.contains(NO_POINT_IN_TIME) {
+        if no_point_in_time {
             let m = format!("{} {}: {last_error}", self.source, messages::DEGRADED);
             self.set(types::DEGRADED, "True", reasons::NO_POINT_IN_TIME, m);
         }
@@ -369,25 +368,24 @@ pub fn health(s: &transport::control::Status, now: &Time, interval: Duration) ->
     // The agent's sentence for lateness names the RPO, which grows each second: said
     // as the last sync time instead, the message stays the same while nothing else
     // changes, and the status is not rewritten at every look.
-    let agents_late = s.last_error.starts_with("RPO ")
-        && s.last_error
-            .contains(&format!(" is past {LATE_INTERVALS} intervals"));
+    let agents_late = s.last_error_kind() == transport::control::ErrorKind::Late;
     let error = match &last_sync {
         Some(t) if agents_late || (late && s.last_error.is_empty()) => late_since(t, interval),
         _ => s.last_error.clone(),
     };
-    let state = match s.state.as_str() {
-        "Replicating" if late => "Degraded",
-        state => state,
+    use transport::states::RelationshipState as S;
+    let state = match s.relationship_state() {
+        Some(S::Replicating) if late => S::Degraded.name(),
+        _ => s.state.as_str(),
     };
     let detail = if error.is_empty() {
         format!("relationship {state}")
     } else {
         format!("relationship {state}: {error}")
     };
-    let h = match state {
-        "Replicating" => Health::Healthy,
-        "Resyncing" | "Paused" => Health::Waiting,
+    let h = match S::parse(state) {
+        Some(S::Replicating) => Health::Healthy,
+        Some(S::Resyncing | S::Paused) => Health::Waiting,
         _ => Health::Degraded,
     };
     (h, detail)
@@ -930,9 +928,16 @@ mod tests {
     }
 
     fn report(state: &str, error: &str, age_ms: i64, now_ms: i64) -> transport::control::Status {
+        // The agent's sentence for lateness (`replicate::late`) comes with its kind.
+        let late = error.starts_with("RPO ");
         transport::control::Status {
             state: state.into(),
             last_error: error.into(),
+            last_error_kind: if late {
+                transport::control::ErrorKind::Late as i32
+            } else {
+                0
+            },
             last_cycle: Some(transport::control::CycleReport {
                 point_in_time_ms: now_ms - age_ms,
                 ..Default::default()

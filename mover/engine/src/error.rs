@@ -77,6 +77,14 @@ pub enum CopyError {
         /// What is wrong and what to do.
         why: String,
     },
+    /// The job requires a point in time of the source and none can be taken.
+    #[error("source {path}: {}", crate::node::point_in_time::refusal(what))]
+    NoPointInTime {
+        /// Source path.
+        path: PathBuf,
+        /// What the source is that no point in time can be taken of it.
+        what: String,
+    },
     /// A write, punch, sync or rename on the destination failed.
     #[error("{what} {path} at offset {offset} failed: {cause}{hint}")]
     Write {
@@ -127,6 +135,8 @@ pub enum CopyError {
         code: RemoteCode,
         /// The agent's or the transport's message.
         message: String,
+        /// The refusal's kind, when the agent named one: what a caller matches.
+        refusal: Option<transport::refusal::Refusal>,
     },
     /// A file tree's top directory could not be read, created or finished.
     #[error("{what} {path}: {cause}")]
@@ -186,6 +196,7 @@ impl CopyError {
                 | CopyError::DestinationInUse { .. }
                 | CopyError::BadDestination { .. }
                 | CopyError::BadSource { .. }
+                | CopyError::NoPointInTime { .. }
                 | CopyError::CycleFailed { refusal: true, .. }
         ) || matches!(
             self,
@@ -335,6 +346,7 @@ mod tests {
             url: "agent://b:7070/v".into(),
             code,
             message: "m".into(),
+            refusal: None,
         };
         assert_eq!(
             e(RemoteCode::Unavailable).to_string(),

@@ -27,8 +27,9 @@ pub const CRASH_INCONSISTENT: &str = "crash-inconsistent";
 /// A file tree: each file as it was when read, not the tree at one instant.
 pub const FILE_CONSISTENT: &str = "file-consistent";
 
-/// The words that begin the reason of a run refused for want of a point in time: the
-/// controller recognises the refusal by them to say Degraded, NoPointInTime.
+/// The words that begin the reason of a run refused for want of a point in time (the
+/// refusal itself travels typed: `CopyError::NoPointInTime`, and the agent's status
+/// says its kind).
 pub const NO_POINT_IN_TIME: &str = "no point in time can be taken of it";
 
 /// What a live read is, in [`refusal`]'s words.

@@ -164,6 +164,7 @@ impl RemoteOptions {
                 url: path.display().to_string(),
                 code: RemoteCode::Token,
                 message: format!("cannot read the token file: {e}"),
+                refusal: None,
             })?;
             return Ok(Some(t.trim().to_string()));
         }
@@ -206,6 +207,7 @@ impl RemoteOptions {
             url: url.to_string(),
             code,
             message,
+            refusal: None,
         };
         let c = &self.connect;
         let name = c
@@ -260,7 +262,7 @@ impl RemoteOptions {
         let channel = endpoint.connect().await.map_err(|e| {
             let chain = error_chain(&e);
             // A certificate refused is not a network failure: retrying cannot help.
-            if chain.contains("invalid peer certificate") {
+            if transport::tls::is_certificate_refused(&e) {
                 remote(
                     RemoteCode::Tls,
                     format!(

@@ -313,6 +313,7 @@ impl RemoteGroups {
                 message: format!(
                     "the agent has no group {g}: do both sides agree on the volume size?"
                 ),
+                refusal: None,
             })
     }
 }

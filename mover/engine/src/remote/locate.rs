@@ -45,5 +45,6 @@ pub async fn locate(
         url: peer.into(),
         code: RemoteCode::Url,
         message: format!("the locator answered {:?}, not an agent URL", answer.volume),
+        refusal: None,
     })?
 }

@@ -203,6 +203,7 @@ async fn fetch_group(
                 url: url.to_string(),
                 code: RemoteCode::Protocol,
                 message: m,
+                refusal: None,
             })?;
             if frame
                 .offset
@@ -213,6 +214,7 @@ async fn fetch_group(
                     url: url.to_string(),
                     code: RemoteCode::Protocol,
                     message: format!("frame at offset {} is past the end", frame.offset),
+                    refusal: None,
                 });
             }
             match content {

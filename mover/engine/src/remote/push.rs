@@ -103,6 +103,7 @@ fn joined(r: std::result::Result<Result<usize>, tokio::task::JoinError>) -> Resu
             url: String::new(),
             code: RemoteCode::Error,
             message: format!("a transfer task failed: {join}"),
+            refusal: None,
         })
     })
 }
@@ -424,6 +425,7 @@ async fn attempt(
                     url: url.to_string(),
                     code: RemoteCode::Error,
                     message: join.to_string(),
+                    refusal: None,
                 });
             }
         }
@@ -479,6 +481,7 @@ fn not_read(url: &AgentUrl, g: u64) -> CopyError {
             "group {g} differs on the secondary in a chunk this cycle did not read: the \
              secondary changed after the previous cycle was applied"
         ),
+        refusal: None,
     }
 }
 
@@ -625,6 +628,7 @@ async fn group_frames(
         url: url.to_string(),
         code: RemoteCode::Error,
         message: e.to_string(),
+        refusal: None,
     })?;
     Ok(frames)
 }

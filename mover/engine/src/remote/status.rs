@@ -42,29 +42,32 @@ pub fn status_error(url: &AgentUrl, s: tonic::Status) -> CopyError {
         Code::InvalidArgument | Code::OutOfRange => RemoteCode::BadRequest,
         _ => RemoteCode::Error,
     };
+    let refusal = transport::refusal::Refusal::of(&s);
     let mut message = s.message().to_string();
     if let Some(src) = std::error::Error::source(&s) {
         message += &format!(" ({})", error_chain(src));
     }
-    if let Some(hint) = tls_hint(&message) {
+    if let Some(hint) = tls_hint(&s) {
         // Not retried: every attempt would meet the same TLS server.
         return CopyError::Remote {
             url: url.to_string(),
             code: RemoteCode::Refused,
             message: format!("{hint} ({message})"),
+            refusal,
         };
     }
     CopyError::Remote {
         url: url.to_string(),
         code,
         message,
+        refusal,
     }
 }
 
 /// What a plaintext client's error means when the agent speaks TLS: the server's TLS
 /// record, read as an HTTP/2 frame, has an impossible size.
-pub fn tls_hint(message: &str) -> Option<&'static str> {
-    message.contains("frame with invalid size").then_some(
+pub fn tls_hint(s: &tonic::Status) -> Option<&'static str> {
+    transport::tls::is_plaintext_to_tls(s).then_some(
         "the agent requires TLS (it answered in TLS, not plaintext HTTP/2): pass --tls-ca, \
          --tls-cert and --tls-key (or MOVER_TLS_CA, MOVER_TLS_CERT, MOVER_TLS_KEY)",
     )

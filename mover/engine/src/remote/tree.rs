@@ -36,6 +36,7 @@ fn runtime() -> Result<tokio::runtime::Runtime, CopyError> {
         url: "local".into(),
         code: RemoteCode::Runtime,
         message: format!("cannot start the async runtime: {e}"),
+        refusal: None,
     })
 }
 
@@ -142,11 +143,13 @@ async fn push_once(
             url: url.to_string(),
             code: RemoteCode::BadAnswer,
             message: format!("the agent's summary is not readable: {e}"),
+            refusal: None,
         }),
         Ok(None) => Err(CopyError::Remote {
             url: url.to_string(),
             code: RemoteCode::Unavailable,
             message: "the agent ended the push without a summary".into(),
+            refusal: None,
         }),
         Err(status) => Err(status_error(url, status)),
     }
@@ -219,6 +222,7 @@ fn pull_once(
             url: url.to_string(),
             code: RemoteCode::Unavailable,
             message: format!("{why}; a rerun finishes the copy"),
+            refusal: None,
         });
     }
     // Close our half and let the agent close its own: a clean end, not a reset.

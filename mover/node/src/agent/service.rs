@@ -96,6 +96,9 @@ impl AgentService {
         let export = self.exports.get(name).map_err(|e| {
             self.refuse(match e {
                 super::ExportError::Unknown { .. } => ServiceError::NotFound(e.to_string()),
+                super::ExportError::NoDevice { .. } => {
+                    ServiceError::Refused(transport::refusal::Refusal::NoDevice, e.to_string())
+                }
                 _ => ServiceError::FailedPrecondition(e.to_string()),
             })
         })?;
@@ -268,7 +271,10 @@ impl AgentService {
                     highest = e.highest,
                     "write refused: stale fencing epoch"
                 );
-                Err(ServiceError::FailedPrecondition(e.to_string()))
+                Err(ServiceError::Refused(
+                    transport::refusal::Refusal::StaleEpoch,
+                    e.to_string(),
+                ))
             }
             Err(e @ StaleEpochOrIo::Io(_)) => Err(ServiceError::Internal(e.to_string())),
         }

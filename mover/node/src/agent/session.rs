@@ -70,7 +70,7 @@ impl AgentService {
     /// The open session `id`.
     pub(super) fn session(&self, id: &str) -> Result<Arc<Session>, ServiceError> {
         self.sessions.lock().expect("sessions lock").get(id).cloned().ok_or_else(|| {
-            ServiceError::NotFound(format!("no open session {id:?}: it finished, was replaced by a newer one, or the agent restarted; open a new one"))
+            ServiceError::Refused(transport::refusal::Refusal::NoSession, format!("no open session {id:?}: it finished, was replaced by a newer one, or the agent restarted; open a new one"))
         })
     }
 

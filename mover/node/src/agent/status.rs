@@ -5,6 +5,7 @@
 use crate::{hydrate::HydrateError, schedule::ApplyError};
 use std::{fmt::Display, future::Future};
 use tonic::{Response, Status};
+use transport::refusal::Refusal;
 
 /// Why an agent call failed: the variant is the status code the caller gets, the text
 /// its message (what `mover` prints, and what tests match).
@@ -40,6 +41,10 @@ pub(crate) enum ServiceError {
     /// An agent-side failure the caller cannot fix.
     #[error("{0}")]
     Internal(String),
+    /// A refusal the caller acts on by its kind (the status carries it, see
+    /// [`Refusal`]), with what to say.
+    #[error("{1}")]
+    Refused(Refusal, String),
     /// The caller's own stream failed: its status is passed back as it is.
     #[error("{}", .0.message())]
     Stream(Status),
@@ -63,6 +68,7 @@ impl From<ServiceError> for Status {
             ServiceError::Aborted(m) => Status::aborted(m),
             ServiceError::Unavailable(m) => Status::unavailable(m),
             ServiceError::Internal(m) => Status::internal(m),
+            ServiceError::Refused(r, m) => r.status(m),
             ServiceError::Stream(s) => s,
         }
     }

@@ -183,7 +183,15 @@ impl AgentSource {
     fn err(&self, e: mover_engine::CopyError) -> HydrateError {
         HydrateError::Source {
             source_name: self.describe(),
-            retryable: e.is_retryable() || e.to_string().contains("no open session"),
+            // A lost session is opened anew.
+            retryable: e.is_retryable()
+                || matches!(
+                    e,
+                    mover_engine::CopyError::Remote {
+                        refusal: Some(transport::refusal::Refusal::NoSession),
+                        ..
+                    }
+                ),
             message: e.to_string(),
         }
     }
@@ -217,6 +225,7 @@ impl AgentSource {
                 url: url.to_string(),
                 code: RemoteCode::Protocol,
                 message,
+                refusal: None,
             };
             if frame.offset < start || frame.offset.saturating_add(frame.len) > end {
                 return Err(protocol(format!(

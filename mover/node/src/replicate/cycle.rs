@@ -258,9 +258,9 @@ fn thaw_all(frozen: Vec<Frozen>) -> std::io::Result<()> {
 /// The error of a cycle that a relationship requiring a point in time must not ship:
 /// what was missing, and the two ways out.
 fn no_point_in_time(source: &Path, what: &str) -> CopyError {
-    CopyError::BadSource {
+    CopyError::NoPointInTime {
         path: source.into(),
-        why: mover_engine::node::point_in_time::refusal(what),
+        what: what.into(),
     }
 }
 

@@ -21,6 +21,7 @@ pub use runner::{CycleFailure, CycleOutcome, Runners};
 pub use store::{CycleRecord, EpochChange, Halt, Record, Role, Spec, Store};
 
 use transport::control;
+use transport::states::RelationshipState;
 
 /// How to reach a relationship's peer: `remote`, presenting the relationship's own
 /// token where it has one, and trusting only the peer cluster's CA where it names one.
@@ -66,15 +67,15 @@ pub fn default_chunk(size: u64) -> chunker::ChunkSize {
 pub const LATE_INTERVALS: u64 = transport::cluster::LATE_INTERVALS;
 
 /// The state status reports, from the record and what this process saw.
-pub fn state_of(r: &Record, live: &runner::Live) -> &'static str {
+pub fn state_of(r: &Record, live: &runner::Live) -> RelationshipState {
     match (r.role, r.halt) {
-        (_, Some(Halt::SplitBrain)) => "SplitBrain",
-        (_, Some(Halt::Fenced)) => "Fenced",
-        (Role::Secondary, None) => "Secondary",
-        (Role::Primary, None) if r.paused => "Paused",
-        (Role::Primary, None) if live.degraded || late(r).is_some() => "Degraded",
-        (Role::Primary, None) if r.last_cycle.is_none() => "Resyncing",
-        (Role::Primary, None) => "Replicating",
+        (_, Some(Halt::SplitBrain)) => RelationshipState::SplitBrain,
+        (_, Some(Halt::Fenced)) => RelationshipState::Fenced,
+        (Role::Secondary, None) => RelationshipState::Secondary,
+        (Role::Primary, None) if r.paused => RelationshipState::Paused,
+        (Role::Primary, None) if live.degraded || late(r).is_some() => RelationshipState::Degraded,
+        (Role::Primary, None) if r.last_cycle.is_none() => RelationshipState::Resyncing,
+        (Role::Primary, None) => RelationshipState::Replicating,
     }
 }
 
@@ -137,7 +138,7 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
                 .unwrap_or_default(),
         }),
         role: runner::role_str(r.role).into(),
-        state: state_of(r, live).into(),
+        state: state_of(r, live).name().into(),
         epoch: r.epoch,
         last_cycle: last.map(cycle_report),
         rpo_seconds: last.map_or(-1.0, |c| (now - c.point_in_time_ms) as f64 / 1000.0),
@@ -147,6 +148,10 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
             (true, Some(why)) => why,
             _ => live.last_error.clone(),
         },
+        last_error_kind: match (live.last_error.is_empty(), late(r)) {
+            (true, Some(_)) => control::ErrorKind::Late,
+            _ => live.last_error_kind,
+        } as i32,
         missed_intervals: live.missed_intervals,
         cycles_ok: live.cycles_ok,
         cycles_failed: live.cycles_failed,

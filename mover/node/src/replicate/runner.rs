@@ -20,6 +20,7 @@ use std::{
     time::Duration,
 };
 use tokio::sync::{broadcast, mpsc, oneshot};
+use transport::control;
 
 /// Upper bounds (seconds) of the cycle duration histogram's buckets.
 const DURATION_BUCKETS: [f64; 10] = [0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0];
@@ -31,6 +32,8 @@ pub struct Live {
     pub degraded: bool,
     /// Its error.
     pub last_error: String,
+    /// Its kind, where a controller acts on it.
+    pub last_error_kind: control::ErrorKind,
     /// Intervals that passed while a cycle was still running.
     pub missed_intervals: u64,
     /// Cycles completed.
@@ -355,6 +358,7 @@ impl Runners {
                      network cut without a reset); cancelled, it is retried",
                     stalled.as_secs()
                 ),
+                refusal: None,
             }),
         };
         progress.total.store(0, Relaxed);
@@ -364,6 +368,7 @@ impl Runners {
             Ok(c) => {
                 l.degraded = false;
                 l.last_error.clear();
+                l.last_error_kind = control::ErrorKind::Unspecified;
                 l.cycles_ok += 1;
                 l.bytes_shipped += c.bytes_shipped;
                 let secs = c.duration_ms as f64 / 1000.0;
@@ -390,6 +395,10 @@ impl Runners {
                 let (retryable, refusal) = (e.is_retryable(), e.is_refusal());
                 l.degraded = true;
                 l.last_error = msg.clone();
+                l.last_error_kind = match e {
+                    CopyError::NoPointInTime { .. } => control::ErrorKind::NoPointInTime,
+                    _ => control::ErrorKind::Unspecified,
+                };
                 l.cycles_failed += 1;
                 drop(l);
                 if is_stale_epoch(&e) {
@@ -511,15 +520,22 @@ impl Runners {
 
 /// The role as status and metrics spell it.
 pub fn role_str(r: Role) -> &'static str {
+    use transport::states::Side;
     match r {
-        Role::Primary => "primary",
-        Role::Secondary => "secondary",
+        Role::Primary => Side::Primary.name(),
+        Role::Secondary => Side::Secondary.name(),
     }
 }
 
 /// Whether `e` is the peer refusing this side's epoch as stale (another side promoted).
 fn is_stale_epoch(e: &CopyError) -> bool {
-    matches!(e, CopyError::Remote { code: mover_engine::error::RemoteCode::Refused, message, .. } if message.starts_with("stale epoch"))
+    matches!(
+        e,
+        CopyError::Remote {
+            refusal: Some(transport::refusal::Refusal::StaleEpoch),
+            ..
+        }
+    )
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use std::{
 };
 use tokio::sync::Notify;
 use transport::schedule::{Record, Spec, Status};
+use transport::states::ScheduleState;
 
 /// The record format this build writes and reads.
 const RECORD_VERSION: u32 = 1;
@@ -68,8 +69,12 @@ impl Schedules {
             }
             // A run the agent was killed in left no snapshot (the manifest is the commit
             // point); its next time has passed, so it runs again at once.
-            if let Some(s) = r.status.as_mut().filter(|s| s.state == "Running") {
-                s.state = "Idle".into();
+            if let Some(s) = r
+                .status
+                .as_mut()
+                .filter(|s| s.schedule_state() == Some(ScheduleState::Running))
+            {
+                s.state = ScheduleState::Idle.name().into();
             }
             let name = r.spec.as_ref().map(|s| s.name.clone()).unwrap_or_default();
             records.insert(name, r);
@@ -132,7 +137,7 @@ impl Schedules {
             version: RECORD_VERSION,
             spec: None,
             status: Some(Status {
-                state: "Idle".into(),
+                state: ScheduleState::Idle.name().into(),
                 ..Default::default()
             }),
         });
@@ -258,14 +263,14 @@ impl Schedules {
                 // A record this build does not accept: said, and not retried for an hour.
                 let e = format!("schedule {name:?}: {e}");
                 self.update(name, |s| {
-                    s.state = "Failing".into();
+                    s.state = ScheduleState::Failing.name().into();
                     s.last_error = e.clone();
                     s.next_run_ms = now_ms() + 3_600_000;
                 });
                 return Err(e);
             }
         };
-        self.update(name, |s| s.state = "Running".into());
+        self.update(name, |s| s.state = ScheduleState::Running.name().into());
         let started = now_ms();
         tracing::info!(schedule = %name, volume = %spec.volume, repository = %spec.repository, "scheduled snapshot");
         let outcome = self.take(&spec).await;
@@ -273,7 +278,7 @@ impl Schedules {
         let status = self.update(name, |s| {
             match &outcome {
                 Ok(taken) => {
-                    s.state = "Idle".into();
+                    s.state = ScheduleState::Idle.name().into();
                     s.last_snapshot = taken.snapshot.clone();
                     s.last_time_ms = started;
                     s.last_duration_ms = u64::try_from(ended - started).unwrap_or(0);
@@ -285,9 +290,10 @@ impl Schedules {
                     s.consistency = taken.consistency.into();
                 }
                 Err(e) => {
-                    s.state = "Failing".into();
+                    s.state = ScheduleState::Failing.name().into();
                     s.runs_failed += 1;
-                    s.last_error = e.clone();
+                    s.last_error = e.message.clone();
+                    s.no_point_in_time = e.no_point_in_time;
                 }
             }
             // After a failure the next run is at the next time, as for a success: a
@@ -319,7 +325,7 @@ impl Schedules {
     }
 
     /// One snapshot of `spec`'s export, then retention and prune.
-    async fn take(&self, spec: &Spec) -> Result<Taken, String> {
+    async fn take(&self, spec: &Spec) -> Result<Taken, Failure> {
         let export = self.exports.get(&spec.volume).map_err(|e| e.to_string())?;
         let access = spec.access.clone().unwrap_or_default();
         let creds = if access.raw_key {
@@ -366,7 +372,8 @@ impl Schedules {
                 snap.short_id(),
                 snap.manifest.summary.unreadable,
                 export.path.display()
-            ));
+            )
+            .into());
         }
         let mut taken = Taken {
             snapshot: snap.id.clone(),
@@ -502,18 +509,39 @@ struct Taken {
 /// the volume as it was then, however long the upload takes; anything else is read
 /// live, and the snapshot says it is crash-inconsistent (refused where the spec
 /// requires a point in time).
-fn point_in_time(source: &Path, spec: &Spec) -> Result<point_in_time::Taken, String> {
+/// Why a scheduled snapshot was not taken: what the status says, and whether it was
+/// refused for want of a point in time (the controller says NoPointInTime then).
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+struct Failure {
+    message: String,
+    no_point_in_time: bool,
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure {
+            message,
+            no_point_in_time: false,
+        }
+    }
+}
+
+fn point_in_time(source: &Path, spec: &Spec) -> Result<point_in_time::Taken, Failure> {
     let reflink = point_in_time::ReflinkClone {
         name: |volume, owner| hidden_name(volume, owner, "snap"),
     };
     let pit = point_in_time::take(&[&reflink], source, &spec.name)
         .map_err(|e| format!("cannot clone {} for a point in time: {e}", source.display()))?;
     if spec.require_point_in_time && !pit.is_point_in_time() {
-        return Err(format!(
-            "{}: {}",
-            source.display(),
-            point_in_time::refusal(point_in_time::READ_LIVE)
-        ));
+        return Err(Failure {
+            message: format!(
+                "{}: {}",
+                source.display(),
+                point_in_time::refusal(point_in_time::READ_LIVE)
+            ),
+            no_point_in_time: true,
+        });
     }
     Ok(pit)
 }
@@ -556,6 +584,8 @@ mod tests {
         );
         spec.require_point_in_time = true;
         let e = point_in_time(image, &spec).err().unwrap();
+        assert!(e.no_point_in_time);
+        let e = e.message;
         assert!(
             e.contains(point_in_time::NO_POINT_IN_TIME) && e.contains("volumeSnapshotClassName"),
             "{e}"
