@@ -1,6 +1,6 @@
 //! Durable writes: a file is written under a temporary name, fsynced, renamed into
 //! place, and its directory fsynced, so a crash leaves the old file or the new one,
-//! never a torn one (shared/DESIGN.md §8.5).
+//! never a torn one (docs/ARCHITECTURE.md).
 //!
 //! The one implementation for the workspace: chunker is the root of the crate graph,
 //! so snapshots' local backend and every state file of mover use these.

@@ -923,6 +923,10 @@ async fn primary_with(
 ) -> VolumeReplicationStatus {
     let mut s = status("app/pg", "primary", state, 1);
     s.last_error = error.into();
+    // The agent's sentence for lateness (replicate::late) comes with its kind.
+    if error.starts_with("RPO ") {
+        s.last_error_kind = transport::control::ErrorKind::Late as i32;
+    }
     s.last_cycle.as_mut().unwrap().point_in_time_ms = now_ms() - age_ms;
     agents.set(AGENT, s);
     let v = vr(ReplicationState::Primary, 1, true);

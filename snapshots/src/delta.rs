@@ -1,4 +1,4 @@
-//! Sub-chunk deltas (shared/DESIGN.md §3): a changed chunk stored as the 4 KiB pages that
+//! Sub-chunk deltas (docs/ARCHITECTURE.md): a changed chunk stored as the 4 KiB pages that
 //! differ from a base chunk, so a scattered 8 KiB page write costs ~8 KiB, not a chunk.
 //!
 //! A delta blob ([`crate::BlobKind::Delta`]) is stored under the id of the chunk it

@@ -1,5 +1,5 @@
 //! The snapshot repository: content-addressed, compressed, encrypted storage of volume
-//! snapshots on a local directory or S3 (shared/DESIGN.md §4).
+//! snapshots on a local directory or S3 (docs/ARCHITECTURE.md).
 //!
 //! - [`Backend`]: the object-store seam (list, ranged get, put, delete), with
 //!   [`LocalBackend`] (durable writes), [`S3Backend`], [`MemoryBackend`], and the

@@ -1,4 +1,4 @@
-//! gRPC transport between mover agents (shared/DESIGN.md §5).
+//! gRPC transport between mover agents (docs/ARCHITECTURE.md).
 //!
 //! - [`proto`]: the protocol, generated from `proto/transfer.proto` (tonic + prost).
 //! - [`control`]: the relationship control API, from `proto/replication.proto`.

@@ -1,4 +1,4 @@
-//! The Kubernetes controller (shared/DESIGN.md §7): `VolumeReplication` resources drive
+//! The Kubernetes controller (docs/ARCHITECTURE.md): `VolumeReplication` resources drive
 //! the agents' replication relationships.
 //!
 //! - [`crd`]: the custom resources, with csi-addons' field names, and their CRDs.
@@ -23,8 +23,9 @@
 //! - [`agent_csr`]: an agent's certificate request, sent to the cluster and awaited.
 //! - [`run()`]: watch caches and the controller loop (`mover controller run`).
 //!
-//! Only built with the `controller` cargo feature (on by default): an agent-only build
-//! leaves kube-rs out.
+//! The only crate of the workspace that depends on kube-rs. The `mover` binary includes
+//! it with its `controller` cargo feature (on by default); an agent-only build leaves it
+//! out, kube with it.
 
 pub mod agent_csr;
 pub mod agents;

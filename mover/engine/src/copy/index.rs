@@ -4,7 +4,7 @@
 //! identity (device, inode, size, mtime, ctime as of the end of the copy). The next copy
 //! onto the same, untouched image compares the new source's chunk ids with the saved ones
 //! and reads from the destination only the chunks that changed, instead of all of it
-//! (shared/DESIGN.md §1: "a local destination is hashed, or its saved index is read").
+//! (docs/ARCHITECTURE.md: a local destination is read, or its saved index).
 //!
 //! Any change to the image (a write updates mtime and ctime; ctime cannot be set back)
 //! invalidates the index, and so does a damaged index file (whole-file checksum, checked

@@ -2,7 +2,7 @@
 //! exports, the durable write, failpoints, metric labels, the points in time a job reads
 //! (and the filesystem freeze around their taking).
 //!
-//! The floor under the jobs (shared/DESIGN.md §2): nothing here imports a job, the
+//! The floor under the jobs (docs/ARCHITECTURE.md): nothing here imports a job, the
 //! agent or the controller.
 
 mod duration;

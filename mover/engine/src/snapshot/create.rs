@@ -3,7 +3,7 @@
 //! A new chunk whose place held a data chunk in the parent snapshot (the previous one of
 //! the same volume) is compared page by page with that chunk (or with its base, when
 //! the parent's chunk is itself a delta): if few 4 KiB pages differ it is stored as a
-//! delta of those pages (shared/DESIGN.md §3), so scattered small writes cost about what
+//! delta of those pages (docs/ARCHITECTURE.md), so scattered small writes cost about what
 //! they wrote. The parent's chunk list is streamed one list blob at a time.
 //!
 //! The pages are compared by their BLAKE3 CVs where the local cache kept the base's

@@ -1,4 +1,4 @@
-//! Copy-on-demand (shared/DESIGN.md §6, hydrate): an export served over NBD at once,
+//! Copy-on-demand (docs/ARCHITECTURE.md, hydrate): an export served over NBD at once,
 //! while its data arrives from a peer agent or a snapshot.
 //!
 //! - `bitmap`: which regions are present, committed crash-safely (A/B slots).

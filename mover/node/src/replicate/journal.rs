@@ -1,4 +1,4 @@
-//! Atomic apply of replication cycles on the secondary (shared/DESIGN.md §6).
+//! Atomic apply of replication cycles on the secondary (docs/ARCHITECTURE.md).
 //!
 //! A cycle's frames are not written into the volume as they arrive: they are appended
 //! to a journal in the state directory. When the primary finishes the cycle, the

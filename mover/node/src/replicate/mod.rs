@@ -1,4 +1,4 @@
-//! Continuous replication (shared/DESIGN.md §6).
+//! Continuous replication (docs/ARCHITECTURE.md).
 //!
 //! A relationship pairs a primary volume (an export of the agent that hosts it) with a
 //! secondary (`agent://HOST:PORT/NAME`). The primary's agent runs cycles on an interval

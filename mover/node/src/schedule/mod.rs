@@ -1,4 +1,4 @@
-//! Scheduled snapshots (shared/DESIGN.md §6 snapshot): an agent snapshots one of its
+//! Scheduled snapshots (docs/ARCHITECTURE.md): an agent snapshots one of its
 //! exports into a repository at set times, forgets old snapshots by a retention policy
 //! and prunes at a cadence. A schedule is kept in the agent's state directory as a
 //! `schedule.proto` Record (its repository password and keys included: the directory
