@@ -19,8 +19,10 @@
 //!    cycle's. That report is the base: older snapshots, the clone and the reader pod
 //!    are deleted after it.
 
+pub use super::context::SnapshotSettings as Settings;
+use super::context::{Context, created_or_exists};
 use super::desired::Desired;
-use super::reconcile::Context;
+pub use super::desired::Source;
 use super::snapshot_metadata::{self, DeltaOf, Retry};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams};
@@ -42,48 +44,9 @@ pub const READER_IMAGE: &str = "registry.k8s.io/pause:3.10";
 /// binding, the kubelet publishing it) is looked at again.
 pub const POLL: Duration = Duration::from_millis(500);
 
-/// What the controller keeps for cycles from snapshots.
-#[derive(Debug)]
-pub struct Settings {
-    /// The namespace of the controller's own ServiceAccount: its audience-scoped tokens
-    /// are what the SnapshotMetadata service authenticates.
-    pub namespace: String,
-    /// That ServiceAccount's name.
-    pub service_account: String,
-    /// When each relationship's last snapshot failed to be taken: the next try waits
-    /// [`RETRY_TAKE`], however often its VolumeReplication is reconciled (each failure
-    /// writes its status, which reconciles it again).
-    pub failed: std::sync::Mutex<std::collections::HashMap<String, (std::time::Instant, String)>>,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            namespace: "mover-system".into(),
-            service_account: "mover-controller".into(),
-            failed: Default::default(),
-        }
-    }
-}
-
 /// How soon a snapshot that could not be taken (a freeze past its bound, a driver's
 /// error) is tried again.
 pub const RETRY_TAKE: Duration = Duration::from_secs(10);
-
-/// Where a relationship read from snapshots is.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Source {
-    /// The VolumeSnapshotClass.
-    pub class: String,
-    /// The PVC's CSI driver.
-    pub driver: String,
-    /// The PVC's namespace and name.
-    pub namespace: String,
-    /// The PVC.
-    pub pvc: String,
-    /// The PVC's StorageClass (the clone's).
-    pub storage_class: Option<String>,
-}
 
 /// Where a step left the cycle.
 #[derive(Debug)]
@@ -599,7 +562,7 @@ async fn reader(
                 },
             }))
             .map_err(|e| e.to_string())?;
-            super::reconcile::created_or_exists(pvcs.create(&PostParams::default(), &clone).await)
+            created_or_exists(pvcs.create(&PostParams::default(), &clone).await)
                 .map_err(|e| format!("cannot create the clone PVC {ns}/{name}: {e}"))?;
             return Ok(None);
         }
@@ -645,7 +608,7 @@ async fn reader(
             },
         }))
         .map_err(|e| e.to_string())?;
-        super::reconcile::created_or_exists(pods.create(&PostParams::default(), &pod).await)
+        created_or_exists(pods.create(&PostParams::default(), &pod).await)
             .map_err(|e| format!("cannot create the reader pod {ns}/{name}: {e}"))?;
     }
     let bound = pvc.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");

@@ -585,7 +585,7 @@ pub struct Desired {
     pub peer_ca: Option<String>,
     /// Where each cycle's CSI VolumeSnapshot is taken from (the class names a
     /// VolumeSnapshotClass).
-    pub snapshots: Option<super::csi_snapshots::Source>,
+    pub snapshots: Option<Source>,
 }
 
 /// The resources a `VolumeReplication` names, as found (None: not found).
@@ -729,7 +729,7 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
                     ),
                 ));
             };
-            Some(super::csi_snapshots::Source {
+            Some(Source {
                 class: snapshot_class.clone(),
                 driver: csi.driver.clone(),
                 namespace: ns.to_string(),
@@ -757,6 +757,21 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
         peer_ca: None,
         snapshots,
     })
+}
+
+/// Where a relationship read from snapshots is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Source {
+    /// The VolumeSnapshotClass.
+    pub class: String,
+    /// The PVC's CSI driver.
+    pub driver: String,
+    /// The PVC's namespace and name.
+    pub namespace: String,
+    /// The PVC.
+    pub pvc: String,
+    /// The PVC's StorageClass (the clone's).
+    pub storage_class: Option<String>,
 }
 
 #[cfg(test)]
@@ -931,7 +946,7 @@ pub(crate) mod tests {
         let d = desired(&vr(ReplicationState::Primary), &input).unwrap();
         assert_eq!(
             d.snapshots,
-            Some(crate::csi_snapshots::Source {
+            Some(Source {
                 class: "csi-rbd-snap".into(),
                 driver: "rbd.csi.ceph.com".into(),
                 namespace: "app".into(),

@@ -7,6 +7,8 @@
 //! - [`status`]: conditions and status as csi-addons sets them (pure).
 //! - [`agents`]: the agents' relationship control API behind a small trait.
 //! - [`metrics`]: reconciles, failures, relationships by state, RPO (Prometheus).
+//! - [`context`]: what every reconciler shares: watch caches, the reconcile context,
+//!   API helpers.
 //! - [`reconcile`]: finalizer, agent calls, status by server-side apply.
 //! - [`csi_snapshots`]: cycles whose point in time is a CSI VolumeSnapshot, read
 //!   through a clone on the agent's node.
@@ -14,10 +16,9 @@
 //! - [`secrets`]: the secrets classes name, each watched, read from the cache.
 //! - [`snapshot_metadata`]: the changed blocks between two CSI VolumeSnapshots
 //!   (Kubernetes' SnapshotMetadata API), resumed when a stream is cut.
-//! - [`populator`]: PVCs whose `dataSourceRef` names a HydrationSource, bound at once
-//!   to a volume its node's agent fills while the pod uses it.
-//! - [`prime`]: populated PVCs of other storage classes, filled before they are bound
-//!   (a prime PVC, a restore Job, the PV handed over).
+//! - [`populate`]: PVCs whose `dataSourceRef` names a HydrationSource: bound at once to
+//!   a volume its node's agent fills while the pod uses it (`populator`), or, for other
+//!   storage classes, filled before they are bound (`prime`).
 //! - [`leftovers`]: what a deletion left on an agent that was down, removed when it
 //!   answers again.
 //! - [`agent_csr`]: an agent's certificate request, sent to the cluster and awaited.
@@ -29,6 +30,7 @@
 
 pub mod agent_csr;
 pub mod agents;
+pub mod context;
 pub mod crd;
 pub mod csi_snapshots;
 pub mod desired;
@@ -38,8 +40,7 @@ pub mod leftovers;
 pub mod locator;
 pub mod metrics;
 pub mod moves;
-pub mod populator;
-pub mod prime;
+pub mod populate;
 pub mod reconcile;
 mod run;
 pub mod secrets;

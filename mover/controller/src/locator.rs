@@ -2,9 +2,10 @@
 //! volume (`proto/locate.proto`): from the controller's caches, so every replica
 //! answers (a standby's caches are warm) and an answer costs the API server nothing.
 
+use super::context::{Context, typed};
 use super::crd::VolumeReplication;
 use super::desired::relationship_name;
-use super::reconcile::{Context, resolve, typed};
+use super::reconcile::resolve;
 use kube::api::DynamicObject;
 use kube::runtime::reflector::Store;
 use std::sync::Arc;

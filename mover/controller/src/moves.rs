@@ -25,12 +25,12 @@
 //! Each PV's reclaim policy goes back to the user's when its volume completes. A
 //! StatefulSet moves as one such move per PVC, in ordinal order.
 
+use super::context::{Context, created_or_exists, deleted_or_gone, owned, typed};
 use super::crd::{
     HydrationSource, HydrationSourceSpec, MovePhase, MoveSide, MovedVolume, VolumeMove,
     VolumeMoveStatus, VolumeReplication,
 };
-use super::populator::SELECTED_NODE;
-use super::reconcile::{Context, created_or_exists, deleted_or_gone, owned, typed};
+use super::populate::SELECTED_NODE;
 use super::status::{reasons, types};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
@@ -619,7 +619,7 @@ impl Step<'_> {
             .await
             .map_err(kube_err(format!("reading {what}")))?
         {
-            if super::populator::source_of(&pvc).as_deref() == Some(source.as_str()) {
+            if super::populate::populator::source_of(&pvc).as_deref() == Some(source.as_str()) {
                 vol.phase = MovePhase::Filling;
                 vol.message = Some("made again; usable where its next pod runs".into());
                 return Ok(());

@@ -527,8 +527,8 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         )
         .shutdown_on_signal()
         .run(
-            super::populator::reconcile,
-            super::populator::error_policy,
+            super::populate::populator::reconcile,
+            super::populate::populator::error_policy,
             ctx.clone(),
         )
         .for_each(|_| futures::future::ready(()))

@@ -3,9 +3,9 @@
 //! class, password and S3 keys from the class's secret), reported as a primary that is
 //! replicating: lastSyncTime is the last snapshot's time.
 
+use super::context::Context;
 use super::crd::{ReplicationState, State, VolumeReplicationStatus};
 use super::desired::{Desired, RepositoryTarget};
-use super::reconcile::Context;
 use super::status::{self, Conditions, Health};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use std::time::Duration;
@@ -117,7 +117,7 @@ pub async fn reconcile(
             c.trouble(reason, &e, true);
             (
                 st,
-                Some(d.params.interval.min(super::reconcile::TROUBLE_RETRY)),
+                Some(d.params.interval.min(super::context::TROUBLE_RETRY)),
             )
         }
         Err((_, e)) => {
@@ -145,7 +145,7 @@ async fn access(
         "the repository's `{SECRET_PASSWORD}` (or a raw `{SECRET_KEY}`) and, for S3, {} and {}",
         SECRET_S3_KEYS[0], SECRET_S3_KEYS[1]
     );
-    let (data, version) = super::reconcile::secret_data(ctx, &ns, &name, &what).await?;
+    let (data, version) = super::context::secret_data(ctx, &ns, &name, &what).await?;
     let get = |k: &str| data.get(k).cloned();
     let text = |k: &str| get(k).map(|v| String::from_utf8_lossy(&v).trim().to_string());
     let (password, raw_key) = match (get(SECRET_PASSWORD), get(SECRET_KEY)) {

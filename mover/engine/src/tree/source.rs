@@ -5,8 +5,7 @@
 
 use super::{
     content::{self, Written},
-    meta::{self, Kind, Meta, Xattrs},
-    sync::{list, open_file},
+    meta::{self, Kind, Meta, Xattrs, list, open_file},
 };
 use std::{
     ffi::OsStr,

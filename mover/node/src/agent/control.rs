@@ -8,7 +8,6 @@ use super::{
 use crate::replicate::journal;
 use crate::replicate::{
     self, CycleRecord, EpochChange, Halt, MIN_INTERVAL_MS, Record, Role, Runners, Spec,
-    store::RECORD_VERSION,
 };
 use chunker::{BlockVolume, ChunkSize};
 use mover_engine::remote::{AgentUrl, RemoteOptions};
@@ -418,17 +417,8 @@ impl Replication for Control {
             // A relationship re-created under an old name continues its epochs.
             let epoch = self.service.epochs.highest(&spec.name).max(1);
             self.service.check_epoch(&spec.name, epoch)?;
-            let record = Record {
-                version: RECORD_VERSION,
-                this_side: self.side_url(&address, &spec.volume),
-                spec,
-                role: Role::Primary,
-                epoch,
-                paused: false,
-                halt: None,
-                last_cycle: None,
-                history: Vec::new(),
-            };
+            let this_side = self.side_url(&address, &spec.volume);
+            let record = Record::primary(spec, epoch, this_side);
             let name = record.spec.name.clone();
             self.service.store.put(record).map_err(internal)?;
             self.runners.start(&name);

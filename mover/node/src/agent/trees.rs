@@ -1,8 +1,9 @@
 //! File-tree exports (an export whose path is a directory): pushes walk the client's tree
 //! into the export here; pulls serve the export to a client that walks it.
 
-use super::{Export, cycles::CycleTarget, service::AgentService, status::ServiceError};
+use super::{Export, service::AgentService, status::ServiceError};
 use crate::replicate::journal::{self, AppliedCycle};
+use crate::replicate::secondary::CycleTarget;
 use mover_engine::tree::{
     self,
     remote::{Pending, RemoteSource, Served, route_answers, serve_calls},

@@ -117,6 +117,7 @@ pub fn take(
             }
         });
     });
+    super::journal::watch_applies(watch);
     let volume = key_of(volume);
     if let Some(h) = find(&volume, key) {
         match expected {
@@ -215,10 +216,20 @@ fn find(volume: &Path, key: &str) -> Option<Arc<Hold>> {
         .cloned()
 }
 
+/// What keeps the holds on `volume` readable through an apply onto it; `None` when it
+/// has none (no hold can be taken while an apply runs: `take` waits for it).
+fn watch(volume: &Path) -> Option<super::journal::Keep> {
+    let key = key_of(volume);
+    lock(&REGISTRY).holds.get(&key).filter(|v| !v.is_empty())?;
+    Some(Box::new(move |file, offset, len| {
+        preserve(&key, file, offset, len)
+    }))
+}
+
 /// Keeps what the holds on `volume` read in `offset .. offset + len` before a cycle
 /// overwrites it through `file`. A hold that cannot keep it (a full disk) is ended,
 /// so its reader fails instead of reading the new bytes; the cycle goes on.
-pub(crate) fn preserve(volume: &Path, file: &File, offset: u64, len: u64) {
+fn preserve(volume: &Path, file: &File, offset: u64, len: u64) {
     let holds: Vec<Arc<Hold>> = match lock(&REGISTRY).holds.get(volume) {
         Some(v) if !v.is_empty() => v.clone(),
         _ => return,

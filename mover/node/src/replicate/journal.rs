@@ -38,6 +38,23 @@ pub(crate) const RECORD_VERSION: u32 = 1;
 const KIND_DATA: u64 = 0;
 const KIND_ZEROS: u64 = 1;
 
+/// What keeps the ranges a cycle's apply onto a volume overwrites, told before each
+/// is written (`None`: nothing needs them).
+pub(crate) type Keep = Box<dyn Fn(&File, u64, u64)>;
+
+/// Looks at an apply onto `volume` about to start: what must keep what it overwrites.
+pub(crate) type Watcher = fn(volume: &Path) -> Option<Keep>;
+
+/// The one watcher of applies: the holds of readers (`super::holds`), set when the
+/// first hold is taken (none exists before: holds end with the process).
+static WATCHER: OnceLock<Watcher> = OnceLock::new();
+
+/// Has `watcher` told of every apply from now on.
+pub(crate) fn watch_applies(watcher: Watcher) {
+    // Only one watcher exists; a second registration is the same function.
+    let _ = WATCHER.set(watcher);
+}
+
 /// A cycle as committed and applied: what the secondary equals afterwards.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AppliedCycle {
@@ -373,7 +390,12 @@ fn write_journal(dir: &Path, commit: &Commit, volume: &File) -> io::Result<()> {
     let mut buf = Vec::new();
     let mut records = 0u64;
     // A reader holding the cycle the volume is at keeps what this one overwrites.
-    let held = super::holds::key_of(&commit.volume);
+    let keep = WATCHER.get().and_then(|watch| watch(&commit.volume));
+    let keep = |offset, len| {
+        if let Some(keep) = &keep {
+            keep(volume, offset, len)
+        }
+    };
     loop {
         let mut h = [0u8; 24];
         match input.read_exact(&mut h) {
@@ -387,11 +409,11 @@ fn write_journal(dir: &Path, commit: &Commit, volume: &File) -> io::Result<()> {
             KIND_DATA => {
                 buf.resize(len as usize, 0);
                 input.read_exact(&mut buf)?;
-                super::holds::preserve(&held, volume, offset, len);
+                keep(offset, len);
                 volume.write_all_at(&buf, offset)?;
             }
             KIND_ZEROS => {
-                super::holds::preserve(&held, volume, offset, len);
+                keep(offset, len);
                 zero_range(volume, &commit.volume, offset, len)
                     .map_err(|e| io::Error::other(e.to_string()))?
             }

@@ -14,11 +14,12 @@ pub mod holds;
 pub mod journal;
 pub mod local;
 pub mod runner;
+pub mod secondary;
 pub mod store;
 
 pub use local::{LocalRun, run_local};
 pub use runner::{CycleFailure, CycleOutcome, Runners};
-pub use store::{CycleRecord, EpochChange, Halt, Record, Role, Spec, Store};
+pub use store::{CycleRecord, EpochChange, Halt, Record, Role, Spec, Store, StoreError};
 
 use transport::control;
 use transport::states::RelationshipState;

@@ -520,11 +520,7 @@ impl Runners {
 
 /// The role as status and metrics spell it.
 pub fn role_str(r: Role) -> &'static str {
-    use transport::states::Side;
-    match r {
-        Role::Primary => Side::Primary.name(),
-        Role::Secondary => Side::Secondary.name(),
-    }
+    r.side().name()
 }
 
 /// Whether `e` is the peer refusing this side's epoch as stale (another side promoted).

@@ -74,6 +74,16 @@ pub enum Role {
     Secondary,
 }
 
+impl Role {
+    /// The side as the control API names it.
+    pub fn side(self) -> transport::states::Side {
+        match self {
+            Role::Primary => transport::states::Side::Primary,
+            Role::Secondary => transport::states::Side::Secondary,
+        }
+    }
+}
+
 /// Why a primary stopped its cycles until someone acts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Halt {
@@ -151,6 +161,64 @@ pub struct Record {
 }
 
 impl Record {
+    /// A new relationship's record on its primary, at `epoch`, reached by the peer at
+    /// `this_side`.
+    pub fn primary(spec: Spec, epoch: u64, this_side: String) -> Record {
+        Record {
+            version: RECORD_VERSION,
+            this_side,
+            spec,
+            role: Role::Primary,
+            epoch,
+            paused: false,
+            halt: None,
+            last_cycle: None,
+            history: Vec::new(),
+        }
+    }
+
+    /// The secondary's record of `relationship`, whose cycle (at `epoch`, of chunks of
+    /// `chunk_size`) writes into export `volume` (`known`: the record here before it):
+    /// what the primary says of the relationship, and what only this side sets kept
+    /// (its freeze, its peer token, its point-in-time rule, its history).
+    pub fn secondary(
+        (relationship, volume): (&str, &str),
+        epoch: u64,
+        chunk_size: u64,
+        cycle: &transport::proto::Cycle,
+        known: Option<&Record>,
+    ) -> Record {
+        Record {
+            version: RECORD_VERSION,
+            spec: Spec {
+                name: relationship.into(),
+                volume: volume.into(),
+                peer: match (&cycle.primary, known) {
+                    (p, Some(k)) if p.is_empty() => k.spec.peer.clone(),
+                    (p, _) => p.clone(),
+                },
+                interval_ms: cycle.interval_ms,
+                bwlimit: cycle.bwlimit,
+                chunk_size,
+                freeze: known.and_then(|k| k.spec.freeze.clone()),
+                // Set on this side (for when it is promoted): not the primary's to change.
+                peer_token: known.and_then(|k| k.spec.peer_token.clone()),
+                require_point_in_time: known.is_some_and(|k| k.spec.require_point_in_time),
+                snapshots: known.is_some_and(|k| k.spec.snapshots),
+            },
+            role: Role::Secondary,
+            epoch,
+            paused: false,
+            halt: None,
+            last_cycle: known.and_then(|k| k.last_cycle.clone()),
+            this_side: known
+                .map(|k| k.this_side.clone())
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| cycle.secondary.clone()),
+            history: known.map(|k| k.history.clone()).unwrap_or_default(),
+        }
+    }
+
     /// The id of the next cycle this side would run.
     pub fn next_cycle(&self) -> u64 {
         self.last_cycle.as_ref().map_or(1, |c| c.id + 1)

@@ -1,9 +1,9 @@
 //! The writer threads of a WRITE session: every stream's frames are applied by one
 //! thread, in arrival order, and made durable by another.
 
-use super::{
+use super::Session;
+use crate::agent::{
     metrics::Metrics,
-    session::Session,
     status::{ServiceError, internal},
 };
 use chunker::direct::DirectWriter;
@@ -20,7 +20,7 @@ use transport::{
 const SYNC_EVERY: u64 = 256 << 20;
 
 /// What a Write stream hands the session's writer.
-pub(super) enum Job {
+pub(in crate::agent) enum Job {
     /// Apply this frame.
     Frame(proto::DataFrame),
     /// Make everything applied so far durable, then answer (a stream's end).
@@ -30,12 +30,15 @@ pub(super) enum Job {
 /// The thread that applies a WRITE session's frames, from all its streams, in arrival
 /// order; a second thread makes them durable every [`SYNC_EVERY`] bytes without holding
 /// up the writes.
-pub(super) struct SessionWriter {
-    pub(super) tx: tokio::sync::mpsc::Sender<Job>,
+pub(in crate::agent) struct SessionWriter {
+    pub(in crate::agent) tx: tokio::sync::mpsc::Sender<Job>,
 }
 
 impl SessionWriter {
-    pub(super) fn start(s: &Session, metrics: Arc<Metrics>) -> std::io::Result<SessionWriter> {
+    pub(in crate::agent) fn start(
+        s: &Session,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<SessionWriter> {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Job>(16);
         let (file, path) = (DirectWriter::new(&s.file)?, s.path.clone());
         let sync_file = s.file.try_clone()?;

@@ -1,5 +1,5 @@
-//! mover's volume populator: a PVC whose `spec.dataSourceRef` names a
-//! [`HydrationSource`] is usable at once.
+//! The copy-on-demand populator: a PVC whose `spec.dataSourceRef` names a
+//! [`HydrationSource`] of mover's own class is usable at once.
 //!
 //! Once the scheduler has chosen the pod's node (`volume.kubernetes.io/selected-node`,
 //! a WaitForFirstConsumer StorageClass), the agent on that node makes a volume
@@ -13,12 +13,12 @@
 //! that is the point. The PV is `Retain`: mover's CSI driver has no provisioner to
 //! delete it, and a populated volume is data someone may still want.
 
-use super::agents::AgentError;
-use super::crd::{
+use super::{PopulateError, SELECTED_NODE, repository_secret, source_secret};
+use crate::context::Context;
+use crate::crd::{
     HydrationSource, MOVER_GROUP, ReplicationState, RepositorySnapshot, SecretRef,
     VolumeReplication,
 };
-use super::reconcile::Context;
 use k8s_openapi::api::{
     core::v1::{PersistentVolume, PersistentVolumeClaim},
     storage::v1::StorageClass,
@@ -27,29 +27,8 @@ use kube::{Api, ResourceExt, api::PostParams, runtime::controller::Action};
 use std::{sync::Arc, time::Duration};
 use transport::hydrate;
 
-/// The annotation the scheduler sets on a WaitForFirstConsumer PVC.
-pub(super) const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
 /// How soon a PVC waiting for something outside the populator is looked at again.
 const WAIT: Duration = Duration::from_secs(5);
-
-/// Why a PVC could not be populated (yet).
-#[derive(Debug, thiserror::Error)]
-pub enum PopulateError {
-    /// The API server refused or failed a call.
-    #[error("{what}: {source}")]
-    Kube {
-        /// What was asked.
-        what: String,
-        /// Its answer.
-        source: kube::Error,
-    },
-    /// The agent refused or failed.
-    #[error(transparent)]
-    Agent(#[from] AgentError),
-    /// Something only the user can fix.
-    #[error("{0}")]
-    Invalid(String),
-}
 
 /// The HydrationSource a PVC names, if it names one.
 pub fn source_of(pvc: &PersistentVolumeClaim) -> Option<String> {
@@ -130,8 +109,8 @@ pub async fn reconcile(
         tracing::info!(pvc = %format!("{ns}/{name}"), "waiting for the scheduler to choose a node (the PVC's StorageClass must be WaitForFirstConsumer)");
         return Ok(Action::requeue(WAIT));
     };
-    let pods = super::reconcile::owned(&ctx.caches.agents);
-    let agent = super::desired::agent_on(&node, &pods, ctx.agent_port)
+    let pods = crate::context::owned(&ctx.caches.agents);
+    let agent = crate::desired::agent_on(&node, &pods, ctx.agent_port)
         .map_err(|e| PopulateError::Invalid(e.to_string()))?;
     let export = format!("pvc-{uid}");
     let status = match ctx.agents.hydration(&agent, &export).await? {
@@ -243,7 +222,7 @@ async fn hydration_source(
 /// see [`secondary_here`]) keeps in this cluster, and its relationship.
 fn replica_of(ctx: &Context, vr: &VolumeReplication) -> Result<(String, String), String> {
     let (ns, name) = (vr.namespace().unwrap_or_default(), vr.name_any());
-    let d = super::reconcile::resolve(vr, ctx)
+    let d = crate::reconcile::resolve(vr, ctx)
         .map_err(|e| format!("VolumeReplication {ns}/{name}: {e}"))?;
     Ok((
         format!("agent://{}@{}/{}", d.node, d.agent, d.volume),
@@ -269,40 +248,6 @@ async fn secondary_here(ctx: &Context, ns: &str, name: &str) -> Result<VolumeRep
     Ok(vr)
 }
 
-/// The annotation on a secret that lists the namespaces whose HydrationSources may
-/// use it (comma-separated, or `*`).
-pub const FOR_NAMESPACES: &str = "replication.mover/for-namespaces";
-
-/// The data of the secret `r` names, for a HydrationSource in namespace `user`: only if
-/// the secret says that namespace may use it. The secret lies in the controller's own
-/// namespace, where users cannot look, so naming it must not be enough to use it.
-pub(super) async fn source_secret(
-    ctx: &Context,
-    r: &SecretRef,
-    user: &str,
-    wanted: &str,
-) -> Result<std::collections::BTreeMap<String, Vec<u8>>, String> {
-    let secret = super::reconcile::secret(ctx, &r.namespace, &r.name, wanted).await?;
-    let allowed = secret
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(FOR_NAMESPACES))
-        .is_some_and(|list| {
-            list.split(',')
-                .map(str::trim)
-                .any(|n| n == user || n == "*")
-        });
-    if !allowed {
-        return Err(format!(
-            "secret {}/{} is not for HydrationSources of namespace {user}: its administrator \
-             lets a namespace use it with the annotation {FOR_NAMESPACES}: {user}",
-            r.namespace, r.name
-        ));
-    }
-    Ok(super::reconcile::data_of(secret))
-}
-
 /// The token and CA (PEM, or empty) in the secret `r` names.
 async fn peer_access(ctx: &Context, r: &SecretRef, user: &str) -> Result<(String, String), String> {
     let wanted = "`token` (the other cluster's replication token) and `ca.crt` (its CA)";
@@ -318,29 +263,6 @@ async fn peer_access(ctx: &Context, r: &SecretRef, user: &str) -> Result<(String
         )
     })?;
     Ok((token, text("ca.crt").unwrap_or_default()))
-}
-
-/// The data of the repository secret `r` names (for namespace `user`) and which of its
-/// keys holds the repository's: `password`, or `key` (a raw key).
-pub(super) async fn repository_secret(
-    ctx: &Context,
-    r: &SecretRef,
-    user: &str,
-) -> Result<(std::collections::BTreeMap<String, Vec<u8>>, &'static str), String> {
-    let wanted = "`password` (or `key`, a raw key) and, for S3, `AWS_ACCESS_KEY_ID` and \
-                  `AWS_SECRET_ACCESS_KEY`";
-    let data = source_secret(ctx, r, user, wanted).await?;
-    let key = match (data.contains_key("password"), data.contains_key("key")) {
-        (true, _) => "password",
-        (false, true) => "key",
-        _ => {
-            return Err(format!(
-                "secret {}/{} has no `password`: it needs {wanted}",
-                r.namespace, r.name
-            ));
-        }
-    };
-    Ok((data, key))
 }
 
 /// The snapshot `snap` as the agent opens it, with the password (or raw key) and S3 keys

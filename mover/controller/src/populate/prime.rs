@@ -18,9 +18,9 @@
 //! the PVC unbound and says why; deleting the user's PVC leaves the prime PVC and Job
 //! to be deleted by hand (they are labelled with its UID).
 
-use super::crd::{HydrationSource, RepositorySnapshot, SecretRef};
-use super::populator::PopulateError;
-use super::reconcile::{Context, created_or_exists, deleted_or_gone};
+use super::PopulateError;
+use crate::context::{Context, created_or_exists, deleted_or_gone};
+use crate::crd::{HydrationSource, RepositorySnapshot, SecretRef};
 use k8s_openapi::api::{
     batch::v1::Job,
     core::v1::{PersistentVolume, PersistentVolumeClaim},
@@ -63,7 +63,7 @@ pub(super) async fn reconcile(
             transport::cluster::CSI_DRIVER
         )));
     };
-    let (_, key_file) = super::populator::repository_secret(ctx, secret, &ns)
+    let (_, key_file) = super::repository_secret(ctx, secret, &ns)
         .await
         .map_err(invalid)?;
     let kube = |what: String| move |source| PopulateError::Kube { what, source };
@@ -84,11 +84,7 @@ pub(super) async fn reconcile(
     // As lib-volume-populator: in a WaitForFirstConsumer class the volume is made where
     // the user's pod will run, once the scheduler has said where.
     let waits = sc.volume_binding_mode.as_deref() == Some("WaitForFirstConsumer");
-    if waits
-        && !pvc
-            .annotations()
-            .contains_key(super::populator::SELECTED_NODE)
-    {
+    if waits && !pvc.annotations().contains_key(super::SELECTED_NODE) {
         tracing::info!(pvc = %format!("{ns}/{name}"), "waiting for the scheduler to choose a node for a pod using it");
         return Ok(Action::requeue(POLL * 2));
     }
@@ -204,8 +200,8 @@ async fn clean_up(
 fn prime_pvc(pvc: &PersistentVolumeClaim, name: &str) -> PersistentVolumeClaim {
     let spec = pvc.spec.clone().unwrap_or_default();
     let mut annotations = serde_json::Map::new();
-    if let Some(node) = pvc.annotations().get(super::populator::SELECTED_NODE) {
-        annotations.insert(super::populator::SELECTED_NODE.into(), node.clone().into());
+    if let Some(node) = pvc.annotations().get(super::SELECTED_NODE) {
+        annotations.insert(super::SELECTED_NODE.into(), node.clone().into());
     }
     serde_json::from_value(json!({
         "apiVersion": "v1",
