@@ -359,9 +359,8 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
             consistency,
             agent,
         } => {
-            let (mut c, url) = agent.client().await?;
-            let s = c
-                .update(control::UpdateRequest {
+            status_call(&agent, |mut c| async move {
+                c.update(control::UpdateRequest {
                     name,
                     interval_ms: interval.map(|d| d.as_millis() as u64),
                     bwlimit,
@@ -375,52 +374,40 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                     ..Default::default()
                 })
                 .await
-                .map_err(|s| call(&url, s))?
-                .into_inner();
-            print_status(&s, agent.json);
+            })
+            .await?;
         }
         C::Sync { name, agent } => {
-            let (mut c, url) = agent.client().await?;
-            let s = c
-                .sync(control::NameRequest { name })
-                .await
-                .map_err(|s| call(&url, s))?
-                .into_inner();
-            print_status(&s, agent.json);
+            status_call(&agent, |mut c| async move {
+                c.sync(control::NameRequest { name }).await
+            })
+            .await?;
         }
         C::Promote { name, force, agent } => {
-            let (mut c, url) = agent.client().await?;
-            let s = c
-                .promote(control::PromoteRequest { name, force })
-                .await
-                .map_err(|s| call(&url, s))?
-                .into_inner();
-            print_status(&s, agent.json);
+            status_call(&agent, |mut c| async move {
+                c.promote(control::PromoteRequest { name, force }).await
+            })
+            .await?;
         }
         C::Demote { name, agent } => {
-            let (mut c, url) = agent.client().await?;
-            let s = c
-                .demote(control::NameRequest { name })
-                .await
-                .map_err(|s| call(&url, s))?
-                .into_inner();
-            print_status(&s, agent.json);
+            status_call(&agent, |mut c| async move {
+                c.demote(control::NameRequest { name }).await
+            })
+            .await?;
         }
         C::Resync {
             name,
             discard_local,
             agent,
         } => {
-            let (mut c, url) = agent.client().await?;
-            let s = c
-                .resync(control::ResyncRequest {
+            status_call(&agent, |mut c| async move {
+                c.resync(control::ResyncRequest {
                     name,
                     discard_local,
                 })
                 .await
-                .map_err(|s| call(&url, s))?
-                .into_inner();
-            print_status(&s, agent.json);
+            })
+            .await?;
         }
         C::Delete { name, agent } => {
             let (mut c, url) = agent.client().await?;
@@ -449,6 +436,22 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
             .await?
         }
     }
+    Ok(())
+}
+
+/// Runs one call of the control API that answers with a relationship's status, on the
+/// agent `agent` names, and prints that status.
+async fn status_call<F, Fut>(agent: &AgentArg, f: F) -> anyhow::Result<()>
+where
+    F: FnOnce(mover::remote::ControlClient) -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Response<control::Status>, tonic::Status>>,
+{
+    let (c, url) = agent.client().await?;
+    let s = f(c)
+        .await
+        .map_err(|s| anyhow::Error::from(status_error(&url, s)))?
+        .into_inner();
+    print_status(&s, agent.json);
     Ok(())
 }
 

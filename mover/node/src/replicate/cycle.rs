@@ -217,6 +217,51 @@ fn catch_up_still(
     }
 }
 
+/// The cycle `record` ships next to `peer`: at `point_in_time_ms`, of `consistency`;
+/// `last` marks a demote's final cycle.
+fn next_cycle(
+    record: &Record,
+    peer: &AgentUrl,
+    point_in_time_ms: i64,
+    consistency: &str,
+    last: bool,
+) -> proto::Cycle {
+    proto::Cycle {
+        id: record.next_cycle(),
+        point_in_time_ms,
+        consistency: consistency.into(),
+        r#final: last,
+        primary: record.this_side.clone(),
+        secondary: peer.to_string(),
+        interval_ms: record.spec.interval_ms,
+        bwlimit: record.spec.bwlimit,
+    }
+}
+
+/// What the primary records of `cycle` once the secondary committed it: when it began
+/// (`started_ms`, `t0`), what it read and shipped, its root and the CSI snapshot it read.
+fn shipped(
+    cycle: &proto::Cycle,
+    started_ms: i64,
+    t0: Instant,
+    (bytes_read, bytes_shipped): (u64, u64),
+    root: String,
+    snapshot: String,
+) -> CycleRecord {
+    CycleRecord {
+        id: cycle.id,
+        point_in_time_ms: cycle.point_in_time_ms,
+        started_ms,
+        duration_ms: t0.elapsed().as_millis() as u64,
+        bytes_read,
+        bytes_shipped,
+        root,
+        r#final: cycle.r#final,
+        consistency: cycle.consistency.clone(),
+        snapshot,
+    }
+}
+
 /// Says how long taking a point in time held the volume's writers back (a freeze, or
 /// the image's lock that a whole-file clone holds): what bench/pit-cost.sh reads.
 fn log_hold(name: &str, since: Instant, how: &str) {
@@ -283,16 +328,7 @@ async fn run_tree(
     }
     let started_ms = now_ms();
     let t0 = Instant::now();
-    let cycle = proto::Cycle {
-        id: record.next_cycle(),
-        point_in_time_ms: started_ms,
-        consistency: FILE_CONSISTENT.into(),
-        r#final: last,
-        primary: record.this_side.clone(),
-        secondary: peer.to_string(),
-        interval_ms: spec.interval_ms,
-        bwlimit: spec.bwlimit,
-    };
+    let cycle = next_cycle(record, peer, started_ms, FILE_CONSISTENT, last);
     let mut remote = remote.clone();
     remote.relationship = Some(spec.name.clone());
     remote.epoch = record.epoch;
@@ -305,18 +341,14 @@ async fn run_tree(
     if summary.changed_while_read > 0 {
         tracing::info!(relationship = %spec.name, files = summary.changed_while_read, "files changed while they were read: each is on the secondary as read");
     }
-    Ok(CycleRecord {
-        id: cycle.id,
-        point_in_time_ms: started_ms,
+    Ok(shipped(
+        &cycle,
         started_ms,
-        duration_ms: t0.elapsed().as_millis() as u64,
-        bytes_read: sent,
-        bytes_shipped: sent,
-        root: String::new(),
-        r#final: last,
-        consistency: FILE_CONSISTENT.into(),
-        snapshot: String::new(),
-    })
+        t0,
+        (sent, sent),
+        String::new(),
+        String::new(),
+    ))
 }
 
 /// Pushes the cycle `push` of `record` read from `read` to `peer`; a secondary that no
@@ -406,16 +438,7 @@ pub async fn run_from_snapshot(
     if base.is_none() {
         tracing::info!(relationship = %spec.name, snapshot = %from.snapshot, "no changed blocks from the last cycle's snapshot: comparing every chunk");
     }
-    let cycle = proto::Cycle {
-        id: record.next_cycle(),
-        point_in_time_ms: from.point_in_time_ms,
-        consistency: POINT_IN_TIME.into(),
-        r#final: last,
-        primary: record.this_side.clone(),
-        secondary: peer.to_string(),
-        interval_ms: spec.interval_ms,
-        bwlimit: spec.bwlimit,
-    };
+    let cycle = next_cycle(record, &peer, from.point_in_time_ms, POINT_IN_TIME, last);
     // The chunks' unit CVs, kept beside the ids: of a changed chunk only the pages the
     // driver names as changed are read (the CVs are checked against the ids when read).
     let cvs = chunker::cv::CvFile::open(
@@ -443,18 +466,14 @@ pub async fn run_from_snapshot(
     if let Err(e) = kept {
         tracing::warn!(relationship = %spec.name, "cannot keep the cycle's chunk ids: {e}; the next cycle compares every chunk");
     }
-    Ok(CycleRecord {
-        id: cycle.id,
-        point_in_time_ms: from.point_in_time_ms,
+    Ok(shipped(
+        &cycle,
         started_ms,
-        duration_ms: t0.elapsed().as_millis() as u64,
-        bytes_read: sum.source_bytes_read,
-        bytes_shipped: sum.wire_bytes,
+        t0,
+        (sum.source_bytes_read, sum.wire_bytes),
         root,
-        r#final: last,
-        consistency: POINT_IN_TIME.into(),
-        snapshot: from.snapshot.clone(),
-    })
+        from.snapshot.clone(),
+    ))
 }
 
 /// Runs one cycle of `record` from the export at `source`; `last` marks a demote's
@@ -497,16 +516,7 @@ pub async fn run(
             mover_engine::node::point_in_time::READ_LIVE,
         ));
     }
-    let cycle = proto::Cycle {
-        id: record.next_cycle(),
-        point_in_time_ms: pit.at_ms,
-        consistency: pit.consistency.into(),
-        r#final: last,
-        primary: record.this_side.clone(),
-        secondary: peer.to_string(),
-        interval_ms: spec.interval_ms,
-        bwlimit: spec.bwlimit,
-    };
+    let cycle = next_cycle(record, &peer, pit.at_ms, pit.consistency, last);
     let size = chunker::BlockVolume::open(&pit.read)
         .map_err(CopyError::from)?
         .size();
@@ -563,16 +573,12 @@ pub async fn run(
             tracing::warn!(relationship = %spec.name, "cannot keep the cycle's clone: {e}; the next cycle reads every chunk");
         }
     }
-    Ok(CycleRecord {
-        id: cycle.id,
-        point_in_time_ms: pit.at_ms,
+    Ok(shipped(
+        &cycle,
         started_ms,
-        duration_ms: t0.elapsed().as_millis() as u64,
-        bytes_read: sum.source_bytes_read,
-        bytes_shipped: sum.wire_bytes,
-        root: sum.root.unwrap_or_default(),
-        r#final: last,
-        consistency: pit.consistency.into(),
-        snapshot: String::new(),
-    })
+        t0,
+        (sum.source_bytes_read, sum.wire_bytes),
+        sum.root.unwrap_or_default(),
+        String::new(),
+    ))
 }
