@@ -1,10 +1,10 @@
 //! The `mover` binary: parses arguments, sets up logging and progress, calls the engine,
-//! and maps errors to exit codes. All the work lives in the `mover` library.
+//! and maps errors to exit codes. Each command's flags and its run are in `cli/`; all
+//! the work lives in the library crates.
 
 use clap::{Parser, Subcommand};
-use cli::OutputArgs;
-use mover::{CopyError, CopyOptions, EndpointError};
-use std::{path::PathBuf, process::ExitCode};
+use mover::{CopyError, EndpointError};
+use std::process::ExitCode;
 
 mod cli;
 
@@ -68,21 +68,7 @@ enum Command {
         mover copy --replica --delete /srv/data /mnt/replica/data  # rerun often\n  \
         mover copy /srv/data agent://node-b:7070/data   # tree into node b's export"
     )]
-    Copy {
-        /// Source: a block device, an image file, a directory, or agent://HOST:PORT/NAME.
-        src: PathBuf,
-        /// Destination: a block device, an image file (existing or new), a directory
-        /// (existing or new) for a tree, or agent://HOST:PORT/NAME.
-        dst: PathBuf,
-        #[command(flatten)]
-        options: CopyOptions,
-        #[command(flatten)]
-        tree: mover::TreeOptions,
-        #[command(flatten)]
-        remote: mover::remote::RemoteOptions,
-        #[command(flatten)]
-        output: OutputArgs,
-    },
+    Copy(cli::copy::CopyArgs),
     /// Run the per-node agent: serve exported volumes to peers over gRPC.
     #[command(
         long_about = "Run the per-node agent. It serves the volumes its config exports \
@@ -124,29 +110,14 @@ enum Command {
         \x20 [exports.www]\n\
         \x20 path = \"/srv/www\"   # a directory: a file tree"
     )]
-    Agent {
-        /// The agent's TOML configuration.
-        #[arg(long, value_name = "FILE")]
-        config: PathBuf,
-    },
+    Agent(cli::agent::AgentArgs),
     /// Print a block volume's chunk digest (Merkle root over keyed BLAKE3 chunk ids).
     #[command(
         long_about = "Hash a block volume the way mover sees it: fixed chunks, \
         zeros and holes counted apart, a Merkle root over all chunks. Two volumes with \
         the same root (at the same chunk size) hold the same bytes."
     )]
-    Hash {
-        /// The volume: a block device or an image file.
-        volume: PathBuf,
-        /// Chunk size: a power of two from 64K to 8M.
-        #[arg(long, value_name = "SIZE", default_value_t = chunker::ChunkSize::DEFAULT)]
-        chunk_size: chunker::ChunkSize,
-        /// Hashing threads [default: one per core].
-        #[arg(long, value_name = "N")]
-        threads: Option<usize>,
-        #[command(flatten)]
-        output: OutputArgs,
-    },
+    Hash(cli::copy::HashArgs),
     /// Continuous replication: relationships on agents, failover and failback.
     #[command(
         subcommand,
@@ -179,48 +150,7 @@ Examples:
     /// The Kubernetes controller: VolumeReplication resources drive the agents.
     #[cfg(feature = "controller")]
     #[command(subcommand)]
-    Controller(ControllerCommand),
-}
-
-/// `mover controller` subcommands.
-#[cfg(feature = "controller")]
-#[derive(Subcommand)]
-enum ControllerCommand {
-    /// Write the CRDs (VolumeReplicationClass, VolumeReplication; HydrationSource and VolumeMove in replication.mover) as YAML files.
-    Crds {
-        /// The API group: replication.mover, or replication.storage.openshift.io to
-        /// stand in for csi-addons.
-        #[arg(long, default_value = mover::controller::crd::MOVER_GROUP)]
-        group: String,
-        /// The directory to write them into.
-        #[arg(long, value_name = "DIR", default_value = "deploy/crds")]
-        out: PathBuf,
-    },
-    /// Run the controller (in the cluster, or with a kubeconfig) until SIGINT or SIGTERM.
-    Run(Box<mover::controller::RunOptions>),
-    /// Mint a short-lived client certificate for an operator, from the cluster's mover CA.
-    #[command(long_about = "Mint a short-lived client certificate for an operator, \
-        signed by the cluster's mover CA (Secret mover-ca, read with your kubeconfig: \
-        whoever may read that Secret may do this). Agents take it as an operator's own: \
-        the control role (status, sync, promote, demote), as the controller's.\n\n\
-        Example:\n  mover controller operator-cert --out ~/.mover/prod\n  \
-        mover replicate status NAME --agent agent://NODE@NODE_IP:7070 \\\n      \
-        --tls-ca ~/.mover/prod/ca.crt --tls-cert ~/.mover/prod/tls.crt \
-        --tls-key ~/.mover/prod/tls.key")]
-    OperatorCert {
-        /// Where to write tls.crt, tls.key (mode 0600) and ca.crt.
-        #[arg(long, value_name = "DIR")]
-        out: PathBuf,
-        /// How long it is valid (at most 24h).
-        #[arg(long, default_value = "1h", value_parser = mover::node::parse_duration)]
-        valid: std::time::Duration,
-        /// The controller's namespace, where the CA's Secret is.
-        #[arg(long, default_value = "mover-system")]
-        namespace: String,
-        /// Who it is for (its common name) [default: $USER].
-        #[arg(long, value_name = "NAME")]
-        name: Option<String>,
-    },
+    Controller(cli::agent::ControllerCommand),
 }
 
 fn main() -> ExitCode {
@@ -273,21 +203,9 @@ fn exit_code(err: &anyhow::Error) -> u8 {
 /// Calls the runner of the command.
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Copy {
-            src,
-            dst,
-            options,
-            tree,
-            remote,
-            output,
-        } => cli::copy::run_copy(&src, &dst, &options, &tree, &remote, &output),
-        Command::Agent { config } => cli::agent::run_agent(&config),
-        Command::Hash {
-            volume,
-            chunk_size,
-            threads,
-            output,
-        } => cli::copy::run_hash(&volume, chunk_size, threads, &output),
+        Command::Copy(args) => cli::copy::run_copy(&args),
+        Command::Agent(args) => cli::agent::run_agent(&args.config),
+        Command::Hash(args) => cli::copy::run_hash(&args),
         Command::Replicate(cmd) => cli::replicate::run(cmd),
         Command::Hydrate(cmd) => cli::hydrate::run(cmd),
         Command::Repo(cmd) => cli::snapshot::run_repo(cmd),

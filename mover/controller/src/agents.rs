@@ -46,15 +46,6 @@ impl AgentError {
         )
     }
 
-    /// The condition reason this failure gives a volume whose requested state was
-    /// reached: Unreachable when the agent did not answer, else Error.
-    pub fn condition_reason(&self) -> &'static str {
-        match self.is_unreachable() {
-            true => super::status::reasons::UNREACHABLE,
-            false => super::status::reasons::ERROR,
-        }
-    }
-
     /// The agent answered and said no (rather than not answering).
     pub fn is_refusal(&self) -> bool {
         use tonic::Code::*;

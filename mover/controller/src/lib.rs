@@ -1,28 +1,27 @@
 //! The Kubernetes controller (docs/ARCHITECTURE.md): `VolumeReplication` resources drive
 //! the agents' replication relationships.
 //!
-//! - [`crd`]: the custom resources, with csi-addons' field names, and their CRDs.
-//! - [`desired`]: the relationship a resource asks for, from its class, PVC, PV, node
-//!   and agent pod (pure).
-//! - [`status`]: conditions and status as csi-addons sets them (pure).
-//! - [`agents`]: the agents' relationship control API behind a small trait.
-//! - [`metrics`]: reconciles, failures, relationships by state, RPO (Prometheus).
-//! - [`context`]: what every reconciler shares: watch caches, the reconcile context,
-//!   API helpers.
-//! - [`reconcile`]: finalizer, agent calls, status by server-side apply.
-//! - [`csi_snapshots`]: cycles whose point in time is a CSI VolumeSnapshot, read
-//!   through a clone on the agent's node.
-//! - [`hooks`]: commands run in the workload's pods around a snapshot (`pods/exec`).
-//! - [`secrets`]: the secrets classes name, each watched, read from the cache.
-//! - [`snapshot_metadata`]: the changed blocks between two CSI VolumeSnapshots
-//!   (Kubernetes' SnapshotMetadata API), resumed when a stream is cut.
+//! The manager and what every reconciler shares:
+//! - [`run()`]: the manager (`mover controller run`): watch caches, metrics, the CA,
+//!   the Locator, leader election, and the reconcilers, one per kind;
+//! - [`context`]: watch caches, the reconcile context, API helpers;
+//! - [`crd`]: the custom resources, with csi-addons' field names, and their CRDs;
+//! - [`agents`]: the agents' control API behind a small trait;
+//! - [`secrets`]: the secrets classes name, each watched, read from the cache;
+//! - [`metrics`]: reconciles, failures, relationships by state, RPO (Prometheus);
+//! - [`issuer`] and [`agent_csr`]: the cluster's CA, the agents' certificates (the
+//!   signer's side and the agent's request);
+//! - [`leftovers`]: what a deletion left on an agent that was down, removed when it
+//!   answers again;
+//! - [`locator`]: where a peer cluster's relationship has its volume, for its agents.
+//!
+//! One folder or file per kind:
+//! - [`replication`]: VolumeReplications (desired state, status, the reconcile, cycles
+//!   from CSI snapshots and their hooks, scheduled snapshots);
 //! - [`populate`]: PVCs whose `dataSourceRef` names a HydrationSource: bound at once to
 //!   a volume its node's agent fills while the pod uses it (`populator`), or, for other
-//!   storage classes, filled before they are bound (`prime`).
-//! - [`leftovers`]: what a deletion left on an agent that was down, removed when it
-//!   answers again.
-//! - [`agent_csr`]: an agent's certificate request, sent to the cluster and awaited.
-//! - [`run()`]: watch caches and the controller loop (`mover controller run`).
+//!   storage classes, filled before they are bound (`prime`);
+//! - [`moves`]: VolumeMoves, owned volumes that follow their workload.
 //!
 //! The only crate of the workspace that depends on kube-rs. The `mover` binary includes
 //! it with its `controller` cargo feature (on by default); an agent-only build leaves it
@@ -32,22 +31,18 @@ pub mod agent_csr;
 pub mod agents;
 pub mod context;
 pub mod crd;
-pub mod csi_snapshots;
-pub mod desired;
-pub mod hooks;
 pub mod issuer;
 pub mod leftovers;
 pub mod locator;
 pub mod metrics;
 pub mod moves;
 pub mod populate;
-pub mod reconcile;
+pub mod replication;
 mod run;
 pub mod secrets;
-pub mod snapshot_metadata;
-pub mod snapshots;
-pub mod status;
 
+// The replication modules as they were named before the folder (the tests use them).
+pub use replication::{desired, reconcile, snapshot_metadata, status};
 pub use run::{RunError, RunOptions, run};
 
 use std::path::Path;

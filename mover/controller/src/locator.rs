@@ -4,8 +4,8 @@
 
 use super::context::{Context, typed};
 use super::crd::VolumeReplication;
-use super::desired::relationship_name;
-use super::reconcile::resolve;
+use super::replication::desired::relationship_name;
+use super::replication::reconcile::resolve;
 use kube::api::DynamicObject;
 use kube::runtime::reflector::Store;
 use std::sync::Arc;

@@ -31,7 +31,7 @@ use super::crd::{
     VolumeMoveStatus, VolumeReplication,
 };
 use super::populate::SELECTED_NODE;
-use super::status::{reasons, types};
+use super::replication::status::{reasons, types};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -584,7 +584,7 @@ impl Step<'_> {
         &self,
         pvc: &str,
         pv: &str,
-    ) -> Result<(String, String, super::desired::Placement), String> {
+    ) -> Result<(String, String, super::replication::desired::Placement), String> {
         let caches = &self.ctx.caches;
         let claim = caches
             .pvcs
@@ -600,10 +600,12 @@ impl Step<'_> {
             owned(&caches.nodes),
             owned(&caches.agents),
         );
-        let placement = super::desired::placement(&claim, &volume, &attachments, &nodes)
-            .map_err(|e| e.to_string())?;
-        let agent = super::desired::agent_on(&placement.node, &pods, self.ctx.agent_port)
-            .map_err(|e| e.to_string())?;
+        let placement =
+            super::replication::desired::placement(&claim, &volume, &attachments, &nodes)
+                .map_err(|e| e.to_string())?;
+        let agent =
+            super::replication::desired::agent_on(&placement.node, &pods, self.ctx.agent_port)
+                .map_err(|e| e.to_string())?;
         Ok((placement.node.clone(), agent, placement))
     }
 
@@ -689,7 +691,7 @@ impl Step<'_> {
             return Ok(());
         };
         let pods = owned(&self.ctx.caches.agents);
-        let agent = match super::desired::agent_on(&node, &pods, self.ctx.agent_port) {
+        let agent = match super::replication::desired::agent_on(&node, &pods, self.ctx.agent_port) {
             Ok(a) => a,
             Err(e) => {
                 vol.message = Some(format!("in use on {node}; its fill: {e}"));

@@ -1,9 +1,11 @@
-//! `mover controller run`: watch caches, the controller loop, shutdown on a signal.
+//! `mover controller run`, the manager: one place wires the watch caches, the metrics
+//! server, the cluster's CA, the Locator, leader election and the reconcilers (one per
+//! kind: `reconcile`, `populate`, `moves`), each a step of [`run`].
 
 use super::agents::GrpcAgents;
 use super::crd;
 use super::leftovers::Leftovers;
-use super::reconcile::{self, Caches, Context};
+use super::replication::reconcile::{self, Caches, Context};
 use super::secrets::SecretWatches;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
@@ -285,24 +287,75 @@ fn node_cache(client: kube::Client) -> (Store<Node>, impl std::future::Future<Ou
     (reader, run)
 }
 
-/// Runs the controller until SIGINT or SIGTERM.
+/// A watch cache's feed, spawned once the context is made.
+type Feed = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Runs the controller until SIGINT or SIGTERM, or until it loses the Lease. Every
+/// replica keeps its caches warm and serves the Locator; only the Lease holder
+/// reconciles, signs the agents' certificates and sweeps leftovers.
 pub async fn run(options: RunOptions) -> Result<(), RunError> {
+    let client = connect(&options.group).await?;
+    let (caches, feeds, pvc_changes) = start_caches(&client, &options);
+    let metrics = serve_metrics(options.metrics_listen).await?;
+    let (authority, locator_tls, connect) = identities(&client, &options).await?;
+    let agents = agents_client(connect, authority.is_some(), &caches.agents);
+    let ctx = Arc::new(context(&client, &options, caches, agents, metrics).await);
+    for feed in feeds {
+        tokio::spawn(feed);
+    }
+    synced(&ctx.caches).await?;
+    tracing::info!("watch caches synced");
+    if let Some(file) = &options.replication_token_file {
+        start_locator(&client, &options, file, locator_tls, ctx.clone()).await?;
+    }
+    let leader = match options.no_leader_election {
+        true => None,
+        false => Some(elect(&client, &options.lease_namespace, options.lease_duration).await?),
+    };
+    tracing::info!(group = %ctx.group, "controller started");
+    start_leader_tasks(&client, &options, authority, &ctx);
+    let reconcilers = reconcilers(&client, ctx, pvc_changes);
+    match leader {
+        None => reconcilers.await,
+        Some(mut leader) => {
+            tokio::select! {
+                _ = reconcilers => {}
+                _ = lost(&mut leader) => return Err(RunError::LostLease),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A client of the API server, once it serves `group`'s VolumeReplications.
+async fn connect(group: &str) -> Result<kube::Client, RunError> {
     // The API server is reached over TLS, and rustls will not pick between the two
     // crypto providers the dependencies bring.
     transport::tls::install_crypto_provider();
     let client = kube::Client::try_default()
         .await
         .map_err(RunError::Client)?;
-    let group = options.group.clone();
-    let vr = crd::api_resource(&group, "VolumeReplication");
+    let vr = crd::api_resource(group, "VolumeReplication");
     let vrs: Api<DynamicObject> = Api::all_with(client.clone(), &vr);
     vrs.list(&kube::api::ListParams::default().limit(1))
         .await
         .map_err(|source| RunError::NoCrd {
-            group: group.clone(),
+            group: group.into(),
             source,
         })?;
-    let class = crd::api_resource(&group, "VolumeReplicationClass");
+    Ok(client)
+}
+
+/// The watch caches reconciles read, the feeds that fill them, and the PVCs' changes.
+fn start_caches(
+    client: &kube::Client,
+    options: &RunOptions,
+) -> (
+    Caches,
+    Vec<Feed>,
+    futures::channel::mpsc::Receiver<ObjectRef<PersistentVolumeClaim>>,
+) {
+    let class = crd::api_resource(&options.group, "VolumeReplicationClass");
     let (classes, w1) = cache(
         Api::<DynamicObject>::all_with(client.clone(), &class),
         watcher::Config::default(),
@@ -318,10 +371,33 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         (),
     );
     let (nodes, w6) = node_cache(client.clone());
-    let listener = tokio::net::TcpListener::bind(options.metrics_listen)
+    let caches = Caches {
+        classes,
+        pvcs,
+        pvs,
+        attachments,
+        agents,
+        nodes,
+    };
+    let feeds: Vec<Feed> = vec![
+        Box::pin(w1),
+        Box::pin(w2),
+        Box::pin(w3),
+        Box::pin(w4),
+        Box::pin(w5),
+        Box::pin(w6),
+    ];
+    (caches, feeds, pvc_changes)
+}
+
+/// Serves /metrics and /healthz on `listen`.
+async fn serve_metrics(
+    listen: std::net::SocketAddr,
+) -> Result<Arc<super::metrics::Metrics>, RunError> {
+    let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|source| RunError::Listen {
-            addr: options.metrics_listen,
+            addr: listen,
             source,
         })?;
     let metrics = Arc::new(super::metrics::Metrics::default());
@@ -337,68 +413,96 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             tracing::error!(error = %e, "metrics server stopped");
         }
     });
+    Ok(metrics)
+}
+
+/// The cluster's CA (none with --insecure-plaintext), the Locator's certificate, and
+/// how agents are reached (with this controller's own certificate).
+async fn identities(
+    client: &kube::Client,
+    options: &RunOptions,
+) -> Result<
+    (
+        Option<Arc<super::issuer::Authority>>,
+        Option<transport::tls::TlsPem>,
+        mover_engine::remote::ConnectOptions,
+    ),
+    RunError,
+> {
     let mut connect = options.connect.clone();
+    if options.insecure_plaintext {
+        return Ok((None, None, connect));
+    }
     let ca_error = |e: rcgen::Error| {
         RunError::Authority(super::issuer::AuthorityError::new(
             &options.lease_namespace,
             e.to_string(),
         ))
     };
-    let (authority, locator_tls) = if options.insecure_plaintext {
-        (None, None)
-    } else {
-        let a = super::issuer::Authority::load_or_create(&client, &options.lease_namespace)
-            .await
-            .map_err(RunError::Authority)?;
-        connect.tls_pem = Some(Arc::new(a.controller_identity().map_err(ca_error)?));
-        let locator = a.locator_identity().map_err(ca_error)?;
-        // Its own certificates are made at start for LIFETIME: two thirds of the way it
-        // exits (the Deployment starts it again, a standby leads meanwhile), so they never
-        // expire in use.
-        tokio::spawn(async {
-            tokio::time::sleep(transport::cluster::AGENT_CERTIFICATE_LIFETIME * 2 / 3).await;
-            tracing::info!("exiting to renew this controller's own certificates");
-            std::process::exit(0);
-        });
-        (Some(Arc::new(a)), Some(locator))
-    };
-    let mut grpc_agents = GrpcAgents::new(connect);
-    if authority.is_some() {
-        // Agents run in the host network: an agent pod's address is its node's.
-        let pods: Store<k8s_openapi::api::core::v1::Pod> = agents.clone();
-        grpc_agents = grpc_agents.with_server_names(Box::new(move |host: &str| {
-            pods.state().iter().find_map(|p| {
-                let ip = p.status.as_ref()?.pod_ip.as_deref()?;
-                (ip == host).then(|| p.spec.as_ref()?.node_name.clone())?
-            })
-        }));
+    let a = super::issuer::Authority::load_or_create(client, &options.lease_namespace)
+        .await
+        .map_err(RunError::Authority)?;
+    connect.tls_pem = Some(Arc::new(a.controller_identity().map_err(ca_error)?));
+    let locator = a.locator_identity().map_err(ca_error)?;
+    // Its own certificates are made at start for LIFETIME: two thirds of the way it
+    // exits (the Deployment starts it again, a standby leads meanwhile), so they never
+    // expire in use.
+    tokio::spawn(async {
+        tokio::time::sleep(transport::cluster::AGENT_CERTIFICATE_LIFETIME * 2 / 3).await;
+        tracing::info!("exiting to renew this controller's own certificates");
+        std::process::exit(0);
+    });
+    Ok((Some(Arc::new(a)), Some(locator), connect))
+}
+
+/// The agents' control API, reached with `connect`; over TLS, each agent's
+/// certificate is checked against its node's name, found among the agent `pods`.
+fn agents_client(
+    connect: mover_engine::remote::ConnectOptions,
+    tls: bool,
+    pods: &Store<Pod>,
+) -> GrpcAgents {
+    let agents = GrpcAgents::new(connect);
+    if !tls {
+        return agents;
     }
+    // Agents run in the host network: an agent pod's address is its node's.
+    let pods = pods.clone();
+    agents.with_server_names(Box::new(move |host: &str| {
+        pods.state().iter().find_map(|p| {
+            let ip = p.status.as_ref()?.pod_ip.as_deref()?;
+            (ip == host).then(|| p.spec.as_ref()?.node_name.clone())?
+        })
+    }))
+}
+
+/// What every reconcile shares.
+async fn context(
+    client: &kube::Client,
+    options: &RunOptions,
+    caches: Caches,
+    agents: GrpcAgents,
+    metrics: Arc<super::metrics::Metrics>,
+) -> Context {
     let secret_namespaces = if options.secret_namespaces.is_empty() {
         vec![options.lease_namespace.clone()]
     } else {
         options.secret_namespaces.clone()
     };
-    let ctx = Arc::new(Context {
+    Context {
         client: client.clone(),
-        group,
-        agents: Arc::new(grpc_agents),
-        caches: Caches {
-            classes,
-            pvcs,
-            pvs,
-            attachments,
-            agents,
-            nodes,
-        },
+        group: options.group.clone(),
+        agents: Arc::new(agents),
+        caches,
         agent_port: options.agent_port,
-        csi: super::csi_snapshots::Settings {
+        csi: super::context::SnapshotSettings {
             namespace: options.lease_namespace.clone(),
             service_account: options.service_account.clone(),
             failed: Default::default(),
         },
         job_image: match &options.job_image {
             Some(i) => i.clone(),
-            None => own_image(&client, &options.lease_namespace).await,
+            None => own_image(client, &options.lease_namespace).await,
         },
         metrics,
         secrets: Some(Arc::new(SecretWatches::new(
@@ -416,17 +520,13 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
                 instance: std::env::var("POD_NAME").ok(),
             },
         )),
-    });
-    tokio::spawn(w1);
-    tokio::spawn(w2);
-    tokio::spawn(w3);
-    tokio::spawn(w4);
-    tokio::spawn(w5);
-    tokio::spawn(w6);
-    // No reconcile before every cache holds its first full list: a VR looked at with
-    // an empty cache would be marked Degraded ("PVC not found") for nothing, with a
-    // Warning event and a status write each, on every start and leader change.
-    let caches = &ctx.caches;
+    }
+}
+
+/// Waits until every cache holds its first full list: a VR looked at with an empty
+/// cache would be marked Degraded ("PVC not found") for nothing, with a Warning event
+/// and a status write each, on every start and leader change.
+async fn synced(caches: &Caches) -> Result<(), RunError> {
     let ready = async {
         caches.classes.wait_until_ready().await?;
         caches.pvcs.wait_until_ready().await?;
@@ -435,33 +535,39 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         caches.agents.wait_until_ready().await?;
         caches.nodes.wait_until_ready().await
     };
-    ready.await.map_err(|_| RunError::CachesStopped)?;
-    tracing::info!("watch caches synced");
-    // Every replica answers peer clusters' agents (a standby from caches of its own).
-    if let Some(file) = &options.replication_token_file {
-        let (vrs, w) = cache(
-            Api::<DynamicObject>::all_with(client.clone(), &vr),
-            watcher::Config::default(),
-            vr.clone(),
-        );
-        tokio::spawn(w);
-        vrs.wait_until_ready()
-            .await
-            .map_err(|_| RunError::CachesStopped)?;
-        let service = super::locator::LocatorService {
-            vrs,
-            ctx: ctx.clone(),
-        };
-        serve_locator(options.locator_listen, file, locator_tls, service).await?;
-    }
-    // Replicas keep their caches warm; only the Lease holder reconciles.
-    let mut leader = if options.no_leader_election {
-        None
-    } else {
-        Some(elect(&client, &options.lease_namespace, options.lease_duration).await?)
-    };
-    tracing::info!(group = %ctx.group, "controller started");
-    // The leader signs the agents' certificate requests.
+    ready.await.map_err(|_| RunError::CachesStopped)
+}
+
+/// Serves the Locator to peer clusters' agents (every replica, from caches of its own).
+async fn start_locator(
+    client: &kube::Client,
+    options: &RunOptions,
+    token_file: &std::path::Path,
+    tls: Option<transport::tls::TlsPem>,
+    ctx: Arc<Context>,
+) -> Result<(), RunError> {
+    let vr = crd::api_resource(&options.group, "VolumeReplication");
+    let (vrs, w) = cache(
+        Api::<DynamicObject>::all_with(client.clone(), &vr),
+        watcher::Config::default(),
+        vr.clone(),
+    );
+    tokio::spawn(w);
+    vrs.wait_until_ready()
+        .await
+        .map_err(|_| RunError::CachesStopped)?;
+    let service = super::locator::LocatorService { vrs, ctx };
+    serve_locator(options.locator_listen, token_file, tls, service).await
+}
+
+/// What only the leader does besides reconciling: sign the agents' certificate
+/// requests, and remove what deletions left on agents that were down once they answer.
+fn start_leader_tasks(
+    client: &kube::Client,
+    options: &RunOptions,
+    authority: Option<Arc<super::issuer::Authority>>,
+    ctx: &Context,
+) {
     if let Some(authority) = authority {
         let user = format!(
             "system:serviceaccount:{}:{}",
@@ -473,7 +579,6 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             user,
         ));
     }
-    // The leader removes what deletions left on agents that were down, once they answer.
     if let Some((grace, leftovers)) = ctx.leftovers.clone() {
         let agents = ctx.agents.clone();
         tokio::spawn(async move {
@@ -486,8 +591,62 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             }
         });
     }
-    // The VolumeReplications' own cache, slimmed as the others: their managedFields
-    // (the status the controller applies, field by field) were half its memory.
+}
+
+/// The reconcilers, one per kind, run together until one ends (a signal):
+/// VolumeReplications, and in mover's own group the populator and moves.
+async fn reconcilers(
+    client: &kube::Client,
+    ctx: Arc<Context>,
+    pvc_changes: futures::channel::mpsc::Receiver<ObjectRef<PersistentVolumeClaim>>,
+) {
+    let replications = replications(client, ctx.clone(), pvc_changes);
+    // PVCs whose dataSourceRef names a HydrationSource, and moves of owned volumes: the
+    // kinds are mover's, served in its own group only.
+    let own = async {
+        if ctx.group != super::crd::MOVER_GROUP {
+            return std::future::pending().await;
+        }
+        let populator = Controller::new(
+            Api::<PersistentVolumeClaim>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .shutdown_on_signal()
+        .run(
+            super::populate::populator::reconcile,
+            super::populate::populator::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| futures::future::ready(()));
+        let moves = Controller::new(
+            Api::<super::crd::VolumeMove>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .shutdown_on_signal()
+        .run(
+            super::moves::reconcile,
+            super::moves::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| futures::future::ready(()));
+        futures::join!(populator, moves);
+    };
+    tokio::select! {
+        _ = replications => {}
+        _ = own => {}
+    }
+}
+
+/// The VolumeReplications' reconciler, from a cache of their own slimmed as the others
+/// (their managedFields, the status the controller applies field by field, were half
+/// its memory).
+fn replications(
+    client: &kube::Client,
+    ctx: Arc<Context>,
+    pvc_changes: futures::channel::mpsc::Receiver<ObjectRef<PersistentVolumeClaim>>,
+) -> impl std::future::Future<Output = ()> {
+    let vr = crd::api_resource(&ctx.group, "VolumeReplication");
+    let vrs: Api<DynamicObject> = Api::all_with(client.clone(), &vr);
     let writer = reflector::store::Writer::new(vr.clone());
     let vr_cache = writer.as_reader();
     let vr_events = reflector::reflector(
@@ -505,72 +664,19 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
             futures::stream::iter(naming(&vrs.state(), &pvc, &vr))
         }
     };
-    let controller = Controller::for_stream_with(vr_events, vr_cache, vr)
+    Controller::for_stream_with(vr_events, vr_cache, vr)
         .reconcile_on(pvc_changes.flat_map(naming_pvc))
         // A bounded number of reconciles at once: on a start with 1,000 resources, all
         // of them at once held 1,000 agent calls' buffers (a 150 MiB peak).
         .with_config(kube::runtime::controller::Config::default().concurrency(RECONCILES_AT_ONCE))
         .shutdown_on_signal()
-        .run(reconcile::reconcile, reconcile::error_policy, ctx.clone())
+        .run(reconcile::reconcile, reconcile::error_policy, ctx)
         .for_each(|r| {
             if let Err(e) = r {
                 tracing::debug!(error = %e, "reconcile");
             }
             futures::future::ready(())
-        });
-    // The volume populator: PVCs whose dataSourceRef names a HydrationSource (only
-    // when mover's own group is served: the kind is mover's).
-    let populator = (ctx.group == super::crd::MOVER_GROUP).then(|| {
-        Controller::new(
-            Api::<k8s_openapi::api::core::v1::PersistentVolumeClaim>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .shutdown_on_signal()
-        .run(
-            super::populate::populator::reconcile,
-            super::populate::populator::error_policy,
-            ctx.clone(),
-        )
-        .for_each(|_| futures::future::ready(()))
-    });
-    // Moves of owned volumes (mover's group only, as the populator).
-    let moves = (ctx.group == super::crd::MOVER_GROUP).then(|| {
-        Controller::new(
-            Api::<super::crd::VolumeMove>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .shutdown_on_signal()
-        .run(
-            super::moves::reconcile,
-            super::moves::error_policy,
-            ctx.clone(),
-        )
-        .for_each(|_| futures::future::ready(()))
-    });
-    let own = async {
-        match (populator, moves) {
-            (Some(p), Some(m)) => {
-                futures::join!(p, m);
-            }
-            _ => std::future::pending().await,
-        }
-    };
-    let both = async {
-        tokio::select! {
-            _ = controller => {}
-            _ = own => {}
-        }
-    };
-    match &mut leader {
-        None => both.await,
-        Some(leader) => {
-            tokio::select! {
-                _ = both => {}
-                _ = lost(leader) => return Err(RunError::LostLease),
-            }
-        }
-    }
-    Ok(())
+        })
 }
 
 /// Serves the Locator on `addr` (TLS with `tls`), to callers with a token in

@@ -2,6 +2,56 @@
 //! run the library's server.
 
 use anyhow::Context;
+use std::path::PathBuf;
+
+/// `mover agent`'s arguments.
+#[derive(clap::Args)]
+pub struct AgentArgs {
+    /// The agent's TOML configuration.
+    #[arg(long, value_name = "FILE")]
+    pub config: PathBuf,
+}
+
+/// `mover controller` subcommands.
+#[cfg(feature = "controller")]
+#[derive(clap::Subcommand)]
+pub enum ControllerCommand {
+    /// Write the CRDs (VolumeReplicationClass, VolumeReplication; HydrationSource and VolumeMove in replication.mover) as YAML files.
+    Crds {
+        /// The API group: replication.mover, or replication.storage.openshift.io to
+        /// stand in for csi-addons.
+        #[arg(long, default_value = mover::controller::crd::MOVER_GROUP)]
+        group: String,
+        /// The directory to write them into.
+        #[arg(long, value_name = "DIR", default_value = "deploy/crds")]
+        out: PathBuf,
+    },
+    /// Run the controller (in the cluster, or with a kubeconfig) until SIGINT or SIGTERM.
+    Run(Box<mover::controller::RunOptions>),
+    /// Mint a short-lived client certificate for an operator, from the cluster's mover CA.
+    #[command(long_about = "Mint a short-lived client certificate for an operator, \
+        signed by the cluster's mover CA (Secret mover-ca, read with your kubeconfig: \
+        whoever may read that Secret may do this). Agents take it as an operator's own: \
+        the control role (status, sync, promote, demote), as the controller's.\n\n\
+        Example:\n  mover controller operator-cert --out ~/.mover/prod\n  \
+        mover replicate status NAME --agent agent://NODE@NODE_IP:7070 \\\n      \
+        --tls-ca ~/.mover/prod/ca.crt --tls-cert ~/.mover/prod/tls.crt \
+        --tls-key ~/.mover/prod/tls.key")]
+    OperatorCert {
+        /// Where to write tls.crt, tls.key (mode 0600) and ca.crt.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// How long it is valid (at most 24h).
+        #[arg(long, default_value = "1h", value_parser = mover::node::parse_duration)]
+        valid: std::time::Duration,
+        /// The controller's namespace, where the CA's Secret is.
+        #[arg(long, default_value = "mover-system")]
+        namespace: String,
+        /// Who it is for (its common name) [default: $USER].
+        #[arg(long, value_name = "NAME")]
+        name: Option<String>,
+    },
+}
 
 /// `mover agent`: serves until SIGINT or SIGTERM.
 pub fn run_agent(config_path: &std::path::Path) -> anyhow::Result<()> {
@@ -57,9 +107,9 @@ impl mover::agent::certificate::Signer for ClusterSigner {
 
 /// `mover controller ...`.
 #[cfg(feature = "controller")]
-pub fn run_controller(cmd: crate::ControllerCommand) -> anyhow::Result<()> {
+pub fn run_controller(cmd: ControllerCommand) -> anyhow::Result<()> {
     match cmd {
-        crate::ControllerCommand::Crds { group, out } => {
+        ControllerCommand::Crds { group, out } => {
             for path in mover::controller::write_crds(&group, &out)
                 .with_context(|| format!("cannot write the CRDs into {}", out.display()))?
             {
@@ -67,7 +117,7 @@ pub fn run_controller(cmd: crate::ControllerCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        crate::ControllerCommand::OperatorCert {
+        ControllerCommand::OperatorCert {
             out,
             valid,
             namespace,
@@ -77,7 +127,7 @@ pub fn run_controller(cmd: crate::ControllerCommand) -> anyhow::Result<()> {
                 tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
             runtime.block_on(operator_cert(&out, valid, &namespace, name))
         }
-        crate::ControllerCommand::Run(options) => {
+        ControllerCommand::Run(options) => {
             let runtime =
                 tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
             runtime.block_on(mover::controller::run(*options))?;

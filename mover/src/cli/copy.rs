@@ -3,17 +3,51 @@
 use super::{Bar, OutputArgs, human};
 use anyhow::Context;
 use mover::{Copied, CopyOptions, CopySummary, HashSummary, TreeOptions, TreeSummary};
-use std::path::Path;
+use std::path::PathBuf;
 
-/// `mover copy SRC DST`.
-pub fn run_copy(
-    src: &Path,
-    dst: &Path,
-    options: &CopyOptions,
-    tree: &TreeOptions,
-    remote: &mover::remote::RemoteOptions,
-    output: &OutputArgs,
-) -> anyhow::Result<()> {
+/// `mover copy`'s arguments.
+#[derive(clap::Args)]
+pub struct CopyArgs {
+    /// Source: a block device, an image file, a directory, or agent://HOST:PORT/NAME.
+    pub src: PathBuf,
+    /// Destination: a block device, an image file (existing or new), a directory
+    /// (existing or new) for a tree, or agent://HOST:PORT/NAME.
+    pub dst: PathBuf,
+    #[command(flatten)]
+    pub options: CopyOptions,
+    #[command(flatten)]
+    pub tree: TreeOptions,
+    #[command(flatten)]
+    pub remote: mover::remote::RemoteOptions,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// `mover hash`'s arguments.
+#[derive(clap::Args)]
+pub struct HashArgs {
+    /// The volume: a block device or an image file.
+    pub volume: PathBuf,
+    /// Chunk size: a power of two from 64K to 8M.
+    #[arg(long, value_name = "SIZE", default_value_t = chunker::ChunkSize::DEFAULT)]
+    pub chunk_size: chunker::ChunkSize,
+    /// Hashing threads [default: one per core].
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// `mover copy`: one call of the engine, with a progress bar and a summary.
+pub fn run_copy(args: &CopyArgs) -> anyhow::Result<()> {
+    let CopyArgs {
+        src,
+        dst,
+        options,
+        tree,
+        remote,
+        output,
+    } = args;
     let bar = Bar::new(output);
     let copied = mover::copy_endpoints(src, dst, options, tree, remote, &bar);
     let copied = match copied {
@@ -29,12 +63,14 @@ pub fn run_copy(
 }
 
 /// `mover hash VOLUME`.
-pub fn run_hash(
-    volume: &Path,
-    chunk_size: chunker::ChunkSize,
-    threads: Option<usize>,
-    output: &OutputArgs,
-) -> anyhow::Result<()> {
+pub fn run_hash(args: &HashArgs) -> anyhow::Result<()> {
+    let HashArgs {
+        volume,
+        chunk_size,
+        threads,
+        output,
+    } = args;
+    let (chunk_size, threads) = (*chunk_size, *threads);
     let bar = Bar::new(output);
     let summary = mover::hash_block(volume, chunk_size, threads, &bar)
         .with_context(|| format!("hash {}", volume.display()))?;

@@ -110,7 +110,7 @@ pub async fn reconcile(
         return Ok(Action::requeue(WAIT));
     };
     let pods = crate::context::owned(&ctx.caches.agents);
-    let agent = crate::desired::agent_on(&node, &pods, ctx.agent_port)
+    let agent = crate::replication::desired::agent_on(&node, &pods, ctx.agent_port)
         .map_err(|e| PopulateError::Invalid(e.to_string()))?;
     let export = format!("pvc-{uid}");
     let status = match ctx.agents.hydration(&agent, &export).await? {
@@ -222,7 +222,7 @@ async fn hydration_source(
 /// see [`secondary_here`]) keeps in this cluster, and its relationship.
 fn replica_of(ctx: &Context, vr: &VolumeReplication) -> Result<(String, String), String> {
     let (ns, name) = (vr.namespace().unwrap_or_default(), vr.name_any());
-    let d = crate::reconcile::resolve(vr, ctx)
+    let d = crate::replication::reconcile::resolve(vr, ctx)
         .map_err(|e| format!("VolumeReplication {ns}/{name}: {e}"))?;
     Ok((
         format!("agent://{}@{}/{}", d.node, d.agent, d.volume),

@@ -265,6 +265,7 @@ impl Schedules {
                 self.update(name, |s| {
                     s.state = ScheduleState::Failing.name().into();
                     s.last_error = e.clone();
+                    s.no_point_in_time = false;
                     s.next_run_ms = now_ms() + 3_600_000;
                 });
                 return Err(e);
@@ -285,6 +286,7 @@ impl Schedules {
                     s.last_bytes_added = taken.bytes_added;
                     s.runs_ok += 1;
                     s.last_error.clear();
+                    s.no_point_in_time = false;
                     s.forgotten += taken.forgotten;
                     s.pruned_packs += taken.pruned_packs;
                     s.consistency = taken.consistency.into();

@@ -5,13 +5,13 @@
 //! The flow follows csi-addons' VolumeReplication controller state by state, so the
 //! conditions RamenDR waits for come in the same order.
 
-use super::agents::{AgentError, Agents};
-use super::crd::{
+use super::desired::{self, Desired, Inputs};
+use super::status::{self, Conditions, Health};
+use crate::agents::{AgentError, Agents};
+use crate::crd::{
     self, RelationshipRef, ReplicationState, State, VolumeReplication, VolumeReplicationStatus,
 };
-use super::desired::{self, Desired, Inputs};
-use super::leftovers::Leftover;
-use super::status::{self, Conditions, Health};
+use crate::leftovers::Leftover;
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -25,8 +25,8 @@ use std::time::Duration;
 use transport::control;
 use transport::states::{RelationshipState, Side};
 
-pub use super::context::{Caches, Context, TROUBLE_RETRY};
-use super::context::{owned, secret_data, typed};
+pub use crate::context::{Caches, Context, TROUBLE_RETRY};
+use crate::context::{owned, secret_data, typed};
 
 /// Held on every VolumeReplication the controller set up, until its relationship is
 /// deleted from the agent.
@@ -146,7 +146,7 @@ fn hold(vr: &VolumeReplication, ctx: &Context) -> Held {
 }
 
 /// The desired relationship, or why not.
-pub(super) fn resolve(vr: &VolumeReplication, ctx: &Context) -> Result<Desired, desired::Invalid> {
+pub(crate) fn resolve(vr: &VolumeReplication, ctx: &Context) -> Result<Desired, desired::Invalid> {
     let class = ctx.class(&vr.spec.volume_replication_class);
     let held = hold(vr, ctx);
     let inputs = Inputs {
@@ -270,7 +270,7 @@ fn trouble(c: &mut Conditions, d: &Desired, e: &AgentError, primary: bool) -> St
     } else {
         e.to_string()
     };
-    c.trouble(e.condition_reason(), &detail, primary);
+    c.trouble(status::agent_reason(e), &detail, primary);
     detail
 }
 
@@ -576,7 +576,10 @@ async fn snapshot_step(
         Step::Failed(why) => {
             tracing::warn!(relationship = %d.name, "{why}");
             let mut s = s;
+            // The controller's own failure replaces the agent's error, and its kind: an
+            // agent's lateness must not speak for it.
             s.last_error = why;
+            s.last_error_kind = control::ErrorKind::Unspecified as i32;
             if s.relationship_state() == Some(RelationshipState::Replicating) {
                 s.state = "Degraded".into();
             }
@@ -816,7 +819,7 @@ async fn cleanup(obj: &DynamicObject, ctx: &Context) -> Result<Action, Error> {
                      did not answer for {}s ({e}); the controller removes them when it answers \
                      again (ConfigMap {})",
                     grace.as_secs(),
-                    super::leftovers::CONFIGMAP
+                    crate::leftovers::CONFIGMAP
                 );
                 tracing::warn!(vr = %key(obj), "{note}");
                 if let Some(recorder) = &ctx.recorder {

@@ -3,10 +3,10 @@
 //! class, password and S3 keys from the class's secret), reported as a primary that is
 //! replicating: lastSyncTime is the last snapshot's time.
 
-use super::context::Context;
-use super::crd::{ReplicationState, State, VolumeReplicationStatus};
 use super::desired::{Desired, RepositoryTarget};
 use super::status::{self, Conditions, Health};
+use crate::context::Context;
+use crate::crd::{ReplicationState, State, VolumeReplicationStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use std::time::Duration;
 use transport::schedule;
@@ -79,7 +79,7 @@ pub async fn reconcile(
     let result = match access(ctx, d, repo).await {
         Err(e) => Err((status::reasons::ERROR, e)),
         Ok((access, version)) => match ctx.agents.schedule(&d.agent, &d.name).await {
-            Err(e) => Err((e.condition_reason(), e.to_string())),
+            Err(e) => Err((super::status::agent_reason(&e), e.to_string())),
             Ok(Some(s)) if s.spec.as_ref() == Some(&want(version.clone())) => Ok(s),
             Ok(_) => {
                 let spec = schedule::Spec {
@@ -89,7 +89,7 @@ pub async fn reconcile(
                 ctx.agents
                     .apply_schedule(&d.agent, spec)
                     .await
-                    .map_err(|e| (e.condition_reason(), e.to_string()))
+                    .map_err(|e| (super::status::agent_reason(&e), e.to_string()))
             }
         },
     };
@@ -117,7 +117,7 @@ pub async fn reconcile(
             c.trouble(reason, &e, true);
             (
                 st,
-                Some(d.params.interval.min(super::context::TROUBLE_RETRY)),
+                Some(d.params.interval.min(crate::context::TROUBLE_RETRY)),
             )
         }
         Err((_, e)) => {
@@ -145,7 +145,7 @@ async fn access(
         "the repository's `{SECRET_PASSWORD}` (or a raw `{SECRET_KEY}`) and, for S3, {} and {}",
         SECRET_S3_KEYS[0], SECRET_S3_KEYS[1]
     );
-    let (data, version) = super::context::secret_data(ctx, &ns, &name, &what).await?;
+    let (data, version) = crate::context::secret_data(ctx, &ns, &name, &what).await?;
     let get = |k: &str| data.get(k).cloned();
     let text = |k: &str| get(k).map(|v| String::from_utf8_lossy(&v).trim().to_string());
     let (password, raw_key) = match (get(SECRET_PASSWORD), get(SECRET_KEY)) {

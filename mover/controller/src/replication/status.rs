@@ -7,7 +7,7 @@
 //! `lastTransitionTime` moves only when its status changes (csi-addons'
 //! `setStatusCondition`).
 
-use super::crd::{ReplicationState, State, VolumeReplicationStatus};
+use crate::crd::{ReplicationState, State, VolumeReplicationStatus};
 // A primary is late past this many intervals: the agent's bound, and the controller's.
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use std::time::Duration;
@@ -354,6 +354,15 @@ pub enum Health {
     Unknown,
 }
 
+/// The condition reason an agent's failure gives a volume whose requested state was
+/// reached: Unreachable when the agent did not answer, else Error.
+pub fn agent_reason(e: &crate::agents::AgentError) -> &'static str {
+    match e.is_unreachable() {
+        true => reasons::UNREACHABLE,
+        false => reasons::ERROR,
+    }
+}
+
 /// The health of a primary from its agent's relationship state at `now`, and the detail
 /// shown. A last cycle older than [`LATE_INTERVALS`] intervals is broken whatever the
 /// agent says (the controller's clock judges what the status shows).
@@ -532,7 +541,7 @@ pub fn apply_report(
 ) {
     status.epoch = Some(s.epoch as i64);
     status.last_sync_consistency = last_sync_consistency(&s.consistency);
-    status.progress = (s.progress_total > 0).then_some(super::crd::Progress {
+    status.progress = (s.progress_total > 0).then_some(crate::crd::Progress {
         bytes_done: s.progress_done as i64,
         bytes_total: s.progress_total as i64,
     });
@@ -895,7 +904,7 @@ mod tests {
         assert_eq!(st.last_sync_time, Some(time_ms(1_700_000_000_000)));
         assert_eq!(
             st.progress,
-            Some(super::super::crd::Progress {
+            Some(crate::crd::Progress {
                 bytes_done: 5,
                 bytes_total: 10
             })

@@ -4,7 +4,7 @@
 //! answer is either the relationship to have on which agent, or [`Invalid`] saying what
 //! to fix. Nothing here talks to the API server or an agent, so every rule is unit-tested.
 
-use super::crd::{
+use crate::crd::{
     ReplicationState, VolumeReplication, VolumeReplicationClass, VolumeReplicationSpec,
 };
 use k8s_openapi::api::core::v1::{

@@ -19,11 +19,11 @@
 //!    cycle's. That report is the base: older snapshots, the clone and the reader pod
 //!    are deleted after it.
 
-pub use super::context::SnapshotSettings as Settings;
-use super::context::{Context, created_or_exists};
 use super::desired::Desired;
 pub use super::desired::Source;
 use super::snapshot_metadata::{self, DeltaOf, Retry};
+pub use crate::context::SnapshotSettings as Settings;
+use crate::context::{Context, created_or_exists};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams};
 use kube::api::{PostParams, ResourceExt};
