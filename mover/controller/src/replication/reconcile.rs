@@ -581,7 +581,7 @@ async fn snapshot_step(
             s.last_error = why;
             s.last_error_kind = control::ErrorKind::Unspecified as i32;
             if s.relationship_state() == Some(RelationshipState::Replicating) {
-                s.state = "Degraded".into();
+                s.state = RelationshipState::Degraded.name().into();
             }
             (s, RETRY.min(d.params.interval))
         }

@@ -384,15 +384,19 @@ pub fn health(s: &transport::control::Status, now: &Time, interval: Duration) ->
     };
     use transport::states::RelationshipState as S;
     let state = match s.relationship_state() {
-        Some(S::Replicating) if late => S::Degraded.name(),
-        _ => s.state.as_str(),
+        Some(S::Replicating) if late => Some(S::Degraded),
+        state => state,
+    };
+    let word = match state {
+        Some(known) => known.name(),
+        None => s.state.as_str(),
     };
     let detail = if error.is_empty() {
-        format!("relationship {state}")
+        format!("relationship {word}")
     } else {
-        format!("relationship {state}: {error}")
+        format!("relationship {word}: {error}")
     };
-    let h = match S::parse(state) {
+    let h = match state {
         Some(S::Replicating) => Health::Healthy,
         Some(S::Resyncing | S::Paused) => Health::Waiting,
         _ => Health::Degraded,

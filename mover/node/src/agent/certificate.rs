@@ -1,5 +1,6 @@
 //! The agent's certificate from its cluster's signer: a key made on the node (it never
-//! leaves it), a certificate request for signer [`SIGNER`] naming the node, and the
+//! leaves it), a certificate request for signer `replication.mover/agent`
+//! (`transport::cluster::AGENT_SIGNER`) naming the node, and the
 //! certificate the mover controller signs once it has checked that the request comes
 //! from the agent pod on that node. The request reaches the cluster through a
 //! [`Signer`]: the `mover` binary gives the controller crate's, which speaks the
@@ -9,13 +10,8 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::time::Duration;
+use transport::cluster::certificate_life;
 use transport::tls::TlsPem;
-
-/// The signerName of agents' certificates; the mover controller signs them.
-pub const SIGNER: &str = transport::cluster::AGENT_SIGNER;
-/// How long a certificate is asked for.
-pub const LIFETIME: Duration = transport::cluster::AGENT_CERTIFICATE_LIFETIME;
-pub use transport::cluster::certificate_life as life;
 
 /// A future a [`Signer`] answers with.
 pub type SignFuture<'a> = Pin<Box<dyn Future<Output = Result<Vec<u8>, String>> + Send + 'a>>;
@@ -50,7 +46,7 @@ fn kept(state_dir: &Path, node: &str) -> Option<TlsPem> {
         key: std::fs::read(key).ok()?,
         ca: std::fs::read(ca).ok()?,
     };
-    let (left, all, names) = life(&pem.cert, node)?;
+    let (left, all, names) = certificate_life(&pem.cert, node)?;
     (names && left * 3 > all).then_some(pem)
 }
 
@@ -164,9 +160,9 @@ mod tests {
         let chain = format!("{}{}", leaf.pem(), ca.pem());
         let pem = split_chain(chain.as_bytes(), b"k".to_vec()).unwrap();
         assert_eq!(pem.ca, ca.pem().into_bytes());
-        let (left, all, names) = life(&pem.cert, "node-1").unwrap();
+        let (left, all, names) = certificate_life(&pem.cert, "node-1").unwrap();
         assert!(names && left > 0 && left * 3 > all);
-        assert!(!life(&pem.cert, "node-2").unwrap().2);
+        assert!(!certificate_life(&pem.cert, "node-2").unwrap().2);
         assert!(split_chain(leaf.pem().as_bytes(), Vec::new()).is_none());
     }
 }

@@ -132,9 +132,9 @@ pub enum ConfigError {
     },
 }
 
-/// The bearer tokens in `path`, one per line (a second line lets a rotation overlap);
-/// a file with none is refused.
-pub fn read_tokens(path: &std::path::Path) -> Result<Vec<String>, ConfigError> {
+/// The bearer tokens in `path` (`transport::cluster::read_tokens`), its errors said as
+/// the agent's configuration's.
+fn read_tokens(path: &std::path::Path) -> Result<Vec<String>, ConfigError> {
     use transport::cluster::TokenFileError;
     transport::cluster::read_tokens(path).map_err(|e| match e {
         TokenFileError::Read { path, cause } => ConfigError::Read { path, cause },

@@ -305,7 +305,7 @@ impl Control {
                 "export {:?} is already the {} of relationship {:?}; a volume belongs to one \
                  relationship",
                 spec.volume,
-                replicate::runner::role_str(other.role),
+                other.role.side().name(),
                 other.spec.name
             )));
         }

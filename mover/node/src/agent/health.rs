@@ -35,7 +35,7 @@ impl Health {
             ));
         }
         if let Some(pem) = &self.tls
-            && let Some((left, all, _)) = super::certificate::life(&pem.cert, "")
+            && let Some((left, all, _)) = transport::cluster::certificate_life(&pem.cert, "")
             && left * 10 < all
         {
             failed.push(format!(

@@ -23,7 +23,7 @@ mod transfer;
 mod trees;
 
 use crate::replicate::journal;
-pub use config::{AgentConfig, ConfigError, TlsConfig, read_tokens};
+pub use config::{AgentConfig, ConfigError, TlsConfig};
 pub use control::Control;
 pub use fencing::{EpochStore, StaleEpoch};
 pub use metrics::Metrics;

@@ -21,6 +21,7 @@ pub use local::{LocalRun, run_local};
 pub use runner::{CycleFailure, CycleOutcome, Runners};
 pub use store::{CycleRecord, EpochChange, Halt, Record, Role, Spec, Store, StoreError};
 
+use transport::cluster::LATE_INTERVALS;
 use transport::control;
 use transport::states::RelationshipState;
 
@@ -62,10 +63,6 @@ pub fn default_chunk(size: u64) -> chunker::ChunkSize {
         .clamp(128 << 10, 8 << 20);
     chunker::ChunkSize::new(wanted).expect("a power of two from 128K to 8M")
 }
-
-/// A primary whose last cycle is older than this many intervals is `Degraded`, whatever
-/// the cycle in flight says about itself (a silent network cut stalls it quietly).
-pub const LATE_INTERVALS: u64 = transport::cluster::LATE_INTERVALS;
 
 /// The state status reports, from the record and what this process saw.
 pub fn state_of(r: &Record, live: &runner::Live) -> RelationshipState {
@@ -111,6 +108,11 @@ pub fn cycle_report(c: &CycleRecord) -> control::CycleReport {
 /// The control API's status of `r`; `last` is the last cycle this side knows of (the
 /// secondary's last applied one, the primary's last committed one).
 pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> control::Status {
+    // The cycle's own error, else why it is late (one look at the clock for both).
+    let (last_error, last_error_kind) = match (live.last_error.is_empty(), late(r)) {
+        (true, Some(why)) => (why, control::ErrorKind::Late),
+        _ => (live.last_error.clone(), live.last_error_kind),
+    };
     let now = now_ms();
     control::Status {
         spec: Some(control::Spec {
@@ -138,21 +140,14 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
                 .map(|t| t.version.clone())
                 .unwrap_or_default(),
         }),
-        role: runner::role_str(r.role).into(),
+        role: r.role.side().name().into(),
         state: state_of(r, live).name().into(),
         epoch: r.epoch,
         last_cycle: last.map(cycle_report),
         rpo_seconds: last.map_or(-1.0, |c| (now - c.point_in_time_ms) as f64 / 1000.0),
         consistency: last.map(|c| c.consistency.clone()).unwrap_or_default(),
-        // The cycle's own error, else why it is late.
-        last_error: match (live.last_error.is_empty(), late(r)) {
-            (true, Some(why)) => why,
-            _ => live.last_error.clone(),
-        },
-        last_error_kind: match (live.last_error.is_empty(), late(r)) {
-            (true, Some(_)) => control::ErrorKind::Late,
-            _ => live.last_error_kind,
-        } as i32,
+        last_error,
+        last_error_kind: last_error_kind as i32,
         missed_intervals: live.missed_intervals,
         cycles_ok: live.cycles_ok,
         cycles_failed: live.cycles_failed,

@@ -436,7 +436,7 @@ impl Runners {
             let label = format!(
                 "relationship=\"{}\",role=\"{}\"",
                 mover_engine::node::label_value(name),
-                role_str(r.role)
+                r.role.side().name()
             );
             let live = self.live(name);
             let l = live.lock().expect("live lock");
@@ -516,11 +516,6 @@ impl Runners {
         }
         out
     }
-}
-
-/// The role as status and metrics spell it.
-pub fn role_str(r: Role) -> &'static str {
-    r.side().name()
 }
 
 /// Whether `e` is the peer refusing this side's epoch as stale (another side promoted).

@@ -8,4 +8,4 @@ mod runner;
 mod when;
 
 pub use runner::{ApplyError, Schedules};
-pub use when::{MIN_INTERVAL, When};
+pub use when::When;

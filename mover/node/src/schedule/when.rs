@@ -2,6 +2,7 @@
 //! every day (UTC).
 
 use std::time::Duration;
+use transport::cluster::MIN_SNAPSHOT_INTERVAL;
 
 /// A schedule's times.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,9 +22,6 @@ pub enum When {
         minute: u32,
     },
 }
-
-/// The shortest interval: a snapshot is not a replication cycle.
-pub const MIN_INTERVAL: Duration = transport::cluster::MIN_SNAPSHOT_INTERVAL;
 
 impl When {
     /// Parses "30m" / "1h30m" (an interval), "hourly:MM" or "daily:HH:MM".
@@ -52,11 +50,11 @@ impl When {
         let every = mover_engine::node::parse_duration(s).map_err(|e| {
             format!("{s:?}: {e}; a schedule is an interval (30m, 1h), hourly:MM or daily:HH:MM")
         })?;
-        if every < MIN_INTERVAL {
+        if every < MIN_SNAPSHOT_INTERVAL {
             return Err(format!(
                 "{s:?} is shorter than {}s: for tighter recovery points replicate instead \
                  (`mover replicate`)",
-                MIN_INTERVAL.as_secs()
+                MIN_SNAPSHOT_INTERVAL.as_secs()
             ));
         }
         Ok(When::Every(every))

@@ -295,7 +295,10 @@ impl Controller for Plugin {
 
 /// A call for a capability the plugin does not declare.
 pub(super) fn unimplemented(call: &str) -> Status {
-    Status::unimplemented(format!("{call} is not served by {}", super::DRIVER))
+    Status::unimplemented(format!(
+        "{call} is not served by {}",
+        transport::cluster::CSI_DRIVER
+    ))
 }
 
 #[cfg(test)]

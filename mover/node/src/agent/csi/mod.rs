@@ -1,7 +1,7 @@
 //! mover's CSI plugin, served by the agent on every node (`csi_socket`): how a pod uses
 //! a volume the agent serves, one still arriving included.
 //!
-//! - Identity: the driver's name ([`DRIVER`]) and that it has a Controller side and
+//! - Identity: the driver's name ([`CSI_DRIVER`]) and that it has a Controller side and
 //!   topology (a volume lives on one node).
 //! - Controller (`controller`): empty volumes, as sparse image files in `csi_volumes`,
 //!   served as exports by their volume ids. Run with a csi-provisioner per node
@@ -25,13 +25,12 @@ use std::{
     sync::Arc,
 };
 use tonic::{Request, Response, Status};
+use transport::cluster::CSI_DRIVER;
 use transport::csi::{
     self as proto, controller_server::ControllerServer, identity_server::IdentityServer,
     node_server::NodeServer,
 };
 
-/// The driver's name (CSIDriver, StorageClass provisioner, PV `spec.csi.driver`).
-pub const DRIVER: &str = transport::cluster::CSI_DRIVER;
 /// The topology key: the node a volume lives on.
 pub const TOPOLOGY_NODE: &str = "topology.replication.mover/node";
 
@@ -77,7 +76,7 @@ pub async fn serve(
         _ => {}
     }
     let listener = tokio::net::UnixListener::bind(&path)?;
-    tracing::info!(socket = %path.display(), driver = DRIVER, "CSI plugin serving");
+    tracing::info!(socket = %path.display(), driver = CSI_DRIVER, "CSI plugin serving");
     let plugin = Arc::new(plugin);
     tonic::transport::Server::builder()
         .add_service(IdentityServer::new(Identity))
@@ -101,7 +100,7 @@ impl proto::identity_server::Identity for Identity {
         _: Request<proto::GetPluginInfoRequest>,
     ) -> Result<Response<proto::GetPluginInfoResponse>, Status> {
         Ok(Response::new(proto::GetPluginInfoResponse {
-            name: DRIVER.into(),
+            name: CSI_DRIVER.into(),
             vendor_version: env!("CARGO_PKG_VERSION").into(),
             manifest: Default::default(),
         }))
