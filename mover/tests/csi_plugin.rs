@@ -7,6 +7,9 @@
 //!   peer agent: its device and file system are usable at once, every byte read is the
 //!   source's, and an agent killed mid-fill gives errors, never a wrong byte.
 
+// Its tools (csi-sanity, grpcurl) come with the test cluster's build, as kube's tests' do.
+#![cfg(feature = "controller")]
+
 mod common;
 
 use common::{

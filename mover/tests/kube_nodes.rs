@@ -1449,17 +1449,42 @@ spec:
     // Deleting the VolumeReplication deletes its snapshots, clones and readers.
     east.c
         .kubectl_ok(&["delete", "vr", "-n", "app", "vol", "--wait=true"]);
+    // NAME DELETING per line, of `kind` in app.
+    let listed = |kind: &str| {
+        east.c.kubectl_ok(&[
+            "get",
+            kind,
+            "-n",
+            "app",
+            "-o",
+            "custom-columns=NAME:.metadata.name,DELETING:.metadata.deletionTimestamp",
+            "--no-headers",
+        ])
+    };
+    let kept = |kind: &str| {
+        listed(kind)
+            .lines()
+            .filter(|l| l.ends_with("<none>"))
+            .count()
+    };
+    // Mover's part: every one asked to go (the workload's pod and its PVC stay).
     east.c
         .wait("the snapshots, clones and readers deleted", WAIT, || {
-            let names = |kind: &str| {
-                east.c
-                    .kubectl_ok(&["get", kind, "-n", "app", "-o", "name"])
-                    .lines()
-                    .count()
-            };
-            // The workload's pod and its PVC stay.
-            names("volumesnapshots") == 0 && names("pods") == 1 && names("pvc") == 1
+            kept("volumesnapshots") == 0 && kept("pods") == 1 && kept("pvc") == 1
         });
+    // The CSI sidecars' part: gone for good. The external-provisioner removes its
+    // finalizer from a snapshot a clone was made of once, without a retry when that
+    // update conflicts, then in a sweep every 5 minutes (kubernetes-csi/
+    // external-provisioner#1507); a CI run once waited past 120 s here, most likely for it.
+    east.c.wait(
+        "the snapshots' deletions finished",
+        Duration::from_secs(360),
+        || {
+            listed("volumesnapshots").is_empty()
+                && listed("pods").lines().count() == 1
+                && listed("pvc").lines().count() == 1
+        },
+    );
 }
 
 /// The clusters' bridge address on the host (`cluster.sh`): the nodes' pods reach it.

@@ -9,7 +9,9 @@
 //!   pages that differ are written, holes kept as holes) and a volume's digest;
 //! - [`tree`], [`remote`]: file-tree copies, and copies to and from an agent;
 //! - [`snapshot`], [`endpoints`]: snapshots in a repository, and `mover copy` as one
-//!   call ([`copy_endpoints`]).
+//!   call ([`copy_endpoints`]);
+//! - [`outcome`]: what a failed job means (refused, damaged, failed part way), from the
+//!   errors of this crate and the repository's.
 //!
 //! What runs on its own on a node (the agent, replication, copy-on-demand, schedules)
 //! is `mover-node`; the Kubernetes controller is `mover-controller`
@@ -20,6 +22,7 @@ pub mod endpoints;
 pub mod error;
 pub mod hash;
 pub mod node;
+pub mod outcome;
 pub mod remote;
 pub mod snapshot;
 pub mod tree;
@@ -28,6 +31,7 @@ pub use copy::{CopyOptions, CopySummary, Progress, SharedProgress, copy_block};
 pub use endpoints::{Copied, EndpointError, copy_endpoints};
 pub use error::{CopyError, RemoteCode, Result};
 pub use hash::{HashSummary, hash_block};
+pub use outcome::{Outcome, outcome};
 pub use snapshot::{
     CreateOptions as SnapshotCreateOptions, INCOMPLETE_TAG, RepoOptions, RestoreOptions,
     RestoreSummary, create_snapshot, create_tree_snapshot, open_repository, restore_snapshot,

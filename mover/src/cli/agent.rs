@@ -184,3 +184,43 @@ async fn operator_cert(
     );
     Ok(())
 }
+
+/// `mover agent --help`: what the agent serves, to whom, and an example config.
+pub(crate) const AGENT_HELP: &str = "Run the per-node agent. It serves the volumes its config exports \
+        (and nothing else) to peers: `mover copy SRC agent://HOST:PORT/NAME` pushes into an \
+        export, `mover copy agent://HOST:PORT/NAME DST` pulls from one. Callers prove one of \
+        two roles, by a certificate from the agent's CA or a bearer token: control \
+        (token_file; the controller's certificate) registers exports and steers \
+        relationships, schedules and hydrations; replication (replication_token_file, \
+        what peer clusters present; this cluster's agents' certificates) only runs \
+        cycles, hydrations and pulls against the exports its relationship names. Writes \
+        carry a fencing epoch. /metrics and /healthz (which fails when the state directory \
+        is not writable, a cycle is wedged, the gRPC server does not answer or the \
+        certificate is near its end) are served on metrics_listen. Block exports are also served over NBD on a \
+        Unix socket (nbd_socket, default STATE_DIR/nbd.sock) for clients on this node, \
+        hydrating exports included (`mover hydrate`), and with [tls] on nbd_listen over \
+        TCP to clients holding a certificate from the CA (nbds://). Under Kubernetes the controller \
+        registers each replicated PersistentVolume as an export named after the PV, at the \
+        path the PV names, if that path lies under one of volume_roots, for one \
+        relationship, and serves it to that relationship only (kept across restarts in \
+        STATE_DIR/exports.json). Stops gracefully on SIGINT or SIGTERM.\n\n\
+        Example agent.toml:\n\n\
+        \x20 listen = \"0.0.0.0:7070\"\n\
+        \x20 metrics_listen = \"0.0.0.0:9470\"\n\
+        \x20 token_file = \"/etc/mover/token\"\n\
+        \x20 replication_token_file = \"/etc/mover/replication/token\"\n\
+        \x20 nbd_socket = \"/run/mover/nbd.sock\"\n\
+        \x20 volume_roots = [\"/var/lib/kubelet/plugins/kubernetes.io/csi\", \"/mnt/disks\"]\n\
+        \x20 [tls]\n\
+        \x20 cert = \"/etc/mover/agent.crt\"\n\
+        \x20 key = \"/etc/mover/agent.key\"\n\
+        \x20 ca = \"/etc/mover/ca.crt\"\n\
+        \x20 # or, under Kubernetes: from_kubernetes = true (a certificate for NODE_NAME\n\
+        \x20 # from the controller's CA through the CSR API, kept in STATE_DIR/tls)\n\
+        \x20 [exports.pvc-data]\n\
+        \x20 path = \"/dev/vg0/pvc-data\"\n\
+        \x20 [exports.golden]\n\
+        \x20 path = \"/srv/golden.img\"\n\
+        \x20 read_only = true\n\
+        \x20 [exports.www]\n\
+        \x20 path = \"/srv/www\"   # a directory: a file tree";

@@ -182,3 +182,43 @@ fn print_hash(s: &HashSummary, json: bool) -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// `mover copy --help`: what a copy does, what it refuses, examples.
+pub(crate) const COPY_HELP: &str = "Copy a block volume (a block device such as /dev/loop0 or an \
+        image file) or a file tree (a directory) onto another.\n\n\
+        Block volumes: if DST does not exist, a sparse image file is created (under a hidden \
+        temp name, renamed into place when complete). If DST already holds an older copy, it \
+        is read and compared, and only the 4 KiB pages that differ are written. Zero regions \
+        and holes of SRC stay holes in DST (punched, not written as zeros).\n\n\
+        File trees (SRC is a directory): DST becomes a copy of SRC's contents, like \
+        `rsync -aHAXS --numeric-ids SRC/ DST/`: regular files (holes kept), directories, \
+        symlinks, hard links, device nodes, FIFOs and sockets, with mode, numeric owner \
+        (as root), mtime (ns), xattrs and POSIX ACLs. A new DST is built under \
+        .DST.mover-partial and renamed into place when complete. Onto an existing DST, \
+        files with the same size and mtime are skipped (--checksum compares content), \
+        changed files are rebuilt under a temp name and renamed over the old (large ones \
+        from the chunks the old copy already holds, where that saves work: with an agent, \
+        or onto a filesystem with reflinks such as XFS or Btrfs), and entries SRC lacks are kept \
+        unless --delete. Entries that cannot be copied are listed; the exit status is then 1. \
+        With --replica (a DST only mover writes), each run keeps a record of DST and the \
+        next compares SRC with it, looking in DST only where SRC changed.\n\n\
+        Either side may be an agent's export (agent://HOST:PORT/NAME): a tree is pushed \
+        into an export that is a directory (or not made yet), and pulled from one. The \
+        side that writes walks both trees, so the rules above hold either way.\n\n\
+        An interrupted copy (Ctrl-C, kill -9, power loss) is finished by running the same \
+        command again: what is already equal is read, not rewritten.\n\n\
+        Refused, with nothing written: a missing SRC, a DST smaller than SRC (see --grow), \
+        SRC and DST being the same storage (or one tree inside the other), a DST block device \
+        that is mounted or in use (see --force), a tree onto a DST that is not a directory.\n\n\
+        Examples:\n  \
+        mover copy /dev/vg0/data /dev/sdb            # device to device\n  \
+        mover copy /dev/loop0 backup.img --verify    # device to a new sparse image\n  \
+        mover copy today.img yesterday.img --json    # delta onto an older copy\n  \
+        mover copy /srv/data /mnt/backup/data --delete  # tree, mirrored\n  \
+        mover copy --replica --delete /srv/data /mnt/replica/data  # rerun often\n  \
+        mover copy /srv/data agent://node-b:7070/data   # tree into node b's export";
+
+/// `mover hash --help`.
+pub(crate) const HASH_HELP: &str = "Hash a block volume the way mover sees it: fixed chunks, \
+        zeros and holes counted apart, a Merkle root over all chunks. Two volumes with \
+        the same root (at the same chunk size) hold the same bytes.";

@@ -606,3 +606,21 @@ fn print_status(s: &control::Status, json: bool) {
         println!("  last error: {}", s.last_error);
     }
 }
+
+/// `mover replicate --help`: relationships, failover and failback, examples.
+pub(crate) const REPLICATE_HELP: &str =
+    "Continuous replication of block volumes between agents. A relationship \
+lives on the agent of the primary's node, which runs a cycle every interval: a point in time \
+of the volume, the pages that changed, shipped and applied atomically on the secondary (it \
+always equals one completed cycle).
+
+Planned failover: `demote` on the primary (ships a final cycle), then `promote` on the \
+secondary. Forced failover: `promote --force` on the secondary; when the old primary returns \
+it is fenced, and `resync` there makes it the new secondary, brought up to date by delta.
+
+Examples:
+  mover replicate create pg --agent agent://node-a:7070 --volume pg \\
+      --secondary agent://node-b:7070/pg --interval 30s
+  mover replicate status pg --agent agent://node-a:7070 --watch 2
+  mover replicate demote pg --agent agent://node-a:7070
+  mover replicate promote pg --agent agent://node-b:7070";

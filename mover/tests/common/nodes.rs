@@ -207,6 +207,13 @@ impl RealCluster {
             )
         };
         let mut out = text(&["get", "pods", "-A", "-o", "wide"]);
+        // Claims and snapshots with what holds them (a finalizer, a deletion under way).
+        let held = "custom-columns=NAMESPACE:.metadata.namespace,NAME:.metadata.name,\
+                    PHASE:.status.phase,READY:.status.readyToUse,\
+                    DELETING:.metadata.deletionTimestamp,FINALIZERS:.metadata.finalizers";
+        for kind in ["pvc", "pv", "volumesnapshots", "volumesnapshotcontents"] {
+            out += &text(&["get", kind, "-A", "-o", held]);
+        }
         out += &text(&["get", "events", "-A", "--sort-by=.lastTimestamp"]);
         for sel in [
             "app.kubernetes.io/name=mover-agent",

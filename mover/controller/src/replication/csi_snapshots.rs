@@ -171,6 +171,19 @@ pub async fn remove_all(client: &kube::Client, ns: &str, name: &str) -> Result<(
     for s in snapshots(client, ns, name).await? {
         remove_snapshot(client, ns, &s.name_any()).await?;
     }
+    // Readers and clones whose snapshot is gone or going already (a deletion cut short
+    // before it reached them) carry the relationship's label too.
+    let mine = ListParams::default().labels(&format!("{LABEL}={}", name_hash(name)));
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let strays = pods.list(&mine).await.map_err(|e| e.to_string())?;
+    for pod in strays.items {
+        remove_pod(&pods, ns, &pod.name_any()).await?;
+    }
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let strays = pvcs.list(&mine).await.map_err(|e| e.to_string())?;
+    for pvc in strays.items {
+        remove_reader(client, ns, &pvc.name_any()).await?;
+    }
     Ok(())
 }
 
