@@ -27,6 +27,8 @@ const CRATES: &[(&str, &[&[&str]])] = &[
             &["tree", "remote"],
             // Snapshots, and the one call behind `mover copy`.
             &["snapshot", "endpoints"],
+            // What a failed job means, from the errors of all of the above.
+            &["outcome"],
         ],
     ),
     (

@@ -31,7 +31,7 @@ const MAX_NAME: usize = 4096;
 /// Longest xattr value (Linux allows 64 KiB).
 const MAX_XATTR_VALUE: usize = 1 << 16;
 
-/// The kinds of tree entries (the codes match mover's tree walk).
+/// The kinds of tree entries: of a snapshot's trees, and of the engine's tree copies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum NodeKind {
@@ -58,6 +58,39 @@ impl NodeKind {
         [File, Dir, Symlink, CharDevice, BlockDevice, Fifo, Socket]
             .get(c as usize)
             .copied()
+    }
+
+    /// Its code: in tree blobs, on the wire, in replica records.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// The kind of an `lstat`'s file type (anything else is taken as a file).
+    pub fn of(file_type: rustix::fs::FileType) -> NodeKind {
+        use rustix::fs::FileType;
+        match file_type {
+            FileType::Directory => NodeKind::Dir,
+            FileType::Symlink => NodeKind::Symlink,
+            FileType::CharacterDevice => NodeKind::CharDevice,
+            FileType::BlockDevice => NodeKind::BlockDevice,
+            FileType::Fifo => NodeKind::Fifo,
+            FileType::Socket => NodeKind::Socket,
+            _ => NodeKind::File,
+        }
+    }
+
+    /// The file type to give `mknodat` for it.
+    pub fn file_type(self) -> rustix::fs::FileType {
+        use rustix::fs::FileType;
+        match self {
+            NodeKind::CharDevice => FileType::CharacterDevice,
+            NodeKind::BlockDevice => FileType::BlockDevice,
+            NodeKind::Fifo => FileType::Fifo,
+            NodeKind::Socket => FileType::Socket,
+            NodeKind::Dir => FileType::Directory,
+            NodeKind::Symlink => FileType::Symlink,
+            NodeKind::File => FileType::RegularFile,
+        }
     }
 }
 

@@ -23,7 +23,7 @@ use super::create::{
 };
 use crate::tree::{
     content::next_data,
-    meta::{Kind, Meta},
+    meta::Meta,
     source::{Listed, LocalDir, LocalSource, TreeSource},
 };
 use chunker::{CdcChunker, CdcParams, ChunkId};
@@ -394,8 +394,7 @@ impl<'a> Walk<'a> {
         let m = &l.meta;
         let mut n = node_of(l);
         // Recorded ctimes of (0, 0) never match: they mark what must be read again.
-        let same_inode =
-            old.filter(|o| o.kind as u32 == m.kind.code() && o.ino == m.ino && o.ctime == m.ctime);
+        let same_inode = old.filter(|o| o.kind == m.kind && o.ino == m.ino && o.ctime == m.ctime);
         let gone = |e: &io::Error| e.kind() == io::ErrorKind::NotFound;
         if let Some(o) = same_inode.filter(|_| self.reuse_xattrs) {
             n.xattrs = o.xattrs.clone();
@@ -415,7 +414,7 @@ impl<'a> Walk<'a> {
             }
         }
         match m.kind {
-            Kind::Dir => {
+            NodeKind::Dir => {
                 self.counts.dirs.fetch_add(1, Relaxed);
                 let sub = match self.source.open_dir(dir, &l.name) {
                     Ok(d) => d,
@@ -427,7 +426,7 @@ impl<'a> Walk<'a> {
                 };
                 n.subtree = Some(self.dir_blob(&sub, &path, old)?);
             }
-            Kind::File => {
+            NodeKind::File => {
                 let unchanged = same_inode.filter(|o| {
                     o.size == m.size
                         && o.mtime == m.mtime
@@ -509,7 +508,7 @@ impl<'a> Walk<'a> {
         }
         let f = self.source.open_file(dir, &l.name)?;
         let read = self.source.stat(&f)?;
-        if read.kind != Kind::File {
+        if read.kind != NodeKind::File {
             // Replaced by something else since the listing: the next snapshot sees it.
             return Err(io::Error::from(io::ErrorKind::NotFound));
         }
@@ -640,7 +639,7 @@ impl Read for ReadAt<'_> {
 /// A tree node with the listed metadata (content, xattrs and subtree to be filled).
 fn node_of(l: &Listed) -> TreeNode {
     let m = &l.meta;
-    let kind = NodeKind::from_code(m.kind.code() as u8).expect("the same kind codes");
+    let kind = m.kind;
     let mut n = TreeNode::new(l.name.as_bytes().to_vec(), kind);
     n.mode = m.mode;
     n.uid = m.uid;
@@ -650,7 +649,7 @@ fn node_of(l: &Listed) -> TreeNode {
     n.dev = m.dev;
     n.ino = m.ino;
     n.nlink = m.nlink;
-    n.size = if m.kind == Kind::File { m.size } else { 0 };
+    n.size = if m.kind == NodeKind::File { m.size } else { 0 };
     n.rdev = m.rdev;
     n.link = l.link.clone();
     n.xattrs = l

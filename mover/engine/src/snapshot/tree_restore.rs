@@ -11,7 +11,7 @@
 use crate::tree::{
     TreeOptions, TreeSummary,
     content::{Reuse, Written},
-    meta::{Kind, Meta, Xattrs},
+    meta::{Meta, Xattrs},
     source::{Listed, TreeSource},
 };
 use chunker::{
@@ -323,7 +323,7 @@ fn meta_of(n: &TreeNode) -> Meta {
         })
         .sum();
     Meta {
-        kind: Kind::from_code(n.kind as u32).expect("the same kind codes"),
+        kind: n.kind,
         mode: n.mode,
         uid: n.uid,
         gid: n.gid,

@@ -12,72 +12,14 @@ use std::{
     path::{Path, PathBuf},
 };
 
-/// The kinds of entries a tree holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub(crate) enum Kind {
-    File,
-    Dir,
-    Symlink,
-    CharDevice,
-    BlockDevice,
-    Fifo,
-    Socket,
-}
-
-impl Kind {
-    fn of(file_type: FileType) -> Kind {
-        match file_type {
-            FileType::Directory => Kind::Dir,
-            FileType::Symlink => Kind::Symlink,
-            FileType::CharacterDevice => Kind::CharDevice,
-            FileType::BlockDevice => Kind::BlockDevice,
-            FileType::Fifo => Kind::Fifo,
-            FileType::Socket => Kind::Socket,
-            _ => Kind::File,
-        }
-    }
-
-    /// Its number on the wire and in replica records.
-    pub(crate) fn code(self) -> u32 {
-        Kind::ALL
-            .iter()
-            .position(|k| *k == self)
-            .expect("every kind") as u32
-    }
-
-    pub(crate) fn from_code(code: u32) -> Option<Kind> {
-        Kind::ALL.get(code as usize).copied()
-    }
-
-    const ALL: [Kind; 7] = [
-        Kind::File,
-        Kind::Dir,
-        Kind::Symlink,
-        Kind::CharDevice,
-        Kind::BlockDevice,
-        Kind::Fifo,
-        Kind::Socket,
-    ];
-
-    /// The file type to give `mknodat` for a special file.
-    pub(crate) fn file_type(self) -> FileType {
-        match self {
-            Kind::CharDevice => FileType::CharacterDevice,
-            Kind::BlockDevice => FileType::BlockDevice,
-            Kind::Fifo => FileType::Fifo,
-            Kind::Socket => FileType::Socket,
-            Kind::Dir => FileType::Directory,
-            Kind::Symlink => FileType::Symlink,
-            Kind::File => FileType::RegularFile,
-        }
-    }
-}
+/// The kinds of entries a tree holds: the repository's, so a snapshot records them as
+/// they are.
+pub(crate) use snapshots::NodeKind;
 
 /// One entry's `lstat`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Meta {
-    pub kind: Kind,
+    pub kind: NodeKind,
     /// Permission bits with set-uid, set-gid and sticky (07777).
     pub mode: u32,
     pub uid: u32,
@@ -96,7 +38,7 @@ pub(crate) struct Meta {
 impl Meta {
     pub(crate) fn from_stat(st: &fs::Stat) -> Meta {
         Meta {
-            kind: Kind::of(FileType::from_raw_mode(st.st_mode)),
+            kind: NodeKind::of(FileType::from_raw_mode(st.st_mode)),
             mode: st.st_mode & 0o7777,
             uid: st.st_uid,
             gid: st.st_gid,
@@ -333,7 +275,7 @@ pub(crate) fn apply(
         }
     }
     // After chown (clears set-uid) or an ACL change (sets the group bits), mode is redone.
-    if src.kind != Kind::Symlink && (changed || have.is_none_or(|(m, _)| m.mode != src.mode)) {
+    if src.kind != NodeKind::Symlink && (changed || have.is_none_or(|(m, _)| m.mode != src.mode)) {
         fs::chmodat(dir, name, Mode::from_raw_mode(src.mode), AtFlags::empty())?;
         changed = true;
     }

@@ -38,7 +38,7 @@
 //! rows, the destination's device, the BLAKE3 of header, table and trailer, magic).
 //! Memory: the table (64 bytes a directory) and the directories in progress.
 
-use super::meta::{Entries, Kind, Meta};
+use super::meta::{Entries, Meta, NodeKind};
 use std::{
     collections::HashMap,
     ffi::{OsStr, OsString},
@@ -175,7 +175,7 @@ fn encode_entry(name: &OsStr, m: &Meta, out: &mut Vec<u8>) {
     let name = name.as_encoded_bytes();
     out.extend_from_slice(&(name.len() as u16).to_le_bytes());
     out.extend_from_slice(name);
-    out.push(m.kind.code() as u8);
+    out.push(m.kind.code());
     for w in [m.ino, m.size, m.rdev, m.nlink] {
         out.extend_from_slice(&w.to_le_bytes());
     }
@@ -198,7 +198,7 @@ fn decode_entries(mut b: &[u8]) -> Option<Entries> {
         }
         let mut r = Reader(&b[2..ENTRY_LEN + name_len]);
         let name = OsString::from_vec(r.bytes(name_len).to_vec());
-        let kind = Kind::from_code(u32::from(r.bytes(1)[0]))?;
+        let kind = NodeKind::from_code(r.bytes(1)[0])?;
         let (ino, size, rdev, nlink) = (r.u64(), r.u64(), r.u64(), r.u64());
         let (mtime, ctime) = ((r.i64(), r.u32()), (r.i64(), r.u32()));
         let (mode, uid, gid) = (r.u32(), r.u32(), r.u32());
@@ -230,7 +230,7 @@ fn decode_entries(mut b: &[u8]) -> Option<Entries> {
 /// record says was made equal to it) needs no look. Directories are always walked, and
 /// a multiply-linked file is always looked at.
 pub(crate) fn unchanged(recorded: &Meta, now: &Meta) -> bool {
-    now.kind != Kind::Dir
+    now.kind != NodeKind::Dir
         && now.nlink == 1
         && recorded.kind == now.kind
         && recorded.ino == now.ino

@@ -5,7 +5,7 @@
 
 use super::{
     content::{self, Written},
-    meta::{self, Kind, Meta, Xattrs, list, open_file},
+    meta::{self, Meta, NodeKind, Xattrs, list, open_file},
 };
 use std::{
     ffi::OsStr,
@@ -256,7 +256,7 @@ pub(crate) fn list_entries(
 ) -> io::Result<Vec<Listed>> {
     let mut out = Vec::new();
     for (name, meta) in list(dir)? {
-        let link = if meta.kind == Kind::Symlink {
+        let link = if meta.kind == NodeKind::Symlink {
             match rustix::fs::readlinkat(dir, &name, Vec::new()) {
                 Ok(t) => t.into_bytes(),
                 Err(rustix::io::Errno::NOENT) => continue,

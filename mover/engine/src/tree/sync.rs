@@ -7,7 +7,7 @@
 
 use super::{
     content::{PATCH_MIN, Written},
-    meta::{self, Entries, Kind, Meta, Preserve, Xattrs, list, open_file},
+    meta::{self, Entries, Meta, NodeKind, Preserve, Xattrs, list, open_file},
     record::{self, Record, RecordWriter},
     source::{Listed, TreeSource},
 };
@@ -286,7 +286,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         let known = |i: usize| as_known(joined.have[i]);
         // Positions, in the listing's (inode) order: reads follow the disk's layout.
         let (dirs, others): (Vec<usize>, Vec<usize>) =
-            (0..src.len()).partition(|&i| src[i].meta.kind == Kind::Dir);
+            (0..src.len()).partition(|&i| src[i].meta.kind == NodeKind::Dir);
         // Large files get a task each, so two of them never wait for each other.
         let (large, small): (Vec<usize>, Vec<usize>) = others
             .into_iter()
@@ -359,11 +359,11 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
     fn count_recorded(&self, m: &Meta) {
         let s = &self.stats;
         match m.kind {
-            Kind::File => {
+            NodeKind::File => {
                 s.files.fetch_add(1, Relaxed);
                 s.source_bytes.fetch_add(m.size, Relaxed);
             }
-            Kind::Symlink => _ = s.symlinks.fetch_add(1, Relaxed),
+            NodeKind::Symlink => _ = s.symlinks.fetch_add(1, Relaxed),
             _ => _ = s.specials.fetch_add(1, Relaxed),
         }
         s.unchanged.fetch_add(1, Relaxed);
@@ -401,12 +401,11 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             .filter(|&&(i, known)| {
                 // Files that may be unchanged are not fetched.
                 let m = &src[i].meta;
-                m.kind == Kind::File
+                m.kind == NodeKind::File
                     && m.size < PATCH_MIN
                     && !match known {
-                        Known::Listed(have) => {
-                            have.is_some_and(|h| h.kind == Kind::File && h.same_size_and_mtime(m))
-                        }
+                        Known::Listed(have) => have
+                            .is_some_and(|h| h.kind == NodeKind::File && h.same_size_and_mtime(m)),
                         Known::Recorded(recorded) => {
                             recorded.is_some_and(|r| record::unchanged(r, m))
                         }
@@ -432,7 +431,7 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             ),
         };
         let name = entry.name.as_os_str();
-        let have = self.clear_for(pair, name, have, Kind::Dir)?;
+        let have = self.clear_for(pair, name, have, NodeKind::Dir)?;
         if have.is_none() {
             fs::mkdirat(pair.dst.as_fd(), name, Mode::from_raw_mode(0o700))?;
         }
@@ -461,21 +460,21 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
         pair: &DirPair<S::Dir>,
         name: &OsStr,
         have: Option<Meta>,
-        kind: Kind,
+        kind: NodeKind,
     ) -> io::Result<Option<Meta>> {
         match have {
-            Some(h) if h.kind != kind && h.kind == Kind::Dir => {
+            Some(h) if h.kind != kind && h.kind == NodeKind::Dir => {
                 if !(self.rules.delete || self.rules.hidden) {
                     return Err(io::Error::other(format!(
                         "the destination has a directory where the source has a {kind:?}; \
                          rerun with --delete to replace it"
                     )));
                 }
-                let n = remove_entry(pair.dst.as_fd(), name, Kind::Dir)?;
+                let n = remove_entry(pair.dst.as_fd(), name, NodeKind::Dir)?;
                 self.stats.deleted.fetch_add(n, Relaxed);
                 Ok(None)
             }
-            Some(h) if h.kind != kind && kind == Kind::Dir => {
+            Some(h) if h.kind != kind && kind == NodeKind::Dir => {
                 fs::unlinkat(pair.dst.as_fd(), name, AtFlags::empty())?;
                 self.stats.deleted.fetch_add(1, Relaxed);
                 Ok(None)
@@ -498,8 +497,8 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             occupied: there.is_some(),
         };
         match kind {
-            Kind::File => self.sync_file(pair, entry, slot),
-            Kind::Symlink => self.sync_symlink(pair, entry, slot),
+            NodeKind::File => self.sync_file(pair, entry, slot),
+            NodeKind::Symlink => self.sync_symlink(pair, entry, slot),
             _ => self.sync_special(pair, entry, slot),
         }
     }
@@ -767,14 +766,14 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
             return Ok(());
         }
         let have = match have {
-            Some(h) if h.kind == Kind::Dir => {
+            Some(h) if h.kind == NodeKind::Dir => {
                 if !(self.rules.delete || self.rules.hidden) {
                     return Err(io::Error::other(
                         "the destination has a directory where the source has a hard link; \
                          rerun with --delete to replace it",
                     ));
                 }
-                let n = remove_entry(dir.as_fd(), name, Kind::Dir)?;
+                let n = remove_entry(dir.as_fd(), name, NodeKind::Dir)?;
                 self.stats.deleted.fetch_add(n, Relaxed);
                 None
             }
@@ -801,9 +800,9 @@ impl<'a, S: TreeSource> Syncer<'a, S> {
 }
 
 /// Removes an entry, a directory with everything in it; returns how many entries went.
-pub(crate) fn remove_entry(dir: BorrowedFd<'_>, name: &OsStr, kind: Kind) -> io::Result<u64> {
+pub(crate) fn remove_entry(dir: BorrowedFd<'_>, name: &OsStr, kind: NodeKind) -> io::Result<u64> {
     let mut removed = 1;
-    if kind == Kind::Dir {
+    if kind == NodeKind::Dir {
         let fd = meta::open_dir_at(dir, name)?;
         for (name, meta) in list(fd.as_fd())? {
             removed += remove_entry(fd.as_fd(), &name, meta.kind)?;
@@ -834,7 +833,7 @@ mod tests {
 
     fn meta(ino: u64) -> Meta {
         Meta {
-            kind: Kind::File,
+            kind: NodeKind::File,
             mode: 0o644,
             uid: 0,
             gid: 0,

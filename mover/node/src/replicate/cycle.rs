@@ -238,12 +238,29 @@ fn next_cycle(
     }
 }
 
-/// What the primary records of `cycle` once the secondary committed it: when it began
-/// (`started_ms`, `t0`), what it read and shipped, its root and the CSI snapshot it read.
+/// When a cycle began: the wall clock for its record, a steady clock for its duration.
+#[derive(Clone, Copy)]
+struct Began {
+    ms: i64,
+    at: Instant,
+}
+
+/// A cycle begins: where `record`'s secondary is now (a peer cluster's Locator may have
+/// moved it), and when.
+async fn begin(record: &Record, remote: &RemoteOptions) -> Result<(AgentUrl, Began), CopyError> {
+    let peer = mover_engine::remote::locate(&record.spec.peer, &record.spec.name, remote).await?;
+    let began = Began {
+        ms: now_ms(),
+        at: Instant::now(),
+    };
+    Ok((peer, began))
+}
+
+/// What the primary records of `cycle` once the secondary committed it: when it
+/// `began`, what it read and shipped, its root and the CSI snapshot it read.
 fn shipped(
     cycle: &proto::Cycle,
-    started_ms: i64,
-    t0: Instant,
+    began: Began,
     (bytes_read, bytes_shipped): (u64, u64),
     root: String,
     snapshot: String,
@@ -251,8 +268,8 @@ fn shipped(
     CycleRecord {
         id: cycle.id,
         point_in_time_ms: cycle.point_in_time_ms,
-        started_ms,
-        duration_ms: t0.elapsed().as_millis() as u64,
+        started_ms: began.ms,
+        duration_ms: began.at.elapsed().as_millis() as u64,
         bytes_read,
         bytes_shipped,
         root,
@@ -315,7 +332,7 @@ fn no_point_in_time(source: &Path, what: &str) -> CopyError {
 async fn run_tree(
     record: &Record,
     source: &Path,
-    peer: &AgentUrl,
+    (peer, began): (&AgentUrl, Began),
     remote: &RemoteOptions,
     last: bool,
 ) -> Result<CycleRecord, CopyError> {
@@ -326,9 +343,7 @@ async fn run_tree(
             "a file tree is read file by file, each file as it was when read",
         ));
     }
-    let started_ms = now_ms();
-    let t0 = Instant::now();
-    let cycle = next_cycle(record, peer, started_ms, FILE_CONSISTENT, last);
+    let cycle = next_cycle(record, peer, began.ms, FILE_CONSISTENT, last);
     let mut remote = remote.clone();
     remote.relationship = Some(spec.name.clone());
     remote.epoch = record.epoch;
@@ -343,8 +358,7 @@ async fn run_tree(
     }
     Ok(shipped(
         &cycle,
-        started_ms,
-        t0,
+        began,
         (sent, sent),
         String::new(),
         String::new(),
@@ -415,9 +429,7 @@ pub async fn run_from_snapshot(
     progress: &dyn Progress,
 ) -> Result<CycleRecord, CopyError> {
     let spec = &record.spec;
-    let peer = mover_engine::remote::locate(&spec.peer, &spec.name, remote).await?;
-    let started_ms = now_ms();
-    let t0 = Instant::now();
+    let (peer, began) = begin(record, remote).await?;
     let chunk = ChunkSize::new(spec.chunk_size).map_err(CopyError::from)?;
     let size = chunker::BlockVolume::open(&from.path)
         .map_err(CopyError::from)?
@@ -468,8 +480,7 @@ pub async fn run_from_snapshot(
     }
     Ok(shipped(
         &cycle,
-        started_ms,
-        t0,
+        began,
         (sum.source_bytes_read, sum.wire_bytes),
         root,
         from.snapshot.clone(),
@@ -486,12 +497,9 @@ pub async fn run(
     progress: &dyn Progress,
 ) -> Result<CycleRecord, CopyError> {
     let spec = &record.spec;
-    // A peer cluster's Locator says where the secondary is now (it may have moved).
-    let peer = mover_engine::remote::locate(&spec.peer, &spec.name, remote).await?;
-    let started_ms = now_ms();
-    let t0 = Instant::now();
+    let (peer, began) = begin(record, remote).await?;
     if source.is_dir() {
-        return run_tree(record, source, &peer, remote, last).await;
+        return run_tree(record, source, (&peer, began), remote, last).await;
     }
     let source_path = source;
     let source = source.to_path_buf();
@@ -575,8 +583,7 @@ pub async fn run(
     }
     Ok(shipped(
         &cycle,
-        started_ms,
-        t0,
+        began,
         (sum.source_bytes_read, sum.wire_bytes),
         sum.root.unwrap_or_default(),
         String::new(),

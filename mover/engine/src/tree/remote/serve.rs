@@ -3,7 +3,7 @@
 use super::wire::{RANGE, entry_of, error_answer, source_error};
 use crate::tree::{
     content,
-    meta::{self, Kind, Meta, Xattrs},
+    meta::{self, Meta, NodeKind, Xattrs},
     source::list_entries,
 };
 use rustix::fs::{Mode, OFlags, ResolveFlags};
@@ -184,7 +184,7 @@ impl Served {
     fn read(&self, r: &proto::FileRange) -> io::Result<proto::FileData> {
         let file: File = self.open_rel(&r.path, false)?.into();
         let before = Meta::of_fd(file.as_fd())?;
-        if before.kind != Kind::File {
+        if before.kind != NodeKind::File {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "not a regular file",

@@ -3,7 +3,7 @@
 
 use crate::tree::{
     TreeOptions,
-    meta::{Kind, Meta, Xattrs},
+    meta::{Meta, NodeKind, Xattrs},
     source::Listed,
 };
 use std::{
@@ -59,7 +59,7 @@ pub fn options_of(open: &proto::TreeOpen) -> TreeOptions {
 pub(super) fn entry_of(name: &[u8], m: &Meta, link: &[u8], xattrs: &Xattrs) -> proto::Entry {
     proto::Entry {
         name: Bytes::copy_from_slice(name),
-        kind: m.kind.code(),
+        kind: u32::from(m.kind.code()),
         mode: m.mode,
         uid: m.uid,
         gid: m.gid,
@@ -86,7 +86,9 @@ pub(super) fn entry_of(name: &[u8], m: &Meta, link: &[u8], xattrs: &Xattrs) -> p
 
 pub(super) fn meta_of(e: &proto::Entry) -> io::Result<Meta> {
     Ok(Meta {
-        kind: Kind::from_code(e.kind)
+        kind: u8::try_from(e.kind)
+            .ok()
+            .and_then(NodeKind::from_code)
             .ok_or_else(|| bad_answer(format!("unknown entry kind {}", e.kind)))?,
         mode: e.mode & 0o7777,
         uid: e.uid,
