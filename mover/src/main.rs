@@ -90,7 +90,7 @@ fn main() -> ExitCode {
 
 /// Exit codes from the engine's one classification of errors.
 fn exit_code(err: &anyhow::Error) -> u8 {
-    match mover::outcome(&**err) {
+    match mover::outcome_of(&**err) {
         Outcome::Refused => EXIT_REFUSED,
         Outcome::Damaged => EXIT_VERIFY_FAILED,
         Outcome::Failed => EXIT_FAILED,

@@ -31,7 +31,7 @@ pub use copy::{CopyOptions, CopySummary, Progress, SharedProgress, copy_block};
 pub use endpoints::{Copied, EndpointError, copy_endpoints};
 pub use error::{CopyError, RemoteCode, Result};
 pub use hash::{HashSummary, hash_block};
-pub use outcome::{Outcome, outcome};
+pub use outcome::{Outcome, outcome_of};
 pub use snapshot::{
     CreateOptions as SnapshotCreateOptions, INCOMPLETE_TAG, RepoOptions, RestoreOptions,
     RestoreSummary, create_snapshot, create_tree_snapshot, open_repository, restore_snapshot,

@@ -19,7 +19,7 @@ pub enum Outcome {
 
 /// The outcome of `err`, looking through its causes: the first cause mover knows that
 /// is a refusal or damage decides; anything else failed part way.
-pub fn outcome(err: &(dyn Error + 'static)) -> Outcome {
+pub fn outcome_of(err: &(dyn Error + 'static)) -> Outcome {
     let mut cause = Some(err);
     while let Some(e) = cause {
         if let Some(decided) = decisive(e) {
@@ -72,13 +72,13 @@ mod tests {
             path: "/dev/nothing".into(),
             why: "no such device".into(),
         };
-        assert_eq!(outcome(&refused), Outcome::Refused);
+        assert_eq!(outcome_of(&refused), Outcome::Refused);
         let wrapped = EndpointError::Copy(CopyError::VerifyFailed {
             src: "/dev/loop0".into(),
             dst: "/dev/loop1".into(),
             offset: 4096,
         });
-        assert_eq!(outcome(&wrapped), Outcome::Damaged);
+        assert_eq!(outcome_of(&wrapped), Outcome::Damaged);
         // Behind context, as the binary sees it.
         let corrupt = anyhow::Error::new(RepoError::Corrupt {
             key: "data/00/00ab".into(),
@@ -86,8 +86,8 @@ mod tests {
             what: "bad tag".into(),
         })
         .context("snapshot create");
-        assert_eq!(outcome(&*corrupt), Outcome::Damaged);
+        assert_eq!(outcome_of(&*corrupt), Outcome::Damaged);
         let io = anyhow::Error::new(std::io::Error::other("disk gone")).context("copy");
-        assert_eq!(outcome(&*io), Outcome::Failed);
+        assert_eq!(outcome_of(&*io), Outcome::Failed);
     }
 }
