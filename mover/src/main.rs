@@ -33,25 +33,16 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Copy a block volume or a file tree onto another, writing only what differs.
-    #[command(
-        long_about = cli::copy::COPY_HELP
-    )]
+    #[command(long_about = cli::copy::COPY_HELP)]
     Copy(cli::copy::CopyArgs),
     /// Run the per-node agent: serve exported volumes to peers over gRPC.
-    #[command(
-        long_about = cli::agent::AGENT_HELP
-    )]
+    #[command(long_about = cli::agent::AGENT_HELP)]
     Agent(cli::agent::AgentArgs),
     /// Print a block volume's chunk digest (Merkle root over keyed BLAKE3 chunk ids).
-    #[command(
-        long_about = cli::copy::HASH_HELP
-    )]
+    #[command(long_about = cli::copy::HASH_HELP)]
     Hash(cli::copy::HashArgs),
     /// Continuous replication: relationships on agents, failover and failback.
-    #[command(
-        subcommand,
-        long_about = cli::replicate::REPLICATE_HELP
-    )]
+    #[command(subcommand, long_about = cli::replicate::REPLICATE_HELP)]
     Replicate(cli::replicate::ReplicateCommand),
     /// Copy-on-demand: an export served over NBD at once while its data arrives.
     #[command(subcommand)]

@@ -639,8 +639,7 @@ impl Read for ReadAt<'_> {
 /// A tree node with the listed metadata (content, xattrs and subtree to be filled).
 fn node_of(l: &Listed) -> TreeNode {
     let m = &l.meta;
-    let kind = m.kind;
-    let mut n = TreeNode::new(l.name.as_bytes().to_vec(), kind);
+    let mut n = TreeNode::new(l.name.as_bytes().to_vec(), m.kind);
     n.mode = m.mode;
     n.uid = m.uid;
     n.gid = m.gid;
