@@ -101,10 +101,23 @@ async fn content_of(
     Ok(handle.map(|h| (h, at)))
 }
 
+/// Lists what carries relationship `name`'s label: its snapshots, clones and readers.
+fn labelled(name: &str) -> ListParams {
+    ListParams::default().labels(&format!("{LABEL}={}", name_hash(name)))
+}
+
 /// Deletes `name`'s clone PVC and reader pod (absent is fine).
 async fn remove_reader(client: &kube::Client, ns: &str, name: &str) -> Result<(), String> {
     remove_pod(&Api::namespaced(client.clone(), ns), ns, name).await?;
-    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    remove_clone(&Api::namespaced(client.clone(), ns), ns, name).await
+}
+
+/// Deletes the clone PVC `name` (absent is fine).
+async fn remove_clone(
+    pvcs: &Api<PersistentVolumeClaim>,
+    ns: &str,
+    name: &str,
+) -> Result<(), String> {
     match pvcs.delete(name, &DeleteParams::default()).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
@@ -156,6 +169,11 @@ fn ended(pod: &Pod) -> Option<String> {
 /// Deletes the snapshot `name` with its clone and reader.
 async fn remove_snapshot(client: &kube::Client, ns: &str, name: &str) -> Result<(), String> {
     remove_reader(client, ns, name).await?;
+    delete_snapshot(client, ns, name).await
+}
+
+/// Deletes the VolumeSnapshot `name` alone (absent is fine).
+async fn delete_snapshot(client: &kube::Client, ns: &str, name: &str) -> Result<(), String> {
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), ns, &resource("VolumeSnapshot"));
     match api.delete(name, &DeleteParams::default()).await {
@@ -168,21 +186,27 @@ async fn remove_snapshot(client: &kube::Client, ns: &str, name: &str) -> Result<
 /// Deletes every snapshot, clone and reader of relationship `name` in `ns` (the
 /// VolumeReplication is deleted).
 pub async fn remove_all(client: &kube::Client, ns: &str, name: &str) -> Result<(), String> {
-    for s in snapshots(client, ns, name).await? {
-        remove_snapshot(client, ns, &s.name_any()).await?;
-    }
-    // Readers and clones whose snapshot is gone or going already (a deletion cut short
-    // before it reached them) carry the relationship's label too.
-    let mine = ListParams::default().labels(&format!("{LABEL}={}", name_hash(name)));
+    // By label, each after what reads it: the readers, then the clones (those of a
+    // snapshot already going too, a deletion cut short before it reached them), then
+    // the snapshots.
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let strays = pods.list(&mine).await.map_err(|e| e.to_string())?;
-    for pod in strays.items {
+    let readers = pods
+        .list(&labelled(name))
+        .await
+        .map_err(|e| format!("cannot list the reader pods in {ns}: {e}"))?;
+    for pod in readers.items {
         remove_pod(&pods, ns, &pod.name_any()).await?;
     }
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
-    let strays = pvcs.list(&mine).await.map_err(|e| e.to_string())?;
-    for pvc in strays.items {
-        remove_reader(client, ns, &pvc.name_any()).await?;
+    let clones = pvcs
+        .list(&labelled(name))
+        .await
+        .map_err(|e| format!("cannot list the clone PVCs in {ns}: {e}"))?;
+    for pvc in clones.items {
+        remove_clone(&pvcs, ns, &pvc.name_any()).await?;
+    }
+    for s in snapshots(client, ns, name).await? {
+        delete_snapshot(client, ns, &s.name_any()).await?;
     }
     Ok(())
 }
@@ -196,7 +220,7 @@ async fn snapshots(
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), ns, &resource("VolumeSnapshot"));
     let mut list = api
-        .list(&ListParams::default().labels(&format!("{LABEL}={}", name_hash(name))))
+        .list(&labelled(name))
         .await
         .map_err(|e| {
             format!(

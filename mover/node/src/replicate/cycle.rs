@@ -332,7 +332,8 @@ fn no_point_in_time(source: &Path, what: &str) -> CopyError {
 async fn run_tree(
     record: &Record,
     source: &Path,
-    (peer, began): (&AgentUrl, Began),
+    peer: &AgentUrl,
+    began: Began,
     remote: &RemoteOptions,
     last: bool,
 ) -> Result<CycleRecord, CopyError> {
@@ -499,7 +500,7 @@ pub async fn run(
     let spec = &record.spec;
     let (peer, began) = begin(record, remote).await?;
     if source.is_dir() {
-        return run_tree(record, source, (&peer, began), remote, last).await;
+        return run_tree(record, source, &peer, began, remote, last).await;
     }
     let source_path = source;
     let source = source.to_path_buf();
