@@ -346,6 +346,76 @@ fn a_block_volume_whose_agent_is_killed_mid_fill_gives_errors_then_the_source_by
 }
 
 #[test]
+fn a_block_volume_keeps_what_arrived_across_a_cancelled_fill_and_fetches_again_after() {
+    let Some(bin) = tools() else { return };
+    // Data everywhere: every region is fetched (none is a hole of the source).
+    let h = Hydrating::with_source(|_, img| {
+        common::make_image(img, VOLUME, 57, &[(0, VOLUME)]);
+        BTreeMap::new()
+    });
+    h.start(Some("1M"));
+    let kubelet = h.kubelet(
+        &bin,
+        serde_json::json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
+    );
+    kubelet.stage_and_publish();
+    let first = direct_read(&kubelet.target, 0);
+    assert!(first.status.success(), "{first:?}");
+    assert_eq!(first.stdout, read_at(&h.src_img, 0, MIB));
+    hydrate(&["cancel", "dst", "--agent", &h.control()]);
+    let cancelled = h.progress();
+    assert_eq!(cancelled["phase"], "Cancelled", "{cancelled}");
+    // What arrived stays the pod's: read again past every cache, and written over.
+    let again = direct_read(&kubelet.target, 0);
+    assert!(
+        again.status.success(),
+        "a region that had arrived failed after the cancel: {}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert_eq!(again.stdout, read_at(&h.src_img, 0, MIB));
+    let pod_bytes = vec![0x5a_u8; MIB as usize];
+    direct_write(&kubelet.target, 0, &pod_bytes);
+    // A region that has not arrived is an error while cancelled, never zeros.
+    let missing = direct_read(&kubelet.target, 200 * MIB);
+    assert!(
+        !missing.status.success(),
+        "a region that had not arrived read while the fill was cancelled"
+    );
+    let refused = h.progress()["foreground_failures"].as_u64().unwrap();
+    assert!(
+        refused > cancelled["foreground_failures"].as_u64().unwrap(),
+        "the refused read is not counted: {}",
+        h.progress()
+    );
+    // Started again, the fill resumes from the bitmap and the same device fetches what
+    // it lacks; the pod's write made while cancelled is not fetched over.
+    h.start(None);
+    let fetched = direct_read(&kubelet.target, 200 * MIB);
+    assert!(
+        fetched.status.success(),
+        "the device did not fetch again after the fill resumed: {}",
+        String::from_utf8_lossy(&fetched.stderr)
+    );
+    assert_eq!(fetched.stdout, read_at(&h.src_img, 200 * MIB, MIB));
+    hydrate(&["wait", "dst", "--agent", &h.control()]);
+    let mut want = std::fs::read(&h.src_img).unwrap();
+    want[..MIB as usize].copy_from_slice(&pod_bytes);
+    assert_eq!(
+        blake3_of(&kubelet.target, VOLUME),
+        blake3::hash(&want).to_hex().to_string(),
+        "the device is not the source plus the pod's write"
+    );
+    assert_eq!(
+        blake3_of(&h.dst_img, VOLUME),
+        blake3::hash(&want).to_hex().to_string(),
+        "the local image is not the source plus the pod's write"
+    );
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    ok(unpublished, "NodeUnpublishVolume");
+    ok(unstaged, "NodeUnstageVolume");
+}
+
+#[test]
 fn a_sparse_terabyte_volume_is_a_readable_device_at_once() {
     let Some(bin) = tools() else { return };
     const TIB: u64 = 1 << 40;
@@ -393,6 +463,27 @@ fn direct_read(device: &Path, offset: u64) -> Output {
             "status=none",
         ],
     )
+}
+
+/// Writes `data` to `device` at `offset`, past the page cache (dd oflag=direct), and
+/// flushes it.
+fn direct_write(device: &Path, offset: u64, data: &[u8]) {
+    use std::io::Write;
+    let mut dd = Command::new("dd")
+        .args([
+            &format!("of={}", device.display()),
+            "oflag=direct",
+            "iflag=fullblock",
+            "conv=fsync,notrunc",
+            "bs=1M",
+            &format!("seek={}", offset / MIB),
+            "status=none",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("dd is needed by this test");
+    dd.stdin.take().unwrap().write_all(data).unwrap();
+    assert!(dd.wait().unwrap().success(), "dd of={}", device.display());
 }
 
 fn read_at(path: &Path, offset: u64, len: u64) -> Vec<u8> {

@@ -20,6 +20,7 @@ mod common;
 use common::{
     MIB, blake3_of, cluster::CONTROLLER_USER, make_image, nodes::RealCluster, scribble_pages,
 };
+use k8s_openapi::jiff::Timestamp;
 use serde_json::Value;
 use std::time::Duration;
 
@@ -1921,6 +1922,83 @@ fn on_real_nodes_the_controller_outlives_its_leaders_death_an_api_server_restart
         "the conditions moved across the restart"
     );
 
+    // The leader stops (SIGSTOP) as a partitioned or paused process does, past its
+    // Lease: the standby takes over, and the old leader, resumed with every timer due,
+    // writes nothing more. Its renew deadline (10 s after its last renewal was sent)
+    // comes before the standby may take over (15 s after it saw the last renewal).
+    let paused = leader(&alpha);
+    let pid =
+        process_of("controller", &format!("HOSTNAME={paused}")).expect("the leader's process");
+    let pid = rustix::process::Pid::from_raw(pid).unwrap();
+    let old_writes = |s: &Site, after: Option<Timestamp>| -> Vec<String> {
+        s.c.audit(CONTROLLER_USER)
+            .iter()
+            .filter(|e| e["user"]["extra"]["authentication.kubernetes.io/pod-name"][0] == *paused)
+            .filter(|e| !matches!(e["verb"].as_str(), Some("get" | "list" | "watch")))
+            .filter(|e| {
+                let at = e["requestReceivedTimestamp"]
+                    .as_str()
+                    .and_then(|t| t.parse().ok());
+                after.is_none_or(|after| at.is_some_and(|at: Timestamp| at > after))
+            })
+            .map(|e| {
+                format!(
+                    "{} {} at {}",
+                    e["verb"], e["requestURI"], e["requestReceivedTimestamp"]
+                )
+            })
+            .collect()
+    };
+    assert!(
+        !old_writes(&alpha, None).is_empty(),
+        "the audit log names no write of the leader's pod {paused}: its requests cannot be told apart"
+    );
+    let stopped_at = Timestamp::now();
+    let stopped = std::time::Instant::now();
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+    alpha
+        .c
+        .wait("the standby leading", Duration::from_secs(40), || {
+            leader(&alpha) != paused
+        });
+    eprintln!(
+        "the standby leads {:.1} s after the leader stopped",
+        stopped.elapsed().as_secs_f64()
+    );
+    let sync = alpha.vr()["status"]["lastSyncTime"].clone();
+    scribble_pages(&alpha.image(), 11, 10, 0..VOLUME_LEN);
+    alpha.wait_vr("lastSyncTime to advance under the standby", |s| {
+        s.vr()["status"]["lastSyncTime"] != sync
+    });
+    rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+    alpha.c.wait(
+        "the resumed old leader gone",
+        Duration::from_secs(30),
+        || {
+            process_of("controller", &format!("HOSTNAME={paused}"))
+                .is_none_or(|p| p != pid.as_raw_nonzero().get())
+        },
+    );
+    std::thread::sleep(Duration::from_secs(5));
+    let deadline = stopped_at.checked_add(Duration::from_secs(10)).unwrap();
+    let late = old_writes(&alpha, Some(deadline));
+    assert!(
+        late.is_empty(),
+        "the old leader wrote after its renew deadline: {late:#?}"
+    );
+    let previous = alpha
+        .c
+        .kubectl_ok(&["logs", "--previous", "-n", "mover-system", &paused]);
+    assert!(
+        previous.contains("no longer leading"),
+        "the resumed old leader did not stop for its deadline:\n{previous}"
+    );
+    assert_eq!(
+        conditions(&alpha),
+        before,
+        "the conditions moved across the leader's pause"
+    );
+
     // The leader's node loses power, with the primary's volume on it: the standby takes
     // over once the Lease runs out. (The leader is moved there first if it is not: its
     // pod deleted, as a rolling update does, the standby there takes over.)
@@ -2149,10 +2227,11 @@ fn db_history(s: &Site) -> i64 {
         .unwrap_or_else(|_| panic!("pgbench_history count: {n:?}"))
 }
 
-/// A VolumeMove `name` of `app/data`, this cluster's `side` of it.
-fn volume_move(s: &Site, name: &str, side: &str, timeout: u64) {
+/// A VolumeMove `name` of `app/data`, this cluster's `side` of it, with `more` (YAML
+/// lines of its spec).
+fn volume_move(s: &Site, name: &str, side: &str, more: &str) {
     s.c.apply(&format!(
-        "apiVersion: replication.mover/v1alpha1\nkind: VolumeMove\nmetadata:\n  name: {name}\n  namespace: app\nspec:\n  side: {side}\n  pvc: data\n  timeoutSeconds: {timeout}\n"
+        "apiVersion: replication.mover/v1alpha1\nkind: VolumeMove\nmetadata:\n  name: {name}\n  namespace: app\nspec:\n  side: {side}\n  pvc: data\n{more}"
     ));
 }
 
@@ -2172,7 +2251,8 @@ fn move_status(s: &Site, name: &str) -> Value {
 /// while the move runs and the user's `Delete` after.
 ///
 /// Fenced: the database now on B and writing, B's agent stops answering (SIGSTOP). A's
-/// move waits 5 s for a final cycle, then promotes by force and says `fenced`. When B's
+/// move waits for a final cycle and says so, never forcing on its own; asked to
+/// (`forceAfterSeconds: 5`), it promotes by force and says `fenced`. When B's
 /// agent runs again its cycles (the late writes) are refused for their stale epoch: A's
 /// agent logs and counts each, and A's volume is unchanged.
 #[test]
@@ -2228,8 +2308,8 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
 
     // The planned move; both PVs' policies sampled while it runs.
     let moving = std::time::Instant::now();
-    volume_move(&a, "to-b", "Source", 120);
-    volume_move(&b, "from-a", "Destination", 120);
+    volume_move(&a, "to-b", "Source", "  timeoutSeconds: 120\n");
+    volume_move(&b, "from-a", "Destination", "");
     let reclaim = |s: &Site| {
         s.c.get(&["pv/pv-data"], "{.spec.persistentVolumeReclaimPolicy}")
     };
@@ -2322,7 +2402,19 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
         .expect("B's agent's process");
     use rustix::process::{Signal, kill_process};
     kill_process(b_agent, Signal::STOP).unwrap();
-    volume_move(&a, "back-to-a", "Destination", 5);
+    // Without forceAfterSeconds the move never forces: it waits, and says so.
+    volume_move(&a, "back-to-a", "Destination", "");
+    a.c.wait("the move waiting for the final cycle", WAIT, || {
+        move_status(&a, "back-to-a")["volumes"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("as long as it takes"))
+    });
+    std::thread::sleep(Duration::from_secs(8));
+    let waiting = move_status(&a, "back-to-a");
+    assert_eq!(waiting["volumes"][0]["phase"], "Waiting", "{waiting}");
+    assert_eq!(a.vr()["spec"]["replicationState"], "secondary");
+    // Asked for, it promotes by force 5 s after the move started: at once by now.
+    volume_move(&a, "back-to-a", "Destination", "  forceAfterSeconds: 5\n");
     a.c.wait("A owning the volume, its old owner fenced", WAIT, || {
         move_status(&a, "back-to-a")["phase"] == "Completed"
     });

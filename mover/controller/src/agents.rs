@@ -4,7 +4,7 @@
 use mover_engine::remote::{
     AgentUrl, ConnectOptions, ControlClient, HydrateClient, RemoteOptions, ScheduleClient,
 };
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::Arc};
 use tokio::sync::Mutex;
 use tonic::transport::Channel;
 use transport::auth::AttachToken;
@@ -211,6 +211,8 @@ pub struct GrpcAgents {
     remote: RemoteOptions,
     clients: Mutex<HashMap<String, Connection>>,
     server_names: Option<ServerNames>,
+    /// Calls are made only while this leads (none: always).
+    leadership: Option<Arc<crate::leader::Leadership>>,
 }
 
 impl GrpcAgents {
@@ -223,7 +225,15 @@ impl GrpcAgents {
             },
             clients: Mutex::new(HashMap::new()),
             server_names: None,
+            leadership: None,
         }
+    }
+
+    /// Makes calls only while `leadership` leads: a replica past its lease's renew
+    /// deadline calls no agent, as it writes nothing to the API server.
+    pub fn with_leadership(mut self, leadership: Arc<crate::leader::Leadership>) -> Self {
+        self.leadership = Some(leadership);
+        self
     }
 
     /// Checks each agent's certificate against the name `names` gives for its host.
@@ -280,6 +290,17 @@ impl GrpcAgents {
         F: FnOnce(C) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
+        if self.leadership.as_ref().is_some_and(|l| !l.leading()) {
+            return Err(AgentError {
+                agent: agent.into(),
+                op,
+                name: name.into(),
+                code: tonic::Code::FailedPrecondition,
+                message: "not made: this controller replica no longer holds the leader lease"
+                    .into(),
+                refusal: None,
+            });
+        }
         let (channel, auth) = self.client(agent, op, name).await?;
         f(C::on(channel, auth))
             .await

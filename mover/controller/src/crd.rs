@@ -336,9 +336,10 @@ pub struct SecretRef {
 /// side, both naming the same PVC (or StatefulSet), whose VolumeReplication pairs the
 /// two. The source detaches the workload, waits until its agent sees nothing holding
 /// the volume, and demotes (a final cycle). The destination promotes once that final
-/// cycle is applied; when it does not come within the timeout, it promotes by force,
-/// fencing the old owner: its agent's later writes are refused for their stale epoch.
-/// The PVs are `Retain` until the move completes.
+/// cycle is applied, however long that takes; only if the move asks for it
+/// (`forceAfterSeconds`) does it promote by force without it, fencing the old owner:
+/// its agent's later writes are refused for their stale epoch. The PVs are `Retain`
+/// until the move completes.
 #[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
@@ -373,11 +374,18 @@ pub struct VolumeMoveSpec {
     /// volumeClaimTemplates name them. The source scales it to 0 first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stateful_set: Option<String>,
-    /// Source: how long the workload has to let go of the volume before the move gives
-    /// up here (the destination then fences this side). Destination: how long to wait
-    /// for the source's final cycle before fencing it [default: 300].
+    /// Source only: how long the workload has to let go of the volume before the move
+    /// fails here, saying what holds it [default: 300].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_seconds: Option<u64>,
+    /// Destination only: promote by force, fencing the source by epoch, if the source's
+    /// final cycle has not been applied this many seconds after the move started. A
+    /// forced promotion drops what the source wrote after its last cycle, so it is
+    /// never the default: without this field the destination waits for the final cycle
+    /// as long as it takes and says what it waits for. Set it (or patch it in while the
+    /// move waits) only once the source is known to be gone or stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub force_after_seconds: Option<u64>,
     /// A move within this cluster, with no VolumeReplication: once released, the PVC is
     /// made again under its name in this StorageClass (mover's CSI driver,
     /// WaitForFirstConsumer), usable at once wherever its next pod runs while its data

@@ -32,6 +32,7 @@ pub mod agents;
 pub mod context;
 pub mod crd;
 pub mod issuer;
+pub mod leader;
 pub mod leftovers;
 pub mod locator;
 pub mod metrics;

@@ -10,11 +10,11 @@
 //!   cycle, which is the acknowledgement the destination waits for.
 //! - **Destination**: the PV is set `Retain`; the move waits until the agent has applied
 //!   that final cycle, then sets the VolumeReplication `primary` (a planned promote:
-//!   downtime is the final cycle). When the final cycle does not come within the
-//!   timeout (the old owner unreachable, or its workload never let go), it promotes by
-//!   force. That raises the epoch: the old owner's later cycles are refused as stale
-//!   (the agent logs and counts each), so its late writes never land. Status says
-//!   `fenced`.
+//!   downtime is the final cycle). It waits as long as that takes, unless the move
+//!   asks for force (`forceAfterSeconds`: the old owner is known to be unreachable, or
+//!   its workload never let go): past that, it promotes by force. That raises the
+//!   epoch: the old owner's later cycles are refused as stale (the agent logs and
+//!   counts each), so its late writes never land. Status says `fenced`.
 //!
 //! - **Within a cluster, no VolumeReplication** (`storageClassName`): after the same
 //!   release, the old volume is served by its agent to the fill alone, and the PVC is
@@ -46,7 +46,7 @@ use std::{sync::Arc, time::Duration};
 const REPLICAS_BEFORE_MOVE: &str = "replication.mover/replicas-before-move";
 /// How often a move under way looks again.
 const POLL: Duration = Duration::from_secs(1);
-/// The default bound on detaching (source) or on the final cycle (destination).
+/// The default bound on detaching (source).
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// A call to the API server that failed (the move retries it).
@@ -91,7 +91,10 @@ pub async fn reconcile(cached: Arc<VolumeMove>, ctx: Arc<Context>) -> Result<Act
     let before = st.clone();
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     st.start_time.get_or_insert_with(|| now.clone());
-    if st.volumes.is_empty() {
+    if let Some(why) = misplaced_field(&mv.spec) {
+        st.phase = Some(MovePhase::Failed);
+        st.message = Some(why);
+    } else if st.volumes.is_empty() {
         match volumes_of(&mv, &ctx, &ns, &mut st).await? {
             Ok(pvcs) => {
                 st.volumes = pvcs
@@ -116,6 +119,7 @@ pub async fn reconcile(cached: Arc<VolumeMove>, ctx: Arc<Context>) -> Result<Act
         ctx: &ctx,
         ns: &ns,
         timeout,
+        force_after: mv.spec.force_after_seconds.map(Duration::from_secs),
         now: now.clone(),
         class: mv.spec.storage_class_name.as_deref(),
     };
@@ -289,7 +293,10 @@ pub fn stateful_set_claims(sts: &StatefulSet, replicas: i32) -> Vec<String> {
 struct Step<'a> {
     ctx: &'a Context,
     ns: &'a str,
+    /// Source: how long the workload has to let go.
     timeout: Duration,
+    /// Destination: when to promote by force (never unless the move says).
+    force_after: Option<Duration>,
     now: Time,
     /// Within a cluster: the StorageClass of the PVCs made again.
     class: Option<&'a str>,
@@ -851,17 +858,21 @@ impl Step<'_> {
         {
             tracing::info!(pvc = %format!("{}/{}", self.ns, vol.pvc), cycle = last.map(|c| c.id), "the source's final cycle is applied: promoting");
             vol.message = Some("the final cycle is applied; promoting".into());
-        } else if self.elapsed(&vol.start_time) > self.timeout {
+        } else if let Some(after) = self
+            .force_after
+            .filter(|after| self.elapsed(&vol.start_time) > *after)
+        {
             vol.fenced = true;
             let applied = last.map_or("none".to_string(), |c| format!("cycle {}", c.id));
-            tracing::warn!(pvc = %format!("{}/{}", self.ns, vol.pvc), "no final cycle from the source within {} s (last applied: {applied}): promoting by force, fencing the old owner", self.timeout.as_secs());
+            tracing::warn!(pvc = %format!("{}/{}", self.ns, vol.pvc), "no final cycle from the source within forceAfterSeconds ({} s; last applied: {applied}): promoting by force, fencing the old owner", after.as_secs());
             vol.message = Some(format!(
-                "no final cycle from the source within {} s (last applied: {applied}): \
-                 promoting by force; the old owner is fenced and its later writes are refused",
-                self.timeout.as_secs()
+                "no final cycle from the source within forceAfterSeconds ({} s; last applied: \
+                 {applied}): promoting by force; the old owner is fenced and its later writes \
+                 are refused",
+                after.as_secs()
             ));
         } else {
-            vol.message = Some(match status {
+            let waiting = match status {
                 Ok(Some(s)) => format!(
                     "waiting for the source's final cycle (last applied: {})",
                     s.last_cycle
@@ -869,12 +880,39 @@ impl Step<'_> {
                 ),
                 Ok(None) => "waiting for the source's final cycle (none applied yet)".into(),
                 Err(e) => format!("waiting for the source's final cycle: {e}"),
+            };
+            vol.message = Some(match self.force_after {
+                Some(after) => format!("{waiting}; promoting by force after {} s", after.as_secs()),
+                None => format!(
+                    "{waiting}, as long as it takes: if the source is gone for good, set \
+                     forceAfterSeconds to promote by force (what it wrote after its last \
+                     cycle is lost)"
+                ),
             });
             return Ok(());
         }
         self.set_state(&pair, "primary").await?;
         vol.phase = MovePhase::Promoting;
         Ok(())
+    }
+}
+
+/// A field set on the side it does not apply to, which would not do what its writer
+/// expects: the move fails at once and says so.
+fn misplaced_field(spec: &crate::crd::VolumeMoveSpec) -> Option<String> {
+    match spec.side {
+        MoveSide::Destination if spec.timeout_seconds.is_some() => Some(
+            "timeoutSeconds bounds the source's release and does nothing on the destination; \
+             a forced promotion, which fences the source, must be asked for with \
+             forceAfterSeconds"
+                .into(),
+        ),
+        MoveSide::Source if spec.force_after_seconds.is_some() => Some(
+            "forceAfterSeconds is the destination's (when to promote by force); on the \
+             source, timeoutSeconds bounds how long the workload has to let go"
+                .into(),
+        ),
+        _ => None,
     }
 }
 
@@ -944,5 +982,30 @@ mod tests {
         };
         assert!(uses_claim(&pod("data"), "data"));
         assert!(!uses_claim(&pod("data-2"), "data"));
+    }
+
+    #[test]
+    fn a_destination_forces_only_when_asked_and_each_side_refuses_the_others_field() {
+        let spec =
+            |yaml: &str| -> crate::crd::VolumeMoveSpec { serde_saphyr::from_str(yaml).unwrap() };
+        assert_eq!(
+            misplaced_field(&spec("side: Destination\npvc: data\n")),
+            None
+        );
+        assert_eq!(
+            misplaced_field(&spec(
+                "side: Destination\npvc: data\nforceAfterSeconds: 60\n"
+            )),
+            None
+        );
+        assert_eq!(
+            misplaced_field(&spec("side: Source\npvc: data\ntimeoutSeconds: 60\n")),
+            None
+        );
+        let old_style =
+            misplaced_field(&spec("side: Destination\npvc: data\ntimeoutSeconds: 300\n"));
+        assert!(old_style.is_some_and(|m| m.contains("forceAfterSeconds")));
+        let wrong_side = misplaced_field(&spec("side: Source\npvc: data\nforceAfterSeconds: 5\n"));
+        assert!(wrong_side.is_some_and(|m| m.contains("destination's")));
     }
 }

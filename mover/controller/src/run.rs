@@ -4,6 +4,7 @@
 
 use super::agents::GrpcAgents;
 use super::crd;
+use super::leader::{Elector, Leadership, Timing};
 use super::leftovers::Leftovers;
 use super::replication::reconcile::{self, Caches, Context};
 use super::secrets::SecretWatches;
@@ -137,14 +138,6 @@ pub enum RunError {
         /// The OS error.
         source: std::io::Error,
     },
-    /// The Lease could not be created or read.
-    #[error("leader election on Lease {namespace}/mover-controller failed")]
-    Lease {
-        /// --lease-namespace.
-        namespace: String,
-        /// What failed.
-        source: kube_lease_manager::LeaseManagerError,
-    },
     /// `--replication-token-file` cannot be read, or holds no token.
     #[error("--replication-token-file: {0}")]
     Tokens(transport::cluster::TokenFileError),
@@ -154,9 +147,9 @@ pub enum RunError {
     /// A watch cache stopped before its first list arrived.
     #[error("a watch cache stopped before it was filled")]
     CachesStopped,
-    /// Another replica took the lease: this one stops (and is restarted as a standby)
-    /// rather than act next to it.
-    #[error("lost the leader lease to another replica; stopping")]
+    /// The lease could not be renewed in time, or another replica took it: this one
+    /// stops (and is restarted as a standby) rather than act next to it.
+    #[error("lost the leader lease (not renewed in time, or taken by another replica); stopping")]
     LostLease,
     /// The CRDs are not installed in the served group.
     #[error(
@@ -293,13 +286,30 @@ type Feed = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 /// Runs the controller until SIGINT or SIGTERM, or until it loses the Lease. Every
 /// replica keeps its caches warm and serves the Locator; only the Lease holder
 /// reconciles, signs the agents' certificates and sweeps leftovers.
+///
+/// Only the leader writes: every write to the API server and every agent call made for
+/// the reconcilers goes through a gate that refuses it once this replica's lease is
+/// past its renew deadline ([`super::leader`]).
 pub async fn run(options: RunOptions) -> Result<(), RunError> {
-    let client = connect(&options.group).await?;
+    let identity = std::env::var("HOSTNAME").unwrap_or_else(|_| "mover-controller".into());
+    let leadership = match options.no_leader_election {
+        true => Leadership::sole(),
+        false => Leadership::follower(),
+    };
+    // `client` reads, makes the CA at start and keeps the Lease; `acting` is the gated
+    // one, for everything the leader does.
+    let (client, acting) = connect(&options.group, leadership.clone()).await?;
+    let mut elector = (!options.no_leader_election).then(|| {
+        let timing = Timing::for_lease(std::time::Duration::from_secs(options.lease_duration));
+        let (namespace, me) = (&options.lease_namespace, identity.clone());
+        Elector::new(client.clone(), namespace, me, timing, leadership.clone())
+    });
     let (caches, feeds, pvc_changes) = start_caches(&client, &options);
     let metrics = serve_metrics(options.metrics_listen).await?;
     let (authority, locator_tls, connect) = identities(&client, &options).await?;
-    let agents = agents_client(connect, authority.is_some(), &caches.agents);
-    let ctx = Arc::new(context(&client, &options, caches, agents, metrics).await);
+    let agents =
+        agents_client(connect, authority.is_some(), &caches.agents).with_leadership(leadership);
+    let ctx = Arc::new(context(&acting, &options, caches, agents, metrics).await);
     for feed in feeds {
         tokio::spawn(feed);
     }
@@ -308,33 +318,48 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
     if let Some(file) = &options.replication_token_file {
         start_locator(&client, &options, file, locator_tls, ctx.clone()).await?;
     }
-    let leader = match options.no_leader_election {
-        true => None,
-        false => Some(elect(&client, &options.lease_namespace, options.lease_duration).await?),
-    };
+    if let Some(e) = &mut elector {
+        tracing::info!(%identity, "waiting for the leader lease");
+        e.acquire().await;
+        tracing::info!(%identity, "holding the leader lease");
+    }
     tracing::info!(group = %ctx.group, "controller started");
-    start_leader_tasks(&client, &options, authority, &ctx);
-    let reconcilers = reconcilers(&client, ctx, pvc_changes);
-    match leader {
+    start_leader_tasks(&acting, &options, authority, &ctx);
+    let reconcilers = reconcilers(&acting, ctx, pvc_changes);
+    match &mut elector {
         None => reconcilers.await,
-        Some(mut leader) => {
-            tokio::select! {
-                _ = reconcilers => {}
-                _ = lost(&mut leader) => return Err(RunError::LostLease),
+        Some(e) => {
+            let lost = tokio::select! {
+                _ = reconcilers => false,
+                _ = e.hold() => true,
+            };
+            if lost {
+                return Err(RunError::LostLease);
             }
+            // Shut down (a signal): a standby takes over at once, not a lease later.
+            e.release().await;
         }
     }
     Ok(())
 }
 
-/// A client of the API server, once it serves `group`'s VolumeReplications.
-async fn connect(group: &str) -> Result<kube::Client, RunError> {
+/// Two clients of the API server, once it serves `group`'s VolumeReplications: one as
+/// it is, and one whose writes pass only while `leadership` leads.
+async fn connect(
+    group: &str,
+    leadership: Arc<Leadership>,
+) -> Result<(kube::Client, kube::Client), RunError> {
     // The API server is reached over TLS, and rustls will not pick between the two
     // crypto providers the dependencies bring.
     transport::tls::install_crypto_provider();
-    let client = kube::Client::try_default()
+    let config = kube::Config::infer()
         .await
-        .map_err(RunError::Client)?;
+        .map_err(|e| RunError::Client(kube::Error::InferConfig(e)))?;
+    let build = || kube::client::ClientBuilder::try_from(config.clone()).map_err(RunError::Client);
+    let client = build()?.build();
+    let acting = build()?
+        .with_layer(&super::leader::gate(leadership))
+        .build();
     let vr = crd::api_resource(group, "VolumeReplication");
     let vrs: Api<DynamicObject> = Api::all_with(client.clone(), &vr);
     vrs.list(&kube::api::ListParams::default().limit(1))
@@ -343,7 +368,7 @@ async fn connect(group: &str) -> Result<kube::Client, RunError> {
             group: group.into(),
             source,
         })?;
-    Ok(client)
+    Ok((client, acting))
 }
 
 /// The watch caches reconciles read, the feeds that fill them, and the PVCs' changes.
@@ -725,52 +750,6 @@ fn lease_seconds(s: &str) -> Result<u64, String> {
     match d.as_secs() {
         n if n >= 2 => Ok(n),
         _ => Err(format!("{s:?} is shorter than 2 seconds")),
-    }
-}
-
-/// Waits until this replica holds the Lease `mover-controller`; the returned channel
-/// says when it no longer does.
-async fn elect(
-    client: &kube::Client,
-    namespace: &str,
-    duration: u64,
-) -> Result<tokio::sync::watch::Receiver<bool>, RunError> {
-    let identity = std::env::var("HOSTNAME").unwrap_or_else(|_| "mover-controller".into());
-    let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), "mover-controller")
-        .with_namespace(namespace)
-        // Renewed a third of the duration before it ends. The field manager is the
-        // library's, one per identity: server-side apply's conflicts are what keep two
-        // replicas from taking the Lease at once, and a shared manager has none.
-        .with_parameters(kube_lease_manager::LeaseParams::new(
-            identity.clone(),
-            duration,
-            (duration / 3).max(1),
-        ))
-        .build()
-        .await
-        .map_err(|source| RunError::Lease {
-            namespace: namespace.into(),
-            source,
-        })?;
-    let (mut leader, task) = manager.watch().await;
-    // The task holds the lease while the receiver lives; it ends with the process.
-    drop(task);
-    tracing::info!(%identity, "waiting for the leader lease");
-    while !*leader.borrow_and_update() {
-        if leader.changed().await.is_err() {
-            return Err(RunError::LostLease);
-        }
-    }
-    tracing::info!(%identity, "holding the leader lease");
-    Ok(leader)
-}
-
-/// Resolves when the lease is lost (or its manager ended).
-async fn lost(leader: &mut tokio::sync::watch::Receiver<bool>) {
-    loop {
-        if leader.changed().await.is_err() || !*leader.borrow_and_update() {
-            return;
-        }
     }
 }
 

@@ -59,7 +59,9 @@ impl NbdExports for NbdExportsOf {
                     ));
                 }
                 Phase::Complete => {}
-                _ => return Ok(Arc::new(HydratingVolume(h))),
+                _ => {
+                    return Ok(Arc::new(HydratingVolume::new(self.hydrations.clone(), h)));
+                }
             }
         }
         if export.path.is_dir() {

@@ -18,7 +18,7 @@ use std::{
     path::PathBuf,
     sync::{
         Arc, Mutex, OnceLock,
-        atomic::{AtomicU64, Ordering::Relaxed},
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
     },
     time::{Duration, Instant},
 };
@@ -80,7 +80,9 @@ pub enum Phase {
     Degraded,
     /// Every region is here; the volume is an ordinary local volume.
     Complete,
-    /// Stopped by the user; nothing is served until it is started again.
+    /// Stopped by the user: nothing more is fetched until it is started again. What
+    /// arrived stays served (a device in use keeps working); a missing region reads as
+    /// EIO.
     Cancelled,
 }
 
@@ -138,6 +140,8 @@ pub struct Hydration {
     foreground_fetches: AtomicU64,
     foreground_failures: AtomicU64,
     regions_written: AtomicU64,
+    /// A client's request was refused for a missing region since the cancel (logged).
+    warned_cancelled: AtomicBool,
     health: Mutex<(Phase, Option<String>)>,
     stop: watch::Sender<bool>,
     phase_tx: watch::Sender<Phase>,
@@ -158,6 +162,9 @@ enum Claim {
     Present,
     Mine,
     Busy(watch::Receiver<bool>),
+    /// Missing, and the hydration is cancelled: nothing may fetch it or mark it present
+    /// (a new start reloads the bitmap; a change made here would not be in it).
+    Stopped,
 }
 
 /// Regions this task claimed; released on drop (marked present only if it succeeded),
@@ -223,6 +230,7 @@ impl Hydration {
             foreground_fetches: AtomicU64::new(0),
             foreground_failures: AtomicU64::new(0),
             regions_written: AtomicU64::new(0),
+            warned_cancelled: AtomicBool::new(false),
             health: Mutex::new((phase, None)),
             stop: watch::channel(false).0,
             phase_tx: watch::channel(phase).0,
@@ -336,6 +344,8 @@ impl Hydration {
             Claim::Present
         } else if let Some(tx) = s.busy.get(&r) {
             Claim::Busy(tx.subscribe())
+        } else if self.stopped() {
+            Claim::Stopped
         } else {
             s.busy.insert(r, watch::channel(false).0);
             Claim::Mine
@@ -357,6 +367,7 @@ impl Hydration {
                     Claim::Present => {}
                     Claim::Mine => mine.regions.push(r),
                     Claim::Busy(rx) => waits.push(rx),
+                    Claim::Stopped => return Err(self.missing_while_cancelled(r)),
                 }
             }
             if mine.regions.is_empty() && waits.is_empty() {
@@ -413,6 +424,7 @@ impl Hydration {
                     Claim::Busy(mut rx) => {
                         let _ = rx.wait_for(|done| *done).await;
                     }
+                    Claim::Stopped => return Err(self.missing_while_cancelled(r)),
                 }
             }
         }
@@ -467,19 +479,24 @@ impl Hydration {
     }
 
     /// Makes every write so far durable and commits the bitmap: data first, then the
-    /// bitmap that marks it present.
+    /// bitmap that marks it present. A bitmap unchanged since its last commit is not
+    /// written: after a cancel, the next start's hydration owns the bitmap file, and a
+    /// pod's fsync through this one must not write it.
     pub async fn commit(&self) -> io::Result<()> {
         let one = self.committing.clone().lock_owned().await;
         let map = {
             let mut s = self.state.lock().expect("regions lock");
-            s.dirty = false;
-            s.map.clone()
+            let changed = std::mem::take(&mut s.dirty);
+            changed.then(|| s.map.clone())
         };
         let (file, bitmap) = (self.file.clone(), self.bitmap.clone());
         let r = blocking(move || {
             let _one = one;
             file.sync_data()?;
-            bitmap.lock().expect("bitmap lock").commit(&map)
+            match map {
+                Some(map) => bitmap.lock().expect("bitmap lock").commit(&map),
+                None => Ok(()),
+            }
         })
         .await;
         if r.is_err() {
@@ -488,13 +505,20 @@ impl Hydration {
         r
     }
 
-    /// Refuses client I/O after a cancel: a connection opened before it must not go on
-    /// changing a volume whose hydration may be resumed by another object.
-    pub fn check_open(&self) -> io::Result<()> {
-        if self.health.lock().expect("health lock").0 == Phase::Cancelled {
-            return Err(io::Error::from_raw_os_error(libc::ESHUTDOWN));
+    /// The error of a client request that needs region `r` while the hydration is
+    /// cancelled (EIO, as while the source is down); logged once per cancel, so an
+    /// operator sees why a pod's I/O fails.
+    fn missing_while_cancelled(&self, r: u64) -> io::Error {
+        self.foreground_failures.fetch_add(1, Relaxed);
+        if !self.warned_cancelled.swap(true, Relaxed) {
+            tracing::warn!(
+                export = %self.name,
+                region = r,
+                "a client needs a region that has not arrived, and the hydration is \
+                 cancelled: EIO until `mover hydrate start` resumes it"
+            );
         }
-        Ok(())
+        io::Error::from_raw_os_error(libc::EIO)
     }
 
     /// Stops the filler; nothing more is fetched. False if the hydration had already

@@ -365,8 +365,11 @@ impl Hydrations {
                 )));
             }
             // A cancelled one's last fetches and commit must land before a new object
-            // takes over the volume and its bitmap.
+            // takes over the volume and its bitmap: a region a client's request marked
+            // present after the cancel's commit would otherwise be fetched again, over
+            // what the client wrote.
             h.quiesce().await;
+            h.commit().await.map_err(|e| self.state_err(e))?;
         }
         // A record left by a cancel or a crash: resumed if the source is the same.
         if let Ok(mut old) = load_record(&self.record_path(&req.export)) {
@@ -429,8 +432,9 @@ impl Hydrations {
         self.launch(record, Some(source)).await
     }
 
-    /// Stops a hydration: nothing more is fetched and the export is not served until
-    /// it is started again (it resumes where it stopped).
+    /// Stops a hydration: nothing more is fetched until it is started again (it resumes
+    /// where it stopped). NBD opens no new connection to it meanwhile; a device in use
+    /// keeps serving what arrived.
     pub async fn cancel(&self, export: &str) -> Result<Arc<Hydration>, HydrateError> {
         let h = self.get(export).ok_or_else(|| HydrateError::Refused {
             what: format!("cancel of export {export}"),

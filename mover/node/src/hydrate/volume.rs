@@ -1,7 +1,10 @@
 //! Volumes as the NBD server sees them ([`transport::nbd::NbdVolume`]): a plain local
 //! export, and a hydrating one whose reads wait for their regions.
 
-use super::engine::{Hydration, blocking};
+use super::{
+    Hydrations,
+    engine::{Hydration, blocking},
+};
 use std::{
     fs::File,
     io,
@@ -106,20 +109,46 @@ impl NbdVolume for LocalVolume {
 
 /// An export being hydrated: a read of a missing region fetches it first; a write
 /// covering a region whole needs no fetch.
-pub struct HydratingVolume(pub Arc<Hydration>);
+///
+/// It follows the export, not one run of its hydration: each request goes to the
+/// hydration the agent knows for the export now. A client that keeps it open (a pod's
+/// device) across `hydrate cancel` and `hydrate start`, which makes a new [`Hydration`]
+/// from the saved bitmap, goes on with the new one: what arrived stays readable while
+/// cancelled, and missing regions are fetched again once the fill resumes.
+pub struct HydratingVolume {
+    hydrations: Arc<Hydrations>,
+    export: String,
+    /// The hydration it was opened on: used until the registry knows a newer one.
+    opened: Arc<Hydration>,
+}
 
 impl HydratingVolume {
+    /// The volume of `export`, hydrating as `opened`.
+    pub fn new(hydrations: Arc<Hydrations>, opened: Arc<Hydration>) -> Self {
+        HydratingVolume {
+            hydrations,
+            export: opened.name().to_string(),
+            opened,
+        }
+    }
+
+    /// The export's hydration now.
+    fn current(&self) -> Arc<Hydration> {
+        self.hydrations
+            .get(&self.export)
+            .unwrap_or_else(|| self.opened.clone())
+    }
+
     /// Runs a write-like operation: claims the whole regions, makes the partial ones
     /// present, runs `op`, then marks the whole ones present.
     async fn write_with(
         &self,
+        h: &Hydration,
         offset: u64,
         len: u64,
         fua: bool,
         op: impl std::future::Future<Output = io::Result<()>> + Send,
     ) -> io::Result<()> {
-        let h = &self.0;
-        h.check_open()?;
         h.client_io();
         let claim = h.prepare_write(offset, len).await?;
         op.await?;
@@ -134,7 +163,7 @@ impl HydratingVolume {
 #[tonic::async_trait]
 impl NbdVolume for HydratingVolume {
     fn size(&self) -> u64 {
-        self.0.size()
+        self.opened.size()
     }
 
     fn read_only(&self) -> bool {
@@ -142,29 +171,28 @@ impl NbdVolume for HydratingVolume {
     }
 
     fn preferred_block(&self) -> u32 {
-        self.0.region_size().min(32 << 20) as u32
+        self.opened.region_size().min(32 << 20) as u32
     }
 
     async fn read(&self, offset: u64, len: u32) -> io::Result<Vec<u8>> {
-        let h = &self.0;
-        h.check_open()?;
+        let h = self.current();
         h.client_io();
         h.ensure(h.regions_of(offset, len as u64)).await?;
         pread(h.file(), offset, len).await
     }
 
     async fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
-        let file = self.0.file().clone();
+        let h = self.current();
+        let file = h.file().clone();
         let data = data.to_vec();
-        self.write_with(offset, data.len() as u64, fua, async move {
+        self.write_with(&h, offset, data.len() as u64, fua, async move {
             pwrite(&file, offset, data, false).await
         })
         .await
     }
 
     async fn flush(&self) -> io::Result<()> {
-        self.0.check_open()?;
-        self.0.commit().await
+        self.current().commit().await
     }
 
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
@@ -178,15 +206,16 @@ impl NbdVolume for HydratingVolume {
         may_trim: bool,
         fua: bool,
     ) -> io::Result<()> {
-        let (file, path) = (self.0.file().clone(), self.0.path().to_path_buf());
-        self.write_with(offset, len, fua, async move {
+        let h = self.current();
+        let (file, path) = (h.file().clone(), h.path().to_path_buf());
+        self.write_with(&h, offset, len, fua, async move {
             zero(&file, &path, offset, len, may_trim, false).await
         })
         .await
     }
 
     async fn block_status(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
-        let h = self.0.clone();
+        let h = self.current();
         let end = offset + len;
         blocking(move || {
             let mut out: Vec<(u64, u32)> = Vec::new();
@@ -215,14 +244,13 @@ impl NbdVolume for HydratingVolume {
     }
 
     async fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
-        let h = &self.0;
-        h.check_open()?;
+        let h = self.current();
         h.ensure(h.regions_of(offset, len)).await
     }
 
     async fn presence(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
         // Missing: a region a read would fetch first (a hole of the source never is).
-        let h = &self.0;
+        let h = self.current();
         let end = offset + len;
         let mut out: Vec<(u64, u32)> = Vec::new();
         let mut at = offset;
