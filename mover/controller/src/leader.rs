@@ -168,7 +168,10 @@ impl Elector {
             match tokio::time::timeout(left, self.try_once()).await {
                 Ok(Ok(true)) => {}
                 Ok(Ok(false)) => {
-                    tracing::error!("another replica holds the Lease: no longer leading");
+                    tracing::error!(
+                        "another replica holds the Lease, or it could not be renewed in time: \
+                         no longer leading"
+                    );
                     break;
                 }
                 Ok(Err(e)) => tracing::warn!(error = %e, left = ?left, "cannot renew the Lease"),
@@ -244,6 +247,11 @@ impl Elector {
                 holder = other,
                 "the Lease has not been renewed for {their:?}: taking it"
             );
+        }
+        // A read that came back after the deadline (this process was paused, or the
+        // API server slow) says nothing about now: nothing is written on it.
+        if sent.elapsed() >= self.timing.renew_deadline {
+            return Ok(false);
         }
         if !mine {
             spec.acquire_time = now.clone();

@@ -4,6 +4,8 @@
 //! The manager and what every reconciler shares:
 //! - [`run()`]: the manager (`mover controller run`): watch caches, metrics, the CA,
 //!   the Locator, leader election, and the reconcilers, one per kind;
+//! - [`leader`]: one leader at a time: the Lease, its renew deadline, and the gate
+//!   that refuses a write or an agent call once this replica is past it;
 //! - [`context`]: watch caches, the reconcile context, API helpers;
 //! - [`crd`]: the custom resources, with csi-addons' field names, and their CRDs;
 //! - [`agents`]: the agents' control API behind a small trait;
