@@ -178,6 +178,29 @@ fn the_install_applies_and_the_api_server_refuses_bad_volume_replications() {
         within.contains("storageClassName is the source's"),
         "{within}"
     );
+    // A forced promotion is the destination's, asked for by its own field only.
+    let old_style = refused(
+        &c,
+        &vmove(
+            "old-style",
+            "  side: Destination\n  pvc: a\n  timeoutSeconds: 5\n",
+        ),
+    );
+    assert!(
+        old_style.contains("must be asked for with forceAfterSeconds"),
+        "{old_style}"
+    );
+    let forced_source = refused(
+        &c,
+        &vmove(
+            "forced",
+            "  side: Source\n  pvc: a\n  forceAfterSeconds: 5\n",
+        ),
+    );
+    assert!(
+        forced_source.contains("forceAfterSeconds is the destination's"),
+        "{forced_source}"
+    );
     // The example moves exist: their specs stay as they are.
     let changed = refused(
         &c,

@@ -360,7 +360,9 @@ pub struct SecretRef {
     )
 )]
 #[x_kube(validation = Rule::new("has(self.pvc) != has(self.statefulSet)").message("name either pvc or statefulSet, not both"))]
-#[x_kube(validation = Rule::new("self == oldSelf").message("a VolumeMove's spec is immutable: delete it and create another"))]
+#[x_kube(validation = Rule::new("self.side == oldSelf.side && (has(self.pvc) ? has(oldSelf.pvc) && self.pvc == oldSelf.pvc : !has(oldSelf.pvc)) && (has(self.statefulSet) ? has(oldSelf.statefulSet) && self.statefulSet == oldSelf.statefulSet : !has(oldSelf.statefulSet)) && (has(self.timeoutSeconds) ? has(oldSelf.timeoutSeconds) && self.timeoutSeconds == oldSelf.timeoutSeconds : !has(oldSelf.timeoutSeconds)) && (has(self.storageClassName) ? has(oldSelf.storageClassName) && self.storageClassName == oldSelf.storageClassName : !has(oldSelf.storageClassName))").message("a VolumeMove's spec is immutable but for forceAfterSeconds: delete it and create another"))]
+#[x_kube(validation = Rule::new("!has(self.timeoutSeconds) || self.side == 'Source'").message("timeoutSeconds is the source's (how long the workload has to let go); on the destination, a forced promotion must be asked for with forceAfterSeconds"))]
+#[x_kube(validation = Rule::new("!has(self.forceAfterSeconds) || self.side == 'Destination'").message("forceAfterSeconds is the destination's (when to promote by force, fencing the source)"))]
 #[x_kube(validation = Rule::new("!has(self.storageClassName) || self.side == 'Source'").message("storageClassName is the source's: a move within one cluster is one VolumeMove"))]
 #[serde(rename_all = "camelCase")]
 pub struct VolumeMoveSpec {

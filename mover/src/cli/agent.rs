@@ -130,8 +130,11 @@ pub fn run_controller(cmd: ControllerCommand) -> anyhow::Result<()> {
         ControllerCommand::Run(options) => {
             let runtime =
                 tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-            runtime.block_on(mover::controller::run(*options))?;
-            Ok(())
+            let ran = runtime.block_on(mover::controller::run(*options));
+            // A replica that lost its Lease exits now: nothing still running (a watch, a
+            // call to an agent, a blocking task) holds up its exit.
+            runtime.shutdown_background();
+            Ok(ran?)
         }
     }
 }
