@@ -316,13 +316,7 @@ fn a_block_volume_whose_agent_is_killed_mid_fill_gives_errors_then_the_source_by
     );
     kubelet.stage_and_publish();
     // The pod's device: its first bytes are the source's (fetched on demand).
-    let first = direct_read(&kubelet.target, 0);
-    assert!(
-        first.status.success(),
-        "{}",
-        String::from_utf8_lossy(&first.stderr)
-    );
-    assert_eq!(first.stdout, read_at(&h.src_img, 0, MIB));
+    assert_reads_source(&kubelet.target, &h.src_img, 0, "the first MiB");
     h.dst.child.kill().unwrap();
     h.dst.child.wait().unwrap();
     // With its agent gone the device answers errors, never bytes it does not have.
@@ -359,20 +353,17 @@ fn a_block_volume_keeps_what_arrived_across_a_cancelled_fill_and_fetches_again_a
         serde_json::json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
     );
     kubelet.stage_and_publish();
-    let first = direct_read(&kubelet.target, 0);
-    assert!(first.status.success(), "{first:?}");
-    assert_eq!(first.stdout, read_at(&h.src_img, 0, MIB));
+    assert_reads_source(&kubelet.target, &h.src_img, 0, "the first MiB");
     hydrate(&["cancel", "dst", "--agent", &h.control()]);
     let cancelled = h.progress();
     assert_eq!(cancelled["phase"], "Cancelled", "{cancelled}");
     // What arrived stays the pod's: read again past every cache, and written over.
-    let again = direct_read(&kubelet.target, 0);
-    assert!(
-        again.status.success(),
-        "a region that had arrived failed after the cancel: {}",
-        String::from_utf8_lossy(&again.stderr)
+    assert_reads_source(
+        &kubelet.target,
+        &h.src_img,
+        0,
+        "a region that had arrived, after the cancel",
     );
-    assert_eq!(again.stdout, read_at(&h.src_img, 0, MIB));
     let pod_bytes = vec![0x5a_u8; MIB as usize];
     direct_write(&kubelet.target, 0, &pod_bytes);
     // A region that has not arrived is an error while cancelled, never zeros.
@@ -390,13 +381,12 @@ fn a_block_volume_keeps_what_arrived_across_a_cancelled_fill_and_fetches_again_a
     // Started again, the fill resumes from the bitmap and the same device fetches what
     // it lacks; the pod's write made while cancelled is not fetched over.
     h.start(None);
-    let fetched = direct_read(&kubelet.target, 200 * MIB);
-    assert!(
-        fetched.status.success(),
-        "the device did not fetch again after the fill resumed: {}",
-        String::from_utf8_lossy(&fetched.stderr)
+    assert_reads_source(
+        &kubelet.target,
+        &h.src_img,
+        200 * MIB,
+        "a missing region, once the fill resumed",
     );
-    assert_eq!(fetched.stdout, read_at(&h.src_img, 200 * MIB, MIB));
     hydrate(&["wait", "dst", "--agent", &h.control()]);
     let mut want = std::fs::read(&h.src_img).unwrap();
     want[..MIB as usize].copy_from_slice(&pod_bytes);
@@ -463,6 +453,22 @@ fn direct_read(device: &Path, offset: u64) -> Output {
             "status=none",
         ],
     )
+}
+
+/// Reads 1 MiB of `device` at `offset` past the page cache: it must succeed and be
+/// `source`'s bytes there (`what` names the read in a failure).
+fn assert_reads_source(device: &Path, source: &Path, offset: u64, what: &str) {
+    let read = direct_read(device, offset);
+    assert!(
+        read.status.success(),
+        "{what} failed: {}",
+        String::from_utf8_lossy(&read.stderr)
+    );
+    assert_eq!(
+        read.stdout,
+        read_at(source, offset, MIB),
+        "{what} differs from the source"
+    );
 }
 
 /// Writes `data` to `device` at `offset`, past the page cache (dd oflag=direct), and

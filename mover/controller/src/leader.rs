@@ -62,7 +62,7 @@ impl Leadership {
 
     /// Whether this replica leads at this instant.
     pub fn leading(&self) -> bool {
-        (self.start.elapsed().as_millis() as u64) < self.until_ms.load(SeqCst)
+        !self.remaining().is_zero()
     }
 
     /// How long it still leads without another renewal.
@@ -232,14 +232,17 @@ impl Elector {
         let mine = holder.as_deref() == Some(&self.identity);
         if let Some(other) = holder.as_deref().filter(|_| !mine) {
             let version = lease.metadata.resource_version.clone();
-            let changed = self.observed.as_ref().is_none_or(|(v, _)| *v != version);
-            if changed {
-                self.observed = Some((version, Instant::now()));
-            }
+            let seen_since = match &self.observed {
+                Some((v, at)) if *v == version => *at,
+                _ => {
+                    let now = Instant::now();
+                    self.observed = Some((version, now));
+                    now
+                }
+            };
             let their = Duration::from_secs(spec.lease_duration_seconds.unwrap_or(0).max(0) as u64)
                 .max(self.timing.lease);
-            let seen = self.observed.as_ref().map(|(_, at)| at.elapsed());
-            if seen.is_some_and(|s| s < their) {
+            if seen_since.elapsed() < their {
                 self.leadership.resign();
                 return Ok(false);
             }

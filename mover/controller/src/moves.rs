@@ -898,7 +898,9 @@ impl Step<'_> {
 }
 
 /// A field set on the side it does not apply to, which would not do what its writer
-/// expects: the move fails at once and says so.
+/// expects: the move fails at once and says so. The CRD's rules refuse these when a
+/// move is written; this catches the moves written before those rules (a destination's
+/// `timeoutSeconds` used to force, and would now be ignored without a word).
 fn misplaced_field(spec: &crate::crd::VolumeMoveSpec) -> Option<String> {
     match spec.side {
         MoveSide::Destination if spec.timeout_seconds.is_some() => Some(

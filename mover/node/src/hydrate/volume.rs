@@ -117,25 +117,21 @@ impl NbdVolume for LocalVolume {
 /// cancelled, and missing regions are fetched again once the fill resumes.
 pub struct HydratingVolume {
     hydrations: Arc<Hydrations>,
-    export: String,
-    /// The hydration it was opened on: used until the registry knows a newer one.
+    /// The hydration it was opened on (its name is the export's): used until the
+    /// registry knows a newer one.
     opened: Arc<Hydration>,
 }
 
 impl HydratingVolume {
     /// The volume of `export`, hydrating as `opened`.
     pub fn new(hydrations: Arc<Hydrations>, opened: Arc<Hydration>) -> Self {
-        HydratingVolume {
-            hydrations,
-            export: opened.name().to_string(),
-            opened,
-        }
+        HydratingVolume { hydrations, opened }
     }
 
     /// The export's hydration now.
     fn current(&self) -> Arc<Hydration> {
         self.hydrations
-            .get(&self.export)
+            .get(self.opened.name())
             .unwrap_or_else(|| self.opened.clone())
     }
 
