@@ -11,7 +11,7 @@
 //! docs/ARCHITECTURE.md draws the crates and what each may use.
 
 pub use mover_engine::*;
-pub use mover_node::{agent, hydrate, replicate, schedule};
+pub use mover_node::{agent, fd_store, hydrate, replicate, schedule};
 
 #[cfg(feature = "controller")]
 pub use mover_controller as controller;

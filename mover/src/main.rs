@@ -38,6 +38,9 @@ enum Command {
     /// Run the per-node agent: serve exported volumes to peers over gRPC.
     #[command(long_about = cli::agent::AGENT_HELP)]
     Agent(cli::agent::AgentArgs),
+    /// Keep the agent's device connections (FUSE descriptors) across its restarts.
+    #[command(long_about = cli::agent::FD_STORE_HELP)]
+    FdStore(cli::agent::FdStoreArgs),
     /// Print a block volume's chunk digest (Merkle root over keyed BLAKE3 chunk ids).
     #[command(long_about = cli::copy::HASH_HELP)]
     Hash(cli::copy::HashArgs),
@@ -93,6 +96,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Copy(args) => cli::copy::run_copy(&args),
         Command::Agent(args) => cli::agent::run_agent(&args.config),
+        Command::FdStore(args) => cli::agent::run_fd_store(&args),
         Command::Hash(args) => cli::copy::run_hash(&args),
         Command::Replicate(cmd) => cli::replicate::run(cmd),
         Command::Hydrate(cmd) => cli::hydrate::run(cmd),

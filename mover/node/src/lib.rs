@@ -11,6 +11,7 @@
 //! reaches the cluster through [`agent::certificate::Signer`] (docs/ARCHITECTURE.md).
 
 pub mod agent;
+pub mod fd_store;
 pub mod hydrate;
 pub mod replicate;
 pub mod schedule;

@@ -12,6 +12,36 @@ pub struct AgentArgs {
     pub config: PathBuf,
 }
 
+/// `mover fd-store`'s arguments.
+#[derive(clap::Args)]
+pub struct FdStoreArgs {
+    /// The unix socket agents connect to (the agent's `fd_store`).
+    #[arg(long, value_name = "PATH", default_value = "/var/lib/mover-fd-store/store.sock")]
+    pub socket: PathBuf,
+    /// How long connections are kept with no agent to take them; after that they are
+    /// closed and their pods' I/O fails instead of waiting.
+    #[arg(long, value_name = "DURATION", default_value = "15m", value_parser = mover::node::parse_duration)]
+    pub orphan_after: std::time::Duration,
+}
+
+pub(crate) const FD_STORE_HELP: &str = "Keep the agent's device connections across its \
+        restarts. A pod's volume served by the agent (a populated or moved PVC, until its \
+        next stage) is a loop device over a FUSE file; the FUSE connection lives as long as \
+        one descriptor of /dev/fuse for it is open. The agent puts each one here; while \
+        the agent is gone (killed, restarted, upgraded) the kernel holds the pods' requests, \
+        and the next agent takes the descriptors back, has the kernel send again what was \
+        read but never answered, and serves on: the pods pause, and see no error. Run it \
+        beside the agent on each node (deploy/base/fd-store.yaml) and set fd_store in \
+        agent.toml to its socket. It holds descriptors only: it reads no volume, needs no \
+        privilege and no network, and should rarely be restarted (its restart with \
+        devices kept ends their I/O with EIO).";
+
+/// `mover fd-store`: serves until killed.
+pub fn run_fd_store(args: &FdStoreArgs) -> anyhow::Result<()> {
+    mover::fd_store::serve(&args.socket, args.orphan_after)
+        .with_context(|| format!("fd store at {}", args.socket.display()))
+}
+
 /// `mover controller` subcommands.
 #[cfg(feature = "controller")]
 #[derive(clap::Subcommand)]

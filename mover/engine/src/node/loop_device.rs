@@ -44,3 +44,30 @@ pub fn bound_to(file: &Path) -> io::Result<Vec<PathBuf>> {
         .map(PathBuf::from)
         .collect())
 }
+
+/// The file `device` is bound to, as `(device number "MAJ:MIN", inode)`; an error if it
+/// is bound to none. A path can name another file by now; these cannot.
+pub fn backing_file_id(device: &Path) -> io::Result<(String, u64)> {
+    let out = run(Command::new("losetup")
+        .args(["--list", "--noheadings", "--output", "BACK-MAJ:MIN,BACK-INO"])
+        .arg(device))?;
+    let mut fields = out.split_whitespace();
+    match (fields.next(), fields.next().and_then(|i| i.parse().ok())) {
+        (Some(dev), Some(ino)) => Ok((dev.to_string(), ino)),
+        _ => Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("{} is bound to no file (losetup: {out:?})", device.display()),
+        )),
+    }
+}
+
+/// `file`'s id in the form [`backing_file_id`] gives.
+pub fn file_id(file: &Path) -> io::Result<(String, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(file)?;
+    let dev = m.dev();
+    Ok((
+        format!("{}:{}", libc::major(dev), libc::minor(dev)),
+        m.ino(),
+    ))
+}

@@ -72,6 +72,12 @@ pub struct AgentConfig {
     /// STATE_DIR/volumes]. The agent serves them as exports by their volume ids.
     #[serde(default)]
     pub csi_volumes: Option<PathBuf>,
+    /// Unix socket of the fd store (`mover fd-store`), e.g.
+    /// "/var/lib/mover-fd-store/store.sock" [default: none]. The CSI plugin's devices
+    /// keep their FUSE connections there, so that a pod's I/O only pauses while this
+    /// agent restarts or is upgraded; without it, a restart fails their I/O (EIO).
+    #[serde(default)]
+    pub fd_store: Option<PathBuf>,
 }
 
 /// Where the agent's TLS certificate comes from: PEM files, or the cluster's signer.

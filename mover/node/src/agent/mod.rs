@@ -239,12 +239,30 @@ pub async fn serve(
                   environment variable (the downward API's spec.nodeName)"
                 .into(),
         })?;
+        let store = match &config.fd_store {
+            Some(socket) => {
+                let socket = socket.clone();
+                let connected = tokio::task::spawn_blocking(move || {
+                    crate::fd_store::FdStore::connect(&socket, FD_STORE_WAIT)
+                })
+                .await
+                .map_err(|e| AgentError::Serve(e.to_string()))?;
+                Some(connected.map_err(|e| AgentError::Serve(e.to_string()))?)
+            }
+            None => None,
+        };
         let frontend = device::FuseLoop::new(
             &config.state_dir.join("devices"),
             tokio::runtime::Handle::current(),
+            store,
         )
         .map_err(state_err)?;
-        let devices = device::Devices::new(Box::new(frontend), served.clone());
+        let opened = served.clone();
+        let devices = tokio::task::spawn_blocking(move || {
+            device::Devices::new(Box::new(frontend), opened)
+        })
+        .await
+        .map_err(|e| AgentError::Serve(e.to_string()))?;
         let plugin = csi::Plugin {
             node,
             exports: exports.clone(),
@@ -319,6 +337,10 @@ pub async fn serve(
     let _ = stop_tx.send(true);
     result
 }
+
+/// How long an agent waits at start for the fd store: it may be starting beside it, or
+/// still serving the agent this one replaces, while that one exits.
+const FD_STORE_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How long an agent waits at start for its certificate from the cluster's signer.
 const CERTIFICATE_WAIT: std::time::Duration = std::time::Duration::from_secs(300);

@@ -1,27 +1,62 @@
 //! A FUSE file system of one file, `volume`, whose bytes are an [`NbdVolume`]'s: the
 //! same volume the NBD server would serve, so a read of a region still to come fetches
-//! it first, as over NBD. Each request runs as a task on the agent's runtime and answers
-//! when it is done, so a fetch holds up only the reads that need it.
+//! it first, as over NBD. One thread reads the kernel's requests; each read, write or
+//! flush runs as a task on the agent's runtime and answers when it is done, so a fetch
+//! holds up only the requests that need it.
+//!
+//! Every request is idempotent (a read, a write of given bytes at a given offset, a
+//! flush, a trim): one sent again after a restart ([`serve`] with `resend`) is simply
+//! done again.
 
-use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, KernelConfig,
-    LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty,
-    ReplyEntry, ReplyOpen, ReplyWrite, ReplyXattr, Request, WriteFlags,
-};
-use std::{
-    ffi::OsStr,
-    sync::Arc,
-    time::{Duration, UNIX_EPOCH},
-};
+use super::fuse_wire::{self as wire, Args, Attr, Out};
+use rustix::fd::{AsFd, AsRawFd, OwnedFd};
+use std::{io, path::Path, sync::Arc};
 use transport::nbd::NbdVolume;
 
 /// The file's name in the mount.
 pub const FILE_NAME: &str = "volume";
-const FILE_INO: INodeNo = INodeNo(2);
-/// The size never changes while mounted: the kernel may keep attributes.
-const TTL: Duration = Duration::from_secs(3600);
+const ROOT_INO: u64 = 1;
+const FILE_INO: u64 = 2;
+/// The size never changes while mounted: the kernel may keep attributes (seconds).
+const TTL: u64 = 3600;
 /// The largest read or write the kernel sends in one request.
 const MAX_IO: u32 = 1 << 20;
+/// A request's header and arguments come before a write's data.
+const BUFFER: usize = MAX_IO as usize + 4096;
+
+/// Opens `/dev/fuse` and mounts a file system served through it at `dir`; the
+/// returned descriptor is the connection (nothing answers the kernel until [`serve`]).
+pub fn mount(dir: &Path, name: &str) -> io::Result<OwnedFd> {
+    use rustix::{
+        fs::{Mode, OFlags},
+        mount::MountFlags,
+    };
+    let fd = rustix::fs::open(
+        "/dev/fuse",
+        OFlags::RDWR | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io::Error::new(e.kind(), format!("cannot open /dev/fuse: {e}")))?;
+    let options = std::ffi::CString::new(format!(
+        "fd={},rootmode=40000,user_id=0,group_id=0",
+        fd.as_raw_fd()
+    ))
+    .expect("no NUL in the options");
+    rustix::mount::mount(
+        format!("mover:{name}").as_str(),
+        dir,
+        "fuse.mover",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC | MountFlags::NOATIME,
+        options.as_c_str(),
+    )
+    .map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("cannot mount FUSE at {}: {e}", dir.display()),
+        )
+    })?;
+    Ok(fd)
+}
 
 /// The file system.
 pub struct VolumeFile {
@@ -29,285 +64,288 @@ pub struct VolumeFile {
     pub(super) runtime: tokio::runtime::Handle,
 }
 
-impl VolumeFile {
-    fn attr(&self, ino: INodeNo) -> Option<FileAttr> {
-        let (kind, perm, size, nlink) = match ino {
-            INodeNo::ROOT => (FileType::Directory, 0o700, 0, 2),
-            FILE_INO => (
-                FileType::RegularFile,
-                if self.volume.read_only() {
-                    0o400
-                } else {
-                    0o600
-                },
-                self.volume.size(),
-                1,
-            ),
-            _ => return None,
-        };
-        Some(FileAttr {
-            ino,
-            size,
-            blocks: size.div_ceil(512),
-            atime: UNIX_EPOCH,
-            mtime: UNIX_EPOCH,
-            ctime: UNIX_EPOCH,
-            crtime: UNIX_EPOCH,
-            kind,
-            perm,
-            nlink,
-            uid: 0,
-            gid: 0,
-            rdev: 0,
-            flags: 0,
-            blksize: 4096,
-        })
+/// Serves connection `fd` on a thread of its own until the kernel ends it (the file
+/// system is unmounted and its last user gone, or the connection aborted). With
+/// `resend`, the connection was served before (by an agent since gone): the kernel is
+/// first asked to send again every request that agent read but did not answer.
+pub fn serve(fd: Arc<OwnedFd>, file: Arc<VolumeFile>, resend: bool) -> io::Result<()> {
+    if resend {
+        let notify = wire::out_header(0, wire::NOTIFY_RESEND, 0);
+        rustix::io::write(&*fd, &notify).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot ask the kernel to send its FUSE requests again: {e}"),
+            )
+        })?;
     }
+    std::thread::Builder::new()
+        .name("fuse".into())
+        .spawn(move || {
+            let mut buf = vec![0u8; BUFFER];
+            loop {
+                match rustix::io::read(&*fd, &mut buf) {
+                    Ok(n) => file.dispatch(&fd, &buf[..n]),
+                    // Interrupted, or a request the kernel withdrew while it was read.
+                    Err(rustix::io::Errno::INTR | rustix::io::Errno::NOENT) => {}
+                    Err(rustix::io::Errno::AGAIN) => {}
+                    // The connection is over: unmounted and released, or aborted.
+                    Err(rustix::io::Errno::NODEV) => break,
+                    Err(e) => {
+                        tracing::error!("cannot read FUSE requests: {e}");
+                        break;
+                    }
+                }
+            }
+            tracing::debug!("FUSE connection ended");
+        })?;
+    Ok(())
+}
 
-    /// Runs `op` on the runtime; its result goes to the kernel through `answer`.
-    fn spawn<T: Send + 'static>(
-        &self,
-        op: impl Future<Output = std::io::Result<T>> + Send + 'static,
-        answer: impl FnOnce(Result<T, Errno>) + Send + 'static,
-    ) {
-        self.runtime.spawn(async move {
-            // An error without an OS code (a fetch that failed) is EIO.
-            answer(op.await.map_err(|e| {
-                tracing::debug!("volume file: {e}");
-                Errno::from(e)
-            }))
-        });
+/// Answers request `unique` with `body` (or an errno).
+fn reply(fd: &OwnedFd, unique: u64, answer: Result<&[&[u8]], i32>) {
+    let (error, parts) = match answer {
+        Ok(parts) => (0, parts),
+        Err(errno) => (-errno, &[][..]),
+    };
+    let len = parts.iter().map(|p| p.len()).sum();
+    let header = wire::out_header(unique, error, len);
+    let mut iov = vec![io::IoSlice::new(&header)];
+    iov.extend(parts.iter().map(|p| io::IoSlice::new(p)));
+    match rustix::io::writev(fd.as_fd(), &iov) {
+        Ok(_) => {}
+        // The request was interrupted (and withdrawn) meanwhile.
+        Err(rustix::io::Errno::NOENT) => {}
+        Err(e) => tracing::warn!("cannot answer a FUSE request: {e}"),
+    }
+}
+
+fn errno(e: &io::Error) -> i32 {
+    // An error without an OS code (a fetch that failed) is EIO.
+    e.raw_os_error().unwrap_or(libc::EIO)
+}
+
+impl VolumeFile {
+    fn attr(&self, ino: u64) -> Option<Attr> {
+        match ino {
+            ROOT_INO => Some(Attr {
+                ino,
+                size: 0,
+                mode: libc::S_IFDIR | 0o700,
+                nlink: 2,
+            }),
+            FILE_INO => Some(Attr {
+                ino,
+                size: self.volume.size(),
+                mode: libc::S_IFREG
+                    | if self.volume.read_only() {
+                        0o400
+                    } else {
+                        0o600
+                    },
+                nlink: 1,
+            }),
+            _ => None,
+        }
     }
 
     /// `len` bytes at `offset`, cut at the end of the volume.
     fn within(&self, offset: u64, len: u64) -> u64 {
         self.volume.size().saturating_sub(offset).min(len)
     }
-}
 
-impl Filesystem for VolumeFile {
-    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        // Older kernels cap lower; theirs is kept.
-        let _ = config.set_max_write(MAX_IO);
-        let _ = config.set_max_readahead(MAX_IO);
-        Ok(())
-    }
-
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        match (parent, name.to_str()) {
-            (INodeNo::ROOT, Some(FILE_NAME)) => {
-                reply.entry(&TTL, &self.attr(FILE_INO).unwrap(), fuser::Generation(0))
+    /// Answers one request: at once, or from a task once its I/O is done.
+    fn dispatch(&self, fd: &Arc<OwnedFd>, buf: &[u8]) {
+        let Some((h, mut args)) = Args::request(buf) else {
+            tracing::error!(len = buf.len(), "a FUSE request shorter than its header");
+            return;
+        };
+        let unique = h.unique;
+        if unique & wire::UNIQUE_RESEND != 0 {
+            tracing::info!(opcode = h.opcode, "answering a FUSE request the last agent left unanswered");
+        }
+        let done = |answer: Result<Out, i32>| match answer {
+            Ok(out) => reply(fd, unique, Ok(&[&out.0])),
+            Err(e) => reply(fd, unique, Err(e)),
+        };
+        let ok = || reply(fd, unique, Ok(&[]));
+        match h.opcode {
+            // No answer is expected to these.
+            wire::FORGET | wire::BATCH_FORGET | wire::INTERRUPT => {}
+            wire::INIT => {
+                let parsed = (|| Some((args.u32()?, args.u32()?, args.u32()?, args.u32()?)))();
+                match parsed {
+                    Some((wire::MAJOR, minor, readahead, flags)) => {
+                        done(Ok(wire::init_out(minor, readahead, flags, MAX_IO)))
+                    }
+                    _ => done(Err(libc::EPROTO)),
+                }
             }
-            _ => reply.error(Errno::ENOENT),
-        }
-    }
-
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.attr(ino) {
-            Some(a) => reply.attr(&TTL, &a),
-            None => reply.error(Errno::ENOENT),
-        }
-    }
-
-    fn setattr(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _mode: Option<u32>,
-        _uid: Option<u32>,
-        _gid: Option<u32>,
-        size: Option<u64>,
-        _atime: Option<fuser::TimeOrNow>,
-        _mtime: Option<fuser::TimeOrNow>,
-        _ctime: Option<std::time::SystemTime>,
-        _fh: Option<FileHandle>,
-        _crtime: Option<std::time::SystemTime>,
-        _chgtime: Option<std::time::SystemTime>,
-        _bkuptime: Option<std::time::SystemTime>,
-        _flags: Option<fuser::BsdFileFlags>,
-        reply: ReplyAttr,
-    ) {
-        match self.attr(ino) {
-            // A volume's size is the source's: a truncate would tear it.
-            Some(a) if size.is_some_and(|s| s != a.size) => reply.error(Errno::EPERM),
-            Some(a) => reply.attr(&TTL, &a),
-            None => reply.error(Errno::ENOENT),
-        }
-    }
-
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        if ino != FILE_INO {
-            return reply.error(Errno::EISDIR);
-        }
-        if self.volume.read_only() && flags.acc_mode() != OpenAccMode::O_RDONLY {
-            return reply.error(Errno::EROFS);
-        }
-        // Direct I/O: the loop device above keeps the page cache; a second copy here
-        // would only halve what the node can cache.
-        reply.opened(
-            FileHandle(0),
-            FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES,
-        );
-    }
-
-    fn read(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        size: u32,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyData,
-    ) {
-        let len = self.within(offset, size as u64) as u32;
-        if len == 0 {
-            return reply.data(&[]);
-        }
-        let volume = self.volume.clone();
-        self.spawn(
-            async move { volume.read(offset, len).await },
-            move |r| match r {
-                Ok(data) => reply.data(&data),
-                Err(e) => reply.error(e),
+            wire::DESTROY => ok(),
+            wire::LOOKUP => {
+                let name = args.rest().split(|&b| b == 0).next().unwrap_or_default();
+                match (h.nodeid, name) {
+                    (ROOT_INO, n) if n == FILE_NAME.as_bytes() => done(Ok(wire::entry_out(
+                        &self.attr(FILE_INO).expect("the file's attributes"),
+                        TTL,
+                    ))),
+                    _ => done(Err(libc::ENOENT)),
+                }
+            }
+            wire::GETATTR => done(
+                self.attr(h.nodeid)
+                    .map(|a| wire::attr_out(&a, TTL))
+                    .ok_or(libc::ENOENT),
+            ),
+            wire::SETATTR => {
+                let valid = args.u32().unwrap_or(0);
+                let size = (|| {
+                    args.skip(4 + 8)?;
+                    args.u64()
+                })();
+                done(match self.attr(h.nodeid) {
+                    // A volume's size is the source's: a truncate would tear it.
+                    Some(a) if valid & wire::FATTR_SIZE != 0 && size != Some(a.size) => {
+                        Err(libc::EPERM)
+                    }
+                    Some(a) => Ok(wire::attr_out(&a, TTL)),
+                    None => Err(libc::ENOENT),
+                })
+            }
+            wire::OPEN => {
+                let flags = args.u32().unwrap_or(0) as i32;
+                done(if h.nodeid != FILE_INO {
+                    Err(libc::EISDIR)
+                } else if self.volume.read_only() && flags & libc::O_ACCMODE != libc::O_RDONLY {
+                    Err(libc::EROFS)
+                } else {
+                    // Direct I/O: the loop device above keeps the page cache; a second
+                    // copy here would only halve what the node can cache.
+                    Ok(wire::open_out(
+                        wire::FOPEN_DIRECT_IO | wire::FOPEN_PARALLEL_DIRECT_WRITES,
+                    ))
+                })
+            }
+            wire::OPENDIR if h.nodeid == ROOT_INO => done(Ok(wire::open_out(0))),
+            wire::OPENDIR => done(Err(libc::ENOTDIR)),
+            wire::READDIR => {
+                let parsed = (|| Some((args.u64()?, args.u64()?, args.u32()?)))();
+                let Some((_fh, offset, size)) = parsed else {
+                    return done(Err(libc::EINVAL));
+                };
+                let entries = [
+                    (ROOT_INO, libc::DT_DIR, "."),
+                    (ROOT_INO, libc::DT_DIR, ".."),
+                    (FILE_INO, libc::DT_REG, FILE_NAME),
+                ];
+                let mut out = Out::default();
+                for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize)
+                {
+                    let next = wire::dirent(Out(out.0.clone()), ino, i as u64 + 1, kind as u32, name);
+                    if next.0.len() > size as usize {
+                        break;
+                    }
+                    out = next;
+                }
+                done(Ok(out))
+            }
+            wire::STATFS => done(Ok(wire::statfs_out(self.volume.size()))),
+            // close(2) and friends: durability is fsync's business.
+            wire::RELEASE | wire::RELEASEDIR | wire::FLUSH | wire::FSYNCDIR | wire::ACCESS => ok(),
+            // No extended attributes (security.* and the like are asked on every open).
+            wire::GETXATTR => done(Err(libc::ENODATA)),
+            wire::LISTXATTR => match args.u32() {
+                Some(0) => done(Ok(Out::default().u32(0).u32(0))),
+                _ => ok(),
             },
-        );
-    }
-
-    fn write(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        data: &[u8],
-        _write_flags: WriteFlags,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyWrite,
-    ) {
-        if self.within(offset, data.len() as u64) < data.len() as u64 {
-            return reply.error(Errno::ENOSPC);
+            wire::READ => {
+                let parsed = (|| Some((args.u64()?, args.u64()?, args.u32()?)))();
+                let Some((_fh, offset, size)) = parsed else {
+                    return done(Err(libc::EINVAL));
+                };
+                let len = self.within(offset, size as u64) as u32;
+                if len == 0 {
+                    return ok();
+                }
+                let (volume, fd) = (self.volume.clone(), fd.clone());
+                self.runtime.spawn(async move {
+                    match volume.read(offset, len).await {
+                        Ok(data) => reply(&fd, unique, Ok(&[&data])),
+                        Err(e) => {
+                            tracing::debug!("volume file: read at {offset}: {e}");
+                            reply(&fd, unique, Err(errno(&e)))
+                        }
+                    }
+                });
+            }
+            wire::WRITE => {
+                let parsed = (|| {
+                    let (_fh, offset, size) = (args.u64()?, args.u64()?, args.u32()?);
+                    args.skip(4 + 8 + 4 + 4)?;
+                    Some((offset, size))
+                })();
+                let Some((offset, size)) = parsed else {
+                    return done(Err(libc::EINVAL));
+                };
+                let Some(data) = args.rest().get(..size as usize) else {
+                    return done(Err(libc::EINVAL));
+                };
+                if self.within(offset, size as u64) < size as u64 {
+                    return done(Err(libc::ENOSPC));
+                }
+                let (volume, fd, data) = (self.volume.clone(), fd.clone(), data.to_vec());
+                self.runtime.spawn(async move {
+                    match volume.write(offset, &data, false).await {
+                        Ok(()) => {
+                            let out = Out::default().u32(size).u32(0);
+                            reply(&fd, unique, Ok(&[&out.0]))
+                        }
+                        Err(e) => {
+                            tracing::debug!("volume file: write at {offset}: {e}");
+                            reply(&fd, unique, Err(errno(&e)))
+                        }
+                    }
+                });
+            }
+            // The loop device's flush (a pod's fsync) arrives here.
+            wire::FSYNC => {
+                let (volume, fd) = (self.volume.clone(), fd.clone());
+                self.runtime.spawn(async move {
+                    let answer = volume.flush().await.map_err(|e| errno(&e));
+                    reply(&fd, unique, answer.map(|()| &[][..]))
+                });
+            }
+            // The loop device's discard and write-zeroes arrive as these.
+            wire::FALLOCATE => {
+                let parsed = (|| Some((args.u64()?, args.u64()?, args.u64()?, args.u32()?)))();
+                let Some((_fh, offset, length, mode)) = parsed else {
+                    return done(Err(libc::EINVAL));
+                };
+                self.fallocate(fd, unique, offset, length, mode as i32);
+            }
+            _ => done(Err(libc::ENOSYS)),
         }
-        let (volume, data) = (self.volume.clone(), data.to_vec());
-        self.spawn(
-            async move {
-                volume.write(offset, &data, false).await?;
-                Ok(data.len() as u32)
-            },
-            move |r| match r {
-                Ok(n) => reply.written(n),
-                Err(e) => reply.error(e),
-            },
-        );
     }
 
-    fn flush(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _lock_owner: LockOwner,
-        reply: ReplyEmpty,
-    ) {
-        // close(2): durability is fsync's business.
-        reply.ok();
-    }
-
-    fn fsync(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _datasync: bool,
-        reply: ReplyEmpty,
-    ) {
-        // The loop device's flush (a pod's fsync) arrives here.
-        let volume = self.volume.clone();
-        self.spawn(async move { volume.flush().await }, move |r| match r {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        });
-    }
-
-    fn fallocate(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        length: u64,
-        mode: i32,
-        reply: ReplyEmpty,
-    ) {
-        // The loop device's discard and write-zeroes arrive as these.
+    fn fallocate(&self, fd: &Arc<OwnedFd>, unique: u64, offset: u64, length: u64, mode: i32) {
         const PUNCH: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
         const ZERO: i32 = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
         let len = self.within(offset, length);
-        let volume = self.volume.clone();
         match mode {
             // Every byte of the volume is there already.
-            0 | libc::FALLOC_FL_KEEP_SIZE if len == length => reply.ok(),
-            PUNCH | ZERO | libc::FALLOC_FL_ZERO_RANGE if len == length => self.spawn(
-                async move {
-                    if mode == PUNCH {
+            0 | libc::FALLOC_FL_KEEP_SIZE if len == length => reply(fd, unique, Ok(&[])),
+            PUNCH | ZERO | libc::FALLOC_FL_ZERO_RANGE if len == length => {
+                let (volume, fd) = (self.volume.clone(), fd.clone());
+                self.runtime.spawn(async move {
+                    let done = if mode == PUNCH {
                         volume.trim(offset, len, false).await
                     } else {
                         volume.write_zeroes(offset, len, false, false).await
-                    }
-                },
-                move |r| match r {
-                    Ok(()) => reply.ok(),
-                    Err(e) => reply.error(e),
-                },
-            ),
-            _ if len < length => reply.error(Errno::ENOSPC),
-            _ => reply.error(Errno::EOPNOTSUPP),
-        }
-    }
-
-    fn getxattr(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _name: &OsStr,
-        _size: u32,
-        reply: ReplyXattr,
-    ) {
-        // None (security.* and the like are asked on every open).
-        reply.error(Errno::ENODATA);
-    }
-
-    fn listxattr(&self, _req: &Request, _ino: INodeNo, size: u32, reply: ReplyXattr) {
-        if size == 0 {
-            reply.size(0)
-        } else {
-            reply.data(&[])
-        }
-    }
-
-    fn readdir(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        mut reply: ReplyDirectory,
-    ) {
-        if ino != INodeNo::ROOT {
-            return reply.error(Errno::ENOTDIR);
-        }
-        let entries = [
-            (INodeNo::ROOT, FileType::Directory, "."),
-            (INodeNo::ROOT, FileType::Directory, ".."),
-            (FILE_INO, FileType::RegularFile, FILE_NAME),
-        ];
-        for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize) {
-            if reply.add(ino, (i + 1) as u64, kind, name) {
-                break;
+                    };
+                    reply(&fd, unique, done.map(|()| &[][..]).map_err(|e| errno(&e)))
+                });
             }
+            _ if len < length => reply(fd, unique, Err(libc::ENOSPC)),
+            _ => reply(fd, unique, Err(libc::EOPNOTSUPP)),
         }
-        reply.ok();
     }
 }

@@ -8,12 +8,19 @@
 //! client or ublk, a [`Frontend`] of that kind takes the same place: the volume it is
 //! handed is the one the NBD server serves.
 //!
-//! An agent killed while a device is attached takes its FUSE mount with it: the pod's
-//! I/O then fails (EIO) instead of returning a wrong byte, and the agent, started
-//! again, clears what is left so the next NodeStage attaches afresh.
+//! A device outlives the agent that made it. With an fd store (`fd_store` in agent.toml,
+//! [`crate::fd_store`]), the FUSE connection of each device is kept there too: while the
+//! agent is gone (killed, restarted, upgraded) the kernel holds the pods' requests, and
+//! the agent started again takes the connections back ([`Frontend::adopt`]) and serves
+//! on, the requests its predecessor never answered included. Without one, an agent's
+//! death ends its connections: the pods' I/O then fails (EIO) instead of returning a
+//! wrong byte, and the agent, started again, clears what is left so the next NodeStage
+//! attaches afresh.
 
 mod fuse_file;
+mod fuse_wire;
 
+use crate::fd_store::{FdStore, Kept};
 use mover_engine::node::loop_device;
 use std::{
     collections::BTreeMap,
@@ -27,6 +34,10 @@ use transport::nbd::{NbdExports, NbdVolume};
 pub trait Frontend: Send + Sync {
     /// A block device whose bytes are `volume`'s, named after export `name`.
     fn attach(&self, name: &str, volume: Arc<dyn NbdVolume>) -> io::Result<Box<dyn Attached>>;
+
+    /// The devices an earlier agent left that this one serves again, by export name
+    /// (opened in `exports`); what is left of the others is cleared.
+    fn adopt(&self, exports: &dyn NbdExports) -> Vec<(String, Box<dyn Attached>)>;
 }
 
 /// A device a [`Frontend`] made.
@@ -46,11 +57,13 @@ pub struct Devices {
 
 impl Devices {
     /// Devices made by `frontend` for the volumes `exports` opens.
+    /// The devices an earlier agent left are adopted first (blocking).
     pub fn new(frontend: Box<dyn Frontend>, exports: Arc<dyn NbdExports>) -> Arc<Devices> {
+        let adopted = frontend.adopt(&*exports);
         Arc::new(Devices {
             frontend,
             exports,
-            attached: Mutex::default(),
+            attached: Mutex::new(adopted.into_iter().collect()),
         })
     }
 
@@ -108,77 +121,190 @@ impl Devices {
     }
 }
 
+impl Drop for Devices {
+    /// An agent that exits leaves its devices as they are: pods go on using them, and
+    /// the next agent adopts them (or, without an fd store, clears what is left).
+    fn drop(&mut self) {
+        let attached = std::mem::take(&mut *self.attached.lock().expect("devices lock"));
+        for (_, a) in attached {
+            std::mem::forget(a);
+        }
+    }
+}
+
 /// A loop device over the one file of a FUSE mount the agent serves.
 pub struct FuseLoop {
     /// `STATE/devices`: one mount point per attached export.
     dir: PathBuf,
     runtime: tokio::runtime::Handle,
+    /// Where each connection is kept beyond the agent, if anywhere.
+    store: Option<Arc<FdStore>>,
+    /// What the store handed back at start, until [`Frontend::adopt`] takes it.
+    kept: Mutex<Vec<Kept>>,
+}
+
+/// What the fd store keeps beside a device's connection, to find the device again.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct KeptDevice {
+    /// The loop device (`/dev/loopN`).
+    device: PathBuf,
+    /// The FUSE file it is bound to: device number ("MAJ:MIN") and inode.
+    file_dev: String,
+    file_ino: u64,
 }
 
 impl FuseLoop {
-    /// Mounts under `dir`, serving requests on `runtime`. Clears what an agent killed
-    /// with devices attached left there: loop devices over dead mounts, and the mounts.
-    pub fn new(dir: &Path, runtime: tokio::runtime::Handle) -> io::Result<FuseLoop> {
+    /// Mounts under `dir`, serving requests on `runtime`; connections are kept in
+    /// `store` (with what it handed back when connected), if given.
+    pub fn new(
+        dir: &Path,
+        runtime: tokio::runtime::Handle,
+        store: Option<(FdStore, Vec<Kept>)>,
+    ) -> io::Result<FuseLoop> {
         std::fs::create_dir_all(dir)?;
-        for entry in std::fs::read_dir(dir)? {
+        let (store, kept) = match store {
+            Some((store, kept)) => (Some(Arc::new(store)), kept),
+            None => (None, Vec::new()),
+        };
+        Ok(FuseLoop {
+            dir: dir.to_path_buf(),
+            runtime,
+            store,
+            kept: Mutex::new(kept),
+        })
+    }
+
+    /// Serves connection `kept` of export `name` again.
+    fn adopt_one(
+        &self,
+        kept: Kept,
+        exports: &dyn NbdExports,
+    ) -> Result<Box<dyn Attached>, String> {
+        let meta: KeptDevice =
+            serde_json::from_value(kept.meta).map_err(|e| format!("its record: {e}"))?;
+        let bound = loop_device::backing_file_id(&meta.device).map_err(|e| e.to_string())?;
+        if bound != (meta.file_dev.clone(), meta.file_ino) {
+            return Err(format!(
+                "{} is bound to another file now ({}, inode {})",
+                meta.device.display(),
+                bound.0,
+                bound.1
+            ));
+        }
+        let volume = exports.open(&kept.name)?;
+        let conn = Arc::new(kept.fd);
+        let file = Arc::new(fuse_file::VolumeFile {
+            volume,
+            runtime: self.runtime.clone(),
+        });
+        fuse_file::serve(conn.clone(), file, true).map_err(|e| e.to_string())?;
+        Ok(Box::new(FuseDevice {
+            binding: LoopBinding {
+                device: meta.device,
+            },
+            _mount: FuseMount {
+                dir: None,
+                name: kept.name,
+                store: self.store.clone(),
+                _conn: conn,
+            },
+        }))
+    }
+
+    /// Clears what an agent killed with devices attached left under `dir` and the store
+    /// did not keep: loop devices over dead mounts, and the mounts.
+    fn clear_left(&self, adopted: &[PathBuf]) -> io::Result<()> {
+        for entry in std::fs::read_dir(&self.dir)? {
             let mount = entry?.path();
             let file = mount.join(fuse_file::FILE_NAME);
             for dev in loop_device::bound_to(&file).unwrap_or_default() {
+                if adopted.contains(&dev) {
+                    continue;
+                }
                 if let Err(e) = loop_device::detach(&dev) {
                     tracing::warn!(device = %dev.display(), "cannot detach a stale loop device: {e}");
                 }
             }
             // A dead FUSE mount answers ENOTCONN to everything; lazily, as a stale loop
-            // device may still hold it until its last user closes it.
+            // device may still hold it until its last user closes it. An adopted one
+            // goes on without its mount point: its loop device holds the file.
             let _ = rustix::mount::unmount(&mount, rustix::mount::UnmountFlags::DETACH);
             let _ = std::fs::remove_dir(&mount);
         }
-        Ok(FuseLoop {
-            dir: dir.to_path_buf(),
-            runtime,
-        })
+        Ok(())
     }
 }
 
 impl Frontend for FuseLoop {
     fn attach(&self, name: &str, volume: Arc<dyn NbdVolume>) -> io::Result<Box<dyn Attached>> {
-        let mount = self.dir.join(mover_engine::node::name_hash(name));
-        std::fs::create_dir_all(&mount)?;
+        let dir = self.dir.join(mover_engine::node::name_hash(name));
+        std::fs::create_dir_all(&dir)?;
         let read_only = volume.read_only();
-        let mut config = fuser::Config::default();
-        config.mount_options = vec![
-            fuser::MountOption::FSName(format!("mover:{name}")),
-            fuser::MountOption::Subtype("mover".into()),
-            fuser::MountOption::NoAtime,
-            fuser::MountOption::NoDev,
-            fuser::MountOption::NoSuid,
-            fuser::MountOption::NoExec,
-        ];
-        let session = fuser::spawn_mount(
-            fuse_file::VolumeFile {
-                volume,
-                runtime: self.runtime.clone(),
-            },
-            &mount,
-            &config,
-        )
-        .map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!("cannot mount FUSE at {}: {e}", mount.display()),
-            )
-        })?;
-        let mount = FuseMount {
-            file: mount.join(fuse_file::FILE_NAME),
-            dir: mount,
-            session: Some(session),
+        let conn = match fuse_file::mount(&dir, name) {
+            Ok(fd) => Arc::new(fd),
+            Err(e) => {
+                let _ = std::fs::remove_dir(&dir);
+                return Err(e);
+            }
         };
-        // On an error the mount goes (its drop unmounts it and removes its directory).
-        let binding = LoopBinding::attach(&mount.file, read_only)?;
+        let file = dir.join(fuse_file::FILE_NAME);
+        let mount = FuseMount {
+            dir: Some(dir),
+            name: name.to_string(),
+            store: self.store.clone(),
+            _conn: conn.clone(),
+        };
+        // On an error from here the mount goes (its drop unmounts it).
+        let served = Arc::new(fuse_file::VolumeFile {
+            volume,
+            runtime: self.runtime.clone(),
+        });
+        fuse_file::serve(conn.clone(), served, false)?;
+        let binding = LoopBinding::attach(&file, read_only)?;
+        if let Some(store) = &self.store {
+            let (file_dev, file_ino) = loop_device::file_id(&file)?;
+            let meta = KeptDevice {
+                device: binding.device.clone(),
+                file_dev,
+                file_ino,
+            };
+            let meta = serde_json::to_value(meta).map_err(io::Error::other)?;
+            // The device works without it; it would not outlive this agent.
+            if let Err(e) = store.put(name, meta, rustix::fd::AsFd::as_fd(&*conn)) {
+                tracing::warn!(export = name, "the fd store did not take the device's connection: a restart of this agent will end the pod's I/O: {e}");
+            }
+        }
         Ok(Box::new(FuseDevice {
             binding,
             _mount: mount,
         }))
+    }
+
+    fn adopt(&self, exports: &dyn NbdExports) -> Vec<(String, Box<dyn Attached>)> {
+        let kept = std::mem::take(&mut *self.kept.lock().expect("kept lock"));
+        let mut adopted = Vec::new();
+        for k in kept {
+            let name = k.name.clone();
+            match self.adopt_one(k, exports) {
+                Ok(a) => {
+                    tracing::info!(export = name, device = %a.device().display(), "device adopted from the fd store: serving its pod's I/O again");
+                    adopted.push((name, a));
+                }
+                Err(why) => {
+                    // Its pods' requests would wait for ever: closing the store's copy
+                    // ends the connection, and they fail instead.
+                    tracing::error!(export = name, "cannot serve a device the fd store kept, so its connection is closed and its pods' I/O fails: {why}");
+                    if let Some(store) = &self.store {
+                        let _ = store.forget(&name);
+                    }
+                }
+            }
+        }
+        let devices: Vec<_> = adopted.iter().map(|(_, a)| a.device().to_path_buf()).collect();
+        if let Err(e) = self.clear_left(&devices) {
+            tracing::warn!(dir = %self.dir.display(), "cannot clear what an earlier agent left: {e}");
+        }
+        adopted
     }
 }
 
@@ -234,24 +360,29 @@ impl Attached for FuseDevice {
     }
 }
 
-/// A FUSE mount serving one volume file; unmounted and its directory removed on drop.
+/// A FUSE connection serving one volume file, at a mount point of this agent (or, adopted
+/// from an earlier agent's, at none). Dropped once its loop device is detached: the
+/// mount goes, and the store's copy of the connection.
 struct FuseMount {
-    file: PathBuf,
-    dir: PathBuf,
-    session: Option<fuser::BackgroundSession>,
+    dir: Option<PathBuf>,
+    name: String,
+    store: Option<Arc<FdStore>>,
+    /// The connection (its serving thread holds it too, until the kernel ends it).
+    _conn: Arc<rustix::fd::OwnedFd>,
 }
 
 impl Drop for FuseMount {
     fn drop(&mut self) {
-        // The loop driver lets go of the file a moment after losetup -d returns.
-        for _ in 0..100 {
-            if loop_device::bound_to(&self.file).map_or(true, |d| d.is_empty()) {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
+        if let Some(dir) = &self.dir {
+            // Lazily: the loop driver lets go of the file a moment after losetup -d.
+            let _ = rustix::mount::unmount(dir, rustix::mount::UnmountFlags::DETACH);
+            let _ = std::fs::remove_dir(dir);
         }
-        drop(self.session.take());
-        let _ = std::fs::remove_dir(&self.dir);
+        if let Some(store) = &self.store
+            && let Err(e) = store.forget(&self.name)
+        {
+            tracing::warn!(export = self.name, "{e}");
+        }
     }
 }
 
