@@ -48,17 +48,38 @@ fn tools() -> Option<PathBuf> {
     Some(bin)
 }
 
-/// An agent serving the CSI plugin on `dir/csi.sock` as node `node`, with `exports`.
-fn plugin_agent(dir: &Path, node: &str, exports: &[(&str, &Path, bool)]) -> Agent {
+/// An agent serving the CSI plugin on `dir/csi.sock` as node `node`, with `exports`
+/// (and `settings`, more agent.toml lines).
+fn plugin_agent(dir: &Path, node: &str, exports: &[(&str, &Path, bool)], settings: &str) -> Agent {
     Agent::start_with_settings(
         dir,
         exports,
         None,
         &format!(
-            "node_name = \"{node}\"\ncsi_socket = \"{}\"",
+            "node_name = \"{node}\"\ncsi_socket = \"{}\"\n{settings}",
             dir.join("csi.sock").display()
         ),
     )
+}
+
+/// A `mover fd-store` process on `socket`, killed on drop.
+struct FdStore(std::process::Child);
+
+impl FdStore {
+    fn start(socket: &Path) -> FdStore {
+        let child = Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(["fd-store", "--socket", socket.to_str().unwrap()])
+            .spawn()
+            .unwrap();
+        FdStore(child)
+    }
+}
+
+impl Drop for FdStore {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 fn run(cmd: &str, args: &[&str]) -> Output {
@@ -78,7 +99,7 @@ fn hydrate(args: &[&str]) -> String {
 fn csi_sanity_passes_for_filesystem_and_block_volumes() {
     let Some(bin) = tools() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let agent = plugin_agent(dir.path(), "node-a", &[]);
+    let agent = plugin_agent(dir.path(), "node-a", &[], "");
     for access in ["mount", "block"] {
         // csi-sanity makes both directories before each test and fails if they exist.
         let work = dir.path().join(format!("sanity-{access}"));
@@ -146,6 +167,8 @@ struct Hydrating {
     dst_img: PathBuf,
     src: Agent,
     dst: Agent,
+    /// The destination agent's fd store, if it has one (dropped after the agents).
+    _fd_store: Option<FdStore>,
 }
 
 const VOLUME: u64 = 256 * MIB;
@@ -153,7 +176,7 @@ const VOLUME: u64 = 256 * MIB;
 impl Hydrating {
     /// The source: an ext4 volume made from [`source_tree`].
     fn new() -> Hydrating {
-        Hydrating::with_source(|dir, src_img| {
+        Hydrating::with_source(false, |dir, src_img| {
             let tree = dir.join("tree");
             let files = source_tree(&tree);
             let size = format!("{}M", VOLUME / MIB);
@@ -166,7 +189,11 @@ impl Hydrating {
 
     /// The source image made by `make` (given the test directory and the image's path),
     /// which returns the files it holds.
-    fn with_source(make: impl FnOnce(&Path, &Path) -> BTreeMap<String, String>) -> Hydrating {
+    /// With `fd_store`, the destination agent keeps its devices' connections in one.
+    fn with_source(
+        fd_store: bool,
+        make: impl FnOnce(&Path, &Path) -> BTreeMap<String, String>,
+    ) -> Hydrating {
         let dir = tempfile::tempdir().unwrap();
         let (a, b) = (dir.path().join("a"), dir.path().join("b"));
         std::fs::create_dir_all(&a).unwrap();
@@ -175,7 +202,13 @@ impl Hydrating {
         let files = make(dir.path(), &src_img);
         let dst_img = b.join("dst.img");
         let src = Agent::start(&a, &[("src", &src_img, true)], None);
-        let dst = plugin_agent(&b, "node-b", &[("dst", &dst_img, false)]);
+        let socket = dir.path().join("fd-store/store.sock");
+        let store = fd_store.then(|| FdStore::start(&socket));
+        let settings = match fd_store {
+            true => format!("fd_store = \"{}\"", socket.display()),
+            false => String::new(),
+        };
+        let dst = plugin_agent(&b, "node-b", &[("dst", &dst_img, false)], &settings);
         Hydrating {
             dir,
             files,
@@ -183,6 +216,7 @@ impl Hydrating {
             dst_img,
             src,
             dst,
+            _fd_store: store,
         }
     }
 
@@ -340,10 +374,116 @@ fn a_block_volume_whose_agent_is_killed_mid_fill_gives_errors_then_the_source_by
 }
 
 #[test]
+fn a_block_volume_whose_agent_is_killed_mid_io_only_pauses_with_an_fd_store() {
+    let Some(bin) = tools() else { return };
+    // Data everywhere: every region is fetched (none is a hole of the source).
+    let mut h = Hydrating::with_source(true, |_, img| {
+        common::make_image(img, VOLUME, 58, &[(0, VOLUME)]);
+        BTreeMap::new()
+    });
+    h.start(Some("1M"));
+    let kubelet = h.kubelet(
+        &bin,
+        serde_json::json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
+    );
+    kubelet.stage_and_publish();
+    let device = kubelet.target.clone();
+    assert_reads_source(&device, &h.src_img, 0, "the first MiB");
+    // A read the agent has taken from the kernel but cannot answer yet: the region has
+    // not arrived and the source is stopped, so it waits inside the agent for its fetch.
+    let source = h.src.child.id();
+    signal(source, rustix::process::Signal::STOP);
+    let held = spawn_read(&device, 150 * MIB);
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    assert!(
+        !held.is_finished(),
+        "a read of a region still to come did not wait for it"
+    );
+    h.dst.child.kill().unwrap();
+    h.dst.child.wait().unwrap();
+    // With no agent, the pod's reads and writes wait; none fails.
+    let written: Vec<u8> = (0..MIB).map(|i| (i * 7 % 251) as u8).collect();
+    let (d, data) = (device.clone(), written.clone());
+    let writer = std::thread::spawn(move || direct_write(&d, 100 * MIB, &data));
+    let reader = spawn_read(&device, 200 * MIB);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let waiting = [
+        (held.is_finished(), "the held read"),
+        (reader.is_finished(), "a read"),
+        (writer.is_finished(), "a write"),
+    ];
+    for (finished, what) in waiting {
+        assert!(!finished, "{what} ended while no agent served the device");
+    }
+    // The agent started again takes the connection back from the fd store, has the
+    // kernel send again the read its predecessor never answered, and serves on.
+    signal(source, rustix::process::Signal::CONT);
+    let restarted = Instant::now();
+    h.dst.kill_and_restart();
+    for (io, offset) in [(held, 150 * MIB), (reader, 200 * MIB)] {
+        let read = io.join().unwrap();
+        assert!(
+            read.status.success(),
+            "a read at {} MiB failed across the agent's restart: {}",
+            offset / MIB,
+            String::from_utf8_lossy(&read.stderr)
+        );
+        assert_eq!(
+            read.stdout,
+            read_at(&h.src_img, offset, MIB),
+            "the read at {} MiB differs from the source",
+            offset / MIB
+        );
+    }
+    writer
+        .join()
+        .expect("the pod's write failed across the agent's restart");
+    eprintln!(
+        "the pod's I/O resumed {:.0} ms after the agent was started again",
+        restarted.elapsed().as_secs_f64() * 1e3
+    );
+    assert_reads_source(&device, &h.src_img, 0, "the first MiB, after the restart");
+    // Once the fill completes, the device and the image are the source with the pod's
+    // write: nothing was lost or fetched over it.
+    h.finish();
+    let expected = h.dir.path().join("expected.img");
+    std::fs::copy(&h.src_img, &expected).unwrap();
+    write_at(&expected, 100 * MIB, &written);
+    let want = blake3_of(&expected, VOLUME);
+    assert_eq!(blake3_of(&device, VOLUME), want, "the device differs");
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    ok(unpublished, "NodeUnpublishVolume after the restart");
+    ok(unstaged, "NodeUnstageVolume after the restart");
+    assert_eq!(blake3_of(&h.dst_img, VOLUME), want, "the image differs");
+    drop(kubelet);
+    let b = h.dir.path().join("b");
+    drop(h);
+    assert_no_devices_left(&b);
+}
+
+/// Sends `signal` to process `pid`.
+fn signal(pid: u32, signal: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(pid as i32).expect("a pid");
+    rustix::process::kill_process(pid, signal).unwrap();
+}
+
+/// [`direct_read`] on a thread of its own.
+fn spawn_read(device: &Path, offset: u64) -> std::thread::JoinHandle<Output> {
+    let device = device.to_path_buf();
+    std::thread::spawn(move || direct_read(&device, offset))
+}
+
+fn write_at(path: &Path, offset: u64, data: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    file.write_all_at(data, offset).unwrap();
+}
+
+#[test]
 fn a_block_volume_keeps_what_arrived_across_a_cancelled_fill_and_fetches_again_after() {
     let Some(bin) = tools() else { return };
     // Data everywhere: every region is fetched (none is a hole of the source).
-    let h = Hydrating::with_source(|_, img| {
+    let h = Hydrating::with_source(false, |_, img| {
         common::make_image(img, VOLUME, 57, &[(0, VOLUME)]);
         BTreeMap::new()
     });
@@ -409,7 +549,7 @@ fn a_block_volume_keeps_what_arrived_across_a_cancelled_fill_and_fetches_again_a
 fn a_sparse_terabyte_volume_is_a_readable_device_at_once() {
     let Some(bin) = tools() else { return };
     const TIB: u64 = 1 << 40;
-    let h = Hydrating::with_source(|_, img| {
+    let h = Hydrating::with_source(false, |_, img| {
         // 1 TiB, of which the first and the last MiB hold data.
         common::make_image(img, TIB, 41, &[(0, MIB), (TIB - MIB, MIB)]);
         BTreeMap::new()

@@ -2816,7 +2816,7 @@ fn on_real_nodes_populated_pvcs_are_bound_at_once_and_their_pods_read_the_source
             readable.as_secs_f64()
         );
         if name == "small" {
-            a_populated_pods_agent_killed_mid_fill(&c, &src);
+            a_populated_pods_io_goes_on_across_its_agents_kill_and_upgrade(&c, &src);
         }
         c.kubectl_ok(&["delete", "pod", name, "-n", "app", "--wait"]);
     }
@@ -2862,61 +2862,100 @@ fn on_real_nodes_populated_pvcs_are_bound_at_once_and_their_pods_read_the_source
     populated_from_a_snapshot_in_s3(&c, t.path());
 }
 
-/// Node 2's agent killed (kill -9) while the pod of the PVC `small` reads it: a read
-/// answers an error or the source's bytes, never others. The kubelet starts the agent
-/// again, which clears the dead device; a new pod of the PVC is staged anew and reads
-/// the whole source. (The pod on the old device keeps failing until it is made again:
-/// keeping FUSE connections across an agent restart is issue 55's.)
-fn a_populated_pods_agent_killed_mid_fill(c: &RealCluster, src: &std::path::Path) {
+/// Node 2's agent killed (kill -9), then upgraded (a rolling update of the agents'
+/// DaemonSet: a new pod, a new process), while the pod of the PVC `small` reads its whole
+/// device again and again past every cache. The fd store keeps the device's FUSE
+/// connection, so the pod only pauses: no read fails, each is the source's, and the
+/// same pod (not a new one) goes on after both.
+fn a_populated_pods_io_goes_on_across_its_agents_kill_and_upgrade(
+    c: &RealCluster,
+    src: &std::path::Path,
+) {
     let node = c.node(2);
+    let want = sha256_of(src);
+    let pod_uid = c.get(&["pod", "small", "-n", "app"], "{.metadata.uid}");
+    let script = "set -o pipefail; rm -f /tmp/stop; n=0; \
+        while [ ! -e /tmp/stop ]; do \
+          s=$(date +%s); h=$(dd if=/dev/v bs=1M iflag=direct 2>/dev/null | sha256sum) \
+            || { echo failed after $n reads; exit 1; }; \
+          n=$((n+1)); echo read $(( $(date +%s) - s )) $h; \
+        done; echo done $n";
     let agent = process_of("agent", &format!("NODE_NAME={node}")).expect("node 2's agent process");
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(agent).unwrap(),
-        rustix::process::Signal::KILL,
-    )
-    .unwrap();
-    let mid = c.kubectl(&[
-        "exec",
-        "-n",
-        "app",
-        "small",
-        "--",
-        "sh",
-        "-c",
-        "dd if=/dev/v of=/tmp/mid bs=1M skip=5 count=1 iflag=direct && sha256sum /tmp/mid",
-    ]);
-    let said = String::from_utf8_lossy(&mid.stdout).into_owned();
+    let (log, killed_for) = std::thread::scope(|scope| {
+        let reads =
+            scope.spawn(|| c.kubectl(&["exec", "-n", "app", "small", "--", "sh", "-c", script]));
+        std::thread::sleep(Duration::from_secs(3));
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(agent).unwrap(),
+            rustix::process::Signal::KILL,
+        )
+        .unwrap();
+        let killed = std::time::Instant::now();
+        c.wait("node 2's agent started again and Ready", WAIT, || {
+            process_of("agent", &format!("NODE_NAME={node}")).is_some_and(|p| p != agent)
+                && c.get(
+                    &["ds/mover-agent", "-n", "mover-system"],
+                    "{.status.numberReady}",
+                ) == "2"
+        });
+        let killed_for = killed.elapsed();
+        assert!(
+            agent_log(c, &node).contains("device adopted from the fd store"),
+            "the restarted agent did not adopt the pod's device"
+        );
+        // An upgrade: every agent pod replaced, one node at a time.
+        c.kubectl_ok(&["rollout", "restart", "ds/mover-agent", "-n", "mover-system"]);
+        c.kubectl_ok(&[
+            "rollout",
+            "status",
+            "ds/mover-agent",
+            "-n",
+            "mover-system",
+            "--timeout=300s",
+        ]);
+        assert!(
+            agent_log(c, &node).contains("device adopted from the fd store"),
+            "the upgraded agent did not adopt the pod's device"
+        );
+        std::thread::sleep(Duration::from_secs(2));
+        c.kubectl_ok(&["exec", "-n", "app", "small", "--", "touch", "/tmp/stop"]);
+        (reads.join().unwrap(), killed_for)
+    });
+    let said = String::from_utf8_lossy(&log.stdout).into_owned();
     assert!(
-        !mid.status.success() || said.starts_with(&sha256_of_mib(src, 5, 1)),
-        "a read with its agent dead gave bytes that are not the source's: {said}"
+        log.status.success() && said.contains("done "),
+        "the pod's reads failed across its agent's restart and upgrade: {said}{}",
+        String::from_utf8_lossy(&log.stderr)
+    );
+    let reads: Vec<(u64, String)> = said
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.strip_prefix("read ")?.split_whitespace();
+            Some((w.next()?.parse().ok()?, w.next()?.to_string()))
+        })
+        .collect();
+    assert!(reads.len() >= 3, "too few reads: {said}");
+    for (_, h) in &reads {
+        assert_eq!(
+            h, &want,
+            "a read across the agent's restart is not the source's"
+        );
+    }
+    assert_eq!(
+        c.get(
+            &["pod", "small", "-n", "app"],
+            "{.metadata.uid} {.status.phase}"
+        ),
+        format!("{pod_uid} Running"),
+        "the pod was not the same one, running, after its agent's restarts"
     );
     eprintln!(
-        "populated PVC, its agent killed mid-fill: a read of a region not yet here {}",
-        if mid.status.success() {
-            "had arrived: the source's bytes"
-        } else {
-            "failed (EIO)"
-        }
-    );
-    c.wait("node 2's agent started again and Ready", WAIT, || {
-        process_of("agent", &format!("NODE_NAME={node}")).is_some_and(|p| p != agent)
-            && c.get(
-                &["ds/mover-agent", "-n", "mover-system"],
-                "{.status.numberReady}",
-            ) == "2"
-    });
-    c.kubectl_ok(&["delete", "pod", "small", "-n", "app", "--wait"]);
-    volume_pod(
-        c,
-        "small",
-        2,
-        true,
-        "echo whole $(sha256sum /dev/v); sleep 3600",
-    );
-    assert_eq!(
-        logged(c, "small", "whole "),
-        sha256_of(src),
-        "the new pod reads the whole source"
+        "populated PVC, its agent killed then upgraded under the pod's reads: {} whole reads \
+         of the device, none failed, each the source's; the longest took {} s (the agent \
+         was back and Ready {:.1} s after its kill)",
+        reads.len(),
+        reads.iter().map(|(s, _)| *s).max().unwrap_or(0),
+        killed_for.as_secs_f64()
     );
 }
 

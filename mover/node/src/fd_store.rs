@@ -22,9 +22,8 @@ use rustix::{
     event::{PollFd, PollFlags, poll},
     fd::{AsFd, BorrowedFd, OwnedFd},
     net::{
-        AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags,
-        SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketType,
-        sockopt::Timeout,
+        AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+        SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketType, sockopt::Timeout,
     },
 };
 use serde::{Deserialize, Serialize};
@@ -212,10 +211,7 @@ fn serve_agent(
             (other, fd) => {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
-                    format!(
-                        "unexpected {other:?} (with a descriptor: {})",
-                        fd.is_some()
-                    ),
+                    format!("unexpected {other:?} (with a descriptor: {})", fd.is_some()),
                 ));
             }
         }
@@ -256,7 +252,9 @@ impl FdStore {
             }
         };
         // Short waits while another agent may hold the store, to say so and give up in time.
-        let poll = wait.min(Duration::from_secs(1)).max(Duration::from_millis(10));
+        let poll = wait
+            .min(Duration::from_secs(1))
+            .max(Duration::from_millis(10));
         rustix::net::sockopt::set_socket_timeout(&conn, Timeout::Recv, Some(poll))?;
         let mut kept = Vec::new();
         let mut warned = false;
@@ -386,7 +384,10 @@ mod tests {
             std::thread::spawn(move || FdStore::connect(&s, Duration::from_secs(20)).is_ok());
         std::thread::sleep(Duration::from_millis(300));
         drop(first);
-        assert!(second.join().unwrap(), "the second agent never got the store");
+        assert!(
+            second.join().unwrap(),
+            "the second agent never got the store"
+        );
     }
 
     /// Descriptors no agent comes back for are closed after `orphan_after`.

@@ -16,7 +16,11 @@ pub struct AgentArgs {
 #[derive(clap::Args)]
 pub struct FdStoreArgs {
     /// The unix socket agents connect to (the agent's `fd_store`).
-    #[arg(long, value_name = "PATH", default_value = "/var/lib/mover-fd-store/store.sock")]
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/var/lib/mover/fd-store/store.sock"
+    )]
     pub socket: PathBuf,
     /// How long connections are kept with no agent to take them; after that they are
     /// closed and their pods' I/O fails instead of waiting.

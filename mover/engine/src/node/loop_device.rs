@@ -49,14 +49,22 @@ pub fn bound_to(file: &Path) -> io::Result<Vec<PathBuf>> {
 /// is bound to none. A path can name another file by now; these cannot.
 pub fn backing_file_id(device: &Path) -> io::Result<(String, u64)> {
     let out = run(Command::new("losetup")
-        .args(["--list", "--noheadings", "--output", "BACK-MAJ:MIN,BACK-INO"])
+        .args([
+            "--list",
+            "--noheadings",
+            "--output",
+            "BACK-MAJ:MIN,BACK-INO",
+        ])
         .arg(device))?;
     let mut fields = out.split_whitespace();
     match (fields.next(), fields.next().and_then(|i| i.parse().ok())) {
         (Some(dev), Some(ino)) => Ok((dev.to_string(), ino)),
         _ => Err(io::Error::new(
             io::ErrorKind::NotFound,
-            format!("{} is bound to no file (losetup: {out:?})", device.display()),
+            format!(
+                "{} is bound to no file (losetup: {out:?})",
+                device.display()
+            ),
         )),
     }
 }

@@ -73,7 +73,7 @@ pub struct AgentConfig {
     #[serde(default)]
     pub csi_volumes: Option<PathBuf>,
     /// Unix socket of the fd store (`mover fd-store`), e.g.
-    /// "/var/lib/mover-fd-store/store.sock" [default: none]. The CSI plugin's devices
+    /// "/var/lib/mover/fd-store/store.sock" [default: none]. The CSI plugin's devices
     /// keep their FUSE connections there, so that a pod's I/O only pauses while this
     /// agent restarts or is upgraded; without it, a restart fails their I/O (EIO).
     #[serde(default)]

@@ -258,11 +258,10 @@ pub async fn serve(
         )
         .map_err(state_err)?;
         let opened = served.clone();
-        let devices = tokio::task::spawn_blocking(move || {
-            device::Devices::new(Box::new(frontend), opened)
-        })
-        .await
-        .map_err(|e| AgentError::Serve(e.to_string()))?;
+        let devices =
+            tokio::task::spawn_blocking(move || device::Devices::new(Box::new(frontend), opened))
+                .await
+                .map_err(|e| AgentError::Serve(e.to_string()))?;
         let plugin = csi::Plugin {
             node,
             exports: exports.clone(),

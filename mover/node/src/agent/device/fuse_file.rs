@@ -31,12 +31,8 @@ pub fn mount(dir: &Path, name: &str) -> io::Result<OwnedFd> {
         fs::{Mode, OFlags},
         mount::MountFlags,
     };
-    let fd = rustix::fs::open(
-        "/dev/fuse",
-        OFlags::RDWR | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| io::Error::new(e.kind(), format!("cannot open /dev/fuse: {e}")))?;
+    let fd = rustix::fs::open("/dev/fuse", OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot open /dev/fuse: {e}")))?;
     let options = std::ffi::CString::new(format!(
         "fd={},rootmode=40000,user_id=0,group_id=0",
         fd.as_raw_fd()
@@ -161,7 +157,10 @@ impl VolumeFile {
         };
         let unique = h.unique;
         if unique & wire::UNIQUE_RESEND != 0 {
-            tracing::info!(opcode = h.opcode, "answering a FUSE request the last agent left unanswered");
+            tracing::info!(
+                opcode = h.opcode,
+                "answering a FUSE request the last agent left unanswered"
+            );
         }
         let done = |answer: Result<Out, i32>| match answer {
             Ok(out) => reply(fd, unique, Ok(&[&out.0])),
@@ -240,7 +239,8 @@ impl VolumeFile {
                 let mut out = Out::default();
                 for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize)
                 {
-                    let next = wire::dirent(Out(out.0.clone()), ino, i as u64 + 1, kind as u32, name);
+                    let next =
+                        wire::dirent(Out(out.0.clone()), ino, i as u64 + 1, kind as u32, name);
                     if next.0.len() > size as usize {
                         break;
                     }

@@ -291,8 +291,16 @@ mod tests {
         let word = |i: usize| u32::from_ne_bytes(out[i * 4..i * 4 + 4].try_into().unwrap());
         assert_eq!(word(0), MAJOR);
         assert_eq!(word(1), MINOR, "the lower minor of the two");
-        assert_eq!(word(2), 128 << 10, "the kernel's readahead is kept when lower");
-        assert_eq!(word(3), ASYNC_READ, "flags the kernel did not offer are not taken");
+        assert_eq!(
+            word(2),
+            128 << 10,
+            "the kernel's readahead is kept when lower"
+        );
+        assert_eq!(
+            word(3),
+            ASYNC_READ,
+            "flags the kernel did not offer are not taken"
+        );
         assert_eq!(word(5), 1 << 20, "max_write");
     }
 }

@@ -175,11 +175,7 @@ impl FuseLoop {
     }
 
     /// Serves connection `kept` of export `name` again.
-    fn adopt_one(
-        &self,
-        kept: Kept,
-        exports: &dyn NbdExports,
-    ) -> Result<Box<dyn Attached>, String> {
+    fn adopt_one(&self, kept: Kept, exports: &dyn NbdExports) -> Result<Box<dyn Attached>, String> {
         let meta: KeptDevice =
             serde_json::from_value(kept.meta).map_err(|e| format!("its record: {e}"))?;
         let bound = loop_device::backing_file_id(&meta.device).map_err(|e| e.to_string())?;
@@ -271,7 +267,10 @@ impl Frontend for FuseLoop {
             let meta = serde_json::to_value(meta).map_err(io::Error::other)?;
             // The device works without it; it would not outlive this agent.
             if let Err(e) = store.put(name, meta, rustix::fd::AsFd::as_fd(&*conn)) {
-                tracing::warn!(export = name, "the fd store did not take the device's connection: a restart of this agent will end the pod's I/O: {e}");
+                tracing::warn!(
+                    export = name,
+                    "the fd store did not take the device's connection: a restart of this agent will end the pod's I/O: {e}"
+                );
             }
         }
         Ok(Box::new(FuseDevice {
@@ -293,14 +292,20 @@ impl Frontend for FuseLoop {
                 Err(why) => {
                     // Its pods' requests would wait for ever: closing the store's copy
                     // ends the connection, and they fail instead.
-                    tracing::error!(export = name, "cannot serve a device the fd store kept, so its connection is closed and its pods' I/O fails: {why}");
+                    tracing::error!(
+                        export = name,
+                        "cannot serve a device the fd store kept, so its connection is closed and its pods' I/O fails: {why}"
+                    );
                     if let Some(store) = &self.store {
                         let _ = store.forget(&name);
                     }
                 }
             }
         }
-        let devices: Vec<_> = adopted.iter().map(|(_, a)| a.device().to_path_buf()).collect();
+        let devices: Vec<_> = adopted
+            .iter()
+            .map(|(_, a)| a.device().to_path_buf())
+            .collect();
         if let Err(e) = self.clear_left(&devices) {
             tracing::warn!(dir = %self.dir.display(), "cannot clear what an earlier agent left: {e}");
         }
