@@ -5,7 +5,9 @@
 //! - [`hydrate`]: copy-on-demand, a volume served while its data arrives;
 //! - [`schedule`]: snapshots on a schedule;
 //! - [`agent`]: the per-node agent, adapters only: gRPC (transfers, relationship and
-//!   hydration control), NBD, the CSI plugin and its devices, metrics.
+//!   hydration control), NBD, the CSI plugin and its devices, metrics;
+//! - [`fd_store`]: the small process beside the agent that keeps its devices' FUSE
+//!   connections across its restarts.
 //!
 //! Built on `mover-engine`; no Kubernetes client: an agent's certificate request
 //! reaches the cluster through [`agent::certificate::Signer`] (docs/ARCHITECTURE.md).
