@@ -5,7 +5,8 @@
 //!   grpcurl, to check each call's outcome on its own (the real kubelet making them for
 //!   real pods is `kube_nodes.rs`' populated PVCs), on a volume still hydrating from a
 //!   peer agent: its device and file system are usable at once, every byte read is the
-//!   source's, and an agent killed mid-fill gives errors, never a wrong byte.
+//!   source's; an agent killed mid-fill gives errors, never a wrong byte, or, with an fd
+//!   store keeping the device's connection, only a pause.
 
 // Its tools (csi-sanity, grpcurl) come with the test cluster's build, as kube's tests' do.
 #![cfg(feature = "controller")]
