@@ -46,6 +46,11 @@ pub trait Attached: Send + Sync {
     fn device(&self) -> &Path;
     /// Whether a client still holds the device open (it cannot go yet).
     fn in_use(&self) -> bool;
+    /// Whether the device keeps working once this agent has exited (its connection kept
+    /// in an fd store, for the next agent to adopt).
+    fn outlives_agent(&self) -> bool {
+        false
+    }
 }
 
 /// The devices an agent has attached, by export name.
@@ -122,12 +127,16 @@ impl Devices {
 }
 
 impl Drop for Devices {
-    /// An agent that exits leaves its devices as they are: pods go on using them, and
-    /// the next agent adopts them (or, without an fd store, clears what is left).
+    /// An agent that exits leaves the devices the next one adopts as they are: pods go on
+    /// using them. The others are let go as before an exit: a loop device straight over
+    /// its file is marked to clear itself once its pod lets go (the next agent does not
+    /// know it).
     fn drop(&mut self) {
         let attached = std::mem::take(&mut *self.attached.lock().expect("devices lock"));
         for (_, a) in attached {
-            std::mem::forget(a);
+            if a.outlives_agent() {
+                std::mem::forget(a);
+            }
         }
     }
 }
@@ -198,7 +207,7 @@ impl FuseLoop {
             binding: LoopBinding {
                 device: meta.device,
             },
-            _mount: FuseMount {
+            mount: FuseMount {
                 dir: None,
                 name: kept.name,
                 store: self.store.clone(),
@@ -275,7 +284,7 @@ impl Frontend for FuseLoop {
         }
         Ok(Box::new(FuseDevice {
             binding,
-            _mount: mount,
+            mount,
         }))
     }
 
@@ -351,8 +360,7 @@ impl Drop for LoopBinding {
 /// device is detached before the mount goes.
 struct FuseDevice {
     binding: LoopBinding,
-    /// Held for its drop.
-    _mount: FuseMount,
+    mount: FuseMount,
 }
 
 impl Attached for FuseDevice {
@@ -362,6 +370,10 @@ impl Attached for FuseDevice {
 
     fn in_use(&self) -> bool {
         self.binding.in_use()
+    }
+
+    fn outlives_agent(&self) -> bool {
+        self.mount.store.is_some()
     }
 }
 
