@@ -224,6 +224,118 @@ fn mutual_tls_admits_only_clients_of_the_trusted_ca() {
 }
 
 #[test]
+fn a_renewed_certificate_reaches_new_connections_without_a_restart() {
+    let t = tempfile::tempdir().unwrap();
+    let [ca, server_cert, server_key, client_cert, client_key] = make_pki(t.path(), "good");
+    let src = t.path().join("src.img");
+    make_image(&src, 8 * MIB, 46, &[(0, 3 * MIB)]);
+    let dst = t.path().join("dst.img");
+    // The agent looks for renewed files every second.
+    let mut agent = Agent::start(
+        t.path(),
+        &[("vol", &dst, false)],
+        Some((&server_cert, &server_key, &ca)),
+    );
+    let text = std::fs::read_to_string(&agent.config).unwrap();
+    let ca_line = format!("ca = \"{}\"\n", ca.display());
+    std::fs::write(
+        &agent.config,
+        text.replace(&ca_line, &format!("{ca_line}renew_every = \"1s\"\n")),
+    )
+    .unwrap();
+    agent.kill_and_restart();
+    let (url, port) = (agent.url("vol"), agent.port);
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let copy_in = || {
+        let args = [
+            src.to_str().unwrap().to_string(),
+            url.clone(),
+            "--tls-ca".into(),
+            p(&ca),
+            "--tls-cert".into(),
+            p(&client_cert),
+            "--tls-key".into(),
+            p(&client_key),
+            "--tls-server-name".into(),
+            "localhost".into(),
+            "--retries".into(),
+            "1".into(),
+        ];
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        json_of(&copy(t.path(), &refs));
+    };
+    copy_in();
+    let presented = || served_certificate(port, &ca, &client_cert, &client_key);
+    assert_eq!(
+        presented(),
+        fingerprint(&server_cert),
+        "the agent's first certificate"
+    );
+    reissue_server_cert(t.path(), "good");
+    let renewed = fingerprint(&server_cert);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while presented() != renewed {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the renewed certificate was not presented within 15 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    assert!(
+        agent.child.try_wait().unwrap().is_none(),
+        "the agent restarted to renew its certificate"
+    );
+    // Calls go on with the renewed certificate.
+    copy_in();
+    assert_eq!(blake3_of(&src, 8 * MIB), blake3_of(&dst, 8 * MIB));
+}
+
+/// The SHA-256 fingerprint of the certificate the TLS server on 127.0.0.1:`port` presents
+/// to a client with `cert` (openssl s_client).
+fn served_certificate(port: u16, ca: &Path, cert: &Path, key: &Path) -> String {
+    let mut shown = std::process::Command::new("openssl")
+        .args([
+            "s_client",
+            "-connect",
+            &format!("127.0.0.1:{port}"),
+            "-alpn",
+            "h2",
+        ])
+        .arg("-CAfile")
+        .arg(ca)
+        .arg("-cert")
+        .arg(cert)
+        .arg("-key")
+        .arg(key)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("openssl is needed by this test");
+    let text = String::from_utf8_lossy(&shown.stdout).into_owned();
+    let begin = "-----BEGIN CERTIFICATE-----";
+    let end = "-----END CERTIFICATE-----";
+    let Some(at) = text.find(begin) else {
+        shown.stdout.clear();
+        return format!("no certificate: {}", String::from_utf8_lossy(&shown.stderr));
+    };
+    let pem = &text[at..text[at..].find(end).map(|e| at + e + end.len()).unwrap()];
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("served.pem");
+    std::fs::write(&file, pem).unwrap();
+    fingerprint(&file)
+}
+
+/// `openssl x509 -fingerprint -sha256` of a PEM certificate file.
+fn fingerprint(cert: &Path) -> String {
+    let out = std::process::Command::new("openssl")
+        .args(["x509", "-noout", "-fingerprint", "-sha256", "-in"])
+        .arg(cert)
+        .output()
+        .expect("openssl is needed by this test");
+    assert!(out.status.success(), "openssl x509 -in {}", cert.display());
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[test]
 fn nbd_over_tcp_requires_tls_with_a_client_certificate_from_the_ca() {
     let t = tempfile::tempdir().unwrap();
     let [ca, server_cert, server_key, client_cert, client_key] = make_pki(t.path(), "good");

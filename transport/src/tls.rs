@@ -98,6 +98,27 @@ impl TlsPem {
     /// A TLS acceptor for raw streams (NBD over TCP): present our certificate and
     /// require clients signed by the CA.
     pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
+        Ok(tokio_rustls::TlsAcceptor::from(
+            self.server_config(false, Vec::new())?,
+        ))
+    }
+
+    /// A TLS acceptor for gRPC (HTTP/2 by ALPN), as [`TlsPem::server`] configures
+    /// tonic's: for a server that accepts its connections itself, so that it can present
+    /// a renewed certificate to new ones without a restart ([`LiveTls`]).
+    pub fn grpc_acceptor(
+        &self,
+        client_auth_optional: bool,
+    ) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
+        let config = self.server_config(client_auth_optional, vec![b"h2".to_vec()])?;
+        Ok(tokio_rustls::TlsAcceptor::from(config))
+    }
+
+    fn server_config(
+        &self,
+        client_auth_optional: bool,
+        alpn: Vec<Vec<u8>>,
+    ) -> Result<std::sync::Arc<rustls::ServerConfig>, TlsError> {
         use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
         install_crypto_provider();
         let bad = |what: &'static str, why: String| TlsError {
@@ -122,20 +143,59 @@ impl TlsPem {
         for ca in pem_certs("CA", &self.ca)? {
             roots.add(ca).map_err(|e| bad("CA", e.to_string()))?;
         }
-        let verifier = rustls::server::WebPkiClientVerifier::builder(roots.into())
-            .build()
-            .map_err(|e| bad("CA", e.to_string()))?;
-        let config = rustls::ServerConfig::builder()
+        let mut verifier = rustls::server::WebPkiClientVerifier::builder(roots.into());
+        if client_auth_optional {
+            verifier = verifier.allow_unauthenticated();
+        }
+        let verifier = verifier.build().map_err(|e| bad("CA", e.to_string()))?;
+        let mut config = rustls::ServerConfig::builder()
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain, key)
             .map_err(|e| bad("certificate", e.to_string()))?;
-        Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)))
+        config.alpn_protocols = alpn;
+        Ok(std::sync::Arc::new(config))
     }
 
     /// Client side: trust only the CA, present our certificate, and expect the server
     /// to be named `server_name` in its certificate.
     pub fn client(&self, server_name: &str) -> ClientTlsConfig {
         client_trusting(&self.ca, server_name).identity(Identity::from_pem(&self.cert, &self.key))
+    }
+}
+
+/// A certificate that may be renewed while it is in use: servers present the current
+/// one to each new connection, clients to each new connection they make. Connections
+/// already made keep theirs (a renewal comes well before the old one expires).
+#[derive(Clone)]
+pub struct LiveTls(std::sync::Arc<std::sync::RwLock<std::sync::Arc<TlsPem>>>);
+
+impl LiveTls {
+    /// Starts with `pem`.
+    pub fn new(pem: TlsPem) -> LiveTls {
+        LiveTls(std::sync::Arc::new(std::sync::RwLock::new(
+            std::sync::Arc::new(pem),
+        )))
+    }
+
+    /// The current certificate.
+    pub fn get(&self) -> std::sync::Arc<TlsPem> {
+        self.0.read().expect("tls lock").clone()
+    }
+
+    /// Replaces the certificate; false if `pem` is the current one already.
+    pub fn set(&self, pem: TlsPem) -> bool {
+        let mut current = self.0.write().expect("tls lock");
+        if **current == pem {
+            return false;
+        }
+        *current = std::sync::Arc::new(pem);
+        true
+    }
+}
+
+impl std::fmt::Debug for LiveTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LiveTls { .. }")
     }
 }
 

@@ -467,7 +467,9 @@ async fn identities(
     let a = super::issuer::Authority::load_or_create(client, &options.lease_namespace)
         .await
         .map_err(RunError::Authority)?;
-    connect.tls_pem = Some(Arc::new(a.controller_identity().map_err(ca_error)?));
+    connect.tls_pem = Some(transport::tls::LiveTls::new(
+        a.controller_identity().map_err(ca_error)?,
+    ));
     let locator = a.locator_identity().map_err(ca_error)?;
     // Its own certificates are made at start for LIFETIME: two thirds of the way it
     // exits (the Deployment starts it again, a standby leads meanwhile), so they never

@@ -304,6 +304,12 @@ pub fn make_pki(dir: &Path, name: &str) -> [PathBuf; 5] {
     };
     let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
     let (client_cert, client_key) = leaf(vec!["client".into()]);
+    // For reissue_server_cert.
+    std::fs::write(
+        dir.join(format!("{name}-ca.key")),
+        issuer.key().serialize_pem(),
+    )
+    .unwrap();
     let files = [
         "ca.pem",
         "server.pem",
@@ -322,4 +328,23 @@ pub fn make_pki(dir: &Path, name: &str) -> [PathBuf; 5] {
         std::fs::write(path, body).unwrap();
     }
     files
+}
+
+/// Writes a new server certificate and key over [`make_pki`]'s `name` ones, from the same
+/// CA (as cert-manager renews one in place).
+pub fn reissue_server_cert(dir: &Path, name: &str) {
+    use rcgen::{CertificateParams, Issuer, KeyPair};
+    let file = |f: &str| dir.join(format!("{name}-{f}"));
+    let ca_key = KeyPair::from_pem(&std::fs::read_to_string(file("ca.key")).unwrap()).unwrap();
+    let ca_pem = std::fs::read_to_string(file("ca.pem")).unwrap();
+    let issuer = Issuer::from_ca_cert_pem(&ca_pem, ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    // The key first, so that the pair on disk never mixes a new certificate with an old
+    // key for longer than between the two writes (the agent refuses such a pair).
+    std::fs::write(file("server.key"), key.serialize_pem()).unwrap();
+    std::fs::write(file("server.pem"), cert.pem()).unwrap();
 }

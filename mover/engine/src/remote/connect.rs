@@ -102,9 +102,10 @@ pub struct ConnectOptions {
     #[arg(long, value_name = "NAME")]
     pub tls_server_name: Option<String>,
     /// TLS material in memory, given by a caller in the process (an agent's certificate
-    /// from its cluster's signer, the controller's own); before the --tls-* files.
+    /// from its cluster's signer, the controller's own), renewed in place; before the
+    /// --tls-* files.
     #[arg(skip)]
-    pub tls_pem: Option<std::sync::Arc<transport::tls::TlsPem>>,
+    pub tls_pem: Option<transport::tls::LiveTls>,
     /// A peer cluster's CA (PEM), given by a relationship: trust it alone and present no
     /// certificate (the relationship's token authenticates); before everything else.
     #[arg(skip)]
@@ -226,7 +227,7 @@ impl RemoteOptions {
         let tls = if let Some(ca) = &c.tls_peer_ca {
             Some(transport::tls::client_trusting(ca, name))
         } else if let Some(pem) = &c.tls_pem {
-            Some(pem.client(name))
+            Some(pem.get().client(name))
         } else {
             match (&c.tls_ca, &c.tls_cert, &c.tls_key) {
                 (Some(ca), Some(cert), Some(key)) => {

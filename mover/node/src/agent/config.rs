@@ -96,10 +96,30 @@ pub struct TlsConfig {
     pub ca: Option<PathBuf>,
     /// Obtain a certificate for this node from the mover controller through the
     /// Kubernetes CSR API (signer `replication.mover/agent`), kept in STATE_DIR/tls and
-    /// requested again at start when a third of its life is left. Needs `node_name` and
-    /// a ServiceAccount token bound to the agent's pod.
+    /// requested again when a third of its life is left (checked at start and every
+    /// `renew_every`). Needs `node_name` and a ServiceAccount token bound to the agent's
+    /// pod.
     #[serde(default)]
     pub from_kubernetes: bool,
+    /// How often the agent looks for a renewed certificate: reads the files again (as
+    /// cert-manager rewrites them), or asks the cluster's signer once a third of its
+    /// life is left. New connections get the renewed one; no restart [default: "10m"].
+    #[serde(default = "default_renew_every", with = "duration_text")]
+    pub renew_every: std::time::Duration,
+}
+
+fn default_renew_every() -> std::time::Duration {
+    std::time::Duration::from_secs(600)
+}
+
+/// A duration written as text ("10m", "1s") in agent.toml.
+mod duration_text {
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<std::time::Duration, D::Error> {
+        let text: String = serde::Deserialize::deserialize(d)?;
+        mover_engine::node::parse_duration(&text).map_err(serde::de::Error::custom)
+    }
 }
 
 impl TlsConfig {
@@ -274,7 +294,7 @@ impl AgentConfig {
     /// to peers of its cluster; a relationship's own token and CA to another cluster's.
     pub fn peer_options(
         &self,
-        tls: Option<&transport::tls::TlsPem>,
+        tls: Option<&transport::tls::LiveTls>,
     ) -> Result<mover_engine::remote::RemoteOptions, ConfigError> {
         let token_file = self.peer_token_file.clone().or(self.token_file.clone());
         if let Some(path) = &token_file {
@@ -286,7 +306,7 @@ impl AgentConfig {
         Ok(mover_engine::remote::RemoteOptions {
             connect: mover_engine::remote::ConnectOptions {
                 token_file,
-                tls_pem: tls.cloned().map(std::sync::Arc::new),
+                tls_pem: tls.cloned(),
                 ..Default::default()
             },
             retries: 3,

@@ -1,11 +1,12 @@
 //! /healthz: whether the agent can do its work, for the DaemonSet's liveness probe. It
 //! fails when the state directory cannot be written, a relationship's cycle is wedged,
-//! the gRPC server does not answer, or the certificate is about to expire (a restart
-//! renews one from the cluster's signer).
+//! the gRPC server does not answer, or the certificate is about to expire: the agent
+//! renews it well before (at two thirds of its life, [`super::renew_certificate`]), so
+//! this fails only when renewing has failed for long.
 
 use axum::http::StatusCode;
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
-use transport::tls::TlsPem;
+use transport::tls::LiveTls;
 
 /// How long each check may take before it counts as failed.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -15,7 +16,7 @@ pub(super) struct Health {
     pub state_dir: PathBuf,
     /// The gRPC server's address.
     pub grpc: SocketAddr,
-    pub tls: Option<TlsPem>,
+    pub tls: Option<LiveTls>,
     /// The name the certificate carries.
     pub node: Option<String>,
     pub runners: Arc<crate::replicate::Runners>,
@@ -35,12 +36,12 @@ impl Health {
             ));
         }
         if let Some(pem) = &self.tls
-            && let Some((left, all, _)) = transport::cluster::certificate_life(&pem.cert, "")
+            && let Some((left, all, _)) = transport::cluster::certificate_life(&pem.get().cert, "")
             && left * 10 < all
         {
             failed.push(format!(
-                "the agent's certificate expires in {left}s: restart the agent to renew it \
-                 (it asks its cluster's signer at start, or reads renewed files)"
+                "the agent's certificate expires in {left}s and renewing it has failed \
+                 since a third of its life was left (see the log): a restart asks again"
             ));
         }
         if failed.is_empty() {
@@ -85,10 +86,10 @@ impl Health {
             addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
         }
         let mut remote = mover_engine::remote::RemoteOptions::default();
-        remote.connect.tls_pem = self.tls.clone().map(std::sync::Arc::new);
+        remote.connect.tls_pem = self.tls.clone();
         remote.connect.tls_server_name = self.node.clone().or_else(|| {
             self.tls.as_ref().and_then(|p| {
-                transport::tls::Facts::of_pem(&p.cert)?
+                transport::tls::Facts::of_pem(&p.get().cert)?
                     .dns
                     .into_iter()
                     .next()

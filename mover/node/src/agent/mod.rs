@@ -75,7 +75,7 @@ pub async fn serve(
     listener: TcpListener,
     metrics_listener: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
-    signer: Option<&dyn certificate::Signer>,
+    signer: Option<&'static dyn certificate::Signer>,
 ) -> Result<(), AgentError> {
     let credentials = Arc::new(Credentials {
         control_token: config.token()?,
@@ -97,6 +97,17 @@ pub async fn serve(
             }
         },
     };
+    // Renewed in place: new connections, both ways, get the renewed certificate.
+    let tls = tls.map(transport::tls::LiveTls::new);
+    if let (Some(live), Some(t)) = (&tls, &config.tls) {
+        tokio::spawn(renew_certificate(
+            live.clone(),
+            t.clone(),
+            config.state_dir.clone(),
+            config.node_name(),
+            signer,
+        ));
+    }
     let metrics = Arc::new(Metrics::default());
     let state_err = |cause| AgentError::State {
         path: config.state_dir.clone(),
@@ -188,14 +199,9 @@ pub async fn serve(
         .max_frame_size(transport::MAX_FRAME)
         .http2_keepalive_interval(Some(transport::KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(transport::KEEPALIVE_TIMEOUT));
-    if let Some(pem) = &tls {
-        // Peer clusters' agents carry certificates of their own cluster's CA: they
-        // connect without one and prove themselves with a replication token.
-        let optional = !credentials.replication_tokens.is_empty();
-        builder = builder
-            .tls_config(pem.server(optional))
-            .map_err(|e| AgentError::Serve(e.to_string()))?;
-    }
+    // Peer clusters' agents carry certificates of their own cluster's CA: they connect
+    // without one and prove themselves with a replication token.
+    let client_auth_optional = !credentials.replication_tokens.is_empty();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let nbd_socket = config.nbd_socket();
     // The volumes as NBD serves them: what the NBD servers and the CSI devices open.
@@ -219,7 +225,8 @@ pub async fn serve(
         });
     }
     if let (Some(addr), Some(pem)) = (config.nbd_listen, &tls) {
-        let acceptor = pem.acceptor()?;
+        // NBD keeps the certificate it started with (a restart renews it).
+        let acceptor = pem.get().acceptor()?;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| AgentError::Serve(format!("cannot listen for NBD on {addr}: {e}")))?;
@@ -306,12 +313,8 @@ pub async fn serve(
         ));
     }
     tracing::info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), exports = exports.names().len(), tls = tls.is_some(), nbd = %nbd_socket.display(), "agent serving");
-    // The builder's tcp_nodelay does not reach connections from a given listener: without
-    // it, Nagle's algorithm and the peer's delayed ACK hold small replies for ~40 ms
-    // (the tail of a copy-on-demand read of a missing region).
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let authorize = |needs, service| Authorize::new(credentials.clone(), needs, service);
-    let result = builder
+    let router = builder
         .add_service(InterceptedService::new(
             server,
             authorize(Role::Replication, "transfers"),
@@ -329,12 +332,124 @@ pub async fn serve(
         .add_service(InterceptedService::new(
             transport::schedule::schedules_server::SchedulesServer::new(schedule_control),
             authorize(Role::Control, "the scheduled-snapshot API"),
-        ))
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
-        .map_err(|e| AgentError::Serve(e.to_string()));
+        ));
+    let result = match tls {
+        // The agent accepts TLS itself, so that a renewed certificate reaches new
+        // connections without a restart (tonic's own TLS keeps the one it started with).
+        Some(live) => {
+            let incoming = tls_incoming(listener, live, client_auth_optional);
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+        None => {
+            // The builder's tcp_nodelay does not reach connections from a given listener:
+            // without it, Nagle's algorithm and the peer's delayed ACK hold small replies
+            // for ~40 ms (the tail of a copy-on-demand read of a missing region).
+            let incoming =
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+    }
+    .map_err(|e| AgentError::Serve(e.to_string()));
     let _ = stop_tx.send(true);
     result
+}
+
+/// The TLS connections made to `listener`, each with the certificate `live` holds when
+/// it arrives; a handshake runs beside the others and gets at most 10 s.
+fn tls_incoming(
+    listener: TcpListener,
+    live: transport::tls::LiveTls,
+    client_auth_optional: bool,
+) -> tokio_stream::wrappers::ReceiverStream<
+    std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let mut cached: Option<(Arc<transport::tls::TlsPem>, tokio_rustls::TlsAcceptor)> = None;
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = tx.closed() => return,
+            };
+            let (tcp, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!("cannot accept a connection: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            // See the plaintext branch of `serve`: small replies must not wait.
+            let _ = tcp.set_nodelay(true);
+            let pem = live.get();
+            let acceptor = match &cached {
+                Some((p, a)) if Arc::ptr_eq(p, &pem) => a.clone(),
+                _ => match pem.grpc_acceptor(client_auth_optional) {
+                    Ok(a) => {
+                        cached = Some((pem, a.clone()));
+                        a
+                    }
+                    Err(e) => {
+                        tracing::error!("cannot serve TLS with the agent's certificate: {e}");
+                        continue;
+                    }
+                },
+            };
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let handshake = acceptor.accept(tcp);
+                match tokio::time::timeout(std::time::Duration::from_secs(10), handshake).await {
+                    Ok(Ok(tls)) => {
+                        let _ = tx.send(Ok(tls)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake failed: {e}"),
+                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Looks for a renewed certificate every `tls.renew_every` and puts it in `live`: the
+/// files read again, or one from the cluster's signer once a third of the current one's
+/// life is left ([`certificate::obtain`]). One that does not load is not taken.
+async fn renew_certificate(
+    live: transport::tls::LiveTls,
+    tls: config::TlsConfig,
+    state_dir: std::path::PathBuf,
+    node: Option<String>,
+    signer: Option<&'static dyn certificate::Signer>,
+) {
+    loop {
+        tokio::time::sleep(tls.renew_every).await;
+        let fresh = match (tls.files(), &node) {
+            (Some(files), _) => files.load().map_err(|e| e.to_string()),
+            (None, Some(node)) => certificate::obtain(&state_dir, node, CERTIFICATE_WAIT, signer)
+                .await
+                .map_err(|e| e.to_string()),
+            (None, None) => return,
+        };
+        let checked = fresh.and_then(|pem| {
+            pem.grpc_acceptor(false).map_err(|e| e.to_string())?;
+            Ok(pem)
+        });
+        match checked {
+            Ok(pem) => {
+                if live.set(pem) {
+                    tracing::info!("certificate renewed: new connections get it (no restart)");
+                }
+            }
+            Err(e) => tracing::warn!(
+                "cannot renew the agent's certificate, tried again in {:?}: {e}",
+                tls.renew_every
+            ),
+        }
+    }
 }
 
 /// How long an agent waits at start for the fd store: it may be starting beside it, or

@@ -282,10 +282,7 @@ impl Frontend for FuseLoop {
                 );
             }
         }
-        Ok(Box::new(FuseDevice {
-            binding,
-            mount,
-        }))
+        Ok(Box::new(FuseDevice { binding, mount }))
     }
 
     fn adopt(&self, exports: &dyn NbdExports) -> Vec<(String, Box<dyn Attached>)> {
