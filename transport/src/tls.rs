@@ -3,7 +3,7 @@
 //! clusters' agents prove themselves with a token instead).
 
 use std::path::{Path, PathBuf};
-use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
 /// Paths of the PEM files for one side of a mutual-TLS connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -84,17 +84,6 @@ impl std::fmt::Debug for TlsPem {
 }
 
 impl TlsPem {
-    /// Server side: present our certificate; check client certificates against the CA.
-    /// With `client_auth_optional`, a client may present none (it must then show a
-    /// bearer token: a peer cluster's agents, whose certificates another CA signs).
-    pub fn server(&self, client_auth_optional: bool) -> ServerTlsConfig {
-        install_crypto_provider();
-        ServerTlsConfig::new()
-            .identity(Identity::from_pem(&self.cert, &self.key))
-            .client_ca_root(Certificate::from_pem(&self.ca))
-            .client_auth_optional(client_auth_optional)
-    }
-
     /// A TLS acceptor for raw streams (NBD over TCP): present our certificate and
     /// require clients signed by the CA.
     pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
@@ -103,9 +92,11 @@ impl TlsPem {
         ))
     }
 
-    /// A TLS acceptor for gRPC (HTTP/2 by ALPN), as [`TlsPem::server`] configures
-    /// tonic's: for a server that accepts its connections itself, so that it can present
-    /// a renewed certificate to new ones without a restart ([`LiveTls`]).
+    /// A TLS acceptor for gRPC (HTTP/2 by ALPN): present our certificate; check client
+    /// certificates against the CA. With `client_auth_optional`, a client may present
+    /// none (it must then show a bearer token: a peer cluster's agents, whose
+    /// certificates another CA signs). Servers accept connections with it themselves
+    /// ([`incoming`]), so that a renewed certificate reaches new ones ([`LiveTls`]).
     pub fn grpc_acceptor(
         &self,
         client_auth_optional: bool,
@@ -197,6 +188,63 @@ impl std::fmt::Debug for LiveTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("LiveTls { .. }")
     }
+}
+
+/// The TLS connections made to `listener`, each with the certificate `live` holds when
+/// it arrives; a handshake runs beside the others and gets at most 10 s.
+pub fn incoming(
+    listener: tokio::net::TcpListener,
+    live: LiveTls,
+    client_auth_optional: bool,
+) -> tokio_stream::wrappers::ReceiverStream<
+    std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let mut cached: Option<(std::sync::Arc<TlsPem>, tokio_rustls::TlsAcceptor)> = None;
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = tx.closed() => return,
+            };
+            let (tcp, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!("cannot accept a connection: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            // Small replies must not wait for Nagle's algorithm and the peer's delayed ACK.
+            let _ = tcp.set_nodelay(true);
+            let pem = live.get();
+            let acceptor = match &cached {
+                Some((p, a)) if std::sync::Arc::ptr_eq(p, &pem) => a.clone(),
+                _ => match pem.grpc_acceptor(client_auth_optional) {
+                    Ok(a) => {
+                        cached = Some((pem, a.clone()));
+                        a
+                    }
+                    Err(e) => {
+                        tracing::error!("cannot serve TLS with the current certificate: {e}");
+                        continue;
+                    }
+                },
+            };
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let handshake = acceptor.accept(tcp);
+                match tokio::time::timeout(std::time::Duration::from_secs(10), handshake).await {
+                    Ok(Ok(tls)) => {
+                        let _ = tx.send(Ok(tls)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake failed: {e}"),
+                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
 /// Client side without a certificate of our own (a bearer token authenticates us):

@@ -449,7 +449,7 @@ async fn identities(
 ) -> Result<
     (
         Option<Arc<super::issuer::Authority>>,
-        Option<transport::tls::TlsPem>,
+        Option<transport::tls::LiveTls>,
         mover_engine::remote::ConnectOptions,
     ),
     RunError,
@@ -467,19 +467,32 @@ async fn identities(
     let a = super::issuer::Authority::load_or_create(client, &options.lease_namespace)
         .await
         .map_err(RunError::Authority)?;
-    connect.tls_pem = Some(transport::tls::LiveTls::new(
-        a.controller_identity().map_err(ca_error)?,
-    ));
-    let locator = a.locator_identity().map_err(ca_error)?;
-    // Its own certificates are made at start for LIFETIME: two thirds of the way it
-    // exits (the Deployment starts it again, a standby leads meanwhile), so they never
-    // expire in use.
-    tokio::spawn(async {
-        tokio::time::sleep(transport::cluster::AGENT_CERTIFICATE_LIFETIME * 2 / 3).await;
-        tracing::info!("exiting to renew this controller's own certificates");
-        std::process::exit(0);
+    let own = transport::tls::LiveTls::new(a.controller_identity().map_err(ca_error)?);
+    let locator = transport::tls::LiveTls::new(a.locator_identity().map_err(ca_error)?);
+    connect.tls_pem = Some(own.clone());
+    let a = Arc::new(a);
+    // Its own certificates are made at start for LIFETIME, and made again two thirds of
+    // the way, in place: new connections get them, and they never expire in use.
+    let (authority, live_locator) = (a.clone(), locator.clone());
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(transport::cluster::AGENT_CERTIFICATE_LIFETIME * 2 / 3).await;
+            match (
+                authority.controller_identity(),
+                authority.locator_identity(),
+            ) {
+                (Ok(mine), Ok(locator)) => {
+                    own.set(mine);
+                    live_locator.set(locator);
+                    tracing::info!("this controller's own certificates renewed (no restart)");
+                }
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::error!("cannot renew this controller's own certificates: {e}")
+                }
+            }
+        }
     });
-    Ok((Some(Arc::new(a)), Some(locator), connect))
+    Ok((Some(a), Some(locator), connect))
 }
 
 /// The agents' control API, reached with `connect`; over TLS, each agent's
@@ -570,7 +583,7 @@ async fn start_locator(
     client: &kube::Client,
     options: &RunOptions,
     token_file: &std::path::Path,
-    tls: Option<transport::tls::TlsPem>,
+    tls: Option<transport::tls::LiveTls>,
     ctx: Arc<Context>,
 ) -> Result<(), RunError> {
     let vr = crd::api_resource(&options.group, "VolumeReplication");
@@ -711,7 +724,7 @@ fn replications(
 async fn serve_locator(
     addr: std::net::SocketAddr,
     token_file: &std::path::Path,
-    tls: Option<transport::tls::TlsPem>,
+    tls: Option<transport::tls::LiveTls>,
     service: super::locator::LocatorService,
 ) -> Result<(), RunError> {
     use transport::auth::{Authorize, Credentials, Role};
@@ -723,23 +736,27 @@ async fn serve_locator(
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| RunError::Listen { addr, source })?;
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(pem) = &tls {
-        builder = builder
-            .tls_config(pem.server(true))
-            .map_err(|e| RunError::Listen {
-                addr,
-                source: std::io::Error::other(e.to_string()),
-            })?;
-    }
-    let router = builder.add_service(tonic::service::interceptor::InterceptedService::new(
-        transport::locate::locator_server::LocatorServer::new(service),
-        Authorize::new(credentials, Role::Replication, "the Locator"),
-    ));
-    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let router = tonic::transport::Server::builder().add_service(
+        tonic::service::interceptor::InterceptedService::new(
+            transport::locate::locator_server::LocatorServer::new(service),
+            Authorize::new(credentials, Role::Replication, "the Locator"),
+        ),
+    );
     tracing::info!(%addr, tls = tls.is_some(), "locator serving");
     tokio::spawn(async move {
-        if let Err(e) = router.serve_with_incoming(incoming).await {
+        // Over TLS it accepts connections itself, so that its renewed certificate
+        // reaches new ones (peer clusters' agents present no certificate: optional).
+        let served = match tls {
+            Some(live) => {
+                let incoming = transport::tls::incoming(listener, live, true);
+                router.serve_with_incoming(incoming).await
+            }
+            None => {
+                let incoming = tonic::transport::server::TcpIncoming::from(listener);
+                router.serve_with_incoming(incoming).await
+            }
+        };
+        if let Err(e) = served {
             tracing::error!(error = %e, "locator stopped");
         }
     });

@@ -233,7 +233,7 @@ pub(crate) const AGENT_HELP: &str = "Run the per-node agent. It serves the volum
         cycles, hydrations and pulls against the exports its relationship names. Writes \
         carry a fencing epoch. /metrics and /healthz (which fails when the state directory \
         is not writable, a cycle is wedged, the gRPC server does not answer or the \
-        certificate is near its end) are served on metrics_listen. Block exports are also served over NBD on a \
+        certificate is near its end: it is renewed in place, see [tls] renew_every) are served on metrics_listen. Block exports are also served over NBD on a \
         Unix socket (nbd_socket, default STATE_DIR/nbd.sock) for clients on this node, \
         hydrating exports included (`mover hydrate`), and with [tls] on nbd_listen over \
         TCP to clients holding a certificate from the CA (nbds://). Under Kubernetes the controller \

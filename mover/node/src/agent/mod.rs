@@ -337,7 +337,7 @@ pub async fn serve(
         // The agent accepts TLS itself, so that a renewed certificate reaches new
         // connections without a restart (tonic's own TLS keeps the one it started with).
         Some(live) => {
-            let incoming = tls_incoming(listener, live, client_auth_optional);
+            let incoming = transport::tls::incoming(listener, live, client_auth_optional);
             router
                 .serve_with_incoming_shutdown(incoming, shutdown)
                 .await
@@ -356,63 +356,6 @@ pub async fn serve(
     .map_err(|e| AgentError::Serve(e.to_string()));
     let _ = stop_tx.send(true);
     result
-}
-
-/// The TLS connections made to `listener`, each with the certificate `live` holds when
-/// it arrives; a handshake runs beside the others and gets at most 10 s.
-fn tls_incoming(
-    listener: TcpListener,
-    live: transport::tls::LiveTls,
-    client_auth_optional: bool,
-) -> tokio_stream::wrappers::ReceiverStream<
-    std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
-> {
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    tokio::spawn(async move {
-        let mut cached: Option<(Arc<transport::tls::TlsPem>, tokio_rustls::TlsAcceptor)> = None;
-        loop {
-            let accepted = tokio::select! {
-                a = listener.accept() => a,
-                _ = tx.closed() => return,
-            };
-            let (tcp, peer) = match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!("cannot accept a connection: {e}");
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            // See the plaintext branch of `serve`: small replies must not wait.
-            let _ = tcp.set_nodelay(true);
-            let pem = live.get();
-            let acceptor = match &cached {
-                Some((p, a)) if Arc::ptr_eq(p, &pem) => a.clone(),
-                _ => match pem.grpc_acceptor(client_auth_optional) {
-                    Ok(a) => {
-                        cached = Some((pem, a.clone()));
-                        a
-                    }
-                    Err(e) => {
-                        tracing::error!("cannot serve TLS with the agent's certificate: {e}");
-                        continue;
-                    }
-                },
-            };
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let handshake = acceptor.accept(tcp);
-                match tokio::time::timeout(std::time::Duration::from_secs(10), handshake).await {
-                    Ok(Ok(tls)) => {
-                        let _ = tx.send(Ok(tls)).await;
-                    }
-                    Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake failed: {e}"),
-                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                }
-            });
-        }
-    });
-    tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
 /// Looks for a renewed certificate every `tls.renew_every` and puts it in `live`: the
