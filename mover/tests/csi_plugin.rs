@@ -63,23 +63,55 @@ fn plugin_agent(dir: &Path, node: &str, exports: &[(&str, &Path, bool)], setting
     )
 }
 
-/// A `mover fd-store` process on `socket`, killed on drop.
-struct FdStore(std::process::Child);
+/// A `mover fd-store` process on `socket`, its log in `socket`.log; killed on drop.
+struct FdStore {
+    child: std::process::Child,
+    socket: PathBuf,
+}
 
 impl FdStore {
     fn start(socket: &Path) -> FdStore {
+        std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(socket.with_extension("log"))
+            .unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_mover"))
             .args(["fd-store", "--socket", socket.to_str().unwrap()])
+            .env("NO_COLOR", "1")
+            .stderr(log)
             .spawn()
             .unwrap();
-        FdStore(child)
+        FdStore {
+            child,
+            socket: socket.to_path_buf(),
+        }
+    }
+
+    /// kill -9, then started again on the same socket (what it held is gone).
+    fn kill_and_restart(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+        let fresh = FdStore::start(&self.socket);
+        let old = std::mem::replace(self, fresh);
+        std::mem::forget(old); // already dead
+    }
+
+    /// How many times its log says it kept a descriptor for `name`.
+    fn kept(&self, name: &str) -> usize {
+        let log = std::fs::read_to_string(self.socket.with_extension("log")).unwrap_or_default();
+        let name = format!("name=\"{name}\"");
+        log.lines()
+            .filter(|l| l.contains(" kept ") && l.contains(&name))
+            .count()
     }
 }
 
 impl Drop for FdStore {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -169,7 +201,7 @@ struct Hydrating {
     src: Agent,
     dst: Agent,
     /// The destination agent's fd store, if it has one (dropped after the agents).
-    _fd_store: Option<FdStore>,
+    fd_store: Option<FdStore>,
 }
 
 const VOLUME: u64 = 256 * MIB;
@@ -217,7 +249,7 @@ impl Hydrating {
             dst_img,
             src,
             dst,
-            _fd_store: store,
+            fd_store: store,
         }
     }
 
@@ -444,6 +476,35 @@ fn a_block_volume_whose_agent_is_killed_mid_io_only_pauses_with_an_fd_store() {
         restarted.elapsed().as_secs_f64() * 1e3
     );
     assert_reads_source(&device, &h.src_img, 0, "the first MiB, after the restart");
+    // The store killed and started again (its pod replaced) holds nothing; the agent
+    // gives it the device's connection again, so its next kill is still only a pause.
+    let store = h.fd_store.as_mut().unwrap();
+    let puts = store.kept("dst");
+    store.kill_and_restart();
+    let given_back = Instant::now();
+    while h.fd_store.as_ref().unwrap().kept("dst") == puts {
+        assert!(
+            given_back.elapsed().as_secs() < 60,
+            "the agent did not give the restarted store its device's connection"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    h.dst.child.kill().unwrap();
+    h.dst.child.wait().unwrap();
+    let reader = spawn_read(&device, 220 * MIB);
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    assert!(
+        !reader.is_finished(),
+        "a read ended while no agent served the device"
+    );
+    h.dst.kill_and_restart();
+    let read = reader.join().unwrap();
+    assert!(
+        read.status.success(),
+        "a read failed across the agent's restart after the store's: {}",
+        String::from_utf8_lossy(&read.stderr)
+    );
+    assert_eq!(read.stdout, read_at(&h.src_img, 220 * MIB, MIB));
     // Once the fill completes, the device and the image are the source with the pod's
     // write: nothing was lost or fetched over it.
     h.finish();

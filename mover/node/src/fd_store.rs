@@ -32,7 +32,7 @@ use std::{
     io,
     mem::MaybeUninit,
     path::{Path, PathBuf},
-    sync::Mutex,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -220,115 +220,229 @@ fn serve_agent(
     Ok(())
 }
 
-/// An agent's connection to the store.
+/// An agent's connection to the store. What it put is remembered, so that a store
+/// started again (its pod restarted) is given it all again: a thread watches the
+/// connection and reconnects when the store hangs up.
 pub struct FdStore {
     socket: PathBuf,
-    conn: Mutex<OwnedFd>,
+    state: Mutex<Held>,
 }
+
+/// The connection, and what the store should hold: by name, the metadata and the
+/// descriptor (the agent's own copy).
+struct Held {
+    conn: Arc<OwnedFd>,
+    entries: BTreeMap<String, (serde_json::Value, Arc<OwnedFd>)>,
+}
+
+/// How long a reconnection waits between attempts, at most.
+const RECONNECT_BACKOFF: Duration = Duration::from_secs(30);
 
 impl FdStore {
     /// Connects to the store at `socket` and takes what it kept. Waits up to `wait` for
     /// the store to answer: it may be starting, or still serving an agent that is
     /// exiting.
-    pub fn connect(socket: &Path, wait: Duration) -> io::Result<(FdStore, Vec<Kept>)> {
-        let started = Instant::now();
-        let unreachable = |e: &dyn std::fmt::Display| {
-            io::Error::new(
-                io::ErrorKind::NotConnected,
-                format!(
-                    "no fd store answers at {} after {wait:?} ({e}): run `mover fd-store` \
-                     there (deploy/base/fd-store.yaml), or remove fd_store from agent.toml \
-                     (devices then do not outlive the agent)",
-                    socket.display()
-                ),
-            )
-        };
-        let conn = loop {
-            let conn = seqpacket()?;
-            match rustix::net::connect(&conn, &SocketAddrUnix::new(socket)?) {
-                Ok(()) => break conn,
-                Err(e) if started.elapsed() >= wait => return Err(unreachable(&e)),
-                Err(_) => std::thread::sleep(Duration::from_millis(200)),
-            }
-        };
-        // Short waits while another agent may hold the store, to say so and give up in time.
-        let poll = wait
-            .min(Duration::from_secs(1))
-            .max(Duration::from_millis(10));
-        rustix::net::sockopt::set_socket_timeout(&conn, Timeout::Recv, Some(poll))?;
-        let mut kept = Vec::new();
-        let mut warned = false;
-        loop {
-            match receive(conn.as_fd()) {
-                Ok(Some((Message::Kept { name, meta }, Some(fd)))) => {
-                    kept.push(Kept { name, meta, fd })
-                }
-                Ok(Some((Message::End, None))) => break,
-                Ok(Some((other, _))) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("fd store: unexpected {other:?}"),
-                    ));
-                }
-                Ok(None) => return Err(unreachable(&"it closed the connection")),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock && started.elapsed() < wait => {
-                    if !warned {
-                        tracing::warn!(
-                            socket = %socket.display(),
-                            "waiting for the fd store: another agent holds it (a \
-                             predecessor still exiting?)"
-                        );
-                        warned = true;
-                    }
-                }
-                Err(e) => return Err(unreachable(&e)),
-            }
-        }
-        rustix::net::sockopt::set_socket_timeout(&conn, Timeout::Recv, Some(ANSWER_WAIT))?;
+    pub fn connect(socket: &Path, wait: Duration) -> io::Result<(Arc<FdStore>, Vec<Kept>)> {
+        let (conn, kept) = open(socket, wait)?;
         tracing::info!(socket = %socket.display(), kept = kept.len(), "took the fd store");
-        Ok((
-            FdStore {
-                socket: socket.to_path_buf(),
-                conn: Mutex::new(conn),
-            },
-            kept,
-        ))
+        let store = Arc::new(FdStore {
+            socket: socket.to_path_buf(),
+            state: Mutex::new(Held {
+                conn: Arc::new(conn),
+                entries: BTreeMap::new(),
+            }),
+        });
+        let watched = Arc::downgrade(&store);
+        std::thread::Builder::new()
+            .name("fd-store".into())
+            .spawn(move || watch(watched))?;
+        Ok((store, kept))
     }
 
     /// Keeps `fd` under `name` (a copy: the caller's stays open).
-    pub fn put(&self, name: &str, meta: serde_json::Value, fd: BorrowedFd) -> io::Result<()> {
+    pub fn put(&self, name: &str, meta: serde_json::Value, fd: &Arc<OwnedFd>) -> io::Result<()> {
+        let mut held = self.state.lock().expect("fd store lock");
+        held.entries
+            .insert(name.to_string(), (meta.clone(), fd.clone()));
         let name = name.to_string();
-        self.call(&Message::Put { name, meta }, Some(fd))
+        self.call(&held.conn, &Message::Put { name, meta }, Some(fd.as_fd()))
+    }
+
+    /// Records that the store holds `fd` under `name` already (one it handed back).
+    pub fn remember(&self, name: &str, meta: serde_json::Value, fd: &Arc<OwnedFd>) {
+        let mut held = self.state.lock().expect("fd store lock");
+        held.entries.insert(name.to_string(), (meta, fd.clone()));
     }
 
     /// Closes the store's copy of `name`'s descriptor.
     pub fn forget(&self, name: &str) -> io::Result<()> {
+        let mut held = self.state.lock().expect("fd store lock");
+        held.entries.remove(name);
         let name = name.to_string();
-        self.call(&Message::Forget { name }, None)
+        self.call(&held.conn, &Message::Forget { name }, None)
     }
 
-    fn call(&self, message: &Message, fd: Option<BorrowedFd>) -> io::Result<()> {
-        let conn = self.conn.lock().expect("fd store lock");
-        let failed = |e: io::Error| {
+    fn call(&self, conn: &OwnedFd, message: &Message, fd: Option<BorrowedFd>) -> io::Result<()> {
+        call(conn.as_fd(), message, fd).map_err(|e| {
             io::Error::new(
                 e.kind(),
                 format!("fd store at {}: {e}", self.socket.display()),
             )
+        })
+    }
+}
+
+/// Sends `message` (with `fd`) and waits for the store's `ok`.
+fn call(conn: BorrowedFd, message: &Message, fd: Option<BorrowedFd>) -> io::Result<()> {
+    send(conn, message, fd)?;
+    match receive(conn)? {
+        Some((Message::Ok, _)) => Ok(()),
+        other => Err(io::Error::other(format!("expected ok, got {other:?}"))),
+    }
+}
+
+/// Waits for the store to hang up, then connects again and puts back everything the
+/// agent holds, until the agent's [`FdStore`] is gone.
+fn watch(store: std::sync::Weak<FdStore>) {
+    loop {
+        let Some(conn) = store
+            .upgrade()
+            .map(|s| s.state.lock().expect("fd store lock").conn.clone())
+        else {
+            return;
         };
-        send(conn.as_fd(), message, fd).map_err(failed)?;
-        match receive(conn.as_fd()).map_err(failed)? {
-            Some((Message::Ok, _)) => Ok(()),
-            other => Err(failed(io::Error::other(format!(
-                "expected ok, got {other:?}"
-            )))),
+        // A second at a time: the connection must close soon after the agent's FdStore
+        // goes, or the store would wait for this agent for ever.
+        let mut hung_up = [PollFd::new(&*conn, PollFlags::RDHUP)];
+        let second = rustix::event::Timespec {
+            tv_sec: 1,
+            tv_nsec: 0,
+        };
+        match poll(&mut hung_up, Some(&second)) {
+            Err(rustix::io::Errno::INTR) | Ok(0) => continue,
+            Err(e) => {
+                tracing::warn!("cannot watch the fd store's connection: {e}");
+                return;
+            }
+            Ok(_) => {}
+        }
+        let gone = PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR;
+        if !hung_up[0].revents().intersects(gone) {
+            continue;
+        }
+        tracing::warn!(
+            "the fd store went away: until it is back and has the devices' connections \
+             again, a restart of this agent would end their pods' I/O"
+        );
+        let mut delay = Duration::from_secs(1);
+        loop {
+            let Some(s) = store.upgrade() else { return };
+            match s.reconnect() {
+                Ok(n) => {
+                    tracing::info!(
+                        devices = n,
+                        "the fd store is back and holds the devices' connections again"
+                    );
+                    break;
+                }
+                Err(e) => tracing::debug!("the fd store is not back yet: {e}"),
+            }
+            drop(s);
+            std::thread::sleep(delay);
+            delay = (delay * 2).min(RECONNECT_BACKOFF);
         }
     }
+}
+
+impl FdStore {
+    /// A new connection to the store, given everything the agent holds; how many.
+    fn reconnect(&self) -> io::Result<usize> {
+        let (fresh, stale) = open(&self.socket, Duration::from_secs(5))?;
+        // A store started afresh holds nothing of this agent's; whatever it hands back
+        // is not ours to serve.
+        drop(stale);
+        let mut held = self.state.lock().expect("fd store lock");
+        for (name, (meta, fd)) in &held.entries {
+            let message = Message::Put {
+                name: name.clone(),
+                meta: meta.clone(),
+            };
+            call(fresh.as_fd(), &message, Some(fd.as_fd()))?;
+        }
+        held.conn = Arc::new(fresh);
+        Ok(held.entries.len())
+    }
+}
+
+/// Connects to the store at `socket` and receives what it kept, waiting up to `wait`.
+fn open(socket: &Path, wait: Duration) -> io::Result<(OwnedFd, Vec<Kept>)> {
+    let started = Instant::now();
+    let unreachable = |e: &dyn std::fmt::Display| {
+        io::Error::new(
+            io::ErrorKind::NotConnected,
+            format!(
+                "no fd store answers at {} after {wait:?} ({e}): run `mover fd-store` \
+                 there (deploy/base/fd-store.yaml), or remove fd_store from agent.toml \
+                 (devices then do not outlive the agent)",
+                socket.display()
+            ),
+        )
+    };
+    let conn = loop {
+        let conn = seqpacket()?;
+        match rustix::net::connect(&conn, &SocketAddrUnix::new(socket)?) {
+            Ok(()) => break conn,
+            Err(e) if started.elapsed() >= wait => return Err(unreachable(&e)),
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    };
+    // Short waits while another agent may hold the store, to say so and give up in time.
+    let poll = wait
+        .min(Duration::from_secs(1))
+        .max(Duration::from_millis(10));
+    rustix::net::sockopt::set_socket_timeout(&conn, Timeout::Recv, Some(poll))?;
+    let mut kept = Vec::new();
+    let mut warned = false;
+    loop {
+        match receive(conn.as_fd()) {
+            Ok(Some((Message::Kept { name, meta }, Some(fd)))) => {
+                kept.push(Kept { name, meta, fd })
+            }
+            Ok(Some((Message::End, None))) => break,
+            Ok(Some((other, _))) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("fd store: unexpected {other:?}"),
+                ));
+            }
+            Ok(None) => return Err(unreachable(&"it closed the connection")),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && started.elapsed() < wait => {
+                if !warned {
+                    tracing::warn!(
+                        socket = %socket.display(),
+                        "waiting for the fd store: another agent holds it (a \
+                         predecessor still exiting?)"
+                    );
+                    warned = true;
+                }
+            }
+            Err(e) => return Err(unreachable(&e)),
+        }
+    }
+    rustix::net::sockopt::set_socket_timeout(&conn, Timeout::Recv, Some(ANSWER_WAIT))?;
+    Ok((conn, kept))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::{Read, Write};
+
+    /// A pipe: its read end, and its write end as a descriptor to put in the store.
+    fn pipe() -> (std::io::PipeReader, Arc<OwnedFd>) {
+        let (reader, writer) = std::io::pipe().unwrap();
+        (reader, Arc::new(OwnedFd::from(writer)))
+    }
 
     /// A pipe's write end put in the store by one "agent" is handed to the next, still
     /// the same pipe; a forgotten one is closed by the store.
@@ -338,15 +452,15 @@ mod tests {
         let socket = dir.path().join("store.sock");
         let s = socket.clone();
         std::thread::spawn(move || serve(&s, Duration::from_secs(60)));
-        let (mut kept_reader, kept_writer) = std::io::pipe().unwrap();
-        let (mut gone_reader, gone_writer) = std::io::pipe().unwrap();
+        let (mut kept_reader, kept_writer) = pipe();
+        let (mut gone_reader, gone_writer) = pipe();
         {
             let (store, kept) = FdStore::connect(&socket, Duration::from_secs(10)).unwrap();
             assert!(kept.is_empty());
             let meta = serde_json::json!({"device": "/dev/loop7"});
-            store.put("a", meta, kept_writer.as_fd()).unwrap();
+            store.put("a", meta, &kept_writer).unwrap();
             store
-                .put("b", serde_json::Value::Null, gone_writer.as_fd())
+                .put("b", serde_json::Value::Null, &gone_writer)
                 .unwrap();
             store.forget("b").unwrap();
         }
@@ -397,12 +511,10 @@ mod tests {
         let socket = dir.path().join("store.sock");
         let s = socket.clone();
         std::thread::spawn(move || serve(&s, Duration::from_millis(500)));
-        let (mut reader, writer) = std::io::pipe().unwrap();
+        let (mut reader, writer) = pipe();
         {
             let (store, _) = FdStore::connect(&socket, Duration::from_secs(10)).unwrap();
-            store
-                .put("a", serde_json::Value::Null, writer.as_fd())
-                .unwrap();
+            store.put("a", serde_json::Value::Null, &writer).unwrap();
         }
         drop(writer);
         let started = Instant::now();

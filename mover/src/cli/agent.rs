@@ -37,8 +37,9 @@ pub(crate) const FD_STORE_HELP: &str = "Keep the agent's device connections acro
         read but never answered, and serves on: the pods pause, and see no error. Run it \
         beside the agent on each node (deploy/base/fd-store.yaml) and set fd_store in \
         agent.toml to its socket. It holds descriptors only: it reads no volume, needs no \
-        privilege and no network, and should rarely be restarted (its restart with \
-        devices kept ends their I/O with EIO).";
+        privilege and no network. Restarted while the agent runs, it is given every \
+        connection again by the agent within seconds; a store and an agent down at the \
+        same moment lose them (the pods' I/O then fails with EIO).";
 
 /// `mover fd-store`: serves until killed.
 pub fn run_fd_store(args: &FdStoreArgs) -> anyhow::Result<()> {

@@ -168,11 +168,11 @@ impl FuseLoop {
     pub fn new(
         dir: &Path,
         runtime: tokio::runtime::Handle,
-        store: Option<(FdStore, Vec<Kept>)>,
+        store: Option<(Arc<FdStore>, Vec<Kept>)>,
     ) -> io::Result<FuseLoop> {
         std::fs::create_dir_all(dir)?;
         let (store, kept) = match store {
-            Some((store, kept)) => (Some(Arc::new(store)), kept),
+            Some((store, kept)) => (Some(store), kept),
             None => (None, Vec::new()),
         };
         Ok(FuseLoop {
@@ -186,7 +186,7 @@ impl FuseLoop {
     /// Serves connection `kept` of export `name` again.
     fn adopt_one(&self, kept: Kept, exports: &dyn NbdExports) -> Result<Box<dyn Attached>, String> {
         let meta: KeptDevice =
-            serde_json::from_value(kept.meta).map_err(|e| format!("its record: {e}"))?;
+            serde_json::from_value(kept.meta.clone()).map_err(|e| format!("its record: {e}"))?;
         let bound = loop_device::backing_file_id(&meta.device).map_err(|e| e.to_string())?;
         if bound != (meta.file_dev.clone(), meta.file_ino) {
             return Err(format!(
@@ -198,6 +198,9 @@ impl FuseLoop {
         }
         let volume = exports.open(&kept.name)?;
         let conn = Arc::new(kept.fd);
+        if let Some(store) = &self.store {
+            store.remember(&kept.name, kept.meta, &conn);
+        }
         let file = Arc::new(fuse_file::VolumeFile {
             volume,
             runtime: self.runtime.clone(),
@@ -275,7 +278,7 @@ impl Frontend for FuseLoop {
             };
             let meta = serde_json::to_value(meta).map_err(io::Error::other)?;
             // The device works without it; it would not outlive this agent.
-            if let Err(e) = store.put(name, meta, rustix::fd::AsFd::as_fd(&*conn)) {
+            if let Err(e) = store.put(name, meta, &conn) {
                 tracing::warn!(
                     export = name,
                     "the fd store did not take the device's connection: a restart of this agent will end the pod's I/O: {e}"
