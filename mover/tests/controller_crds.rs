@@ -182,6 +182,27 @@ fn deploy_agent_configs_load() {
             "{file}: csi_socket {} is not the registrar's",
             socket.display()
         );
+        // The devices' connections go to the fd store beside the agent: its socket is
+        // where fd-store.yaml's store listens, in a directory the agent mounts too.
+        let store_yaml = std::fs::read_to_string(repo().join("deploy/base/fd-store.yaml")).unwrap();
+        let store = config
+            .fd_store
+            .as_ref()
+            .expect("the agent keeps its devices in the fd store");
+        assert!(
+            store_yaml.contains(&format!("--socket, {}]", store.display()))
+                && store_yaml.contains(&format!(
+                    "hostPath: {{path: {}",
+                    store.parent().unwrap().display()
+                )),
+            "{file}: fd_store {} is not where fd-store.yaml's store listens",
+            store.display()
+        );
+        assert!(
+            store.starts_with(&config.state_dir)
+                && agent_yaml.contains("{name: state, mountPath: /var/lib/mover}"),
+            "{file}: the agent does not see the fd store's socket"
+        );
     }
     let base = mover::agent::AgentConfig::load(&repo().join("deploy/base/agent.toml")).unwrap();
     assert!(
