@@ -358,6 +358,10 @@ fn a_filesystem_volume_still_hydrating_mounts_at_once_and_reads_the_source() {
         seen, h.files,
         "a file read through the complete volume differs"
     );
+    // An agent started again has no record of that loop device; NodeUnstage finds it by
+    // the volume's file.
+    let mut h = h;
+    h.dst.kill_and_restart();
     let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
     ok(unpublished, "NodeUnpublishVolume");
     ok(unstaged, "NodeUnstageVolume");

@@ -176,18 +176,25 @@ pub fn serve(socket: &Path, orphan_after: Duration) -> io::Result<()> {
                 continue;
             }
         };
-        match serve_agent(client.as_fd(), &mut kept) {
+        // The orphan clock starts again only after an agent took what was kept: a
+        // connection left in the queue by an agent that gave up waiting does not count.
+        let mut took = false;
+        match serve_agent(client.as_fd(), &mut kept, &mut took) {
             Ok(()) => tracing::info!(kept = kept.len(), "the agent left the fd store"),
             Err(e) => tracing::warn!(kept = kept.len(), "the agent's connection failed: {e}"),
         }
-        alone_since = Instant::now();
+        if took {
+            alone_since = Instant::now();
+        }
     }
 }
 
-/// Hands `kept` to one agent and takes its puts and forgets until it goes.
+/// Hands `kept` to one agent (`took` once it has all of it) and takes its puts and
+/// forgets until it goes.
 fn serve_agent(
     client: BorrowedFd,
     kept: &mut BTreeMap<String, (serde_json::Value, OwnedFd)>,
+    took: &mut bool,
 ) -> io::Result<()> {
     tracing::info!(kept = kept.len(), "an agent took the fd store");
     for (name, (meta, fd)) in kept.iter() {
@@ -198,6 +205,7 @@ fn serve_agent(
         send(client, &message, Some(fd.as_fd()))?;
     }
     send(client, &Message::End, None)?;
+    *took = true;
     while let Some((message, fd)) = receive(client)? {
         match (message, fd) {
             (Message::Put { name, meta }, Some(fd)) => {
@@ -236,7 +244,7 @@ struct Held {
 }
 
 /// How long a reconnection waits between attempts, at most.
-const RECONNECT_BACKOFF: Duration = Duration::from_secs(30);
+const RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
 
 impl FdStore {
     /// Connects to the store at `socket` and takes what it kept. Waits up to `wait` for
@@ -284,6 +292,9 @@ impl FdStore {
 
     fn call(&self, conn: &OwnedFd, message: &Message, fd: Option<BorrowedFd>) -> io::Result<()> {
         call(conn.as_fd(), message, fd).map_err(|e| {
+            // A late answer would be read as the next call's: the connection is ended
+            // instead, and the watcher makes a new one and puts everything back.
+            let _ = rustix::net::shutdown(conn, rustix::net::Shutdown::Both);
             io::Error::new(
                 e.kind(),
                 format!("fd store at {}: {e}", self.socket.display()),
@@ -357,11 +368,15 @@ fn watch(store: std::sync::Weak<FdStore>) {
 impl FdStore {
     /// A new connection to the store, given everything the agent holds; how many.
     fn reconnect(&self) -> io::Result<usize> {
-        let (fresh, stale) = open(&self.socket, Duration::from_secs(5))?;
-        // A store started afresh holds nothing of this agent's; whatever it hands back
-        // is not ours to serve.
-        drop(stale);
+        let (fresh, handed) = open(&self.socket, Duration::from_secs(5))?;
         let mut held = self.state.lock().expect("fd store lock");
+        // A store that only lost the connection still holds what was put: what this
+        // agent no longer holds (detached meanwhile) goes, or a later agent would adopt it.
+        for k in handed {
+            if !held.entries.contains_key(&k.name) {
+                call(fresh.as_fd(), &Message::Forget { name: k.name }, None)?;
+            }
+        }
         for (name, (meta, fd)) in &held.entries {
             let message = Message::Put {
                 name: name.clone(),
@@ -430,6 +445,7 @@ fn open(socket: &Path, wait: Duration) -> io::Result<(OwnedFd, Vec<Kept>)> {
         }
     }
     rustix::net::sockopt::set_socket_timeout(&conn, Timeout::Recv, Some(ANSWER_WAIT))?;
+    rustix::net::sockopt::set_socket_timeout(&conn, Timeout::Send, Some(ANSWER_WAIT))?;
     Ok((conn, kept))
 }
 

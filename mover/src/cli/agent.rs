@@ -34,15 +34,34 @@ pub(crate) const FD_STORE_HELP: &str = "Keep the agent's device connections acro
         one descriptor of /dev/fuse for it is open. The agent puts each one here; while \
         the agent is gone (killed, restarted, upgraded) the kernel holds the pods' requests, \
         and the next agent takes the descriptors back, has the kernel send again what was \
-        read but never answered, and serves on: the pods pause, and see no error. Run it \
+        read but never answered (FUSE_NOTIFY_RESEND, Linux 6.9 or later; on an older \
+        kernel the pods get EIO, as without a store), and serves on: the pods pause, and \
+        see no error. Run it \
         beside the agent on each node (deploy/base/fd-store.yaml) and set fd_store in \
         agent.toml to its socket. It holds descriptors only: it reads no volume, needs no \
         privilege and no network. Restarted while the agent runs, it is given every \
-        connection again by the agent within seconds; a store and an agent down at the \
+        connection again by the agent within about 10 s; a store and an agent down at the \
         same moment lose them (the pods' I/O then fails with EIO).";
 
-/// `mover fd-store`: serves until killed.
+/// `mover fd-store`: serves until SIGTERM or SIGINT (as a container's PID 1 it would
+/// otherwise ignore them, and a pod's deletion would wait out its grace period).
 pub fn run_fd_store(args: &FdStoreArgs) -> anyhow::Result<()> {
+    let signals = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    std::thread::spawn(move || {
+        signals.block_on(async {
+            use tokio::signal::unix::{SignalKind, signal};
+            let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {},
+                _ = term.recv() => {},
+            }
+        });
+        tracing::warn!("fd store stopping: the connections it keeps for an agent that is down end");
+        std::process::exit(0);
+    });
     mover::fd_store::serve(&args.socket, args.orphan_after)
         .with_context(|| format!("fd store at {}", args.socket.display()))
 }

@@ -41,7 +41,7 @@ pub async fn serve_unix(
 pub async fn serve_tcp(
     listener: TcpListener,
     exports: Arc<dyn NbdExports>,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<crate::tls::LiveTls>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> io::Result<()> {
     tracing::info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), "NBD server listening");
@@ -53,7 +53,15 @@ pub async fn serve_tcp(
                 Ok((stream, peer)) => {
                     // Replies are small and latency-bound; Nagle would hold them back.
                     let _ = stream.set_nodelay(true);
-                    spawn(stream, peer.to_string(), exports.clone(), tls.clone());
+                    // The certificate current now: it may have been renewed since start.
+                    let acceptor = match tls.as_ref().map(|t| t.get().acceptor()).transpose() {
+                        Ok(a) => a,
+                        Err(e) => {
+                            tracing::error!(%peer, "NBD: cannot serve TLS with the current certificate: {e}");
+                            continue;
+                        }
+                    };
+                    spawn(stream, peer.to_string(), exports.clone(), acceptor);
                 }
                 Err(e) => accept_failed(e).await,
             },

@@ -118,7 +118,11 @@ mod duration_text {
         d: D,
     ) -> Result<std::time::Duration, D::Error> {
         let text: String = serde::Deserialize::deserialize(d)?;
-        mover_engine::node::parse_duration(&text).map_err(serde::de::Error::custom)
+        match mover_engine::node::parse_duration(&text) {
+            Ok(d) if d.is_zero() => Err(serde::de::Error::custom("must be more than 0s")),
+            Ok(d) => Ok(d),
+            Err(e) => Err(serde::de::Error::custom(e)),
+        }
     }
 }
 

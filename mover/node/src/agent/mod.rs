@@ -225,15 +225,16 @@ pub async fn serve(
         });
     }
     if let (Some(addr), Some(pem)) = (config.nbd_listen, &tls) {
-        // NBD keeps the certificate it started with (a restart renews it).
-        let acceptor = pem.get().acceptor()?;
+        // Refused at start if the certificate does not serve; renewed ones reach each
+        // new connection.
+        pem.get().acceptor()?;
+        let live = pem.clone();
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| AgentError::Serve(format!("cannot listen for NBD on {addr}: {e}")))?;
         let (exports, stopped) = (served.clone(), stopped());
         tokio::spawn(async move {
-            if let Err(e) =
-                transport::nbd::serve_tcp(listener, exports, Some(acceptor), stopped).await
+            if let Err(e) = transport::nbd::serve_tcp(listener, exports, Some(live), stopped).await
             {
                 tracing::error!(%addr, "cannot serve NBD: {e}");
             }
@@ -396,8 +397,10 @@ async fn renew_certificate(
 }
 
 /// How long an agent waits at start for the fd store: it may be starting beside it, or
-/// still serving the agent this one replaces, while that one exits.
-const FD_STORE_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+/// still serving the agent this one replaces, while that one exits. Then it exits with
+/// the reason, to be started again (within the liveness probe's minute: /healthz is not
+/// served yet).
+const FD_STORE_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// How long an agent waits at start for its certificate from the cluster's signer.
 const CERTIFICATE_WAIT: std::time::Duration = std::time::Duration::from_secs(300);

@@ -86,9 +86,11 @@ pub fn serve(fd: Arc<OwnedFd>, file: Arc<VolumeFile>, resend: bool) -> io::Resul
                     Err(rustix::io::Errno::AGAIN) => {}
                     // The connection is over: unmounted and released, or aborted.
                     Err(rustix::io::Errno::NODEV) => break,
+                    // Never left without a reader while the connection lives: its
+                    // pods would wait for ever.
                     Err(e) => {
-                        tracing::error!("cannot read FUSE requests: {e}");
-                        break;
+                        tracing::error!("cannot read FUSE requests, trying again: {e}");
+                        std::thread::sleep(std::time::Duration::from_secs(1));
                     }
                 }
             }

@@ -46,11 +46,6 @@ pub trait Attached: Send + Sync {
     fn device(&self) -> &Path;
     /// Whether a client still holds the device open (it cannot go yet).
     fn in_use(&self) -> bool;
-    /// Whether the device keeps working once this agent has exited (its connection kept
-    /// in an fd store, for the next agent to adopt).
-    fn outlives_agent(&self) -> bool {
-        false
-    }
 }
 
 /// The devices an agent has attached, by export name.
@@ -109,7 +104,7 @@ impl Devices {
     pub fn detach(&self, name: &str) -> io::Result<bool> {
         let mut attached = self.attached.lock().expect("devices lock");
         let Some(a) = attached.get(name) else {
-            return Ok(false);
+            return self.detach_unrecorded(name);
         };
         if a.in_use() {
             return Err(io::Error::new(
@@ -126,17 +121,41 @@ impl Devices {
     }
 }
 
+impl Devices {
+    /// Detaches the loop devices straight over export `name`'s file that an earlier agent
+    /// attached (they outlive it, unrecorded); false if there are none.
+    fn detach_unrecorded(&self, name: &str) -> io::Result<bool> {
+        let Some(file) = self.exports.open(name).ok().and_then(|v| v.local_file()) else {
+            return Ok(false);
+        };
+        let devices = loop_device::bound_to(&file).unwrap_or_default();
+        for device in &devices {
+            if is_open(device) {
+                return Err(io::Error::new(
+                    io::ErrorKind::ResourceBusy,
+                    format!(
+                        "{} (export {name}) is still open: unmount what uses it first",
+                        device.display()
+                    ),
+                ));
+            }
+            loop_device::detach(device)?;
+            tracing::info!(export = name, device = %device.display(), "device an earlier agent attached detached");
+        }
+        Ok(!devices.is_empty())
+    }
+}
+
 impl Drop for Devices {
-    /// An agent that exits leaves the devices the next one adopts as they are: pods go on
-    /// using them. The others are let go as before an exit: a loop device straight over
-    /// its file is marked to clear itself once its pod lets go (the next agent does not
-    /// know it).
+    /// An agent that exits leaves every device as it is: pods go on using those the next
+    /// agent adopts, and a loop device straight over its file needs no agent at all.
+    /// (Detaching one here could free its number while a pod's bind-mounted device node
+    /// still names it, for the next attach to give to another volume.) NodeUnstage
+    /// detaches them, recorded or not ([`Devices::detach`]).
     fn drop(&mut self) {
         let attached = std::mem::take(&mut *self.attached.lock().expect("devices lock"));
         for (_, a) in attached {
-            if a.outlives_agent() {
-                std::mem::forget(a);
-            }
+            std::mem::forget(a);
         }
     }
 }
@@ -210,7 +229,7 @@ impl FuseLoop {
             binding: LoopBinding {
                 device: meta.device,
             },
-            mount: FuseMount {
+            _mount: FuseMount {
                 dir: None,
                 name: kept.name,
                 store: self.store.clone(),
@@ -285,7 +304,10 @@ impl Frontend for FuseLoop {
                 );
             }
         }
-        Ok(Box::new(FuseDevice { binding, mount }))
+        Ok(Box::new(FuseDevice {
+            binding,
+            _mount: mount,
+        }))
     }
 
     fn adopt(&self, exports: &dyn NbdExports) -> Vec<(String, Box<dyn Attached>)> {
@@ -360,7 +382,8 @@ impl Drop for LoopBinding {
 /// device is detached before the mount goes.
 struct FuseDevice {
     binding: LoopBinding,
-    mount: FuseMount,
+    /// Held for its drop.
+    _mount: FuseMount,
 }
 
 impl Attached for FuseDevice {
@@ -370,10 +393,6 @@ impl Attached for FuseDevice {
 
     fn in_use(&self) -> bool {
         self.binding.in_use()
-    }
-
-    fn outlives_agent(&self) -> bool {
-        self.mount.store.is_some()
     }
 }
 
