@@ -34,6 +34,8 @@ const CRATES: &[(&str, &[&[&str]])] = &[
     (
         "node",
         &[
+            // The fd store: a process of its own that keeps the agent's device connections.
+            &["fd_store"],
             // Jobs that run on their own: replication, copy-on-demand, scheduled snapshots.
             &["replicate", "hydrate", "schedule"],
             // The gRPC, NBD and CSI adapters over the jobs.
