@@ -25,6 +25,17 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Two different free ports: [`free_port`] may give back one it gave just before, once it
+/// is released, and an agent on one port twice exits at once.
+fn two_free_ports() -> (u16, u16) {
+    let first = TcpListener::bind("127.0.0.1:0").unwrap();
+    let second = TcpListener::bind("127.0.0.1:0").unwrap();
+    (
+        first.local_addr().unwrap().port(),
+        second.local_addr().unwrap().port(),
+    )
+}
+
 /// A port of 127.0.0.1 that refuses connections for as long as the returned socket lives:
 /// bound, not listening, and without SO_REUSEADDR, so no agent of a test running beside
 /// can listen on it (a port [`free_port`] found free could be taken).
@@ -77,7 +88,7 @@ impl Agent {
         exports: &[(&str, &Path, bool)],
         tls: Option<(&Path, &Path, &Path)>,
     ) -> (PathBuf, u16, u16) {
-        let (port, metrics_port) = (free_port(), free_port());
+        let (port, metrics_port) = two_free_ports();
         std::fs::write(dir.join("token"), TOKEN).unwrap();
         let mut cfg = format!(
             "listen = \"127.0.0.1:{port}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\n",
@@ -151,7 +162,7 @@ impl Agent {
                 std::thread::sleep(Duration::from_millis(20));
             };
             eprintln!("agent exited before listening ({exited}), attempt {attempt}: new ports");
-            let (new_port, new_metrics) = (free_port(), free_port());
+            let (new_port, new_metrics) = two_free_ports();
             let text = std::fs::read_to_string(&config)
                 .unwrap()
                 .replace(
