@@ -253,6 +253,27 @@ impl Hydrating {
         }
     }
 
+    /// A source of `seed`'s data everywhere, so every region is fetched (none is a hole).
+    fn data_everywhere(fd_store: bool, seed: u64) -> Hydrating {
+        Hydrating::with_source(fd_store, |_, img| {
+            common::make_image(img, VOLUME, seed, &[(0, VOLUME)]);
+            BTreeMap::new()
+        })
+    }
+
+    /// The fill started at 1 MiB/s and the volume staged and published as a pod's block
+    /// device, its first MiB read (fetched on demand) and checked against the source.
+    fn block_device_in_use<'a>(&self, bin: &'a Path) -> Kubelet<'a> {
+        self.start(Some("1M"));
+        let kubelet = self.kubelet(
+            bin,
+            serde_json::json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
+        );
+        kubelet.stage_and_publish();
+        assert_reads_source(&kubelet.target, &self.src_img, 0, "the first MiB");
+        kubelet
+    }
+
     fn control(&self) -> String {
         common::agent::control(&self.dst)
     }
@@ -413,19 +434,9 @@ fn a_block_volume_whose_agent_is_killed_mid_fill_gives_errors_then_the_source_by
 #[test]
 fn a_block_volume_whose_agent_is_killed_mid_io_only_pauses_with_an_fd_store() {
     let Some(bin) = tools() else { return };
-    // Data everywhere: every region is fetched (none is a hole of the source).
-    let mut h = Hydrating::with_source(true, |_, img| {
-        common::make_image(img, VOLUME, 58, &[(0, VOLUME)]);
-        BTreeMap::new()
-    });
-    h.start(Some("1M"));
-    let kubelet = h.kubelet(
-        &bin,
-        serde_json::json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
-    );
-    kubelet.stage_and_publish();
+    let mut h = Hydrating::data_everywhere(true, 58);
+    let kubelet = h.block_device_in_use(&bin);
     let device = kubelet.target.clone();
-    assert_reads_source(&device, &h.src_img, 0, "the first MiB");
     // A read the agent has taken from the kernel but cannot answer yet: the region has
     // not arrived and the source is stopped, so it waits inside the agent for its fetch.
     let source = h.src.child.id();
@@ -548,18 +559,8 @@ fn write_at(path: &Path, offset: u64, data: &[u8]) {
 #[test]
 fn a_block_volume_keeps_what_arrived_across_a_cancelled_fill_and_fetches_again_after() {
     let Some(bin) = tools() else { return };
-    // Data everywhere: every region is fetched (none is a hole of the source).
-    let h = Hydrating::with_source(false, |_, img| {
-        common::make_image(img, VOLUME, 57, &[(0, VOLUME)]);
-        BTreeMap::new()
-    });
-    h.start(Some("1M"));
-    let kubelet = h.kubelet(
-        &bin,
-        serde_json::json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
-    );
-    kubelet.stage_and_publish();
-    assert_reads_source(&kubelet.target, &h.src_img, 0, "the first MiB");
+    let h = Hydrating::data_everywhere(false, 57);
+    let kubelet = h.block_device_in_use(&bin);
     hydrate(&["cancel", "dst", "--agent", &h.control()]);
     let cancelled = h.progress();
     assert_eq!(cancelled["phase"], "Cancelled", "{cancelled}");

@@ -454,6 +454,15 @@ mod tests {
     use super::*;
     use std::io::{Read, Write};
 
+    /// A store serving on a socket in a fresh directory (kept with it).
+    fn serving(orphan_after: Duration) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("store.sock");
+        let s = socket.clone();
+        std::thread::spawn(move || serve(&s, orphan_after));
+        (dir, socket)
+    }
+
     /// A pipe: its read end, and its write end as a descriptor to put in the store.
     fn pipe() -> (std::io::PipeReader, Arc<OwnedFd>) {
         let (reader, writer) = std::io::pipe().unwrap();
@@ -464,10 +473,7 @@ mod tests {
     /// the same pipe; a forgotten one is closed by the store.
     #[test]
     fn descriptors_outlive_the_agent_that_put_them() {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("store.sock");
-        let s = socket.clone();
-        std::thread::spawn(move || serve(&s, Duration::from_secs(60)));
+        let (_dir, socket) = serving(Duration::from_secs(60));
         let (mut kept_reader, kept_writer) = pipe();
         let (mut gone_reader, gone_writer) = pipe();
         {
@@ -491,21 +497,16 @@ mod tests {
         let mut writer = std::fs::File::from(kept.into_iter().next().unwrap().fd);
         writer.write_all(b"still the same pipe").unwrap();
         drop(writer);
-        let mut got = String::new();
         // The store still holds a copy: read only what was written.
-        let mut buf = [0u8; 19];
-        kept_reader.read_exact(&mut buf).unwrap();
-        got.push_str(std::str::from_utf8(&buf).unwrap());
-        assert_eq!(got, "still the same pipe");
+        let mut got = [0u8; 19];
+        kept_reader.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"still the same pipe");
     }
 
     /// A second agent waits while the first holds the store, and gets in once it goes.
     #[test]
     fn one_agent_at_a_time() {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("store.sock");
-        let s = socket.clone();
-        std::thread::spawn(move || serve(&s, Duration::from_secs(60)));
+        let (_dir, socket) = serving(Duration::from_secs(60));
         let (first, _) = FdStore::connect(&socket, Duration::from_secs(10)).unwrap();
         let refused = FdStore::connect(&socket, Duration::from_millis(300));
         assert!(refused.is_err(), "two agents held the store at once");
@@ -523,10 +524,7 @@ mod tests {
     /// Descriptors no agent comes back for are closed after `orphan_after`.
     #[test]
     fn orphans_are_closed() {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("store.sock");
-        let s = socket.clone();
-        std::thread::spawn(move || serve(&s, Duration::from_millis(500)));
+        let (_dir, socket) = serving(Duration::from_millis(500));
         let (mut reader, writer) = pipe();
         {
             let (store, _) = FdStore::connect(&socket, Duration::from_secs(10)).unwrap();

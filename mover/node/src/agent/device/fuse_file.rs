@@ -241,12 +241,11 @@ impl VolumeFile {
                 let mut out = Out::default();
                 for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize)
                 {
-                    let next =
-                        wire::dirent(Out(out.0.clone()), ino, i as u64 + 1, kind as u32, name);
-                    if next.0.len() > size as usize {
+                    let entry = wire::dirent(Out::default(), ino, i as u64 + 1, kind as u32, name);
+                    if out.0.len() + entry.0.len() > size as usize {
                         break;
                     }
-                    out = next;
+                    out = out.bytes(&entry.0);
                 }
                 done(Ok(out))
             }

@@ -107,21 +107,13 @@ impl Devices {
             return self.detach_unrecorded(name);
         };
         if a.in_use() {
-            return Err(io::Error::new(
-                io::ErrorKind::ResourceBusy,
-                format!(
-                    "{} (export {name}) is still open: unmount what uses it first",
-                    a.device().display()
-                ),
-            ));
+            return Err(still_open(a.device(), name));
         }
         attached.remove(name);
         tracing::info!(export = name, "device detached");
         Ok(true)
     }
-}
 
-impl Devices {
     /// Detaches the loop devices straight over export `name`'s file that an earlier agent
     /// attached (they outlive it, unrecorded); false if there are none.
     fn detach_unrecorded(&self, name: &str) -> io::Result<bool> {
@@ -131,13 +123,7 @@ impl Devices {
         let devices = loop_device::bound_to(&file).unwrap_or_default();
         for device in &devices {
             if is_open(device) {
-                return Err(io::Error::new(
-                    io::ErrorKind::ResourceBusy,
-                    format!(
-                        "{} (export {name}) is still open: unmount what uses it first",
-                        device.display()
-                    ),
-                ));
+                return Err(still_open(device, name));
             }
             loop_device::detach(device)?;
             tracing::info!(export = name, device = %device.display(), "device an earlier agent attached detached");
@@ -420,6 +406,17 @@ impl Drop for FuseMount {
             tracing::warn!(export = self.name, "{e}");
         }
     }
+}
+
+/// Why `device` of export `name` cannot be detached yet.
+fn still_open(device: &Path, name: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ResourceBusy,
+        format!(
+            "{} (export {name}) is still open: unmount what uses it first",
+            device.display()
+        ),
+    )
 }
 
 /// Whether anything holds `device` open: an exclusive open (O_EXCL on a block device)
