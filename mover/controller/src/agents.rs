@@ -153,6 +153,12 @@ pub trait Agents: Send + Sync {
     async fn holders(&self, agent: &str, volume: &str) -> Result<Vec<String>, AgentError> {
         Err(not_served(agent, "holders", volume))
     }
+    /// Deletes on `agent` the volume a hydration's start made (a populated PV's image):
+    /// its fill, image and export; false if it was gone already. FailedPrecondition while
+    /// it is staged.
+    async fn delete_volume(&self, agent: &str, export: &str) -> Result<bool, AgentError> {
+        Err(not_served(agent, "delete volume", export))
+    }
 }
 
 /// What an [`Agents`] that serves no hydrations or moves answers.
@@ -525,6 +531,20 @@ impl Agents for GrpcAgents {
         )
         .await
         .map(|r| r.holders)
+    }
+
+    async fn delete_volume(&self, agent: &str, export: &str) -> Result<bool, AgentError> {
+        let req = hydrate::NameRequest {
+            export: export.into(),
+        };
+        self.call(
+            agent,
+            "delete volume",
+            export,
+            |mut c: HydrateClient| async move { c.delete(req).await },
+        )
+        .await
+        .map(|r| r.deleted)
     }
 
     async fn hydrate(

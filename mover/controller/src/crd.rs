@@ -495,6 +495,10 @@ pub struct MovedVolume {
     /// Within a cluster: the PV the PVC was bound to, which the new one fills from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous_volume: Option<String>,
+    /// Within a cluster: the node of that PV, whose agent serves it to the fill (the
+    /// export is withdrawn when the fill completes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_node: Option<String>,
 }
 
 /// Both CRDs, for `group` instead of the group the types were derived with.

@@ -22,8 +22,16 @@
 //!   wherever its next pod runs while the data arrives. The old PV stays `Retain` until
 //!   the fill completes.
 //!
-//! Each PV's reclaim policy goes back to the user's when its volume completes. A
-//! StatefulSet moves as one such move per PVC, in ordinal order.
+//! Each PV's reclaim policy goes back to the user's when its volume completes (within a
+//! cluster, once the old volume's export is withdrawn). A StatefulSet moves as one such
+//! move per PVC, in ordinal order.
+//!
+//! **Deleting a move** (its finalizer): a volume handed over (the source let go of it,
+//! or the destination promoted it) finishes its move first, as that cannot be undone
+//! without losing writes; the deletion waits and the status says so. Every volume not
+//! handed over is then rolled back: its PV's reclaim policy back to the user's, the
+//! export served to the fill withdrawn, and a StatefulSet the move scaled to 0 given
+//! its replicas back if none of its volumes was handed over.
 
 use super::context::{Context, created_or_exists, deleted_or_gone, owned, typed};
 use super::crd::{
@@ -38,7 +46,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{
     Api, ResourceExt,
     api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams},
-    runtime::controller::Action,
+    runtime::{
+        controller::Action,
+        finalizer::{Event, finalizer},
+    },
 };
 use std::{sync::Arc, time::Duration};
 
@@ -49,22 +60,158 @@ const POLL: Duration = Duration::from_secs(1);
 /// The default bound on detaching (source).
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// The finalizer on a VolumeMove: its deletion rolls back what is not handed over yet
+/// and lets what is finish ([`wind_down`]).
+pub const FINALIZER: &str = "replication.mover/volume-move";
+
 /// A call to the API server that failed (the move retries it).
 #[derive(Debug, thiserror::Error)]
-#[error("{what}: {source}")]
-pub struct MoveError {
-    what: String,
-    source: kube::Error,
+pub enum MoveError {
+    /// The call, and the API server's answer.
+    #[error("{what}: {source}")]
+    Kube {
+        /// What was asked.
+        what: String,
+        /// Its answer.
+        source: kube::Error,
+    },
+    /// Adding or removing the finalizer failed.
+    #[error("the finalizer: {0}")]
+    Finalizer(String),
 }
 
 fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> MoveError {
     let what = what.into();
-    move |source| MoveError { what, source }
+    move |source| MoveError::Kube { what, source }
 }
 
-/// Moves one VolumeMove a step further; idempotent, each step re-derived from what the
-/// cluster and the agents say.
+/// Moves one VolumeMove a step further, or winds down a deleted one; idempotent, each
+/// step re-derived from what the cluster and the agents say.
 pub async fn reconcile(cached: Arc<VolumeMove>, ctx: Arc<Context>) -> Result<Action, MoveError> {
+    let ns = cached.namespace().unwrap_or_default();
+    let api = Api::<VolumeMove>::namespaced(ctx.client.clone(), &ns);
+    finalizer(&api, FINALIZER, cached, |event| async {
+        match event {
+            Event::Apply(mv) => advance(&mv, &ctx, false).await,
+            Event::Cleanup(mv) => wind_down(&mv, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| match e {
+        kube::runtime::finalizer::Error::ApplyFailed(e)
+        | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
+        other => MoveError::Finalizer(other.to_string()),
+    })
+}
+
+/// Whether `vol` is past the point of no return: the source let go of it (the
+/// VolumeReplication set secondary, or the PVC made again), or the destination set its
+/// VolumeReplication primary. Undoing that could lose writes; it finishes instead.
+fn handed_over(side: MoveSide, vol: &MovedVolume) -> bool {
+    match side {
+        MoveSide::Source => vol.released_time.is_some(),
+        MoveSide::Destination => matches!(vol.phase, MovePhase::Promoting | MovePhase::Completed),
+    }
+}
+
+/// A deleted move: its handed-over volumes finish their move (the deletion waits and
+/// says so), then every volume not handed over is rolled back: its PV's reclaim policy
+/// back to the user's, the export served to the fill withdrawn, and a StatefulSet the
+/// move scaled to 0 given its replicas back if none of its volumes was handed over.
+async fn wind_down(cached: &VolumeMove, ctx: &Arc<Context>) -> Result<Action, MoveError> {
+    let (ns, name) = (cached.namespace().unwrap_or_default(), cached.name_any());
+    advance(cached, ctx, true).await?;
+    let api = Api::<VolumeMove>::namespaced(ctx.client.clone(), &ns);
+    let Some(mv) = api
+        .get_opt(&name)
+        .await
+        .map_err(kube_err(format!("reading VolumeMove {ns}/{name}")))?
+    else {
+        return Ok(Action::await_change());
+    };
+    let mut st = mv.status.clone().unwrap_or_default();
+    let before = st.clone();
+    let side = mv.spec.side;
+    let finishing: Vec<String> = st
+        .volumes
+        .iter()
+        .filter(|v| {
+            handed_over(side, v) && !matches!(v.phase, MovePhase::Completed | MovePhase::Failed)
+        })
+        .map(|v| v.pvc.clone())
+        .collect();
+    let step = Step {
+        ctx,
+        ns: &ns,
+        timeout: DEFAULT_TIMEOUT,
+        force_after: None,
+        now: Time(k8s_openapi::jiff::Timestamp::now()),
+        class: mv.spec.storage_class_name.as_deref(),
+    };
+    let mut unfinished = Vec::new();
+    if finishing.is_empty() {
+        for vol in st.volumes.iter_mut() {
+            if handed_over(side, vol) || vol.phase == MovePhase::Completed {
+                continue;
+            }
+            if let Err(why) = step.roll_back(vol).await? {
+                unfinished.push(format!("{}: {why}", vol.pvc));
+            }
+        }
+        let none_handed_over = !st.volumes.iter().any(|v| handed_over(side, v));
+        if let (Some(sts), true, MoveSide::Source) = (&mv.spec.stateful_set, none_handed_over, side)
+        {
+            scale_back(ctx, &ns, sts).await?;
+        }
+    }
+    let done = finishing.is_empty() && unfinished.is_empty();
+    st.message = Some(if !finishing.is_empty() {
+        format!(
+            "deleting: {} finish their move first (handed over, which cannot be undone);              then the rest is rolled back",
+            finishing.join(", ")
+        )
+    } else if !unfinished.is_empty() {
+        format!("deleting: cannot roll back yet: {}", unfinished.join("; "))
+    } else {
+        "deleted: what was not handed over is rolled back".into()
+    });
+    if st != before && !done {
+        api.patch_status(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "status": st })),
+        )
+        .await
+        .map_err(kube_err(format!(
+            "writing the status of VolumeMove {ns}/{name}"
+        )))?;
+    }
+    if done {
+        tracing::info!(volumemove = %format!("{ns}/{name}"), "move deleted: what was not handed over is rolled back");
+        return Ok(Action::await_change());
+    }
+    Ok(Action::requeue(POLL))
+}
+
+/// A StatefulSet a move scaled to 0 (its replicas recorded on it) scaled back.
+async fn scale_back(ctx: &Context, ns: &str, sts: &str) -> Result<(), MoveError> {
+    let recorded = Api::<StatefulSet>::namespaced(ctx.client.clone(), ns)
+        .get_opt(sts)
+        .await
+        .map_err(kube_err(format!("reading StatefulSet {ns}/{sts}")))?
+        .and_then(|s| s.annotations().get(REPLICAS_BEFORE_MOVE)?.parse::<i32>().ok());
+    if let Some(replicas) = recorded {
+        scale(ctx, ns, sts, replicas, None).await?;
+    }
+    Ok(())
+}
+
+/// Moves one VolumeMove a step further (`winding_down`: its handed-over volumes only).
+async fn advance(
+    cached: &VolumeMove,
+    ctx: &Arc<Context>,
+    winding_down: bool,
+) -> Result<Action, MoveError> {
     let ns = cached.namespace().unwrap_or_default();
     let name = cached.name_any();
     if cached
@@ -85,7 +232,9 @@ pub async fn reconcile(cached: Arc<VolumeMove>, ctx: Arc<Context>) -> Result<Act
         return Ok(Action::await_change());
     };
     let mut st = mv.status.clone().unwrap_or_default();
-    if matches!(st.phase, Some(MovePhase::Completed | MovePhase::Failed)) {
+    if matches!(st.phase, Some(MovePhase::Completed | MovePhase::Failed))
+        || winding_down && st.volumes.is_empty()
+    {
         return Ok(Action::await_change());
     }
     let before = st.clone();
@@ -127,7 +276,7 @@ pub async fn reconcile(cached: Arc<VolumeMove>, ctx: Arc<Context>) -> Result<Act
     // already usable at its new place (Filling).
     let mut advanced = false;
     for vol in st.volumes.iter_mut() {
-        if vol.phase == MovePhase::Completed {
+        if vol.phase == MovePhase::Completed || winding_down && !handed_over(mv.spec.side, vol) {
             continue;
         }
         let was = vol.phase;
@@ -418,14 +567,7 @@ impl Step<'_> {
     /// The PV bound to `pvc` (its name), set `Retain` with the user's policy recorded in
     /// `vol` the first time. Err: why the move cannot go on.
     async fn retain(&self, vol: &mut MovedVolume) -> Result<Result<String, String>, MoveError> {
-        let pvc = self
-            .ctx
-            .caches
-            .pvcs
-            .state()
-            .into_iter()
-            .find(|p| p.namespace().as_deref() == Some(self.ns) && p.name_any() == vol.pvc);
-        let Some(pv) = pvc.and_then(|p| p.spec.as_ref()?.volume_name.clone()) else {
+        let Some(pv) = self.bound_pv(&vol.pvc) else {
             return Ok(Err(format!(
                 "PVC {}/{} not found or not bound: a move needs a bound PVC on both sides",
                 self.ns, vol.pvc
@@ -433,6 +575,55 @@ impl Step<'_> {
         };
         self.set_policy(&pv, vol, None).await?;
         Ok(Ok(pv))
+    }
+
+    /// The PV the PVC `pvc` is bound to.
+    fn bound_pv(&self, pvc: &str) -> Option<String> {
+        let claim = self
+            .ctx
+            .caches
+            .pvcs
+            .state()
+            .into_iter()
+            .find(|p| p.namespace().as_deref() == Some(self.ns) && p.name_any() == pvc)?;
+        claim.spec.as_ref()?.volume_name.clone()
+    }
+
+    /// Undoes what the move did to `vol`, which was not handed over: its PV's reclaim
+    /// policy back to the user's, the export served to the fill withdrawn. Err: why
+    /// not yet.
+    async fn roll_back(&self, vol: &mut MovedVolume) -> Result<Result<(), String>, MoveError> {
+        let pv = vol
+            .previous_volume
+            .clone()
+            .or_else(|| self.bound_pv(&vol.pvc));
+        if let (Some(pv), Some(_)) = (pv, &vol.reclaim_policy) {
+            self.set_policy(&pv, vol, Some(())).await?;
+        }
+        Ok(self.withdraw(vol).await)
+    }
+
+    /// Within a cluster: the old volume's export, served to the fill, withdrawn from its
+    /// agent. A node gone took the export with it. Err: why not yet.
+    async fn withdraw(&self, vol: &MovedVolume) -> Result<(), String> {
+        let (Some(pv), Some(node)) = (&vol.previous_volume, &vol.previous_node) else {
+            return Ok(());
+        };
+        let pods = owned(&self.ctx.caches.agents);
+        let agent = match super::replication::desired::agent_on(node, &pods, self.ctx.agent_port) {
+            Ok(a) => a,
+            Err(_) if !self.ctx.caches.nodes.state().iter().any(|n| n.name_any() == *node) => {
+                return Ok(());
+            }
+            Err(e) => return Err(format!("withdrawing export {pv} on {node}: {e}")),
+        };
+        self.ctx
+            .agents
+            .unexport(&agent, pv)
+            .await
+            .map_err(|e| format!("withdrawing export {pv} on {node}: {e}"))?;
+        tracing::info!(pv, node, "the old volume's export withdrawn");
+        Ok(())
     }
 
     /// Sets the PV's reclaim policy to `Retain` (`restore`: None), recording the user's
@@ -537,6 +728,7 @@ impl Step<'_> {
             Ok(p) => p,
             Err(why) => return fail(vol, &why),
         };
+        vol.previous_node = Some(node.clone());
         // Served to the hydration that will read it, and to nothing else.
         let reader = format!("hydrate:{pv}");
         match self
@@ -728,6 +920,10 @@ impl Step<'_> {
             }
         };
         if done {
+            if let Err(why) = self.withdraw(vol).await {
+                vol.message = Some(format!("filled on {node}; {why}"));
+                return Ok(());
+            }
             if let Some(pv) = vol.previous_volume.clone() {
                 self.set_policy(&pv, vol, Some(())).await?;
             }

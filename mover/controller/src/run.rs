@@ -9,7 +9,7 @@ use super::leftovers::Leftovers;
 use super::replication::reconcile::{self, Caches, Context};
 use super::secrets::SecretWatches;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use kube::api::{Api, DynamicObject};
@@ -669,7 +669,30 @@ async fn reconcilers(
             ctx.clone(),
         )
         .for_each(|_| futures::future::ready(()));
-        futures::join!(populator, moves);
+        // Populated PVs whose end is the controller's (their reclaim policy, Delete).
+        let populated = Controller::new(
+            Api::<PersistentVolume>::all(client.clone()),
+            watcher::Config::default().labels(super::populate::populator::POPULATED_FROM),
+        )
+        .shutdown_on_signal()
+        .run(
+            super::populate::reclaim::reconcile,
+            super::populate::reclaim::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| futures::future::ready(()));
+        let sources = Controller::new(
+            Api::<super::crd::HydrationSource>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .shutdown_on_signal()
+        .run(
+            super::populate::sources::reconcile,
+            super::populate::sources::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| futures::future::ready(()));
+        futures::join!(populator, moves, populated, sources);
     };
     tokio::select! {
         _ = replications => {}

@@ -108,6 +108,20 @@ Examples:
         #[command(flatten)]
         agent: AgentArg,
     },
+    /// Delete a volume a populated PVC's hydration made on the agent (its image, its
+    /// fill and its export); refused while a pod's device is staged from it.
+    #[command(
+        long_about = "Delete a volume the agent made for a hydration started with create (mover's populator makes one per populated PVC, `pvc-UID`, in the agent's csi_volumes): its fill is stopped, its image removed and its export forgotten. The data is gone for good. Refused while a device of it is staged on the node (a pod still uses it), and for any other export (an export agent.toml names, or one the controller registered, is never deleted). mover's controller does this itself when a populated PV whose reclaim policy is Delete is released; use this for a Retain PV's volume you no longer want.
+
+Example:
+  mover hydrate delete pvc-6f1c0b2e-… --agent agent://node-b:7070"
+    )]
+    Delete {
+        /// The export (a populated PV's name, `pvc-UID`).
+        export: String,
+        #[command(flatten)]
+        agent: AgentArg,
+    },
 }
 
 /// Runs a `mover hydrate` command.
@@ -231,6 +245,22 @@ async fn run_async(cmd: HydrateCommand) -> anyhow::Result<()> {
                 .map_err(|s| call(&url, s))?
                 .into_inner();
             print_status(&s, agent.json());
+        }
+        C::Delete { export, agent } => {
+            let url = agent.url()?;
+            let mut c = agent.remote().connect_hydrate(&url).await?;
+            let r = c
+                .delete(proto::NameRequest {
+                    export: export.clone(),
+                })
+                .await
+                .map_err(|s| call(&url, s))?
+                .into_inner();
+            match (agent.json(), r.deleted) {
+                (true, deleted) => println!("{}", serde_json::json!({ "deleted": deleted })),
+                (false, true) => println!("deleted {export}: its image, fill and export"),
+                (false, false) => println!("nothing of {export} was left on the agent"),
+            }
         }
     }
     Ok(())

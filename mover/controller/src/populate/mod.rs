@@ -9,6 +9,11 @@ use crate::crd::SecretRef;
 
 pub mod populator;
 pub mod prime;
+pub mod reclaim;
+pub mod sources;
+
+/// How soon a PVC or PV waiting for something outside the controller is looked at again.
+const WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The annotation the scheduler sets on a WaitForFirstConsumer PVC.
 pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";

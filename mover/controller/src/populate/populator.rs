@@ -10,10 +10,12 @@
 //! of one still to come fetches it first.
 //!
 //! Unlike lib-volume-populator's prime PVC, nothing is copied before the pod starts:
-//! that is the point. The PV is `Retain`: mover's CSI driver has no provisioner to
-//! delete it, and a populated volume is data someone may still want.
+//! that is the point. The PV has its StorageClass's reclaim policy; the controller
+//! deletes the volume of a released one whose policy is Delete ([`super::reclaim`]).
+//! A HydrationSource being deleted populates nothing more ([`super::sources`]).
 
-use super::{PopulateError, SELECTED_NODE, repository_secret, source_secret};
+use super::reclaim::{IMAGE_FINALIZER, PROVISIONED_BY};
+use super::{PopulateError, SELECTED_NODE, WAIT, repository_secret, source_secret};
 use crate::context::Context;
 use crate::crd::{
     HydrationSource, MOVER_GROUP, ReplicationState, RepositorySnapshot, SecretRef,
@@ -24,11 +26,12 @@ use k8s_openapi::api::{
     storage::v1::StorageClass,
 };
 use kube::{Api, ResourceExt, api::PostParams, runtime::controller::Action};
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 use transport::hydrate;
 
-/// How soon a PVC waiting for something outside the populator is looked at again.
-const WAIT: Duration = Duration::from_secs(5);
+
+/// The label on a populated PV: the HydrationSource it was filled from.
+pub const POPULATED_FROM: &str = "replication.mover/populated-from";
 
 /// The HydrationSource a PVC names, if it names one.
 pub fn source_of(pvc: &PersistentVolumeClaim) -> Option<String> {
@@ -178,7 +181,10 @@ pub async fn reconcile(
             status.source, status.size
         )));
     }
-    let pv = persistent_volume(&pvc, &export, &node, status.size);
+    // Like a provisioned volume's, what happens to its data when the PVC goes is the
+    // class's to say (reclaim.rs carries it out).
+    let policy = sc.reclaim_policy.as_deref().unwrap_or("Delete");
+    let pv = persistent_volume(&pvc, &export, &node, status.size, policy);
     match Api::<PersistentVolume>::all(ctx.client.clone())
         .create(&PostParams::default(), &pv)
         .await
@@ -211,9 +217,11 @@ async fn hydration_source(
             what: format!("reading its HydrationSource for PVC {ns}/{name}"),
             source: e,
         })?
+        .filter(|hs| hs.metadata.deletion_timestamp.is_none())
         .ok_or_else(|| {
             PopulateError::Invalid(format!(
-                "PVC {ns}/{name}: no HydrationSource {source:?} in namespace {ns}"
+                "PVC {ns}/{name}: no HydrationSource {source:?} in namespace {ns} (or it is \
+                 being deleted)"
             ))
         })
 }
@@ -297,12 +305,13 @@ async fn snapshot_access(
     })
 }
 
-/// The PV of export `export` on `node`, pre-bound to `pvc`.
+/// The PV of export `export` on `node`, pre-bound to `pvc`, with reclaim policy `policy`.
 fn persistent_volume(
     pvc: &PersistentVolumeClaim,
     export: &str,
     node: &str,
     size: u64,
+    policy: &str,
 ) -> PersistentVolume {
     let spec = pvc.spec.clone().unwrap_or_default();
     let block = spec.volume_mode.as_deref() == Some("Block");
@@ -311,14 +320,16 @@ fn persistent_volume(
         "kind": "PersistentVolume",
         "metadata": {
             "name": export,
-            "labels": {"replication.mover/populated-from": source_of(pvc).unwrap_or_default()},
+            "labels": {POPULATED_FROM: source_of(pvc).unwrap_or_default()},
+            "annotations": {PROVISIONED_BY: transport::cluster::CSI_DRIVER},
+            "finalizers": [IMAGE_FINALIZER],
         },
         "spec": {
             "capacity": {"storage": size.to_string()},
             "accessModes": spec.access_modes.unwrap_or_else(|| vec!["ReadWriteOnce".into()]),
             "volumeMode": if block { "Block" } else { "Filesystem" },
             "storageClassName": spec.storage_class_name.unwrap_or_default(),
-            "persistentVolumeReclaimPolicy": "Retain",
+            "persistentVolumeReclaimPolicy": policy,
             "claimRef": {
                 "apiVersion": "v1",
                 "kind": "PersistentVolumeClaim",
@@ -382,14 +393,25 @@ mod tests {
         );
         assert_eq!(source_of(&pvc("other.io", "HydrationSource")), None);
         assert_eq!(source_of(&pvc(MOVER_GROUP, "VolumeReplication")), None);
-        let pv = persistent_volume(&pvc(MOVER_GROUP, "HydrationSource"), "pvc-u1", "n1", 4096);
+        let pv = persistent_volume(
+            &pvc(MOVER_GROUP, "HydrationSource"),
+            "pvc-u1",
+            "n1",
+            4096,
+            "Delete",
+        );
+        assert_eq!(pv.finalizers(), [IMAGE_FINALIZER]);
+        assert_eq!(
+            pv.annotations().get(PROVISIONED_BY).map(String::as_str),
+            Some(transport::cluster::CSI_DRIVER)
+        );
         let spec = pv.spec.unwrap();
         assert_eq!(spec.claim_ref.unwrap().uid.as_deref(), Some("u1"));
         assert_eq!(spec.csi.as_ref().unwrap().volume_handle, "pvc-u1");
         assert_eq!(spec.csi.unwrap().fs_type, None);
         assert_eq!(
             spec.persistent_volume_reclaim_policy.as_deref(),
-            Some("Retain")
+            Some("Delete")
         );
         assert_eq!(spec.storage_class_name.as_deref(), Some("wffc"));
     }

@@ -86,6 +86,8 @@ pub struct HydrationControl {
     /// plugin's volumes; `None` without the plugin).
     pub(super) exports: Exports,
     pub(super) volumes: Option<PathBuf>,
+    /// The CSI plugin's devices: a volume staged on the node is not deleted.
+    pub(super) devices: Option<Arc<super::device::Devices>>,
 }
 
 impl HydrationControl {
@@ -130,6 +132,61 @@ impl HydrationControl {
             .register(export, &path, false, "")
             .map_err(|e| ServiceError::FailedPrecondition(e.to_string()))?;
         Ok(())
+    }
+
+    /// Deletes `export`, a volume [`Self::create_export`] made: its hydration, image and
+    /// registration. False if nothing of it was left.
+    async fn delete_created(&self, export: &str) -> Result<bool, ServiceError> {
+        let refused = |why: String| ServiceError::FailedPrecondition(why);
+        let Some(dir) = &self.volumes else {
+            return Err(refused(
+                "this agent makes no volumes (no csi_socket in agent.toml), so it deletes none"
+                    .into(),
+            ));
+        };
+        let image = super::csi::volume_file(dir, export);
+        let made_by_create = match self.exports.registered_path(export) {
+            Some(path) => path == image,
+            // Unknown (gone already), or named in agent.toml.
+            None => self.exports.get(export).is_err(),
+        };
+        if !made_by_create {
+            return Err(refused(format!(
+                "export {export:?} was not made by a hydration's start (create): this deletes                  only those; unexport it instead"
+            )));
+        }
+        if let Some(devices) = self.devices.clone() {
+            let name = export.to_string();
+            let attached = tokio::task::spawn_blocking(move || devices.attached_to(&name))
+                .await
+                .map_err(|e| ServiceError::Internal(e.to_string()))?;
+            if let Some(device) = attached {
+                return Err(refused(format!(
+                    "volume {export} is staged on this node as {}: its pod still uses it                      (NodeUnstageVolume first)",
+                    device.display()
+                )));
+            }
+        }
+        let forgotten = self.hydrations.forget(export).await?;
+        let removed = match std::fs::remove_file(&image) {
+            Ok(()) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            Err(e) => {
+                return Err(ServiceError::Internal(format!(
+                    "cannot remove {}: {e}",
+                    image.display()
+                )));
+            }
+        };
+        let unregistered = self
+            .exports
+            .unregister(export)
+            .map_err(|e| ServiceError::Internal(e.to_string()))?;
+        let deleted = forgotten || removed || unregistered;
+        if deleted {
+            tracing::info!(export, image = %image.display(), "volume deleted");
+        }
+        Ok(deleted)
     }
 
     fn get(&self, export: &str) -> Result<Arc<Hydration>, ServiceError> {
@@ -242,6 +299,17 @@ impl hydration_server::Hydration for HydrationControl {
         answer(async {
             let h = self.hydrations.cancel(&req.into_inner().export).await?;
             Ok(self.status(&h))
+        })
+        .await
+    }
+
+    async fn delete(
+        &self,
+        req: Request<proto::NameRequest>,
+    ) -> Result<Response<proto::DeleteResponse>, Status> {
+        answer(async {
+            let deleted = self.delete_created(&req.into_inner().export).await?;
+            Ok(proto::DeleteResponse { deleted })
         })
         .await
     }

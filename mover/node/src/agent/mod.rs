@@ -240,6 +240,7 @@ pub async fn serve(
             }
         });
     }
+    let mut staged = None;
     if let Some(socket) = &config.csi_socket {
         let node = config.node_name().ok_or_else(|| ConfigError::Invalid {
             path: "agent.toml".into(),
@@ -270,6 +271,7 @@ pub async fn serve(
             tokio::task::spawn_blocking(move || device::Devices::new(Box::new(frontend), opened))
                 .await
                 .map_err(|e| AgentError::Serve(e.to_string()))?;
+        staged = Some(devices.clone());
         let plugin = csi::Plugin {
             node,
             exports: exports.clone(),
@@ -289,6 +291,7 @@ pub async fn serve(
         nbd_socket: Some(nbd_socket.clone()),
         exports: exports.clone(),
         volumes: config.csi_socket.as_ref().map(|_| config.csi_volumes()),
+        devices: staged,
     };
     if let Some(l) = metrics_listener {
         let mut stop = stop_rx.clone();

@@ -454,6 +454,26 @@ impl Hydrations {
         Ok(h)
     }
 
+    /// Forgets the hydration of `export`, if it has one: its fill is stopped and waited
+    /// for, and its record and bitmap removed (the export and its image are the
+    /// caller's). False if it had none.
+    pub async fn forget(&self, export: &str) -> Result<bool, HydrateError> {
+        if self.starting.lock().expect("starting lock").contains(export) {
+            return Err(HydrateError::Refused {
+                what: format!("deletion of export {export}"),
+                why: "a start of its hydration is under way; try again once it returns".into(),
+            });
+        }
+        let Some(h) = self.get(export) else {
+            return Ok(false);
+        };
+        h.cancel();
+        h.quiesce().await;
+        self.active.lock().expect("hydrations lock").remove(export);
+        self.forget_files(export);
+        Ok(true)
+    }
+
     fn state_err(&self, cause: io::Error) -> HydrateError {
         HydrateError::Local {
             path: self.dir.clone(),

@@ -99,6 +99,16 @@ impl Devices {
         attached.get(name).map(|a| a.device().to_path_buf())
     }
 
+    /// The device over export `name` on this node, if one is: its recorded one, or a loop
+    /// device straight over its file that an earlier agent attached (blocking).
+    pub fn attached_to(&self, name: &str) -> Option<PathBuf> {
+        if let Some(device) = self.device(name) {
+            return Some(device);
+        }
+        let file = self.exports.open(name).ok()?.local_file()?;
+        loop_device::bound_to(&file).ok()?.into_iter().next()
+    }
+
     /// Detaches the device of `name` (blocking); false if none was attached. A device
     /// still open is kept, and the error says so.
     pub fn detach(&self, name: &str) -> io::Result<bool> {
