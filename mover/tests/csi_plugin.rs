@@ -612,6 +612,80 @@ fn a_block_volume_keeps_what_arrived_across_a_cancelled_fill_and_fetches_again_a
     ok(unstaged, "NodeUnstageVolume");
 }
 
+/// A volume a hydration made (`--create`, as the populator makes each populated PVC's)
+/// is deleted with its fill, image and export, but never while it is staged, and an
+/// export the agent did not make that way is never deleted.
+#[test]
+fn a_volume_a_hydration_made_is_deleted_whole_and_only_once_unstaged() {
+    let Some(bin) = tools() else { return };
+    let h = Hydrating::data_everywhere(false, 61);
+    let (from, control) = (h.src.url("src"), h.control());
+    let delete = |export: &str| common::agent::hydrate(&["delete", export, "--agent", &control]);
+    let state = h.dir.path().join("b/agent-state");
+    let image = state.join("volumes/pvc-1.img");
+    hydrate(&[
+        "start",
+        "pvc-1",
+        "--create",
+        "--from",
+        &from,
+        "--agent",
+        &control,
+        "--bwlimit",
+        "1M",
+    ]);
+    assert_eq!(
+        std::fs::metadata(&image).unwrap().len(),
+        VOLUME,
+        "the image made"
+    );
+    let mut kubelet = h.kubelet(
+        &bin,
+        serde_json::json!({"block": {}, "accessMode": {"mode": "SINGLE_NODE_WRITER"}}),
+    );
+    kubelet.volume = "pvc-1".into();
+    kubelet.staging = h.dir.path().join("b/kubelet/staging/pvc-1");
+    kubelet.stage_and_publish();
+    assert_reads_source(&kubelet.target, &h.src_img, 0, "the first MiB");
+
+    // Staged: refused, and nothing of it is touched.
+    let refused = delete("pvc-1");
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("staged on this node"),
+        "a staged volume's deletion: {refused:?}"
+    );
+    assert!(image.exists(), "the image of a staged volume was removed");
+    assert_reads_source(&kubelet.target, &h.src_img, 100 * MIB, "after the refusal");
+
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    ok(unpublished, "NodeUnpublishVolume");
+    ok(unstaged, "NodeUnstageVolume");
+    let deleted = hydrate(&["delete", "pvc-1", "--agent", &control]);
+    assert_eq!(deleted.trim(), "deleted pvc-1: its image, fill and export");
+    assert!(!image.exists(), "the image is still there");
+    for kept in ["hydrate/pvc-1.json", "hydrate/pvc-1.bitmap"] {
+        assert!(!state.join(kept).exists(), "{kept} is still there");
+    }
+    let exports = std::fs::read_to_string(state.join("exports.json")).unwrap();
+    assert!(!exports.contains("pvc-1"), "still registered: {exports}");
+    let status = common::agent::hydrate(&["status", "pvc-1", "--agent", &control]);
+    assert!(!status.status.success(), "its hydration is still known");
+    // Deleting it again is fine, and says there was nothing.
+    let again = hydrate(&["delete", "pvc-1", "--agent", &control]);
+    assert_eq!(again.trim(), "nothing of pvc-1 was left on the agent");
+
+    // An export of agent.toml is the administrator's: never deleted.
+    std::fs::write(&h.dst_img, [7u8; 4096]).unwrap();
+    let theirs = delete("dst");
+    let said = String::from_utf8_lossy(&theirs.stderr);
+    assert!(
+        !theirs.status.success() && said.contains("was not made by a hydration"),
+        "the deletion of an agent.toml export: {theirs:?}"
+    );
+    assert_eq!(std::fs::read(&h.dst_img).unwrap(), [7u8; 4096]);
+}
+
 #[test]
 fn a_sparse_terabyte_volume_is_a_readable_device_at_once() {
     let Some(bin) = tools() else { return };

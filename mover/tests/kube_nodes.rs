@@ -1084,7 +1084,60 @@ spec:
             "Retain",
             "the old volume's own policy again"
         );
+        // Its export, served to the fill alone, is withdrawn once the fill completed.
+        let exports = c
+            .dir()
+            .join("nodes")
+            .join(c.node(1))
+            .join("mover/exports.json");
+        let registered = std::fs::read_to_string(&exports).unwrap_or_default();
+        assert!(
+            !registered.contains(&format!("pv-db-{n}")),
+            "the old volume is still exported: {registered}"
+        );
     }
+    // A completed move deleted: nothing to undo, and nothing holds it.
+    c.kubectl_ok(&[
+        "delete",
+        "volumemove",
+        "db",
+        "-n",
+        "app",
+        "--wait",
+        "--timeout=60s",
+    ]);
+    assert_eq!(c.get(&["sts/db", "-n", "app"], "{.spec.replicas}"), "2");
+
+    // A move that fails once it has stopped the workload (to another cluster, through
+    // VolumeReplications there are none of), deleted: rolled back, the StatefulSet
+    // runs again with its replicas.
+    c.apply(
+        "apiVersion: replication.mover/v1alpha1\nkind: VolumeMove\nmetadata:\n  name: away\n  namespace: app\nspec:\n  side: Source\n  statefulSet: db\n",
+    );
+    c.wait("the move Failed", WAIT, || {
+        c.get(&["volumemove/away", "-n", "app"], "{.status.phase}") == "Failed"
+    });
+    assert_eq!(c.get(&["sts/db", "-n", "app"], "{.spec.replicas}"), "0");
+    c.kubectl_ok(&[
+        "delete",
+        "volumemove",
+        "away",
+        "-n",
+        "app",
+        "--wait",
+        "--timeout=60s",
+    ]);
+    assert_eq!(
+        c.get(
+            &["sts/db", "-n", "app"],
+            "{.spec.replicas} {.metadata.annotations.replication\\.mover/replicas-before-move}"
+        ),
+        "2 ",
+        "the deleted move gave the StatefulSet its replicas back"
+    );
+    c.wait("both pods Ready after the rollback", WAIT, || {
+        c.get(&["sts/db", "-n", "app"], "{.status.readyReplicas}") == "2"
+    });
 }
 
 /// The name of the agent's pod on `node`.
@@ -2739,6 +2792,13 @@ fn on_real_nodes_populated_pvcs_are_bound_at_once_and_their_pods_read_the_source
     c.install("replication-token-of-pop");
     c.kubectl_ok(&["create", "namespace", "app"]);
     c.apply(common::POPULATED_STORAGE_CLASS);
+    // The same class keeping its volumes (the other one's policy is Kubernetes'
+    // default, Delete).
+    c.apply(&format!(
+        "{}reclaimPolicy: Retain\n",
+        common::POPULATED_STORAGE_CLASS
+            .replace("name: mover-populated", "name: mover-populated-retain")
+    ));
     // The sources, on node 1's disk: data at both ends, a hole between for the big ones.
     let sources: [(&str, u64); 3] = [("small", 64 * MIB), ("four-gib", 4 << 30), ("tib", 1 << 40)];
     let mut exports = String::new();
@@ -2777,10 +2837,14 @@ fn on_real_nodes_populated_pvcs_are_bound_at_once_and_their_pods_read_the_source
     for (name, len) in sources {
         let last = len / MIB - 1;
         let created = std::time::Instant::now();
+        let (class, policy) = match name {
+            "four-gib" => ("mover-populated-retain", "Retain"),
+            _ => ("mover-populated", "Delete"),
+        };
         c.apply(&format!(
             "{}---\n{}",
             source(name),
-            populated_pvc(name, "mover-populated", "Block", &len.to_string())
+            populated_pvc(name, class, "Block", &len.to_string())
         ));
         volume_pod(
             &c,
@@ -2807,7 +2871,7 @@ fn on_real_nodes_populated_pvcs_are_bound_at_once_and_their_pods_read_the_source
                 &["pv", &pv],
                 "{.spec.csi.driver} {.spec.persistentVolumeReclaimPolicy} {.spec.csi.volumeHandle}"
             ),
-            format!("csi.replication.mover Retain {pv}")
+            format!("csi.replication.mover {policy} {pv}")
         );
         eprintln!(
             "populated PVC of {} MiB: bound {:.2} s after its creation, its pod's read of the last MiB done {:.2} s after",
@@ -2819,6 +2883,7 @@ fn on_real_nodes_populated_pvcs_are_bound_at_once_and_their_pods_read_the_source
             a_populated_pods_io_goes_on_across_its_agents_kill_and_upgrade(&c, &src);
         }
         c.kubectl_ok(&["delete", "pod", name, "-n", "app", "--wait"]);
+        a_populated_volume_ends_as_its_class_says(&c, name, &pv, policy);
     }
 
     // A Filesystem PVC of an ext4 source: mounted while its regions still arrive, every
@@ -2860,6 +2925,61 @@ fn on_real_nodes_populated_pvcs_are_bound_at_once_and_their_pods_read_the_source
     c.kubectl_ok(&["delete", "pod", "files", "-n", "app", "--wait"]);
 
     populated_from_a_snapshot_in_s3(&c, t.path());
+}
+
+/// The PVC `name` (its pod gone) deleted: with policy Delete its PV and its volume on
+/// node 2 (image, fill, export) go, the 1 TiB one's mid-fill; with Retain both stay
+/// until the PV is deleted by hand, and then the image still stays. Its
+/// HydrationSource's deletion then leaves nothing held.
+fn a_populated_volume_ends_as_its_class_says(c: &RealCluster, name: &str, pv: &str, policy: &str) {
+    let state = c.dir().join("nodes").join(c.node(2)).join("mover");
+    let image = state.join(format!("volumes/{pv}.img"));
+    assert!(image.exists(), "{name}: no image at {}", image.display());
+    let registered = || std::fs::read_to_string(state.join("exports.json")).unwrap_or_default();
+    assert!(registered().contains(pv), "{name}: {pv} is not registered");
+    if name == "tib" {
+        assert!(
+            state.join(format!("hydrate/{pv}.json")).exists(),
+            "{name}: its fill should still be under way"
+        );
+    }
+    c.kubectl_ok(&["delete", "pvc", name, "-n", "app", "--wait"]);
+    let gone = |what: &[&str]| {
+        let out = c.kubectl(&[&["get"], what, &["--ignore-not-found", "-o", "name"]].concat());
+        out.status.success() && out.stdout.is_empty()
+    };
+    if policy == "Delete" {
+        c.wait(&format!("{name}: its released PV deleted"), WAIT, || {
+            gone(&["pv", pv])
+        });
+        assert!(
+            !image.exists(),
+            "{name}: the image of a deleted volume is still there"
+        );
+        assert!(
+            !registered().contains(pv),
+            "{name}: {pv} is still registered"
+        );
+        assert!(
+            !state.join(format!("hydrate/{pv}.json")).exists(),
+            "{name}: its fill is still recorded"
+        );
+    } else {
+        c.wait(&format!("{name}: its PV Released"), WAIT, || {
+            c.get(&["pv", pv], "{.status.phase}") == "Released"
+        });
+        std::thread::sleep(Duration::from_secs(3));
+        assert!(
+            image.exists(),
+            "{name}: a Retain volume's image was removed"
+        );
+        c.kubectl_ok(&["delete", "pv", pv, "--wait"]);
+        assert!(
+            image.exists(),
+            "{name}: a Retain volume's image was removed with its PV"
+        );
+    }
+    c.kubectl_ok(&["delete", "hydrationsource", name, "-n", "app", "--wait"]);
 }
 
 /// Node 2's agent killed (kill -9), then upgraded (a rolling update of the agents'

@@ -199,7 +199,12 @@ async fn scale_back(ctx: &Context, ns: &str, sts: &str) -> Result<(), MoveError>
         .get_opt(sts)
         .await
         .map_err(kube_err(format!("reading StatefulSet {ns}/{sts}")))?
-        .and_then(|s| s.annotations().get(REPLICAS_BEFORE_MOVE)?.parse::<i32>().ok());
+        .and_then(|s| {
+            s.annotations()
+                .get(REPLICAS_BEFORE_MOVE)?
+                .parse::<i32>()
+                .ok()
+        });
     if let Some(replicas) = recorded {
         scale(ctx, ns, sts, replicas, None).await?;
     }
@@ -244,7 +249,7 @@ async fn advance(
         st.phase = Some(MovePhase::Failed);
         st.message = Some(why);
     } else if st.volumes.is_empty() {
-        match volumes_of(&mv, &ctx, &ns, &mut st).await? {
+        match volumes_of(&mv, ctx, &ns, &mut st).await? {
             Ok(pvcs) => {
                 st.volumes = pvcs
                     .into_iter()
@@ -265,7 +270,7 @@ async fn advance(
         .timeout_seconds
         .map_or(DEFAULT_TIMEOUT, Duration::from_secs);
     let step = Step {
-        ctx: &ctx,
+        ctx,
         ns: &ns,
         timeout,
         force_after: mv.spec.force_after_seconds.map(Duration::from_secs),
@@ -315,7 +320,7 @@ async fn advance(
         st.scaled_back,
         handed_over,
     ) {
-        scale(&ctx, &ns, sts, replicas, None).await?;
+        scale(ctx, &ns, sts, replicas, None).await?;
         st.scaled_back = true;
     }
     st.fenced = st.volumes.iter().any(|v| v.fenced);
@@ -612,7 +617,15 @@ impl Step<'_> {
         let pods = owned(&self.ctx.caches.agents);
         let agent = match super::replication::desired::agent_on(node, &pods, self.ctx.agent_port) {
             Ok(a) => a,
-            Err(_) if !self.ctx.caches.nodes.state().iter().any(|n| n.name_any() == *node) => {
+            Err(_)
+                if !self
+                    .ctx
+                    .caches
+                    .nodes
+                    .state()
+                    .iter()
+                    .any(|n| n.name_any() == *node) =>
+            {
                 return Ok(());
             }
             Err(e) => return Err(format!("withdrawing export {pv} on {node}: {e}")),

@@ -28,7 +28,8 @@ Examples:
   mover hydrate wait pg --agent agent://node-b:7070"
     )]
     Start {
-        /// The export to fill: a block export in the agent's agent.toml.
+        /// The export to fill: a block export in the agent's agent.toml (or a new one,
+        /// with --create).
         export: String,
         /// Hydrate from a peer agent's export: agent://HOST:PORT/VOLUME.
         #[arg(long, value_name = "URL", required_unless_present = "from_snapshot")]
@@ -59,6 +60,11 @@ Examples:
         /// The export's image or device holds data: replace it.
         #[arg(long)]
         overwrite: bool,
+        /// Make the export if the agent has none of that name: a sparse image in the
+        /// agent's csi_volumes, the source's size, that `mover hydrate delete` removes
+        /// (needs the agent's CSI plugin: csi_socket).
+        #[arg(long)]
+        create: bool,
         /// S3 endpoint of an s3:// repository (as the agent reaches it).
         #[arg(long, value_name = "URL")]
         s3_endpoint: Option<String>,
@@ -143,6 +149,7 @@ async fn run_async(cmd: HydrateCommand) -> anyhow::Result<()> {
             bwlimit,
             concurrency,
             overwrite,
+            create,
             s3_endpoint,
             s3_region,
             s3_virtual_host,
@@ -178,6 +185,7 @@ async fn run_async(cmd: HydrateCommand) -> anyhow::Result<()> {
                     bwlimit: bwlimit.unwrap_or(0),
                     concurrency,
                     overwrite,
+                    create,
                     replica_of: replica_of.unwrap_or_default(),
                     ..Default::default()
                 })

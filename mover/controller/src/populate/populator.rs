@@ -29,7 +29,6 @@ use kube::{Api, ResourceExt, api::PostParams, runtime::controller::Action};
 use std::sync::Arc;
 use transport::hydrate;
 
-
 /// The label on a populated PV: the HydrationSource it was filled from.
 pub const POPULATED_FROM: &str = "replication.mover/populated-from";
 

@@ -173,10 +173,20 @@ pub(super) async fn reconcile(
 
 /// Undoes the fill of the user's PVC `uid` that has not been handed over (its
 /// HydrationSource is deleted): its Job and prime PVC in `namespace` go.
-pub(super) async fn roll_back(ctx: &Context, namespace: &str, uid: &str) -> Result<(), PopulateError> {
+pub(super) async fn roll_back(
+    ctx: &Context,
+    namespace: &str,
+    uid: &str,
+) -> Result<(), PopulateError> {
     let jobs = Api::<Job>::namespaced(ctx.client.clone(), namespace);
     let pvcs = Api::<PersistentVolumeClaim>::namespaced(ctx.client.clone(), namespace);
-    clean_up(&jobs, &format!("populate-{uid}"), &pvcs, &format!("prime-{uid}")).await
+    clean_up(
+        &jobs,
+        &format!("populate-{uid}"),
+        &pvcs,
+        &format!("prime-{uid}"),
+    )
+    .await
 }
 
 /// Deletes the Job (its pods with it) and then the prime PVC, once the PV is handed

@@ -7,6 +7,7 @@
 //! - **Deleted by hand** (the finalizer holds the PV): the same when its policy is
 //!   Delete. With Retain the image stays on the node: the log says where, and
 //!   `mover hydrate delete` removes it.
+//!
 //! A volume still staged (its pod not yet gone) is retried until it is not. A PV whose
 //! node is gone lets go: the image went with the node.
 
@@ -52,7 +53,7 @@ fn end_of(pv: &PersistentVolume) -> End {
         == Some("Delete");
     match (delete, deleting && held, released, unbound) {
         (true, true, _, true) => End::Delete { deleting: true },
-        (true, false, true, _) => End::Delete { deleting: false },
+        (true, false, true, _) => End::Delete { deleting },
         (false, true, _, true) => End::LetGo,
         _ => End::Keep,
     }
@@ -60,7 +61,13 @@ fn end_of(pv: &PersistentVolume) -> End {
 
 /// The node a populated PV is pinned to.
 pub(super) fn pinned_node(pv: &PersistentVolume) -> Option<String> {
-    let terms = &pv.spec.as_ref()?.node_affinity.as_ref()?.required.as_ref()?;
+    let terms = &pv
+        .spec
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required
+        .as_ref()?;
     terms
         .node_selector_terms
         .iter()
@@ -96,7 +103,14 @@ pub async fn reconcile(
                     }
                     Err(e) => return Err(e.into()),
                 },
-                Err(_) if !ctx.caches.nodes.state().iter().any(|n| n.name_any() == node) => {
+                Err(_)
+                    if !ctx
+                        .caches
+                        .nodes
+                        .state()
+                        .iter()
+                        .any(|n| n.name_any() == node) =>
+                {
                     tracing::warn!(pv = %name, %node, "the node of a populated volume is gone, and its image with it");
                 }
                 Err(e) => return Err(PopulateError::Invalid(format!("PV {name}: {e}"))),
@@ -174,8 +188,15 @@ mod tests {
         assert_eq!(end_of(&pv("Delete", "Bound", true, true)), End::Keep);
         assert_eq!(end_of(&pv("Retain", "Released", false, true)), End::Keep);
         assert_eq!(end_of(&pv("Retain", "Released", true, true)), End::LetGo);
-        // Without the finalizer (a PV made before it), a deletion under way is not ours.
-        assert_eq!(end_of(&pv("Delete", "Released", true, false)), End::Keep);
-        assert_eq!(pinned_node(&pv("Delete", "Bound", false, true)).as_deref(), Some("n2"));
+        // Without the finalizer (a PV made before it, its policy set to Delete by hand):
+        // its volume is deleted all the same, as long as the PV is still seen.
+        assert_eq!(
+            end_of(&pv("Delete", "Released", true, false)),
+            End::Delete { deleting: true }
+        );
+        assert_eq!(
+            pinned_node(&pv("Delete", "Bound", false, true)).as_deref(),
+            Some("n2")
+        );
     }
 }

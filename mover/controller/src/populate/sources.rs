@@ -53,7 +53,11 @@ async fn roll_back(hs: &HydrationSource, ctx: &Context) -> Result<Action, Popula
         })?;
     let unbound = pvcs.items.iter().filter(|p| {
         source_of(p).as_deref() == Some(name.as_str())
-            && p.spec.as_ref().and_then(|s| s.volume_name.as_deref()).unwrap_or("").is_empty()
+            && p.spec
+                .as_ref()
+                .and_then(|s| s.volume_name.as_deref())
+                .unwrap_or("")
+                .is_empty()
     });
     for pvc in unbound {
         let uid = pvc.uid().unwrap_or_default();
@@ -84,7 +88,11 @@ async fn roll_back(hs: &HydrationSource, ctx: &Context) -> Result<Action, Popula
         let pods = owned(&ctx.caches.agents);
         let agent = crate::replication::desired::agent_on(node, &pods, ctx.agent_port)
             .map_err(|e| PopulateError::Invalid(format!("{what}: {e}")))?;
-        if ctx.agents.delete_volume(&agent, &format!("pvc-{uid}")).await? {
+        if ctx
+            .agents
+            .delete_volume(&agent, &format!("pvc-{uid}"))
+            .await?
+        {
             tracing::info!(pvc = %what, %node, hydrationsource = %name, "its source deleted: the volume begun for it deleted");
         }
     }

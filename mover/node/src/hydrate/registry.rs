@@ -458,7 +458,12 @@ impl Hydrations {
     /// for, and its record and bitmap removed (the export and its image are the
     /// caller's). False if it had none.
     pub async fn forget(&self, export: &str) -> Result<bool, HydrateError> {
-        if self.starting.lock().expect("starting lock").contains(export) {
+        if self
+            .starting
+            .lock()
+            .expect("starting lock")
+            .contains(export)
+        {
             return Err(HydrateError::Refused {
                 what: format!("deletion of export {export}"),
                 why: "a start of its hydration is under way; try again once it returns".into(),
