@@ -61,7 +61,7 @@ const POLL: Duration = Duration::from_secs(1);
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// The finalizer on a VolumeMove: its deletion rolls back what is not handed over yet
-/// and lets what is finish ([`wind_down`]).
+/// and lets what is finish (see the module's "Deleting a move").
 pub const FINALIZER: &str = "replication.mover/volume-move";
 
 /// A call to the API server that failed (the move retries it).
