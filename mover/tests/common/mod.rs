@@ -9,6 +9,8 @@ pub mod csi;
 #[cfg(feature = "controller")]
 pub mod nodes;
 pub mod pg;
+#[cfg(feature = "controller")]
+pub mod site;
 pub mod slowdown;
 pub mod tree;
 
