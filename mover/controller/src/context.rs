@@ -89,6 +89,15 @@ where
     store.state().iter().map(|o| (**o).clone()).collect()
 }
 
+/// Whether the cluster has node `name` (a node gone took what was on it with it).
+pub(super) fn node_exists(ctx: &Context, name: &str) -> bool {
+    ctx.caches
+        .nodes
+        .state()
+        .iter()
+        .any(|n| n.metadata.name.as_deref() == Some(name))
+}
+
 /// What every reconcile shares.
 pub struct Context {
     /// The API server.

@@ -33,7 +33,7 @@
 //! export served to the fill withdrawn, and a StatefulSet the move scaled to 0 given
 //! its replicas back if none of its volumes was handed over.
 
-use super::context::{Context, created_or_exists, deleted_or_gone, owned, typed};
+use super::context::{Context, created_or_exists, deleted_or_gone, node_exists, owned, typed};
 use super::crd::{
     HydrationSource, HydrationSourceSpec, MovePhase, MoveSide, MovedVolume, VolumeMove,
     VolumeMoveStatus, VolumeReplication,
@@ -167,7 +167,8 @@ async fn wind_down(cached: &VolumeMove, ctx: &Arc<Context>) -> Result<Action, Mo
     let done = finishing.is_empty() && unfinished.is_empty();
     st.message = Some(if !finishing.is_empty() {
         format!(
-            "deleting: {} finish their move first (handed over, which cannot be undone);              then the rest is rolled back",
+            "deleting: {} finish their move first (handed over, which cannot be undone); \
+             then the rest is rolled back",
             finishing.join(", ")
         )
     } else if !unfinished.is_empty() {
@@ -617,17 +618,7 @@ impl Step<'_> {
         let pods = owned(&self.ctx.caches.agents);
         let agent = match super::replication::desired::agent_on(node, &pods, self.ctx.agent_port) {
             Ok(a) => a,
-            Err(_)
-                if !self
-                    .ctx
-                    .caches
-                    .nodes
-                    .state()
-                    .iter()
-                    .any(|n| n.name_any() == *node) =>
-            {
-                return Ok(());
-            }
+            Err(_) if !node_exists(self.ctx, node) => return Ok(()),
             Err(e) => return Err(format!("withdrawing export {pv} on {node}: {e}")),
         };
         self.ctx

@@ -12,7 +12,7 @@
 //! node is gone lets go: the image went with the node.
 
 use super::{PopulateError, WAIT};
-use crate::context::{Context, deleted_or_gone, owned};
+use crate::context::{Context, deleted_or_gone, node_exists, owned};
 use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::{
     Api, ResourceExt,
@@ -60,7 +60,7 @@ fn end_of(pv: &PersistentVolume) -> End {
 }
 
 /// The node a populated PV is pinned to.
-pub(super) fn pinned_node(pv: &PersistentVolume) -> Option<String> {
+fn pinned_node(pv: &PersistentVolume) -> Option<String> {
     let terms = &pv
         .spec
         .as_ref()?
@@ -103,14 +103,7 @@ pub async fn reconcile(
                     }
                     Err(e) => return Err(e.into()),
                 },
-                Err(_)
-                    if !ctx
-                        .caches
-                        .nodes
-                        .state()
-                        .iter()
-                        .any(|n| n.name_any() == node) =>
-                {
+                Err(_) if !node_exists(&ctx, &node) => {
                     tracing::warn!(pv = %name, %node, "the node of a populated volume is gone, and its image with it");
                 }
                 Err(e) => return Err(PopulateError::Invalid(format!("PV {name}: {e}"))),

@@ -152,7 +152,8 @@ impl HydrationControl {
         };
         if !made_by_create {
             return Err(refused(format!(
-                "export {export:?} was not made by a hydration's start (create): this deletes                  only those; unexport it instead"
+                "export {export:?} was not made by a hydration's start (create): this deletes \
+                 only those; unexport it instead"
             )));
         }
         if let Some(devices) = self.devices.clone() {
@@ -162,7 +163,8 @@ impl HydrationControl {
                 .map_err(|e| ServiceError::Internal(e.to_string()))?;
             if let Some(device) = attached {
                 return Err(refused(format!(
-                    "volume {export} is staged on this node as {}: its pod still uses it                      (NodeUnstageVolume first)",
+                    "volume {export} is staged on this node as {}: its pod still uses it \
+                     (NodeUnstageVolume first)",
                     device.display()
                 )));
             }
