@@ -322,6 +322,12 @@ load=
             "  [ -z \"$writer_pid\" ] || { kill -TERM \"$writer_pid\"; wait \"$writer_pid\" || true; }\n  [ -z \"$load\" ] ||",
         );
         edit("-T 3600", "-T 86400");
+        // Hours of pgbench: the WAL kept small enough for the volume (checkpoints at
+        // most a minute and 64 MiB of WAL apart).
+        edit(
+            "-o \"-c listen_addresses=\"",
+            "-o \"-c listen_addresses= -c max_wal_size=64MB -c checkpoint_timeout=60s\"",
+        );
         edit("load=$!\n", "load=$!\nwriter &\nwriter_pid=$!\n");
         s
     }
