@@ -77,6 +77,11 @@ mod soak {
     const INTERVAL: Duration = Duration::from_secs(2);
     /// How long replication may take to resume after a fault.
     const RESUME: Duration = Duration::from_secs(120);
+    /// How long a killed container may take to run again: the kubelet holds back a
+    /// container that keeps failing (10 s, doubling, at most 300 s, reset after 10
+    /// minutes of running), and a kill -9 counts as a failure. The first hour-long run
+    /// killed one agent six times in 20 minutes and waited out that back-off.
+    const RESTART: Duration = Duration::from_secs(330);
 
     /// What the command line asks.
     pub struct Options {
@@ -373,7 +378,8 @@ load=
     }
 
     fn inject(pair: &mut Pair, fault: Fault, report: &mut Report) {
-        let begun = Timestamp::now();
+        // The cycle that shows replication resumed begins after this.
+        let mut begun = Timestamp::now();
         match fault {
             Fault::KillAgent { site } => {
                 let s = &pair.sites[site];
@@ -381,7 +387,7 @@ load=
                 let env = format!("NODE_NAME={node}");
                 let pid = process_of("agent", &env).expect("the agent's process");
                 kill(pid, rustix::process::Signal::KILL);
-                s.c.wait("the agent started again", RESUME, || {
+                s.c.wait("the agent started again", RESTART, || {
                     process_of("agent", &env).is_some_and(|p| p != pid)
                 });
             }
@@ -416,7 +422,7 @@ load=
                 let env = format!("HOSTNAME={leading}");
                 let pid = process_of("controller", &env).expect("the leader's process");
                 kill(pid, rustix::process::Signal::KILL);
-                s.c.wait("a leader again", RESUME, || {
+                s.c.wait("a leader again", RESTART, || {
                     let now = leader(s);
                     process_of("controller", &format!("HOSTNAME={now}")).is_some_and(|p| p != pid)
                 });
@@ -427,7 +433,11 @@ load=
                 std::thread::sleep(Duration::from_secs(secs));
                 s.c.apiserver("start");
             }
-            Fault::Cut { secs } => cut(pair, secs, report),
+            Fault::Cut { secs } => {
+                cut(pair, secs, report);
+                // A cycle that began before the cut is no sign of its end.
+                begun = Timestamp::now();
+            }
             Fault::PlannedFailover => {
                 failover(pair, report);
                 return;
