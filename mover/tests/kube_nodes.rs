@@ -1840,17 +1840,7 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
     let mut b = Site::start("pgb", 3).unwrap();
     b.on = 2;
     for s in [&a, &b] {
-        s.c.import_test_image("postgres");
-        std::fs::File::create(s.image())
-            .unwrap()
-            .set_len(LEN)
-            .unwrap();
-    }
-    for s in [&a, &b] {
-        // A device node, as a local disk's partition: the database's pod is privileged
-        // (to mount it), and containerd gives a privileged container only devices.
-        local_block_device(&s.c, s.on, "data");
-        s.claim(LEN, "/mnt/disks/data");
+        s.database_volume(LEN);
         // The user's policy, which the moves keep at Retain while they run.
         s.c.kubectl_ok(&[
             "patch",
@@ -1860,18 +1850,7 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
             r#"{"spec":{"persistentVolumeReclaimPolicy":"Delete"}}"#,
         ]);
     }
-    let (a_locator, b_locator) = (a.expose_locator(), b.expose_locator());
-    // A mounted file system is written while cycles read it: each cycle is
-    // crash-consistent at best, and the move's final cycle (nothing holding it) whole.
-    let torn = "    consistency: crash-inconsistent\n";
-    a.class_named("mover-dr", &b, &b_locator, torn);
-    b.class_named("mover-dr", &a, &a_locator, torn);
-    b.set_state("secondary");
-    b.wait_vr("B secondary", |s| s.vr()["status"]["state"] == "Secondary");
-    a.set_state("primary");
-    a.wait_vr("A replicating", |s| {
-        s.completed("Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
-    });
+    replicating_live(&a, &b);
 
     // The database on A, written by pgbench.
     db_start(&a, "data");

@@ -254,27 +254,9 @@ mod soak {
         let mut b = Site::start("soakb", 8).expect("the second cluster");
         b.on = 2;
         for s in [&a, &b] {
-            s.c.import_test_image("postgres");
-            std::fs::File::create(s.image())
-                .unwrap()
-                .set_len(LEN)
-                .unwrap();
-            local_block_device(&s.c, s.on, "data");
-            s.claim(LEN, "/mnt/disks/data");
+            s.database_volume(LEN);
         }
-        let (pa, pb) = (a.expose_locator(), b.expose_locator());
-        // The volume is a device read live while the database writes it: each cycle is
-        // crash-consistent at best, a planned failover's final cycle (nothing holding
-        // the volume) whole.
-        let torn = "    consistency: crash-inconsistent\n";
-        a.class_named("mover-dr", &b, &pb, torn);
-        b.class_named("mover-dr", &a, &pa, torn);
-        b.set_state("secondary");
-        b.wait_vr("B secondary", |s| s.vr()["status"]["state"] == "Secondary");
-        a.set_state("primary");
-        a.wait_vr("A replicating", |s| {
-            s.completed("Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
-        });
+        replicating_live(&a, &b);
         let pair = Pair {
             sites: [a, b],
             primary: 0,

@@ -177,15 +177,7 @@ async fn wind_down(cached: &VolumeMove, ctx: &Arc<Context>) -> Result<Action, Mo
         "deleted: what was not handed over is rolled back".into()
     });
     if st != before && !done {
-        api.patch_status(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({ "status": st })),
-        )
-        .await
-        .map_err(kube_err(format!(
-            "writing the status of VolumeMove {ns}/{name}"
-        )))?;
+        write_status(&api, &ns, &name, &st).await?;
     }
     if done {
         tracing::info!(volumemove = %format!("{ns}/{name}"), "move deleted: what was not handed over is rolled back");
@@ -329,18 +321,29 @@ async fn advance(
         next = Action::await_change();
     }
     if st != before {
-        Api::<VolumeMove>::namespaced(ctx.client.clone(), &ns)
-            .patch_status(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({ "status": st })),
-            )
-            .await
-            .map_err(kube_err(format!(
-                "writing the status of VolumeMove {ns}/{name}"
-            )))?;
+        let api = Api::<VolumeMove>::namespaced(ctx.client.clone(), &ns);
+        write_status(&api, &ns, &name, &st).await?;
     }
     Ok(next)
+}
+
+/// Writes VolumeMove `ns/name`'s status.
+async fn write_status(
+    api: &Api<VolumeMove>,
+    ns: &str,
+    name: &str,
+    st: &VolumeMoveStatus,
+) -> Result<(), MoveError> {
+    api.patch_status(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "status": st })),
+    )
+    .await
+    .map_err(kube_err(format!(
+        "writing the status of VolumeMove {ns}/{name}"
+    )))?;
+    Ok(())
 }
 
 /// The PVCs a move names, in the order they move: its PVC, or its StatefulSet's claims

@@ -107,6 +107,20 @@ spec:
         });
     }
 
+    /// The PVC `app/data` of `len` bytes for a database: a device node over a new image
+    /// on the site's node (as a local disk's partition: the database's pod is privileged
+    /// to mount it, and containerd gives a privileged container only devices), with the
+    /// PostgreSQL image imported.
+    pub fn database_volume(&self, len: u64) {
+        self.c.import_test_image("postgres");
+        std::fs::File::create(self.image())
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+        local_block_device(&self.c, self.on, "data");
+        self.claim(len, "/mnt/disks/data");
+    }
+
     /// README step 5: the Locator as a NodePort; its port.
     pub fn expose_locator(&self) -> String {
         self.c.kubectl_ok(&[
@@ -287,6 +301,22 @@ pub fn start_replicating(primary: &Site, secondary: &Site) {
         "{}",
         primary.vr()["status"]
     );
+}
+
+/// `app/data` replicating from `a` (primary) to `b` read live: a mounted file system
+/// written while cycles read it makes each cycle crash-consistent at best, and a final
+/// cycle with nothing holding the volume whole. Waits for the first cycle.
+pub fn replicating_live(a: &Site, b: &Site) {
+    let (a_locator, b_locator) = (a.expose_locator(), b.expose_locator());
+    let torn = "    consistency: crash-inconsistent\n";
+    a.class_named("mover-dr", b, &b_locator, torn);
+    b.class_named("mover-dr", a, &a_locator, torn);
+    b.set_state("secondary");
+    b.wait_vr("B secondary", |s| s.vr()["status"]["state"] == "Secondary");
+    a.set_state("primary");
+    a.wait_vr("A replicating", |s| {
+        s.completed("Promoted") && s.vr()["status"]["lastSyncTime"].is_string()
+    });
 }
 
 /// Two clusters with mover installed, `app/data` replicating from `a` (primary, its
