@@ -64,7 +64,8 @@ struct Pair {
     b: Agent,
     a_img: std::path::PathBuf,
     b_img: std::path::PathBuf,
-    // Dropped last: the agents stop before their files go.
+    // Dropped last: the agents stop before their devices and files go.
+    _loop: Option<LoopDevice>,
     _t: Option<tempfile::TempDir>,
     _fs: Option<ScratchFs>,
 }
@@ -96,9 +97,21 @@ fn pair_with_env(root: &Path, a_env: &[(&str, &str)], b_env: &[(&str, &str)]) ->
         b,
         a_img,
         b_img,
+        _loop: None,
         _t: None,
         _fs: None,
     }
+}
+
+/// As [`pair_with_env`], but a's `vol` is a loop device over its image (as a local PV
+/// over a node's file, or a volume an agent made).
+fn pair_over_loop(root: &Path, a_env: &[(&str, &str)]) -> Pair {
+    let mut p = pair_with_env(root, a_env, &[]);
+    let device = LoopDevice::attach(&p.a_img);
+    let da = root.join("a");
+    p.a = Agent::start_with_env(&da, &[("vol", &device.path, false)], a_env);
+    p._loop = Some(device);
+    p
 }
 
 impl Pair {
@@ -357,6 +370,36 @@ fn on_xfs_a_catch_up_written_under_is_not_taken_for_one_instant() {
     cycles_under_a_live_writer(&["--freeze", elsewhere.path().to_str().unwrap()]);
 }
 
+/// A volume that is a loop device over an image on XFS (a local PV over a node's file,
+/// as the soak's database has) is read through the image's clones: every cycle is one
+/// instant of the device, written through the device (O_DIRECT, as a file system in a
+/// pod writes), not a live read that tears.
+#[test]
+fn on_xfs_a_loop_device_over_an_image_is_read_at_one_instant() {
+    let fs = ScratchFs::new("xfs", 512 * MIB);
+    let mut p = pair_over_loop(fs.path(), &[]);
+    p._fs = Some(fs);
+    let device = p._loop.as_ref().unwrap().path.clone();
+    let clones_beside_the_image = || {
+        std::fs::read_dir(p.a_img.parent().unwrap())
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with('.')
+            })
+            .count()
+    };
+    p.create_with("r", &[]);
+    assert!(
+        clones_beside_the_image() > 0,
+        "the cycle's clone is kept beside the image, not under /dev"
+    );
+    cycles_while_written(&p, &device, true);
+}
+
 /// Cycles of a relationship created with `extra` arguments while a writer keeps its
 /// invariant across the image's two places; every replica must hold one of its states.
 fn cycles_under_a_live_writer(extra: &[&str]) {
@@ -364,16 +407,36 @@ fn cycles_under_a_live_writer(extra: &[&str]) {
     let mut p = pair_with_env(fs.path(), &[("MOVER_PAUSE", "catch-up-range=300")], &[]);
     p._fs = Some(fs);
     p.create_with("r", extra);
+    let image = p.a_img.clone();
+    cycles_while_written(&p, &image, false);
+}
+
+/// Six cycles of `r` while a writer keeps its invariant across two places of `target`
+/// (the image, or a loop device over it written with O_DIRECT); every replica must hold
+/// one of its states and carry the writer's progress. The (cycle, counters) seen.
+fn cycles_while_written(p: &Pair, target: &Path, direct: bool) -> Vec<(u64, (u64, u64))> {
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = {
-        let (stop, image) = (stop.clone(), p.a_img.clone());
+        let (stop, target) = (stop.clone(), target.to_path_buf());
         std::thread::spawn(move || {
-            let f = std::fs::File::options().write(true).open(image).unwrap();
+            use std::os::unix::fs::OpenOptionsExt;
+            let flags = if direct { libc::O_DIRECT } else { 0 };
+            let f = std::fs::File::options()
+                .write(true)
+                .custom_flags(flags)
+                .open(target)
+                .unwrap();
+            // O_DIRECT writes whole aligned pages from an aligned buffer.
+            #[repr(align(4096))]
+            struct Page([u8; PAGE as usize]);
+            let mut page = Box::new(Page([0; PAGE as usize]));
             let mut n = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 n += 1;
-                f.write_all_at(&n.to_le_bytes(), FIRST_PLACE).unwrap();
-                f.write_all_at(&n.to_le_bytes(), SECOND_PLACE).unwrap();
+                page.0[..8].copy_from_slice(&n.to_le_bytes());
+                let len = if direct { PAGE as usize } else { 8 };
+                f.write_all_at(&page.0[..len], FIRST_PLACE).unwrap();
+                f.write_all_at(&page.0[..len], SECOND_PLACE).unwrap();
             }
             n
         })
@@ -399,6 +462,7 @@ fn cycles_under_a_live_writer(extra: &[&str]) {
         seen.windows(2).all(|w| w[0].1.0 < w[1].1.0) && seen[0].1.0 > 0,
         "each cycle carried the writer's progress ({written} writes): {seen:?}"
     );
+    seen
 }
 
 #[test]

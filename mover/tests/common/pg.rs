@@ -269,3 +269,31 @@ pub fn assert_ext4_clean(image: &Path) {
         "{sb}"
     );
 }
+
+/// The ext4 in `image` as after a crash: a reflink copy of it is mounted (the kernel
+/// replays its journal, as a pod's mount does) and unmounted, then it must be clean
+/// ([`assert_ext4_clean`]). The image itself is not touched.
+pub fn assert_ext4_recovers_clean(image: &Path) {
+    let copy = image.with_extension("fsck.img");
+    run_ok(
+        Command::new("cp")
+            .arg("--reflink=always")
+            .arg(image)
+            .arg(&copy),
+    );
+    let mnt = tempfile::tempdir().unwrap();
+    run_ok(
+        Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&copy)
+            .arg(mnt.path()),
+    );
+    let unmounted = Command::new("umount").arg(mnt.path()).output().unwrap();
+    assert!(
+        unmounted.status.success(),
+        "umount: {}",
+        failure(&unmounted)
+    );
+    assert_ext4_clean(&copy);
+    std::fs::remove_file(&copy).unwrap();
+}

@@ -307,10 +307,15 @@ pub fn start_replicating(primary: &Site, secondary: &Site) {
 /// written while cycles read it makes each cycle crash-consistent at best, and a final
 /// cycle with nothing holding the volume whole. Waits for the first cycle.
 pub fn replicating_live(a: &Site, b: &Site) {
+    replicating(a, b, "    consistency: crash-inconsistent\n");
+}
+
+/// `app/data` replicating from `a` (primary) to `b` under classes `mover-dr` with
+/// `params` (the default: a point in time required); waits for the first cycle.
+pub fn replicating(a: &Site, b: &Site, params: &str) {
     let (a_locator, b_locator) = (a.expose_locator(), b.expose_locator());
-    let torn = "    consistency: crash-inconsistent\n";
-    a.class_named("mover-dr", b, &b_locator, torn);
-    b.class_named("mover-dr", a, &a_locator, torn);
+    a.class_named("mover-dr", b, &b_locator, params);
+    b.class_named("mover-dr", a, &a_locator, params);
     b.set_state("secondary");
     b.wait_vr("B secondary", |s| s.vr()["status"]["state"] == "Secondary");
     a.set_state("primary");

@@ -73,7 +73,7 @@ pub fn mounts_of(device: &Path) -> io::Result<Vec<PathBuf>> {
 }
 
 /// A mountinfo path: spaces, tabs, newlines and backslashes are octal escapes there.
-fn unescape(s: &str) -> PathBuf {
+pub(crate) fn unescape(s: &str) -> PathBuf {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

@@ -79,3 +79,65 @@ pub fn file_id(file: &Path) -> io::Result<(String, u64)> {
         m.ino(),
     ))
 }
+
+/// The image file that the loop device `device` maps whole (offset 0, no size limit),
+/// as this process can open it; `None` for anything else (not a loop device, a part of
+/// a file, a file deleted or out of this mount namespace's reach). Writes through the
+/// device land in that file, so a reflink clone of it is the device at one instant.
+///
+/// The kernel names the backing file as seen from the root of whoever reads sysfs; an
+/// agent in a container reads a host path it cannot open. So the name is only a hint:
+/// the file is looked for under each mount of its file system, by the name's tails,
+/// and taken only where (device, inode) are the loop device's own.
+pub fn whole_file_of(device: &Path) -> io::Result<Option<PathBuf>> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = std::fs::metadata(device)?;
+    if !meta.file_type().is_block_device() {
+        return Ok(None);
+    }
+    let rdev = std::os::unix::fs::MetadataExt::rdev(&meta);
+    let sys = PathBuf::from(format!(
+        "/sys/dev/block/{}:{}/loop",
+        libc::major(rdev),
+        libc::minor(rdev)
+    ));
+    let read =
+        |name: &str| std::fs::read_to_string(sys.join(name)).map(|s| s.trim_end().to_string());
+    let (Ok(backing), Ok(offset), Ok(limit)) =
+        (read("backing_file"), read("offset"), read("sizelimit"))
+    else {
+        return Ok(None);
+    };
+    if offset != "0" || limit != "0" || backing.ends_with(" (deleted)") {
+        return Ok(None);
+    }
+    let id = backing_file_id(device)?;
+    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let mounts = info.lines().filter_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        (f.get(2) == Some(&id.0.as_str())).then(|| {
+            Some((
+                super::freeze::unescape(f.get(3)?),
+                super::freeze::unescape(f.get(4)?),
+            ))
+        })?
+    });
+    // The name's tails: /a/b/c.img, /b/c.img, /c.img.
+    let name = Path::new(&backing);
+    let tails: Vec<PathBuf> = (0..name.components().count())
+        .map(|skip| Path::new("/").join(name.components().skip(skip + 1).collect::<PathBuf>()))
+        .filter(|t| t != Path::new("/"))
+        .collect();
+    let mut candidates = vec![name.to_path_buf()];
+    for (root, mount_point) in mounts {
+        candidates.extend(
+            tails
+                .iter()
+                .filter_map(|t| t.strip_prefix(&root).ok())
+                .map(|under| mount_point.join(under)),
+        );
+    }
+    Ok(candidates
+        .into_iter()
+        .find(|c| file_id(c).is_ok_and(|f| f == id)))
+}

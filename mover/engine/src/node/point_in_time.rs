@@ -4,8 +4,9 @@
 //! A mechanism is a [`Source`]: it takes a point in time of a volume where it applies
 //! ([`Source::take`]). [`take`] asks each in order and falls back to the live volume,
 //! which is `crash-inconsistent`. The mechanism on a node today is [`ReflinkClone`] (an
-//! image file on XFS or Btrfs; what changed between two clones comes from their extent
-//! maps, `chunker::extents::changed_ranges`). An LVM thin snapshot (`lvcreate -s`, changes from
+//! image file on XFS or Btrfs, or a loop device over one,
+//! [`super::loop_device::whole_file_of`]; what changed between two clones comes from
+//! their extent maps, `chunker::extents::changed_ranges`). An LVM thin snapshot (`lvcreate -s`, changes from
 //! `thin_delta`) is the next one: it fits here, but this machine's kernel has no
 //! device-mapper to test it on. A CSI VolumeSnapshot is taken by the controller through
 //! the API server, not on the node (`controller::csi_snapshots`; the agent then reads a
@@ -33,8 +34,7 @@ pub const FILE_CONSISTENT: &str = "file-consistent";
 pub const NO_POINT_IN_TIME: &str = "no point in time can be taken of it";
 
 /// What a live read is, in [`refusal`]'s words.
-pub const READ_LIVE: &str =
-    "it is read live (it is not an image file on a file system with reflinks)";
+pub const READ_LIVE: &str = "it is read live (it is neither an image file on a file system with reflinks nor a loop device over one)";
 
 /// The reason a job that requires a point in time gives for not running on `volume`:
 /// `what` it is, and the ways out.
@@ -117,6 +117,9 @@ impl Source for ReflinkClone {
     }
 
     fn take(&self, volume: &Path, owner: &str) -> io::Result<Option<Taken>> {
+        // A loop device over a whole image: the image's clone is the device at one instant.
+        let image = super::loop_device::whole_file_of(volume).ok().flatten();
+        let volume = image.as_deref().unwrap_or(volume);
         if !std::fs::metadata(volume).is_ok_and(|m| m.is_file()) {
             return Ok(None);
         }

@@ -488,6 +488,23 @@ pub async fn run_from_snapshot(
     ))
 }
 
+/// What a cycle reads `source` through: the image file behind it when it is a loop
+/// device over a whole file (its clones are points in time of the device: every write
+/// the device completed is in the file), else `source` itself.
+fn image_behind(source: &Path) -> PathBuf {
+    match mover_engine::node::loop_device::whole_file_of(source) {
+        Ok(Some(image)) => {
+            tracing::debug!(device = %source.display(), image = %image.display(), "a loop device over an image: its points in time are the image's clones");
+            image
+        }
+        Ok(None) => source.into(),
+        Err(e) => {
+            tracing::debug!(device = %source.display(), "cannot tell the file behind it: {e}");
+            source.into()
+        }
+    }
+}
+
 /// Runs one cycle of `record` from the export at `source`; `last` marks a demote's
 /// final cycle. `remote` carries how to reach the peer (auth, streams, retries).
 pub async fn run(
@@ -502,8 +519,9 @@ pub async fn run(
     if source.is_dir() {
         return run_tree(record, source, &peer, began, remote, last).await;
     }
-    let source_path = source;
-    let source = source.to_path_buf();
+    let image = image_behind(source);
+    let source_path = image.as_path();
+    let source = image.clone();
     let chunk = ChunkSize::new(spec.chunk_size).map_err(CopyError::from)?;
     let (name, freeze) = (spec.name.clone(), spec.freeze.clone());
     let (mut pit, base) = tokio::task::spawn_blocking(move || {
