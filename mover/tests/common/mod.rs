@@ -10,6 +10,8 @@ pub mod csi;
 pub mod nodes;
 pub mod pg;
 #[cfg(feature = "controller")]
+pub mod populate;
+#[cfg(feature = "controller")]
 pub mod site;
 pub mod slowdown;
 pub mod tree;
