@@ -1202,9 +1202,6 @@ spec:
     );
 }
 
-/// The clusters' bridge address on the host (`cluster.sh`): the nodes' pods reach it.
-const GATEWAY: &str = "10.250.0.1";
-
 #[test]
 fn on_real_nodes_a_forced_failover_with_the_primary_cluster_gone_then_its_return_and_resync() {
     let _one = serial();

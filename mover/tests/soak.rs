@@ -69,15 +69,18 @@ fn main() {
 #[cfg(feature = "controller")]
 mod soak {
     use super::common::{
-        MIB, POPULATED_STORAGE_CLASS,
+        MIB, POPULATED_STORAGE_CLASS, blake3_of,
         cluster::CONTROLLER_USER,
         make_image,
         pg::{assert_ext4_clean, assert_ext4_recovers_clean, assert_transactions_whole_by},
         populate::{add_agent_exports, populated_pvc, sha256_of, volume_pod},
+        scribble_pages,
         site::*,
+        slowdown::{PASS, REFUSE, SlowDown},
     };
     use k8s_openapi::jiff::Timestamp;
     use rand::{Rng, SeedableRng, rngs::StdRng};
+    use snapshots::testing::{ACCESS_KEY, S3Server, SECRET_KEY};
     use std::{
         collections::{BTreeMap, BTreeSet},
         time::{Duration, Instant},
@@ -156,6 +159,8 @@ mod soak {
         KillLeader { site: usize },
         ApiServerDown { site: usize, secs: u64 },
         Cut { secs: u64 },
+        S3Down { secs: u64 },
+        S3Slow { secs: u64, ms: u64 },
         PlannedFailover,
         ForcedFailover,
     }
@@ -168,6 +173,8 @@ mod soak {
                 Fault::KillLeader { .. } => "leading controller killed (kill -9)",
                 Fault::ApiServerDown { .. } => "API server down",
                 Fault::Cut { .. } => "network cut between the clusters",
+                Fault::S3Down { .. } => "S3 answers 503 SlowDown to every request",
+                Fault::S3Slow { .. } => "S3 holds every request back",
                 Fault::PlannedFailover => "planned failover",
                 Fault::ForcedFailover => {
                     "forced failover (the primary's node lost), return, resync"
@@ -177,7 +184,7 @@ mod soak {
 
         fn pick(rng: &mut StdRng) -> Fault {
             let site = rng.random_range(0..2);
-            match rng.random_range(0..13) {
+            match rng.random_range(0..15) {
                 0..=2 => Fault::KillAgent {
                     site,
                     node: rng.random_range(1..=2),
@@ -192,7 +199,14 @@ mod soak {
                     secs: rng.random_range(20..=45),
                 },
                 10..=11 => Fault::PlannedFailover,
-                _ => Fault::ForcedFailover,
+                12 => Fault::ForcedFailover,
+                13 => Fault::S3Down {
+                    secs: rng.random_range(25..=45),
+                },
+                _ => Fault::S3Slow {
+                    secs: rng.random_range(20..=40),
+                    ms: rng.random_range(1000..=3000),
+                },
             }
         }
     }
@@ -212,6 +226,11 @@ mod soak {
         /// Per forced failover: acknowledged writes lost, the seconds from the first of
         /// them to the loss, and the RPO the primary's status reported just before.
         forced: Vec<(usize, f64, f64)>,
+        /// The archive's snapshots: requests refused and passed by the S3 proxy in faults,
+        /// and the pages written into the volume.
+        s3_refused: u64,
+        s3_passed: u64,
+        archive_pages: u64,
         /// Whole reads by the served pods, and restarts of the agents serving them.
         served_reads: usize,
         served_restarts: u32,
@@ -225,6 +244,7 @@ mod soak {
         script: String,
         /// The sha256 of each site's served volume's source.
         served: [String; 2],
+        archive: Archive,
     }
 
     pub fn run(o: Options) {
@@ -267,6 +287,7 @@ mod soak {
             *report.faults.entry(fault.kind()).or_default() += 1;
         }
         check_served(&pair, &mut report);
+        check_archive(&pair);
         for s in &pair.sites {
             let (doubled, checked) = two_leaders(s);
             assert!(
@@ -304,11 +325,13 @@ mod soak {
         replicating(&a, &b, "");
         assert_eq!(a.condition("PointInTime").0, "True", "{}", a.vr()["status"]);
         let served = [serve_a_pod(&a), serve_a_pod(&b)];
+        let archive = archive_setup(&a);
         let pair = Pair {
             sites: [a, b],
             primary: 0,
             script: soak_script(),
             served,
+            archive,
         };
         db_start_running(pair.p(), "data", &pair.script);
         db_load(pair.p());
@@ -402,6 +425,212 @@ mod soak {
         }
     }
 
+    /// The archive: a second volume of soaka (on [`served_node`]) kept as DR snapshots in
+    /// S3 by a class whose target is a repository, every [`ARCHIVE_INTERVAL`], through a
+    /// proxy the nemesis makes refuse every request (503 SlowDown) or hold each back.
+    struct Archive {
+        image: std::path::PathBuf,
+        proxy: SlowDown,
+        s3: S3Server,
+        dir: tempfile::TempDir,
+    }
+
+    const ARCHIVE_LEN: u64 = 64 * MIB;
+    const ARCHIVE_INTERVAL: Duration = Duration::from_secs(10);
+    const ARCHIVE_REPO: &str = "s3://soak/archive";
+
+    fn archive_setup(s: &Site) -> Archive {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let s3 = S3Server::start_on(&dir.path().join("s3"), GATEWAY);
+        s3.create_bucket("soak");
+        let proxy = SlowDown::controlled(&s3.endpoint, GATEWAY);
+        let n = served_node(s);
+        let image = s.c.disks(n).join("archive.img");
+        make_image(&image, ARCHIVE_LEN, 77, &[(0, 8 * MIB)]);
+        local_block_device(&s.c, n, "archive");
+        let archive = Archive {
+            image,
+            proxy,
+            s3,
+            dir,
+        };
+        archive.mover(&["repo", "init", ARCHIVE_REPO]);
+        s.c.apply(&format!(
+            r#"apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: pv-archive}}
+spec:
+  capacity: {{storage: {mib}Mi}}
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  persistentVolumeReclaimPolicy: Retain
+  local: {{path: /mnt/disks/archive}}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {{key: kubernetes.io/hostname, operator: In, values: [{node}]}}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: archive, namespace: app}}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  volumeName: pv-archive
+  resources: {{requests: {{storage: {mib}Mi}}}}
+---
+apiVersion: v1
+kind: Secret
+metadata: {{name: soak-s3, namespace: mover-system}}
+stringData: {{password: soak-password, AWS_ACCESS_KEY_ID: {key}, AWS_SECRET_ACCESS_KEY: {secret}}}
+---
+apiVersion: replication.mover/v1alpha1
+kind: VolumeReplicationClass
+metadata: {{name: mover-s3}}
+spec:
+  provisioner: kubernetes.io/no-provisioner
+  parameters:
+    target: {ARCHIVE_REPO}
+    schedulingInterval: {interval}s
+    keepLast: "3"
+    s3Endpoint: {endpoint}
+    s3Region: us-east-1
+    replication.storage.openshift.io/replication-secret-name: soak-s3
+    replication.storage.openshift.io/replication-secret-namespace: mover-system
+---
+apiVersion: replication.mover/v1alpha1
+kind: VolumeReplication
+metadata: {{name: archive, namespace: app}}
+spec:
+  volumeReplicationClass: mover-s3
+  replicationState: primary
+  dataSource: {{kind: PersistentVolumeClaim, name: archive}}
+"#,
+            mib = ARCHIVE_LEN / MIB,
+            node = s.c.node(n),
+            key = ACCESS_KEY,
+            secret = SECRET_KEY,
+            interval = ARCHIVE_INTERVAL.as_secs(),
+            endpoint = archive.proxy.endpoint,
+        ));
+        s.c.wait("the archive's first snapshot", WAIT, || {
+            archive_synced(s).is_some()
+        });
+        archive
+    }
+
+    impl Archive {
+        /// `mover ARGS` as an operator on this machine runs it against the repository (S3
+        /// itself, not the proxy).
+        fn mover(&self, args: &[&str]) {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
+                .args(args)
+                .env("MOVER_S3_ENDPOINT", &self.s3.endpoint)
+                .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+                .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+                .env("AWS_REGION", "us-east-1")
+                .env("MOVER_PASSWORD", "soak-password")
+                .env("MOVER_CACHE_DIR", self.dir.path().join("cache"))
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "mover {args:?}: {out:?}");
+        }
+    }
+
+    /// The archive VolumeReplication's status.
+    fn archive_status(s: &Site) -> serde_json::Value {
+        let out =
+            s.c.kubectl_ok(&["get", "vr", "archive", "-n", "app", "-o", "json"]);
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["status"].clone()
+    }
+
+    /// The archive's last snapshot's time.
+    fn archive_synced(s: &Site) -> Option<Timestamp> {
+        archive_status(s)["lastSyncTime"].as_str()?.parse().ok()
+    }
+
+    /// S3 in `mode` ([`REFUSE`], or each request held back that many ms) for `secs`.
+    /// A refusal longer than twice the interval must show in the archive's status while
+    /// it lasts: `Degraded`, or a lastSyncTime older than twice the interval.
+    fn s3_fault(pair: &Pair, mode: u64, secs: u64, report: &mut Report) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (s, proxy) = (&pair.sites[0], &pair.archive.proxy);
+        let (refused, passed) = (proxy.refused.load(Relaxed), proxy.passed.load(Relaxed));
+        proxy.set(mode);
+        let since = Instant::now();
+        let mut seen = None;
+        while since.elapsed() < Duration::from_secs(secs) {
+            std::thread::sleep(Duration::from_secs(1));
+            let st = archive_status(s);
+            let degraded = st["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Degraded" && c["status"] == "True");
+            let behind = st["lastSyncTime"]
+                .as_str()
+                .and_then(|t| t.parse::<Timestamp>().ok())
+                .map(|t| Timestamp::now().duration_since(t).as_secs_f64())
+                .unwrap_or_default();
+            if seen.is_none() && (degraded || behind > 2.0 * ARCHIVE_INTERVAL.as_secs_f64()) {
+                seen = Some((since.elapsed().as_secs_f64(), degraded, behind));
+            }
+        }
+        proxy.set(PASS);
+        report.s3_refused += proxy.refused.load(Relaxed) - refused;
+        report.s3_passed += proxy.passed.load(Relaxed) - passed;
+        match seen {
+            Some((at, degraded, behind)) => eprintln!(
+                "soak: the S3 fault showed after {at:.1} s (Degraded {degraded}, last snapshot {behind:.1} s old)"
+            ),
+            // A slow S3 may still keep up: only a refusal must show.
+            None if mode == REFUSE && secs > 2 * ARCHIVE_INTERVAL.as_secs() => panic!(
+                "S3 refused every request for {secs} s and the archive's status never showed it: {}",
+                archive_status(s)
+            ),
+            None => {
+                eprintln!("soak: the slow S3 did not hold the archive back past twice its interval")
+            }
+        }
+    }
+
+    /// Waits until the archive has a snapshot taken after the fault's end.
+    fn archive_resumed(pair: &Pair, what: &str, report: &mut Report) {
+        let (s, after, since) = (&pair.sites[0], Timestamp::now(), Instant::now());
+        s.c.wait(
+            &format!("the archive's snapshots resumed after {what}"),
+            RESUME,
+            || archive_synced(s).is_some_and(|t| t > after),
+        );
+        report.resumed.push(since.elapsed().as_secs_f64());
+    }
+
+    /// With nothing written since, the archive's next snapshot, restored from S3, is the
+    /// volume byte for byte.
+    fn check_archive(pair: &Pair) {
+        let s = &pair.sites[0];
+        let after = Timestamp::now();
+        s.c.wait("the archive's snapshot of its last writes", RESUME, || {
+            archive_synced(s).is_some_and(|t| t > after)
+        });
+        let restored = pair.archive.dir.path().join("restored.img");
+        pair.archive.mover(&[
+            "snapshot",
+            "restore",
+            ARCHIVE_REPO,
+            "latest",
+            restored.to_str().unwrap(),
+        ]);
+        assert_eq!(
+            blake3_of(&restored, ARCHIVE_LEN),
+            blake3_of(&pair.archive.image, ARCHIVE_LEN),
+            "the archive's last snapshot, restored, is not the volume"
+        );
+    }
+
     /// [`DB_SCRIPT`] with the acknowledged-history writer beside pgbench: each id is
     /// appended to `/out/acked` (the node's disk) only after its INSERT's COMMIT
     /// returned. A failed insert re-reads where the table is (its COMMIT may have
@@ -447,8 +676,15 @@ load=
         s
     }
 
-    /// A calm spell of 5–15 s: the primary's RPO sampled each second.
+    /// A calm spell of 5–15 s: the primary's RPO sampled each second; pages written into
+    /// the archive's volume.
     fn calm(pair: &Pair, rng: &mut StdRng, report: &mut Report) {
+        report.archive_pages += scribble_pages(
+            &pair.archive.image,
+            rng.random(),
+            rng.random_range(1..=64),
+            0..ARCHIVE_LEN,
+        );
         let until = Instant::now() + Duration::from_secs(rng.random_range(5..=15));
         while Instant::now() < until {
             if let Some(rpo) = rpo(pair.p()) {
@@ -537,6 +773,16 @@ load=
             Fault::ForcedFailover => {
                 forced_failover(pair, report);
                 begun = Timestamp::now();
+            }
+            Fault::S3Down { secs } => {
+                s3_fault(pair, REFUSE, secs, report);
+                archive_resumed(pair, fault.kind(), report);
+                return;
+            }
+            Fault::S3Slow { secs, ms } => {
+                s3_fault(pair, ms, secs, report);
+                archive_resumed(pair, fault.kind(), report);
+                return;
             }
         }
         resumed(pair, begun, Instant::now(), fault.kind(), report);
@@ -898,6 +1144,10 @@ load=
             "soak: replication resumed after a fault in p50 {:.1} s, worst {:.1} s",
             percentile(&r.resumed, 0.5),
             percentile(&r.resumed, 1.0)
+        );
+        eprintln!(
+            "soak: the archive: {} pages written; in S3 faults its proxy refused {} requests and passed {}; its last snapshot restored whole",
+            r.archive_pages, r.s3_refused, r.s3_passed
         );
         eprintln!(
             "soak: the served pods read their devices whole {} times across {} restarts of their agents: 0 failed",

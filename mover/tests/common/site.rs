@@ -10,6 +10,8 @@ use std::time::Duration;
 pub const VOLUME_LEN: u64 = 64 * MIB;
 /// How long a step may take.
 pub const WAIT: Duration = Duration::from_secs(120);
+/// The clusters' bridge address on the host (`cluster.sh`): the nodes' pods reach it.
+pub const GATEWAY: &str = "10.250.0.1";
 
 /// A cluster with mover installed, an `app` namespace and the PVC `app/data` on a local
 /// PV of node `on`: `/mnt/disks/data.img` there, a Block volume as a local disk's
