@@ -1986,3 +1986,51 @@ async fn a_class_secret_token_is_what_the_primary_presents_to_the_peer_agent() {
         "{e}"
     );
 }
+
+/// The controller's connections to an agent follow its renewed client certificate: a
+/// channel reconnects with the identity it was made with, so the cached one is made
+/// again once the certificate changes. Shown by a certificate the agent refuses (another
+/// CA's): the next call fails, where the old connection would have carried on; a
+/// renewed one from the agent's CA is accepted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controllers_agent_connections_follow_its_renewed_certificate() {
+    use transport::tls::{LiveTls, TlsPem};
+    let t = tempfile::tempdir().unwrap();
+    let [ca, server_cert, server_key, client_cert, client_key] =
+        common::agent::make_pki(t.path(), "good");
+    let [other_ca, _, _, other_cert, other_key] = common::agent::make_pki(t.path(), "other");
+    let a = Agent::start(t.path(), &[], Some((&server_cert, &server_key, &ca)));
+    let pem = |cert: &Path, key: &Path, ca: &Path| TlsPem {
+        cert: std::fs::read(cert).unwrap(),
+        key: std::fs::read(key).unwrap(),
+        ca: std::fs::read(ca).unwrap(),
+    };
+    let live = LiveTls::new(pem(&client_cert, &client_key, &ca));
+    let agents = GrpcAgents::new(ConnectOptions {
+        token_file: Some(t.path().join("token")),
+        tls_pem: Some(live.clone()),
+        tls_server_name: Some("localhost".into()),
+        ..Default::default()
+    });
+    let agent = format!("127.0.0.1:{}", a.port);
+    let get = || agents.get(&agent, "app/none");
+    assert_eq!(
+        get().await.unwrap(),
+        None,
+        "the first certificate is accepted"
+    );
+    assert_eq!(get().await.unwrap(), None, "on the cached connection");
+    live.set(pem(&other_cert, &other_key, &other_ca));
+    let refused = get()
+        .await
+        .expect_err("another CA's certificate is refused");
+    assert_eq!(refused.code, tonic::Code::Unavailable, "{refused:?}");
+    // Renewed from the agent's CA (a new key, the same name): accepted.
+    common::agent::reissue_client_cert(t.path(), "good");
+    live.set(pem(&client_cert, &client_key, &ca));
+    assert_eq!(
+        get().await.unwrap(),
+        None,
+        "the renewed certificate is accepted"
+    );
+}

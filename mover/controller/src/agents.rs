@@ -11,6 +11,7 @@ use transport::auth::AttachToken;
 use transport::control::replication_client::ReplicationClient;
 use transport::hydrate::hydration_client::HydrationClient;
 use transport::schedule::schedules_client::SchedulesClient;
+use transport::tls::TlsPem;
 use transport::{control, hydrate, schedule};
 
 /// A failed call to an agent.
@@ -215,7 +216,10 @@ pub type ServerNames = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
 /// [`Agents`] over gRPC, one cached connection per agent.
 pub struct GrpcAgents {
     remote: RemoteOptions,
-    clients: Mutex<HashMap<String, Connection>>,
+    /// Each agent's connection, and the certificate it was made with: a channel
+    /// reconnects with the identity it was made with, so one made before a renewal is
+    /// made again.
+    clients: Mutex<HashMap<String, (Connection, Option<Arc<TlsPem>>)>>,
     server_names: Option<ServerNames>,
     /// Calls are made only while this leads (none: always).
     leadership: Option<Arc<crate::leader::Leadership>>,
@@ -254,7 +258,15 @@ impl GrpcAgents {
         op: &'static str,
         name: &str,
     ) -> Result<Connection, AgentError> {
-        if let Some(c) = self.clients.lock().await.get(agent) {
+        let identity = self.remote.connect.tls_pem.as_ref().map(|live| live.get());
+        let same = |made: &Option<Arc<TlsPem>>| match (made, &identity) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        if let Some((c, made)) = self.clients.lock().await.get(agent)
+            && same(made)
+        {
             return Ok(c.clone());
         }
         let fail = |message: String| AgentError {
@@ -279,7 +291,10 @@ impl GrpcAgents {
             mover_engine::error::CopyError::Remote { message, .. } => fail(message),
             e => fail(e.to_string()),
         })?;
-        self.clients.lock().await.insert(agent.into(), c.clone());
+        self.clients
+            .lock()
+            .await
+            .insert(agent.into(), (c.clone(), identity));
         Ok(c)
     }
 

@@ -95,6 +95,11 @@ impl Agent {
             dir.join("agent-state").display(),
             dir.join("token").display()
         );
+        // No exports: the agent serves what the controller registers under `dir`. (A
+        // top-level key: before the first table.)
+        if exports.is_empty() {
+            cfg += &format!("volume_roots = [\"{}\"]\n", dir.display());
+        }
         if let Some((cert, key, ca)) = tls {
             cfg += &format!(
                 "[tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n",
@@ -102,10 +107,6 @@ impl Agent {
                 key.display(),
                 ca.display()
             );
-        }
-        // No exports: the agent serves what the controller registers under `dir`.
-        if exports.is_empty() {
-            cfg += &format!("volume_roots = [\"{}\"]\n", dir.display());
         }
         for (name, path, ro) in exports {
             cfg += &format!(
@@ -344,18 +345,28 @@ pub fn make_pki(dir: &Path, name: &str) -> [PathBuf; 5] {
 /// Writes a new server certificate and key over [`make_pki`]'s `name` ones, from the same
 /// CA (as cert-manager renews one in place).
 pub fn reissue_server_cert(dir: &Path, name: &str) {
+    reissue(dir, name, "server", &["localhost", "127.0.0.1"]);
+}
+
+/// Writes a new client certificate and key over [`make_pki`]'s `name` ones, from the same
+/// CA.
+pub fn reissue_client_cert(dir: &Path, name: &str) {
+    reissue(dir, name, "client", &["client"]);
+}
+
+fn reissue(dir: &Path, name: &str, leaf: &str, sans: &[&str]) {
     use rcgen::{CertificateParams, Issuer, KeyPair};
     let file = |f: &str| dir.join(format!("{name}-{f}"));
     let ca_key = KeyPair::from_pem(&std::fs::read_to_string(file("ca.key")).unwrap()).unwrap();
     let ca_pem = std::fs::read_to_string(file("ca.pem")).unwrap();
     let issuer = Issuer::from_ca_cert_pem(&ca_pem, ca_key).unwrap();
     let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+    let cert = CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
         .unwrap()
         .signed_by(&key, &issuer)
         .unwrap();
     // The key first, so that the pair on disk never mixes a new certificate with an old
     // key for longer than between the two writes (the agent refuses such a pair).
-    std::fs::write(file("server.key"), key.serialize_pem()).unwrap();
-    std::fs::write(file("server.pem"), cert.pem()).unwrap();
+    std::fs::write(file(&format!("{leaf}.key")), key.serialize_pem()).unwrap();
+    std::fs::write(file(&format!("{leaf}.pem")), cert.pem()).unwrap();
 }
