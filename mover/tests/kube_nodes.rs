@@ -2604,15 +2604,53 @@ fn populated_from_a_snapshot_in_s3(c: &RealCluster, dir: &std::path::Path) {
         sha256_of(&small),
         "the PVC of the other class holds the snapshot"
     );
+    let prime_and_job = |prime: &str, selector: &str| {
+        let prime = c.get(&["pvc", prime, "-n", "mover-system"], "{.metadata.name}");
+        let job = c.get(
+            &["jobs", "-n", "mover-system", "-l", selector],
+            "{.items[*].metadata.name}",
+        );
+        (!prime.is_empty(), !job.is_empty())
+    };
     c.wait("the prime PVC and the Job gone", WAIT, || {
-        c.get(&["pvc", &prime, "-n", "mover-system"], "{.metadata.name}")
-            .is_empty()
-            && c.get(
-                &["jobs", "-n", "mover-system", "-l", &selector],
-                "{.items[*].metadata.name}",
-            )
-            .is_empty()
+        prime_and_job(&prime, &selector) == (false, false)
     });
+
+    // A PVC of that class deleted before it is filled takes its prime PVC and Job with
+    // it. Its node, as the scheduler would choose it, is one that does not exist (set by
+    // hand), so its fill cannot finish first.
+    c.apply(&format!(
+        "{}---\n{}",
+        snapshot_source("abandoned", ""),
+        populated_pvc("abandoned", "hostpath-wffc", "Block", "64Mi"),
+    ));
+    c.kubectl_ok(&[
+        "annotate",
+        "pvc",
+        "abandoned",
+        "-n",
+        "app",
+        "volume.kubernetes.io/selected-node=nowhere",
+    ]);
+    let uid = c.get(&["pvc", "abandoned", "-n", "app"], "{.metadata.uid}");
+    let (prime, selector) = (
+        format!("prime-{uid}"),
+        format!("replication.mover/prime-for={uid}"),
+    );
+    c.wait("the abandoned PVC's prime PVC and Job", WAIT, || {
+        prime_and_job(&prime, &selector) == (true, true)
+    });
+    c.kubectl_ok(&["delete", "pvc", "abandoned", "-n", "app", "--wait"]);
+    c.wait(
+        "the abandoned PVC's prime PVC and Job gone with it",
+        WAIT,
+        || prime_and_job(&prime, &selector) == (false, false),
+    );
+    assert!(
+        c.logs(CONTROLLERS)
+            .contains("the PVC was deleted before it was filled"),
+        "the controller's log says why they went"
+    );
 }
 
 /// The CPU time process `pid` used so far (user + system), in seconds.

@@ -692,7 +692,19 @@ async fn reconcilers(
             ctx.clone(),
         )
         .for_each(|_| futures::future::ready(()));
-        futures::join!(populator, moves, populated, sources);
+        // Prime PVCs, whose user's PVC may be deleted before they are filled.
+        let primes = Controller::new(
+            Api::<PersistentVolumeClaim>::all(client.clone()),
+            watcher::Config::default().labels(super::populate::prime::PRIME_FOR),
+        )
+        .shutdown_on_signal()
+        .run(
+            super::populate::prime::reconcile_prime,
+            super::populate::prime::prime_error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| futures::future::ready(()));
+        futures::join!(populator, moves, populated, sources, primes);
     };
     tokio::select! {
         _ = replications => {}

@@ -15,8 +15,9 @@
 //!    prime PVC (now Lost) and the Job are deleted.
 //!
 //! A Job that fails for good (a refusal, damaged repository data: exit 2 or 3) leaves
-//! the PVC unbound and says why; deleting the user's PVC leaves the prime PVC and Job
-//! to be deleted by hand (they are labelled with its UID).
+//! the PVC unbound and says why. A user's PVC deleted before its PV was handed over
+//! takes its prime PVC and Job with it ([`reconcile_prime`]: they are labelled with its
+//! UID and name it).
 
 use super::PopulateError;
 use crate::context::{Context, created_or_exists, deleted_or_gone};
@@ -32,12 +33,17 @@ use kube::{
     runtime::controller::Action,
 };
 use serde_json::{Value, json};
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 /// The label on the prime PVC, its Job and the PV handed over: the user's PVC's UID.
 pub const PRIME_FOR: &str = "replication.mover/prime-for";
+/// The annotation on a prime PVC naming the user's PVC it is filled for (NAMESPACE/NAME).
+pub const PRIME_OF: &str = "replication.mover/prime-of";
 /// How soon a prime PVC being filled is looked at again.
 const POLL: Duration = Duration::from_secs(3);
+/// How often a prime PVC's user's PVC is looked for: its deletion reaches no watch of
+/// the prime's.
+const OWNER_CHECK: Duration = Duration::from_secs(15);
 
 /// Fills PVC `pvc` (of StorageClass `sc`, not mover's) from `hs` before it is bound.
 /// Idempotent: each pass takes the next step, from what the API server holds.
@@ -189,6 +195,65 @@ pub(super) async fn roll_back(
     .await
 }
 
+/// A prime PVC whose user's PVC is gone (or going, or another of the same name) before
+/// its PV was handed over: its restore Job and itself are deleted, as the user's
+/// deletion asks. Runs over the PVCs labelled [`PRIME_FOR`].
+pub async fn reconcile_prime(
+    prime: Arc<PersistentVolumeClaim>,
+    ctx: Arc<Context>,
+) -> Result<Action, PopulateError> {
+    let uid = prime.labels().get(PRIME_FOR).cloned().unwrap_or_default();
+    // A prime made before it named its PVC: left to its fill, as then.
+    let Some((ns, name)) = prime
+        .annotations()
+        .get(PRIME_OF)
+        .and_then(|o| o.split_once('/'))
+    else {
+        return Ok(Action::await_change());
+    };
+    if prime.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
+    let kube = |what: String| move |source| PopulateError::Kube { what, source };
+    let user = Api::<PersistentVolumeClaim>::namespaced(ctx.client.clone(), ns)
+        .get_opt(name)
+        .await
+        .map_err(kube(format!("reading PVC {ns}/{name}")))?;
+    if !orphaned(user.as_ref(), &uid) {
+        return Ok(Action::requeue(OWNER_CHECK));
+    }
+    // Handed over already: that pass removes what is left of the prime.
+    let handed = Api::<PersistentVolume>::all(ctx.client.clone())
+        .list(&ListParams::default().labels(&format!("{PRIME_FOR}={uid}")))
+        .await
+        .map_err(kube("listing PVs handed over".into()))?;
+    if !handed.items.is_empty() {
+        return Ok(Action::requeue(POLL));
+    }
+    let here = prime.namespace().unwrap_or_default();
+    roll_back(&ctx, &here, &uid).await?;
+    tracing::info!(pvc = %format!("{ns}/{name}"), prime = %format!("{here}/{}", prime.name_any()), "the PVC was deleted before it was filled: its prime PVC and restore Job deleted");
+    Ok(Action::await_change())
+}
+
+/// Whether the user's PVC `user` (as read now) no longer wants the fill of PVC `uid`.
+fn orphaned(user: Option<&PersistentVolumeClaim>, uid: &str) -> bool {
+    match user {
+        None => true,
+        Some(p) => p.uid().as_deref() != Some(uid) || p.metadata.deletion_timestamp.is_some(),
+    }
+}
+
+/// Retries a prime PVC that could not be looked at.
+pub fn prime_error_policy(
+    prime: Arc<PersistentVolumeClaim>,
+    error: &PopulateError,
+    _: Arc<Context>,
+) -> Action {
+    tracing::warn!(prime = %prime.name_any(), "cannot check the prime PVC's user: {error}");
+    Action::requeue(OWNER_CHECK)
+}
+
 /// Deletes the Job (its pods with it) and then the prime PVC, once the PV is handed
 /// over; either gone already is fine.
 async fn clean_up(
@@ -221,6 +286,8 @@ fn prime_pvc(pvc: &PersistentVolumeClaim, name: &str) -> PersistentVolumeClaim {
     if let Some(node) = pvc.annotations().get(super::SELECTED_NODE) {
         annotations.insert(super::SELECTED_NODE.into(), node.clone().into());
     }
+    let of = format!("{}/{}", pvc.namespace().unwrap_or_default(), pvc.name_any());
+    annotations.insert(PRIME_OF.into(), of.into());
     serde_json::from_value(json!({
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -379,6 +446,24 @@ mod tests {
         assert!(spec.data_source_ref.is_none(), "no populator of its own");
         assert_eq!(p.annotations()["volume.kubernetes.io/selected-node"], "n2");
         assert_eq!(p.labels()[PRIME_FOR], "u1");
+        assert_eq!(p.annotations()[PRIME_OF], "app/db");
+    }
+
+    #[test]
+    fn a_prime_pvc_is_orphaned_once_its_users_pvc_is_gone_going_or_another() {
+        let user = pvc("Block");
+        assert!(!orphaned(Some(&user), "u1"));
+        assert!(orphaned(None, "u1"));
+        assert!(
+            orphaned(Some(&user), "u0"),
+            "a PVC made again under the same name"
+        );
+        let mut going = user.clone();
+        going.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                "2026-11-30T00:00:00Z".parse().unwrap(),
+            ));
+        assert!(orphaned(Some(&going), "u1"));
     }
 
     #[test]
