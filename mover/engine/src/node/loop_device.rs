@@ -141,3 +141,17 @@ pub fn whole_file_of(device: &Path) -> io::Result<Option<PathBuf>> {
         .into_iter()
         .find(|c| file_id(c).is_ok_and(|f| f == id)))
 }
+
+/// [`whole_file_of`] `device`, where that file lies on a file system with reflinks (XFS,
+/// Btrfs): a loop device whose point in time is a clone of its image. Elsewhere (ext4,
+/// the agent's own FUSE file) the device itself is read, as before.
+pub fn cloneable_image_of(device: &Path) -> io::Result<Option<PathBuf>> {
+    /// `statfs` magic numbers (linux/magic.h).
+    const XFS: i64 = 0x5846_5342;
+    const BTRFS: i64 = 0x9123_683E;
+    let Some(image) = whole_file_of(device)? else {
+        return Ok(None);
+    };
+    let kind = rustix::fs::statfs(&image).map_err(io::Error::from)?.f_type as i64;
+    Ok(matches!(kind, XFS | BTRFS).then_some(image))
+}

@@ -118,7 +118,9 @@ impl Source for ReflinkClone {
 
     fn take(&self, volume: &Path, owner: &str) -> io::Result<Option<Taken>> {
         // A loop device over a whole image: the image's clone is the device at one instant.
-        let image = super::loop_device::whole_file_of(volume).ok().flatten();
+        let image = super::loop_device::cloneable_image_of(volume)
+            .ok()
+            .flatten();
         let volume = image.as_deref().unwrap_or(volume);
         if !std::fs::metadata(volume).is_ok_and(|m| m.is_file()) {
             return Ok(None);

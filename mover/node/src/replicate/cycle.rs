@@ -489,10 +489,10 @@ pub async fn run_from_snapshot(
 }
 
 /// What a cycle reads `source` through: the image file behind it when it is a loop
-/// device over a whole file (its clones are points in time of the device: every write
-/// the device completed is in the file), else `source` itself.
+/// device over a whole file on XFS or Btrfs (its clones are points in time of the
+/// device: every write the device completed is in the file), else `source` itself.
 fn image_behind(source: &Path) -> PathBuf {
-    match mover_engine::node::loop_device::whole_file_of(source) {
+    match mover_engine::node::loop_device::cloneable_image_of(source) {
         Ok(Some(image)) => {
             tracing::debug!(device = %source.display(), image = %image.display(), "a loop device over an image: its points in time are the image's clones");
             image
