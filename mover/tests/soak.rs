@@ -1,5 +1,5 @@
 //! mover-soak: two clusters on real nodes replicating a PostgreSQL volume under load,
-//! while a nemesis, random from a printed seed, injects faults one after another, and a
+//! while two nemeses, random from a printed seed, inject faults one after another, and a
 //! checker holds the system to what it promises.
 //!
 //! ```text
@@ -16,7 +16,9 @@
 //! node's disk (outside the volume) only after its COMMIT returned: the acknowledged
 //! history. On each site's other node, a pod reads a populated volume (16 MiB, filled
 //! by that node's agent from its disk and served through the agent's FUSE file) whole,
-//! past every cache, every 2 s.
+//! past every cache, every 2 s. A second volume of soaka (on its other node, written by
+//! the S3 nemesis) is kept as DR snapshots in S3 (`s3s-fs` on the clusters' bridge) by a
+//! class whose target is a repository, every 60 s, through a proxy that nemesis controls.
 //!
 //! **Nemesis**, one fault at a time with a calm spell (5–15 s) before each:
 //! - kill -9 of an agent (either cluster, either node: the database's or the served pod's);
@@ -31,11 +33,16 @@
 //!   the database mid-transaction), the secondary is promoted alone; then the node comes
 //!   back, its side is fenced, made the secondary with autoResync and resynced.
 //!
+//! **The S3 nemesis**, beside it on a thread of its own (its own seed from the same one):
+//! S3 answers 503 SlowDown to every request for 130–150 s (longer than twice the
+//! interval), or holds each back 1–3 s for 30–60 s.
+//!
 //! **Checker:**
 //! - after every fault, replication resumes: a cycle newer than the fault's end within
 //!   two minutes;
 //! - a cut longer than twice the interval is visible in the primary's status while it
-//!   lasts: `Degraded`, or a `lastSyncTime` older than twice the interval;
+//!   lasts: `Degraded`, or a `lastSyncTime` older than twice the interval; so is an S3
+//!   refusal in the archive's, and its snapshots resume after each S3 fault;
 //! - a planned failover loses no acknowledged write (0, exactly); the new primary's ext4
 //!   is fsck-clean, PostgreSQL starts on it, pgbench's balances agree and
 //!   `pg_amcheck --heapallindexed` passes;
@@ -45,6 +52,7 @@
 //!   PostgreSQL recovers, its transactions are whole;
 //! - the served pods never see a failed or wrong read, and run throughout (the same pod,
 //!   never restarted) across their agents' kills and upgrades;
+//! - the archive's last snapshot, restored from S3, is its volume byte for byte;
 //! - no two leaders: no write by a controller after another took its Lease (audit log).
 //!   (Not RBAC: an API server just restarted may answer 403 until its caches sync.)
 //!
@@ -52,8 +60,6 @@
 //! run has them all); a forced failover and then a planned one (onto the side that was
 //! lost and resynced) end every run, so every run loses a site and every acknowledged
 //! write is checked.
-//!
-//! Not yet here (issue 55 §4 asks for it): S3 faults for a snapshot class.
 
 #[cfg(not(feature = "controller"))]
 fn main() {}
