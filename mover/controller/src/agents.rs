@@ -186,6 +186,8 @@ fn unless<T>(r: Result<T, AgentError>, codes: &[tonic::Code]) -> Result<Option<T
 
 /// A connection to an agent, for a client of any of its services.
 type Connection = (Channel, AttachToken);
+/// The client certificate a connection was made with (none without `LiveTls`).
+type Identity = Option<Arc<TlsPem>>;
 
 /// A client of one of the agent's gRPC APIs, made on a shared connection.
 trait AgentApi {
@@ -219,7 +221,7 @@ pub struct GrpcAgents {
     /// Each agent's connection, and the certificate it was made with: a channel
     /// reconnects with the identity it was made with, so one made before a renewal is
     /// made again.
-    clients: Mutex<HashMap<String, (Connection, Option<Arc<TlsPem>>)>>,
+    clients: Mutex<HashMap<String, (Connection, Identity)>>,
     server_names: Option<ServerNames>,
     /// Calls are made only while this leads (none: always).
     leadership: Option<Arc<crate::leader::Leadership>>,
@@ -259,7 +261,7 @@ impl GrpcAgents {
         name: &str,
     ) -> Result<Connection, AgentError> {
         let identity = self.remote.connect.tls_pem.as_ref().map(|live| live.get());
-        let same = |made: &Option<Arc<TlsPem>>| match (made, &identity) {
+        let same = |made: &Identity| match (made, &identity) {
             (Some(a), Some(b)) => Arc::ptr_eq(a, b),
             (None, None) => true,
             _ => false,
