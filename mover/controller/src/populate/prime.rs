@@ -195,9 +195,9 @@ pub(super) async fn roll_back(
     .await
 }
 
-/// A prime PVC whose user's PVC is gone (or going, or another of the same name) before
-/// its PV was handed over: its restore Job and itself are deleted, as the user's
-/// deletion asks. Runs over the PVCs labelled [`PRIME_FOR`].
+/// A prime PVC whose user's PVC is gone (or going, or another of the same name): its
+/// restore Job and itself are deleted, as the user's deletion asks. Runs over the PVCs
+/// labelled [`PRIME_FOR`].
 pub async fn reconcile_prime(
     prime: Arc<PersistentVolumeClaim>,
     ctx: Arc<Context>,
@@ -222,14 +222,8 @@ pub async fn reconcile_prime(
     if !orphaned(user.as_ref(), &uid) {
         return Ok(Action::requeue(OWNER_CHECK));
     }
-    // Handed over already: that pass removes what is left of the prime.
-    let handed = Api::<PersistentVolume>::all(ctx.client.clone())
-        .list(&ListParams::default().labels(&format!("{PRIME_FOR}={uid}")))
-        .await
-        .map_err(kube("listing PVs handed over".into()))?;
-    if !handed.items.is_empty() {
-        return Ok(Action::requeue(POLL));
-    }
+    // Whether or not its PV was handed over meanwhile (then the PV is the deleted PVC's
+    // and goes as its policy says), the prime PVC and the Job have no one to fill.
     let here = prime.namespace().unwrap_or_default();
     roll_back(&ctx, &here, &uid).await?;
     tracing::info!(pvc = %format!("{ns}/{name}"), prime = %format!("{here}/{}", prime.name_any()), "the PVC was deleted before it was filled: its prime PVC and restore Job deleted");
