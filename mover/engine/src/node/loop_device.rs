@@ -85,10 +85,10 @@ pub fn file_id(file: &Path) -> io::Result<(String, u64)> {
 /// a file, a file deleted or out of this mount namespace's reach). Writes through the
 /// device land in that file, so a reflink clone of it is the device at one instant.
 ///
-/// The kernel names the backing file as seen from the root of whoever reads sysfs; an
-/// agent in a container reads a host path it cannot open. So the name is only a hint:
-/// the file is looked for under each mount of its file system, by the name's tails,
-/// and taken only where (device, inode) are the loop device's own.
+/// The kernel names the backing file by a path that need not exist here (as the
+/// process that attached it saw it: the host's, for an agent in a container). So the
+/// name is only a hint: the file is looked for under each mount of its file system, by
+/// the name's tails, and taken only where (device, inode) are the loop device's own.
 pub fn whole_file_of(device: &Path) -> io::Result<Option<PathBuf>> {
     use std::os::unix::fs::FileTypeExt;
     let meta = std::fs::metadata(device)?;
