@@ -914,39 +914,8 @@ spec:
     let replica = west.c.disks(1).join("vol.img");
     make_image(&replica, VOLUME_LEN, 0, &[]);
     west.c.apply(&format!(
-        r#"apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata: {{name: local}}
-provisioner: kubernetes.io/no-provisioner
-volumeBindingMode: Immediate
----
-apiVersion: v1
-kind: PersistentVolume
-metadata: {{name: {pv}}}
-spec:
-  capacity: {{storage: 64Mi}}
-  accessModes: [ReadWriteOnce]
-  volumeMode: Block
-  storageClassName: local
-  persistentVolumeReclaimPolicy: Retain
-  local: {{path: /mnt/disks/vol.img}}
-  nodeAffinity:
-    required:
-      nodeSelectorTerms:
-      - matchExpressions:
-        - {{key: kubernetes.io/hostname, operator: In, values: [{node}]}}
----
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {{name: vol, namespace: app}}
-spec:
-  accessModes: [ReadWriteOnce]
-  volumeMode: Block
-  storageClassName: local
-  volumeName: {pv}
-  resources: {{requests: {{storage: 64Mi}}}}
-"#,
-        node = west.c.node(1)
+        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata: {{name: local}}\nprovisioner: kubernetes.io/no-provisioner\nvolumeBindingMode: Immediate\n---\n{}",
+        local_block_volume(&pv, "vol", 64, "/mnt/disks/vol.img", &west.c.node(1))
     ));
     let east_locator = east.expose_locator();
     let west_locator = west.expose_locator();

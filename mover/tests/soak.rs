@@ -592,32 +592,7 @@ mod soak {
         };
         archive.mover(&["repo", "init", ARCHIVE_REPO]);
         s.c.apply(&format!(
-            r#"apiVersion: v1
-kind: PersistentVolume
-metadata: {{name: pv-archive}}
-spec:
-  capacity: {{storage: {mib}Mi}}
-  accessModes: [ReadWriteOnce]
-  volumeMode: Block
-  storageClassName: local
-  persistentVolumeReclaimPolicy: Retain
-  local: {{path: /mnt/disks/archive}}
-  nodeAffinity:
-    required:
-      nodeSelectorTerms:
-      - matchExpressions:
-        - {{key: kubernetes.io/hostname, operator: In, values: [{node}]}}
----
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {{name: archive, namespace: app}}
-spec:
-  accessModes: [ReadWriteOnce]
-  volumeMode: Block
-  storageClassName: local
-  volumeName: pv-archive
-  resources: {{requests: {{storage: {mib}Mi}}}}
----
+            r#"{volume}---
 apiVersion: v1
 kind: Secret
 metadata: {{name: soak-s3, namespace: mover-system}}
@@ -645,8 +620,13 @@ spec:
   replicationState: primary
   dataSource: {{kind: PersistentVolumeClaim, name: archive}}
 "#,
-            mib = ARCHIVE_LEN / MIB,
-            node = s.c.node(n),
+            volume = local_block_volume(
+                "pv-archive",
+                "archive",
+                ARCHIVE_LEN / MIB,
+                "/mnt/disks/archive",
+                &s.c.node(n)
+            ),
             key = ACCESS_KEY,
             secret = SECRET_KEY,
             interval = ARCHIVE_INTERVAL.as_secs(),
@@ -1044,13 +1024,7 @@ load=
             acked.len(),
             &lost[..lost.len().min(20)]
         );
-        assert_transactions_whole_by(
-            |sql| db_sql(p, sql),
-            |program, args| {
-                db_run(p, program, args);
-            },
-        );
-        db_load(p);
+        whole_then_load(p);
         eprintln!(
             "soak: failover to {} in {:.1} s: all {} acknowledged writes there",
             p.c.name,
@@ -1120,13 +1094,7 @@ load=
             lost_at_s - first_lost
         };
         report.forced.push((lost.len(), span, rpo_before));
-        assert_transactions_whole_by(
-            |sql| db_sql(p, sql),
-            |program, args| {
-                db_run(p, program, args);
-            },
-        );
-        db_load(p);
+        whole_then_load(p);
         eprintln!(
             "soak: forced failover to {} in {:.1} s: {} of {} acknowledged writes of the lost side held, {} lost, acknowledged within {span:.1} s of the loss (RPO reported {rpo_before:.1} s)",
             p.c.name,
@@ -1170,6 +1138,18 @@ load=
                 && v.condition("Degraded") == ("False".into(), "Healthy".into())
         });
         report.failovers += 1;
+    }
+
+    /// The database of `p` checked whole (pgbench's balances, `pg_amcheck`), then its
+    /// load started again.
+    fn whole_then_load(p: &Site) {
+        assert_transactions_whole_by(
+            |sql| db_sql(p, sql),
+            |program, args| {
+                db_run(p, program, args);
+            },
+        );
+        db_load(p);
     }
 
     /// Writes by a controller made after another had taken the Lease: from the audit

@@ -540,3 +540,36 @@ pub fn db_history(s: &Site) -> i64 {
     n.parse()
         .unwrap_or_else(|_| panic!("pgbench_history count: {n:?}"))
 }
+
+/// A Retain PV `pv` of `mib` MiB (Block, class `local`) at `path` on `node`, and the PVC
+/// `app/CLAIM` bound to it: a local disk's volume as YAML documents.
+pub fn local_block_volume(pv: &str, claim: &str, mib: u64, path: &str, node: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: {pv}}}
+spec:
+  capacity: {{storage: {mib}Mi}}
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  persistentVolumeReclaimPolicy: Retain
+  local: {{path: {path}}}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {{key: kubernetes.io/hostname, operator: In, values: [{node}]}}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: {claim}, namespace: app}}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: local
+  volumeName: {pv}
+  resources: {{requests: {{storage: {mib}Mi}}}}
+"#
+    )
+}
