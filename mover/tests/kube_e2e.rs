@@ -340,3 +340,295 @@ fn the_controller_may_do_what_deploy_documents_and_no_more() {
         "{agent}"
     );
 }
+
+/// The controller's ServiceAccount, as `kubectl --as` names it.
+const CONTROLLER: &str = "--as=system:serviceaccount:mover-system:mover-controller";
+
+/// Runs kubectl as the controller (impersonated: the API server authorizes and admits
+/// the request as it would one made with the controller's token) with `stdin`; until
+/// the admission policies are in force (they load a moment after they are applied),
+/// again while the answer lacks `says`. Returns what kubectl printed.
+fn as_controller(c: &Cluster, args: &[&str], stdin: Option<&str>, says: &str) -> String {
+    // Before the arguments: `exec`'s end with the command.
+    let args: Vec<&str> = [CONTROLLER]
+        .into_iter()
+        .chain(args.iter().copied())
+        .collect();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let out = c.kubectl_as(&c.kubeconfig, &args, stdin);
+        let printed = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if printed.contains(says) {
+            return printed;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "kubectl {args:?} as the controller: want {says:?}, got:\n{printed}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+}
+
+/// Whoever holds the controller's token (stolen from its pod, say) can do no more than
+/// the controller does: the API server's admission (deploy/base/controller-admission.yaml,
+/// and the hooks overlay's policy) refuses, with a message that says what the
+/// controller may do, everything else its broad RBAC would let through. And what the
+/// controller does make in a user's namespace passes Pod Security `restricted` and a
+/// ResourceQuota.
+#[test]
+fn a_stolen_controller_token_can_do_no_more_than_the_controller_does() {
+    let _one = serial();
+    let t = tempfile::tempdir().unwrap();
+    let Some(c) = Cluster::start(t.path(), "admission") else {
+        return;
+    };
+    apply_kustomization(&c, "deploy/overlays/snapshot-hooks");
+    // The user's namespace enforces `restricted`, with a quota on requests and limits.
+    c.apply(
+        r#"apiVersion: v1
+kind: Namespace
+metadata:
+  name: app
+  labels: {pod-security.kubernetes.io/enforce: restricted}
+---
+apiVersion: v1
+kind: ResourceQuota
+metadata: {name: quota, namespace: app}
+spec:
+  hard: {requests.cpu: "1", requests.memory: 1Gi, limits.cpu: "1", limits.memory: 1Gi, requests.storage: 10Gi}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: db, namespace: app}
+spec:
+  accessModes: [ReadWriteOnce]
+  resources: {requests: {storage: 1Gi}}
+---
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: db}
+spec:
+  capacity: {storage: 1Gi}
+  accessModes: [ReadWriteOnce]
+  persistentVolumeReclaimPolicy: Delete
+  hostPath: {path: /srv/db}
+  claimRef: {namespace: app, name: db}
+---
+apiVersion: apps/v1
+kind: StatefulSet
+metadata: {name: db, namespace: app}
+spec:
+  replicas: 0
+  serviceName: db
+  selector: {matchLabels: {app: db}}
+  template:
+    metadata: {labels: {app: db}}
+    spec: {containers: [{name: db, image: postgres:15}]}
+"#,
+    );
+
+    // What the controller makes is admitted: its reader pod (server-side dry run: the
+    // same admission, nothing stored), in a namespace that enforces `restricted`.
+    // The policies installed are the ones deploy/README.md lists.
+    let readme = std::fs::read_to_string(repo().join("deploy/README.md")).unwrap();
+    let (_, after) = readme
+        .split_once("<!-- policies mover-controller -->")
+        .expect("deploy/README.md lists the admission policies");
+    let mut documented: Vec<&str> = after
+        .split("```")
+        .nth(1)
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    documented.sort();
+    let installed = c.kubectl_ok(&["get", "validatingadmissionpolicies", "-o", "name"]);
+    let mut installed: Vec<&str> = installed
+        .lines()
+        .filter_map(|l| l.rsplit('/').next())
+        .collect();
+    installed.sort();
+    assert_eq!(installed, documented, "deploy/README.md's list of policies");
+
+    let reader =
+        mover_controller::replication::csi_snapshots::reader_pod("db-mover-1", "app/db", "node-1");
+    let reader = serde_json::to_string(&reader).unwrap();
+    let create = ["create", "-n", "app", "--dry-run=server", "-f", "-"];
+    as_controller(
+        &c,
+        &create,
+        Some(&reader),
+        "pod/db-mover-1 created (server dry run)",
+    );
+    // The same pod without its securityContext or its limits: Pod Security and the
+    // quota refuse it (so the admission above was theirs to refuse).
+    let mut bare: serde_json::Value = serde_json::from_str(&reader).unwrap();
+    bare["spec"]["containers"][0]["securityContext"] =
+        serde_json::json!({"allowPrivilegeEscalation": false});
+    as_controller(
+        &c,
+        &create,
+        Some(&bare.to_string()),
+        "violates PodSecurity \"restricted:latest\"",
+    );
+    let mut unlimited: serde_json::Value = serde_json::from_str(&reader).unwrap();
+    unlimited["spec"]["containers"][0]["resources"] = serde_json::json!({});
+    as_controller(
+        &c,
+        &create,
+        Some(&unlimited.to_string()),
+        "failed quota: quota",
+    );
+
+    // What it never makes is refused, in every namespace.
+    c.kubectl_ok(&["create", "namespace", "other"]);
+    as_controller(
+        &c,
+        &[
+            "run",
+            "-n",
+            "other",
+            "shell",
+            "--image=busybox",
+            "--privileged",
+        ],
+        None,
+        "ValidatingAdmissionPolicy 'mover-controller-pods' with binding 'mover-controller-pods' denied request: the controller creates only reader pods",
+    );
+    let mut host: serde_json::Value = serde_json::from_str(&reader).unwrap();
+    host["metadata"]["namespace"] = "other".into();
+    host["spec"]["volumes"] = serde_json::json!([{"name": "clone", "hostPath": {"path": "/"}}]);
+    host["spec"]["containers"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("volumeDevices");
+    as_controller(
+        &c,
+        &["create", "-f", "-"],
+        Some(&host.to_string()),
+        "holds one volume: its clone PVC",
+    );
+    let mut shell: serde_json::Value = serde_json::from_str(&reader).unwrap();
+    shell["metadata"]["namespace"] = "other".into();
+    shell["spec"]["containers"][0]["image"] = "busybox".into();
+    as_controller(
+        &c,
+        &["create", "-f", "-"],
+        Some(&shell.to_string()),
+        "runs the pause image alone",
+    );
+    // A PVC it did not make: not deleted, and its PV not handed to another claim nor
+    // deleted.
+    as_controller(
+        &c,
+        &["delete", "pvc", "-n", "app", "db", "--wait=false"],
+        None,
+        "the controller deletes only PVCs it made or marked for a move",
+    );
+    as_controller(
+        &c,
+        &[
+            "patch",
+            "pv",
+            "db",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"claimRef":{"namespace":"other","name":"theirs","uid":null}}}"#,
+        ],
+        None,
+        "its claim only where a prime PVC in mover-system held it",
+    );
+    as_controller(
+        &c,
+        &["delete", "pv", "db", "--wait=false"],
+        None,
+        "only volumes of mover's CSI driver",
+    );
+    // A StatefulSet: its replicas, not its pods' image.
+    as_controller(
+        &c,
+        &[
+            "patch",
+            "statefulset",
+            "-n",
+            "app",
+            "db",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"template":{"spec":{"containers":[{"name":"db","image":"evil"}]}}}}"#,
+        ],
+        None,
+        "the controller changes only spec.replicas",
+    );
+    as_controller(
+        &c,
+        &[
+            "patch",
+            "statefulset",
+            "-n",
+            "app",
+            "db",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"replicas":1}}"#,
+        ],
+        None,
+        "statefulset.apps/db patched",
+    );
+    // In mover-system: no Job as another ServiceAccount (the agents' is privileged), no
+    // token Secret of another identity, no other ConfigMap.
+    as_controller(
+        &c,
+        &["create", "-n", "mover-system", "-f", "-"],
+        Some(
+            r#"{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j", "labels": {"replication.mover/prime-for": "x"}},
+                 "spec": {"template": {"spec": {"serviceAccountName": "mover-agent", "restartPolicy": "Never",
+                          "containers": [{"name": "c", "image": "localhost/mover:0.1.0", "securityContext": {"allowPrivilegeEscalation": false}}]}}}}"#,
+        ),
+        "the controller creates only restore Jobs",
+    );
+    as_controller(
+        &c,
+        &["create", "-n", "mover-system", "-f", "-"],
+        Some(
+            r#"{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mover-ca", "annotations": {"kubernetes.io/service-account.name": "mover-agent"}}, "type": "kubernetes.io/service-account-token"}"#,
+        ),
+        "the controller creates only its own Secret mover-ca (type Opaque)",
+    );
+    as_controller(
+        &c,
+        &["create", "configmap", "-n", "mover-system", "anything"],
+        None,
+        "the controller creates only its own ConfigMap",
+    );
+    // Exec (the hooks overlay) only in a namespace its owner opted in.
+    c.apply("apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: other}\nspec: {containers: [{name: web, image: busybox}]}\n");
+    as_controller(
+        &c,
+        &["exec", "-n", "other", "web", "--", "true"],
+        None,
+        "the controller runs snapshot hooks only in namespaces labelled replication.mover/hooks=allowed, and other is not",
+    );
+    c.kubectl_ok(&[
+        "label",
+        "namespace",
+        "other",
+        "replication.mover/hooks=allowed",
+    ]);
+    // Admitted now: the exec fails further on (no node runs the pod).
+    let opted_in = as_controller(
+        &c,
+        &["exec", "-n", "other", "web", "--", "true"],
+        None,
+        "error",
+    );
+    assert!(
+        !opted_in.contains("ValidatingAdmissionPolicy"),
+        "{opted_in}"
+    );
+}

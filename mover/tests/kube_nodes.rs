@@ -891,6 +891,32 @@ spec:
     east.c.wait("the workload Running", WAIT, || {
         east.c.get(&["pod/db", "-n", "app"], "{.status.phase}") == "Running"
     });
+    // From now on the namespace admits only pods of Pod Security `restricted` with
+    // requests and limits (a ResourceQuota): what the controller makes there each cycle
+    // (a reader pod, a clone PVC, a VolumeSnapshot) must pass. The hooks run in it, as
+    // its administrator opted in.
+    east.c.kubectl_ok(&[
+        "label",
+        "namespace",
+        "app",
+        "pod-security.kubernetes.io/enforce=restricted",
+        "replication.mover/hooks=allowed",
+    ]);
+    let privileged = east.c.kubectl(&[
+        "run",
+        "-n",
+        "app",
+        "probe",
+        "--image=localhost/busybox:1",
+        "--privileged",
+    ]);
+    assert!(
+        String::from_utf8_lossy(&privileged.stderr).contains("violates PodSecurity"),
+        "{privileged:?}"
+    );
+    east.c.apply(
+        "apiVersion: v1\nkind: ResourceQuota\nmetadata: {name: quota, namespace: app}\nspec:\n  hard: {requests.cpu: '1', requests.memory: 1Gi, limits.cpu: '1', limits.memory: 1Gi, requests.storage: 4Gi}\n",
+    );
     let exec = |script: &str| {
         east.c
             .kubectl_ok(&["exec", "-n", "app", "db", "--", "sh", "-c", script])
@@ -1074,6 +1100,20 @@ spec:
     let hook_failed = |says: &str| east.message("Replicating").contains(says);
     let rights = common::nodes::repo().join("deploy/overlays/snapshot-hooks/hooks-rbac.yaml");
     let rights = rights.to_str().unwrap();
+    // The namespace's opt-in taken back: the overlay's admission policy refuses the
+    // exec, and the condition says how to opt in.
+    east.c
+        .kubectl_ok(&["label", "namespace", "app", "replication.mover/hooks-"]);
+    east.wait_vr(
+        "the hook refused where its namespace is not opted in",
+        |_| hook_failed("kubectl label namespace app replication.mover/hooks=allowed"),
+    );
+    east.c.kubectl_ok(&[
+        "label",
+        "namespace",
+        "app",
+        "replication.mover/hooks=allowed",
+    ]);
     east.c.kubectl_ok(&["delete", "-f", rights]);
     east.wait_vr("the hook refused by RBAC, naming the overlay", |_| {
         hook_failed("deploy/overlays/snapshot-hooks")
@@ -1985,6 +2025,13 @@ fn on_real_nodes_pgbench_in_a_csi_block_volume_replicates_through_snapshots_its_
         s.c.import_test_image("postgres");
         s.c.kubectl_ok(&["create", "namespace", "app"]);
     }
+    // The hooks run only in a namespace an administrator opted in.
+    east.c.kubectl_ok(&[
+        "label",
+        "namespace",
+        "app",
+        "replication.mover/hooks=allowed",
+    ]);
     east.c.apply(
         "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {name: vol, namespace: app}\nspec:\n  accessModes: [ReadWriteOnce]\n  volumeMode: Block\n  storageClassName: csi-hostpath\n  resources: {requests: {storage: 256Mi}}\n",
     );

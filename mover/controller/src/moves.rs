@@ -55,6 +55,8 @@ use std::{sync::Arc, time::Duration};
 
 /// The annotation on a StatefulSet a move scaled to 0: its replicas before.
 const REPLICAS_BEFORE_MOVE: &str = "replication.mover/replicas-before-move";
+/// The label on a PVC that a move within a cluster deletes (and makes again).
+const MOVING: &str = "replication.mover/moving";
 /// How often a move under way looks again.
 const POLL: Duration = Duration::from_secs(1);
 /// The default bound on detaching (source).
@@ -833,6 +835,12 @@ impl Step<'_> {
                 return Ok(());
             }
             if pvc.metadata.deletion_timestamp.is_none() {
+                // Marked first: the controller may delete only PVCs that carry one of its
+                // labels (deploy/base/controller-admission.yaml).
+                let mark = serde_json::json!({"metadata": {"labels": {MOVING: source}}});
+                api.patch(&vol.pvc, &PatchParams::default(), &Patch::Merge(mark))
+                    .await
+                    .map_err(kube_err(format!("marking {what} for the move")))?;
                 api.delete(&vol.pvc, &DeleteParams::default())
                     .await
                     .map_err(kube_err(format!("deleting {what} (its PV is Retain)")))?;

@@ -624,27 +624,7 @@ async fn reader(
         .and_then(|p| p.status.as_ref()?.phase.as_deref())
         == Some("Running");
     if existing.is_none() {
-        let pod: Pod = serde_json::from_value(serde_json::json!({
-            "metadata": {
-                "name": name,
-                "labels": labels,
-                "annotations": {LABEL: d.name},
-            },
-            "spec": {
-                "nodeName": d.node,
-                "restartPolicy": "Never",
-                "terminationGracePeriodSeconds": 0,
-                "automountServiceAccountToken": false,
-                "containers": [{
-                    "name": "hold",
-                    "image": READER_IMAGE,
-                    "volumeDevices": [{"name": "clone", "devicePath": "/dev/mover-clone"}],
-                    "securityContext": {"allowPrivilegeEscalation": false, "runAsNonRoot": true, "runAsUser": 65535},
-                }],
-                "volumes": [{"name": "clone", "persistentVolumeClaim": {"claimName": name, "readOnly": true}}],
-            },
-        }))
-        .map_err(|e| e.to_string())?;
+        let pod = reader_pod(name, &d.name, &d.node);
         created_or_exists(pods.create(&PostParams::default(), &pod).await)
             .map_err(|e| format!("cannot create the reader pod {ns}/{name}: {e}"))?;
     }
@@ -653,6 +633,40 @@ async fn reader(
         .spec
         .and_then(|s| s.volume_name)
         .filter(|v| bound && running && !v.is_empty()))
+}
+
+/// The reader pod of clone `name` (a PVC of that name) for relationship `relationship`,
+/// on `node`: it holds the clone's device, published there, for the agent to read.
+/// Pod Security `restricted`, with requests and limits for a namespace's ResourceQuota,
+/// and the shape the controller's admission policy allows
+/// (deploy/base/controller-admission.yaml).
+pub fn reader_pod(name: &str, relationship: &str, node: &str) -> Pod {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": name,
+            "labels": {LABEL: name_hash(relationship)},
+            "annotations": {LABEL: relationship},
+        },
+        "spec": {
+            "nodeName": node,
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": false,
+            "securityContext": {"runAsNonRoot": true, "runAsUser": 65535, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{
+                "name": "hold",
+                "image": READER_IMAGE,
+                "volumeDevices": [{"name": "clone", "devicePath": "/dev/mover-clone"}],
+                "securityContext": {"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
+                "resources": {
+                    "requests": {"cpu": "1m", "memory": "8Mi"},
+                    "limits": {"cpu": "10m", "memory": "16Mi"},
+                },
+            }],
+            "volumes": [{"name": "clone", "persistentVolumeClaim": {"claimName": name, "readOnly": true}}],
+        },
+    }))
+    .expect("a Pod")
 }
 
 /// The ranges changed from the snapshot `base` (a CSI handle) to the VolumeSnapshot
