@@ -318,7 +318,8 @@ fn the_controller_may_do_what_deploy_documents_and_no_more() {
         "the Role deploy/README.md gives"
     );
     assert_eq!(can("list", "default"), "no");
-    // The agents' ServiceAccount may ask for certificates and nothing else.
+    // The agents' ServiceAccount may ask for certificates, and about the tokens callers
+    // of their /metrics present, and nothing else.
     let agent = c.kubectl_ok(&[
         "auth",
         "can-i",
@@ -336,7 +337,11 @@ fn the_controller_may_do_what_deploy_documents_and_no_more() {
         .collect();
     assert_eq!(
         own,
-        ["certificatesigningrequests.certificates.k8s.io [] [] [create get]"],
+        [
+            "certificatesigningrequests.certificates.k8s.io [] [] [create get]",
+            "tokenreviews.authentication.k8s.io [] [] [create]",
+            "subjectaccessreviews.authorization.k8s.io [] [] [create]",
+        ],
         "{agent}"
     );
 }

@@ -90,6 +90,28 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
         assert!(warned.is_empty(), "{warned:#?}");
     }
 
+    // An agent's /metrics, on its node's address: the scraper's token is let through;
+    // no token, or a token whose user may not get /metrics (a tenant's), is refused
+    // with what to do. /healthz stays open to the kubelet's probe.
+    let agent = format!("{}:9470", east.c.node_ip(1));
+    assert!(east.c.agent_metrics(1).contains("mover_"));
+    let (status, says) = common::http_get_as(&agent, "/metrics", None);
+    assert_eq!(status, 401, "{says}");
+    assert!(says.contains("ClusterRole mover-metrics-reader"), "{says}");
+    east.c.kubectl_ok(&["create", "namespace", "t1"]);
+    east.c
+        .kubectl_ok(&["create", "serviceaccount", "app", "-n", "t1"]);
+    let tenant = east.c.kubectl_ok(&["create", "token", "app", "-n", "t1"]);
+    let (status, says) = common::http_get_as(&agent, "/metrics", Some(tenant.trim()));
+    assert_eq!(status, 403, "{says}");
+    assert!(
+        says.contains("system:serviceaccount:t1:app may not get /metrics"),
+        "{says}"
+    );
+    let (status, says) = common::http_get_as(&agent, "/metrics", Some("forged"));
+    assert_eq!(status, 401, "{says}");
+    assert_eq!(common::http_get(&agent, "/healthz"), "ok\n");
+
     a_pod_reads_one_cycle_of_the_replica_while_replication_goes_on(&east, &west);
 
     // Planned failover: a final cycle ships what was written, then the roles swap.
@@ -269,7 +291,7 @@ fn a_pvc_is_populated_from_the_other_clusters_agent(a: &Site, b: &Site) {
     make_image(&img, LEN, 77, &[(0, 8 * MIB), (40 * MIB, 8 * MIB)]);
     add_agent_exports(
         &a.c,
-        "[exports.src]\npath = \"/mnt/disks/src.img\"\nread_only = true\n",
+        "[exports.src]\npath = \"/mnt/disks/src.img\"\nread_only = true\nnamespaces = [\"app\"]\n",
     );
     let populate = |name: &str, secret: &str| {
         b.c.apply(&format!(
@@ -1975,7 +1997,7 @@ fn on_real_nodes_a_postgres_volume_moves_between_clusters_planned_then_with_its_
     );
     let owned = blake3_of(&a.image(), LEN);
     let refusals = || -> u64 {
-        common::http_get(&format!("{}:9470", a.c.node_ip(1)), "/metrics")
+        a.c.agent_metrics(1)
             .lines()
             .find_map(|l| l.strip_prefix("mover_agent_stale_epoch_refusals_total "))
             .and_then(|v| v.trim().parse::<f64>().ok())
@@ -2214,8 +2236,9 @@ fn on_real_nodes_populated_pvcs_are_bound_at_once_and_their_pods_read_the_source
         let data = (8 * MIB).min(len / 2);
         let img = c.disks(1).join(format!("{name}.img"));
         make_image(&img, len, len % 97, &[(0, data), (len - data, data)]);
-        exports +=
-            &format!("[exports.{name}]\npath = \"/mnt/disks/{name}.img\"\nread_only = true\n");
+        exports += &format!(
+            "[exports.{name}]\npath = \"/mnt/disks/{name}.img\"\nread_only = true\nnamespaces = [\"app\"]\n"
+        );
     }
     // An ext4 volume of files, for a Filesystem PVC.
     let t = tempfile::tempdir().unwrap();
@@ -2230,7 +2253,7 @@ fn on_real_nodes_populated_pvcs_are_bound_at_once_and_their_pods_read_the_source
         .output()
         .unwrap();
     assert!(made.status.success(), "mkfs.ext4 -d: {made:?}");
-    exports += "[exports.files]\npath = \"/mnt/disks/files.img\"\nread_only = true\n";
+    exports += "[exports.files]\npath = \"/mnt/disks/files.img\"\nread_only = true\nnamespaces = [\"app\"]\n";
     add_agent_exports(&c, &exports);
     let source = |name: &str| {
         format!(
@@ -2239,6 +2262,28 @@ fn on_real_nodes_populated_pvcs_are_bound_at_once_and_their_pods_read_the_source
             c.node_ip(1)
         )
     };
+
+    // A tenant of another namespace naming the same volume: the agents' configuration
+    // lets only namespace app fill PVCs from it, so the fill is refused, saying so, and
+    // the PVC stays unbound.
+    c.kubectl_ok(&["create", "namespace", "t2"]);
+    c.apply(&format!(
+        "apiVersion: replication.mover/v1alpha1\nkind: HydrationSource\nmetadata: {{name: stolen, namespace: t2}}\nspec:\n  agent: agent://{}@{}:7070/files\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {{name: stolen, namespace: t2}}\nspec:\n  accessModes: [ReadWriteOnce]\n  storageClassName: mover-populated\n  resources: {{requests: {{storage: 256Mi}}}}\n  dataSourceRef: {{apiGroup: replication.mover, kind: HydrationSource, name: stolen}}\n---\napiVersion: v1\nkind: Pod\nmetadata: {{name: stolen, namespace: t2}}\nspec:\n  nodeSelector: {{kubernetes.io/hostname: {}}}\n  containers: [{{name: c, image: localhost/busybox:1, command: [sleep, '3600'], volumeMounts: [{{name: v, mountPath: /v}}]}}]\n  volumes: [{{name: v, persistentVolumeClaim: {{claimName: stolen}}}}]\n",
+        c.node(1),
+        c.node_ip(1),
+        c.node(2),
+    ));
+    c.wait("the fill for namespace t2 refused", WAIT, || {
+        c.logs(CONTROLLERS).lines().any(|l| {
+            l.contains("t2/stolen")
+                && l.contains("is not for HydrationSources of namespace")
+                && l.contains("exports.files.namespaces")
+        })
+    });
+    assert_ne!(
+        c.get(&["pvc", "stolen", "-n", "t2"], "{.status.phase}"),
+        "Bound"
+    );
 
     // Block PVCs used by pods on node 2, at 2 MiB/s: each pod reads its device's last
     // MiB (a region the fill reaches last), then waits.

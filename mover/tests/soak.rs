@@ -365,7 +365,7 @@ mod soak {
         for s in [&a, &b] {
             add_agent_exports(
                 &s.c,
-                "[exports.served]\npath = \"/mnt/disks/served.img\"\nread_only = true\n",
+                "[exports.served]\npath = \"/mnt/disks/served.img\"\nread_only = true\nnamespaces = [\"app\"]\n",
             );
             s.database_volume(LEN);
         }

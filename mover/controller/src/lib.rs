@@ -42,6 +42,7 @@ pub mod moves;
 pub mod populate;
 pub mod replication;
 mod run;
+pub mod scrape_review;
 pub mod secrets;
 
 // The replication modules as they were named before the folder (the tests use them).

@@ -738,8 +738,9 @@ impl Step<'_> {
             Err(why) => return fail(vol, &why),
         };
         vol.previous_node = Some(node.clone());
-        // Served to the hydration that will read it, and to nothing else.
-        let reader = format!("hydrate:{pv}");
+        // Served to the fill of the PVC made again (the populator reads for
+        // hydrate:NAMESPACE/PVC), and to nothing else.
+        let reader = format!("hydrate:{}/{}", self.ns, vol.pvc);
         match self
             .ctx
             .agents

@@ -137,9 +137,33 @@ pub fn run_agent(config_path: &std::path::Path) -> anyhow::Result<()> {
         let signer = Some(&ClusterSigner as &dyn mover::agent::certificate::Signer);
         #[cfg(not(feature = "controller"))]
         let signer = None;
-        mover::agent::serve(config, listener, metrics, shutdown, signer).await?;
+        #[cfg(feature = "controller")]
+        let reviewer = Some(std::sync::Arc::new(ClusterReviewer) as _);
+        #[cfg(not(feature = "controller"))]
+        let reviewer = None;
+        mover::agent::serve(config, listener, metrics, shutdown, signer, reviewer).await?;
         Ok(())
     })
+}
+
+/// Scrapers' tokens, reviewed by the API server through the controller crate.
+#[cfg(feature = "controller")]
+struct ClusterReviewer;
+
+#[cfg(feature = "controller")]
+impl mover::agent::scrape_access::Reviewer for ClusterReviewer {
+    fn review<'a>(&'a self, token: &'a str) -> mover::agent::scrape_access::ReviewFuture<'a> {
+        use mover::agent::scrape_access::Verdict;
+        Box::pin(async move {
+            Ok(
+                match mover::controller::scrape_review::review(token).await? {
+                    None => Verdict::Unauthenticated,
+                    Some(Err(user)) => Verdict::Forbidden(user),
+                    Some(Ok(())) => Verdict::Allowed,
+                },
+            )
+        })
+    }
 }
 
 /// The agent's certificate requests, sent to the cluster's CertificateSigningRequest API
@@ -279,5 +303,6 @@ pub(crate) const AGENT_HELP: &str = "Run the per-node agent. It serves the volum
         \x20 [exports.golden]\n\
         \x20 path = \"/srv/golden.img\"\n\
         \x20 read_only = true\n\
+        \x20 namespaces = [\"app\"]   # populated PVCs of these namespaces may be filled from it\n\
         \x20 [exports.www]\n\
         \x20 path = \"/srv/www\"   # a directory: a file tree";

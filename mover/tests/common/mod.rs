@@ -81,19 +81,35 @@ pub fn scribble_pages(path: &Path, seed: u64, count: u64, within: std::ops::Rang
 
 /// GET `path` from the HTTP server at `addr` (HOST:PORT); the body of its 200 answer.
 pub fn http_get(addr: &str, path: &str) -> String {
+    let (status, body) = http_get_as(addr, path, None);
+    assert_eq!(status, 200, "GET {addr}{path}: {body}");
+    body
+}
+
+/// GET `path` from `addr` with a bearer `token` if any: the status and the body.
+pub fn http_get_as(addr: &str, path: &str, token: Option<&str>) -> (u16, String) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let authorization = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{authorization}Connection: close\r\n\r\n"
     )
     .unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
-    assert!(out.starts_with("HTTP/1.1 200"), "GET {addr}{path}: {out}");
-    out.split_once("\r\n\r\n")
+    let status = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
+        .unwrap_or_default();
+    (status, body)
 }
 
 /// BLAKE3 of the first `len` bytes of a file or device.

@@ -255,6 +255,11 @@ impl RealCluster {
         ]);
         let base = repo().join(dir);
         self.kubectl_ok(&["apply", "--server-side", "-k", base.to_str().unwrap()]);
+        // A scraper, as Prometheus's ServiceAccount would be bound (deploy/README.md,
+        // "Metrics"): the agents' /metrics answer its token only.
+        self.apply(
+            "apiVersion: v1\nkind: ServiceAccount\nmetadata: {name: scraper, namespace: mover-system}\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata: {name: scraper}\nroleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: mover-metrics-reader}\nsubjects: [{kind: ServiceAccount, name: scraper, namespace: mover-system}]\n",
+        );
         self.kubectl_ok(&[
             "wait",
             "--for=condition=Established",
@@ -278,6 +283,15 @@ impl RealCluster {
                 "{.status.readyReplicas}",
             ) == "2"
         });
+    }
+
+    /// The /metrics of the agent on node `node`, read with the scraper's token.
+    pub fn agent_metrics(&self, node: u8) -> String {
+        let token = self.kubectl_ok(&["create", "token", "scraper", "-n", "mover-system"]);
+        let addr = format!("{}:9470", self.node_ip(node));
+        let (status, body) = super::http_get_as(&addr, "/metrics", Some(token.trim()));
+        assert_eq!(status, 200, "GET {addr}/metrics as the scraper: {body}");
+        body
     }
 
     /// The hostpath CSI driver, its sidecars and the snapshot-controller as pods

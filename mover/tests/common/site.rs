@@ -235,9 +235,9 @@ spec:
     /// /metrics on the node's address (the series is labelled with the current role:
     /// summed over both).
     pub fn shipped(&self) -> u64 {
-        let addr = format!("{}:9470", self.c.node_ip(self.on));
         let series = "mover_replication_bytes_shipped_total{relationship=\"app/data\",";
-        super::http_get(&addr, "/metrics")
+        self.c
+            .agent_metrics(self.on)
             .lines()
             .filter(|l| l.starts_with(series))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())

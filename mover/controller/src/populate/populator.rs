@@ -146,6 +146,9 @@ pub async fn reconcile(
                 }
                 (None, Some(url), _, r) => {
                     req.source = Some(hydrate::start_request::Source::Agent(url.clone()));
+                    // Read for this PVC: the source serves a volume only to the fills of
+                    // the namespaces it is for (a move's, to its own PVC alone).
+                    req.reader = format!("hydrate:{ns}/{name}");
                     if let Some(r) = r {
                         (req.peer_token, req.peer_ca) =
                             peer_access(&ctx, r, &ns).await.map_err(invalid)?;

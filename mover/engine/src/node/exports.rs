@@ -19,6 +19,11 @@ pub struct Export {
     /// Peers may read but never write it.
     #[serde(default)]
     pub read_only: bool,
+    /// The namespaces whose populated PVCs may be filled from it: a fill for PVC
+    /// NAMESPACE/NAME asks for relationship `hydrate:NAMESPACE/NAME` [default: none].
+    /// Peers reach it for other relationships as before.
+    #[serde(default)]
+    pub namespaces: Vec<String>,
 }
 
 /// A volume registered through the control API.
@@ -272,7 +277,16 @@ impl Exports {
     /// relationship it was registered for. The refusal names the rule.
     pub fn check_served_for(&self, name: &str, relationship: &str) -> Result<(), String> {
         match self.registered_for(name) {
-            None => Ok(()),
+            None => match fill_namespace(relationship) {
+                Some(ns) if !self.configured_namespaces(name).iter().any(|n| n == ns) => {
+                    Err(format!(
+                        "volume {name:?} is not for HydrationSources of namespace {ns:?}: \
+                         the agent's configuration names the namespaces a volume it \
+                         exports may fill (exports.{name}.namespaces)"
+                    ))
+                }
+                _ => Ok(()),
+            },
             Some(r) if r == relationship => Ok(()),
             Some(r) => Err(format!(
                 "volume {name:?} is registered for {}, not for relationship {relationship:?}: \
@@ -285,6 +299,15 @@ impl Exports {
                 }
             )),
         }
+    }
+
+    /// The namespaces agent.toml lets fill PVCs from export `name` (none for a
+    /// registered one).
+    fn configured_namespaces(&self, name: &str) -> &[String] {
+        self.inner
+            .configured
+            .get(name)
+            .map_or(&[], |e| e.namespaces.as_slice())
     }
 
     /// Forgets the registration of `name`; false if there was none.
@@ -358,12 +381,57 @@ fn resolve(name: &str, r: &Registered) -> Result<Export, ExportError> {
     Ok(Export {
         path,
         read_only: false,
+        namespaces: Vec::new(),
     })
+}
+
+/// The namespace of the PVC a fill is for, from the relationship it asks for
+/// (`hydrate:NAMESPACE/NAME`, what mover's populator gives); `None` for any other.
+pub fn fill_namespace(relationship: &str) -> Option<&str> {
+    let (ns, _pvc) = relationship.strip_prefix("hydrate:")?.split_once('/')?;
+    Some(ns)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fill_reads_an_export_only_for_its_own_namespace() {
+        let configured = BTreeMap::from([(
+            "golden".to_string(),
+            Export {
+                path: "/srv/golden.img".into(),
+                read_only: true,
+                namespaces: vec!["app".into()],
+            },
+        )]);
+        let state = tempfile::tempdir().unwrap();
+        let exports = Exports::open(configured, vec!["/srv".into()], state.path()).unwrap();
+        exports
+            .register("pv-2", Path::new("/srv/pv-2"), false, "hydrate:app/db")
+            .unwrap();
+        let check = |name, relationship| exports.check_served_for(name, relationship);
+        assert_eq!(check("golden", "hydrate:app/copy"), Ok(()));
+        let refused = check("golden", "hydrate:t2/copy").unwrap_err();
+        assert!(
+            refused.contains("not for HydrationSources of namespace \"t2\""),
+            "{refused}"
+        );
+        assert!(refused.contains("exports.golden.namespaces"), "{refused}");
+        // Not a populator's fill: the administrator's export, served as before.
+        assert_eq!(check("golden", "hydrate:golden"), Ok(()));
+        assert_eq!(check("golden", "app/data"), Ok(()));
+        // A move's volume: to the fill of its own PVC alone.
+        assert_eq!(check("pv-2", "hydrate:app/db"), Ok(()));
+        let refused = check("pv-2", "hydrate:t1/db").unwrap_err();
+        assert!(
+            refused.contains("registered for relationship \"hydrate:app/db\""),
+            "{refused}"
+        );
+        assert_eq!(fill_namespace("hydrate:app/db"), Some("app"));
+        assert_eq!(fill_namespace("hydrate:pv-2"), None);
+    }
 
     #[test]
     fn registers_under_a_root_only_resolves_device_dirs_and_survives_a_restart() {
@@ -376,6 +444,7 @@ mod tests {
             Export {
                 path: "/srv/golden.img".into(),
                 read_only: true,
+                namespaces: Vec::new(),
             },
         )]);
         let open = || Exports::open(configured.clone(), vec![root.clone()], state.path()).unwrap();
@@ -410,6 +479,7 @@ mod tests {
             Export {
                 path: image.clone(),
                 read_only: true,
+                namespaces: Vec::new(),
             },
         );
         let other_state = tempfile::tempdir().unwrap();

@@ -4,6 +4,17 @@ use mover_engine::node::Export;
 use serde::Deserialize;
 use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf};
 
+/// Who may read an agent's /metrics (see `agent::scrape_access`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum MetricsAccess {
+    /// Anyone who reaches `metrics_listen`.
+    #[default]
+    Open,
+    /// A bearer token the API server authenticates and authorizes for `get` on /metrics.
+    Kubernetes,
+}
+
 /// The agent's configuration file.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -13,6 +24,12 @@ pub struct AgentConfig {
     /// Address of the HTTP endpoint serving /metrics and /healthz, e.g. "127.0.0.1:9470".
     #[serde(default)]
     pub metrics_listen: Option<SocketAddr>,
+    /// Who may read /metrics: "open" (anyone who reaches `metrics_listen`) or
+    /// "kubernetes" (a bearer token the API server authenticates and authorizes for
+    /// `get` on /metrics: ClusterRole mover-metrics-reader) [default: open]. /healthz
+    /// is always open.
+    #[serde(default)]
+    pub metrics_access: MetricsAccess,
     /// Where fencing epochs and copy markers are kept.
     #[serde(default = "default_state_dir")]
     pub state_dir: PathBuf,

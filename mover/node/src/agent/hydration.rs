@@ -229,6 +229,7 @@ impl hydration_server::Hydration for HydrationControl {
                             cycle: 0,
                         }
                     }),
+                    reader: opt(r.reader.clone()),
                 },
                 Some(proto::start_request::Source::Snapshot(s)) => SourceSpec::Snapshot {
                     repo: s.repo,

@@ -16,6 +16,7 @@ mod metrics;
 mod pages;
 mod saved;
 mod schedules;
+pub mod scrape_access;
 mod service;
 mod session;
 mod status;
@@ -23,7 +24,7 @@ mod transfer;
 mod trees;
 
 use crate::replicate::journal;
-pub use config::{AgentConfig, ConfigError, TlsConfig};
+pub use config::{AgentConfig, ConfigError, MetricsAccess, TlsConfig};
 pub use control::Control;
 pub use fencing::{EpochStore, StaleEpoch};
 pub use metrics::Metrics;
@@ -76,7 +77,19 @@ pub async fn serve(
     metrics_listener: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     signer: Option<&'static dyn certificate::Signer>,
+    reviewer: Option<Arc<dyn scrape_access::Reviewer>>,
 ) -> Result<(), AgentError> {
+    let gate = match (config.metrics_access, reviewer) {
+        (MetricsAccess::Open, _) => None,
+        (MetricsAccess::Kubernetes, Some(r)) => Some(Arc::new(scrape_access::Gate::new(r))),
+        (MetricsAccess::Kubernetes, None) => {
+            return Err(AgentError::Serve(
+                "metrics_access = \"kubernetes\" needs a mover built with its Kubernetes \
+                 part (the default `controller` feature)"
+                    .into(),
+            ));
+        }
+    };
     let credentials = Arc::new(Credentials {
         control_token: config.token()?,
         replication_tokens: config.replication_tokens()?,
@@ -306,6 +319,7 @@ pub async fn serve(
         });
         tokio::spawn(serve_metrics(
             l,
+            gate,
             metrics,
             runners.clone(),
             hydrations.clone(),
@@ -426,6 +440,7 @@ pub(super) fn control_only<T>(req: &tonic::Request<T>, call: &str) -> Result<(),
 /// /metrics (Prometheus text) and /healthz on their own port.
 async fn serve_metrics(
     listener: TcpListener,
+    gate: Option<Arc<scrape_access::Gate>>,
     metrics: Arc<Metrics>,
     runners: Arc<crate::replicate::Runners>,
     hydrations: Arc<crate::hydrate::Hydrations>,
@@ -437,14 +452,28 @@ async fn serve_metrics(
     let app = Router::new()
         .route(
             "/metrics",
-            get(move || {
-                let (m, r, h, s) = (
+            get(move |headers: axum::http::HeaderMap| {
+                let (m, r, h, s, gate) = (
                     metrics.clone(),
                     runners.clone(),
                     hydrations.clone(),
                     schedules.clone(),
+                    gate.clone(),
                 );
-                async move { m.render() + &r.render() + &h.render() + &s.render() }
+                async move {
+                    if let Some(gate) = gate {
+                        let authorization = headers
+                            .get(axum::http::header::AUTHORIZATION)
+                            .and_then(|v| v.to_str().ok());
+                        if let Err((status, why)) = gate.admit(authorization).await {
+                            let status = axum::http::StatusCode::from_u16(status)
+                                .unwrap_or(axum::http::StatusCode::FORBIDDEN);
+                            return (status, why);
+                        }
+                    }
+                    let text = m.render() + &r.render() + &h.render() + &s.render();
+                    (axum::http::StatusCode::OK, text)
+                }
             }),
         )
         .route(

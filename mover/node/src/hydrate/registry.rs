@@ -38,6 +38,10 @@ pub enum SourceSpec {
         /// The export is a replica, read at one held cycle.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         replica: Option<ReplicaHold>,
+        /// The relationship the export is read for [default: hydrate:VOLUME] (mover's
+        /// populator: hydrate:NAMESPACE/PVC, the PVC it fills).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reader: Option<String>,
     },
     /// A block snapshot in a repository (files named are on this agent's node).
     Snapshot {
@@ -492,7 +496,12 @@ impl Hydrations {
         region: u64,
     ) -> Result<Arc<dyn RegionSource>, HydrateError> {
         match spec {
-            SourceSpec::Agent { url, peer, replica } => {
+            SourceSpec::Agent {
+                url,
+                peer,
+                replica,
+                reader,
+            } => {
                 let u = parse_agent_url(url)?;
                 let remote = match peer {
                     Some(p) => self.remote.with_peer(&p.token, p.ca.as_deref()),
@@ -505,7 +514,8 @@ impl Hydrations {
                     });
                 }
                 Ok(Arc::new(
-                    AgentSource::connect(u, remote, region, replica.clone()).await?,
+                    AgentSource::connect(u, remote, region, replica.clone(), reader.clone())
+                        .await?,
                 ))
             }
             SourceSpec::Snapshot {

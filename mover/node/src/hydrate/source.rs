@@ -60,6 +60,8 @@ pub struct AgentSource {
     /// A replica, read at the cycle its agent holds for this fill (the cycle learnt
     /// from the first session, or kept from before a restart).
     replica: Option<super::ReplicaHold>,
+    /// The relationship it is read for, when not a replica's [default: hydrate:VOLUME].
+    reader: Option<String>,
     held: std::sync::atomic::AtomicU64,
 }
 
@@ -71,6 +73,7 @@ impl AgentSource {
         remote: RemoteOptions,
         region: u64,
         replica: Option<super::ReplicaHold>,
+        reader: Option<String>,
     ) -> Result<Self, HydrateError> {
         let held = replica.as_ref().map_or(0, |r| r.cycle);
         let s = AgentSource {
@@ -81,6 +84,7 @@ impl AgentSource {
             session: tokio::sync::Mutex::new(None),
             urgent: tokio::sync::Mutex::new(None),
             replica,
+            reader,
             held: held.into(),
         };
         let (client, id, size) = s.open().await?;
@@ -100,7 +104,10 @@ impl AgentSource {
                 volume: self.url.volume.clone(),
                 relationship: match &self.replica {
                     Some(r) => r.relationship.clone(),
-                    None => format!("hydrate:{}", self.url.volume),
+                    None => self
+                        .reader
+                        .clone()
+                        .unwrap_or_else(|| format!("hydrate:{}", self.url.volume)),
                 },
                 access: Access::Read as i32,
                 chunk_size: self.region,

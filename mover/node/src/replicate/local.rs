@@ -108,6 +108,7 @@ pub async fn run_local(
     let export = Export {
         path: run.src.clone(),
         read_only: true,
+        namespaces: Vec::new(),
     };
     let exports = Exports::fixed(BTreeMap::from([(volume, export)]));
     let runners = Runners::new(store, exports, run.remote.clone());

@@ -1,0 +1,72 @@
+//! The agent's side of who may read its /metrics under Kubernetes: a scraper's bearer
+//! token reviewed by the API server (TokenReview), then its user asked about (a
+//! SubjectAccessReview for `get` on the non-resource URL `/metrics`), as kube-rbac-proxy
+//! does. The agent (`mover-node`, `agent::scrape_access`) keeps the verdicts; it reaches
+//! this code through the `mover` binary, so only this crate depends on kube. The agent's
+//! ServiceAccount may create both reviews (ClusterRole system:auth-delegator).
+
+use k8s_openapi::api::{
+    authentication::v1::{TokenReview, TokenReviewSpec},
+    authorization::v1::{NonResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec},
+};
+use kube::api::{Api, PostParams};
+use tokio::sync::OnceCell;
+
+/// Whether the holder of `token` may get /metrics: `Ok(None)` when the API server does
+/// not know the token, `Ok(Some(Err(user)))` when `user` may not, `Ok(Some(Ok(())))`
+/// when allowed; `Err`: the API server could not be asked.
+pub async fn review(token: &str) -> Result<Option<Result<(), String>>, String> {
+    static CLIENT: OnceCell<kube::Client> = OnceCell::const_new();
+    let client = CLIENT
+        .get_or_try_init(|| async {
+            transport::tls::install_crypto_provider();
+            kube::Client::try_default().await.map_err(|e| {
+                format!("no Kubernetes credentials to review a scraper's token with: {e}")
+            })
+        })
+        .await?
+        .clone();
+    let reviewed = Api::<TokenReview>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &TokenReview {
+                spec: TokenReviewSpec {
+                    token: Some(token.into()),
+                    audiences: None,
+                },
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| format!("TokenReview: {e}"))?;
+    let status = reviewed.status.unwrap_or_default();
+    let Some(user) = status.user.filter(|_| status.authenticated == Some(true)) else {
+        return Ok(None);
+    };
+    let name = user.username.clone().unwrap_or_default();
+    let asked = Api::<SubjectAccessReview>::all(client)
+        .create(
+            &PostParams::default(),
+            &SubjectAccessReview {
+                spec: SubjectAccessReviewSpec {
+                    user: user.username,
+                    uid: user.uid,
+                    groups: user.groups,
+                    extra: user.extra,
+                    non_resource_attributes: Some(NonResourceAttributes {
+                        path: Some("/metrics".into()),
+                        verb: Some("get".into()),
+                    }),
+                    resource_attributes: None,
+                },
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| format!("SubjectAccessReview: {e}"))?;
+    Ok(Some(if asked.status.is_some_and(|s| s.allowed) {
+        Ok(())
+    } else {
+        Err(name)
+    }))
+}
