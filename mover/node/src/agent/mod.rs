@@ -317,13 +317,16 @@ pub async fn serve(
             node: config.node_name(),
             runners: runners.clone(),
         });
+        let scraped = Scraped {
+            metrics,
+            runners: runners.clone(),
+            hydrations: hydrations.clone(),
+            schedules: schedules.clone(),
+        };
         tokio::spawn(serve_metrics(
             l,
             gate,
-            metrics,
-            runners.clone(),
-            hydrations.clone(),
-            schedules.clone(),
+            Arc::new(scraped),
             health,
             async move {
                 let _ = stop.changed().await;
@@ -437,14 +440,29 @@ pub(super) fn control_only<T>(req: &tonic::Request<T>, call: &str) -> Result<(),
     }
 }
 
-/// /metrics (Prometheus text) and /healthz on their own port.
-async fn serve_metrics(
-    listener: TcpListener,
-    gate: Option<Arc<scrape_access::Gate>>,
+/// What /metrics renders: the agent's own series, then its relationships',
+/// hydrations' and schedules'.
+struct Scraped {
     metrics: Arc<Metrics>,
     runners: Arc<crate::replicate::Runners>,
     hydrations: Arc<crate::hydrate::Hydrations>,
     schedules: Arc<crate::schedule::Schedules>,
+}
+
+impl Scraped {
+    fn render(&self) -> String {
+        self.metrics.render()
+            + &self.runners.render()
+            + &self.hydrations.render()
+            + &self.schedules.render()
+    }
+}
+
+/// /metrics (Prometheus text, behind `gate` if any) and /healthz on their own port.
+async fn serve_metrics(
+    listener: TcpListener,
+    gate: Option<Arc<scrape_access::Gate>>,
+    scraped: Arc<Scraped>,
     health: Arc<health::Health>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
@@ -453,13 +471,7 @@ async fn serve_metrics(
         .route(
             "/metrics",
             get(move |headers: axum::http::HeaderMap| {
-                let (m, r, h, s, gate) = (
-                    metrics.clone(),
-                    runners.clone(),
-                    hydrations.clone(),
-                    schedules.clone(),
-                    gate.clone(),
-                );
+                let (scraped, gate) = (scraped.clone(), gate.clone());
                 async move {
                     if let Some(gate) = gate {
                         let authorization = headers
@@ -471,8 +483,7 @@ async fn serve_metrics(
                             return (status, why);
                         }
                     }
-                    let text = m.render() + &r.render() + &h.render() + &s.render();
-                    (axum::http::StatusCode::OK, text)
+                    (axum::http::StatusCode::OK, scraped.render())
                 }
             }),
         )
