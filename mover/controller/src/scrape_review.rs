@@ -3,7 +3,8 @@
 //! SubjectAccessReview for `get` on the non-resource URL `/metrics`), as kube-rbac-proxy
 //! does. The agent (`mover-node`, `agent::scrape_access`) keeps the verdicts; it reaches
 //! this code through the `mover` binary, so only this crate depends on kube. The agent's
-//! ServiceAccount may create both reviews (ClusterRole system:auth-delegator).
+//! ServiceAccount may create both reviews (deploy/base/agent.yaml: what ClusterRole
+//! system:auth-delegator grants, and no more).
 
 use k8s_openapi::api::{
     authentication::v1::{TokenReview, TokenReviewSpec},
