@@ -1165,9 +1165,13 @@ spec:
 
     // Planned failover: east's final cycle reads a snapshot taken after the demote was
     // asked for, so west is promoted without force and holds east's last writes.
+    // (Cycles again: a new lastSyncTime, not `Replicating` True, which a cycle here (a
+    // reader pod started each time, 15-20 s) outlasts: 3 intervals of 2 s make it late.)
+    let failed_at = east.vr()["status"]["lastSyncTime"].clone();
     reclass("");
     east.wait_vr("cycles again without the hook", |s| {
-        s.condition("Replicating").0 == "True"
+        let t = &s.vr()["status"]["lastSyncTime"];
+        t.is_string() && *t != failed_at
     });
     exec(
         "dd if=/dev/urandom of=/dev/vol bs=4096 count=40 seek=5120 conv=notrunc,fsync 2>/dev/null",
