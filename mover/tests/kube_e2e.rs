@@ -555,9 +555,8 @@ spec:
         "only volumes of mover's CSI driver",
     );
     // A StatefulSet: its replicas, not its pods' image.
-    as_controller(
-        &c,
-        &[
+    let patch_db = |patch: &str, says: &str| {
+        let args = [
             "patch",
             "statefulset",
             "-n",
@@ -565,26 +564,15 @@ spec:
             "db",
             "--type=merge",
             "-p",
-            r#"{"spec":{"template":{"spec":{"containers":[{"name":"db","image":"evil"}]}}}}"#,
-        ],
-        None,
+            patch,
+        ];
+        as_controller(&c, &args, None, says);
+    };
+    patch_db(
+        r#"{"spec":{"template":{"spec":{"containers":[{"name":"db","image":"evil"}]}}}}"#,
         "the controller changes only spec.replicas",
     );
-    as_controller(
-        &c,
-        &[
-            "patch",
-            "statefulset",
-            "-n",
-            "app",
-            "db",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"replicas":1}}"#,
-        ],
-        None,
-        "statefulset.apps/db patched",
-    );
+    patch_db(r#"{"spec":{"replicas":1}}"#, "statefulset.apps/db patched");
     // In mover-system: no Job as another ServiceAccount (the agents' is privileged), no
     // token Secret of another identity, no other ConfigMap.
     as_controller(

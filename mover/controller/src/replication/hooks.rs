@@ -97,7 +97,8 @@ pub async fn run(
 
 /// What to do about a refusal by RBAC: the hooks' rights are an overlay of their own.
 /// (A refusal by that overlay's admission policy, for a namespace not opted in, says
-/// itself what to do.)
+/// itself what to do. A refused exec upgrade arrives here too: kube-rs reads the API
+/// server's Status of a 4xx before it checks the upgrade.)
 fn rbac_hint(e: &kube::Error) -> &'static str {
     match e {
         kube::Error::Api(s) if s.code == 403 && !s.message.contains("AdmissionPolicy") => {
@@ -105,21 +106,6 @@ fn rbac_hint(e: &kube::Error) -> &'static str {
              pods list and pods/exec)"
         }
         _ => "",
-    }
-}
-
-/// What to do about an exec refused before it began: the API server's answer to the
-/// upgrade is a status alone (its reason is in the API server's log), and it is RBAC's
-/// or the hooks overlay's admission policy's.
-fn exec_hint(e: &kube::Error, namespace: &str) -> String {
-    use kube::client::UpgradeConnectionError::ProtocolSwitch;
-    match e {
-        kube::Error::UpgradeConnection(ProtocolSwitch(code)) if code.as_u16() == 403 => format!(
-            " (refused: the controller execs only where deploy/overlays/snapshot-hooks is \
-             applied and the namespace is opted in: kubectl label namespace {namespace} \
-             replication.mover/hooks=allowed)"
-        ),
-        e => rbac_hint(e).to_string(),
     }
 }
 
@@ -135,7 +121,7 @@ async fn exec(pods: &Api<Pod>, name: &str, hook: &Hook) -> Result<(), String> {
     let mut attached = pods
         .exec(name, hook.command.clone(), &params)
         .await
-        .map_err(|e| format!("{e}{}", exec_hint(&e, pods.namespace().unwrap_or_default())))?;
+        .map_err(|e| format!("{e}{}", rbac_hint(&e)))?;
     // Both at once: one left unread could fill and stall the other.
     async fn all(stream: Option<impl tokio::io::AsyncRead + Unpin>) -> String {
         let mut text = String::new();
