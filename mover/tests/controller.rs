@@ -278,6 +278,7 @@ impl Agents for FakeAgents {
         path: &str,
         block: bool,
         _relationship: &str,
+        _peer_credential: Option<&str>,
     ) -> Result<(), AgentError> {
         if let Some(message) = &self.refuse_export {
             return Err(AgentError {
@@ -1441,7 +1442,7 @@ async fn end_to_end_a_volume_replication_replicates_fails_over_and_back_by_delta
     assert!(e.message.contains("relationship \"app/pg\""), "{e}");
     let e = main
         .agents
-        .export(&agent_a, "pv-2", "/etc", false, "app/pg2")
+        .export(&agent_a, "pv-2", "/etc", false, "app/pg2", None)
         .await
         .unwrap_err();
     assert_eq!(e.code, tonic::Code::PermissionDenied, "{e}");
@@ -1965,7 +1966,7 @@ async fn a_class_secret_token_is_what_the_primary_presents_to_the_peer_agent() {
     make_image(&other, MIB, 6, &[(0, MIB)]);
     let other_path = other.to_str().unwrap();
     agents
-        .export(&agent_a, "pv-2", other_path, true, "no-secret")
+        .export(&agent_a, "pv-2", other_path, true, "no-secret", None)
         .await
         .unwrap();
     let e = agents

@@ -1413,6 +1413,7 @@ fn refusals_of_the_default_install(a: &Site, b: &Site) {
             "/etc",
             false,
             "app/data",
+            None,
         ))
         .unwrap_err();
     assert_eq!(e.code, tonic::Code::PermissionDenied, "{e}");

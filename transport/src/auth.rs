@@ -37,8 +37,22 @@ impl Role {
     }
 }
 
-/// [`Caller::who`] of a peer cluster's replication token.
-pub const REPLICATION_TOKEN: &str = "a replication token";
+/// [`Caller::who`] of an unnamed line of the replication token file.
+pub const REPLICATION_TOKEN: &str = "a cluster-wide replication token";
+
+/// What a caller proved itself with: which relationships it may act on follows from it
+/// ([`check_binding`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Credential {
+    /// The control token, the controller's certificate or an operator's.
+    Control,
+    /// The certificate of this cluster's agent on the node named.
+    Agent(String),
+    /// A named line of the replication token file: one peer cluster's credential.
+    Peer(String),
+    /// An unnamed line of the replication token file (any peer's, as before names).
+    Unnamed,
+}
 
 /// The authenticated caller of one request (in its extensions once admitted).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,6 +61,71 @@ pub struct Caller {
     pub role: Role,
     /// How it proved itself ("the control token", "certificate of agent node-2").
     pub who: String,
+    /// The credential, for the relationships bound to one.
+    pub credential: Credential,
+}
+
+/// What a caller does to a relationship, for [`check_binding`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    /// Reads its volume (a peer's pull, a fill, a hold).
+    Read,
+    /// Writes a cycle into it, or raises its epoch.
+    Write,
+    /// Asks for its status or describes its export.
+    Status,
+}
+
+/// Whether `caller` may `act` on `relationship`, which is bound to the peer credential
+/// `binding` (`None`: to none). The control role may do anything. A peer's named token
+/// acts only on the relationships bound to it; an unnamed one only on unbound ones;
+/// this cluster's agents act on unbound and [`LOCAL_CREDENTIAL`]-bound ones, and only
+/// read a peer-bound replica (fills and holds). The refusal names the rule.
+///
+/// [`LOCAL_CREDENTIAL`]: crate::cluster::LOCAL_CREDENTIAL
+pub fn check_binding(
+    caller: &Caller,
+    relationship: &str,
+    binding: Option<&str>,
+    act: Act,
+) -> Result<(), String> {
+    use crate::cluster::LOCAL_CREDENTIAL;
+    let verb = match act {
+        Act::Read => "read",
+        Act::Write => "write into",
+        Act::Status => "see",
+    };
+    let bound = |b: &str| {
+        if b == LOCAL_CREDENTIAL {
+            "this cluster's own agents".to_string()
+        } else {
+            format!("peer credential {b:?}")
+        }
+    };
+    let refused = |rule: &str| {
+        Err(format!(
+            "{} may not {verb} relationship {relationship:?}: it is bound to {}; {rule}",
+            caller.who,
+            binding.map_or("no peer credential".into(), bound),
+        ))
+    };
+    match (&caller.credential, binding) {
+        (Credential::Control, _) => Ok(()),
+        (Credential::Peer(n), Some(b)) if n == b => Ok(()),
+        (Credential::Peer(_), _) => refused(
+            "a peer's token acts only on the relationships bound to it (the class secret's              peer-credential, or `mover replicate update --peer-credential`)",
+        ),
+        (Credential::Unnamed, None) => Ok(()),
+        (Credential::Unnamed, Some(_)) => refused(
+            "give the peer its own token: a named line NAME TOKEN of replication_token_file",
+        ),
+        (Credential::Agent(_), None) => Ok(()),
+        (Credential::Agent(_), Some(b)) if b == LOCAL_CREDENTIAL => Ok(()),
+        (Credential::Agent(_), Some(_)) if act == Act::Read => Ok(()),
+        (Credential::Agent(_), Some(_)) => refused(
+            "this cluster's agents only read a replica bound to a peer cluster (fills, holds)",
+        ),
+    }
 }
 
 /// The credentials an agent accepts.
@@ -55,8 +134,8 @@ pub struct Credentials {
     /// Bearer token of the control role (`token_file`).
     pub control_token: Option<String>,
     /// Bearer tokens of the replication role (`replication_token_file`: what peer
-    /// clusters present).
-    pub replication_tokens: Vec<String>,
+    /// clusters present), each with its peer credential's name if it has one.
+    pub replication_tokens: Vec<crate::cluster::ReplicationToken>,
     /// The TLS layer checks client certificates against the agent's CA: a certificate
     /// that got through proves its role.
     pub client_certificates: bool,
@@ -95,17 +174,26 @@ impl Authorize {
         if let Some(given) = given {
             let c = &self.credentials;
             // Constant time, so a token cannot be guessed byte by byte from timings.
-            let matches = |t: &String| bool::from(given.ct_eq(t.as_bytes()));
-            if c.control_token.as_ref().is_some_and(matches) {
+            let matches = |t: &str| bool::from(given.ct_eq(t.as_bytes()));
+            if c.control_token.as_deref().is_some_and(matches) {
                 return Ok(Caller {
                     role: Role::Control,
                     who: "the control token".into(),
+                    credential: Credential::Control,
                 });
             }
-            if c.replication_tokens.iter().any(matches) {
-                return Ok(Caller {
-                    role: Role::Replication,
-                    who: REPLICATION_TOKEN.into(),
+            if let Some(t) = c.replication_tokens.iter().find(|t| matches(&t.token)) {
+                return Ok(match &t.name {
+                    Some(name) => Caller {
+                        role: Role::Replication,
+                        who: format!("the token of peer credential {name:?}"),
+                        credential: Credential::Peer(name.clone()),
+                    },
+                    None => Caller {
+                        role: Role::Replication,
+                        who: REPLICATION_TOKEN.into(),
+                        credential: Credential::Unnamed,
+                    },
                 });
             }
             return Err(Status::unauthenticated(
@@ -143,6 +231,7 @@ pub fn certificate_caller(der: &[u8]) -> Caller {
         return Caller {
             role: Role::Replication,
             who: "an unreadable certificate".into(),
+            credential: Credential::Agent(String::new()),
         };
     };
     let uris = facts.uris;
@@ -150,17 +239,20 @@ pub fn certificate_caller(der: &[u8]) -> Caller {
         return Caller {
             role: Role::Control,
             who: "the controller's certificate".into(),
+            credential: Credential::Control,
         };
     }
     if let Some(node) = uris.iter().find_map(|u| u.strip_prefix(AGENT_URI_PREFIX)) {
         return Caller {
             role: Role::Replication,
             who: format!("the certificate of agent {node}"),
+            credential: Credential::Agent(node.into()),
         };
     }
     Caller {
         role: Role::Control,
         who: OPERATOR_CERTIFICATE.into(),
+        credential: Credential::Control,
     }
 }
 
@@ -222,7 +314,16 @@ mod tests {
     fn credentials() -> std::sync::Arc<Credentials> {
         std::sync::Arc::new(Credentials {
             control_token: Some("s3cret".into()),
-            replication_tokens: vec!["peer".into()],
+            replication_tokens: vec![
+                crate::cluster::ReplicationToken {
+                    name: None,
+                    token: "peer".into(),
+                },
+                crate::cluster::ReplicationToken {
+                    name: Some("dr".into()),
+                    token: "dr-token".into(),
+                },
+            ],
             client_certificates: false,
         })
     }
@@ -241,6 +342,7 @@ mod tests {
         assert_eq!(with(&mut control, Some("s3cret")), Ok(Role::Control));
         assert_eq!(with(&mut data, Some("s3cret")), Ok(Role::Control));
         assert_eq!(with(&mut data, Some("peer")), Ok(Role::Replication));
+        assert_eq!(with(&mut data, Some("dr-token")), Ok(Role::Replication));
         let (code, message) = with(&mut control, Some("peer")).unwrap_err();
         assert_eq!(code, tonic::Code::PermissionDenied);
         assert!(message.contains("may not use the control API"), "{message}");
@@ -277,5 +379,50 @@ mod tests {
             Role::Control
         );
         assert_eq!(certificate_caller(&cert(None)).role, Role::Control);
+    }
+
+    #[test]
+    fn a_relationship_bound_to_a_peer_is_that_peers_alone() {
+        let caller = |credential: Credential| Caller {
+            role: Role::Replication,
+            who: format!("{credential:?}"),
+            credential,
+        };
+        let (dr, eu) = (
+            caller(Credential::Peer("dr".into())),
+            caller(Credential::Peer("eu".into())),
+        );
+        let (unnamed, agent) = (
+            caller(Credential::Unnamed),
+            caller(Credential::Agent("n2".into())),
+        );
+        let control = Caller {
+            role: Role::Control,
+            who: "c".into(),
+            credential: Credential::Control,
+        };
+        let check = |c: &Caller, b: Option<&str>, act| check_binding(c, "app/pg", b, act);
+        for act in [Act::Read, Act::Write, Act::Status] {
+            assert_eq!(check(&dr, Some("dr"), act), Ok(()));
+            assert_eq!(check(&control, Some("dr"), act), Ok(()));
+            assert_eq!(check(&unnamed, None, act), Ok(()));
+            assert_eq!(check(&agent, None, act), Ok(()));
+            assert_eq!(check(&agent, Some("local"), act), Ok(()));
+            let refused = check(&eu, Some("dr"), act).unwrap_err();
+            assert!(
+                refused.contains("bound to peer credential \"dr\""),
+                "{refused}"
+            );
+            assert!(check(&eu, None, act).is_err());
+            assert!(check(&dr, Some("local"), act).is_err());
+            let refused = check(&unnamed, Some("dr"), act).unwrap_err();
+            assert!(refused.contains("give the peer its own token"), "{refused}");
+        }
+        assert_eq!(check(&agent, Some("dr"), Act::Read), Ok(()));
+        let refused = check(&agent, Some("dr"), Act::Write).unwrap_err();
+        assert!(
+            refused.contains("may not write into relationship \"app/pg\""),
+            "{refused}"
+        );
     }
 }

@@ -116,6 +116,7 @@ pub trait Agents: Send + Sync {
         path: &str,
         block: bool,
         relationship: &str,
+        peer_credential: Option<&str>,
     ) -> Result<(), AgentError>;
     /// Makes `agent` stop serving the export `volume` it was given by [`Agents::export`].
     async fn unexport(&self, agent: &str, volume: &str) -> Result<(), AgentError>;
@@ -483,12 +484,14 @@ impl Agents for GrpcAgents {
         path: &str,
         block: bool,
         relationship: &str,
+        peer_credential: Option<&str>,
     ) -> Result<(), AgentError> {
         let req = control::ExportRequest {
             name: volume.into(),
             path: path.into(),
             block,
             relationship: relationship.into(),
+            peer_credential: peer_credential.unwrap_or_default().into(),
         };
         let exported = self
             .call(agent, "export", volume, |mut c: ControlClient| async move {

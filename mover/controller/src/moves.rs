@@ -744,7 +744,7 @@ impl Step<'_> {
         match self
             .ctx
             .agents
-            .export(&agent, &pv, &placement.path, placement.block, &reader)
+            .export(&agent, &pv, &placement.path, placement.block, &reader, None)
             .await
         {
             Ok(()) => {}

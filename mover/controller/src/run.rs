@@ -764,7 +764,7 @@ async fn serve_locator(
 ) -> Result<(), RunError> {
     use transport::auth::{Authorize, Credentials, Role};
     let credentials = Arc::new(Credentials {
-        replication_tokens: transport::cluster::read_tokens(token_file)
+        replication_tokens: transport::cluster::read_replication_tokens(token_file)
             .map_err(RunError::Tokens)?,
         ..Default::default()
     });

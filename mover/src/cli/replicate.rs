@@ -107,6 +107,12 @@ pub enum ReplicateCommand {
         /// and says so; crash-inconsistent: it is read live and shipped, labelled so.
         #[arg(long, value_enum, default_value_t = Consistency::CrashInconsistent)]
         consistency: Consistency,
+        /// The peer credential that alone may act on this relationship here: a NAME of
+        /// this agent's replication_token_file (`NAME TOKEN` lines), or `local` (this
+        /// cluster's agents). Bind the secondary's side too (`mover replicate update`
+        /// there, or its export's `peer_credential`) [default: any replication token].
+        #[arg(long, value_name = "NAME")]
+        peer_credential: Option<String>,
         #[command(flatten)]
         agent: AgentArg,
     },
@@ -152,6 +158,15 @@ pub enum ReplicateCommand {
         /// The least consistency a cycle must have to be shipped (as for create).
         #[arg(long, value_enum)]
         consistency: Option<Consistency>,
+        /// Bind the relationship on this side to a peer credential (as for create; ""
+        /// unbinds it): that credential's token alone then acts on it here.
+        #[arg(long, value_name = "NAME")]
+        peer_credential: Option<String>,
+        /// Admit the peer's fencing epoch N, more than one above the highest seen here
+        /// (the peer was promoted more than once while this side was away; a peer raises
+        /// the epoch by one at most otherwise). Not on an active primary.
+        #[arg(long, value_name = "N")]
+        accept_epoch: Option<u64>,
         #[command(flatten)]
         agent: AgentArg,
     },
@@ -269,6 +284,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
             chunk_size,
             freeze,
             consistency,
+            peer_credential,
             agent,
         } => {
             let (mut c, url) = agent.client().await?;
@@ -281,6 +297,7 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                 chunk_size: chunk_size.map_or(0, |c| c.get()),
                 freeze: freeze.map(|p| p.display().to_string()).unwrap_or_default(),
                 require_point_in_time: consistency == Consistency::PointInTime,
+                peer_credential: peer_credential.unwrap_or_default(),
                 // The agent's own peer token (the controller sets one per class).
                 ..Default::default()
             };
@@ -357,6 +374,8 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
             freeze,
             no_freeze,
             consistency,
+            peer_credential,
+            accept_epoch,
             agent,
         } => {
             status_call(&agent, |mut c| async move {
@@ -371,6 +390,8 @@ async fn run_async(cmd: ReplicateCommand) -> anyhow::Result<()> {
                         (None, false) => None,
                     },
                     require_point_in_time: consistency.map(|c| c == Consistency::PointInTime),
+                    peer_credential,
+                    accept_epoch,
                     ..Default::default()
                 })
                 .await

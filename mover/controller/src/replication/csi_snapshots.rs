@@ -336,7 +336,14 @@ async fn run_step(
     };
     let devices = format!("{KUBELET_VOLUME_DEVICES}/{clone_pv}/dev");
     ctx.agents
-        .export(&d.agent, &clone_pv, &devices, true, &d.name)
+        .export(
+            &d.agent,
+            &clone_pv,
+            &devices,
+            true,
+            &d.name,
+            d.peer_credential.as_deref(),
+        )
         .await
         .map_err(|e| e.to_string())?;
     // Changed blocks since the base, from the driver; any failure: compare everything.

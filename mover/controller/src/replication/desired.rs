@@ -583,6 +583,10 @@ pub struct Desired {
     pub peer_token: Option<(String, String)>,
     /// The peer cluster's CA (PEM), from the same secret (`ca.crt`).
     pub peer_ca: Option<String>,
+    /// The peer credential (a name of the agents' `replication_token_file`) that alone
+    /// may act on the relationship on this side, from the same secret
+    /// (`peer-credential`; `None`: bound to none).
+    pub peer_credential: Option<String>,
     /// Where each cycle's CSI VolumeSnapshot is taken from (the class names a
     /// VolumeSnapshotClass).
     pub snapshots: Option<Source>,
@@ -755,6 +759,7 @@ pub fn desired(vr: &VolumeReplication, input: &Inputs<'_>) -> Result<Desired, In
         auto_resync: vr.spec.auto_resync,
         peer_token: None,
         peer_ca: None,
+        peer_credential: None,
         snapshots,
     })
 }
@@ -924,6 +929,7 @@ pub(crate) mod tests {
                 auto_resync: false,
                 peer_token: None,
                 peer_ca: None,
+                peer_credential: None,
                 snapshots: None,
             }
         );

@@ -331,13 +331,22 @@ async fn decide_by_state(
                     (String::from_utf8_lossy(t).trim().to_string(), version),
                     data.get("ca.crt")
                         .map(|c| String::from_utf8_lossy(c).into_owned()),
+                    data.get("peer-credential")
+                        .map(|c| String::from_utf8_lossy(c).trim().to_string()),
                 )),
                 None => Err(format!("secret {ns}/{name} has no {wanted}")),
+            })
+            .and_then(|(t, ca, bound)| match bound {
+                Some(b) => transport::cluster::check_credential_name(&b)
+                    .map(|()| (t, ca, Some(b)))
+                    .map_err(|e| format!("secret {ns}/{name}, key peer-credential: {e}")),
+                None => Ok((t, ca, None)),
             });
         match token {
-            Ok((t, ca)) => {
+            Ok((t, ca, bound)) => {
                 d.peer_token = Some(t);
                 d.peer_ca = ca;
+                d.peer_credential = bound;
             }
             Err(detail) => {
                 let what = "failed to get replication secret";
@@ -349,7 +358,14 @@ async fn decide_by_state(
     // The agent serves the volume from where the kubelet put it (both sides: the
     // secondary's agent must take cycles into it before the first arrives).
     match agents
-        .export(&d.agent, &d.volume, &d.path, d.block, &d.name)
+        .export(
+            &d.agent,
+            &d.volume,
+            &d.path,
+            d.block,
+            &d.name,
+            d.peer_credential.as_deref(),
+        )
         .await
     {
         Ok(()) => {}
@@ -690,6 +706,7 @@ fn spec_of(d: &Desired) -> control::Spec {
         peer_ca: d.peer_ca.clone().unwrap_or_default(),
         require_point_in_time: d.params.require_point_in_time,
         snapshots: d.snapshots.is_some(),
+        peer_credential: d.peer_credential.clone().unwrap_or_default(),
     }
 }
 
@@ -717,7 +734,9 @@ async fn update_if_changed(
             want.snapshots,
         );
     let token = d.peer_token.is_some() && have.peer_token_version != want.peer_token_version;
-    if !schedule && !token {
+    // Bound from the class secret, which may bind it later or to another credential.
+    let bind = d.params.secret.is_some() && have.peer_credential != want.peer_credential;
+    if !schedule && !token && !bind {
         return Ok(s);
     }
     agents
@@ -735,6 +754,8 @@ async fn update_if_changed(
                 peer_ca: token.then_some(want.peer_ca),
                 require_point_in_time: primary.then_some(want.require_point_in_time),
                 snapshots: primary.then_some(want.snapshots),
+                peer_credential: bind.then_some(want.peer_credential),
+                accept_epoch: None,
             },
         )
         .await

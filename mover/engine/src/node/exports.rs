@@ -24,6 +24,11 @@ pub struct Export {
     /// Peers reach it for other relationships as before.
     #[serde(default)]
     pub namespaces: Vec<String>,
+    /// The peer credential (a name of `replication_token_file`'s `NAME TOKEN` lines)
+    /// that alone may act on the relationships replicating into it [default: none, any
+    /// replication credential].
+    #[serde(default)]
+    pub peer_credential: Option<String>,
 }
 
 /// A volume registered through the control API.
@@ -36,6 +41,10 @@ struct Registered {
     /// The relationship it is served for ("": none).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     relationship: String,
+    /// The peer credential that may act on that relationship, until its first cycle
+    /// makes its record (`None`: any).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    peer_credential: Option<String>,
 }
 
 /// Why a volume is not served, or cannot be registered.
@@ -183,6 +192,7 @@ impl Exports {
         path: &Path,
         block: bool,
         relationship: &str,
+        peer_credential: Option<&str>,
     ) -> Result<bool, ExportError> {
         let refused = |why: String| ExportError::Refused {
             name: name.into(),
@@ -241,6 +251,7 @@ impl Exports {
             path: path.into(),
             block,
             relationship: relationship.into(),
+            peer_credential: peer_credential.map(String::from),
         };
         let mut registered = self.inner.registered.write().expect("exports lock");
         if let Some((other, _)) = registered
@@ -270,6 +281,18 @@ impl Exports {
     /// agent.toml; `Some("")`: for none).
     pub fn registered_for(&self, name: &str) -> Option<String> {
         self.registered().get(name).map(|r| r.relationship.clone())
+    }
+
+    /// The peer credential that may act on `relationship` in export `name`, by its
+    /// registration for that relationship or agent.toml (`None`: any).
+    pub fn peer_credential_for(&self, name: &str, relationship: &str) -> Option<String> {
+        if let Some(e) = self.inner.configured.get(name) {
+            return e.peer_credential.clone();
+        }
+        self.registered()
+            .get(name)
+            .filter(|r| r.relationship == relationship)
+            .and_then(|r| r.peer_credential.clone())
     }
 
     /// Whether a peer may open `name` for `relationship`: an export agent.toml names is
@@ -382,6 +405,7 @@ fn resolve(name: &str, r: &Registered) -> Result<Export, ExportError> {
         path,
         read_only: false,
         namespaces: Vec::new(),
+        peer_credential: None,
     })
 }
 
@@ -404,12 +428,19 @@ mod tests {
                 path: "/srv/golden.img".into(),
                 read_only: true,
                 namespaces: vec!["app".into()],
+                peer_credential: None,
             },
         )]);
         let state = tempfile::tempdir().unwrap();
         let exports = Exports::open(configured, vec!["/srv".into()], state.path()).unwrap();
         exports
-            .register("pv-2", Path::new("/srv/pv-2"), false, "hydrate:app/db")
+            .register(
+                "pv-2",
+                Path::new("/srv/pv-2"),
+                false,
+                "hydrate:app/db",
+                None,
+            )
             .unwrap();
         let check = |name, relationship| exports.check_served_for(name, relationship);
         assert_eq!(check("golden", "hydrate:app/copy"), Ok(()));
@@ -445,6 +476,7 @@ mod tests {
                 path: "/srv/golden.img".into(),
                 read_only: true,
                 namespaces: Vec::new(),
+                peer_credential: None,
             },
         )]);
         let open = || Exports::open(configured.clone(), vec![root.clone()], state.path()).unwrap();
@@ -457,7 +489,7 @@ mod tests {
             ("golden", root.join("pv-1")),
             ("a/b", root.join("pv-1")),
         ] {
-            let e = exports.register(name, &path, false, "").unwrap_err();
+            let e = exports.register(name, &path, false, "", None).unwrap_err();
             assert!(
                 matches!(e, ExportError::Refused { .. }),
                 "{name} {path:?}: {e}"
@@ -466,7 +498,7 @@ mod tests {
         // The configured export is confirmed, not registered.
         assert!(
             !exports
-                .register("golden", Path::new("/srv/golden.img"), false, "")
+                .register("golden", Path::new("/srv/golden.img"), false, "", None)
                 .unwrap()
         );
         // A second name for a volume already served (a writable alias of a read-only
@@ -480,18 +512,19 @@ mod tests {
                 path: image.clone(),
                 read_only: true,
                 namespaces: Vec::new(),
+                peer_credential: None,
             },
         );
         let other_state = tempfile::tempdir().unwrap();
         let aliased = Exports::open(with_ro, vec![root.clone()], other_state.path()).unwrap();
         let e = aliased
-            .register("alias", &image, false, "")
+            .register("alias", &image, false, "", None)
             .unwrap_err()
             .to_string();
         assert!(e.contains("has one name"), "{e}");
-        assert!(exports.register("pv-9", &image, false, "").unwrap());
+        assert!(exports.register("pv-9", &image, false, "", None).unwrap());
         let e = exports
-            .register("pv-9b", &image, false, "")
+            .register("pv-9b", &image, false, "", None)
             .unwrap_err()
             .to_string();
         assert!(e.contains("registered as \"pv-9\""), "{e}");
@@ -499,7 +532,7 @@ mod tests {
 
         // A block volume's device directory: no device yet, then the first entry.
         let dir = root.join("pv-1/dev");
-        assert!(exports.register("pv-1", &dir, true, "").unwrap());
+        assert!(exports.register("pv-1", &dir, true, "", None).unwrap());
         assert!(matches!(
             exports.get("pv-1"),
             Err(ExportError::NoDevice { .. })
@@ -522,7 +555,7 @@ mod tests {
         // Roots narrowed since: what lies outside them is not served any more.
         assert!(
             again
-                .register("pv-2", &root.join("pv-1"), false, "r/2")
+                .register("pv-2", &root.join("pv-1"), false, "r/2", None)
                 .unwrap()
         );
         // Served to the relationship it was registered for only; a configured one to any.
@@ -544,7 +577,7 @@ mod tests {
         // No roots: registering says how to allow it.
         let none = Exports::fixed(configured.clone());
         let e = none
-            .register("pv-1", &dir, true, "")
+            .register("pv-1", &dir, true, "", None)
             .unwrap_err()
             .to_string();
         assert!(e.contains("volume_roots"), "{e}");

@@ -47,6 +47,7 @@ pub fn is_tree(url: &AgentUrl, remote: &RemoteOptions) -> Result<bool, CopyError
         let described = client
             .describe(proto::DescribeRequest {
                 volume: url.volume.clone(),
+                relationship: String::new(),
             })
             .await
             .map_err(|s| status_error(url, s))?;

@@ -179,17 +179,20 @@ pub enum ConfigError {
     },
 }
 
-/// The bearer tokens in `path` (`transport::cluster::read_tokens`), its errors said as
-/// the agent's configuration's.
-fn read_tokens(path: &std::path::Path) -> Result<Vec<String>, ConfigError> {
+/// A token file's error said as the agent's configuration's.
+fn token_file_error(e: transport::cluster::TokenFileError) -> ConfigError {
     use transport::cluster::TokenFileError;
-    transport::cluster::read_tokens(path).map_err(|e| match e {
+    match e {
         TokenFileError::Read { path, cause } => ConfigError::Read { path, cause },
         TokenFileError::Empty { path } => ConfigError::Invalid {
             path,
             why: "the token file is empty".into(),
         },
-    })
+        TokenFileError::Invalid { path, line, why } => ConfigError::Invalid {
+            path,
+            why: format!("line {line}: {why}"),
+        },
+    }
 }
 
 impl AgentConfig {
@@ -290,11 +293,16 @@ impl AgentConfig {
             .filter(|n| !n.is_empty())
     }
 
-    /// The replication role's tokens, from `replication_token_file`.
-    pub fn replication_tokens(&self) -> Result<Vec<String>, ConfigError> {
+    /// The replication role's tokens, from `replication_token_file` (`TOKEN` or `NAME
+    /// TOKEN` lines: see `transport::cluster::read_replication_tokens`).
+    pub fn replication_tokens(
+        &self,
+    ) -> Result<Vec<transport::cluster::ReplicationToken>, ConfigError> {
         self.replication_token_file
             .as_deref()
-            .map_or(Ok(Vec::new()), read_tokens)
+            .map_or(Ok(Vec::new()), |p| {
+                transport::cluster::read_replication_tokens(p).map_err(token_file_error)
+            })
     }
 
     /// Where the CSI plugin creates volumes.

@@ -13,6 +13,7 @@ use chunker::{BlockVolume, ChunkSize};
 use mover_engine::remote::{AgentUrl, RemoteOptions};
 use std::{path::Path, sync::Arc};
 use tonic::{Request, Response, Status};
+use transport::auth::{Act, check_binding};
 use transport::control::{self, replication_server::Replication};
 
 /// Thaws what `held` froze and removes its record; an error if the watchdog had
@@ -56,6 +57,18 @@ pub(super) struct Freeze {
 }
 
 /// The directory of the records of file systems frozen by Freeze.
+/// The peer credential a control call binds a relationship to (`""`: none): a name of
+/// `replication_token_file`, or `local`.
+fn peer_credential(name: &str) -> Result<Option<String>, ServiceError> {
+    if name.is_empty() {
+        return Ok(None);
+    }
+    if name != transport::cluster::LOCAL_CREDENTIAL {
+        transport::cluster::check_credential_name(name).map_err(ServiceError::InvalidArgument)?;
+    }
+    Ok(Some(name.into()))
+}
+
 fn frozen_dir(state_dir: &Path) -> std::path::PathBuf {
     state_dir.join("frozen")
 }
@@ -326,6 +339,7 @@ impl Control {
         let d = client
             .describe(transport::proto::DescribeRequest {
                 volume: peer.volume.clone(),
+                relationship: spec.name.clone(),
             })
             .await
             .map_err(|s| {
@@ -359,7 +373,25 @@ impl Control {
             peer_token,
             require_point_in_time: spec.require_point_in_time,
             snapshots: spec.snapshots,
+            peer_credential: peer_credential(&spec.peer_credential)?,
         })
+    }
+
+    /// Raises the highest epoch this side admits for `r` to `epoch`, as an operator does
+    /// after the peer was promoted more than once while this side was away (a peer
+    /// raises it by one at most). An active primary's epoch rises by its promotes alone.
+    fn accept_epoch(&self, r: &Record, epoch: u64) -> Result<(), ServiceError> {
+        if r.role == Role::Primary && r.halt.is_none() {
+            return Err(ServiceError::FailedPrecondition(format!(
+                "this side is the active primary of {:?}: its epoch rises when it is \
+                 promoted, not by --accept-epoch",
+                r.spec.name
+            )));
+        }
+        self.service
+            .check_epoch(&r.spec.name, epoch, None, super::fencing::Raise::Any)?;
+        tracing::info!(relationship = %r.spec.name, epoch, "epoch accepted by the control role");
+        Ok(())
     }
 
     /// Where the chunk ids of `name`'s last cycle from a snapshot are kept.
@@ -416,7 +448,8 @@ impl Replication for Control {
             }
             // A relationship re-created under an old name continues its epochs.
             let epoch = self.service.epochs.highest(&spec.name).max(1);
-            self.service.check_epoch(&spec.name, epoch)?;
+            self.service
+                .check_epoch(&spec.name, epoch, None, super::fencing::Raise::Any)?;
             let this_side = self.side_url(&address, &spec.volume);
             let record = Record::primary(spec, epoch, this_side);
             let name = record.spec.name.clone();
@@ -432,7 +465,18 @@ impl Replication for Control {
         &self,
         req: Request<control::NameRequest>,
     ) -> Result<Response<control::Status>, Status> {
-        answer(async { self.reply(&req.into_inner().name) }).await
+        let caller = req.extensions().get::<transport::auth::Caller>().cloned();
+        answer(async {
+            let name = req.into_inner().name;
+            // A peer sees only the relationships bound to it (the control role: all).
+            if let (Some(c), Some(r)) = (&caller, self.service.store.get(&name)) {
+                let bound = r.spec.peer_credential.as_deref();
+                check_binding(c, &name, bound, Act::Status)
+                    .map_err(|e| self.service.refuse(ServiceError::PermissionDenied(e)))?;
+            }
+            self.reply(&name)
+        })
+        .await
     }
 
     async fn list(
@@ -468,6 +512,14 @@ impl Replication for Control {
                 mover_engine::node::freeze::check_freeze(Path::new(m), &export.path)
                     .map_err(ServiceError::InvalidArgument)?;
             }
+            let bind = u
+                .peer_credential
+                .as_deref()
+                .map(peer_credential)
+                .transpose()?;
+            if let Some(n) = u.accept_epoch {
+                self.accept_epoch(&r, n)?;
+            }
             if u.interval_ms.is_some_and(|i| i < MIN_INTERVAL_MS) {
                 return Err(ServiceError::InvalidArgument(
                     "interval too short: cycles run at most once a second".into(),
@@ -493,6 +545,9 @@ impl Replication for Control {
                     }
                     if let Some(s) = u.snapshots {
                         r.spec.snapshots = s;
+                    }
+                    if let Some(b) = &bind {
+                        r.spec.peer_credential = b.clone();
                     }
                     if let Some(t) = &u.peer_token {
                         r.spec.peer_token = (!t.is_empty()).then(|| replicate::store::PeerToken {
@@ -619,7 +674,8 @@ impl Replication for Control {
                         p.name
                     ))
                 })?;
-            self.service.check_epoch(&p.name, epoch)?;
+            self.service
+                .check_epoch(&p.name, epoch, None, super::fencing::Raise::Any)?;
             let common = applied.as_ref().map_or(0, |a| a.id);
             self.service
                 .store
@@ -1005,8 +1061,9 @@ impl Replication for Control {
                 )));
             }
             let before = exports.registered_path(&q.name);
+            let bound = peer_credential(&q.peer_credential)?;
             let registered = exports
-                .register(&q.name, &path, q.block, &q.relationship)
+                .register(&q.name, &path, q.block, &q.relationship, bound.as_deref())
                 .map_err(|e| match e {
                     crate::agent::ExportError::Save { .. } => internal(e),
                     _ => ServiceError::PermissionDenied(e.to_string()),

@@ -107,6 +107,7 @@ impl Health {
             let _ = client
                 .describe(transport::proto::DescribeRequest {
                     volume: String::new(),
+                    relationship: String::new(),
                 })
                 .await;
             Ok::<(), String>(())

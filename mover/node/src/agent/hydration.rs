@@ -129,7 +129,7 @@ impl HydrationControl {
         })?;
         let path = super::csi::volume_file(dir, export);
         self.exports
-            .register(export, &path, false, "")
+            .register(export, &path, false, "", None)
             .map_err(|e| ServiceError::FailedPrecondition(e.to_string()))?;
         Ok(())
     }

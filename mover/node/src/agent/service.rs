@@ -4,7 +4,7 @@
 
 use super::{
     Export,
-    fencing::{EpochStore, StaleEpochOrIo},
+    fencing::{EpochStore, Raise, StaleEpochOrIo},
     metrics::Metrics,
     session::Job,
     session::Session,
@@ -23,6 +23,7 @@ use std::{
         atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
     },
 };
+use transport::auth::{Act, Credential, check_binding};
 use transport::proto;
 
 /// An agent's Transfer service.
@@ -193,6 +194,20 @@ impl AgentService {
                 caller.map_or("the caller", |c| c.who.as_str())
             ))));
         }
+        if let Some(c) = caller {
+            let act = if write.is_some() {
+                Act::Write
+            } else {
+                Act::Read
+            };
+            check_binding(
+                c,
+                relationship,
+                self.binding(relationship, name).as_deref(),
+                act,
+            )
+            .map_err(|e| self.refuse(ServiceError::PermissionDenied(e)))?;
+        }
         let registered_for_none = self.exports.registered_for(name).as_deref() == Some("");
         let held = self
             .store
@@ -204,6 +219,15 @@ impl AgentService {
         self.exports
             .check_served_for(name, relationship)
             .map_err(|e| self.refuse(ServiceError::PermissionDenied(e)))
+    }
+
+    /// The peer credential bound to `relationship` on export `volume`: its record's,
+    /// else its export's registration or agent.toml's (`None`: any).
+    pub(super) fn binding(&self, relationship: &str, volume: &str) -> Option<String> {
+        match self.store.get(relationship) {
+            Some(r) => r.spec.peer_credential,
+            None => self.exports.peer_credential_for(volume, relationship),
+        }
     }
 
     /// Ends the holds on export `name`, whose volume is about to change other than by
@@ -247,7 +271,8 @@ impl AgentService {
                     .into(),
             )));
         }
-        if caller.is_some_and(|c| c.who == transport::auth::REPLICATION_TOKEN) {
+        if caller.is_some_and(|c| matches!(c.credential, Credential::Peer(_) | Credential::Unnamed))
+        {
             return Err(self.refuse(ServiceError::PermissionDenied(
                 "a peer cluster's replication token cannot hold a replica's cycle: holds are \
                  for this cluster's agents and operators"
@@ -308,8 +333,18 @@ impl AgentService {
         })
     }
 
-    pub(super) fn check_epoch(&self, relationship: &str, epoch: u64) -> Result<(), ServiceError> {
-        match self.epochs.admit(relationship, epoch) {
+    /// Admits a writer's fencing `epoch` for `relationship`, raising the highest seen
+    /// as far as `raise` lets the caller (the control role: any).
+    pub(super) fn check_epoch(
+        &self,
+        relationship: &str,
+        epoch: u64,
+        caller: Option<&transport::auth::Caller>,
+        raise: Raise,
+    ) -> Result<(), ServiceError> {
+        let control = caller.is_none_or(|c| c.role == transport::auth::Role::Control);
+        let raise = if control { Raise::Any } else { raise };
+        match self.epochs.admit_bounded(relationship, epoch, raise) {
             Ok(()) => Ok(()),
             Err(StaleEpochOrIo::Stale(e)) => {
                 self.metrics.stale_epoch_refusals.fetch_add(1, Relaxed);
@@ -325,6 +360,15 @@ impl AgentService {
                     transport::refusal::Refusal::StaleEpoch,
                     e.to_string(),
                 ))
+            }
+            Err(StaleEpochOrIo::Raise(e)) => {
+                tracing::warn!(
+                    relationship,
+                    given = e.given,
+                    highest = e.highest,
+                    "write refused: epoch raised by more than one"
+                );
+                Err(self.refuse(ServiceError::FailedPrecondition(e.to_string())))
             }
             Err(e @ StaleEpochOrIo::Io(_)) => Err(ServiceError::Internal(e.to_string())),
         }

@@ -2,6 +2,7 @@
 //! volumes, adapted to the agent's state and rules (`service`) and to the secondary's
 //! end of a cycle (`replicate::secondary`).
 
+use super::fencing::Raise;
 use super::{
     live::LiveSummary,
     pages::PageIndex,
@@ -83,13 +84,15 @@ impl Transfer for AgentService {
                 }
                 Access::Write => {
                     self.check_writable(&r.volume, &export)?;
-                    self.check_epoch(&r.relationship, r.epoch)?;
+                    self.check_epoch(&r.relationship, r.epoch, caller.as_ref(), Raise::ByOne)?;
                     if let Some(c) = &r.cycle {
+                        let bound = self.exports.peer_credential_for(&r.volume, &r.relationship);
                         let target = CycleTarget {
                             relationship: &r.relationship,
                             volume: &r.volume,
                             epoch: r.epoch,
                             chunk_size: r.chunk_size,
+                            bound: bound.as_deref(),
                         };
                         known_before = self.admit_cycle(&target, c)?;
                     }
@@ -311,6 +314,7 @@ impl Transfer for AgentService {
         req: Request<Streaming<proto::WriteFrame>>,
     ) -> Result<Response<proto::WriteAck>, Status> {
         answer(async {
+            let caller = req.extensions().get::<transport::auth::Caller>().cloned();
             let mut stream = req.into_inner();
             let mut session: Option<Arc<Session>> = None;
             // Frames go to the session's writer thread, so the async workers only move bytes
@@ -333,7 +337,8 @@ impl Transfer for AgentService {
                     }
                 };
                 // Checked on every frame: a newer primary may have raised the epoch meanwhile.
-                self.check_epoch(&s.relationship, frame.epoch)?;
+                // A frame raises none: its session's Open did.
+                self.check_epoch(&s.relationship, frame.epoch, caller.as_ref(), Raise::No)?;
                 let data = frame.frame.ok_or_else(|| {
                     ServiceError::InvalidArgument("write frame without data".into())
                 })?;

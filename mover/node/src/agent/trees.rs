@@ -1,6 +1,7 @@
 //! File-tree exports (an export whose path is a directory): pushes walk the client's tree
 //! into the export here; pulls serve the export to a client that walks it.
 
+use super::fencing::Raise;
 use super::{Export, service::AgentService, status::ServiceError};
 use crate::replicate::journal::{self, AppliedCycle};
 use crate::replicate::secondary::CycleTarget;
@@ -17,6 +18,7 @@ use std::{
 use tokio::sync::mpsc;
 use tokio_stream::{Stream, StreamExt, wrappers::ReceiverStream};
 use tonic::{Request, Status, Streaming};
+use transport::auth::Credential;
 use transport::proto::{self, tree_answer::Answer, tree_call::Op};
 
 /// What a push sends the client: calls for its tree, then the summary.
@@ -44,7 +46,21 @@ impl AgentService {
         &self,
         req: Request<proto::DescribeRequest>,
     ) -> Result<proto::DescribeResponse, ServiceError> {
-        let export = self.export(&req.get_ref().volume)?;
+        let caller = req.extensions().get::<transport::auth::Caller>();
+        let q = req.get_ref();
+        if let Some(c) = caller.filter(|c| c.role != transport::auth::Role::Control) {
+            // A peer learns of an export only what it may open: not which others exist.
+            if self.exports.get(&q.volume).is_err() {
+                return Err(self.refuse(ServiceError::NotFound(format!(
+                    "volume {:?} is not exported by this agent",
+                    q.volume
+                ))));
+            }
+            if !q.relationship.is_empty() || matches!(c.credential, Credential::Peer(_)) {
+                self.check_served(&q.volume, &q.relationship, None, Some(c))?;
+            }
+        }
+        let export = self.export(&q.volume)?;
         Ok(proto::DescribeResponse {
             tree: export.path.is_dir(),
             read_only: export.read_only,
@@ -99,17 +115,26 @@ impl AgentService {
                 "a relationship id is required".into(),
             )));
         }
-        self.check_epoch(&open.relationship, open.epoch)?;
+        self.check_epoch(
+            &open.relationship,
+            open.epoch,
+            caller.as_ref(),
+            Raise::ByOne,
+        )?;
         let busy = self.claim(&open.volume)?;
         // A replication cycle: the tree changes in place, so until the walk is done it
         // equals no cycle (a promote then needs --force).
         let cycle = match &open.cycle {
             Some(c) => {
+                let bound = self
+                    .exports
+                    .peer_credential_for(&open.volume, &open.relationship);
                 let target = CycleTarget {
                     relationship: &open.relationship,
                     volume: &open.volume,
                     epoch: open.epoch,
                     chunk_size: 0,
+                    bound: bound.as_deref(),
                 };
                 self.admit_cycle(&target, c)?;
                 let dir = journal::cycles_dir(self.state_dir(), &open.relationship);

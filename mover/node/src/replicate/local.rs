@@ -109,6 +109,7 @@ pub async fn run_local(
         path: run.src.clone(),
         read_only: true,
         namespaces: Vec::new(),
+        peer_credential: None,
     };
     let exports = Exports::fixed(BTreeMap::from([(volume, export)]));
     let runners = Runners::new(store, exports, run.remote.clone());
@@ -156,6 +157,7 @@ fn new_record(run: &LocalRun, name: &str, volume: &str) -> Result<Record, CopyEr
             },
             peer_token: None,
             snapshots: false,
+            peer_credential: None,
             freeze: None,
             require_point_in_time: false,
         },

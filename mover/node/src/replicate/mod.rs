@@ -133,6 +133,7 @@ pub fn status(r: &Record, live: &runner::Live, last: Option<&CycleRecord>) -> co
             peer_ca: String::new(),
             require_point_in_time: r.spec.require_point_in_time,
             snapshots: r.spec.snapshots,
+            peer_credential: r.spec.peer_credential.clone().unwrap_or_default(),
             peer_token_version: r
                 .spec
                 .peer_token

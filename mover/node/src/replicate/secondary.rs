@@ -22,6 +22,8 @@ pub struct CycleTarget<'a> {
     pub epoch: u64,
     /// The chunk size (0 for a file tree).
     pub chunk_size: u64,
+    /// The peer credential the export was registered for, kept in a new record.
+    pub bound: Option<&'a str>,
 }
 
 /// Why a cycle may not be written here.
@@ -70,7 +72,7 @@ pub fn admit(store: &Store, r: &CycleTarget<'_>, cycle: &proto::Cycle) -> Result
         )));
     }
     let record = Record::secondary(
-        (r.relationship, r.volume),
+        (r.relationship, r.volume, r.bound),
         r.epoch,
         r.chunk_size,
         cycle,

@@ -43,6 +43,10 @@ pub struct Spec {
     /// control API's Spec): no cycle runs without one.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub snapshots: bool,
+    /// The peer credential that alone may act on this relationship here (see the
+    /// control API's Spec; `None`: any replication credential).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_credential: Option<String>,
 }
 
 /// A relationship's own token for the peer's agent, and the caller's name for it.
@@ -180,9 +184,10 @@ impl Record {
     /// The secondary's record of `relationship`, whose cycle (at `epoch`, of chunks of
     /// `chunk_size`) writes into export `volume` (`known`: the record here before it):
     /// what the primary says of the relationship, and what only this side sets kept
-    /// (its freeze, its peer token, its point-in-time rule, its history).
+    /// (its freeze, its peer token, its point-in-time rule, its history, its binding:
+    /// `bound`, the export's, until it has one of its own).
     pub fn secondary(
-        (relationship, volume): (&str, &str),
+        (relationship, volume, bound): (&str, &str, Option<&str>),
         epoch: u64,
         chunk_size: u64,
         cycle: &transport::proto::Cycle,
@@ -205,6 +210,9 @@ impl Record {
                 peer_token: known.and_then(|k| k.spec.peer_token.clone()),
                 require_point_in_time: known.is_some_and(|k| k.spec.require_point_in_time),
                 snapshots: known.is_some_and(|k| k.spec.snapshots),
+                peer_credential: known
+                    .and_then(|k| k.spec.peer_credential.clone())
+                    .or_else(|| bound.map(String::from)),
             },
             role: Role::Secondary,
             epoch,
@@ -376,6 +384,7 @@ pub(crate) mod tests {
                 require_point_in_time: false,
                 peer_token: None,
                 snapshots: false,
+                peer_credential: None,
             },
             role: Role::Primary,
             epoch: 1,

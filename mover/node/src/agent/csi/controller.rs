@@ -111,7 +111,7 @@ impl Controller for Plugin {
             }
             plugin
                 .exports
-                .register(&id_, &path_, false, "")
+                .register(&id_, &path_, false, "", None)
                 .map_err(|e| Status::internal(e.to_string()))?;
             Ok(())
         })
