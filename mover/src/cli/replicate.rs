@@ -540,6 +540,7 @@ fn status_json(s: &control::Status) -> serde_json::Value {
         "freeze": spec.freeze,
         "require_point_in_time": spec.require_point_in_time,
         "snapshots": spec.snapshots,
+        "peer_credential": spec.peer_credential,
         "last_snapshot": s.last_snapshot,
         "role": s.role,
         "state": s.state,
@@ -578,6 +579,12 @@ fn print_status(s: &control::Status, json: bool) {
         "{}: {} ({}), epoch {}, {} -> {}",
         spec.name, s.state, s.role, s.epoch, spec.volume, spec.peer
     );
+    if !spec.peer_credential.is_empty() {
+        println!(
+            "  bound to peer credential {:?}: only its token acts on it here",
+            spec.peer_credential
+        );
+    }
     match &s.last_cycle {
         Some(c) => println!(
             "  last cycle {}: {} read, {} shipped in {:.2}s; RPO {}; {}{}",

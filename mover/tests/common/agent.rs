@@ -83,7 +83,7 @@ impl Agent {
     }
 
     /// Writes an agent config; returns it with the ports it listens on.
-    fn configure(
+    pub fn configure(
         dir: &Path,
         exports: &[(&str, &Path, bool)],
         tls: Option<(&Path, &Path, &Path)>,

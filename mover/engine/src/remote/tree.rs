@@ -47,7 +47,7 @@ pub fn is_tree(url: &AgentUrl, remote: &RemoteOptions) -> Result<bool, CopyError
         let described = client
             .describe(proto::DescribeRequest {
                 volume: url.volume.clone(),
-                relationship: String::new(),
+                relationship: remote.relationship.clone().unwrap_or_default(),
             })
             .await
             .map_err(|s| status_error(url, s))?;
