@@ -1877,10 +1877,14 @@ async fn a_class_secret_token_is_what_the_primary_presents_to_the_peer_agent() {
             ..Default::default()
         },
         data: Some(
-            [(
-                "token".to_string(),
-                ByteString(common::agent::TOKEN.as_bytes().to_vec()),
-            )]
+            [
+                (
+                    "token".to_string(),
+                    ByteString(common::agent::TOKEN.as_bytes().to_vec()),
+                ),
+                // The peer credential the relationship is bound to on this side.
+                ("peer-credential".to_string(), ByteString(b"dr\n".to_vec())),
+            ]
             .into(),
         ),
         ..Default::default()
@@ -1956,6 +1960,7 @@ async fn a_class_secret_token_is_what_the_primary_presents_to_the_peer_agent() {
     assert_eq!(blake3_of(&b_img, E2E_LEN), blake3_of(&a_img, E2E_LEN));
     let spec = s.spec.unwrap();
     assert_eq!(spec.peer_token_version, "70ce2/7");
+    assert_eq!(spec.peer_credential, "dr", "bound from the class secret");
     assert!(
         spec.peer_token.is_empty(),
         "the token is never answered back"

@@ -1397,7 +1397,7 @@ fn refusals_of_the_default_install(a: &Site, b: &Site) {
         a.c.dir()
             .join(format!("nodes/{}/mover/exports.json", a.c.node(a.on)));
     let before = std::fs::read_to_string(&exports).unwrap();
-    let token = format!("replication-token-of-{}", a.c.name);
+    let token = a.replication_token(Some("peer"));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let peer = mover::controller::agents::GrpcAgents::new(mover::remote::ConnectOptions {
         token: Some(token.clone()),
@@ -1419,27 +1419,72 @@ fn refusals_of_the_default_install(a: &Site, b: &Site) {
     assert_eq!(e.code, tonic::Code::PermissionDenied, "{e}");
     assert!(e.message.contains("may not call export"), "{e}");
     assert_eq!(std::fs::read_to_string(&exports).unwrap(), before);
-    // A peer may read the PV only for the relationship it is registered for.
+    // A peer may read the PV only for the relationship it is registered for (shown with
+    // the cluster-wide token, which acts on unbound relationships).
     let dest = a.c.dir().join("stolen.img");
     let source = format!("{url}/pv-data");
-    let e = mover(
-        &[
-            "copy",
-            &source,
-            dest.to_str().unwrap(),
-            "--relationship",
-            "other",
-            "--tls-ca",
-            ca,
-        ],
-        &token,
-    )
-    .unwrap_err();
+    let copy = |relationship: &str, token: &str| {
+        let dest = dest.to_str().unwrap();
+        let args = ["copy", &source, dest, "--relationship", relationship];
+        mover(&[&args[..], &["--tls-ca", ca]].concat(), token).unwrap_err()
+    };
+    let wide = a.replication_token(None);
+    let e = copy("other", &wide);
     assert!(
         e.contains("only to the relationship it was registered for"),
         "{e}"
     );
+    // The peer's token acts only on what is bound to it: not on another relationship.
+    let e = copy("other", &token);
+    assert!(
+        e.contains("the token of peer credential \"peer\" may not read relationship \"other\""),
+        "{e}"
+    );
+    // Another peer cluster's token, or the cluster-wide one, may not act on a relationship
+    // bound to this peer (its class secret's peer-credential): not read its PV, not see
+    // its status, not locate it.
+    let eu = a.replication_token(Some("eu"));
+    let e = copy("app/data", &eu);
+    assert!(
+        e.contains(
+            "the token of peer credential \"eu\" may not read relationship \"app/data\": it \
+             is bound to peer credential \"peer\""
+        ),
+        "{e}"
+    );
+    let e = copy("app/data", &wide);
+    assert!(e.contains("give the peer its own token"), "{e}");
     assert!(!dest.exists(), "a refused copy left {}", dest.display());
+    let e = status(&url, &["--tls-ca", ca], &eu).unwrap_err();
+    assert!(e.contains("may not see relationship \"app/data\""), "{e}");
+    let answered = status(&url, &["--tls-ca", ca], &token).unwrap();
+    assert!(
+        answered.contains("\"peer_credential\":\"peer\""),
+        "{answered}"
+    );
+    // a's Locator (the target of b's class) answers the peer's token alone.
+    let locator = b.c.get(
+        &["volumereplicationclass", "mover-dr"],
+        "{.spec.parameters.target}",
+    );
+    let locate = |token: &str| {
+        let remote = mover::remote::RemoteOptions {
+            connect: mover::remote::ConnectOptions {
+                token: Some(token.into()),
+                tls_ca: Some(ca.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        rt.block_on(mover::remote::locate(&locator, "app/data", &remote))
+    };
+    let found = locate(&token).unwrap();
+    assert_eq!(found.volume, "pv-data");
+    let e = locate(&eu).unwrap_err().to_string();
+    assert!(
+        e.contains("the token of peer credential \"eu\" may not see relationship \"app/data\""),
+        "{e}"
+    );
 }
 
 /// The controller pod not holding the Lease (the install runs two).
@@ -2817,7 +2862,7 @@ spec:
     add_agent_exports(c, &exports);
     // The class names node 2's agent; the secret holds this cluster's own replication
     // token (its agents trust its own CA).
-    let token = s.secret("mover-replication-token", "token");
+    let token = s.replication_token(None);
     c.kubectl_ok(&["create", "namespace", "app"]);
     c.kubectl_ok(&[
         "-n",

@@ -2,10 +2,11 @@
 //! volume (`proto/locate.proto`): from the controller's caches, so every replica
 //! answers (a standby's caches are warm) and an answer costs the API server nothing.
 
+use super::context::secret_data;
 use super::context::{Context, typed};
 use super::crd::VolumeReplication;
 use super::replication::desired::relationship_name;
-use super::replication::reconcile::resolve;
+use super::replication::reconcile::{peer_credential_of, resolve};
 use kube::api::DynamicObject;
 use kube::runtime::reflector::Store;
 use std::sync::Arc;
@@ -26,6 +27,7 @@ impl Locator for LocatorService {
         &self,
         req: Request<LocateRequest>,
     ) -> Result<Response<LocateResponse>, Status> {
+        let caller = req.extensions().get::<transport::auth::Caller>().cloned();
         let name = req.into_inner().relationship;
         let claiming: Vec<VolumeReplication> = self
             .vrs
@@ -59,6 +61,27 @@ impl Locator for LocatorService {
                 "the secondary of relationship {name:?} cannot be placed here yet: {i}"
             ))
         })?;
+        // A relationship bound to a peer credential (its class secret's
+        // peer-credential) is located for that peer's token alone.
+        if let Some(c) = &caller {
+            let bound = match &d.params.secret {
+                Some((ns, secret)) => {
+                    let wanted = "the class's peer credential";
+                    let (data, _) = secret_data(&self.ctx, ns, secret, wanted)
+                        .await
+                        .map_err(Status::failed_precondition)?;
+                    peer_credential_of(&data, ns, secret).map_err(Status::failed_precondition)?
+                }
+                None => None,
+            };
+            transport::auth::check_binding(
+                c,
+                &name,
+                bound.as_deref(),
+                transport::auth::Act::Status,
+            )
+            .map_err(Status::permission_denied)?;
+        }
         Ok(Response::new(LocateResponse {
             volume: format!("agent://{}@{}/{}", d.node, d.agent, d.volume),
         }))

@@ -24,7 +24,32 @@ pub struct Site {
     pub class: &'static str,
 }
 
+/// What a site's secret mover-replication-token holds: the token its peer presents
+/// (peer credential `peer`, which the class secrets bind every relationship to), another
+/// peer cluster's (`eu`, bound to none), and a cluster-wide unnamed one (README: "One
+/// credential per peer cluster").
+fn replication_tokens(name: &str) -> String {
+    format!(
+        "peer replication-token-of-{name}\neu replication-token-of-{name}-for-eu\nreplication-token-of-{name}-cluster-wide\n"
+    )
+}
+
 impl Site {
+    /// The token of the line of mover-replication-token for peer credential `name`
+    /// (`None`: the unnamed, cluster-wide line).
+    pub fn replication_token(&self, name: Option<&str>) -> String {
+        let lines = self.secret("mover-replication-token", "token");
+        lines
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find_map(|f| match (f.as_slice(), name) {
+                ([n, t], Some(want)) if *n == want => Some(t.to_string()),
+                ([t], None) => Some(t.to_string()),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no line for {name:?} in {lines}"))
+    }
+
     pub fn start(name: &str, index: u8) -> Option<Site> {
         Site::start_from(name, index, "deploy/base")
     }
@@ -32,7 +57,7 @@ impl Site {
     /// A site whose install is the kustomization `dir` (the base or an overlay).
     pub fn start_from(name: &str, index: u8, dir: &str) -> Option<Site> {
         let c = RealCluster::start(name, index, 2)?;
-        c.install_from(dir, &format!("replication-token-of-{name}"));
+        c.install_from(dir, &replication_tokens(name));
         Some(Site {
             c,
             on: 1,
@@ -141,8 +166,10 @@ spec:
     }
 
     /// README step 7: the class replicating to `peer`, its secret holding what the
-    /// administrator copies from the peer (its replication token and mover CA, read
-    /// there with the commands of deploy/examples/class-peer-cluster.yaml).
+    /// administrator copies from the peer (its replication token for this cluster and
+    /// its mover CA, read there with the commands of
+    /// deploy/examples/class-peer-cluster.yaml) and the peer credential of this
+    /// cluster's token file that the peer presents here (`peer`).
     pub fn class_to(&self, peer: &Site, peer_locator_port: &str) {
         self.class_named("mover-dr", peer, peer_locator_port, "");
     }
@@ -150,7 +177,7 @@ spec:
     /// A class `name` as [`Site::class_to`] makes, with `params` (YAML lines, indented
     /// four spaces) added to its parameters.
     pub fn class_named(&self, name: &str, peer: &Site, peer_locator_port: &str, params: &str) {
-        let token = peer.secret("mover-replication-token", "token");
+        let token = peer.replication_token(Some("peer"));
         let ca = peer.secret("mover-ca", "ca.crt");
         let secret = self
             .c
@@ -165,6 +192,7 @@ spec:
                 "mover-dr-peer",
                 &format!("--from-literal=token={token}"),
                 &format!("--from-literal=ca.crt={ca}"),
+                "--from-literal=peer-credential=peer",
             ]);
         }
         self.c.apply(&format!(

@@ -331,16 +331,9 @@ async fn decide_by_state(
                     (String::from_utf8_lossy(t).trim().to_string(), version),
                     data.get("ca.crt")
                         .map(|c| String::from_utf8_lossy(c).into_owned()),
-                    data.get("peer-credential")
-                        .map(|c| String::from_utf8_lossy(c).trim().to_string()),
+                    peer_credential_of(&data, ns, name)?,
                 )),
                 None => Err(format!("secret {ns}/{name} has no {wanted}")),
-            })
-            .and_then(|(t, ca, bound)| match bound {
-                Some(b) => transport::cluster::check_credential_name(&b)
-                    .map(|()| (t, ca, Some(b)))
-                    .map_err(|e| format!("secret {ns}/{name}, key peer-credential: {e}")),
-                None => Ok((t, ca, None)),
             });
         match token {
             Ok((t, ca, bound)) => {
@@ -690,6 +683,22 @@ fn in_sync(s: &control::Status) -> bool {
     s.side() == Some(Side::Secondary)
         && s.relationship_state() == Some(RelationshipState::Secondary)
         && s.last_cycle.is_some()
+}
+
+/// The peer credential a class secret's `peer-credential` binds its relationships to
+/// (`None`: the key is absent; they stay unbound).
+pub(crate) fn peer_credential_of(
+    data: &std::collections::BTreeMap<String, Vec<u8>>,
+    ns: &str,
+    name: &str,
+) -> Result<Option<String>, String> {
+    let Some(b) = data.get("peer-credential") else {
+        return Ok(None);
+    };
+    let b = String::from_utf8_lossy(b).trim().to_string();
+    transport::cluster::check_credential_name(&b)
+        .map_err(|e| format!("secret {ns}/{name}, key peer-credential: {e}"))?;
+    Ok(Some(b))
 }
 
 fn spec_of(d: &Desired) -> control::Spec {

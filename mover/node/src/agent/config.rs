@@ -41,6 +41,8 @@ pub struct AgentConfig {
     /// A file of bearer tokens of the replication role, one per line (a second line lets
     /// a rotation overlap): what peer clusters' agents present. They may run cycles,
     /// hydrations and pulls against the exports their relationship names, nothing else.
+    /// A line is `TOKEN` (unnamed: any unbound relationship) or `NAME TOKEN` (peer
+    /// credential NAME: only the relationships bound to NAME).
     #[serde(default)]
     pub replication_token_file: Option<PathBuf>,
     /// TLS: this agent's certificate and key and the CA that signs its cluster's, from
