@@ -167,6 +167,24 @@ fn the_install_applies_and_the_api_server_refuses_bad_volume_replications() {
         &vmove("both", "  side: Source\n  pvc: a\n  statefulSet: b\n"),
     );
     assert!(both.contains("name either pvc or statefulSet"), "{both}");
+    // A VolumeReplication or VolumeMove names a PVC or StatefulSet of its own namespace:
+    // there is no field for another's, and the API server refuses one.
+    for (kind, yaml) in [
+        (
+            "VolumeReplication",
+            "apiVersion: replication.mover/v1alpha1\nkind: VolumeReplication\nmetadata:\n  name: across\n  namespace: app\nspec:\n  volumeReplicationClass: mover-dr\n  replicationState: primary\n  dataSource:\n    kind: PersistentVolumeClaim\n    name: data\n    namespace: t2\n".to_string(),
+        ),
+        (
+            "VolumeMove",
+            vmove("across", "  side: Source\n  pvc: data\n  namespace: t2\n"),
+        ),
+    ] {
+        let across = refused(&c, &yaml);
+        assert!(
+            across.contains(".namespace") && across.contains("not declared in schema"),
+            "{kind} naming namespace t2: {across}"
+        );
+    }
     let within = refused(
         &c,
         &vmove(

@@ -111,6 +111,23 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
     let (status, says) = common::http_get_as(&agent, "/metrics", Some("forged"));
     assert_eq!(status, 401, "{says}");
     assert_eq!(common::http_get(&agent, "/healthz"), "ok\n");
+    // The controller's /metrics, on its pod's address: the same check.
+    let pod_ip = east.c.get(
+        &["pods", "-n", "mover-system", "-l", CONTROLLERS],
+        "{.items[0].status.podIP}",
+    );
+    let controller = format!("{pod_ip}:9471");
+    let (status, says) = common::http_get_as(&controller, "/metrics", None);
+    assert_eq!(status, 401, "{says}");
+    let (status, says) = common::http_get_as(&controller, "/metrics", Some(tenant.trim()));
+    assert_eq!(status, 403, "{says}");
+    let scraper = east
+        .c
+        .kubectl_ok(&["create", "token", "scraper", "-n", "mover-system"]);
+    let (status, says) = common::http_get_as(&controller, "/metrics", Some(scraper.trim()));
+    assert_eq!(status, 200, "{says}");
+    assert!(says.contains("mover_controller_reconciles_total"), "{says}");
+    assert_eq!(common::http_get(&controller, "/healthz"), "ok");
 
     a_pod_reads_one_cycle_of_the_replica_while_replication_goes_on(&east, &west);
 

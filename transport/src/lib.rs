@@ -28,6 +28,7 @@ pub mod frames;
 pub mod nbd;
 mod rate;
 pub mod refusal;
+pub mod scrape_access;
 pub mod states;
 pub mod tls;
 

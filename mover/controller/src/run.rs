@@ -53,6 +53,11 @@ pub struct RunOptions {
     /// Where /metrics (Prometheus) and /healthz are served.
     #[arg(long, default_value = "0.0.0.0:9471")]
     pub metrics_listen: std::net::SocketAddr,
+    /// Who may read /metrics: `open` (whoever reaches --metrics-listen), or `kubernetes`
+    /// (a bearer token the API server authenticates and authorizes for get /metrics: a
+    /// ServiceAccount bound to ClusterRole mover-metrics-reader). /healthz stays open.
+    #[arg(long, value_enum, default_value_t = MetricsAccess::Open)]
+    pub metrics_access: MetricsAccess,
     /// The namespaces whose Secrets classes may name (a Role in each lets the
     /// controller read them; see deploy/README.md) [default: the controller's own].
     #[arg(long = "secret-namespace", value_name = "NAMESPACE")]
@@ -305,7 +310,7 @@ pub async fn run(options: RunOptions) -> Result<(), RunError> {
         Elector::new(client.clone(), namespace, me, timing, leadership.clone())
     });
     let (caches, feeds, pvc_changes) = start_caches(&client, &options);
-    let metrics = serve_metrics(options.metrics_listen).await?;
+    let metrics = serve_metrics(options.metrics_listen, options.metrics_access).await?;
     let (authority, locator_tls, connect) = identities(&client, &options).await?;
     let agents =
         agents_client(connect, authority.is_some(), &caches.agents).with_leadership(leadership);
@@ -415,9 +420,19 @@ fn start_caches(
     (caches, feeds, pvc_changes)
 }
 
-/// Serves /metrics and /healthz on `listen`.
+/// Who may read the controller's /metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MetricsAccess {
+    /// Whoever reaches the port.
+    Open,
+    /// A token the API server authenticates and authorizes (`transport::scrape_access`).
+    Kubernetes,
+}
+
+/// Serves /metrics (to whom `access` says) and /healthz on `listen`.
 async fn serve_metrics(
     listen: std::net::SocketAddr,
+    access: MetricsAccess,
 ) -> Result<Arc<super::metrics::Metrics>, RunError> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -427,10 +442,25 @@ async fn serve_metrics(
         })?;
     let metrics = Arc::new(super::metrics::Metrics::default());
     let m = metrics.clone();
+    let gate = (access == MetricsAccess::Kubernetes).then(|| {
+        Arc::new(transport::scrape_access::Gate::new(Arc::new(
+            super::scrape_review::ClusterReviewer,
+        )))
+    });
     let app = axum::Router::new()
         .route(
             "/metrics",
-            axum::routing::get(move || async move { m.render() }),
+            axum::routing::get(move |headers: axum::http::HeaderMap| async move {
+                let authorization = headers
+                    .get(axum::http::header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok());
+                let (status, body) =
+                    transport::scrape_access::answer(gate.as_deref(), authorization, || m.render())
+                        .await;
+                let status = axum::http::StatusCode::from_u16(status)
+                    .unwrap_or(axum::http::StatusCode::FORBIDDEN);
+                (status, body)
+            }),
         )
         .route("/healthz", axum::routing::get(|| async { "ok" }));
     tokio::spawn(async move {

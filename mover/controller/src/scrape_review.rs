@@ -1,9 +1,9 @@
-//! The agent's side of who may read its /metrics under Kubernetes: a scraper's bearer
-//! token reviewed by the API server (TokenReview), then its user asked about (a
+//! Who may read an agent's or the controller's /metrics under Kubernetes: a scraper's
+//! bearer token reviewed by the API server (TokenReview), then its user asked about (a
 //! SubjectAccessReview for `get` on the non-resource URL `/metrics`), as kube-rbac-proxy
-//! does. The agent (`mover-node`, `agent::scrape_access`) keeps the verdicts; it reaches
-//! this code through the `mover` binary, so only this crate depends on kube. The agent's
-//! ServiceAccount may create both reviews (deploy/base/agent.yaml: what ClusterRole
+//! does. `transport::scrape_access::Gate` keeps the verdicts; the agent reaches this
+//! code through the `mover` binary, so only this crate depends on kube. The agent's and
+//! the controller's ServiceAccounts may create both reviews (what ClusterRole
 //! system:auth-delegator grants, and no more).
 
 use k8s_openapi::api::{
@@ -12,6 +12,22 @@ use k8s_openapi::api::{
 };
 use kube::api::{Api, PostParams};
 use tokio::sync::OnceCell;
+use transport::scrape_access::{ReviewFuture, Reviewer, Verdict};
+
+/// Scrapers' tokens, reviewed by the API server of the cluster this process runs in.
+pub struct ClusterReviewer;
+
+impl Reviewer for ClusterReviewer {
+    fn review<'a>(&'a self, token: &'a str) -> ReviewFuture<'a> {
+        Box::pin(async move {
+            Ok(match review(token).await? {
+                None => Verdict::Unauthenticated,
+                Some(Err(user)) => Verdict::Forbidden(user),
+                Some(Ok(())) => Verdict::Allowed,
+            })
+        })
+    }
+}
 
 /// Whether the holder of `token` may get /metrics: `Ok(None)` when the API server does
 /// not know the token, `Ok(Some(Err(user)))` when `user` may not, `Ok(Some(Ok(())))`

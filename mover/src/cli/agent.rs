@@ -138,32 +138,13 @@ pub fn run_agent(config_path: &std::path::Path) -> anyhow::Result<()> {
         #[cfg(not(feature = "controller"))]
         let signer = None;
         #[cfg(feature = "controller")]
-        let reviewer = Some(std::sync::Arc::new(ClusterReviewer) as _);
+        let reviewer =
+            Some(std::sync::Arc::new(mover::controller::scrape_review::ClusterReviewer) as _);
         #[cfg(not(feature = "controller"))]
         let reviewer = None;
         mover::agent::serve(config, listener, metrics, shutdown, signer, reviewer).await?;
         Ok(())
     })
-}
-
-/// Scrapers' tokens, reviewed by the API server through the controller crate.
-#[cfg(feature = "controller")]
-struct ClusterReviewer;
-
-#[cfg(feature = "controller")]
-impl mover::agent::scrape_access::Reviewer for ClusterReviewer {
-    fn review<'a>(&'a self, token: &'a str) -> mover::agent::scrape_access::ReviewFuture<'a> {
-        use mover::agent::scrape_access::Verdict;
-        Box::pin(async move {
-            Ok(
-                match mover::controller::scrape_review::review(token).await? {
-                    None => Verdict::Unauthenticated,
-                    Some(Err(user)) => Verdict::Forbidden(user),
-                    Some(Ok(())) => Verdict::Allowed,
-                },
-            )
-        })
-    }
 }
 
 /// The agent's certificate requests, sent to the cluster's CertificateSigningRequest API

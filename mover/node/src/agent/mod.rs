@@ -16,7 +16,7 @@ mod metrics;
 mod pages;
 mod saved;
 mod schedules;
-pub mod scrape_access;
+pub use transport::scrape_access;
 mod service;
 mod session;
 mod status;
@@ -473,17 +473,15 @@ async fn serve_metrics(
             get(move |headers: axum::http::HeaderMap| {
                 let (scraped, gate) = (scraped.clone(), gate.clone());
                 async move {
-                    if let Some(gate) = gate {
-                        let authorization = headers
-                            .get(axum::http::header::AUTHORIZATION)
-                            .and_then(|v| v.to_str().ok());
-                        if let Err((status, why)) = gate.admit(authorization).await {
-                            let status = axum::http::StatusCode::from_u16(status)
-                                .unwrap_or(axum::http::StatusCode::FORBIDDEN);
-                            return (status, why);
-                        }
-                    }
-                    (axum::http::StatusCode::OK, scraped.render())
+                    let authorization = headers
+                        .get(axum::http::header::AUTHORIZATION)
+                        .and_then(|v| v.to_str().ok());
+                    let (status, body) =
+                        scrape_access::answer(gate.as_deref(), authorization, || scraped.render())
+                            .await;
+                    let status = axum::http::StatusCode::from_u16(status)
+                        .unwrap_or(axum::http::StatusCode::FORBIDDEN);
+                    (status, body)
                 }
             }),
         )

@@ -1,12 +1,14 @@
-//! Who may read an agent's /metrics. Outside Kubernetes, anyone who reaches the port
-//! (`metrics_access = "open"`, the default: bind `metrics_listen` to where only the
-//! scraper reaches). Under Kubernetes (`"kubernetes"`), the agent listens on its node's
-//! address, so the caller must present a bearer token that the API server authenticates
-//! (TokenReview) and authorizes for `get` on the non-resource URL `/metrics`
-//! (SubjectAccessReview), as kube-rbac-proxy does: a scraper's ServiceAccount bound to
-//! ClusterRole `mover-metrics-reader`. The reviews go through a [`Reviewer`] (the `mover`
-//! binary gives the controller crate's, which speaks Kubernetes), so this crate never
-//! depends on kube. /healthz stays open: the kubelet's probe has no token.
+//! Who may read an agent's or the controller's /metrics. Outside Kubernetes, anyone who
+//! reaches the port (the agent's `metrics_access = "open"`, the default: bind
+//! `metrics_listen` to where only the scraper reaches). Under Kubernetes
+//! (`"kubernetes"`; the controller's `--metrics-access kubernetes`), the port is on the
+//! node's or pod's address, so the caller must present a bearer token that the API
+//! server authenticates (TokenReview) and authorizes for `get` on the non-resource URL
+//! `/metrics` (SubjectAccessReview), as kube-rbac-proxy does: a scraper's
+//! ServiceAccount bound to ClusterRole `mover-metrics-reader`. The reviews go through a
+//! [`Reviewer`] (the controller crate's, which speaks Kubernetes), so neither this crate
+//! nor the agent's depends on kube. /healthz stays open: the kubelet's probe has no
+//! token.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -106,6 +108,22 @@ impl Gate {
                 ),
             )),
         }
+    }
+}
+
+/// The answer to a /metrics request, as an HTTP status and body: `render()` if `gate`
+/// (none: open to all) lets `authorization` (the request's header) through.
+pub async fn answer(
+    gate: Option<&Gate>,
+    authorization: Option<&str>,
+    render: impl FnOnce() -> String,
+) -> (u16, String) {
+    match gate {
+        Some(g) => match g.admit(authorization).await {
+            Ok(()) => (200, render()),
+            Err(refused) => refused,
+        },
+        None => (200, render()),
     }
 }
 
