@@ -230,6 +230,14 @@ fn a_peer_token_acts_only_on_the_relationships_bound_to_it() {
         UNNAMED,
         &["replicate", "status", "r", "--agent", &b],
     ));
+    // a presents dr's token, which acts on relationships bound to dr alone: its next
+    // cycle is refused, and b stays unbound (the export's binding made the record's
+    // only when the record was made).
+    refused(
+        replicate(&["sync", "r", "--agent", &a]),
+        &["may not write into relationship \"r\": it is bound to no peer credential"],
+    );
+    assert_eq!(status_of(&s.b, "r")["peer_credential"], "");
     // eu's named token still acts only where it is bound.
     refused(
         as_token(EU, &["replicate", "status", "r", "--agent", &b]),

@@ -113,7 +113,8 @@ pub fn check_binding(
         (Credential::Control, _) => Ok(()),
         (Credential::Peer(n), Some(b)) if n == b => Ok(()),
         (Credential::Peer(_), _) => refused(
-            "a peer's token acts only on the relationships bound to it (the class secret's              peer-credential, or `mover replicate update --peer-credential`)",
+            "a peer's token acts only on the relationships bound to it (the class secret's \
+             peer-credential, or `mover replicate update --peer-credential`)",
         ),
         (Credential::Unnamed, None) => Ok(()),
         (Credential::Unnamed, Some(_)) => refused(

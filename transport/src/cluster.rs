@@ -100,7 +100,8 @@ pub fn check_credential_name(name: &str) -> Result<(), String> {
     };
     if !ok {
         return Err(format!(
-            "{name:?} is no peer credential name: use lowercase letters, digits, '-' and '.'              (a Secret's name), optionally NAMESPACE/NAME"
+            "{name:?} is no peer credential name: use lowercase letters, digits, '-' and '.' \
+             (a Secret's name), optionally NAMESPACE/NAME"
         ));
     }
     if name == LOCAL_CREDENTIAL {

@@ -185,7 +185,7 @@ impl Record {
     /// `chunk_size`) writes into export `volume` (`known`: the record here before it):
     /// what the primary says of the relationship, and what only this side sets kept
     /// (its freeze, its peer token, its point-in-time rule, its history, its binding:
-    /// `bound`, the export's, until it has one of its own).
+    /// `bound`, the export's, when the record is made).
     pub fn secondary(
         (relationship, volume, bound): (&str, &str, Option<&str>),
         epoch: u64,
@@ -210,9 +210,11 @@ impl Record {
                 peer_token: known.and_then(|k| k.spec.peer_token.clone()),
                 require_point_in_time: known.is_some_and(|k| k.spec.require_point_in_time),
                 snapshots: known.is_some_and(|k| k.spec.snapshots),
-                peer_credential: known
-                    .and_then(|k| k.spec.peer_credential.clone())
-                    .or_else(|| bound.map(String::from)),
+                // Once the record is made, only the control role's Update changes it.
+                peer_credential: match known {
+                    Some(k) => k.spec.peer_credential.clone(),
+                    None => bound.map(String::from),
+                },
             },
             role: Role::Secondary,
             epoch,
