@@ -297,9 +297,10 @@ fn attach(s: &Site, pv: &str, n: u8) {
 }
 
 /// A PVC on `b` populated from a volume `a`'s agent on node 1 serves (an export of its
-/// configuration). `b`'s agent reaches it with `a`'s replication token and trusts `a`'s
-/// CA alone, both from the secret the HydrationSource names (what an administrator
-/// copies between clusters), once the secret's annotation lets namespace `app` use it.
+/// configuration, for namespace `app` and peer credential `peer`). `b`'s agent reaches
+/// it with `a`'s replication token for `peer` and trusts `a`'s CA alone, both from the
+/// secret the HydrationSource names (what an administrator copies between clusters),
+/// once the secret's annotation lets namespace `app` use it.
 /// Without the secret the agents do not trust each other's certificates: the PVC stays
 /// unbound and the controller says why.
 fn a_pvc_is_populated_from_the_other_clusters_agent(a: &Site, b: &Site) {
@@ -308,7 +309,7 @@ fn a_pvc_is_populated_from_the_other_clusters_agent(a: &Site, b: &Site) {
     make_image(&img, LEN, 77, &[(0, 8 * MIB), (40 * MIB, 8 * MIB)]);
     add_agent_exports(
         &a.c,
-        "[exports.src]\npath = \"/mnt/disks/src.img\"\nread_only = true\nnamespaces = [\"app\"]\n",
+        "[exports.src]\npath = \"/mnt/disks/src.img\"\nread_only = true\nnamespaces = [\"app\"]\npeer_credential = \"peer\"\n",
     );
     let populate = |name: &str, secret: &str| {
         b.c.apply(&format!(

@@ -25,8 +25,8 @@ pub struct Export {
     #[serde(default)]
     pub namespaces: Vec<String>,
     /// The peer credential (a name of `replication_token_file`'s `NAME TOKEN` lines)
-    /// that alone may act on the relationships replicating into it [default: none, any
-    /// replication credential].
+    /// that alone may act on it: replicate into it, or read it (a peer cluster's fill)
+    /// [default: none, any unnamed replication token].
     #[serde(default)]
     pub peer_credential: Option<String>,
 }

@@ -56,7 +56,6 @@ pub(super) struct Freeze {
     record: std::path::PathBuf,
 }
 
-/// The directory of the records of file systems frozen by Freeze.
 /// The peer credential a control call binds a relationship to (`""`: none): a name of
 /// `replication_token_file`, or `local`.
 fn peer_credential(name: &str) -> Result<Option<String>, ServiceError> {
@@ -69,6 +68,7 @@ fn peer_credential(name: &str) -> Result<Option<String>, ServiceError> {
     Ok(Some(name.into()))
 }
 
+/// The directory of the records of file systems frozen by Freeze.
 fn frozen_dir(state_dir: &Path) -> std::path::PathBuf {
     state_dir.join("frozen")
 }
@@ -517,13 +517,13 @@ impl Replication for Control {
                 .as_deref()
                 .map(peer_credential)
                 .transpose()?;
-            if let Some(n) = u.accept_epoch {
-                self.accept_epoch(&r, n)?;
-            }
             if u.interval_ms.is_some_and(|i| i < MIN_INTERVAL_MS) {
                 return Err(ServiceError::InvalidArgument(
                     "interval too short: cycles run at most once a second".into(),
                 ));
+            }
+            if let Some(n) = u.accept_epoch {
+                self.accept_epoch(&r, n)?;
             }
             self.service
                 .store
