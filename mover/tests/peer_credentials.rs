@@ -13,7 +13,6 @@ use common::{agent::*, *};
 use std::{
     path::{Path, PathBuf},
     process::{Command, Output},
-    time::{Duration, Instant},
 };
 
 const LEN: u64 = 16 * MIB;
@@ -65,18 +64,6 @@ fn refused(out: Output, expect: &[&str]) -> String {
         assert!(err.contains(e), "wanted {e:?} in {err}");
     }
     err
-}
-
-fn wait_for(agent: &Agent, name: &str, what: &str, cond: impl Fn(&serde_json::Value) -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let s = status_of(agent, name);
-        if cond(&s) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "waited for {what}: {s}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 struct Sites {

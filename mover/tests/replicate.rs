@@ -24,19 +24,6 @@ fn refused(out: Output, expect: &str) -> String {
     err
 }
 
-/// Waits until `name`'s status on `agent` satisfies `cond`.
-fn wait_for(agent: &Agent, name: &str, what: &str, cond: impl Fn(&serde_json::Value) -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let s = status_of(agent, name);
-        if cond(&s) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "waited for {what}: {s}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// Writes new random data into `count` distinct pages of the first 6 MiB of `path` (random
 /// data in every image of the pair, so no page written or overwritten compresses or is
 /// zeros); returns their indices.

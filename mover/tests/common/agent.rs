@@ -273,6 +273,19 @@ pub fn ok(out: std::process::Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Waits until `name`'s status on `agent` satisfies `cond` (60 s at most).
+pub fn wait_for(agent: &Agent, name: &str, what: &str, cond: impl Fn(&serde_json::Value) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = status_of(agent, name);
+        if cond(&s) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "waited for {what}: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// `mover replicate status NAME --json` on `agent`.
 pub fn status_of(agent: &Agent, name: &str) -> serde_json::Value {
     let out = ok(replicate(&[
