@@ -194,40 +194,29 @@ impl AgentService {
                 caller.map_or("the caller", |c| c.who.as_str())
             ))));
         }
+        let record = self.store.get(relationship);
         if let Some(c) = caller {
             let act = if write.is_some() {
                 Act::Write
             } else {
                 Act::Read
             };
-            check_binding(
-                c,
-                relationship,
-                self.binding(relationship, name).as_deref(),
-                act,
-            )
-            .map_err(|e| self.refuse(ServiceError::PermissionDenied(e)))?;
+            // The record's binding, else its export's.
+            let bound = match &record {
+                Some(r) => r.spec.peer_credential.clone(),
+                None => self.exports.peer_credential_for(name, relationship),
+            };
+            check_binding(c, relationship, bound.as_deref(), act)
+                .map_err(|e| self.refuse(ServiceError::PermissionDenied(e)))?;
         }
         let registered_for_none = self.exports.registered_for(name).as_deref() == Some("");
-        let held = self
-            .store
-            .get(relationship)
-            .is_some_and(|r| r.spec.volume == name);
+        let held = record.is_some_and(|r| r.spec.volume == name);
         if held || (control && registered_for_none) {
             return Ok(());
         }
         self.exports
             .check_served_for(name, relationship)
             .map_err(|e| self.refuse(ServiceError::PermissionDenied(e)))
-    }
-
-    /// The peer credential bound to `relationship` on export `volume`: its record's,
-    /// else its export's registration or agent.toml's (`None`: any).
-    pub(super) fn binding(&self, relationship: &str, volume: &str) -> Option<String> {
-        match self.store.get(relationship) {
-            Some(r) => r.spec.peer_credential,
-            None => self.exports.peer_credential_for(volume, relationship),
-        }
     }
 
     /// Ends the holds on export `name`, whose volume is about to change other than by
@@ -321,13 +310,15 @@ impl AgentService {
     }
 
     /// Admits a cycle of `r` into its export (the rule is the secondary's, in
-    /// `replicate::secondary`): whether the relationship was known here before.
+    /// `replicate::secondary`; a new record takes the export's peer credential): whether
+    /// the relationship was known here before.
     pub(super) fn admit_cycle(
         &self,
         r: &CycleTarget<'_>,
         cycle: &transport::proto::Cycle,
     ) -> Result<bool, ServiceError> {
-        secondary::admit(&self.store, r, cycle).map_err(|e| match e {
+        let bound = self.exports.peer_credential_for(r.volume, r.relationship);
+        secondary::admit(&self.store, r, bound.as_deref(), cycle).map_err(|e| match e {
             AdmitError::Refused(m) => self.refuse(ServiceError::FailedPrecondition(m)),
             AdmitError::Store(e) => internal(e),
         })

@@ -86,13 +86,11 @@ impl Transfer for AgentService {
                     self.check_writable(&r.volume, &export)?;
                     self.check_epoch(&r.relationship, r.epoch, caller.as_ref(), Raise::ByOne)?;
                     if let Some(c) = &r.cycle {
-                        let bound = self.exports.peer_credential_for(&r.volume, &r.relationship);
                         let target = CycleTarget {
                             relationship: &r.relationship,
                             volume: &r.volume,
                             epoch: r.epoch,
                             chunk_size: r.chunk_size,
-                            bound: bound.as_deref(),
                         };
                         known_before = self.admit_cycle(&target, c)?;
                     }

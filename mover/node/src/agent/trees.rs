@@ -126,15 +126,11 @@ impl AgentService {
         // equals no cycle (a promote then needs --force).
         let cycle = match &open.cycle {
             Some(c) => {
-                let bound = self
-                    .exports
-                    .peer_credential_for(&open.volume, &open.relationship);
                 let target = CycleTarget {
                     relationship: &open.relationship,
                     volume: &open.volume,
                     epoch: open.epoch,
                     chunk_size: 0,
-                    bound: bound.as_deref(),
                 };
                 self.admit_cycle(&target, c)?;
                 let dir = journal::cycles_dir(self.state_dir(), &open.relationship);

@@ -22,8 +22,6 @@ pub struct CycleTarget<'a> {
     pub epoch: u64,
     /// The chunk size (0 for a file tree).
     pub chunk_size: u64,
-    /// The peer credential the export was registered for, kept in a new record.
-    pub bound: Option<&'a str>,
 }
 
 /// Why a cycle may not be written here.
@@ -38,10 +36,16 @@ pub enum AdmitError {
 }
 
 /// Checks that a cycle of `r` may be written into `r.volume` here, and records the
-/// relationship as this side's secondary. Returns whether the relationship was known
-/// here before (then the volume holds a complete cycle, or a former primary's data,
-/// and must be changed atomically).
-pub fn admit(store: &Store, r: &CycleTarget<'_>, cycle: &proto::Cycle) -> Result<bool, AdmitError> {
+/// relationship as this side's secondary (a new record bound to `bound`, the peer
+/// credential its export names). Returns whether the relationship was known here before
+/// (then the volume holds a complete cycle, or a former primary's data, and must be
+/// changed atomically).
+pub fn admit(
+    store: &Store,
+    r: &CycleTarget<'_>,
+    bound: Option<&str>,
+    cycle: &proto::Cycle,
+) -> Result<bool, AdmitError> {
     let known = store.get(r.relationship);
     if let Some(k) = &known {
         if k.role == Role::Primary {
@@ -72,7 +76,7 @@ pub fn admit(store: &Store, r: &CycleTarget<'_>, cycle: &proto::Cycle) -> Result
         )));
     }
     let record = Record::secondary(
-        (r.relationship, r.volume, r.bound),
+        (r.relationship, r.volume, bound),
         r.epoch,
         r.chunk_size,
         cycle,
