@@ -15,6 +15,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tonic::codegen::http;
 
 /// What the API server said of a token.
 #[derive(Clone, Debug, PartialEq)]
@@ -111,19 +112,26 @@ impl Gate {
     }
 }
 
-/// The answer to a /metrics request, as an HTTP status and body: `render()` if `gate`
-/// (none: open to all) lets `authorization` (the request's header) through.
+/// The answer to a /metrics request with `headers`, as an HTTP status and body:
+/// `render()` if `gate` (none: open to all) lets its Authorization header through.
 pub async fn answer(
     gate: Option<&Gate>,
-    authorization: Option<&str>,
+    headers: &http::HeaderMap,
     render: impl FnOnce() -> String,
-) -> (u16, String) {
-    match gate {
-        Some(g) => match g.admit(authorization).await {
-            Ok(()) => (200, render()),
-            Err(refused) => refused,
-        },
-        None => (200, render()),
+) -> (http::StatusCode, String) {
+    let authorization = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let verdict = match gate {
+        Some(g) => g.admit(authorization).await,
+        None => Ok(()),
+    };
+    match verdict {
+        Ok(()) => (http::StatusCode::OK, render()),
+        Err((status, why)) => (
+            http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::FORBIDDEN),
+            why,
+        ),
     }
 }
 

@@ -451,15 +451,7 @@ async fn serve_metrics(
         .route(
             "/metrics",
             axum::routing::get(move |headers: axum::http::HeaderMap| async move {
-                let authorization = headers
-                    .get(axum::http::header::AUTHORIZATION)
-                    .and_then(|v| v.to_str().ok());
-                let (status, body) =
-                    transport::scrape_access::answer(gate.as_deref(), authorization, || m.render())
-                        .await;
-                let status = axum::http::StatusCode::from_u16(status)
-                    .unwrap_or(axum::http::StatusCode::FORBIDDEN);
-                (status, body)
+                transport::scrape_access::answer(gate.as_deref(), &headers, || m.render()).await
             }),
         )
         .route("/healthz", axum::routing::get(|| async { "ok" }));

@@ -473,15 +473,7 @@ async fn serve_metrics(
             get(move |headers: axum::http::HeaderMap| {
                 let (scraped, gate) = (scraped.clone(), gate.clone());
                 async move {
-                    let authorization = headers
-                        .get(axum::http::header::AUTHORIZATION)
-                        .and_then(|v| v.to_str().ok());
-                    let (status, body) =
-                        scrape_access::answer(gate.as_deref(), authorization, || scraped.render())
-                            .await;
-                    let status = axum::http::StatusCode::from_u16(status)
-                        .unwrap_or(axum::http::StatusCode::FORBIDDEN);
-                    (status, body)
+                    scrape_access::answer(gate.as_deref(), &headers, || scraped.render()).await
                 }
             }),
         )
