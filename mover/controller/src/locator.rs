@@ -2,8 +2,7 @@
 //! volume (`proto/locate.proto`): from the controller's caches, so every replica
 //! answers (a standby's caches are warm) and an answer costs the API server nothing.
 
-use super::context::secret_data;
-use super::context::{Context, typed};
+use super::context::{Context, secret_data, typed};
 use super::crd::VolumeReplication;
 use super::replication::desired::relationship_name;
 use super::replication::reconcile::{peer_credential_of, resolve};
