@@ -354,6 +354,8 @@ fn the_controller_may_do_what_deploy_documents_and_no_more() {
         "can-i",
         "--list",
         "--as=system:serviceaccount:mover-system:mover-agent",
+        "-n",
+        "mover-system",
     ]);
     let own: Vec<String> = agent
         .lines()

@@ -13,6 +13,9 @@ pub const CSI_DRIVER: &str = "csi.replication.mover";
 pub const AGENT_SIGNER: &str = "replication.mover/agent";
 /// How long an agent's certificate is asked for.
 pub const AGENT_CERTIFICATE_LIFETIME: Duration = Duration::from_secs(90 * 24 * 3600);
+/// How often an agent reads what its cluster trusts (the controller's ConfigMap
+/// `mover-ca-trust`): a step of a CA rotation reaches every agent this soon.
+pub const AGENT_TRUST_EVERY: Duration = Duration::from_secs(10);
 
 /// Seconds of life left and in all of the first certificate in `pem`, and whether it
 /// names `node`.

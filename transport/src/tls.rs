@@ -267,6 +267,10 @@ pub struct Facts {
     pub not_before: i64,
     /// Valid until (Unix seconds).
     pub not_after: i64,
+    /// Its issuer's name (DER).
+    pub issuer: Vec<u8>,
+    /// Its own name (DER): a CA's is the issuer of what it signs.
+    pub subject: Vec<u8>,
 }
 
 impl Facts {
@@ -277,6 +281,8 @@ impl Facts {
         let mut facts = Facts {
             not_before: cert.validity().not_before.timestamp(),
             not_after: cert.validity().not_after.timestamp(),
+            issuer: cert.issuer().as_raw().to_vec(),
+            subject: cert.subject().as_raw().to_vec(),
             ..Facts::default()
         };
         if let Ok(Some(san)) = cert.subject_alternative_name() {
@@ -295,6 +301,15 @@ impl Facts {
     pub fn of_pem(pem: &[u8]) -> Option<Facts> {
         let (_, block) = x509_parser::pem::parse_x509_pem(pem).ok()?;
         Facts::of_der(&block.contents)
+    }
+}
+
+/// Whether the first certificate of `cert` (PEM) names the CA `ca` (PEM) as its issuer.
+/// mover's CAs are named after their keys, so a rotated CA is told from the one before.
+pub fn issued_by(cert: &[u8], ca: &[u8]) -> bool {
+    match (Facts::of_pem(cert), Facts::of_pem(ca)) {
+        (Some(c), Some(a)) => c.issuer == a.subject,
+        _ => false,
     }
 }
 

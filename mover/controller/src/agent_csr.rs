@@ -3,9 +3,11 @@
 //! The agent (`mover-node`) makes the key and the request and keeps the answer; it reaches
 //! this code through the `mover` binary, so only this crate depends on kube.
 
+use crate::issuer::{SIGNER_KEY, TRUST_CONFIGMAP, TRUST_KEY};
 use k8s_openapi::{
     ByteString,
     api::certificates::v1::{CertificateSigningRequest, CertificateSigningRequestSpec},
+    api::core::v1::ConfigMap,
 };
 use kube::api::{Api, ObjectMeta, PostParams};
 use std::time::Duration;
@@ -73,4 +75,33 @@ pub async fn sign(name: &str, request: String, wait: Duration) -> Result<Vec<u8>
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// What the cluster trusts now, as its controller publishes it for the agents in
+/// ConfigMap [`TRUST_CONFIGMAP`] of the agent's namespace: (every CA to trust, the CA
+/// that signs now), both PEM; `None` before the controller published it.
+pub async fn trust() -> Result<Option<(Vec<u8>, Vec<u8>)>, String> {
+    static CLIENT: tokio::sync::OnceCell<kube::Client> = tokio::sync::OnceCell::const_new();
+    let client = CLIENT
+        .get_or_try_init(|| async {
+            transport::tls::install_crypto_provider();
+            kube::Client::try_default()
+                .await
+                .map_err(|e| format!("no Kubernetes credentials: {e}"))
+        })
+        .await?
+        .clone();
+    let namespace = client.default_namespace().to_string();
+    let maps: Api<ConfigMap> = Api::namespaced(client, &namespace);
+    let map = maps
+        .get_opt(TRUST_CONFIGMAP)
+        .await
+        .map_err(|e| format!("cannot read ConfigMap {namespace}/{TRUST_CONFIGMAP}: {e}"))?;
+    Ok(map.and_then(|m| {
+        let data = m.data?;
+        Some((
+            data.get(TRUST_KEY)?.clone().into_bytes(),
+            data.get(SIGNER_KEY)?.clone().into_bytes(),
+        ))
+    }))
 }

@@ -5,6 +5,11 @@
 //! the node the certificate names (the API server records the requesting token's node
 //! in the request's `extra`). The controller makes its own client certificate, with the
 //! control role, from the same CA.
+//!
+//! The CA is rotated in three steps ([`crate::rotation`]), each a change of its Secret:
+//! a next CA is trusted beside the current one, then signs in its place (the old one
+//! still trusted while every certificate is issued again), then the old one is dropped.
+//! What the cluster trusts is published for the agents in ConfigMap [`TRUST_CONFIGMAP`].
 
 use k8s_openapi::api::certificates::v1::{
     CertificateSigningRequest, CertificateSigningRequestCondition,
@@ -18,15 +23,33 @@ use std::collections::BTreeMap;
 use transport::cluster::{AGENT_CERTIFICATE_LIFETIME as LIFETIME, AGENT_SIGNER as SIGNER};
 use transport::tls::TlsPem;
 
-/// The Secret holding the CA (`ca.crt`, `ca.key`) in the controller's namespace.
+/// The Secret holding the CA (`ca.crt`, `ca.key`) in the controller's namespace; during
+/// a rotation also the next CA (`next.crt`, `next.key`) or the retired one
+/// (`retired.crt`), both trusted.
 pub const CA_SECRET: &str = "mover-ca";
+/// The ConfigMap, beside [`CA_SECRET`], where the controller publishes what the agents
+/// trust ([`TRUST_KEY`]) and who signs their certificates now ([`SIGNER_KEY`]).
+pub const TRUST_CONFIGMAP: &str = "mover-ca-trust";
+/// Every CA the cluster trusts (PEM, one after another).
+pub const TRUST_KEY: &str = "trust.crt";
+/// The CA that signs agents' certificates now (PEM).
+pub const SIGNER_KEY: &str = "signer.crt";
+/// The Secret's keys.
+pub(crate) const CA_CRT: &str = "ca.crt";
+pub(crate) const CA_KEY: &str = "ca.key";
+pub(crate) const NEXT_CRT: &str = "next.crt";
+pub(crate) const NEXT_KEY: &str = "next.key";
+pub(crate) const RETIRED_CRT: &str = "retired.crt";
 /// The `extra` key under which the API server records a pod-bound token's node.
-const NODE_EXTRA: &str = "authentication.kubernetes.io/node-name";
+pub(crate) const NODE_EXTRA: &str = "authentication.kubernetes.io/node-name";
 
 /// The CA, able to sign.
 pub struct Authority {
-    /// The CA certificate (PEM): what agents and peers trust.
+    /// The CA certificate that signs (PEM).
     pub ca_pem: String,
+    /// Every CA the cluster trusts (PEM): the one that signs, and during a rotation the
+    /// next or the retired one. What agents and peers are given to trust.
+    pub trust_pem: String,
     key: KeyPair,
 }
 
@@ -73,15 +96,20 @@ impl Authority {
                     ..Default::default()
                 },
                 string_data: Some(BTreeMap::from([
-                    ("ca.crt".to_string(), ca_pem.clone()),
-                    ("ca.key".to_string(), key.serialize_pem()),
+                    (CA_CRT.to_string(), ca_pem.clone()),
+                    (CA_KEY.to_string(), key.serialize_pem()),
                 ])),
                 ..Default::default()
             };
             match secrets.create(&PostParams::default(), &secret).await {
                 Ok(_) => {
                     tracing::info!(secret = %format!("{namespace}/{CA_SECRET}"), "made the cluster's mover CA");
-                    return Ok(Authority { ca_pem, key });
+                    let trust_pem = ca_pem.clone();
+                    return Ok(Authority {
+                        ca_pem,
+                        trust_pem,
+                        key,
+                    });
                 }
                 Err(kube::Error::Api(e)) if e.code == 409 => continue,
                 Err(e) => return Err(fail(format!("cannot create it: {e}"))),
@@ -119,21 +147,34 @@ impl Authority {
     }
 
     /// The CA held in its Secret `secret` of `namespace`.
-    fn from_secret(secret: Secret, namespace: &str) -> Result<Self, AuthorityError> {
+    pub(crate) fn from_secret(secret: Secret, namespace: &str) -> Result<Self, AuthorityError> {
         let fail = |why: String| AuthorityError::new(namespace, why);
         let data = secret.data.unwrap_or_default();
         let text = |k: &str| {
             data.get(k)
                 .map(|v| String::from_utf8_lossy(&v.0).into_owned())
-                .ok_or_else(|| {
-                    fail(format!(
-                        "it has no {k} (the controller makes a new CA once it is deleted)"
-                    ))
-                })
         };
-        let (ca_pem, key_pem) = (text("ca.crt")?, text("ca.key")?);
-        let key = KeyPair::from_pem(&key_pem).map_err(|e| fail(format!("ca.key: {e}")))?;
-        Ok(Authority { ca_pem, key })
+        let needed = |k: &str| {
+            text(k).ok_or_else(|| {
+                fail(format!(
+                    "it has no {k} (the controller makes a new CA once it is deleted)"
+                ))
+            })
+        };
+        let (ca_pem, key_pem) = (needed(CA_CRT)?, needed(CA_KEY)?);
+        let key = KeyPair::from_pem(&key_pem).map_err(|e| fail(format!("{CA_KEY}: {e}")))?;
+        let mut trust_pem = ca_pem.clone();
+        for also in [NEXT_CRT, RETIRED_CRT].into_iter().filter_map(text) {
+            if !trust_pem.ends_with('\n') {
+                trust_pem.push('\n');
+            }
+            trust_pem.push_str(&also);
+        }
+        Ok(Authority {
+            ca_pem,
+            trust_pem,
+            key,
+        })
     }
 
     /// A client certificate for an operator `who`, valid for `life`: it names no mover
@@ -193,13 +234,13 @@ impl Authority {
         Ok(TlsPem {
             cert: cert.pem().into_bytes(),
             key: key.serialize_pem().into_bytes(),
-            ca: self.ca_pem.clone().into_bytes(),
+            ca: self.trust_pem.clone().into_bytes(),
         })
     }
 
     /// Checks an agent's request and signs it: the certificate names `node`, as DNS
     /// name and agent URI, for server and client use. Returns the certificate then the
-    /// CA (PEM), or why it is denied.
+    /// CAs to trust (PEM), or why it is denied.
     pub fn sign_agent(
         &self,
         request_pem: &str,
@@ -243,7 +284,36 @@ impl Authority {
         req.params = p;
         let issuer = self.issuer().map_err(|e| e.to_string())?;
         let cert = req.signed_by(&issuer).map_err(|e| e.to_string())?;
-        Ok(format!("{}{}", cert.pem(), self.ca_pem))
+        Ok(format!("{}{}", cert.pem(), self.trust_pem))
+    }
+}
+
+/// The CA, replaced in place when its Secret changes (a rotation's step): the signer
+/// and this controller's own certificates take the current one.
+#[derive(Clone)]
+pub struct LiveAuthority(std::sync::Arc<std::sync::RwLock<std::sync::Arc<Authority>>>);
+
+impl LiveAuthority {
+    /// Starts with `a`.
+    pub fn new(a: Authority) -> Self {
+        LiveAuthority(std::sync::Arc::new(std::sync::RwLock::new(
+            std::sync::Arc::new(a),
+        )))
+    }
+
+    /// The current CA.
+    pub fn get(&self) -> std::sync::Arc<Authority> {
+        self.0.read().expect("authority lock").clone()
+    }
+
+    /// Takes `a` if it signs or trusts otherwise than the current one; true if taken.
+    pub fn set(&self, a: Authority) -> bool {
+        let mut current = self.0.write().expect("authority lock");
+        if current.ca_pem == a.ca_pem && current.trust_pem == a.trust_pem {
+            return false;
+        }
+        *current = std::sync::Arc::new(a);
+        true
     }
 }
 
@@ -254,7 +324,7 @@ fn validity(life: std::time::Duration) -> (time::OffsetDateTime, time::OffsetDat
 }
 
 /// A new CA: ECDSA P-256, ten years.
-fn new_ca() -> Result<(String, KeyPair), rcgen::Error> {
+pub(crate) fn new_ca() -> Result<(String, KeyPair), rcgen::Error> {
     let key = KeyPair::generate()?;
     let mut p = CertificateParams::new(Vec::<String>::new())?;
     // Named apart from other clusters' mover CAs, so a wrong one is told as such.
@@ -308,11 +378,7 @@ fn condition(ty: &str, reason: &str, message: &str) -> CertificateSigningRequest
 }
 
 /// Signs agents' requests for as long as it runs (the leader runs it).
-pub async fn sign_requests(
-    client: kube::Client,
-    authority: std::sync::Arc<Authority>,
-    agent_user: String,
-) {
+pub async fn sign_requests(client: kube::Client, authority: LiveAuthority, agent_user: String) {
     use futures::StreamExt;
     let api: Api<CertificateSigningRequest> = Api::all(client);
     let config = watcher::Config::default().fields(&format!("spec.signerName={SIGNER}"));
@@ -337,6 +403,7 @@ pub async fn sign_requests(
         let verdict = judge(&csr, &agent_user).and_then(|node| {
             let pem = String::from_utf8_lossy(&csr.spec.request.0).into_owned();
             authority
+                .get()
                 .sign_agent(&pem, &node, csr.spec.expiration_seconds)
                 .map(|chain| (node, chain))
         });
@@ -413,7 +480,12 @@ mod tests {
     #[test]
     fn an_agents_request_is_signed_for_its_own_node_only() {
         let (ca_pem, key) = new_ca().unwrap();
-        let authority = Authority { ca_pem, key };
+        let trust_pem = ca_pem.clone();
+        let authority = Authority {
+            ca_pem,
+            trust_pem,
+            key,
+        };
         let request = |names: Vec<String>| {
             let key = KeyPair::generate().unwrap();
             CertificateParams::new(names)
@@ -452,7 +524,12 @@ mod tests {
     #[test]
     fn an_operators_certificate_has_the_control_role_and_a_short_life() {
         let (ca_pem, key) = new_ca().unwrap();
-        let ca = Authority { ca_pem, key };
+        let trust_pem = ca_pem.clone();
+        let ca = Authority {
+            ca_pem,
+            trust_pem,
+            key,
+        };
         let life = std::time::Duration::from_secs(3600);
         let pem = ca.operator_identity("alice", life).unwrap();
         let der = rustls_pemfile_der(std::str::from_utf8(&pem.cert).unwrap());

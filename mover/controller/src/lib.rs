@@ -41,6 +41,7 @@ pub mod metrics;
 pub mod moves;
 pub mod populate;
 pub mod replication;
+pub mod rotation;
 mod run;
 pub mod scrape_review;
 pub mod secrets;

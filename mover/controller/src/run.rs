@@ -29,7 +29,7 @@ pub struct RunOptions {
     #[arg(long, default_value = "mover-system", env = "MOVER_AGENT_NAMESPACE")]
     pub agent_namespace: String,
     /// The label selector of the agent pods.
-    #[arg(long, default_value = "app.kubernetes.io/name=mover-agent")]
+    #[arg(long, default_value = crate::rotation::AGENT_SELECTOR)]
     pub agent_selector: String,
     /// The agents' gRPC port.
     #[arg(long, default_value_t = 7070)]
@@ -470,7 +470,7 @@ async fn identities(
     options: &RunOptions,
 ) -> Result<
     (
-        Option<Arc<super::issuer::Authority>>,
+        Option<super::issuer::LiveAuthority>,
         Option<transport::tls::LiveTls>,
         mover_engine::remote::ConnectOptions,
     ),
@@ -492,29 +492,64 @@ async fn identities(
     let own = transport::tls::LiveTls::new(a.controller_identity().map_err(ca_error)?);
     let locator = transport::tls::LiveTls::new(a.locator_identity().map_err(ca_error)?);
     connect.tls_pem = Some(own.clone());
-    let a = Arc::new(a);
-    // Its own certificates are made at start for LIFETIME, and made again two thirds of
-    // the way, in place: new connections get them, and they never expire in use.
-    let (authority, live_locator) = (a.clone(), locator.clone());
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(transport::cluster::AGENT_CERTIFICATE_LIFETIME * 2 / 3).await;
-            match (
-                authority.controller_identity(),
-                authority.locator_identity(),
-            ) {
-                (Ok(mine), Ok(locator)) => {
-                    own.set(mine);
-                    live_locator.set(locator);
-                    tracing::info!("this controller's own certificates renewed (no restart)");
-                }
-                (Err(e), _) | (_, Err(e)) => {
-                    tracing::error!("cannot renew this controller's own certificates: {e}")
+    let a = super::issuer::LiveAuthority::new(a);
+    tokio::spawn(follow_ca(
+        client.clone(),
+        options.lease_namespace.clone(),
+        a.clone(),
+        own,
+        locator.clone(),
+    ));
+    Ok((Some(a), Some(locator), connect))
+}
+
+/// Reads the CA's Secret every [`CA_CHECK_EVERY`]: a rotation's step changes what this
+/// controller signs with and trusts, and its own certificates are made again from the
+/// CA that signs now. They are also made again two thirds of their life on. In place:
+/// new connections get them, and they never expire in use.
+async fn follow_ca(
+    client: kube::Client,
+    namespace: String,
+    authority: super::issuer::LiveAuthority,
+    own: transport::tls::LiveTls,
+    locator: transport::tls::LiveTls,
+) {
+    use super::rotation::CA_CHECK_EVERY;
+    let renew_every = transport::cluster::AGENT_CERTIFICATE_LIFETIME * 2 / 3;
+    let mut made = tokio::time::Instant::now();
+    loop {
+        tokio::time::sleep(CA_CHECK_EVERY).await;
+        let changed = match super::issuer::Authority::load(&client, &namespace).await {
+            Ok(a) => authority.set(a),
+            Err(e) => {
+                tracing::warn!("cannot read the CA again, tried again in {CA_CHECK_EVERY:?}: {e}");
+                false
+            }
+        };
+        if !changed && made.elapsed() < renew_every {
+            continue;
+        }
+        let a = authority.get();
+        match (a.controller_identity(), a.locator_identity()) {
+            (Ok(mine), Ok(loc)) => {
+                own.set(mine);
+                locator.set(loc);
+                made = tokio::time::Instant::now();
+                match changed {
+                    true => tracing::info!(
+                        "the CA changed (a rotation's step): this controller now signs, \
+                         trusts and presents certificates of it"
+                    ),
+                    false => {
+                        tracing::info!("this controller's own certificates renewed (no restart)")
+                    }
                 }
             }
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::error!("cannot make this controller's own certificates: {e}")
+            }
         }
-    });
-    Ok((Some(a), Some(locator), connect))
+    }
 }
 
 /// The agents' control API, reached with `connect`; over TLS, each agent's
@@ -627,7 +662,7 @@ async fn start_locator(
 fn start_leader_tasks(
     client: &kube::Client,
     options: &RunOptions,
-    authority: Option<Arc<super::issuer::Authority>>,
+    authority: Option<super::issuer::LiveAuthority>,
     ctx: &Context,
 ) {
     if let Some(authority) = authority {
@@ -637,8 +672,13 @@ fn start_leader_tasks(
         );
         tokio::spawn(super::issuer::sign_requests(
             client.clone(),
-            authority,
+            authority.clone(),
             user,
+        ));
+        tokio::spawn(publish_trust(
+            client.clone(),
+            options.agent_namespace.clone(),
+            authority,
         ));
     }
     if let Some((grace, leftovers)) = ctx.leftovers.clone() {
@@ -652,6 +692,37 @@ fn start_leader_tasks(
                 }
             }
         });
+    }
+}
+
+/// Publishes what the cluster trusts for the agents (ConfigMap
+/// [`super::issuer::TRUST_CONFIGMAP`]) at start and whenever the CA changes.
+async fn publish_trust(
+    client: kube::Client,
+    namespace: String,
+    authority: super::issuer::LiveAuthority,
+) {
+    let mut published: Option<Arc<super::issuer::Authority>> = None;
+    loop {
+        let a = authority.get();
+        if !published.as_ref().is_some_and(|p| Arc::ptr_eq(p, &a)) {
+            match super::rotation::publish_trust(&client, &namespace, &a).await {
+                Ok(wrote) => {
+                    if wrote {
+                        tracing::info!(
+                            configmap = super::issuer::TRUST_CONFIGMAP,
+                            "published what the cluster trusts for its agents"
+                        );
+                    }
+                    published = Some(a);
+                }
+                Err(e) => tracing::warn!(
+                    "cannot publish the cluster's trust in ConfigMap {}, tried again: {e}",
+                    super::issuer::TRUST_CONFIGMAP
+                ),
+            }
+        }
+        tokio::time::sleep(super::rotation::CA_CHECK_EVERY).await;
     }
 }
 

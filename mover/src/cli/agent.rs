@@ -82,6 +82,48 @@ pub enum ControllerCommand {
     },
     /// Run the controller (in the cluster, or with a kubeconfig) until SIGINT or SIGTERM.
     Run(Box<mover::controller::RunOptions>),
+    /// Rotate the cluster's mover CA, one step at a time (begin, issue, finish; status).
+    #[command(
+        long_about = "Rotate the cluster's mover CA, so that every certificate \
+        it signed before (agents', operators', one that leaked) stops being accepted, \
+        without a pause in replication. Three steps, each a change of Secret mover-ca \
+        (made with your kubeconfig: whoever may write that Secret may do this); the \
+        controller takes each within 5 s and publishes what the cluster trusts in \
+        ConfigMap mover-ca-trust, which the agents read every 10 s.\n\n\
+        1. begin: a next CA is trusted beside the current one; it signs nothing yet. \
+        Give each peer cluster the two CAs now (--trust-out FILE; the peer's class \
+        secret's ca.crt): a peer that does not trust the next CA cannot reach this \
+        cluster's agents once step 2 is taken.\n\
+        2. issue: the next CA signs; the current one is retired but still trusted. Every \
+        agent asks for a certificate of the new CA within 10 s, the controller makes \
+        its own again.\n\
+        3. finish: refused until every agent holds a certificate of the new CA (--force \
+        to drop the retired CA anyway); then nothing the retired CA signed is accepted. \
+        Give the peers the new CA alone.\n\n\
+        Example:\n  mover controller rotate-ca begin --trust-out both.crt\n  \
+        # on each peer: kubectl -n mover-system patch secret CLASS_SECRET ... ca.crt=both.crt\n  \
+        mover controller rotate-ca issue\n  mover controller rotate-ca status\n  \
+        mover controller rotate-ca finish --trust-out new.crt"
+    )]
+    RotateCa {
+        /// begin, issue, finish, or status.
+        #[arg(value_enum)]
+        step: RotateStep,
+        /// Write what the cluster trusts after the step (PEM: what peers' class secrets'
+        /// ca.crt must hold) into FILE.
+        #[arg(long, value_name = "FILE")]
+        trust_out: Option<PathBuf>,
+        /// The controller's namespace, where the CA's Secret is.
+        #[arg(long, default_value = "mover-system")]
+        namespace: String,
+        /// The agents' namespace, where ConfigMap mover-ca-trust is published.
+        #[arg(long, default_value = "mover-system")]
+        agent_namespace: String,
+        /// finish: drop the retired CA even though some agents hold no certificate of
+        /// the new one (they are cut off until they get one).
+        #[arg(long)]
+        force: bool,
+    },
     /// Mint a short-lived client certificate for an operator, from the cluster's mover CA.
     #[command(long_about = "Mint a short-lived client certificate for an operator, \
         signed by the cluster's mover CA (Secret mover-ca, read with your kubeconfig: \
@@ -162,6 +204,32 @@ impl mover::agent::certificate::Signer for ClusterSigner {
     ) -> mover::agent::certificate::SignFuture<'a> {
         Box::pin(mover::controller::agent_csr::sign(name, request, wait))
     }
+
+    fn trust(&self) -> mover::agent::certificate::TrustFuture<'_> {
+        Box::pin(async {
+            let got = mover::controller::agent_csr::trust().await?;
+            Ok(
+                got.map(|(trust, signer)| mover::agent::certificate::ClusterTrust {
+                    trust,
+                    signer,
+                }),
+            )
+        })
+    }
+}
+
+/// A step of `mover controller rotate-ca`.
+#[cfg(feature = "controller")]
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum RotateStep {
+    /// Trust a next CA beside the current one.
+    Begin,
+    /// Sign with the next CA; the current one is retired, still trusted.
+    Issue,
+    /// Drop the retired CA.
+    Finish,
+    /// Show the step and which agents hold a certificate of the CA that signs.
+    Status,
 }
 
 /// `mover controller ...`.
@@ -185,6 +253,23 @@ pub fn run_controller(cmd: ControllerCommand) -> anyhow::Result<()> {
             let runtime =
                 tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
             runtime.block_on(operator_cert(&out, valid, &namespace, name))
+        }
+        ControllerCommand::RotateCa {
+            step,
+            trust_out,
+            namespace,
+            agent_namespace,
+            force,
+        } => {
+            let runtime =
+                tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+            runtime.block_on(rotate_ca(
+                step,
+                trust_out.as_deref(),
+                &namespace,
+                &agent_namespace,
+                force,
+            ))
         }
         ControllerCommand::Run(options) => {
             let runtime =
@@ -244,6 +329,72 @@ async fn operator_cert(
         out.display(),
         mover::controller::status::go_duration(valid)
     );
+    Ok(())
+}
+
+/// `mover controller rotate-ca STEP`.
+#[cfg(feature = "controller")]
+async fn rotate_ca(
+    step: RotateStep,
+    trust_out: Option<&std::path::Path>,
+    namespace: &str,
+    agent_namespace: &str,
+    force: bool,
+) -> anyhow::Result<()> {
+    use mover::controller::rotation::Rotation;
+    let rotation = Rotation::of_cluster(namespace, agent_namespace).await?;
+    let (trust, next) = match step {
+        RotateStep::Begin => (
+            rotation.begin().await?,
+            "Give each peer cluster these two CAs (its class secret's ca.crt), then run \
+             `mover controller rotate-ca issue`.",
+        ),
+        RotateStep::Issue => {
+            eprintln!("waiting until the agents have read the next CA's trust…");
+            (
+                rotation.issue().await?,
+                "The agents ask for certificates of the new CA now. `mover controller \
+                 rotate-ca status` shows which hold one; then `rotate-ca finish`.",
+            )
+        }
+        RotateStep::Finish => (
+            rotation.finish(force).await?,
+            "Nothing the retired CA signed is accepted any more. Give each peer cluster \
+             the new CA alone (its class secret's ca.crt).",
+        ),
+        RotateStep::Status => {
+            let report = rotation.status().await?;
+            println!("rotation: {}", report.step);
+            println!(
+                "trust published for the agents (ConfigMap mover-ca-trust): {}",
+                if report.published { "yes" } else { "not yet" }
+            );
+            for (node, done) in &report.agents {
+                let has = if *done {
+                    "a certificate of the CA that signs now"
+                } else {
+                    "none of the CA that signs now yet"
+                };
+                println!("agent on {node}: {has}");
+            }
+            (report.trust_pem, "")
+        }
+    };
+    let cas = trust.matches("BEGIN CERTIFICATE").count();
+    match trust_out {
+        Some(path) => {
+            std::fs::write(path, &trust)
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            println!("{}: what the cluster trusts now ({cas} CA)", path.display());
+        }
+        None if !matches!(step, RotateStep::Status) => {
+            println!("what the cluster trusts now ({cas} CA):\n{trust}")
+        }
+        None => {}
+    }
+    if !next.is_empty() {
+        println!("{next}");
+    }
     Ok(())
 }
 

@@ -5,6 +5,10 @@
 //! from the agent pod on that node. The request reaches the cluster through a
 //! [`Signer`]: the `mover` binary gives the controller crate's, which speaks the
 //! Kubernetes CertificateSigningRequest API, so this crate never depends on kube.
+//!
+//! The [`Signer`] also tells what the cluster trusts now ([`ClusterTrust`]): during a
+//! rotation of the cluster's CA the agent trusts what it is told, and asks for a
+//! certificate of the CA that signs now as soon as its own is of another.
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -16,12 +20,27 @@ use transport::tls::TlsPem;
 /// A future a [`Signer`] answers with.
 pub type SignFuture<'a> = Pin<Box<dyn Future<Output = Result<Vec<u8>, String>> + Send + 'a>>;
 
+/// A future a [`Signer`] answers what the cluster trusts with (`None`: not published).
+pub type TrustFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<Option<ClusterTrust>, String>> + Send + 'a>>;
+
 /// Who signs an agent's certificate request for its cluster.
 pub trait Signer: Send + Sync {
     /// Asks for `request` (PKCS#10, PEM) to be signed under the name `name`, waiting up
-    /// to `wait`. The answer is the certificate followed by its CA (PEM); an error says
-    /// what to do about it.
+    /// to `wait`. The answer is the certificate followed by the CAs to trust (PEM); an
+    /// error says what to do about it.
     fn sign<'a>(&'a self, name: &'a str, request: String, wait: Duration) -> SignFuture<'a>;
+    /// What the cluster trusts now.
+    fn trust(&self) -> TrustFuture<'_>;
+}
+
+/// What a cluster trusts now, as its controller publishes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterTrust {
+    /// Every CA to trust (PEM): during a rotation, two.
+    pub trust: Vec<u8>,
+    /// The CA that signs agents' certificates now (PEM).
+    pub signer: Vec<u8>,
 }
 
 /// Why the agent has no certificate.
@@ -38,8 +57,9 @@ fn files(state_dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     (dir.join("tls.crt"), dir.join("tls.key"), dir.join("ca.crt"))
 }
 
-/// The kept certificate, if it names `node` and has more than a third of its life left.
-fn kept(state_dir: &Path, node: &str) -> Option<TlsPem> {
+/// The kept certificate, if it names `node`, has more than a third of its life left, and
+/// is of the CA that signs now (when `trust` tells).
+fn kept(state_dir: &Path, node: &str, trust: Option<&ClusterTrust>) -> Option<TlsPem> {
     let (cert, key, ca) = files(state_dir);
     let pem = TlsPem {
         cert: std::fs::read(cert).ok()?,
@@ -47,21 +67,54 @@ fn kept(state_dir: &Path, node: &str) -> Option<TlsPem> {
         ca: std::fs::read(ca).ok()?,
     };
     let (left, all, names) = certificate_life(&pem.cert, node)?;
-    (names && left * 3 > all).then_some(pem)
+    let current = trust.is_none_or(|t| transport::tls::issued_by(&pem.cert, &t.signer));
+    if !current {
+        tracing::info!(%node, "the cluster's CA changed (a rotation): asking for a certificate of the new one");
+    }
+    (names && left * 3 > all && current).then_some(pem)
 }
 
-/// This node's certificate: the kept one while it is fresh, else a new one from
-/// `signer`, waiting for it up to `wait`.
+/// This node's certificate: the kept one while it is fresh and of the CA that signs
+/// now, else a new one from `signer`, waiting for it up to `wait`. It trusts what
+/// `trust` says the cluster trusts now, else what it was given with its certificate.
 pub async fn obtain(
     state_dir: &Path,
     node: &str,
     wait: Duration,
     signer: Option<&dyn Signer>,
+    trust: Option<&ClusterTrust>,
 ) -> Result<TlsPem, CertificateError> {
-    if let Some(pem) = kept(state_dir, node) {
-        tracing::info!(%node, "using the kept certificate");
-        return Ok(pem);
+    let fail = |why: String| CertificateError {
+        node: node.into(),
+        why,
+    };
+    let mut pem = match kept(state_dir, node, trust) {
+        Some(pem) => pem,
+        None => request(state_dir, node, wait, signer).await?,
+    };
+    if let Some(t) = trust.filter(|t| t.trust != pem.ca) {
+        pem.ca = t.trust.clone();
+        keep(state_dir, &pem).map_err(|e| {
+            fail(format!(
+                "cannot keep the cluster's trust in {}: {e}",
+                state_dir.join("tls").display()
+            ))
+        })?;
+        let cas = String::from_utf8_lossy(&pem.ca)
+            .matches("BEGIN CERTIFICATE")
+            .count();
+        tracing::info!(%node, cas, "now trusting what the cluster trusts (a CA rotation's step)");
     }
+    Ok(pem)
+}
+
+/// A new certificate for `node` from `signer`, kept in `state_dir`.
+async fn request(
+    state_dir: &Path,
+    node: &str,
+    wait: Duration,
+    signer: Option<&dyn Signer>,
+) -> Result<TlsPem, CertificateError> {
     let fail = |why: String| CertificateError {
         node: node.into(),
         why,

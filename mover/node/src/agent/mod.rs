@@ -106,7 +106,17 @@ pub async fn serve(
                           NODE_NAME environment variable (the downward API's spec.nodeName)"
                         .into(),
                 })?;
-                Some(certificate::obtain(&config.state_dir, &node, CERTIFICATE_WAIT, signer).await?)
+                let trust = cluster_trust(signer).await;
+                Some(
+                    certificate::obtain(
+                        &config.state_dir,
+                        &node,
+                        CERTIFICATE_WAIT,
+                        signer,
+                        trust.as_ref(),
+                    )
+                    .await?,
+                )
             }
         },
     };
@@ -379,9 +389,27 @@ pub async fn serve(
     result
 }
 
-/// Looks for a renewed certificate every `tls.renew_every` and puts it in `live`: the
-/// files read again, or one from the cluster's signer once a third of the current one's
-/// life is left ([`certificate::obtain`]). One that does not load is not taken.
+/// What the cluster trusts now, from `signer` (`None` if it cannot tell: the agent
+/// then keeps what it trusts).
+async fn cluster_trust(
+    signer: Option<&dyn certificate::Signer>,
+) -> Option<certificate::ClusterTrust> {
+    match signer?.trust().await {
+        Ok(trust) => trust,
+        Err(e) => {
+            tracing::warn!("cannot read what the cluster trusts now (kept what it trusted): {e}");
+            None
+        }
+    }
+}
+
+/// Looks for a renewed certificate and puts it in `live`: the files read again every
+/// `tls.renew_every`, or from the cluster, every [`AGENT_TRUST_EVERY`] at most: what it
+/// trusts now, and a certificate from its signer once a third of the current one's life
+/// is left or a CA rotation made another CA the signer ([`certificate::obtain`]). One
+/// that does not load is not taken.
+///
+/// [`AGENT_TRUST_EVERY`]: transport::cluster::AGENT_TRUST_EVERY
 async fn renew_certificate(
     live: transport::tls::LiveTls,
     tls: config::TlsConfig,
@@ -389,13 +417,20 @@ async fn renew_certificate(
     node: Option<String>,
     signer: Option<&'static dyn certificate::Signer>,
 ) {
+    let every = match tls.files() {
+        Some(_) => tls.renew_every,
+        None => tls.renew_every.min(transport::cluster::AGENT_TRUST_EVERY),
+    };
     loop {
-        tokio::time::sleep(tls.renew_every).await;
+        tokio::time::sleep(every).await;
         let fresh = match (tls.files(), &node) {
             (Some(files), _) => files.load().map_err(|e| e.to_string()),
-            (None, Some(node)) => certificate::obtain(&state_dir, node, CERTIFICATE_WAIT, signer)
-                .await
-                .map_err(|e| e.to_string()),
+            (None, Some(node)) => {
+                let trust = cluster_trust(signer).await;
+                certificate::obtain(&state_dir, node, CERTIFICATE_WAIT, signer, trust.as_ref())
+                    .await
+                    .map_err(|e| e.to_string())
+            }
             (None, None) => return,
         };
         let checked = fresh.and_then(|pem| {
@@ -405,12 +440,13 @@ async fn renew_certificate(
         match checked {
             Ok(pem) => {
                 if live.set(pem) {
-                    tracing::info!("certificate renewed: new connections get it (no restart)");
+                    tracing::info!(
+                        "certificate or trust renewed: new connections get it (no restart)"
+                    );
                 }
             }
             Err(e) => tracing::warn!(
-                "cannot renew the agent's certificate, tried again in {:?}: {e}",
-                tls.renew_every
+                "cannot renew the agent's certificate, tried again in {every:?}: {e}"
             ),
         }
     }
