@@ -175,6 +175,214 @@ fn on_real_nodes_two_clusters_install_replicate_fail_over_and_back() {
     refusals_of_the_default_install(&east, &west);
     a_pvc_is_populated_from_the_other_clusters_agent(&east, &west);
     a_secondary_follows_its_volume_to_the_node_it_is_attached_to(&east, &west);
+    a_ca_rotation_under_replication_keeps_its_cycles_going(&east, &west);
+}
+
+/// The mover CA of `b` rotated while `a` replicates `app/data` into it every 2 s (and
+/// `app/moving` beside it), in the three steps of `mover controller rotate-ca`, with
+/// `a`'s class secret given `b`'s two CAs between `begin` and `issue` and the new one
+/// alone after `finish`, as an administrator does. Cycles go on through every step: the
+/// longest stretch without a new cycle during the rotation is at most one interval (2 s)
+/// longer than before it, measured the same way in the same run. Every agent of `b`
+/// ends holding a certificate of the new CA, and an operator's certificate minted
+/// before the rotation, still accepted while the retired CA is trusted, is refused
+/// after `finish`: the old CA's certificates are useless.
+fn a_ca_rotation_under_replication_keeps_its_cycles_going(a: &Site, b: &Site) {
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    use std::time::Instant;
+    let mover = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mover"))
+            .args(args)
+            .env("KUBECONFIG", &b.c.kubeconfig)
+            .env_remove("MOVER_TOKEN")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    let operator_cert = |name: &str| {
+        let dir = b.c.dir().join(name);
+        let (ok, says) = mover(&[
+            "controller",
+            "operator-cert",
+            "--out",
+            dir.to_str().unwrap(),
+            "--valid",
+            "1h",
+        ]);
+        assert!(ok, "operator-cert: {says}");
+        dir
+    };
+    // `b`'s agent on node `n` asked for the relationship's status with the operator's
+    // certificate in `dir`, trusting the CAs in `trust` (or the certificate's ca.crt).
+    let both = b.c.dir().join("trust-both.crt");
+    let status_with = |dir: &std::path::Path, trust: Option<&std::path::Path>, n: u8| {
+        let file = |f: &str| dir.join(f).display().to_string();
+        let ca = trust.map_or_else(|| file("ca.crt"), |t| t.display().to_string());
+        mover(&[
+            "replicate",
+            "status",
+            "app/data",
+            "--json",
+            "--agent",
+            &b.agent_url(n),
+            "--tls-ca",
+            &ca,
+            "--tls-cert",
+            &file("tls.crt"),
+            "--tls-key",
+            &file("tls.key"),
+        ])
+    };
+    let old = operator_cert("operator-before-rotation");
+    let (ok, says) = status_with(&old, None, b.on);
+    assert!(ok, "the operator's certificate before the rotation: {says}");
+    let rotate = |step: &str, out: Option<&str>| {
+        let mut args = vec!["controller", "rotate-ca", step];
+        let path = out.map(|o| b.c.dir().join(o).display().to_string());
+        if let Some(p) = &path {
+            args.extend(["--trust-out", p.as_str()]);
+        }
+        let (ok, says) = mover(&args);
+        assert!(ok, "rotate-ca {step}: {says}");
+        eprintln!("rotate-ca {step}:\n{says}");
+        path.map(|p| std::fs::read_to_string(p).unwrap())
+            .unwrap_or_default()
+    };
+    let give_a = |ca: &str| {
+        let patch = serde_json::json!({ "stringData": { "ca.crt": ca } }).to_string();
+        a.c.kubectl_ok(&[
+            "-n",
+            "mover-system",
+            "patch",
+            "secret",
+            "mover-dr-peer",
+            "-p",
+            &patch,
+        ]);
+    };
+    let cas = |pem: &str| pem.matches("BEGIN CERTIFICATE").count();
+    let old_ca = b.secret("mover-ca", "ca.crt");
+
+    // The longest stretch without a new cycle on `a`'s VR while `during` runs.
+    let stopped = AtomicBool::new(false);
+    let longest_pause = |during: &dyn Fn()| {
+        stopped.store(false, Relaxed);
+        std::thread::scope(|scope| {
+            let sampler = scope.spawn(|| {
+                let (mut last, mut longest, mut cycles) = (None::<(String, Instant)>, 0f64, 0);
+                while !stopped.load(Relaxed) {
+                    if let Some(t) = a.vr()["status"]["lastSyncTime"].as_str() {
+                        match &last {
+                            Some((seen, since)) if seen == t => {
+                                longest = f64::max(longest, since.elapsed().as_secs_f64())
+                            }
+                            _ => {
+                                cycles += 1;
+                                last = Some((t.to_string(), Instant::now()));
+                            }
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+                (longest, cycles)
+            });
+            during();
+            stopped.store(true, Relaxed);
+            sampler.join().unwrap()
+        })
+    };
+    let (before, cycles_before) = longest_pause(&|| std::thread::sleep(Duration::from_secs(30)));
+
+    let started = Instant::now();
+    let (during, cycles_during) = longest_pause(&|| {
+        let two = rotate("begin", Some("trust-both.crt"));
+        assert_eq!(cas(&two), 2, "{two}");
+        assert!(
+            two.contains(old_ca.trim()),
+            "the current CA is still trusted"
+        );
+        let (ok, says) = mover(&["controller", "rotate-ca", "finish"]);
+        assert!(
+            !ok && says.contains("this step needs the rotation Reissuing"),
+            "finish before issue: {says}"
+        );
+        give_a(&two);
+        rotate("issue", None);
+        b.c.wait(
+            "every agent of b holding a certificate of the new CA",
+            WAIT,
+            || {
+                let (ok, says) = mover(&["controller", "rotate-ca", "status"]);
+                ok && says
+                    .matches("a certificate of the CA that signs now")
+                    .count()
+                    == 2
+            },
+        );
+        // The retired CA is still trusted: nothing is cut off mid-rotation (the client
+        // trusts both CAs: the agent presents a certificate of the new one now).
+        let (ok, says) = status_with(&old, Some(&both), b.on);
+        assert!(
+            ok,
+            "the old certificate while the retired CA is trusted: {says}"
+        );
+        let new = rotate("finish", Some("trust-new.crt"));
+        assert_eq!(cas(&new), 1, "{new}");
+        assert!(
+            !new.contains(old_ca.trim()),
+            "the old CA is not trusted any more"
+        );
+        give_a(&new);
+        // Cycles after the last step, with the new certificates on both ends.
+        let seen = a.vr()["status"]["lastSyncTime"].clone();
+        a.wait_vr("a cycle after the rotation", |s| {
+            s.vr()["status"]["lastSyncTime"] != seen
+        });
+        std::thread::sleep(Duration::from_secs(8));
+    });
+    let took = started.elapsed().as_secs_f64();
+    eprintln!(
+        "CA rotation under replication: {took:.1} s, {cycles_during} cycles; longest stretch \
+         without a new cycle {during:.1} s during it, {before:.1} s in the 30 s before \
+         ({cycles_before} cycles)"
+    );
+    assert!(
+        during <= before + 2.0 + 0.5,
+        "a pause in replication longer than one interval (2 s) during the rotation: \
+         {during:.1} s without a cycle, {before:.1} s before it"
+    );
+    assert!(cycles_during >= 5, "{cycles_during} cycles in {took:.0} s");
+
+    // The old CA's certificates are useless; the new CA's are taken by every agent. The
+    // two calls differ in the client's certificate alone (both trust both CAs).
+    let new = operator_cert("operator-after-rotation");
+    let (ok, says) = status_with(&new, Some(&both), b.on);
+    assert!(ok, "an operator's certificate of the new CA: {says}");
+    let (ok, says) = status_with(&old, Some(&both), b.on);
+    assert!(
+        !ok,
+        "an operator's certificate of the retired CA after finish: {says}"
+    );
+    for n in 1..=2 {
+        let (ok, says) = status_with(&new, None, n);
+        assert!(
+            ok || says.contains("no relationship"),
+            "node {n}'s agent, with a certificate and trust of the new CA alone: {says}"
+        );
+        let log = agent_log(&b.c, &b.c.node(n));
+        assert!(
+            log.contains("asking for a certificate of the new one"),
+            "node {n}: {log}"
+        );
+    }
+    // And the data still arrives whole.
+    scribble_pages(&a.image(), 13, 20, 0..VOLUME_LEN);
+    in_sync(a, b, "writes after the rotation on the replica");
 }
 
 /// A secondary whose volume is a network disk, attached to node 2 of `b` and then to

@@ -9,7 +9,7 @@ use k8s_openapi::{
     api::certificates::v1::{CertificateSigningRequest, CertificateSigningRequestSpec},
     api::core::v1::ConfigMap,
 };
-use kube::api::{Api, ObjectMeta, PostParams};
+use kube::api::{Api, GetParams, ObjectMeta, PostParams};
 use std::time::Duration;
 use transport::cluster::{AGENT_CERTIFICATE_LIFETIME, AGENT_SIGNER};
 
@@ -93,10 +93,16 @@ pub async fn trust() -> Result<Option<(Vec<u8>, Vec<u8>)>, String> {
         .clone();
     let namespace = client.default_namespace().to_string();
     let maps: Api<ConfigMap> = Api::namespaced(client, &namespace);
-    let map = maps
-        .get_opt(TRUST_CONFIGMAP)
-        .await
-        .map_err(|e| format!("cannot read ConfigMap {namespace}/{TRUST_CONFIGMAP}: {e}"))?;
+    // Served from the API server's watch cache (resourceVersion 0): no etcd read.
+    let map = match maps.get_with(TRUST_CONFIGMAP, &GetParams::any()).await {
+        Ok(m) => Some(m),
+        Err(kube::Error::Api(e)) if e.code == 404 => None,
+        Err(e) => {
+            return Err(format!(
+                "cannot read ConfigMap {namespace}/{TRUST_CONFIGMAP}: {e}"
+            ));
+        }
+    };
     Ok(map.and_then(|m| {
         let data = m.data?;
         Some((

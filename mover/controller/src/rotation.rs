@@ -30,6 +30,8 @@ use transport::cluster::AGENT_TRUST_EVERY;
 
 /// How often the controller reads the CA's Secret again: a step reaches it this soon.
 pub const CA_CHECK_EVERY: Duration = Duration::from_secs(5);
+/// How long a step waits for the controller to publish a trust.
+const PUBLISH_WAIT: Duration = Duration::from_secs(60);
 /// The label selector of the agent pods (as `mover controller run` has it by default).
 pub const AGENT_SELECTOR: &str = "app.kubernetes.io/name=mover-agent";
 /// The annotation of [`TRUST_CONFIGMAP`] saying when its trust was published (RFC 3339).
@@ -203,14 +205,15 @@ impl Rotation {
             &self.namespace,
         )
         .map_err(|e| self.fail(e.to_string()))?;
-        self.published(&trusting.trust_pem, Duration::from_secs(60))
-            .await?;
+        self.published(&trusting.trust_pem, PUBLISH_WAIT).await?;
         issue(data).map_err(|e| self.fail(e))?;
         Ok(self.write(&secret).await?.trust_pem)
     }
 
     /// Step 3: drops the retired CA. Refused while an agent holds no certificate of the
-    /// new one (it would be cut off), unless `force`. Returns the trust (the new CA).
+    /// new one (it would be cut off), unless `force`. Waits until the controller has
+    /// published the new trust and the agents have had two looks at it. Returns the
+    /// trust (the new CA).
     pub async fn finish(&self, force: bool) -> Result<String, RotationError> {
         let mut secret = self.secret().await?;
         let data = secret.data.get_or_insert_with(BTreeMap::new);
@@ -226,7 +229,10 @@ impl Rotation {
             )));
         }
         finish(data);
-        Ok(self.write(&secret).await?.trust_pem)
+        let trust = self.write(&secret).await?.trust_pem;
+        // Returns once the agents have dropped the retired CA, not only the Secret.
+        self.published(&trust, PUBLISH_WAIT).await?;
+        Ok(trust)
     }
 
     /// Where the rotation is, and which agents hold a certificate of the CA that signs.
@@ -319,9 +325,10 @@ impl Rotation {
             }
             if tokio::time::Instant::now() >= deadline {
                 return Err(self.fail(format!(
-                    "the controller has not published the next CA in ConfigMap \
+                    "the controller has not published the Secret's trust in ConfigMap \
                      {TRUST_CONFIGMAP} within {wait:?}: is it running (kubectl -n {} get \
-                     pods)? Nothing was changed; run this step again",
+                     pods)? Run this step again once it is (`rotate-ca status` shows where \
+                     the rotation is)",
                     self.namespace
                 )));
             }

@@ -115,9 +115,10 @@ pub struct TlsConfig {
     pub ca: Option<PathBuf>,
     /// Obtain a certificate for this node from the mover controller through the
     /// Kubernetes CSR API (signer `replication.mover/agent`), kept in STATE_DIR/tls and
-    /// requested again when a third of its life is left (checked at start and every
-    /// `renew_every`). Needs `node_name` and a ServiceAccount token bound to the agent's
-    /// pod.
+    /// requested again when a third of its life is left, or when a rotation of the
+    /// cluster's CA made another CA the signer; trust what the cluster publishes in
+    /// ConfigMap mover-ca-trust (checked at start and every 10 s, or `renew_every` if
+    /// shorter). Needs `node_name` and a ServiceAccount token bound to the agent's pod.
     #[serde(default)]
     pub from_kubernetes: bool,
     /// How often the agent looks for a renewed certificate: reads the files again (as
