@@ -178,7 +178,7 @@ spec:
     /// four spaces) added to its parameters.
     pub fn class_named(&self, name: &str, peer: &Site, peer_locator_port: &str, params: &str) {
         let token = peer.replication_token(Some("peer"));
-        let ca = peer.secret("mover-ca", "ca.crt");
+        let ca = peer.trust();
         let secret = self
             .c
             .kubectl(&["-n", "mover-system", "get", "secret", "mover-dr-peer"]);
@@ -294,6 +294,23 @@ spec:
             "-o",
             &format!("go-template={{{{index .data \"{key}\" | base64decode}}}}"),
         ])
+    }
+
+    /// What the cluster trusts, as its controller publishes it (ConfigMap
+    /// mover-ca-trust, key trust.crt: what a peer's class secret holds as `ca.crt`).
+    pub fn trust(&self) -> String {
+        let get = || {
+            self.c.get(
+                &["configmap", "mover-ca-trust", "-n", "mover-system"],
+                "{.data.trust\\.crt}",
+            )
+        };
+        self.c.wait(
+            "the controller publishing what the cluster trusts",
+            WAIT,
+            || get().contains("BEGIN CERTIFICATE"),
+        );
+        get()
     }
 
     /// The cluster's mover CA (secret mover-ca) in a file; (its path, the CA's key).
