@@ -1257,6 +1257,39 @@ spec:
     );
     let cycles = || cycles_read(&east.c, &east.c.node(1), "app/vol");
     let controllers = || east.c.logs(CONTROLLERS);
+    // What a cycle took from its snapshot's creation, and the agent's part of it (the
+    // controller's log): the rest is the driver, the snapshot controller, the kubelet
+    // starting the reader, and the controller's steps, each taken on a watch event.
+    let figures: Vec<(f64, f64)> = controllers()
+        .lines()
+        .filter(|l| l.contains("cycle from a VolumeSnapshot committed"))
+        .filter_map(|l| {
+            let field = |k: &str| -> Option<f64> {
+                let v = l
+                    .split(&format!("{k}="))
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?;
+                Some(v.parse::<f64>().ok()? / 1000.0)
+            };
+            Some((field("since_taken_ms")?, field("agent_ms")?))
+        })
+        .collect();
+    assert!(
+        figures.len() >= 2,
+        "the controller logs its cycles' figures"
+    );
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    eprintln!(
+        "cycles from VolumeSnapshots: {} committed, median {:.1} s from the snapshot's \
+         creation, of which the agent's part {:.2} s",
+        figures.len(),
+        median(figures.iter().map(|f| f.0).collect()),
+        median(figures.iter().map(|f| f.1).collect()),
+    );
     let in_sync_now = |what: &str| {
         let want = volume_hash();
         west.c.wait(what, WAIT, || replica_hash() == want);

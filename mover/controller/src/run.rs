@@ -254,6 +254,26 @@ fn naming(
         .collect()
 }
 
+/// The VolumeReplications of `namespace` whose relationship's name hashes to `hash`
+/// (the label of what a cycle from CSI snapshots makes).
+fn of_relationship(
+    vrs: &[Arc<DynamicObject>],
+    namespace: &str,
+    hash: &str,
+    vr: &kube::api::ApiResource,
+) -> Vec<ObjectRef<DynamicObject>> {
+    use super::replication::desired::relationship_name_of;
+    vrs.iter()
+        .filter(|v| v.namespace().as_deref() == Some(namespace))
+        .filter(|v| {
+            let handle = v.data["spec"]["replicationHandle"].as_str().unwrap_or("");
+            mover_engine::node::name_hash(&relationship_name_of(namespace, &v.name_any(), handle))
+                == hash
+        })
+        .map(|v| ObjectRef::from_obj_with(v.as_ref(), vr.clone()))
+        .collect()
+}
+
 /// A cache of the Nodes' metadata only (names and labels: what node affinities select).
 /// A metadata-only watch: a Node's status (images, conditions) is most of its size.
 fn node_cache(client: kube::Client) -> (Store<Node>, impl std::future::Future<Output = ()> + Send) {
@@ -832,8 +852,18 @@ fn replications(
             futures::stream::iter(naming(&vrs.state(), &pvc, &vr))
         }
     };
+    // And when an object of its cycle from CSI snapshots changes (a snapshot ready, a
+    // clone bound, a reader running): the next step is taken then, not at a poll.
+    let of_cycle = {
+        let (vrs, vr) = (vr_cache.clone(), vr.clone());
+        move |(namespace, hash): (String, String)| {
+            futures::stream::iter(of_relationship(&vrs.state(), &namespace, &hash, &vr))
+        }
+    };
+    let cycle_changes = super::replication::csi_snapshots::changes(client).flat_map(of_cycle);
     Controller::for_stream_with(vr_events, vr_cache, vr)
         .reconcile_on(pvc_changes.flat_map(naming_pvc))
+        .reconcile_on(cycle_changes)
         // A bounded number of reconciles at once: on a start with 1,000 resources, all
         // of them at once held 1,000 agent calls' buffers (a 150 MiB peak).
         .with_config(kube::runtime::controller::Config::default().concurrency(RECONCILES_AT_ONCE))

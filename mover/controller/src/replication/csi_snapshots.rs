@@ -41,8 +41,10 @@ const KUBELET_VOLUME_DEVICES: &str = "/var/lib/kubelet/plugins/kubernetes.io/csi
 /// The reader pod's image: it only holds the device for the kubelet to publish.
 pub const READER_IMAGE: &str = "registry.k8s.io/pause:3.10";
 /// How soon a step that waits on the API server (a snapshot becoming ready, a clone
-/// binding, the kubelet publishing it) is looked at again.
-pub const POLL: Duration = Duration::from_millis(500);
+/// binding, the kubelet running the reader) is looked at again if no change of those
+/// objects came first: they are watched ([`changes`]), so this is only the fallback of a
+/// missed event.
+pub const WAITING_FALLBACK: Duration = Duration::from_secs(5);
 
 /// How soon a snapshot that could not be taken (a freeze past its bound, a driver's
 /// error) is tried again.
@@ -51,7 +53,8 @@ pub const RETRY_TAKE: Duration = Duration::from_secs(10);
 /// Where a step left the cycle.
 #[derive(Debug)]
 pub enum Step {
-    /// Waiting on the API server or the kubelet: look again in [`POLL`].
+    /// Waiting on the API server or the kubelet: look again when one of the cycle's
+    /// objects changes, or in [`WAITING_FALLBACK`].
     Waiting(String),
     /// A cycle was committed: the agent's status after it.
     Ran(Box<control::Status>),
@@ -99,6 +102,56 @@ async fn content_of(
         .as_i64()
         .map_or_else(|| created_ms(snapshot), |ns| ns / 1_000_000);
     Ok(handle.map(|h| (h, at)))
+}
+
+/// The changes of what cycles from CSI snapshots make (VolumeSnapshots, clone PVCs,
+/// reader pods, all labelled [`LABEL`]), each as (namespace, the label: the
+/// relationship's name hash). Its VolumeReplication is looked at again at each, so a
+/// step is taken as soon as the snapshot is ready, the clone bound or the reader
+/// running. Three label-selected watches (the clones and readers metadata only): the
+/// API server sends nothing about other objects. Without the VolumeSnapshot CRD, its
+/// watch retries with back-off, quietly.
+pub fn changes(
+    client: &kube::Client,
+) -> impl futures::Stream<Item = (String, String)> + Send + 'static {
+    use futures::StreamExt;
+    use kube::core::PartialObjectMeta;
+    use kube::runtime::{WatchStreamExt, watcher};
+    fn key<K: ResourceExt>(o: &K) -> Option<(String, String)> {
+        Some((o.namespace()?, o.labels().get(LABEL)?.clone()))
+    }
+    fn keys<K: ResourceExt, E>(
+        events: impl futures::Stream<Item = Result<K, E>> + Send + 'static,
+    ) -> futures::stream::BoxStream<'static, (String, String)> {
+        events
+            .filter_map(|o| std::future::ready(o.ok().and_then(|o| key(&o))))
+            .boxed()
+    }
+    let labelled = || kube::runtime::watcher::Config::default().labels(LABEL);
+    let snapshots: Api<DynamicObject> = Api::all_with(client.clone(), &resource("VolumeSnapshot"));
+    futures::stream::select_all([
+        keys(
+            watcher(snapshots, labelled())
+                .default_backoff()
+                .applied_objects(),
+        ),
+        keys(
+            watcher(
+                Api::<PartialObjectMeta<PersistentVolumeClaim>>::all(client.clone()),
+                labelled(),
+            )
+            .default_backoff()
+            .applied_objects(),
+        ),
+        keys(
+            watcher(
+                Api::<PartialObjectMeta<Pod>>::all(client.clone()),
+                labelled(),
+            )
+            .default_backoff()
+            .applied_objects(),
+        ),
+    ])
 }
 
 /// Lists what carries relationship `name`'s label: its snapshots, clones and readers.
@@ -377,6 +430,7 @@ async fn run_step(
             .collect(),
         r#final: last,
     };
+    let agent_started = std::time::Instant::now();
     let ran = ctx.agents.cycle_from(&d.agent, req).await;
     if let Err(e) = &ran
         && e.refusal == Some(transport::refusal::Refusal::NoDevice)
@@ -388,6 +442,15 @@ async fn run_step(
         )));
     }
     let status = ran.map_err(|e| e.to_string())?;
+    // What the cycle took from the snapshot's creation, and the agent's part of it: the
+    // rest is the driver, the snapshot controller, the kubelet and this controller.
+    tracing::info!(
+        relationship = %d.name,
+        snapshot = %name,
+        since_taken_ms = mover_engine::node::now_ms() - created_ms(pending),
+        agent_ms = agent_started.elapsed().as_millis() as u64,
+        "cycle from a VolumeSnapshot committed"
+    );
     // Committed: the clone is read; the snapshot stays as the next cycle's base.
     if let Err(e) = ctx.agents.unexport(&d.agent, &clone_pv).await {
         tracing::warn!(relationship = %d.name, "{e}");

@@ -613,14 +613,20 @@ pub struct Inputs<'a> {
 /// The relationship's name: replicationHandle, else NAMESPACE/NAME (RamenDR gives a
 /// VolumeReplication the same name and namespace in both clusters).
 pub fn relationship_name(vr: &VolumeReplication) -> String {
-    if !vr.spec.replication_handle.is_empty() {
-        return vr.spec.replication_handle.clone();
-    }
-    format!(
-        "{}/{}",
+    relationship_name_of(
         vr.metadata.namespace.as_deref().unwrap_or("default"),
-        kube::ResourceExt::name_any(vr)
+        &kube::ResourceExt::name_any(vr),
+        &vr.spec.replication_handle,
     )
+}
+
+/// The relationship's name of VolumeReplication `namespace/name` with
+/// `replicationHandle` `handle` (may be empty).
+pub fn relationship_name_of(namespace: &str, name: &str, handle: &str) -> String {
+    match handle.is_empty() {
+        false => handle.to_string(),
+        true => format!("{namespace}/{name}"),
+    }
 }
 
 /// Checks the spec's immutable fields against what the relationship was set up from.

@@ -574,13 +574,14 @@ async fn snapshot_step(
     s: control::Status,
     last: bool,
 ) -> (control::Status, Duration) {
-    use super::csi_snapshots::{POLL, Step, step};
+    use super::csi_snapshots::{Step, WAITING_FALLBACK, step};
     match step(ctx, d, src, &s, last).await {
-        Step::Ran(after) => (*after, POLL),
+        // The next step (the old snapshot and the reader removed) at once.
+        Step::Ran(after) => (*after, Duration::ZERO),
         Step::Idle(due) => (s, due.min(info_interval(d.params.interval))),
         Step::Waiting(what) => {
             tracing::debug!(relationship = %d.name, "{what}");
-            (s, POLL)
+            (s, WAITING_FALLBACK)
         }
         Step::Failed(why) => {
             tracing::warn!(relationship = %d.name, "{why}");
