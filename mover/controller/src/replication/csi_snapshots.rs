@@ -7,8 +7,8 @@
 //! 1. A VolumeSnapshot of the PVC is taken when the last one is one interval old
 //!    (labelled with the relationship; named `PVC-mover-UNIXMS`).
 //! 2. Once it is ready, a clone PVC of it (same name, `volumeMode: Block`, bound to the
-//!    agent's node by `volume.kubernetes.io/selected-node`) and a reader pod using it as
-//!    a raw device, pinned to that node (`spec.nodeName`). The kubelet publishes the
+//!    agent's node by `volume.kubernetes.io/selected-node`), and once that is bound a
+//!    reader pod using it as a raw device, pinned to that node (`spec.nodeName`). The kubelet publishes the
 //!    clone's device under its `volumeDevices/PV/dev` directory, which the agent serves.
 //!    This is how VolSync and Velero's data movers reach a snapshot too: a short-lived
 //!    pod. mover's pod only holds the device (a pause container); the agent reads it.
@@ -18,6 +18,9 @@
 //! 4. The agent runs the cycle (CycleFrom) and reports the snapshot it read as its last
 //!    cycle's. That report is the base: older snapshots, the clone and the reader pod
 //!    are deleted after it.
+//!
+//! Each step is taken when the object the last one waits on changes: the snapshots,
+//! clones and readers are watched by their label ([`changes`]), not polled.
 
 use super::desired::Desired;
 pub use super::desired::Source;
@@ -378,8 +381,8 @@ async fn run_step(
     let size = pending.data["status"]["restoreSize"]
         .as_str()
         .map(str::to_string);
-    let clone_pv = match reader(client, d, src, &name, size).await? {
-        Some(pv) => pv,
+    let (clone_pv, stages) = match reader(client, d, src, &name, size).await? {
+        Some(ready) => ready,
         None => {
             return Ok(Step::Waiting(format!(
                 "the clone of VolumeSnapshot {ns}/{name} is not bound, or its reader pod not \
@@ -442,12 +445,18 @@ async fn run_step(
         )));
     }
     let status = ran.map_err(|e| e.to_string())?;
-    // What the cycle took from the snapshot's creation, and the agent's part of it: the
-    // rest is the driver, the snapshot controller, the kubelet and this controller.
+    // What the cycle took from the snapshot's creation, when its clone and reader came
+    // to be and ran (to the second), and the agent's part: the rest is the driver, the
+    // snapshot controller, the kubelet and this controller.
+    let taken = created_ms(pending);
+    let since = |at: i64| if at > 0 { at - taken } else { -1 };
     tracing::info!(
         relationship = %d.name,
         snapshot = %name,
-        since_taken_ms = mover_engine::node::now_ms() - created_ms(pending),
+        since_taken_ms = mover_engine::node::now_ms() - taken,
+        clone_at_ms = since(stages.clone_created),
+        reader_at_ms = since(stages.reader_created),
+        running_at_ms = since(stages.reader_running),
         agent_ms = agent_started.elapsed().as_millis() as u64,
         "cycle from a VolumeSnapshot committed"
     );
@@ -624,15 +633,23 @@ async fn create(
     Ok(name)
 }
 
+/// When a cycle's objects came to be (Unix ms, to the second as the API server keeps
+/// them): what its log line tells of where a cycle's time goes.
+struct Stages {
+    clone_created: i64,
+    reader_created: i64,
+    reader_running: i64,
+}
+
 /// Makes sure the clone PVC of snapshot `name` and its reader pod exist; returns the
-/// clone's PV once it is bound and its reader pod runs.
+/// clone's PV once it is bound and its reader pod runs, and when they came to be.
 async fn reader(
     client: &kube::Client,
     d: &Desired,
     src: &Source,
     name: &str,
     size: Option<String>,
-) -> Result<Option<String>, String> {
+) -> Result<Option<(String, Stages)>, String> {
     let ns = &src.namespace;
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
     let labels = serde_json::json!({LABEL: name_hash(&d.name)});
@@ -674,6 +691,13 @@ async fn reader(
             return Ok(None);
         }
     };
+    // The reader is made once the clone is bound (its watch says when): a pod whose PVC
+    // is not bound yet fails the kubelet's first look and waits out its retry back-off
+    // (18 s of a 20 s cycle here, with the pod made at once).
+    let bound = pvc.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    if !bound {
+        return Ok(None);
+    }
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     // The kubelet publishes the clone's device before it starts the pod's container: a
     // running reader is a device the agent can open.
@@ -698,11 +722,24 @@ async fn reader(
         created_or_exists(pods.create(&PostParams::default(), &pod).await)
             .map_err(|e| format!("cannot create the reader pod {ns}/{name}: {e}"))?;
     }
-    let bound = pvc.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    let ms = |t: Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>| {
+        t.map_or(0, |t| t.0.as_millisecond())
+    };
+    let stages = Stages {
+        clone_created: ms(pvc.metadata.creation_timestamp.as_ref()),
+        reader_created: ms(existing
+            .as_ref()
+            .and_then(|p| p.metadata.creation_timestamp.as_ref())),
+        reader_running: ms(existing.as_ref().and_then(|p| {
+            let status = p.status.as_ref()?.container_statuses.as_ref()?.first()?;
+            status.state.as_ref()?.running.as_ref()?.started_at.as_ref()
+        })),
+    };
     Ok(pvc
         .spec
         .and_then(|s| s.volume_name)
-        .filter(|v| bound && running && !v.is_empty()))
+        .filter(|v| running && !v.is_empty())
+        .map(|pv| (pv, stages)))
 }
 
 /// The reader pod of clone `name` (a PVC of that name) for relationship `relationship`,
