@@ -121,13 +121,9 @@ impl Authority {
     /// The CA of the cluster the kubeconfig (or the pod's ServiceAccount) names, from its
     /// Secret in `namespace`: `mover controller operator-cert` runs outside the controller.
     pub async fn load_from_cluster(namespace: &str) -> Result<Self, AuthorityError> {
-        transport::tls::install_crypto_provider();
-        let client = kube::Client::try_default().await.map_err(|e| {
-            AuthorityError::new(
-                namespace,
-                format!("cannot reach the Kubernetes API server (kubeconfig or in-cluster): {e}"),
-            )
-        })?;
+        let client = operator_client()
+            .await
+            .map_err(|why| AuthorityError::new(namespace, why))?;
         Authority::load(&client, namespace).await
     }
 
@@ -315,6 +311,15 @@ impl LiveAuthority {
         *current = std::sync::Arc::new(a);
         true
     }
+}
+
+/// A client of the cluster the kubeconfig (or the pod's ServiceAccount) names, for an
+/// operator's command (`operator-cert`, `rotate-ca`).
+pub(crate) async fn operator_client() -> Result<kube::Client, String> {
+    transport::tls::install_crypto_provider();
+    kube::Client::try_default().await.map_err(|e| {
+        format!("cannot reach the Kubernetes API server (kubeconfig or in-cluster): {e}")
+    })
 }
 
 /// From a minute ago (clocks differ a little) for `life`.

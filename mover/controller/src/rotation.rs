@@ -129,14 +129,11 @@ impl Rotation {
     /// As [`Rotation::new`], on the cluster the kubeconfig (or the pod's ServiceAccount)
     /// names.
     pub async fn of_cluster(namespace: &str, agent_namespace: &str) -> Result<Self, RotationError> {
-        transport::tls::install_crypto_provider();
-        let client = kube::Client::try_default()
+        let client = crate::issuer::operator_client()
             .await
-            .map_err(|e| RotationError {
+            .map_err(|why| RotationError {
                 namespace: namespace.into(),
-                why: format!(
-                    "cannot reach the Kubernetes API server (kubeconfig or in-cluster): {e}"
-                ),
+                why,
             })?;
         Ok(Rotation::new(client, namespace, agent_namespace))
     }
