@@ -64,6 +64,15 @@ pub struct VolumeFile {
 /// system is unmounted and its last user gone, or the connection aborted). With
 /// `resend`, the connection was served before (by an agent since gone): the kernel is
 /// first asked to send again every request that agent read but did not answer.
+///
+/// The kernel caches the file, with its writeback cache, as it caches a plain file
+/// under a loop device: a pod's reads of what was read before and its writes run at
+/// memory speed; its writes reach the agent when the kernel writes them back (merged,
+/// up to [`MAX_IO`] a request) or at the pod's fsync (the loop device's flush), which is
+/// answered once they are durable. That cache cannot go stale: the agent's filler
+/// writes only regions not here yet, and the kernel holds a page of such a region only
+/// once a read of it was answered (after its fetch), or as the pod's own write, which
+/// reaches the agent later and lands over the filler's bytes.
 pub fn serve(fd: Arc<OwnedFd>, file: Arc<VolumeFile>, resend: bool) -> io::Result<()> {
     if resend {
         let notify = wire::out_header(0, wire::NOTIFY_RESEND, 0);
@@ -96,6 +105,27 @@ pub fn serve(fd: Arc<OwnedFd>, file: Arc<VolumeFile>, resend: bool) -> io::Resul
             }
             tracing::debug!("FUSE connection ended");
         })?;
+    Ok(())
+}
+
+/// Gives the FUSE file system mounted at `mount` a disk's limits on dirty pages. The
+/// kernel holds a FUSE file system's to a strict 1% share of the node's dirty memory
+/// (`strict_limit`, `max_ratio` 1), as a guard against servers it cannot trust; that
+/// held a pod's sequential writes to 0.2x of a loop device over a plain file. The
+/// agent is trusted as a disk's driver is: its share then follows how fast it writes
+/// back, as a disk's does. Call once the connection is served (the mount's attributes
+/// come from it).
+pub fn write_back_as_a_disk(mount: &Path) -> io::Result<()> {
+    let st = rustix::fs::stat(mount)?;
+    let bdi = format!(
+        "/sys/class/bdi/{}:{}",
+        rustix::fs::major(st.st_dev),
+        rustix::fs::minor(st.st_dev)
+    );
+    for (knob, value) in [("strict_limit", "0"), ("max_ratio", "100")] {
+        std::fs::write(format!("{bdi}/{knob}"), value)
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot set {bdi}/{knob}: {e}")))?;
+    }
     Ok(())
 }
 
@@ -219,11 +249,8 @@ impl VolumeFile {
                 } else if self.volume.read_only() && flags & libc::O_ACCMODE != libc::O_RDONLY {
                     Err(libc::EROFS)
                 } else {
-                    // Direct I/O: the loop device above keeps the page cache; a second
-                    // copy here would only halve what the node can cache.
-                    Ok(wire::open_out(
-                        wire::FOPEN_DIRECT_IO | wire::FOPEN_PARALLEL_DIRECT_WRITES,
-                    ))
+                    // Cached, as a plain file under a loop device is. See `serve`.
+                    Ok(wire::open_out(wire::FOPEN_KEEP_CACHE))
                 })
             }
             wire::OPENDIR if h.nodeid == ROOT_INO => done(Ok(wire::open_out(0))),
@@ -252,12 +279,10 @@ impl VolumeFile {
             wire::STATFS => done(Ok(wire::statfs_out(self.volume.size()))),
             // close(2) and friends: durability is fsync's business.
             wire::RELEASE | wire::RELEASEDIR | wire::FLUSH | wire::FSYNCDIR | wire::ACCESS => ok(),
-            // No extended attributes (security.* and the like are asked on every open).
-            wire::GETXATTR => done(Err(libc::ENODATA)),
-            wire::LISTXATTR => match args.u32() {
-                Some(0) => done(Ok(Out::default().u32(0).u32(0))),
-                _ => ok(),
-            },
+            // No extended attributes. ENOSYS, not ENODATA: the kernel then stops asking.
+            // It asked for security.capability before every write (to clear setuid
+            // bits), a round trip that held each write up.
+            wire::GETXATTR | wire::LISTXATTR => done(Err(libc::ENOSYS)),
             wire::READ => {
                 let parsed = (|| Some((args.u64()?, args.u64()?, args.u32()?)))();
                 let Some((_fh, offset, size)) = parsed else {

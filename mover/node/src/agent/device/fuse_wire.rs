@@ -43,10 +43,10 @@ pub const FALLOCATE: u32 = 43;
 /// `fuse_init_in.flags` / `fuse_init_out.flags` bits this file system asks for.
 pub const ASYNC_READ: u32 = 1 << 0;
 pub const BIG_WRITES: u32 = 1 << 5;
+pub const WRITEBACK_CACHE: u32 = 1 << 16;
 pub const MAX_PAGES: u32 = 1 << 22;
-/// `fuse_open_out.open_flags`.
-pub const FOPEN_DIRECT_IO: u32 = 1 << 0;
-pub const FOPEN_PARALLEL_DIRECT_WRITES: u32 = 1 << 6;
+/// `fuse_open_out.open_flags`: the file's page cache outlives an open.
+pub const FOPEN_KEEP_CACHE: u32 = 1 << 1;
 /// `fuse_setattr_in.valid`: the size is to change.
 pub const FATTR_SIZE: u32 = 1 << 3;
 /// The notification that puts every request read but not answered back in the queue.
@@ -213,7 +213,7 @@ pub fn dirent(out: Out, ino: u64, next_offset: u64, kind: u32, name: &str) -> Ou
 /// `flags` as the kernel sent them): what both sides support, with writes of up to
 /// `max_write` bytes.
 pub fn init_out(kernel_minor: u32, max_readahead: u32, kernel_flags: u32, max_write: u32) -> Out {
-    let wanted = ASYNC_READ | BIG_WRITES | MAX_PAGES;
+    let wanted = ASYNC_READ | BIG_WRITES | MAX_PAGES | WRITEBACK_CACHE;
     Out::default()
         .u32(MAJOR)
         .u32(kernel_minor.min(MINOR))

@@ -283,6 +283,15 @@ impl Frontend for FuseLoop {
             runtime: self.runtime.clone(),
         });
         fuse_file::serve(conn.clone(), served, false)?;
+        if let Some(dir) = &mount.dir
+            && let Err(e) = fuse_file::write_back_as_a_disk(dir)
+        {
+            // The device works; a pod's large writes wait on the agent more.
+            tracing::warn!(
+                export = name,
+                "the device keeps FUSE's strict dirty-page limit: {e}"
+            );
+        }
         let binding = LoopBinding::attach(&file, read_only)?;
         if let Some(store) = &self.store {
             let (file_dev, file_ino) = loop_device::file_id(&file)?;
