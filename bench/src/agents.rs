@@ -40,6 +40,16 @@ impl Agent {
         Agent::start_tls(mover, dir, exports, None)
     }
 
+    /// [`Agent::start`] with `settings`, more top-level lines of agent.toml.
+    pub fn start_with_settings(
+        mover: &Path,
+        dir: &Path,
+        exports: &[(&str, &Path)],
+        settings: &str,
+    ) -> Result<Agent> {
+        Agent::start_configured(mover, dir, exports, None, settings)
+    }
+
     /// [`Agent::start`], serving TLS with `tls` (certificate, key, CA) when given: its
     /// certificate is also what it presents to the agents it pushes cycles to.
     pub fn start_tls(
@@ -48,11 +58,21 @@ impl Agent {
         exports: &[(&str, &Path)],
         tls: Option<(&Path, &Path, &Path)>,
     ) -> Result<Agent> {
+        Agent::start_configured(mover, dir, exports, tls, "")
+    }
+
+    fn start_configured(
+        mover: &Path,
+        dir: &Path,
+        exports: &[(&str, &Path)],
+        tls: Option<(&Path, &Path, &Path)>,
+        settings: &str,
+    ) -> Result<Agent> {
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         fs::write(dir.join("token"), TOKEN)?;
         let config = dir.join("agent.toml");
         let mut text = format!(
-            "listen = \"127.0.0.1:{port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\n",
+            "{settings}listen = \"127.0.0.1:{port}\"\nstate_dir = \"{}\"\ntoken_file = \"{}\"\n",
             dir.join("state").display(),
             dir.join("token").display(),
         );

@@ -612,6 +612,107 @@ fn a_block_volume_keeps_what_arrived_across_a_cancelled_fill_and_fetches_again_a
     ok(unstaged, "NodeUnstageVolume");
 }
 
+/// The kernel holds a pod's writes in its cache of the device's FUSE file, and they reach
+/// the agent's image at the pod's fsync: whole pages, and a 512-byte sector of a page
+/// not arrived yet (the kernel first reads that page through the agent, which fetches
+/// it). The fill then brings the rest of those regions around them.
+#[test]
+fn a_pods_writes_reach_the_image_at_its_fsync_and_the_fill_goes_around_them() {
+    let Some(bin) = tools() else { return };
+    let h = Hydrating::data_everywhere(false, 63);
+    // The fill runs at 1 MiB/s from the start: these regions have not arrived.
+    let kubelet = h.block_device_in_use(&bin);
+    let whole = vec![0xa5_u8; MIB as usize];
+    let (whole_at, sector_at) = (180 * MIB, 220 * MIB + 4096 + 512);
+    direct_write(&kubelet.target, whole_at, &whole);
+    sector_write(&kubelet.target, sector_at, &[0x3c; 512]);
+    assert!(
+        read_at(&h.dst_img, whole_at, MIB) == whole,
+        "a pod's fsynced 1 MiB write is not in the agent's image"
+    );
+    let page = 220 * MIB + 4096;
+    let mut want = read_at(&h.src_img, page, 4096);
+    want[512..1024].fill(0x3c);
+    assert!(
+        read_at(&h.dst_img, page, 4096) == want,
+        "the fsynced sector's page in the agent's image is not the source's bytes around the pod's"
+    );
+    h.finish();
+    let mut want = std::fs::read(&h.src_img).unwrap();
+    want[whole_at as usize..(whole_at + MIB) as usize].copy_from_slice(&whole);
+    want[sector_at as usize..sector_at as usize + 512].fill(0x3c);
+    let want = blake3::hash(&want).to_hex().to_string();
+    assert_eq!(
+        blake3_of(&h.dst_img, VOLUME),
+        want,
+        "the filled image is not the source plus the pod's writes"
+    );
+    assert_eq!(
+        blake3_of(&kubelet.target, VOLUME),
+        want,
+        "the device is not the source plus the pod's writes"
+    );
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    ok(unpublished, "NodeUnpublishVolume");
+    ok(unstaged, "NodeUnstageVolume");
+}
+
+/// Without an fd store an agent's death ends its devices' connections: what a pod wrote
+/// and the kernel still held dies with it, and the pod's next fsync says so with an
+/// error. It never succeeds over bytes the image lacks.
+#[test]
+fn a_pods_unflushed_writes_lost_with_its_agent_fail_its_next_fsync() {
+    let Some(bin) = tools() else { return };
+    let mut h = Hydrating::data_everywhere(false, 64);
+    let kubelet = h.block_device_in_use(&bin);
+    let data = vec![0x77_u8; MIB as usize];
+    let at = 100 * MIB;
+    // Past the device's own cache, into the kernel's cache of the FUSE file: written
+    // back there after 30 s (dirty_expire_centisecs) unless flushed.
+    dd_write(&kubelet.target, at, &data, false);
+    h.dst.child.kill().unwrap();
+    h.dst.child.wait().unwrap();
+    let synced = run("sync", &[kubelet.target.to_str().unwrap()]);
+    let kept = read_at(&h.dst_img, at, MIB) == data;
+    eprintln!(
+        "after the agent's death: fsync {}, the write {} in the image",
+        if synced.status.success() {
+            "succeeded"
+        } else {
+            "failed"
+        },
+        if kept { "is" } else { "is not" }
+    );
+    assert!(
+        !synced.status.success() || kept,
+        "the pod's fsync succeeded though its write never reached the agent's image"
+    );
+    h.dst.kill_and_restart();
+    let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
+    ok(unpublished, "NodeUnpublishVolume after the restart");
+    ok(unstaged, "NodeUnstageVolume after the restart");
+}
+
+/// Writes one 512-byte sector `data` to `device` at `offset` (a multiple of 512), past
+/// the device's page cache, and flushes it.
+fn sector_write(device: &Path, offset: u64, data: &[u8; 512]) {
+    use std::io::Write;
+    let mut dd = Command::new("dd")
+        .args([
+            &format!("of={}", device.display()),
+            "oflag=direct",
+            "conv=fsync,notrunc",
+            "bs=512",
+            &format!("seek={}", offset / 512),
+            "status=none",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("dd is needed by this test");
+    dd.stdin.take().unwrap().write_all(data).unwrap();
+    assert!(dd.wait().unwrap().success(), "dd of={}", device.display());
+}
+
 /// A volume a hydration made (`--create`, as the populator makes each populated PVC's)
 /// is deleted with its fill, image and export, but never while it is staged, and an
 /// export the agent did not make that way is never deleted.
@@ -755,13 +856,23 @@ fn assert_reads_source(device: &Path, source: &Path, offset: u64, what: &str) {
 /// Writes `data` to `device` at `offset`, past the page cache (dd oflag=direct), and
 /// flushes it.
 fn direct_write(device: &Path, offset: u64, data: &[u8]) {
+    dd_write(device, offset, data, true)
+}
+
+/// Writes `data` to `device` at `offset` (a multiple of 1 MiB) past the device's page
+/// cache, and flushes it if `flush`.
+fn dd_write(device: &Path, offset: u64, data: &[u8], flush: bool) {
     use std::io::Write;
     let mut dd = Command::new("dd")
         .args([
-            &format!("of={}", device.display()),
+            format!("of={}", device.display()).as_str(),
             "oflag=direct",
             "iflag=fullblock",
-            "conv=fsync,notrunc",
+            if flush {
+                "conv=fsync,notrunc"
+            } else {
+                "conv=notrunc"
+            },
             "bs=1M",
             &format!("seek={}", offset / MIB),
             "status=none",

@@ -284,12 +284,12 @@ impl Frontend for FuseLoop {
         });
         fuse_file::serve(conn.clone(), served, false)?;
         if let Some(dir) = &mount.dir
-            && let Err(e) = fuse_file::write_back_as_a_disk(dir)
+            && let Err(e) = fuse_file::tune_as_a_disk(dir)
         {
-            // The device works; a pod's large writes wait on the agent more.
+            // The device works; a pod's large I/O waits on the agent more.
             tracing::warn!(
                 export = name,
-                "the device keeps FUSE's strict dirty-page limit: {e}"
+                "the device keeps FUSE's limits on dirty pages and read-ahead: {e}"
             );
         }
         let binding = LoopBinding::attach(&file, read_only)?;
