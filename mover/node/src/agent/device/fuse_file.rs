@@ -21,6 +21,9 @@ const FILE_INO: u64 = 2;
 const TTL: u64 = 3600;
 /// The largest read or write the kernel sends in one request.
 const MAX_IO: u32 = 1 << 20;
+/// How far the kernel reads ahead of a pod's sequential reads: several requests in
+/// flight, as a disk's read-ahead keeps its own (the development VM's virtio disk: 8 MiB).
+const READ_AHEAD: u32 = 8 * MAX_IO;
 /// A request's header and arguments come before a write's data.
 const BUFFER: usize = MAX_IO as usize + 4096;
 
@@ -86,10 +89,11 @@ pub fn serve(fd: Arc<OwnedFd>, file: Arc<VolumeFile>, resend: bool) -> io::Resul
     std::thread::Builder::new()
         .name("fuse".into())
         .spawn(move || {
-            let mut buf = vec![0u8; BUFFER];
+            let mut buf = Vec::with_capacity(BUFFER);
             loop {
-                match rustix::io::read(&*fd, &mut buf) {
-                    Ok(n) => file.dispatch(&fd, &buf[..n]),
+                buf.clear();
+                match rustix::io::read(&*fd, rustix::buffer::spare_capacity(&mut buf)) {
+                    Ok(_) => file.dispatch(&fd, &mut buf),
                     // Interrupted, or a request the kernel withdrew while it was read.
                     Err(rustix::io::Errno::INTR | rustix::io::Errno::NOENT) => {}
                     Err(rustix::io::Errno::AGAIN) => {}
@@ -109,14 +113,14 @@ pub fn serve(fd: Arc<OwnedFd>, file: Arc<VolumeFile>, resend: bool) -> io::Resul
 }
 
 /// Gives the FUSE file system mounted at `mount` a disk's limits on dirty pages, and
-/// read-ahead as large as a request ([`MAX_IO`]). The kernel holds a FUSE file
+/// a disk's read-ahead ([`READ_AHEAD`]). The kernel holds a FUSE file
 /// system's dirty pages to a strict 1% share of the node's dirty memory
 /// (`strict_limit`, `max_ratio` 1), as a guard against servers it cannot trust; that
 /// held a pod's sequential writes to 0.2x of a loop device over a plain file. The
 /// agent is trusted as a disk's driver is: its share then follows how fast it writes
-/// back, as a disk's does. Its read-ahead (128 KiB) cut a pod's 1 MiB reads of pages
-/// not cached into eight requests in a row. Call once the connection is served (the
-/// mount's attributes come from it).
+/// back, as a disk's does. FUSE's read-ahead (128 KiB) cut a pod's 1 MiB reads of
+/// pages not cached into eight requests in a row, each waiting for the last. Call once
+/// the connection is served (the mount's attributes come from it).
 pub fn tune_as_a_disk(mount: &Path) -> io::Result<()> {
     let st = rustix::fs::stat(mount)?;
     let bdi = format!(
@@ -124,7 +128,7 @@ pub fn tune_as_a_disk(mount: &Path) -> io::Result<()> {
         rustix::fs::major(st.st_dev),
         rustix::fs::minor(st.st_dev)
     );
-    let read_ahead_kb = (MAX_IO / 1024).to_string();
+    let read_ahead_kb = (READ_AHEAD / 1024).to_string();
     for (knob, value) in [
         ("strict_limit", "0"),
         ("max_ratio", "100"),
@@ -188,8 +192,9 @@ impl VolumeFile {
         self.volume.size().saturating_sub(offset).min(len)
     }
 
-    /// Answers one request: at once, or from a task once its I/O is done.
-    fn dispatch(&self, fd: &Arc<OwnedFd>, buf: &[u8]) {
+    /// Answers request `buf`: at once, or from a task once its I/O is done. A write
+    /// takes `buf` with it (its data is not copied) and leaves an empty one.
+    fn dispatch(&self, fd: &Arc<OwnedFd>, buf: &mut Vec<u8>) {
         let Some((h, mut args)) = Args::request(buf) else {
             tracing::error!(len = buf.len(), "a FUSE request shorter than its header");
             return;
@@ -319,15 +324,19 @@ impl VolumeFile {
                 let Some((offset, size)) = parsed else {
                     return done(Err(libc::EINVAL));
                 };
-                let Some(data) = args.rest().get(..size as usize) else {
+                let rest = args.rest();
+                if rest.len() < size as usize {
                     return done(Err(libc::EINVAL));
-                };
+                }
                 if self.within(offset, size as u64) < size as u64 {
                     return done(Err(libc::ENOSPC));
                 }
-                let (volume, fd, data) = (self.volume.clone(), fd.clone(), data.to_vec());
+                let data =
+                    (h.len as usize - rest.len())..(h.len as usize - rest.len() + size as usize);
+                let request = std::mem::replace(buf, Vec::with_capacity(BUFFER));
+                let (volume, fd) = (self.volume.clone(), fd.clone());
                 self.runtime.spawn(async move {
-                    match volume.write(offset, &data, false).await {
+                    match volume.write(offset, &request[data], false).await {
                         Ok(()) => {
                             let out = Out::default().u32(size).u32(0);
                             reply(&fd, unique, Ok(&[&out.0]))
