@@ -42,7 +42,9 @@ on the device, libaio) runs the same jobs on three devices:
 Jobs: 1 MiB sequential read (cold: page cache dropped, one pass; then warm) and write,
 4 KiB random read (cold, then warm) and write at depth 32, 4 KiB random read and write at
 depth 1 (latency p50/p99), and `db`: ext4 made on the device, 4 KiB random writes each
-followed by fsync (as a database commits). --runs rounds; medians are reported.
+followed by fsync (as a database commits). --runs rounds; medians are reported. The
+cold sequential read also has its floor: an O_DIRECT read of the device's image file
+(the source's for (c)) just before it, on the same disk; each run's time over it.
 Targets, (b) over (a): >= 0.8x for sequential throughput, >= 0.5x for 4 KiB random IOPS
 at depth 32. Needs root, fio, e2fsprogs, util-linux. Exit status: 0 all targets met, 2
 some target missed, 1 error.";
@@ -178,6 +180,9 @@ struct Figures {
     mib_per_sec: f64,
     p50_us: f64,
     p99_us: f64,
+    /// A cold sequential read's floor: the disk's O_DIRECT read of the device's image
+    /// file, measured just before (0 for other jobs).
+    floor_mib_per_sec: f64,
 }
 
 /// The devices, in the report's order.
@@ -305,11 +310,18 @@ fn run(args: &Args) -> Result<bool> {
         ))?;
         let device = Loop::attach(&plain)?;
         for j in &JOBS {
-            eprintln!("{}", job(&mut r, "plain", &device.0, &mnt, j, args)?);
+            eprintln!(
+                "{}",
+                job(&mut r, "plain", &device.0, &plain, &mnt, j, args)?
+            );
         }
         drop(device);
         for j in &JOBS {
-            eprintln!("{}", job(&mut r, "complete", &complete, &mnt, j, args)?);
+            let image = db.join("volumes/complete.img");
+            eprintln!(
+                "{}",
+                job(&mut r, "complete", &complete, &image, &mnt, j, args)?
+            );
         }
 
         for (i, j) in JOBS.iter().enumerate() {
@@ -328,7 +340,8 @@ fn run(args: &Args) -> Result<bool> {
                 ],
             )?;
             let device = csi.publish(&db, &name)?;
-            let f = job(&mut r, "hydrating", &device, &mnt, j, args)?;
+            // Its floor is the source's read, on the same disk.
+            let f = job(&mut r, "hydrating", &device, &src, &mnt, j, args)?;
             let status = hydrate(&mover, &b, &["status", &name])?;
             let arrived = status["present"].as_f64().unwrap_or(0.0)
                 / status["regions"].as_f64().unwrap_or(0.0).max(1.0);
@@ -358,6 +371,7 @@ fn run(args: &Args) -> Result<bool> {
                 mib_per_sec: median(runs.iter().map(|f| f.mib_per_sec).collect()),
                 p50_us: median(runs.iter().map(|f| f.p50_us).collect()),
                 p99_us: median(runs.iter().map(|f| f.p99_us).collect()),
+                floor_mib_per_sec: median(runs.iter().map(|f| f.floor_mib_per_sec).collect()),
             };
             meds.insert(d.to_string(), m);
         }
@@ -382,8 +396,22 @@ fn run(args: &Args) -> Result<bool> {
                 "hydrating" => format!("{c_ratio:.2}x"),
                 _ => String::new(),
             };
+            // Each run's time over the floor measured just before it, the median.
+            let over_floor = median(
+                by_device
+                    .get(d)
+                    .into_iter()
+                    .flatten()
+                    .filter(|f| f.floor_mib_per_sec > 0.0)
+                    .map(|f| f.floor_mib_per_sec / f.mib_per_sec.max(f64::MIN_POSITIVE))
+                    .collect(),
+            );
+            let floor = match over_floor {
+                0.0 => String::new(),
+                x => format!("  time/floor {x:.2}"),
+            };
             table += &format!(
-                "{:<20} {d:<10} {:>9.0} {:>9.1} {:>8.0} {:>8.0}   {ratio}\n",
+                "{:<20} {d:<10} {:>9.0} {:>9.1} {:>8.0} {:>8.0}   {ratio}{floor}\n",
                 j.name, f.iops, f.mib_per_sec, f.p50_us, f.p99_us
             );
         }
@@ -400,12 +428,14 @@ fn run(args: &Args) -> Result<bool> {
     Ok(ok)
 }
 
-/// Runs job `j` on `device` (named `label` in the results); `mnt` is where the `db` job
-/// mounts the ext4 it makes. Its figures, as a line to show.
+/// Runs job `j` on `device` (named `label` in the results), whose bytes are in file
+/// `image`; `mnt` is where the `db` job mounts the ext4 it makes. Its figures, as a
+/// line to show.
 fn job(
     r: &mut Results,
     label: &str,
     device: &Path,
+    image: &Path,
     mnt: &Path,
     j: &Job,
     args: &Args,
@@ -422,12 +452,27 @@ fn job(
                     .args(["of=/dev/null", "bs=1M"]),
             )?;
         }
-        fio(device, j, args)?
+        let floor = if j.cold && j.throughput {
+            disk_read(image, args.size)?
+        } else {
+            0.0
+        };
+        Figures {
+            floor_mib_per_sec: floor,
+            ..fio(device, j, args)?
+        }
     };
-    let line = format!(
+    let mut line = format!(
         "   {label:<10} {:<20} {:>9.0} IOPS {:>8.1} MiB/s  p50 {:>6.0} us  p99 {:>6.0} us",
         j.name, f.iops, f.mib_per_sec, f.p50_us, f.p99_us
     );
+    if f.floor_mib_per_sec > 0.0 {
+        line += &format!(
+            "  (disk floor {:.0} MiB/s: {:.2}x the floor's time)",
+            f.floor_mib_per_sec,
+            f.floor_mib_per_sec / f.mib_per_sec.max(f64::MIN_POSITIVE)
+        );
+    }
     r.runs_by_job
         .entry(j.name.into())
         .or_default()
@@ -435,6 +480,20 @@ fn job(
         .or_default()
         .push(f);
     Ok(line)
+}
+
+/// MiB/s of a cold O_DIRECT read of `bytes` of `file` in 4 MiB requests, 8 in flight:
+/// what the disk gives for those bytes now.
+fn disk_read(file: &Path, bytes: u64) -> Result<f64> {
+    drop_caches()?;
+    let out = run_checked(
+        Command::new("fio")
+            .args(["--name=floor", "--output-format=json", "--ioengine=libaio"])
+            .args(["--direct=1", "--rw=read", "--bs=4M", "--iodepth=8"])
+            .arg(format!("--filename={}", file.display()))
+            .arg(format!("--io_size={bytes}")),
+    )?;
+    Ok(figures(&out, "read")?.mib_per_sec)
 }
 
 /// fio's figures of job `j` on device `target`.
@@ -501,6 +560,7 @@ fn figures(json: &[u8], rw: &str) -> Result<Figures> {
         mib_per_sec: s["bw_bytes"].as_f64().unwrap_or(0.0) / (1 << 20) as f64,
         p50_us: pct("50.000000"),
         p99_us: pct("99.000000"),
+        floor_mib_per_sec: 0.0,
     })
 }
 
