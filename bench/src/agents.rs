@@ -177,6 +177,39 @@ impl Drop for Agent {
     }
 }
 
+/// A size given as bytes, or with a unit: K, M or G (binary: 4G is 4 GiB).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = n.parse().map_err(|_| format!("{s:?}: expected e.g. 4G"))?;
+    let shift = match unit {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        _ => return Err(format!("{s:?}: unit must be K, M or G")),
+    };
+    Ok(n << shift)
+}
+
+/// The mover binary: `given`, or the one beside this bench.
+pub fn mover_binary(given: Option<&Path>) -> Result<PathBuf> {
+    match given {
+        Some(m) => Ok(m.to_path_buf()),
+        None => Ok(std::env::current_exe()?.with_file_name("mover")),
+    }
+}
+
+/// Empties work directory `w` (unmounting what a killed run left at `w/mnt`) and makes
+/// the two agents' directories in it, `w/a` and `w/b`.
+pub fn fresh_workdir(w: &Path) -> Result<(PathBuf, PathBuf)> {
+    let _ = Command::new("umount").arg(w.join("mnt")).status();
+    let _ = fs::remove_dir_all(w);
+    let (da, db) = (w.join("a"), w.join("b"));
+    fs::create_dir_all(&da)?;
+    fs::create_dir_all(&db)?;
+    Ok((da, db))
+}
+
 /// The median of `v` (0 for none).
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

@@ -12,7 +12,7 @@ mod charts;
 #[path = "../process.rs"]
 mod process;
 
-use agents::{Agent, Killed, TOKEN, median, sh};
+use agents::{Agent, Killed, TOKEN, fresh_workdir, median, mover_binary, parse_size, sh};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use process::{drop_caches, run_checked};
@@ -70,18 +70,6 @@ struct Args {
     /// target, the read latencies).
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
-    let n: u64 = n.parse().map_err(|_| format!("{s:?}: expected e.g. 4G"))?;
-    let shift = match unit {
-        "" => 0,
-        "M" => 20,
-        "G" => 30,
-        _ => return Err(format!("{s:?}: unit must be M or G")),
-    };
-    Ok(n << shift)
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -167,16 +155,9 @@ fn run(args: &Args) -> Result<bool> {
     if !rustix::process::geteuid().is_root() {
         bail!("needs root (loop mounts, dropping the page cache)");
     }
-    let mover = match &args.mover {
-        Some(m) => m.clone(),
-        None => std::env::current_exe()?.with_file_name("mover"),
-    };
+    let mover = mover_binary(args.mover.as_deref())?;
     let w = &args.workdir;
-    let _ = Command::new("umount").arg(w.join("mnt")).status();
-    let _ = fs::remove_dir_all(w);
-    let (da, db) = (w.join("a"), w.join("b"));
-    fs::create_dir_all(&da)?;
-    fs::create_dir_all(&db)?;
+    let (da, db) = fresh_workdir(w)?;
     let mut r = Results {
         volume_bytes: args.size,
         ..Default::default()

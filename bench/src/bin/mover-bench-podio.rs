@@ -13,7 +13,7 @@ mod charts;
 #[path = "../process.rs"]
 mod process;
 
-use agents::{Agent, TOKEN, median, sh};
+use agents::{Agent, TOKEN, fresh_workdir, median, mover_binary, parse_size, sh};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use process::{drop_caches, run_checked};
@@ -74,19 +74,6 @@ struct Args {
     /// Also write an HTML page with SVG charts into DIR.
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("{s:?}: expected e.g. 512M"))?;
-    let shift = match unit {
-        "M" => 20,
-        "G" => 30,
-        _ => return Err(format!("{s:?}: unit must be M or G")),
-    };
-    Ok(n << shift)
 }
 
 /// One fio job.
@@ -230,16 +217,9 @@ fn run(args: &Args) -> Result<bool> {
             bail!("{tool} is not installed (apt-get install fio e2fsprogs util-linux)");
         }
     }
-    let mover = match &args.mover {
-        Some(m) => m.clone(),
-        None => std::env::current_exe()?.with_file_name("mover"),
-    };
+    let mover = mover_binary(args.mover.as_deref())?;
     let w = &args.workdir;
-    let _ = Command::new("umount").arg(w.join("mnt")).status();
-    let _ = fs::remove_dir_all(w);
-    let (da, db) = (w.join("a"), w.join("b"));
-    fs::create_dir_all(&da)?;
-    fs::create_dir_all(&db)?;
+    let (da, db) = fresh_workdir(w)?;
 
     eprintln!(
         "== setup: ext4 of {} MiB holding a copy of /usr/share",

@@ -19,7 +19,7 @@ mod process;
 #[path = "../tls.rs"]
 mod tls;
 
-use agents::{Agent, Killed, TOKEN, median, sh};
+use agents::{Agent, Killed, TOKEN, median, mover_binary, parse_size, sh};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use process::{ThenSync, drop_caches, run_checked, run_timed};
@@ -94,19 +94,6 @@ struct Args {
     /// and each round's cycle time beside VolSync's.
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
-    let n: u64 = n.parse().map_err(|_| format!("{s:?}: expected e.g. 4G"))?;
-    let shift = match unit {
-        "" => 0,
-        "K" => 10,
-        "M" => 20,
-        "G" => 30,
-        _ => return Err(format!("{s:?}: unit must be K, M or G")),
-    };
-    Ok(n << shift)
 }
 
 const PAGE: u64 = 4096;
@@ -264,10 +251,7 @@ fn run(args: &Args) -> Result<bool> {
     if !rustix::process::geteuid().is_root() {
         bail!("needs root (loop devices, mounts, fsfreeze)");
     }
-    let mover = match &args.mover {
-        Some(m) => m.clone(),
-        None => std::env::current_exe()?.with_file_name("mover"),
-    };
+    let mover = mover_binary(args.mover.as_deref())?;
     let w = &args.workdir;
     cleanup(w);
     let _ = fs::remove_dir_all(w);
