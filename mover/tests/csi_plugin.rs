@@ -627,7 +627,8 @@ fn a_pods_writes_reach_the_image_at_its_fsync_and_the_fill_goes_around_them() {
     let whole = vec![0xa5_u8; MIB as usize];
     let (whole_at, sector_at) = (180 * MIB, 220 * MIB + 4096 + 512);
     direct_write(&kubelet.target, whole_at, &whole);
-    sector_write(&kubelet.target, sector_at, &[0x3c; 512]);
+    // One 512-byte sector, flushed.
+    dd_write(&kubelet.target, sector_at, &[0x3c; 512], 512, true);
     assert!(
         read_at(&h.dst_img, whole_at, MIB) == whole,
         "a pod's fsynced 1 MiB write is not in the agent's image"
@@ -671,7 +672,7 @@ fn a_pods_unflushed_writes_lost_with_its_agent_fail_its_next_fsync() {
     let at = 100 * MIB;
     // Past the device's own cache, into the kernel's cache of the FUSE file: written
     // back there after 30 s (dirty_expire_centisecs) unless flushed.
-    dd_write(&kubelet.target, at, &data, false);
+    dd_write(&kubelet.target, at, &data, MIB, false);
     h.dst.child.kill().unwrap();
     h.dst.child.wait().unwrap();
     let synced = run("sync", &[kubelet.target.to_str().unwrap()]);
@@ -693,26 +694,6 @@ fn a_pods_unflushed_writes_lost_with_its_agent_fail_its_next_fsync() {
     let (unpublished, unstaged) = kubelet.unpublish_and_unstage();
     ok(unpublished, "NodeUnpublishVolume after the restart");
     ok(unstaged, "NodeUnstageVolume after the restart");
-}
-
-/// Writes one 512-byte sector `data` to `device` at `offset` (a multiple of 512), past
-/// the device's page cache, and flushes it.
-fn sector_write(device: &Path, offset: u64, data: &[u8; 512]) {
-    use std::io::Write;
-    let mut dd = Command::new("dd")
-        .args([
-            &format!("of={}", device.display()),
-            "oflag=direct",
-            "conv=fsync,notrunc",
-            "bs=512",
-            &format!("seek={}", offset / 512),
-            "status=none",
-        ])
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .expect("dd is needed by this test");
-    dd.stdin.take().unwrap().write_all(data).unwrap();
-    assert!(dd.wait().unwrap().success(), "dd of={}", device.display());
 }
 
 /// A volume a hydration made (`--create`, as the populator makes each populated PVC's)
@@ -858,12 +839,12 @@ fn assert_reads_source(device: &Path, source: &Path, offset: u64, what: &str) {
 /// Writes `data` to `device` at `offset`, past the page cache (dd oflag=direct), and
 /// flushes it.
 fn direct_write(device: &Path, offset: u64, data: &[u8]) {
-    dd_write(device, offset, data, true)
+    dd_write(device, offset, data, MIB, true)
 }
 
-/// Writes `data` to `device` at `offset` (a multiple of 1 MiB) past the device's page
-/// cache, and flushes it if `flush`.
-fn dd_write(device: &Path, offset: u64, data: &[u8], flush: bool) {
+/// Writes `data` to `device` at `offset` (a multiple of `block`) in `block`-byte writes
+/// past the device's page cache, and flushes it if `flush`.
+fn dd_write(device: &Path, offset: u64, data: &[u8], block: u64, flush: bool) {
     use std::io::Write;
     let mut dd = Command::new("dd")
         .args([
@@ -875,8 +856,8 @@ fn dd_write(device: &Path, offset: u64, data: &[u8], flush: bool) {
             } else {
                 "conv=notrunc"
             },
-            "bs=1M",
-            &format!("seek={}", offset / MIB),
+            &format!("bs={block}"),
+            &format!("seek={}", offset / block),
             "status=none",
         ])
         .stdin(std::process::Stdio::piped())
