@@ -63,8 +63,13 @@ Every copy is checked byte-identical to its source after it is timed (untimed).
 Prints a table of figures, ratios and PASS/FAIL, and writes every figure as JSON.
 Every phase first measures the disk under --workdir with O_DIRECT (reads of today.img,
 writes of a scratch file, each alone and both at once, ~8 s): each job's floor is the least
-time its bytes take on that disk (for jobs that hash, at least the time b3sum takes on
-them), shown as /floor; every judged mover job must stay within 1.3x of its floor.
+time its bytes take on that disk, or its CPU work, whichever is longer, shown as /floor;
+every judged mover job must stay within 1.3x of its floor. The CPU work is hashing at
+b3sum's speed on every CPU; for snapshots (measured before their phase, page-cached
+today.img) also compressing at `zstd -2 -T<nproc>`'s (mover's level for a volume) and
+sealing at `openssl speed -evp chacha20-poly1305 -multi <nproc>`'s: the first snapshot
+hashes and compresses the volume and seals what it stores; the incremental compresses
+the changed pages; the restore decrypts the repository. zstd and openssl are then needed.
 --throttle W[:R] runs the same bench on a disk made slow (the block cgroup's throttle on
 the workdir's disk, lifted at the end): a result that holds only on fast disks shows.
 

@@ -7,6 +7,7 @@
 
 mod charts;
 mod cli;
+mod cpu;
 mod daemon;
 mod diff;
 mod floor;
@@ -212,6 +213,9 @@ fn measure_and_publish(
     }
     if chosen.snapshot {
         results.floors.snapshot = floor()?;
+        let cpu = cpu::CpuSpeed::measure(tools, &images.today, ctx.nproc)?;
+        note!("CPU: {}", cpu.describe());
+        results.floors.snapshot_cpu = Some(cpu);
         results.snapshot = Some(phases::snapshot(&ctx)?);
     }
     results.load_after = load_average();

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
+use crate::cpu::{CpuSpeed, CpuWork};
 use crate::floor::DeviceSpeed;
 use crate::image::Manifest;
 use crate::phases::{
@@ -92,6 +93,8 @@ pub struct Floors {
     pub agent: Option<DeviceSpeed>,
     /// Before the snapshots.
     pub snapshot: Option<DeviceSpeed>,
+    /// Before the snapshots: how fast this machine hashes, compresses and seals.
+    pub snapshot_cpu: Option<CpuSpeed>,
 }
 
 impl Floors {
@@ -117,19 +120,22 @@ fn full_copy_written(results: &Results) -> u64 {
         .unwrap_or(0)
 }
 
-/// What a job cannot do without: bytes it must read from the disk, write to it, and hash.
+/// What a job cannot do without: bytes it must read from the disk and write to it, and
+/// the CPU work it must do.
 #[derive(Debug, Clone, Copy)]
 struct Work {
     read: u64,
     write: u64,
-    hash: u64,
+    cpu: CpuWork,
 }
 
-/// The floors of one phase: its disk, and how fast this machine hashes (b3sum on every
-/// CPU, page-cached, from the hash phase), for jobs that must hash what they compare.
+/// The floors of one phase: its disk, and its CPU: how fast this machine hashes,
+/// compresses and seals where the phase measured it (the snapshots), else how fast it
+/// hashes (b3sum on every CPU, page-cached, from the hash phase).
 #[derive(Debug, Clone, Copy)]
 struct PhaseFloor {
     disk: Option<DeviceSpeed>,
+    cpu: Option<CpuSpeed>,
     hash_bps: Option<f64>,
     /// What reading the volume costs the disk: its image's allocated bytes (the loop
     /// device reads the image's holes as zeros without touching the disk).
@@ -147,12 +153,20 @@ impl PhaseFloor {
         }
     }
 
-    /// The least time `work` takes here: the disk's floor, or hashing, whichever is
+    /// The least time `work` takes here: its disk floor or its CPU floor, whichever is
     /// longer; none when the disk was not measured.
     fn seconds(self, work: Work) -> Option<f64> {
+        self.parts(work).map(|(disk, cpu)| disk.max(cpu))
+    }
+
+    /// The disk floor and the CPU floor of `work`, in seconds.
+    fn parts(self, work: Work) -> Option<(f64, f64)> {
         let disk = self.disk?.floor_seconds(work.read, work.write);
-        let hashing = self.hash_bps.map_or(0.0, |bps| work.hash as f64 / bps);
-        Some(disk.max(hashing))
+        let cpu = match self.cpu {
+            Some(cpu) => cpu.floor_seconds(work.cpu),
+            None => self.hash_bps.map_or(0.0, |bps| work.cpu.hash as f64 / bps),
+        };
+        Some((disk, cpu))
     }
 }
 
@@ -267,6 +281,8 @@ struct Row<'a> {
 struct Summary<'a> {
     rows: Vec<Row<'a>>,
     other_checks: Vec<Check>,
+    /// Each snapshot step's floor: (step, disk seconds, CPU seconds).
+    snapshot_floors: Vec<(&'static str, f64, f64)>,
 }
 
 impl<'a> Summary<'a> {
@@ -282,11 +298,13 @@ impl<'a> Summary<'a> {
             .map(|h| size as f64 / h.b3sum.seconds);
         let phase_floor = |disk: Option<DeviceSpeed>| PhaseFloor {
             disk,
+            cpu: None,
             hash_bps,
             volume_read: results.images.today_allocated,
             volume_written: full_copy_written(results),
         };
         let mut rows = Vec::new();
+        let mut snapshot_floors = Vec::new();
         for hash in &results.hash {
             let phase = format!("hash N={}", hash.threads);
             let ratio = hash.b3sum.seconds / hash.mover.seconds;
@@ -312,12 +330,24 @@ impl<'a> Summary<'a> {
             rows.extend(agent_rows(agent, size, phase_floor(floors.agent)));
         }
         if let Some(snapshot) = &results.snapshot {
-            let floor = phase_floor(floors.snapshot);
-            rows.extend(snapshot_rows(snapshot, size, floor));
+            let floor = PhaseFloor {
+                cpu: floors.snapshot_cpu,
+                ..phase_floor(floors.snapshot)
+            };
+            let work = snapshot_work(results, snapshot, floor);
+            rows.extend(snapshot_rows(snapshot, size, &work));
+            snapshot_floors.extend(
+                work.iter()
+                    .filter_map(|w| w.parts().map(|(disk, cpu)| (w.phase, disk, cpu))),
+            );
         }
         let mut other_checks = other_checks(results);
         other_checks.extend(rows.iter().filter_map(Row::floor_check));
-        Self { rows, other_checks }
+        Self {
+            rows,
+            other_checks,
+            snapshot_floors,
+        }
     }
 
     /// Every check, row checks first.
@@ -384,7 +414,7 @@ fn full_copy_rows(full: &FullCopy, size: u64, floor: PhaseFloor) -> Vec<Row<'_>>
     let floor = floor.seconds(Work {
         read: floor.source_read(full.cache),
         write: floor.volume_written,
-        hash: 0,
+        cpu: CpuWork::default(),
     });
     let ratio = full.mover.seconds / full.cp.seconds;
     let check = Check::new(
@@ -409,7 +439,7 @@ fn delta_copy_rows(delta: &DeltaCopy, size: u64, floor: PhaseFloor) -> Vec<Row<'
     let floor = floor.seconds(Work {
         read: floor.source_read(delta.cache),
         write: delta.changed.differing_bytes(),
-        hash: size,
+        cpu: CpuWork::hashing(size),
     });
     let speedup = delta.rsync.seconds / delta.mover.seconds;
     let check = Check::new(
@@ -436,12 +466,12 @@ fn agent_rows(agent: &AgentCopy, size: u64, floor: PhaseFloor) -> Vec<Row<'_>> {
     let full_floor = floor.seconds(Work {
         read: floor.volume_read,
         write: floor.volume_written,
-        hash: 0,
+        cpu: CpuWork::default(),
     });
     let delta_floor = floor.seconds(Work {
         read: floor.volume_read,
         write: delta.changed.differing_bytes(),
-        hash: size,
+        cpu: CpuWork::hashing(size),
     });
     let local_cp = &full.cp;
     let vs_cp = Check::new(
@@ -499,44 +529,83 @@ fn agent_checks(agent: &AgentCopy) -> Vec<Check> {
     ]
 }
 
+/// What each snapshot step must do, and its floor: the first snapshot reads the volume,
+/// hashes it, compresses it and seals what it stores; the incremental one reads and
+/// hashes the volume again but compresses only the changed pages and seals what it adds;
+/// the restore reads the repository, opens (decrypts) it and writes the volume. A
+/// restore's decompression is left out: zstd opens many times faster than it packs.
+struct StepWork {
+    phase: &'static str,
+    work: Work,
+    floor: PhaseFloor,
+}
+
+impl StepWork {
+    /// The floor's disk and CPU parts, in seconds.
+    fn parts(&self) -> Option<(f64, f64)> {
+        self.floor.parts(self.work)
+    }
+
+    /// The floor: the larger part.
+    fn seconds(&self) -> Option<f64> {
+        self.floor.seconds(self.work)
+    }
+}
+
+/// The work of the first snapshot, the incremental one and the restore.
+fn snapshot_work(results: &Results, snapshot: &SnapshotPhase, floor: PhaseFloor) -> [StepWork; 3] {
+    let (first, incr) = (&snapshot.first, &snapshot.incremental);
+    let size = results.images.size;
+    let added = incr.mover_repo_bytes.saturating_sub(first.mover_repo_bytes);
+    let step = |phase, read, write, cpu| StepWork {
+        phase,
+        work: Work { read, write, cpu },
+        floor,
+    };
+    [
+        step(
+            "snap first",
+            floor.volume_read,
+            first.mover_repo_bytes,
+            CpuWork {
+                hash: size,
+                compress: size,
+                seal: first.mover_repo_bytes,
+            },
+        ),
+        step(
+            "snap incr",
+            floor.volume_read,
+            added,
+            CpuWork {
+                hash: size,
+                compress: results.images.diff.differing_pages * 4096,
+                seal: added,
+            },
+        ),
+        step(
+            "snap restore",
+            incr.mover_repo_bytes,
+            floor.volume_written,
+            CpuWork {
+                seal: incr.mover_repo_bytes,
+                ..CpuWork::default()
+            },
+        ),
+    ]
+}
+
 /// Rows of the snapshots: restic, and mover judged by its speed-up over restic, for the
 /// first snapshot, the incremental one and the restore.
-fn snapshot_rows(snapshot: &SnapshotPhase, size: u64, floor: PhaseFloor) -> Vec<Row<'_>> {
-    let (first, incr) = (&snapshot.first, &snapshot.incremental);
-    // A snapshot reads and hashes the volume once and writes what its repository gained;
-    // a restore reads the repository and writes the volume's data.
-    let first_floor = floor.seconds(Work {
-        read: floor.volume_read,
-        write: first.mover_repo_bytes,
-        hash: size,
-    });
-    let incr_floor = floor.seconds(Work {
-        read: floor.volume_read,
-        write: incr.mover_repo_bytes.saturating_sub(first.mover_repo_bytes),
-        hash: size,
-    });
-    let restore_floor = floor.seconds(Work {
-        read: incr.mover_repo_bytes,
-        write: floor.volume_written,
-        hash: 0,
-    });
-    let steps: [(&str, &SnapshotStep, f64, Option<f64>); 3] = [
-        ("snap first", first, SNAPSHOT_FIRST_MIN_SPEEDUP, first_floor),
-        (
-            "snap incr",
-            incr,
-            SNAPSHOT_INCREMENTAL_MIN_SPEEDUP,
-            incr_floor,
-        ),
-        (
-            "snap restore",
-            &snapshot.restore,
-            SNAPSHOT_RESTORE_MIN_SPEEDUP,
-            restore_floor,
-        ),
+fn snapshot_rows<'a>(snapshot: &'a SnapshotPhase, size: u64, work: &[StepWork; 3]) -> Vec<Row<'a>> {
+    let steps: [(&SnapshotStep, f64); 3] = [
+        (&snapshot.first, SNAPSHOT_FIRST_MIN_SPEEDUP),
+        (&snapshot.incremental, SNAPSHOT_INCREMENTAL_MIN_SPEEDUP),
+        (&snapshot.restore, SNAPSHOT_RESTORE_MIN_SPEEDUP),
     ];
     let mut rows = Vec::new();
-    for (phase, step, limit, floor) in steps {
+    for ((step, limit), work) in steps.into_iter().zip(work) {
+        let (phase, floor) = (work.phase, work.seconds());
         let check = Check::new(
             &format!("{phase}: restic time / mover time"),
             step.restic.seconds / step.mover.seconds,
@@ -855,7 +924,7 @@ fn render(results: &Results, summary: &Summary) -> String {
         out += &agent_notes(agent);
     }
     if let Some(snapshot) = &results.snapshot {
-        out += &snapshot_notes(snapshot);
+        out += &snapshot_notes(snapshot, &summary.snapshot_floors);
     }
     let failed = summary.checks().iter().filter(|c| !c.pass).count();
     let _ = match failed {
@@ -891,10 +960,19 @@ fn agent_notes(agent: &AgentCopy) -> String {
     )
 }
 
-/// The repositories' size after each snapshot.
-fn snapshot_notes(snapshot: &SnapshotPhase) -> String {
+/// The repositories' size after each snapshot, and each step's floor.
+fn snapshot_notes(snapshot: &SnapshotPhase, floors: &[(&str, f64, f64)]) -> String {
     let mib = |bytes: u64| bytes as f64 / MIB;
     let (first, incr) = (&snapshot.first, &snapshot.incremental);
+    let mut floor_lines = String::new();
+    for (step, disk, cpu) in floors {
+        let _ = writeln!(
+            floor_lines,
+            "  floor of {step}: disk {disk:.2} s, CPU {cpu:.2} s (hash, compress, seal on \
+             every CPU): {:.2} s",
+            disk.max(*cpu)
+        );
+    }
     format!(
         "snapshot phase, local-directory repositories on the workdir's disk:\n  \
          repository after the first snapshot: mover {:.1} MiB, restic {:.1} MiB\n  \
@@ -905,7 +983,7 @@ fn snapshot_notes(snapshot: &SnapshotPhase) -> String {
         mib(incr
             .restic_repo_bytes
             .saturating_sub(first.restic_repo_bytes)),
-    )
+    ) + &floor_lines
 }
 
 /// The line describing the volume and the machine.
@@ -927,10 +1005,14 @@ fn headline(results: &Results) -> String {
             let _ = writeln!(disk, "disk before the {phase}: {}", speed.describe());
         }
     }
+    if let Some(cpu) = floors.snapshot_cpu {
+        let _ = writeln!(disk, "CPU before the snapshots: {}", cpu.describe());
+    }
     let _ = write!(
         disk,
-        "/floor: time over the least the job's bytes take on that disk (and, for jobs that \
-         hash, over hashing them at b3sum's speed)"
+        "/floor: time over the least the job takes here: its bytes on that disk, or its CPU \
+         work (hashing at b3sum's speed; for snapshots also compressing at zstd's and \
+         sealing at OpenSSL's), whichever is longer"
     );
     let head = format!(
         "mover-bench: {:.2} GiB volume ({:.2} GiB allocated), {} CPUs, kernel {}\n\

@@ -24,19 +24,22 @@ pub struct Tools {
     pub mount: PathBuf,
     /// `umount`.
     pub umount: PathBuf,
-    /// `openssl` (makes the agent phase's TLS certificates); looked for only when that
-    /// phase runs.
+    /// `openssl` (makes the agent phase's TLS certificates; measures the snapshots' CPU
+    /// floor); looked for only when one of those phases runs.
     pub openssl: Option<PathBuf>,
     /// `restic` (peer: snapshots); looked for only when the snapshot phase runs.
     pub restic: Option<PathBuf>,
+    /// `zstd` (the snapshots' CPU floor); looked for only when the snapshot phase runs.
+    pub zstd: Option<PathBuf>,
 }
 
 /// Directories searched after `$PATH`, since `sudo` or cron may leave the sbins out.
 const EXTRA_DIRS: [&str; 4] = ["/usr/local/sbin", "/usr/sbin", "/sbin", "/usr/bin"];
 
 impl Tools {
-    /// Finds every program (`openssl` only if `agent_phase`, `restic` only if
-    /// `snapshot_phase`), or fails naming each missing one and its Debian/Ubuntu package.
+    /// Finds every program (`openssl` only if `agent_phase` or `snapshot_phase`, `restic`
+    /// and `zstd` only if `snapshot_phase`), or fails naming each missing one and its
+    /// Debian/Ubuntu package.
     pub fn find(agent_phase: bool, snapshot_phase: bool) -> Result<Self> {
         let mut missing = Vec::new();
         let mut find = |name: &str, package: &str| {
@@ -54,8 +57,9 @@ impl Tools {
             losetup: find("losetup", "mount"),
             mount: find("mount", "mount"),
             umount: find("umount", "mount"),
-            openssl: agent_phase.then(|| find("openssl", "openssl")),
+            openssl: (agent_phase || snapshot_phase).then(|| find("openssl", "openssl")),
             restic: snapshot_phase.then(|| find("restic", "restic")),
+            zstd: snapshot_phase.then(|| find("zstd", "zstd")),
         };
         if !missing.is_empty() {
             bail!("missing required programs: {}", missing.join(", "));

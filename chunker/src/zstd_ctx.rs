@@ -15,6 +15,30 @@ thread_local! {
 
 /// `data` compressed at `level` with this thread's context.
 pub fn compress(data: &[u8], level: i32) -> std::io::Result<Vec<u8>> {
+    with_compressor(level, |c| c.compress(data))
+}
+
+/// `data` compressed at `level` with this thread's context, appended to `out` in its
+/// spare capacity (no copy, no allocation); returns the bytes appended. Fails, with
+/// `out` as it was, when they do not fit: a caller that reserves only the room it would
+/// spend storing `data` raw learns at once that compressing does not pay.
+pub fn compress_append(data: &[u8], level: i32, out: &mut Vec<u8>) -> std::io::Result<usize> {
+    let before = out.len();
+    let mut tail = std::io::Cursor::new(&mut *out);
+    tail.set_position(before as u64);
+    let appended = with_compressor(level, |c| c.compress_to_buffer(data, &mut tail));
+    if appended.is_err() {
+        out.truncate(before);
+    }
+    appended
+}
+
+/// Runs `f` with this thread's compression context, made on first use and set to
+/// `level`.
+fn with_compressor<T>(
+    level: i32,
+    f: impl FnOnce(&mut zstd::bulk::Compressor<'static>) -> std::io::Result<T>,
+) -> std::io::Result<T> {
     COMPRESSOR.with_borrow_mut(|c| {
         match c {
             Some((at, ctx)) if *at != level => {
@@ -24,7 +48,7 @@ pub fn compress(data: &[u8], level: i32) -> std::io::Result<Vec<u8>> {
             Some(_) => {}
             None => *c = Some((level, zstd::bulk::Compressor::new(level)?)),
         }
-        c.as_mut().expect("made above").1.compress(data)
+        f(&mut c.as_mut().expect("made above").1)
     })
 }
 

@@ -9,8 +9,10 @@
 use chunker::ChunkKey;
 use ring::aead::{Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey};
 
+/// Bytes of a sealed message's nonce, which starts it.
+pub(crate) const NONCE: usize = 24;
 /// Bytes a seal adds: the nonce and the tag.
-pub(crate) const SEAL_OVERHEAD: usize = 24 + 16;
+pub(crate) const SEAL_OVERHEAD: usize = NONCE + 16;
 
 /// An XChaCha20-Poly1305 key. The cipher is the extended-nonce construction over ring's
 /// ChaCha20-Poly1305 (HChaCha20 of the key and the nonce's first 16 bytes is the
@@ -40,16 +42,26 @@ impl XChaCha {
 
     /// `nonce || ciphertext || tag` of `msg` under a fresh random nonce, `aad` bound.
     pub fn seal(&self, msg: &[u8], aad: &[u8]) -> Vec<u8> {
-        let nonce: [u8; 24] = random();
         let mut out = Vec::with_capacity(SEAL_OVERHEAD + msg.len());
-        out.extend_from_slice(&nonce);
+        out.extend_from_slice(&[0; NONCE]);
         out.extend_from_slice(msg);
+        self.seal_in_place(&mut out, aad);
+        out
+    }
+
+    /// Seals in place a message built after [`NONCE`] bytes of room at the start of
+    /// `out`: writes a fresh random nonce there, encrypts the rest, and appends the tag
+    /// (no reallocation when `out` has 16 bytes of spare capacity). `out` is then
+    /// `nonce || ciphertext || tag`, as [`XChaCha::seal`] makes.
+    pub fn seal_in_place(&self, out: &mut Vec<u8>, aad: &[u8]) {
+        assert!(out.len() >= NONCE, "no room for the nonce");
+        let nonce: [u8; NONCE] = random();
+        out[..NONCE].copy_from_slice(&nonce);
         let (key, inner) = self.message_key(&nonce);
         let tag = key
-            .seal_in_place_separate_tag(inner, Aad::from(aad), &mut out[24..])
+            .seal_in_place_separate_tag(inner, Aad::from(aad), &mut out[NONCE..])
             .expect("ChaCha20-Poly1305 sealing cannot fail for in-memory buffers");
         out.extend_from_slice(tag.as_ref());
-        out
     }
 
     /// The message of a sealed one; `None` if it was altered or sealed with another
@@ -102,6 +114,12 @@ impl MasterKey {
     /// Encrypts `msg`, binding `aad` (not stored) to it.
     pub fn seal(&self, msg: &[u8], aad: &[u8]) -> Vec<u8> {
         self.cipher.seal(msg, aad)
+    }
+
+    /// Encrypts in place the message after [`NONCE`] bytes of room in `out`
+    /// ([`XChaCha::seal_in_place`]).
+    pub fn seal_in_place(&self, out: &mut Vec<u8>, aad: &[u8]) {
+        self.cipher.seal_in_place(out, aad)
     }
 
     /// Decrypts a sealed message; `None` if it was altered or sealed with other keys/aad.

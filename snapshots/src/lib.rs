@@ -51,7 +51,10 @@ pub use manifest::{
     CHUNKS_PER_LIST, Content, MANIFEST_VERSION, Manifest, Snapshot, SnapshotSummary, decode_list,
     encode_list,
 };
-pub use pack::{BlobKind, FinishedPack, MAX_LIST_BLOB, PackBuilder, PackEntry, PackId, pack_key};
+pub use pack::{
+    BlobKind, FinishedPack, MAX_LIST_BLOB, PackBuilder, PackEntry, PackId, SpareBuffers, pack_key,
+    sealed_len,
+};
 pub use prune::PruneReport;
 pub use repo::{InitOptions, Repository, Uploader, now_unix, now_unix_nanos};
 pub use tree::{FilePiece, NodeKind, TreeNode, decode_tree, encode_tree};

@@ -15,11 +15,12 @@
 //! is named by the BLAKE3 of its bytes, so a whole-pack check needs no key.
 
 use crate::{
-    crypto::MasterKey,
+    crypto::{MasterKey, NONCE, SEAL_OVERHEAD},
     error::{RepoError, Result},
 };
 use bytes::Bytes;
 use chunker::ChunkId;
+use std::sync::{Arc, Mutex};
 
 const MAGIC: &[u8; 4] = b"MVPK";
 const VERSION: u32 = 1;
@@ -126,22 +127,42 @@ pub(crate) fn seal_blob_at(
     plain: &[u8],
     level: i32,
 ) -> Vec<u8> {
-    let mut msg = Vec::with_capacity(plain.len() + 1);
-    let compressed = match worth_compressing(plain, level) {
-        true => chunker::zstd_ctx::compress(plain, level),
-        false => Err(std::io::Error::other("not worth it")),
-    };
-    match compressed {
-        Ok(c) if c.len() < plain.len() => {
-            msg.push(1);
-            msg.extend_from_slice(&c);
-        }
-        _ => {
-            msg.push(0);
-            msg.extend_from_slice(plain);
-        }
+    seal_blob_into(key, kind, id, plain, level, Vec::new())
+}
+
+/// [`seal_blob_at`] into `out`, emptied first (a buffer given back: no allocation when
+/// it has room for the sealed plaintext).
+pub(crate) fn seal_blob_into(
+    key: &MasterKey,
+    kind: BlobKind,
+    id: &ChunkId,
+    plain: &[u8],
+    level: i32,
+    mut out: Vec<u8>,
+) -> Vec<u8> {
+    // One buffer, built in place: the nonce's room, the flag, the message compressed
+    // straight into it (a frame no shorter than the plaintext does not pay), sealed in
+    // place with room for the tag. A volume's 1 MiB chunk took three allocations and
+    // three copies before.
+    out.clear();
+    out.reserve(sealed_len(plain.len()));
+    out.extend_from_slice(&[0; NONCE]);
+    out.push(1);
+    let compressed = worth_compressing(plain, level)
+        && chunker::zstd_ctx::compress_append(plain, level, &mut out)
+            .is_ok_and(|n| n < plain.len());
+    if !compressed {
+        out.truncate(NONCE);
+        out.push(0);
+        out.extend_from_slice(plain);
     }
-    key.seal(&msg, &blob_aad(kind, id))
+    key.seal_in_place(&mut out, &blob_aad(kind, id));
+    out
+}
+
+/// The most bytes a blob of `plain` bytes takes sealed: stored raw, with its flag.
+pub fn sealed_len(plain: usize) -> usize {
+    SEAL_OVERHEAD + 1 + plain
 }
 
 fn blob_aad(kind: BlobKind, id: &ChunkId) -> [u8; 33] {
@@ -235,6 +256,44 @@ pub struct PackBuilder {
     entries: Vec<PackEntry>,
 }
 
+/// Pack buffers given back once their packs are uploaded, for the next packs of the
+/// same run: a 16 MiB buffer fresh from the allocator is faulted in page by page (4096
+/// faults), and allocators hand buffers that large back to the system when freed. A
+/// first snapshot of a 4 GiB volume spent 2 million page faults on its packs before.
+/// Likewise a run's sealed chunks, each copied into its pack and then free. At most
+/// the number given to [`SpareBuffers::keeping`] are kept; they go when the last clone
+/// is dropped.
+#[derive(Clone, Debug)]
+pub struct SpareBuffers {
+    kept: Arc<Mutex<Vec<Vec<u8>>>>,
+    most: usize,
+}
+
+impl SpareBuffers {
+    /// Spares keeping at most `most` buffers.
+    pub fn keeping(most: usize) -> Self {
+        Self {
+            kept: Arc::default(),
+            most,
+        }
+    }
+
+    /// Keeps `buf` for later, unless enough are kept.
+    pub fn give(&self, buf: Vec<u8>) {
+        let mut spares = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        if spares.len() < self.most {
+            spares.push(buf);
+        }
+    }
+
+    /// A kept buffer with room for at least `bytes`.
+    pub fn take(&self, bytes: usize) -> Option<Vec<u8>> {
+        let mut spares = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        let at = spares.iter().position(|b| b.capacity() >= bytes)?;
+        Some(spares.swap_remove(at))
+    }
+}
+
 /// A complete pack, ready to upload.
 #[derive(Debug, Clone)]
 pub struct FinishedPack {
@@ -244,6 +303,17 @@ pub struct FinishedPack {
     pub data: Bytes,
     /// Its blobs.
     pub entries: Vec<PackEntry>,
+}
+
+impl FinishedPack {
+    /// The pack's buffer, for [`SpareBuffers::give`], once nothing else holds its bytes
+    /// (an upload may still hold a clone: then `None`).
+    pub fn take_buffer(&mut self) -> Option<Vec<u8>> {
+        std::mem::take(&mut self.data)
+            .try_into_mut()
+            .ok()
+            .map(Vec::from)
+    }
 }
 
 impl Default for PackBuilder {
@@ -261,7 +331,21 @@ impl PackBuilder {
     /// An empty pack with room for `bytes`: a pack filled to its size then never
     /// reallocates (a doubling Vec held up to twice the pack, and copied it).
     pub fn with_capacity(bytes: usize) -> Self {
-        let mut buf = Vec::with_capacity(bytes.max(HEADER_LEN));
+        Self::reusing(Vec::with_capacity(bytes.max(HEADER_LEN)))
+    }
+
+    /// An empty pack with room for `bytes`, in a buffer an uploaded pack gave back to
+    /// `spares` if one is there.
+    pub fn with_capacity_from(spares: &SpareBuffers, bytes: usize) -> Self {
+        match spares.take(bytes) {
+            Some(buf) => Self::reusing(buf),
+            None => Self::with_capacity(bytes),
+        }
+    }
+
+    /// An empty pack written into `buf`, emptied first.
+    fn reusing(mut buf: Vec<u8>) -> Self {
+        buf.clear();
         buf.extend_from_slice(MAGIC);
         buf.extend_from_slice(&VERSION.to_le_bytes());
         PackBuilder {
@@ -511,6 +595,30 @@ mod tests {
             )
             .is_none()
         );
+    }
+
+    #[test]
+    fn a_blob_sealed_into_a_given_back_buffer_opens_as_its_plaintext() {
+        use rand::{RngCore, SeedableRng, rngs::StdRng};
+        let k = MasterKey::from_secret(&[3; 32]);
+        let mut random = vec![0u8; 300_000];
+        StdRng::seed_from_u64(3).fill_bytes(&mut random);
+        let text: Vec<u8> = b"a page of a database ".repeat(15_000);
+        let spares = SpareBuffers::keeping(1);
+        // A raw blob first, then a compressed one and an empty one in its buffer (more
+        // room than they need, stale bytes in it), then the raw one again in the
+        // compressed one's, each level.
+        for (plain, level) in [(&random, 2), (&text, 2), (&Vec::new(), 3), (&random, 3)] {
+            let out = spares.take(0).unwrap_or_default();
+            let id = k.chunk_key().chunk_id(plain);
+            let sealed = seal_blob_into(&k, BlobKind::Data, &id, plain, level, out);
+            assert!(sealed.len() <= sealed_len(plain.len()));
+            assert_eq!(open_blob(&k, BlobKind::Data, &id, &sealed).unwrap(), plain);
+            spares.give(sealed);
+        }
+        // The buffer went round: one kept, no more.
+        spares.give(Vec::with_capacity(10));
+        assert!(spares.take(300_000).is_some() && spares.take(0).is_none());
     }
 
     #[test]

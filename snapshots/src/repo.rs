@@ -8,8 +8,8 @@ use crate::{
     keys::{Config, Credentials, KeyObject, REPO_VERSION, new_key_object, open_key_object},
     manifest::{MANIFEST_VERSION, Manifest, Snapshot, decode_list},
     pack::{
-        BlobKind, FOOTER_LEN, FinishedPack, PackBuilder, PackEntry, PackId, open_blob, pack_key,
-        parse_trailer, seal_blob, seal_blob_at, trailer_len,
+        BlobKind, FOOTER_LEN, FinishedPack, PackBuilder, PackEntry, PackId, SpareBuffers,
+        open_blob, pack_key, parse_trailer, seal_blob, seal_blob_into, trailer_len,
     },
 };
 use bytes::Bytes;
@@ -197,13 +197,16 @@ impl Repository {
 
     /// Seals a volume's data chunk, at the volume chunks' zstd level (2, where a file
     /// tree's blobs take 3: why is told at `VOLUME_ZSTD_LEVEL` in pack.rs).
-    pub fn seal_volume_chunk(&self, id: &ChunkId, plain: &[u8]) -> Vec<u8> {
-        seal_blob_at(
+    /// It is sealed into `out` (a buffer given back, emptied first; `Vec::new()` for
+    /// none).
+    pub fn seal_volume_chunk(&self, id: &ChunkId, plain: &[u8], out: Vec<u8>) -> Vec<u8> {
+        seal_blob_into(
             &self.key,
             BlobKind::Data,
             id,
             plain,
             crate::pack::VOLUME_ZSTD_LEVEL,
+            out,
         )
     }
 
@@ -678,6 +681,8 @@ pub struct Uploader {
     /// are freed as soon as they are stored, not when the upload is joined.
     tasks: JoinSet<Result<(PackId, Vec<PackEntry>, u64)>>,
     max_in_flight: usize,
+    /// Where an uploaded pack's buffer goes back, if anywhere.
+    spares: Option<SpareBuffers>,
     pending: Vec<(PackId, PackEntry)>,
     /// Packs uploaded.
     pub packs: u64,
@@ -695,10 +700,18 @@ impl Uploader {
             repo,
             tasks: JoinSet::new(),
             max_in_flight: max_in_flight.max(1),
+            spares: None,
             pending: Vec::new(),
             packs: 0,
             bytes: 0,
         }
+    }
+
+    /// Gives each pack's buffer back to `spares` once the pack is stored, for the
+    /// producer's next packs ([`PackBuilder::with_capacity_from`]).
+    pub fn returning_buffers_to(mut self, spares: SpareBuffers) -> Self {
+        self.spares = Some(spares);
+        self
     }
 
     /// Starts uploading a pack, first waiting while too many are in flight.
@@ -716,11 +729,16 @@ impl Uploader {
         while self.tasks.len() >= self.max_in_flight {
             self.join_one().await?;
         }
-        let repo = self.repo.clone();
+        let (repo, spares) = (self.repo.clone(), self.spares.clone());
         self.tasks.spawn(async move {
             let _hold = hold;
             repo.put_pack(&pack).await?;
-            Ok((pack.id, pack.entries, pack.data.len() as u64))
+            let mut pack = pack;
+            let len = pack.data.len() as u64;
+            if let (Some(spares), Some(buf)) = (spares, pack.take_buffer()) {
+                spares.give(buf);
+            }
+            Ok((pack.id, pack.entries, len))
         });
         Ok(())
     }

@@ -507,7 +507,12 @@ fn fio(target: &Path, j: &Job, args: &Args) -> Result<Figures> {
 /// The `db` job: ext4 made on `device`, 4 KiB random writes to a 64 MiB file, each
 /// followed by fsync.
 fn db_job(device: &Path, mnt: &Path, j: &Job, seconds: u64) -> Result<Figures> {
-    sh(&format!("mkfs.ext4 -q -F {}", device.display()))?;
+    // No discard: it would punch the device's image full of holes, and the next run's
+    // cold-read floor (an O_DIRECT read of that image) would time holes, not the disk.
+    sh(&format!(
+        "mkfs.ext4 -q -F -E nodiscard {}",
+        device.display()
+    ))?;
     sh(&format!("mount {} {}", device.display(), mnt.display()))?;
     let out = run_checked(
         Command::new("fio")

@@ -18,8 +18,8 @@ use chunker::{
 use rayon::prelude::*;
 use snapshots::{
     BlobKind, BlobLoc, Bytes, CHUNKS_PER_LIST, Content, DELTA_PAGE, FinishedPack, Index, Manifest,
-    PackBuilder, PackId, RepoError, Repository, Snapshot, SnapshotSummary, Uploader, delta_bitmap,
-    encode_delta, encode_list, hex, make_delta,
+    PackBuilder, PackId, RepoError, Repository, Snapshot, SnapshotSummary, SpareBuffers, Uploader,
+    delta_bitmap, encode_delta, encode_list, hex, make_delta, sealed_len,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -200,9 +200,16 @@ pub(super) struct PackSender {
     tx: mpsc::Sender<(FinishedPack, OwnedSemaphorePermit)>,
     slots: Arc<Semaphore>,
     rt: tokio::runtime::Handle,
+    /// Buffers of uploaded packs, for the next ones.
+    spares: SpareBuffers,
 }
 
 impl PackSender {
+    /// An empty pack with room for `bytes`, in an uploaded pack's buffer if one is back.
+    pub fn new_pack(&self, bytes: usize) -> PackBuilder {
+        PackBuilder::with_capacity_from(&self.spares, bytes)
+    }
+
     /// Waits (blocking the thread) for a free upload slot, then hands `pack` over;
     /// `Err` when the upload has stopped.
     pub fn send(&self, pack: FinishedPack) -> Result<(), RepoError> {
@@ -229,13 +236,16 @@ pub(super) async fn produce_and_upload<T: Send + 'static>(
     let uploads = uploads.max(1);
     let (tx, mut rx) = mpsc::channel(1);
     let slots = Arc::new(Semaphore::new(uploads));
+    // Uploads give a pack back as the producer takes one.
+    let spares = SpareBuffers::keeping(2);
     let sender = PackSender {
         tx,
         slots: slots.clone(),
         rt: tokio::runtime::Handle::current(),
+        spares: spares.clone(),
     };
     let producer = tokio::task::spawn_blocking(move || produce(sender));
-    let mut uploader = Uploader::new(repo.clone(), uploads);
+    let mut uploader = Uploader::new(repo.clone(), uploads).returning_buffers_to(spares);
     let mut upload_err = None;
     while let Some((pack, slot)) = rx.recv().await {
         if let Err(e) = uploader.add_holding(pack, slot).await {
@@ -285,48 +295,70 @@ fn produce(
     // A data pack closes at the first blob past its size: room for that blob and the
     // pack's trailer.
     let data_pack_room = pack_size + chunk.bytes() + (64 << 10);
-    let mut data_pack = PackBuilder::with_capacity(data_pack_room);
+    let mut data_pack = tx.new_pack(data_pack_room);
     let mut list_pack = PackBuilder::new();
     let mut kinds_acc: Vec<ChunkKind> = Vec::with_capacity(CHUNKS_PER_LIST as usize);
     let mut lists = Vec::new();
     let mut sum = SnapshotSummary::default();
     let send = |pack: PackBuilder| tx.send(repo.finish_pack(pack));
-    // Seals new chunks (as deltas of their bases where that pays) into the data pack,
-    // sending it when full, and keeps the page CVs of what the next snapshot compares
-    // each place with.
-    let store = |chunks: &[NewChunk<'_>],
-                 bases: &[Base],
-                 fetched: &Fetched,
-                 data_pack: &mut PackBuilder,
-                 sum: &mut SnapshotSummary|
+    // Sealed chunks' buffers, given back once packed: 16 MiB of them, two windows'
+    // worth of 1 MiB chunks (one window sealed while the one before is packed).
+    let sealed_spares = SpareBuffers::keeping(((16 << 20) / chunk.bytes()).max(2));
+    // Puts a batch of sealed chunks into the data pack, sending it when full, and keeps
+    // the page CVs of what the next snapshot compares each place with.
+    let pack = |batch: Vec<SealedChunk>,
+                data_pack: &mut PackBuilder,
+                sum: &mut SnapshotSummary|
      -> Result<(), RepoError> {
-        let sealed: Vec<SealedChunk> = chunks
-            .par_iter()
-            .zip(bases)
-            .map(|(c, base)| seal_new(repo, pages.as_ref(), c, base, fetched))
-            .collect();
-        for (c, s) in chunks.iter().zip(sealed) {
+        for s in batch {
             match s.delta {
                 Some((base, differing)) => {
-                    data_pack.push_delta(c.id, base, &s.sealed);
+                    data_pack.push_delta(s.id, base, &s.sealed);
                     sum.delta_chunks += 1;
                     sum.delta_bytes += (differing * DELTA_PAGE) as u64;
                 }
-                None => data_pack.push(BlobKind::Data, c.id, &s.sealed),
+                None => data_pack.push(BlobKind::Data, s.id, &s.sealed),
             }
             if let (Some(p), Some(cvs)) = (&pages, &s.keep) {
-                p.put(c.at, cvs);
+                p.put(s.at, cvs);
             }
+            sealed_spares.give(s.sealed);
             sum.new_chunks += 1;
-            sum.new_bytes += c.plain.len() as u64;
+            sum.new_bytes += s.plain_len as u64;
             if data_pack.len() >= pack_size {
-                send(std::mem::replace(
-                    data_pack,
-                    PackBuilder::with_capacity(data_pack_room),
-                ))?;
+                send(std::mem::replace(data_pack, tx.new_pack(data_pack_room)))?;
             }
         }
         Ok(())
+    };
+    // Seals new chunks (as deltas of their bases where that pays) on every CPU while
+    // the batch sealed before goes into packs: putting a batch into a pack copies it,
+    // and with the sealing waiting for it the CPUs idled a sixth of a first snapshot.
+    // The batch sealed now is packed with the next one (or at the end), so chunks
+    // still go into packs in volume order.
+    let mut unpacked: Vec<SealedChunk> = Vec::new();
+    let mut store = |chunks: &[NewChunk<'_>],
+                     bases: &[Base],
+                     fetched: &Fetched,
+                     data_pack: &mut PackBuilder,
+                     sum: &mut SnapshotSummary|
+     -> Result<(), RepoError> {
+        let before = std::mem::take(&mut unpacked);
+        let (packed, sealed) = rayon::join(
+            || pack(before, data_pack, sum),
+            || {
+                chunks
+                    .par_iter()
+                    .zip(bases)
+                    .map(|(c, base)| {
+                        let out = sealed_spares.take(sealed_len(c.plain.len()));
+                        seal_new(repo, pages.as_ref(), c, base, fetched, out)
+                    })
+                    .collect()
+            },
+        );
+        unpacked = sealed;
+        packed
     };
     let mut waiting: Option<Waiting> = None;
     let mut flush_list = |kinds: &[ChunkKind],
@@ -429,6 +461,8 @@ fn produce(
         let chunks: Vec<_> = chunks.iter().map(NewChunk::from).collect();
         store(&chunks, &bases, &fetched, &mut data_pack, &mut sum)?;
     }
+    // The last batch sealed.
+    store(&[], &[], &HashMap::new(), &mut data_pack, &mut sum)?;
     if !kinds_acc.is_empty() {
         flush_list(&kinds_acc, &mut list_pack, &mut seen)?;
     }
@@ -703,6 +737,11 @@ fn finish_fetch(rt: &tokio::runtime::Handle, fetch: FetchTask) -> Result<Fetched
 
 /// A new chunk sealed.
 struct SealedChunk {
+    /// Its place in the volume, in chunks.
+    at: u64,
+    id: ChunkId,
+    /// Bytes of its plaintext.
+    plain_len: usize,
     sealed: Vec<u8>,
     /// For a delta: its base and number of differing pages.
     delta: Option<(ChunkId, usize)>,
@@ -711,14 +750,16 @@ struct SealedChunk {
     keep: Option<Vec<Cv>>,
 }
 
-/// Seals a new chunk: as a delta of its base when few pages differ, else whole. A base
-/// that does not open is only logged: the chunk is then stored whole.
+/// Seals a new chunk: as a delta of its base when few pages differ, else whole (into
+/// `out`, a buffer given back, if any). A base that does not open is only logged: the
+/// chunk is then stored whole.
 fn seal_new(
     repo: &Repository,
     pages: Option<&PageCvs>,
     c: &NewChunk<'_>,
     base: &Base,
     fetched: &Fetched,
+    out: Option<Vec<u8>>,
 ) -> SealedChunk {
     let hasher = pages
         .map(PageCvs::hasher)
@@ -728,6 +769,9 @@ fn seal_new(
     let own_cvs = || c.cvs.clone().or_else(|| page_cvs(c.plain));
     let as_delta =
         |bid: &ChunkId, plain: Vec<u8>, pages: usize, keep: Option<Vec<Cv>>| SealedChunk {
+            at: c.at,
+            id: c.id,
+            plain_len: c.plain.len(),
             sealed: repo.seal_blob(BlobKind::Delta, &c.id, &plain),
             delta: Some((*bid, pages)),
             keep,
@@ -757,7 +801,10 @@ fn seal_new(
         Base::None => {}
     }
     SealedChunk {
-        sealed: repo.seal_volume_chunk(&c.id, c.plain),
+        at: c.at,
+        id: c.id,
+        plain_len: c.plain.len(),
+        sealed: repo.seal_volume_chunk(&c.id, c.plain, out.unwrap_or_default()),
         delta: None,
         keep: cvs.or_else(own_cvs),
     }
