@@ -97,8 +97,9 @@ pub fn throughput_chart(
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
     }
     if let Some(floor) = floor_seconds {
-        // The device floor: the least time the job's bytes take on this disk, measured in
-        // the same run; a line ending far right of it is time the job spent on its own.
+        // The floor: the least time the job's bytes take on this disk, or its CPU work on
+        // this machine, measured in the same run; a line ending far right of it is time
+        // the job spent on its own.
         let dashed = BLACK.stroke_width(1);
         chart
             .draw_series(DashedLineSeries::new(
@@ -108,7 +109,7 @@ pub fn throughput_chart(
                 dashed,
             ))
             .map_err(draw_err)?
-            .label(format!("device floor ({floor:.1} s)"))
+            .label(format!("floor ({floor:.1} s)"))
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], dashed));
     }
     chart

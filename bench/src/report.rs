@@ -31,7 +31,7 @@ const AGENT_TLS_MIN_RATIO: f64 = 0.85;
 const SNAPSHOT_FIRST_MIN_SPEEDUP: f64 = 2.5;
 const SNAPSHOT_INCREMENTAL_MIN_SPEEDUP: f64 = 3.0;
 const SNAPSHOT_RESTORE_MIN_SPEEDUP: f64 = 3.0;
-/// Every mover job's time over its device floor.
+/// Every mover job's time over its floor (the disk's or the CPU's, the larger).
 const FLOOR_MAX_RATIO: f64 = 1.3;
 
 /// Bytes per MiB.
@@ -399,7 +399,7 @@ impl Row<'_> {
             return None;
         }
         Some(Check::new(
-            &format!("{}: {} time / device floor", self.phase, self.tool),
+            &format!("{}: {} time / floor", self.phase, self.tool),
             self.over_floor()?,
             Rule::AtMost,
             FLOOR_MAX_RATIO,
@@ -850,7 +850,7 @@ fn write_html(dir: &Path, summary: &Summary, table: &str) -> Result<()> {
         .collect();
     bars(
         "floor.svg",
-        "time over the device floor (1.0 = the disk's own speed)",
+        "time over the floor (1.0 = the disk's or the CPUs' own speed)",
         "time / floor (target for judged mover jobs: black tick, 1.3)",
         &floors,
         "each job's time over the least its bytes take on the disk measured right before \

@@ -39,9 +39,9 @@ pub struct CreateOptions {
     /// with one name form that volume's history (parents, retention).
     #[arg(long, value_name = "NAME")]
     pub name: Option<String>,
-    /// Pack uploads in flight at once (each holds a 16 MiB pack in memory: 2 keep a
-    /// snapshot under restic's peak memory at the same speed into a directory or a
-    /// nearby S3; raise it for a distant S3).
+    /// Pack uploads in flight at once (each holds a 16 MiB pack in memory: with 2, a
+    /// first snapshot of a 4 GiB volume into a directory peaked at 139 MiB, restic's at
+    /// 123 MiB, in a third of its time; 1 is slower; raise it for a distant S3).
     #[arg(long, value_name = "N", default_value_t = 2)]
     pub uploads: usize,
     /// Store every changed chunk whole, never as a delta of the parent snapshot's chunk.
