@@ -115,23 +115,13 @@ fn worth_compressing(plain: &[u8], level: i32) -> bool {
 
 /// Compresses (when it helps, at the default level) and encrypts a blob.
 pub(crate) fn seal_blob(key: &MasterKey, kind: BlobKind, id: &ChunkId, plain: &[u8]) -> Vec<u8> {
-    seal_blob_at(key, kind, id, plain, ZSTD_LEVEL)
+    seal_blob_into(key, kind, id, plain, ZSTD_LEVEL, Vec::new())
 }
 
-/// Compresses (when it helps, at zstd `level`) and encrypts a blob. The level is the
-/// writer's choice alone: a zstd frame opens the same whatever level made it.
-pub(crate) fn seal_blob_at(
-    key: &MasterKey,
-    kind: BlobKind,
-    id: &ChunkId,
-    plain: &[u8],
-    level: i32,
-) -> Vec<u8> {
-    seal_blob_into(key, kind, id, plain, level, Vec::new())
-}
-
-/// [`seal_blob_at`] into `out`, emptied first (a buffer given back: no allocation when
-/// it has room for the sealed plaintext).
+/// Compresses (when it helps, at zstd `level`) and encrypts a blob, into `out`,
+/// emptied first (a buffer given back: no allocation when it has room for the sealed
+/// plaintext). The level is the writer's choice alone: a zstd frame opens the same
+/// whatever level made it.
 pub(crate) fn seal_blob_into(
     key: &MasterKey,
     kind: BlobKind,
@@ -258,9 +248,10 @@ pub struct PackBuilder {
 
 /// Pack buffers given back once their packs are uploaded, for the next packs of the
 /// same run: a 16 MiB buffer fresh from the allocator is faulted in page by page (4096
-/// faults), and allocators hand buffers that large back to the system when freed. A
-/// first snapshot of a 4 GiB volume spent 2 million page faults on its packs before.
-/// Likewise a run's sealed chunks, each copied into its pack and then free. At most
+/// faults), and allocators hand buffers that large back to the system when freed.
+/// Likewise a run's sealed chunks, each copied into its pack and then free. A first
+/// snapshot of a 4 GiB volume took 1.04 million page faults with neither given back,
+/// 577 thousand with packs, 62 thousand with both. At most
 /// the number given to [`SpareBuffers::keeping`] are kept; they go when the last clone
 /// is dropped.
 #[derive(Clone, Debug)]

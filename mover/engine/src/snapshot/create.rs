@@ -462,7 +462,7 @@ fn produce(
         store(&chunks, &bases, &fetched, &mut data_pack, &mut sum)?;
     }
     // The last batch sealed.
-    store(&[], &[], &HashMap::new(), &mut data_pack, &mut sum)?;
+    pack(std::mem::take(&mut unpacked), &mut data_pack, &mut sum)?;
     if !kinds_acc.is_empty() {
         flush_list(&kinds_acc, &mut list_pack, &mut seen)?;
     }
