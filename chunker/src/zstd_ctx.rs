@@ -42,6 +42,13 @@ fn with_compressor<T>(
     COMPRESSOR.with_borrow_mut(|c| {
         match c {
             Some((at, ctx)) if *at != level => {
+                // A compression whose output did not fit leaves its session open, and
+                // zstd refuses a new level until it is reset ("Operation not authorized
+                // at current processing stage"): the next blob at another level was
+                // stored raw.
+                ctx.context_mut()
+                    .reset(zstd::zstd_safe::ResetDirective::SessionOnly)
+                    .map_err(|code| std::io::Error::other(zstd::zstd_safe::get_error_name(code)))?;
                 ctx.set_compression_level(level)?;
                 *at = level;
             }
@@ -72,4 +79,34 @@ fn with_decompressor<T>(
         }
         f(d.as_mut().expect("made above"))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_compression_that_did_not_fit_leaves_the_context_usable_at_another_level() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let random: Vec<u8> = (0..1 << 16)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let text = b"a line of text, again and again\n".repeat(2000);
+        for (first, then) in [(2, 3), (3, 2), (2, 2)] {
+            // Room for the random bytes raw only: the frame does not fit.
+            let mut out = Vec::with_capacity(random.len());
+            assert!(compress_append(&random, first, &mut out).is_err());
+            assert!(out.is_empty());
+            let mut out = b"head".to_vec();
+            out.reserve(text.len());
+            let n = compress_append(&text, then, &mut out).expect("compressed");
+            assert!(n < text.len() / 10, "{first} then {then}: {n} bytes");
+            assert_eq!(decompress(&out[4..], text.len()).unwrap(), text);
+        }
+    }
 }
