@@ -55,7 +55,8 @@ impl UnitHasher {
     }
 
     /// A hasher of 4 KiB pages ([`crate::PAGE_SIZE`]) for chunks of `chunk_len` bytes, or
-    /// `None` where a chunk is one page or less. Half as fast as hashing whole chunks.
+    /// `None` where a chunk is one page or less. [`UnitHasher::cvs`] hashes all of a
+    /// chunk's pages in one SIMD pass.
     pub fn pages(key: &ChunkKey, chunk_len: usize) -> Option<UnitHasher> {
         Self::with_unit(key, chunk_len, crate::PAGE_SIZE)
     }
@@ -96,8 +97,8 @@ impl UnitHasher {
         unit_cv(&self.key, u * self.unit_len, data)
     }
 
-    /// The CVs of every unit of `data` (one chunk): its whole units all at once
-    /// ([`whole_unit_cvs`]), a last shorter one on its own.
+    /// The CVs of every unit of `data` (one chunk): its whole units all at once, in one
+    /// SIMD pass over their BLAKE3 chunks, a last shorter one on its own.
     pub fn cvs(&self, data: &[u8]) -> Vec<Cv> {
         let whole = data.len() / self.unit_len * self.unit_len;
         let mut cvs = whole_unit_cvs(&self.key, &data[..whole], self.unit_len);
