@@ -87,15 +87,9 @@ mod tests {
 
     #[test]
     fn a_compression_that_did_not_fit_leaves_the_context_usable_at_another_level() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let random: Vec<u8> = (0..1 << 16)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
+        use rand::{RngCore, SeedableRng, rngs::StdRng};
+        let mut random = vec![0u8; 1 << 16];
+        StdRng::seed_from_u64(5).fill_bytes(&mut random);
         let text = b"a line of text, again and again\n".repeat(2000);
         for (first, then) in [(2, 3), (3, 2), (2, 2)] {
             // Room for the random bytes raw only: the frame does not fit.

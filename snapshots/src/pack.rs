@@ -94,9 +94,10 @@ pub(crate) const VOLUME_ZSTD_LEVEL: i32 = 2;
 // Every blob is compressed whole, and kept raw where that does not shrink it: zstd
 // passes incompressible data quickly itself (random 1 MiB blocks at 7-8 GB/s at levels
 // 1-3). mover judged large blobs on 16 samples of 4 KiB first, which stored 11 chunks
-// of the bench's volume raw whose redundancy lay between the samples (8 KiB blocks
-// repeated, no 4 KiB piece compressible): 3.15 MB more packs. Compressing those
-// costs a first snapshot of that volume about 0.1 s of its 4.7 s (3 runs each way).
+// of the bench's volume raw whose redundancy lay between the samples (data repeated
+// farther apart than a sample, each 64 KiB piece alone incompressible): 3.15 MB more
+// packs. Compressing every blob costs a first snapshot of that volume about 0.1 s of
+// its 4.7 s (3 runs each way).
 
 /// Compresses (when it helps, at the default level) and encrypts a blob.
 pub(crate) fn seal_blob(key: &MasterKey, kind: BlobKind, id: &ChunkId, plain: &[u8]) -> Vec<u8> {
