@@ -147,54 +147,67 @@ fn unit_cv(key: &ChunkKey, at: usize, data: &[u8]) -> Cv {
 /// semver): the lock file pins blake3, and the tests check every CV against
 /// [`unit_cv`] and the merged ids against BLAKE3's own keyed hash.
 fn whole_unit_cvs(key: &ChunkKey, data: &[u8], unit: usize) -> Vec<Cv> {
-    use blake3::{CHUNK_LEN, IncrementCounter, platform};
+    use blake3::{CHUNK_LEN, IncrementCounter::*};
     // BLAKE3's domain flags (the spec's, table 3).
     const CHUNK_START: u8 = 1;
     const CHUNK_END: u8 = 1 << 1;
     const PARENT: u8 = 1 << 2;
     const KEYED_HASH: u8 = 1 << 4;
     debug_assert!(data.len().is_multiple_of(unit) && unit.is_multiple_of(CHUNK_LEN));
-    let lanes = platform::Platform::detect();
-    let key_words = platform::words_from_le_bytes_32(key.as_bytes());
-    let leaves: Vec<&[u8; CHUNK_LEN]> = data
-        .chunks_exact(CHUNK_LEN)
-        .map(|c| c.try_into().expect("exact chunks"))
-        .collect();
-    let mut level = vec![0u8; leaves.len() * 32];
-    lanes.hash_many(
-        &leaves,
-        &key_words,
-        0,
-        IncrementCounter::Yes,
-        KEYED_HASH,
-        CHUNK_START,
-        CHUNK_END,
-        &mut level,
-    );
+    let hash = Lanes::new(key);
+    let mut level = hash.all::<CHUNK_LEN>(data, Yes, KEYED_HASH, CHUNK_START, CHUNK_END);
     let mut width = CHUNK_LEN;
     while width < unit {
-        let pairs: Vec<&[u8; 64]> = level
-            .chunks_exact(64)
-            .map(|p| p.try_into().expect("exact pairs"))
-            .collect();
-        let mut up = vec![0u8; pairs.len() * 32];
-        lanes.hash_many(
-            &pairs,
-            &key_words,
-            0,
-            IncrementCounter::No,
-            KEYED_HASH | PARENT,
-            0,
-            0,
-            &mut up,
-        );
-        level = up;
+        level = hash.all::<64>(&level, No, KEYED_HASH | PARENT, 0, 0);
         width *= 2;
     }
     level
         .chunks_exact(32)
         .map(|cv| cv.try_into().expect("exact CVs"))
         .collect()
+}
+
+/// blake3's SIMD compression under one key, for [`whole_unit_cvs`].
+struct Lanes {
+    platform: blake3::platform::Platform,
+    key_words: [u32; 8],
+}
+
+impl Lanes {
+    fn new(key: &ChunkKey) -> Lanes {
+        Lanes {
+            platform: blake3::platform::Platform::detect(),
+            key_words: blake3::platform::words_from_le_bytes_32(key.as_bytes()),
+        }
+    }
+
+    /// The 32-byte outputs of every `N`-byte input of `inputs`, in one pass across the
+    /// lanes, one after the other.
+    fn all<const N: usize>(
+        &self,
+        inputs: &[u8],
+        counter: blake3::IncrementCounter,
+        flags: u8,
+        flags_start: u8,
+        flags_end: u8,
+    ) -> Vec<u8> {
+        let inputs: Vec<&[u8; N]> = inputs
+            .chunks_exact(N)
+            .map(|i| i.try_into().expect("exact inputs"))
+            .collect();
+        let mut out = vec![0u8; inputs.len() * 32];
+        self.platform.hash_many(
+            &inputs,
+            &self.key_words,
+            0,
+            counter,
+            flags,
+            flags_start,
+            flags_end,
+            &mut out,
+        );
+        out
+    }
 }
 
 fn zero_cvs(key: &ChunkKey, len: usize, unit: usize) -> Vec<Cv> {
