@@ -82,8 +82,7 @@ impl NbdVolume for FileVolume {
         .await
     }
 
-    async fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
-        let data = data.to_vec();
+    async fn write(&self, offset: u64, data: bytes::Bytes, fua: bool) -> io::Result<()> {
         self.blocking(move |f| {
             f.write_all_at(&data, offset)?;
             if fua { f.sync_data() } else { Ok(()) }

@@ -72,8 +72,15 @@ struct Args {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Also write an HTML page with SVG charts into DIR.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["only", "skip_hydrating"])]
     report: Option<PathBuf>,
+    /// Run only these jobs (comma-separated names, as the table shows them), to look
+    /// closer at a few rows; the page (--report) needs them all.
+    #[arg(long, value_delimiter = ',', value_name = "JOB,...")]
+    only: Vec<String>,
+    /// Skip (c), the device while it hydrates (a fresh fill per job: the slow part).
+    #[arg(long)]
+    skip_hydrating: bool,
 }
 
 /// One fio job.
@@ -217,6 +224,14 @@ fn run(args: &Args) -> Result<bool> {
             bail!("{tool} is not installed (apt-get install fio e2fsprogs util-linux)");
         }
     }
+    let jobs: Vec<&Job> = JOBS
+        .iter()
+        .filter(|j| args.only.is_empty() || args.only.iter().any(|n| n == j.name))
+        .collect();
+    if let Some(unknown) = args.only.iter().find(|n| JOBS.iter().all(|j| j.name != *n)) {
+        let names: Vec<_> = JOBS.iter().map(|j| j.name).collect();
+        bail!("--only: no job {unknown:?}; the jobs: {}", names.join(", "));
+    }
     let mover = mover_binary(args.mover.as_deref())?;
     let w = &args.workdir;
     let (da, db) = fresh_workdir(w)?;
@@ -289,14 +304,14 @@ fn run(args: &Args) -> Result<bool> {
             plain.display()
         ))?;
         let device = Loop::attach(&plain)?;
-        for j in &JOBS {
+        for j in &jobs {
             eprintln!(
                 "{}",
                 job(&mut r, "plain", &device.0, &plain, &mnt, j, args)?
             );
         }
         drop(device);
-        for j in &JOBS {
+        for j in &jobs {
             let image = db.join("volumes/complete.img");
             eprintln!(
                 "{}",
@@ -304,7 +319,7 @@ fn run(args: &Args) -> Result<bool> {
             );
         }
 
-        for (i, j) in JOBS.iter().enumerate() {
+        for (i, j) in jobs.iter().enumerate().filter(|_| !args.skip_hydrating) {
             let name = format!("hydrating-{run}-{i}");
             hydrate(
                 &mover,
@@ -341,7 +356,7 @@ fn run(args: &Args) -> Result<bool> {
     let mut table = String::from(
         "job                  device     IOPS       MiB/s    p50 us   p99 us   / plain\n",
     );
-    for j in &JOBS {
+    for j in &jobs {
         let by_device = r.runs_by_job.get(j.name).cloned().unwrap_or_default();
         let mut meds = BTreeMap::new();
         for d in DEVICES {
@@ -360,10 +375,12 @@ fn run(args: &Args) -> Result<bool> {
         let b_ratio = judged(&meds["complete"]) / plain;
         let c_ratio = judged(&meds["hydrating"]) / plain;
         r.complete_over_plain.insert(j.name.into(), b_ratio);
-        r.hydrating_over_plain.insert(j.name.into(), c_ratio);
+        if by_device.contains_key("hydrating") {
+            r.hydrating_over_plain.insert(j.name.into(), c_ratio);
+        }
         let met = j.target.is_none_or(|t| b_ratio >= t);
         ok &= met;
-        for d in DEVICES {
+        for d in DEVICES.into_iter().filter(|d| by_device.contains_key(*d)) {
             let f = &meds[d];
             let ratio = match d {
                 "complete" => format!(

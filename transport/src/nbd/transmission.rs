@@ -258,7 +258,7 @@ async fn execute(s: &Session, req: &Request, payload: Option<Vec<u8>>) -> Result
             in_range(v.size(), req, ENOSPC)?;
             let data = payload.unwrap_or_default();
             if len > 0 {
-                v.write(offset, &data, fua)
+                v.write(offset, data.into(), fua)
                     .await
                     .map_err(volume_error("write"))?;
             }

@@ -5,6 +5,7 @@ use super::{
     Hydrations,
     engine::{Hydration, blocking},
 };
+use bytes::Bytes;
 use std::{
     fs::File,
     io,
@@ -66,8 +67,8 @@ impl NbdVolume for LocalVolume {
         pread(&self.file, offset, len).await
     }
 
-    async fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
-        pwrite(&self.file, offset, data.to_vec(), fua).await
+    async fn write(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()> {
+        pwrite(&self.file, offset, data, fua).await
     }
 
     async fn flush(&self) -> io::Result<()> {
@@ -177,10 +178,9 @@ impl NbdVolume for HydratingVolume {
         pread(h.file(), offset, len).await
     }
 
-    async fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+    async fn write(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()> {
         let h = self.current();
         let file = h.file().clone();
-        let data = data.to_vec();
         self.write_with(&h, offset, data.len() as u64, fua, async move {
             pwrite(&file, offset, data, false).await
         })
@@ -286,7 +286,7 @@ async fn pread(file: &Arc<File>, offset: u64, len: u32) -> io::Result<Vec<u8>> {
     .await
 }
 
-async fn pwrite(file: &Arc<File>, offset: u64, data: Vec<u8>, fua: bool) -> io::Result<()> {
+async fn pwrite(file: &Arc<File>, offset: u64, data: Bytes, fua: bool) -> io::Result<()> {
     let f = file.clone();
     blocking(move || {
         f.write_all_at(&data, offset)?;

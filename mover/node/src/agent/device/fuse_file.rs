@@ -334,9 +334,10 @@ impl VolumeFile {
                 let data =
                     (h.len as usize - rest.len())..(h.len as usize - rest.len() + size as usize);
                 let request = std::mem::replace(buf, Vec::with_capacity(BUFFER));
+                let data = bytes::Bytes::from(request).slice(data);
                 let (volume, fd) = (self.volume.clone(), fd.clone());
                 self.runtime.spawn(async move {
-                    match volume.write(offset, &request[data], false).await {
+                    match volume.write(offset, data, false).await {
                         Ok(()) => {
                             let out = Out::default().u32(size).u32(0);
                             reply(&fd, unique, Ok(&[&out.0]))
