@@ -48,7 +48,9 @@ Three steps, each timed for the three copies from a dropped page cache to a fina
             turn, every round), each tool's median run counts: mover's is about a second,
             where the host's jitter weighs most;
   delta     after edits (2% of the small files rewritten, 1% deleted, 1000 added, 1 MiB
-            inserted in the middle of two large files), with --delete: rsync / mover >= 3x.
+            inserted in the middle of two large files), with --delete: rsync / mover >= 3x;
+            --rounds times, each round after a new day of edits (its own seed), each
+            tool's median run counts.
 With --real (or --source DIR...), the tree is a real one instead: the given directories
 (default /usr/share and the cargo registry: every size of file, deep directories) copied
 with `cp -a` onto the fresh filesystem, and the delta step makes a day of real edits (1%
@@ -80,8 +82,8 @@ struct Args {
     /// the three copies (the next run replaces it).
     #[arg(long)]
     keep: bool,
-    /// Rounds of the no-change step (rsync, mover, --replica in each); the median run of
-    /// each tool counts.
+    /// Rounds of the no-change and delta steps (rsync, mover, --replica in each; a delta
+    /// round after new edits); the median run of each tool counts.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     rounds: u32,
     /// The mover binary [default: `mover` next to this executable].
@@ -191,15 +193,32 @@ fn run(args: &Args) -> Result<bool> {
         state,
     };
     let mut steps = Vec::new();
-    steps.push(step("initial", 2.0, &mover, &src, &dsts, false, 1)?);
+    let no_edit = |_| Ok(());
+    steps.push(step(
+        "initial", 2.0, &mover, &src, &dsts, false, 1, &no_edit,
+    )?);
     let rounds = args.rounds as usize;
-    steps.push(step("no-change", 5.0, &mover, &src, &dsts, false, rounds)?);
-    if sources.is_empty() {
-        edit_tree(&src, args.files, args.large_mib)?;
-    } else {
-        edit_real_tree(&src, 0)?;
-    }
-    steps.push(step("delta", 3.0, &mover, &src, &dsts, true, 1)?);
+    steps.push(step(
+        "no-change",
+        5.0,
+        &mover,
+        &src,
+        &dsts,
+        false,
+        rounds,
+        &no_edit,
+    )?);
+    // Each round's edits are new ones (their own seed), made before any tool runs.
+    let edit = |round: u64| {
+        if sources.is_empty() {
+            edit_tree(&src, args.files, args.large_mib, round)
+        } else {
+            edit_real_tree(&src, round)
+        }
+    };
+    steps.push(step(
+        "delta", 3.0, &mover, &src, &dsts, true, rounds, &edit,
+    )?);
 
     let mut table = String::from(
         "step        rsync -aHAX   mover (rsync/mover)   --replica (rsync/mover)  target  \
@@ -225,7 +244,8 @@ fn run(args: &Args) -> Result<bool> {
     }
     if rounds > 1 {
         table.push_str(&format!(
-            "no-change: each tool's median of {rounds} rounds (all in the results file)\n"
+            "no-change and delta: each tool's median of {rounds} rounds (all in the results \
+             file)\n"
         ));
     }
     print!("\n{table}");
@@ -332,8 +352,10 @@ struct Dsts {
     state: PathBuf,
 }
 
-/// Times rsync, mover and `mover --replica` on the same step (`rounds` times, in turn),
-/// checks mover's copies, and compares each tool's median run.
+/// Times rsync, mover and `mover --replica` on the same step (`rounds` times, in turn,
+/// each round after `edit(round)`), checks mover's copies, and compares each tool's
+/// median run.
+#[allow(clippy::too_many_arguments)]
 fn step(
     name: &'static str,
     target: f64,
@@ -342,6 +364,7 @@ fn step(
     dsts: &Dsts,
     delete: bool,
     rounds: usize,
+    edit: &dyn Fn(u64) -> Result<()>,
 ) -> Result<Step> {
     let rsync_run = || -> Result<Timed> {
         eprintln!("== {name}: rsync");
@@ -374,7 +397,8 @@ fn step(
         timed(&mut cmd)
     };
     let (mut rsync, mut plain, mut replica) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..rounds {
+    for round in 0..rounds {
+        edit(round as u64)?;
         rsync.push(rsync_run()?);
         plain.push(mover_run(&dsts.mover, false)?);
         replica.push(mover_run(&dsts.replica, true)?);
@@ -478,20 +502,22 @@ fn build_tree(root: &Path, files: u64, large_mib: u64) -> Result<()> {
 
 /// A day of edits: 2% of the small files rewritten, 1% deleted, 1000 added, and 1 MiB
 /// inserted in the middle of two large files.
-fn edit_tree(root: &Path, files: u64, large_mib: u64) -> Result<()> {
+/// A day of edits; each `round` rewrites, deletes and adds other files.
+fn edit_tree(root: &Path, files: u64, large_mib: u64, round: u64) -> Result<()> {
     eprintln!("editing the source tree");
-    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut rng = Rng(0x1234_5678_9abc_def1 + round * 7919);
     let mut buf = vec![0u8; 8192];
     for i in (0..files).step_by(50) {
         let len = (rng.next() % 8192) as usize;
         rng.fill(&mut buf[..len]);
-        fs::write(small_path(root, i + 7), &buf[..len])?;
+        fs::write(small_path(root, (i + 7 + round) % files), &buf[..len])?;
     }
     for i in (0..files).step_by(100) {
-        _ = fs::remove_file(small_path(root, i + 13));
+        _ = fs::remove_file(small_path(root, (i + 13 + 3 * round) % files));
     }
     for i in 0..1000 {
-        let path = small_path(root, i * (files / 1000)).with_file_name(format!("new{i}.dat"));
+        let path =
+            small_path(root, i * (files / 1000)).with_file_name(format!("new{round}-{i}.dat"));
         fs::write(path, format!("new file {i}"))?;
     }
     for n in 0..2 {
