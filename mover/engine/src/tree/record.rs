@@ -360,6 +360,9 @@ impl Record {
     }
 }
 
+/// Bytes of a new record gathered before they are written.
+const RECORD_BUFFER: usize = 1 << 20;
+
 /// A new record, written as a run goes; saved by [`RecordWriter::commit`] only.
 pub(crate) struct RecordWriter {
     header: Vec<u8>,
@@ -369,7 +372,8 @@ pub(crate) struct RecordWriter {
 }
 
 struct Out {
-    file: File,
+    /// Buffered: one small write per directory was a syscall per directory.
+    file: io::BufWriter<File>,
     at: u64,
     /// Each directory written, by its path relative to the root.
     dirs: Vec<(PathBuf, Row)>,
@@ -389,7 +393,7 @@ impl RecordWriter {
         file.write_all(&header)?;
         Ok(RecordWriter {
             out: Mutex::new(Out {
-                file,
+                file: io::BufWriter::with_capacity(RECORD_BUFFER, file),
                 at: header.len() as u64,
                 dirs: Vec::new(),
                 seals: HashMap::new(),
@@ -472,7 +476,8 @@ impl RecordWriter {
         tail.extend_from_slice(hasher.finalize().as_bytes());
         tail.extend_from_slice(MAGIC);
         out.file.write_all(&tail)?;
-        chunker::durable::publish(&out.file, &self.tmp, &self.path)
+        out.file.flush()?;
+        chunker::durable::publish(out.file.get_ref(), &self.tmp, &self.path)
     }
 }
 
