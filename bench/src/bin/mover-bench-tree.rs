@@ -501,8 +501,7 @@ fn build_tree(root: &Path, files: u64, large_mib: u64) -> Result<()> {
 }
 
 /// A day of edits: 2% of the small files rewritten, 1% deleted, 1000 added, and 1 MiB
-/// inserted in the middle of two large files.
-/// A day of edits; each `round` rewrites, deletes and adds other files.
+/// inserted in the middle of two large files; each `round` picks other small files.
 fn edit_tree(root: &Path, files: u64, large_mib: u64, round: u64) -> Result<()> {
     eprintln!("editing the source tree");
     let mut rng = Rng(0x1234_5678_9abc_def1 + round * 7919);

@@ -152,8 +152,8 @@ pub trait NbdVolume: Send + Sync {
     /// Reads `len` bytes at `offset`.
     async fn read(&self, offset: u64, len: u32) -> io::Result<Vec<u8>>;
     /// Writes `data` at `offset`; durable before returning when `fua`. The bytes are
-    /// handed over (not borrowed), so a write done on another thread needs no copy: a
-    /// 1 MiB copy per request cost a pod's sequential writes a tenth of their speed.
+    /// handed over (not borrowed), so a write done on another thread needs no copy of
+    /// them (up to 1 MiB a request, on the agent's CPU).
     async fn write(&self, offset: u64, data: bytes::Bytes, fua: bool) -> io::Result<()>;
     /// Makes every completed write durable.
     async fn flush(&self) -> io::Result<()>;
