@@ -217,6 +217,12 @@ pub(crate) fn window_len(chunk: ChunkSize) -> usize {
     chunk.bytes().max(8 << 20)
 }
 
+/// The bytes [`for_each_window`] reads at a time with chunks of `chunk`: a stripe for
+/// [`for_each_window_at`] starts at a multiple of this.
+pub fn window_step(chunk: ChunkSize) -> u64 {
+    window_len(chunk) as u64
+}
+
 /// Reads and hashes a whole volume in bounded memory.
 ///
 /// Maps the volume window by window where it can (no copy: as fast as `b3sum`, and the
@@ -283,23 +289,37 @@ fn hash_read(
 pub fn for_each_window<E: From<ChunkerError> + Send>(
     volume: &BlockVolume,
     chunk: ChunkSize,
-    mut consume: impl FnMut(&mut Window) -> std::result::Result<(), E>,
+    consume: impl FnMut(&mut Window) -> std::result::Result<(), E>,
 ) -> std::result::Result<(), E> {
     volume.advise_sequential();
-    let size = volume.size();
     let wlen = window_len(chunk) as u64;
     // Two readers, each a window ahead (8 MiB each): one reader alone let the disk's
     // queue run dry at every window's end, while it waited for the window's last piece
     // before asking for the next one; an incremental snapshot is that read and little
     // else.
+    for_each_window_at(volume, chunk, 2, |k| Some(k as u64 * wlen), consume)
+}
+
+/// [`for_each_window`] over the windows `window_at` gives: `window_at(k)` is the offset
+/// of the `k`-th window to read (a multiple of [`window_step`]), `None` past the last;
+/// each window is [`window_step`] bytes or up to the volume's end. So several callers can
+/// read parts of a volume at once, in any order of windows. `readers` threads take
+/// turns, each a window ahead.
+pub fn for_each_window_at<E: From<ChunkerError> + Send>(
+    volume: &BlockVolume,
+    chunk: ChunkSize,
+    readers: usize,
+    window_at: impl Fn(usize) -> Option<u64> + Sync,
+    mut consume: impl FnMut(&mut Window) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let size = volume.size();
+    let wlen = window_len(chunk) as u64;
     crate::read_in_turns(
         1,
-        2,
+        readers,
         |k, recycled: Option<Window>| {
-            let offset = k as u64 * wlen;
-            if offset >= size {
-                return None;
-            }
+            let offset = window_at(k).filter(|&at| at < size)?;
+            debug_assert_eq!(offset % wlen, 0, "a window starts at a window step");
             let mut win = recycled.unwrap_or_default();
             let len = wlen.min(size - offset) as usize;
             let r = read_window(volume, chunk, offset, len, &mut win).map(|()| win);

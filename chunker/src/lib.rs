@@ -40,8 +40,9 @@ pub mod zstd_ctx;
 
 pub use aligned::AlignedBuf;
 pub use block::{
-    ChunkKind, VolumeDigest, Window, chunk_ranges, classify, for_each_window, hash_chunks,
-    hash_volume, hash_volume_leaves, read_chunks_where, read_window, read_window_where,
+    ChunkKind, VolumeDigest, Window, chunk_ranges, classify, for_each_window, for_each_window_at,
+    hash_chunks, hash_volume, hash_volume_leaves, read_chunks_where, read_window,
+    read_window_where, window_step,
 };
 pub use cdc::{CdcChunk, CdcChunker, CdcParams};
 pub use error::{ChunkerError, Result};

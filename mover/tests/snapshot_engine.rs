@@ -78,7 +78,9 @@ async fn round_trip(repo: Arc<Repository>, dir: &Path) {
     );
     assert_eq!(sum.data_chunks, 36);
     assert_eq!(sum.new_chunks, 36);
-    // Packs close once they pass 16 MiB: 17 + 17 + 2 chunks, and one pack of lists.
+    // Packs close once they pass 16 MiB, and the two stripes of a first snapshot fill
+    // their own: three data packs for 36 chunks wherever the stripes meet (the front's
+    // 5, 12, 20 or 28 data chunks and the back's rest), and one pack of lists.
     assert_eq!(sum.packs, 4);
     assert!(sum.stored_bytes < 36 * MIB, "the text chunk was compressed");
 
@@ -645,4 +647,106 @@ async fn scattered_page_writes_store_only_the_pages() {
     let s4 = create_snapshot(repo.clone(), &img, &whole).await.unwrap();
     assert_eq!(s4.manifest.summary.delta_chunks, 0);
     assert!(s4.manifest.summary.new_chunks > 0);
+}
+
+/// Whether files `a` and `b` hold the same bytes, read 8 MiB at a time (for volumes
+/// too big to hash in memory).
+fn same_bytes(a: &Path, b: &Path) -> bool {
+    let (fa, fb) = (fs::File::open(a).unwrap(), fs::File::open(b).unwrap());
+    let len = fa.metadata().unwrap().len();
+    if fb.metadata().unwrap().len() != len {
+        return false;
+    }
+    let (mut x, mut y) = (vec![0u8; 8 << 20], vec![0u8; 8 << 20]);
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(x.len() as u64) as usize;
+        fa.read_exact_at(&mut x[..n], at).unwrap();
+        fb.read_exact_at(&mut y[..n], at).unwrap();
+        if x[..n] != y[..n] {
+            return false;
+        }
+        at += n as u64;
+    }
+    true
+}
+
+/// A first snapshot reads each chunk list's span from both ends at once (two stripes
+/// that meet where they meet). On a sparse volume of two lists (64 KiB chunks: 4 GiB a
+/// list), with data at both ends of the first span, near its middle and in the second,
+/// and chunks repeated within a span and across spans: the lists hold every chunk in
+/// its place, a repeated chunk is stored once, and the restore is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_of_two_chunk_lists_read_from_both_ends_restores_exactly() {
+    const GIB: u64 = 1 << 30;
+    const CHUNK: u64 = 64 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let init_opts = InitOptions {
+        chunk_size: chunker::ChunkSize::new(CHUNK).unwrap(),
+        ..Default::default()
+    };
+    let repo = Arc::new(
+        Repository::init(
+            Arc::new(LocalBackend::new(dir.path().join("repo"))),
+            &password(),
+            &init_opts,
+        )
+        .await
+        .unwrap(),
+    );
+    let img = dir.path().join("vol.img");
+    let f = fs::File::create(&img).unwrap();
+    f.set_len(4 * GIB + 20 * MIB).unwrap();
+    let mut rng = StdRng::seed_from_u64(21);
+    let mut random = |len: u64| {
+        let mut b = vec![0u8; len as usize];
+        rng.fill(&mut b[..]);
+        b
+    };
+    let (a, b, c, d, e) = (
+        random(MIB),
+        random(CHUNK),
+        random(MIB),
+        random(CHUNK),
+        random(MIB),
+    );
+    for (at, data) in [
+        (0, &a),
+        (2 * GIB - CHUNK, &b),
+        (4 * GIB - MIB, &c),
+        (100 * MIB, &d),
+        (4 * GIB - 100 * MIB, &d),
+        (4 * GIB + 5 * MIB, &e),
+        (4 * GIB + 12 * MIB, &a),
+    ] {
+        f.write_all_at(data, at).unwrap();
+    }
+    drop(f);
+
+    let s = create_snapshot(repo.clone(), &img, &SnapshotCreateOptions::default())
+        .await
+        .unwrap();
+    let sum = &s.manifest.summary;
+    assert_eq!(sum.data_chunks, 16 + 1 + 16 + 2 + 16 + 16);
+    assert_eq!(sum.new_chunks, 16 + 1 + 16 + 1 + 16, "repeated chunks once");
+    assert_eq!(
+        sum.zero_chunks,
+        (4 * GIB + 20 * MIB) / CHUNK - sum.data_chunks
+    );
+    let snapshots::Content::Block { lists, .. } = &s.manifest.content else {
+        panic!("a block snapshot");
+    };
+    assert_eq!(lists.len(), 2, "one list per 65536 chunks");
+
+    let out = dir.path().join("restored.img");
+    let r = restore_snapshot(repo.clone(), "latest", &out, &RestoreOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(r.chunks_fetched, sum.data_chunks);
+    assert!(
+        same_bytes(&out, &img),
+        "the restore differs from the volume"
+    );
+    let rep = repo.verify(true).await.unwrap();
+    assert!(rep.problems.is_empty(), "{:?}", rep.problems);
 }
