@@ -566,7 +566,8 @@ async fn take_frozen(
 }
 
 /// Waits until the driver has cut snapshot `name` (its `status.creationTime` is set),
-/// for at most `bound`.
+/// for at most `bound`. Watched, not polled: the pod stays frozen until this returns,
+/// so it returns on the event that says the cut is taken (or failed).
 async fn wait_cut(
     client: &kube::Client,
     ns: &str,
@@ -575,20 +576,22 @@ async fn wait_cut(
 ) -> Result<(), String> {
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), ns, &resource("VolumeSnapshot"));
-    let deadline = tokio::time::Instant::now() + bound;
-    loop {
-        let s = api.get_opt(name).await.map_err(|e| e.to_string())?;
-        let status = s.as_ref().map(|s| &s.data["status"]);
-        if status.is_some_and(|st| st["creationTime"].is_string()) {
-            return Ok(());
-        }
-        if let Some(e) = status.and_then(|st| st["error"]["message"].as_str()) {
-            return Err(format!("the driver failed it: {e}"));
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err("not cut in time".into());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let status = |s: &DynamicObject| s.data["status"].clone();
+    let cut_or_failed = move |s: Option<&DynamicObject>| {
+        s.map(status)
+            .is_some_and(|st| st["creationTime"].is_string() || st["error"]["message"].is_string())
+    };
+    let waited = tokio::time::timeout(
+        bound,
+        kube::runtime::wait::await_condition(api, name, cut_or_failed),
+    )
+    .await
+    .map_err(|_| "not cut in time".to_string())?
+    .map_err(|e| e.to_string())?;
+    let st = waited.as_ref().map(status).unwrap_or_default();
+    match st["error"]["message"].as_str() {
+        Some(e) if !st["creationTime"].is_string() => Err(format!("the driver failed it: {e}")),
+        _ => Ok(()),
     }
 }
 
