@@ -284,7 +284,8 @@ fn hostname() -> String {
 /// hundreds of megabytes. One pass does them one after the other, so the disk idles in
 /// the first kind and the CPUs in the second; two passes at different places overlap
 /// them where the volume allows, and meeting wherever they meet, neither waits for the
-/// other at the end.
+/// other at the end. The bench's 4 GiB first snapshot, cold, alternating runs: 3.75-4.19
+/// s against 4.25-4.49 s in one pass.
 struct Meeting {
     /// The span's first byte, and its number of windows.
     start: u64,
@@ -583,7 +584,7 @@ impl Stripe {
                 };
                 let fetch = start_fetch(repo, shared.rt, &bases);
                 // The window before's new chunks first (their bases were fetched while this
-                // window was hashed), so chunks go into packs in volume order.
+                // window was hashed), so chunks go into packs in the stripe's order.
                 self.store_waiting(shared)?;
                 match fetch {
                     // Nothing to fetch (a first snapshot, new data, bases known by their
@@ -624,7 +625,8 @@ impl Stripe {
     /// the batch sealed before goes into packs: putting a batch into a pack copies it,
     /// and with the sealing waiting for it the CPUs idled a sixth of a first snapshot.
     /// The batch sealed now is packed with the next one (or at the end), so chunks
-    /// still go into packs in volume order.
+    /// still go into packs in the stripe's order (the volume's, or for the stripe from
+    /// the back, window by window the reverse).
     fn store(
         &mut self,
         shared: &Shared<'_>,
