@@ -212,15 +212,10 @@ pub struct VolumeDigest {
     pub root: ChunkId,
 }
 
-/// Window size for reads: big enough for efficient I/O and to feed every core.
-pub(crate) fn window_len(chunk: ChunkSize) -> usize {
+/// Window size for reads with chunks of `chunk`: big enough for efficient I/O and to
+/// feed every core. A window of [`for_each_window_at`] starts at a multiple of this.
+pub fn window_len(chunk: ChunkSize) -> usize {
     chunk.bytes().max(8 << 20)
-}
-
-/// The bytes [`for_each_window`] reads at a time with chunks of `chunk`: a stripe for
-/// [`for_each_window_at`] starts at a multiple of this.
-pub fn window_step(chunk: ChunkSize) -> u64 {
-    window_len(chunk) as u64
 }
 
 /// Reads and hashes a whole volume in bounded memory.
@@ -301,8 +296,8 @@ pub fn for_each_window<E: From<ChunkerError> + Send>(
 }
 
 /// [`for_each_window`] over the windows `window_at` gives: `window_at(k)` is the offset
-/// of the `k`-th window to read (a multiple of [`window_step`]), `None` past the last;
-/// each window is [`window_step`] bytes or up to the volume's end. So several callers can
+/// of the `k`-th window to read (a multiple of [`window_len`]), `None` past the last;
+/// each window is [`window_len`] bytes or up to the volume's end. So several callers can
 /// read parts of a volume at once, in any order of windows. `readers` threads take
 /// turns, each a window ahead.
 pub fn for_each_window_at<E: From<ChunkerError> + Send>(

@@ -42,7 +42,7 @@ pub use aligned::AlignedBuf;
 pub use block::{
     ChunkKind, VolumeDigest, Window, chunk_ranges, classify, for_each_window, for_each_window_at,
     hash_chunks, hash_volume, hash_volume_leaves, read_chunks_where, read_window,
-    read_window_where, window_step,
+    read_window_where, window_len,
 };
 pub use cdc::{CdcChunk, CdcChunker, CdcParams};
 pub use error::{ChunkerError, Result};

@@ -292,7 +292,7 @@ pub fn copy_block(
     let writer = DirectWriter::new(dest.volume.file())
         .map_err(|e| write_error("open of", dest.volume.path(), 0, e))?;
     progress.begin("copy", size);
-    let window_len = chunk.bytes().max(8 << 20) as u64;
+    let window_len = chunker::window_len(chunk) as u64;
     let unindexed = saved.is_none();
     let plan = ReadPlan {
         source: &source,

@@ -287,9 +287,8 @@ fn hostname() -> String {
 /// other at the end. The bench's 4 GiB first snapshot, cold, alternating runs: 3.75-4.19
 /// s against 4.25-4.49 s in one pass.
 struct Meeting {
-    /// The span's first byte, the byte after it, and its number of windows.
+    /// The span's first byte, and its number of windows.
     start: u64,
-    end: u64,
     windows: u64,
     step: u64,
     /// Windows taken from the front and from the back.
@@ -300,7 +299,6 @@ impl Meeting {
     fn new(span: std::ops::Range<u64>, step: u64) -> Self {
         Meeting {
             start: span.start,
-            end: span.end,
             windows: (span.end - span.start).div_ceil(step),
             step,
             taken: Mutex::new((0, 0)),
@@ -424,9 +422,10 @@ fn produce(
     let mut list_pack = PackBuilder::new();
     let mut lists = Vec::new();
     let span_len = CHUNKS_PER_LIST * chunk.get();
-    let step = chunker::window_step(chunk);
+    let step = chunker::window_len(chunk) as u64;
     for span_start in (0..size).step_by(span_len as usize) {
-        let meeting = Meeting::new(span_start..(span_start + span_len).min(size), step);
+        let span_end = (span_start + span_len).min(size);
+        let meeting = Meeting::new(span_start..span_end, step);
         let mut windows = std::thread::scope(|scope| {
             let running: Vec<_> = stripes
                 .iter_mut()
@@ -464,7 +463,7 @@ fn produce(
         windows.sort_unstable_by_key(|(at, _)| *at);
         let kinds: Vec<ChunkKind> = windows.into_iter().flat_map(|(_, k)| k).collect();
         // A list short of a chunk would restore a wrong volume: refuse to commit it.
-        let want = (meeting.end - span_start).div_ceil(chunk.get());
+        let want = (span_end - span_start).div_ceil(chunk.get());
         if kinds.len() as u64 != want {
             return Err(RepoError::Refused {
                 what: "snapshot".into(),
@@ -539,7 +538,7 @@ impl Stripe {
         readers: usize,
         window_at: impl Fn(usize) -> Option<u64> + Sync,
     ) -> Result<Option<Vec<WindowKinds>>, RepoError> {
-        let (repo, chunk) = (shared.repo, shared.repo.chunk_size());
+        let chunk = shared.repo.chunk_size();
         let mut windows = Vec::new();
         let mut stopped = false;
         let read = for_each_window_at::<RepoError>(
@@ -555,66 +554,7 @@ impl Stripe {
                         why: "stopped: another stripe failed".into(),
                     });
                 }
-                let (kinds, mut cvs) = hash_window(repo.chunk_key(), chunk, win, shared.hash_pages);
-                let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
-                shared
-                    .progress
-                    .add(ranges.iter().map(|r| r.len() as u64).sum());
-                let mut new = Vec::new();
-                for (i, k) in kinds.iter().enumerate() {
-                    match k {
-                        ChunkKind::Zero => self.sum.zero_chunks += 1,
-                        ChunkKind::Data(id) => {
-                            self.sum.data_chunks += 1;
-                            self.sum.data_bytes += ranges[i].len() as u64;
-                            if shared.first_sight(id) {
-                                new.push((i, *id));
-                            }
-                        }
-                    }
-                }
-                // The base each new chunk may be a delta of: known by its page CVs where
-                // this host kept them, else its sealed blob is fetched.
-                let first = win.offset / chunk.get();
-                let chunks: Vec<NewChunk> = new
-                    .iter()
-                    .map(|(i, id)| NewChunk {
-                        at: first + *i as u64,
-                        id: *id,
-                        plain: &win.buf[ranges[*i].clone()],
-                        cvs: cvs[*i].take(),
-                    })
-                    .collect();
-                let bases: Vec<Option<(ChunkId, BlobLoc)>> = chunks
-                    .iter()
-                    .map(|c| {
-                        self.parent
-                            .as_mut()?
-                            .base_at(repo, shared.index, shared.rt, c.at)
-                    })
-                    .collect();
-                let bases = match shared.pages {
-                    Some(p) => p.known_bases(&chunks, bases),
-                    None => bases.into_iter().map(Base::from).collect(),
-                };
-                let fetch = start_fetch(repo, shared.rt, &bases);
-                // The window before's new chunks first (their bases were fetched while this
-                // window was hashed), so chunks go into packs in the stripe's order.
-                self.store_waiting(shared)?;
-                match fetch {
-                    // Nothing to fetch (a first snapshot, new data, bases known by their
-                    // page CVs): sealed at once, no copy.
-                    None => self.store(shared, &chunks, &bases, &HashMap::new())?,
-                    // The bases are read while the next window is hashed; the chunks wait
-                    // for them, copied out of the window the reader will reuse.
-                    Some(fetch) => {
-                        let chunks = chunks
-                            .into_iter()
-                            .map(|c| (c.at, c.id, c.plain.to_vec(), c.cvs))
-                            .collect();
-                        self.waiting = Some((chunks, bases, fetch));
-                    }
-                }
+                let kinds = self.window(shared, win)?;
                 windows.push((win.offset, kinds));
                 Ok(())
             },
@@ -624,6 +564,73 @@ impl Stripe {
             Err(e) => Err(e),
             Ok(()) => Ok(Some(windows)),
         }
+    }
+
+    /// Hashes window `win`, stores its new chunks (or leaves them waiting for their
+    /// bases), and returns its chunks' kinds.
+    fn window(&mut self, shared: &Shared<'_>, win: &Window) -> Result<Vec<ChunkKind>, RepoError> {
+        let (repo, chunk) = (shared.repo, shared.repo.chunk_size());
+        let (kinds, mut cvs) = hash_window(repo.chunk_key(), chunk, win, shared.hash_pages);
+        let ranges: Vec<_> = win.chunk_ranges(chunk).collect();
+        shared
+            .progress
+            .add(ranges.iter().map(|r| r.len() as u64).sum());
+        let mut new = Vec::new();
+        for (i, k) in kinds.iter().enumerate() {
+            match k {
+                ChunkKind::Zero => self.sum.zero_chunks += 1,
+                ChunkKind::Data(id) => {
+                    self.sum.data_chunks += 1;
+                    self.sum.data_bytes += ranges[i].len() as u64;
+                    if shared.first_sight(id) {
+                        new.push((i, *id));
+                    }
+                }
+            }
+        }
+        // The base each new chunk may be a delta of: known by its page CVs where
+        // this host kept them, else its sealed blob is fetched.
+        let first = win.offset / chunk.get();
+        let chunks: Vec<NewChunk> = new
+            .iter()
+            .map(|(i, id)| NewChunk {
+                at: first + *i as u64,
+                id: *id,
+                plain: &win.buf[ranges[*i].clone()],
+                cvs: cvs[*i].take(),
+            })
+            .collect();
+        let bases: Vec<Option<(ChunkId, BlobLoc)>> = chunks
+            .iter()
+            .map(|c| {
+                self.parent
+                    .as_mut()?
+                    .base_at(repo, shared.index, shared.rt, c.at)
+            })
+            .collect();
+        let bases = match shared.pages {
+            Some(p) => p.known_bases(&chunks, bases),
+            None => bases.into_iter().map(Base::from).collect(),
+        };
+        let fetch = start_fetch(repo, shared.rt, &bases);
+        // The window before's new chunks first (their bases were fetched while this
+        // window was hashed), so chunks go into packs in the stripe's order.
+        self.store_waiting(shared)?;
+        match fetch {
+            // Nothing to fetch (a first snapshot, new data, bases known by their
+            // page CVs): sealed at once, no copy.
+            None => self.store(shared, &chunks, &bases, &HashMap::new())?,
+            // The bases are read while the next window is hashed; the chunks wait
+            // for them, copied out of the window the reader will reuse.
+            Some(fetch) => {
+                let chunks = chunks
+                    .into_iter()
+                    .map(|c| (c.at, c.id, c.plain.to_vec(), c.cvs))
+                    .collect();
+                self.waiting = Some((chunks, bases, fetch));
+            }
+        }
+        Ok(kinds)
     }
 
     /// Stores the chunks that were waiting for their bases, if any.
