@@ -15,11 +15,14 @@ mod prng;
 #[allow(dead_code)] // the bench's process helpers, shared with mover-bench
 #[path = "../process.rs"]
 mod process;
+#[path = "../treefloor.rs"]
+mod treefloor;
 #[path = "../treefs.rs"]
 mod treefs;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use floor::DeviceSpeed;
 use process::{ThenSync, drop_caches, run_timed};
 use serde::Serialize;
 use std::{
@@ -29,6 +32,7 @@ use std::{
     path::{Path, PathBuf},
     process::{Command, ExitCode},
 };
+use treefloor::TreeFloor;
 use treefs::{
     Rng, Volume, check_identical, copy_sources, default_sources, describe_sources, edit_real_tree,
 };
@@ -57,6 +61,16 @@ with `cp -a` onto the fresh filesystem, and the delta step makes a day of real e
 of files appended to, 0.5% overwritten in place, a directory deleted, a copy of another
 added with 10% of its files changed); the targets are the same.
 `mover copy --replica` runs with --delete in every step, as a mirror does.
+Each step also has a floor, measured in the same run on the same filesystem: the least
+time this machine allows for what the step must do, the longest of
+  walk      a parallel cold statx of every entry the copy compares (the source; for the
+            plain mode the destination too): the disk's seeks and the kernel's CPU;
+  create    (into an absent destination) the source's directories, empty files and
+            symlinks made anew with many threads, synced;
+  data      the bytes of the files new or changed (size or time) since the last copy,
+            read once and written once at the disk's O_DIRECT speeds (measured first).
+A mode meets a step's target when its peer ratio does, or when its time is within 1.3x
+of its floor (the floor then leaves no room for the peer ratio).
 After each step's three timed runs both of mover's copies are checked identical to the
 source by `rsync -aHAXnc --delete -i` (untimed; any itemized line is a failure).
 Peak memory (wait4 ru_maxrss) is reported for each run.
@@ -119,9 +133,23 @@ struct Step {
     speedup: f64,
     /// rsync time / `--replica` time.
     replica_speedup: f64,
-    /// `--replica` met the target.
+    /// Bytes of files new or changed since the last copy (the first round's).
+    changed_bytes: u64,
+    /// The plain mode's floor: the source and its destination walked.
+    floor: TreeFloor,
+    /// `--replica`'s floor: the source walked.
+    replica_floor: TreeFloor,
+    /// mover's time / its floor.
+    over_floor: f64,
+    /// `--replica`'s time / its floor.
+    replica_over_floor: f64,
+    /// Both modes met the target (the peer ratio, or within `FLOOR_MAX_RATIO` of the
+    /// floor).
     pass: bool,
 }
+
+/// A mode is on target within this factor of its floor.
+const FLOOR_MAX_RATIO: f64 = 1.3;
 
 /// One tool's run of a step (its median run, when the step has several rounds).
 #[derive(Debug, Serialize)]
@@ -186,11 +214,16 @@ fn run(args: &Args) -> Result<bool> {
     _ = fs::remove_dir_all(&state);
     // The tree is built at full speed; the copies run on the slow disk. Lifted on drop.
     let _throttle = floor::Throttle::from_arg(&args.workdir, args.throttle, "mover-bench-tree")?;
+    eprintln!("measuring the disk under {}", args.workdir.display());
+    let disk = treefloor::disk_speed(&args.workdir)?;
+    eprintln!("disk: {}", disk.describe());
     let dsts = Dsts {
         rsync: volume.mnt.join("rsync-dst"),
         mover: volume.mnt.join("mover-dst"),
         replica: volume.mnt.join("replica-dst"),
         state,
+        scratch: volume.mnt.join("floor-skeleton"),
+        disk,
     };
     let mut steps = Vec::new();
     let no_edit = |_| Ok(());
@@ -246,6 +279,31 @@ fn run(args: &Args) -> Result<bool> {
         table.push_str(&format!(
             "no-change and delta: each tool's median of {rounds} rounds (all in the results \
              file)\n"
+        ));
+    }
+    table.push_str(&format!(
+        "\nfloors (disk: {}; a mode passes by its peer ratio or within {FLOOR_MAX_RATIO}x \
+         of its floor)\n\
+         step         changed   mover floor (time/floor)   --replica floor (time/floor)\n",
+        disk.describe()
+    ));
+    for s in &steps {
+        table.push_str(&format!(
+            "{:<10} {:>8.1} MiB {:>10.2}s ({:>5.2}x) {:>14.2}s ({:>5.2}x)\n",
+            s.name,
+            mib(s.changed_bytes),
+            s.floor.seconds(),
+            s.over_floor,
+            s.replica_floor.seconds(),
+            s.replica_over_floor,
+        ));
+    }
+    for s in &steps {
+        table.push_str(&format!(
+            "  {:<10} mover: {}; --replica: {}\n",
+            s.name,
+            s.floor.describe(),
+            s.replica_floor.describe()
         ));
     }
     print!("\n{table}");
@@ -318,9 +376,36 @@ fn write_report(dir: &Path, steps: &[Step], sources: &[PathBuf], table: &str) ->
         &speedups,
     )?;
     bar_chart(&dir.join("memory.svg"), "peak memory (RSS)", "MiB", &memory)?;
+    let over_floor: Vec<Bar> = steps
+        .iter()
+        .flat_map(|s| {
+            [
+                ("mover", s.over_floor),
+                ("mover --replica", s.replica_over_floor),
+            ]
+            .map(|(label, value)| Bar {
+                label: format!("{}: {label}", s.name),
+                value,
+                target: Some(FLOOR_MAX_RATIO),
+                pass: value <= FLOOR_MAX_RATIO,
+            })
+        })
+        .collect();
+    bar_chart(
+        &dir.join("floor.svg"),
+        "time over the floor",
+        "x the floor (target: black tick, at most)",
+        &over_floor,
+    )?;
     figures.push(Figure {
         file: "speedup.svg".into(),
         caption: "rsync's time / mover's in each step".into(),
+    });
+    figures.push(Figure {
+        file: "floor.svg".into(),
+        caption: "each mode's time / its floor (the cold walk, the entries made, the \
+                  changed bytes at the disk's speed: the longest)"
+            .into(),
     });
     figures.push(Figure {
         file: "memory.svg".into(),
@@ -343,13 +428,17 @@ fn write_report(dir: &Path, steps: &[Step], sources: &[PathBuf], table: &str) ->
     )
 }
 
-/// Where the three copies go, and the replica record.
+/// Where the three copies go, the replica record, and what the floors need.
 struct Dsts {
     rsync: PathBuf,
     mover: PathBuf,
     replica: PathBuf,
     /// mover's --state-dir.
     state: PathBuf,
+    /// Where the create floor makes the source's skeleton (on the copies' filesystem).
+    scratch: PathBuf,
+    /// The disk's speeds, for the data floor.
+    disk: DeviceSpeed,
 }
 
 /// Times rsync, mover and `mover --replica` on the same step (`rounds` times, in turn,
@@ -397,8 +486,12 @@ fn step(
         timed(&mut cmd)
     };
     let (mut rsync, mut plain, mut replica) = (Vec::new(), Vec::new(), Vec::new());
+    let mut floors = None;
     for round in 0..rounds {
         edit(round as u64)?;
+        if round == 0 {
+            floors = Some(step_floors(name, src, dsts)?);
+        }
         rsync.push(rsync_run()?);
         plain.push(mover_run(&dsts.mover, false)?);
         replica.push(mover_run(&dsts.replica, true)?);
@@ -411,6 +504,10 @@ fn step(
     check_identical(src, &dsts.replica)?;
     let speedup = rsync.seconds / plain.seconds;
     let replica_speedup = rsync.seconds / replica.seconds;
+    let (changed_bytes, floor, replica_floor) = floors.context("no round ran")?;
+    let over_floor = plain.seconds / floor.seconds();
+    let replica_over_floor = replica.seconds / replica_floor.seconds();
+    let on_target = |ratio: f64, over: f64| ratio >= target || over <= FLOOR_MAX_RATIO;
     Ok(Step {
         name,
         target,
@@ -419,9 +516,47 @@ fn step(
         replica,
         speedup,
         replica_speedup,
+        changed_bytes,
+        floor,
+        replica_floor,
+        over_floor,
+        replica_over_floor,
         // Both modes: a plain rerun is what most users type.
-        pass: speedup >= target && replica_speedup >= target,
+        pass: on_target(speedup, over_floor) && on_target(replica_speedup, replica_over_floor),
     })
+}
+
+/// The step's floors before any tool runs it: the bytes to copy, and (plain mode,
+/// `--replica`) each mode's floor.
+fn step_floors(name: &str, src: &Path, dsts: &Dsts) -> Result<(u64, TreeFloor, TreeFloor)> {
+    eprintln!("== {name}: floors");
+    let changed = treefloor::changed_bytes(src, &dsts.rsync)?;
+    let data = dsts.disk.floor_seconds(changed, changed);
+    // Into an absent destination every entry is made.
+    let create = if dsts.mover.exists() {
+        0.0
+    } else {
+        treefloor::create_seconds(src, &dsts.scratch)?
+    };
+    let replica = TreeFloor {
+        walk: treefloor::walk_seconds(&[src])?,
+        create,
+        data,
+    };
+    let plain = if dsts.mover.exists() {
+        TreeFloor {
+            walk: treefloor::walk_seconds(&[src, &dsts.mover])?,
+            ..replica
+        }
+    } else {
+        replica
+    };
+    eprintln!(
+        "   changed {changed} bytes; mover: {}; --replica: {}",
+        plain.describe(),
+        replica.describe()
+    );
+    Ok((changed, plain, replica))
 }
 
 /// The run with the median time (the upper one of an even count), with every run's time
