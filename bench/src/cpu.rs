@@ -17,10 +17,10 @@ use serde::Serialize;
 use crate::process::{ThenSync, run_checked, run_timed, warm_cache};
 use crate::tools::Tools;
 
-/// zstd level of the compression floor: the one mover stores a volume's chunks at
+/// zstd level of a volume's compression floor: the one mover stores a volume's chunks at
 /// (`VOLUME_ZSTD_LEVEL` in snapshots' pack.rs; level 1 made its repository larger than
 /// restic's, so a cheaper level is no floor for the same repository).
-pub const COMPRESS_LEVEL: u32 = 2;
+pub const VOLUME_LEVEL: u32 = 2;
 /// Runs of each measurement; the fastest counts (the machine is shared).
 const RUNS: usize = 2;
 
@@ -29,9 +29,11 @@ const RUNS: usize = 2;
 pub struct CpuSpeed {
     /// CPUs used by each measurement.
     pub threads: usize,
+    /// The zstd level of `compress_bps`.
+    pub level: u32,
     /// `b3sum --num-threads N` over the page-cached image.
     pub hash_bps: f64,
-    /// `zstd -2 -T N` over the same (its logical size over the time: zstd passes zeros
+    /// `zstd -LEVEL -T N` over the same (its logical size over the time: zstd passes zeros
     /// and data that does not compress quickly, as a compressor that judges first may).
     pub compress_bps: f64,
     /// `openssl speed -evp chacha20-poly1305 -multi N` on 1 MiB messages: the AEAD a
@@ -44,7 +46,7 @@ pub struct CpuSpeed {
 pub struct CpuWork {
     /// Bytes it must hash.
     pub hash: u64,
-    /// Bytes it must compress (at [`COMPRESS_LEVEL`]).
+    /// Bytes it must compress (at the measured level).
     pub compress: u64,
     /// Bytes it must encrypt and authenticate.
     pub seal: u64,
@@ -62,8 +64,9 @@ impl CpuWork {
 
 impl CpuSpeed {
     /// Measures the three speeds over `image` (read into the page cache first, so the
-    /// disk is not what is timed) with `threads` CPUs. Takes a few seconds per GiB.
-    pub fn measure(tools: &Tools, image: &Path, threads: usize) -> Result<Self> {
+    /// disk is not what is timed) with `threads` CPUs, compressing at zstd `level`. Takes
+    /// a few seconds per GiB.
+    pub fn measure(tools: &Tools, image: &Path, threads: usize, level: u32) -> Result<Self> {
         let (zstd, openssl) = match (&tools.zstd, &tools.openssl) {
             (Some(zstd), Some(openssl)) => (zstd, openssl),
             _ => bail!("the CPU floor needs `zstd` and `openssl` (apt install zstd openssl)"),
@@ -79,12 +82,13 @@ impl CpuSpeed {
             .arg(image);
         let mut compress = Command::new(zstd);
         compress
-            .arg(format!("-{COMPRESS_LEVEL}"))
+            .arg(format!("-{level}"))
             .arg(format!("-T{threads}"))
             .args(["-q", "-f", "-o", "/dev/null"])
             .arg(image);
         Ok(Self {
             threads,
+            level,
             hash_bps: size as f64 / fastest(&mut b3sum)?,
             compress_bps: size as f64 / fastest(&mut compress)?,
             seal_bps: seal_speed(openssl, threads)?,
@@ -98,14 +102,15 @@ impl CpuSpeed {
             + work.seal as f64 / self.seal_bps
     }
 
-    /// One line for the log: `hash 7489 MB/s, zstd -2 902 MB/s, seal 3173 MB/s (2 CPUs)`.
+    /// One line for the log: `hash 7489 MB/s (b3sum), compress 902 MB/s (zstd -2), ...`.
     pub fn describe(&self) -> String {
         let mb = |bps: f64| bps / 1e6;
         format!(
-            "hash {:.0} MB/s (b3sum), compress {:.0} MB/s (zstd -{COMPRESS_LEVEL}), seal {:.0} \
-             MB/s (ChaCha20-Poly1305), on {} CPUs",
+            "hash {:.0} MB/s (b3sum), compress {:.0} MB/s (zstd -{}), seal {:.0} MB/s \
+             (ChaCha20-Poly1305), on {} CPUs",
             mb(self.hash_bps),
             mb(self.compress_bps),
+            self.level,
             mb(self.seal_bps),
             self.threads
         )
@@ -167,6 +172,7 @@ mod tests {
     fn the_parts_add_up() {
         let speed = CpuSpeed {
             threads: 2,
+            level: 2,
             hash_bps: 1e9,
             compress_bps: 5e8,
             seal_bps: 2e9,

@@ -15,6 +15,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
+/// Every judged mover job's time over its floor (the disk's or the CPU's, the larger) is
+/// at most this: issue 57's target.
+pub const MAX_OVER_FLOOR: f64 = 1.3;
+
 /// Request size of the floor's reads and writes (dd's `bs=4M`).
 const REQUEST: usize = 4 << 20;
 /// How long each measurement runs at most.

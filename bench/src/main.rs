@@ -213,7 +213,7 @@ fn measure_and_publish(
     }
     if chosen.snapshot {
         results.floors.snapshot = floor()?;
-        let cpu = cpu::CpuSpeed::measure(tools, &images.today, ctx.nproc)?;
+        let cpu = cpu::CpuSpeed::measure(tools, &images.today, ctx.nproc, cpu::VOLUME_LEVEL)?;
         note!("CPU: {}", cpu.describe());
         results.floors.snapshot_cpu = Some(cpu);
         results.snapshot = Some(phases::snapshot(&ctx)?);

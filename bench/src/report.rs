@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use crate::cpu::{CpuSpeed, CpuWork};
-use crate::floor::DeviceSpeed;
+use crate::floor::{DeviceSpeed, MAX_OVER_FLOOR};
 use crate::image::Manifest;
 use crate::phases::{
     AgentCopy, Cache, DeltaCopy, FullCopy, HashResult, Run, SnapshotPhase, SnapshotStep, SparseCopy,
@@ -31,8 +31,6 @@ const AGENT_TLS_MIN_RATIO: f64 = 0.85;
 const SNAPSHOT_FIRST_MIN_SPEEDUP: f64 = 2.5;
 const SNAPSHOT_INCREMENTAL_MIN_SPEEDUP: f64 = 3.0;
 const SNAPSHOT_RESTORE_MIN_SPEEDUP: f64 = 3.0;
-/// Every mover job's time over its floor (the disk's or the CPU's, the larger).
-const FLOOR_MAX_RATIO: f64 = 1.3;
 
 /// Bytes per MiB.
 const MIB: f64 = 1024.0 * 1024.0;
@@ -392,7 +390,7 @@ impl Row<'_> {
             .map(|f| self.run.seconds / f)
     }
 
-    /// A judged mover job's time over its floor, checked: at most `FLOOR_MAX_RATIO` times
+    /// A judged mover job's time over its floor, checked: at most `MAX_OVER_FLOOR` times
     /// what its bytes take on the disk. None for peers and for rows without a floor.
     fn floor_check(&self) -> Option<Check> {
         if !self.tool.starts_with("mover") || self.check.is_none() {
@@ -402,7 +400,7 @@ impl Row<'_> {
             &format!("{}: {} time / floor", self.phase, self.tool),
             self.over_floor()?,
             Rule::AtMost,
-            FLOOR_MAX_RATIO,
+            MAX_OVER_FLOOR,
             Unit::Ratio,
         ))
     }

@@ -100,7 +100,7 @@ pub fn resolve_mover(explicit: Option<&Path>) -> Result<PathBuf> {
 }
 
 /// The first executable called `name` in `$PATH` or [`EXTRA_DIRS`].
-fn find_program(name: &str) -> Option<PathBuf> {
+pub fn find_program(name: &str) -> Option<PathBuf> {
     let path_var = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path_var)
         .chain(EXTRA_DIRS.iter().map(PathBuf::from))

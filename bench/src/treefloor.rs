@@ -4,9 +4,11 @@
 //! - walk: every entry the copy compares looked at once (a parallel cold `statx` of the
 //!   trees: directories read, inodes loaded from the disk, the kernel's CPU counted);
 //! - create: the new entries made (directories, empty files, symlinks), synced;
-//! - data: the changed files' bytes read once and written once at the disk's direct speed.
+//! - data: the changed files' bytes read once and written once at the disk's direct speed;
+//! - cpu: for a snapshot or a restore, those bytes hashed, compressed and sealed at the
+//!   fastest speeds measured on this machine ([`crate::cpu::CpuSpeed`]; none for a copy).
 //!
-//! A copy does at least each of these, so it takes at least the longest one.
+//! A job does at least each of these, so it takes at least the longest one.
 
 use crate::floor::DeviceSpeed;
 use anyhow::{Context, Result};
@@ -29,18 +31,24 @@ pub struct TreeFloor {
     pub walk: f64,
     pub create: f64,
     pub data: f64,
+    pub cpu: f64,
 }
 
 impl TreeFloor {
     /// The least time the step takes: its slowest part.
     pub fn seconds(&self) -> f64 {
-        self.walk.max(self.create).max(self.data)
+        self.walk.max(self.create).max(self.data).max(self.cpu)
     }
 
-    /// `walk 1.20 s, create 2.10 s, data 3.80 s`.
+    /// `walk 1.20 s, create 2.10 s, data 3.80 s` (and `, cpu 2.40 s` where it counts).
     pub fn describe(&self) -> String {
+        let cpu = if self.cpu > 0.0 {
+            format!(", cpu {:.2} s", self.cpu)
+        } else {
+            String::new()
+        };
         format!(
-            "walk {:.2} s, create {:.2} s, data {:.2} s",
+            "walk {:.2} s, create {:.2} s, data {:.2} s{cpu}",
             self.walk, self.create, self.data
         )
     }
@@ -177,22 +185,79 @@ fn make_skeleton(src: &Path, scratch: &Path) -> Result<f64> {
 /// The bytes of `src`'s regular files that a copy into `dst` must write: those absent
 /// there, or there with another size or modification time.
 pub fn changed_bytes(src: &Path, dst: &Path) -> Result<u64> {
+    bytes_unlike(src, |rel, meta| {
+        fs::symlink_metadata(dst.join(rel)).is_ok_and(|t| t.is_file() && same_stamp(&t, meta))
+    })
+}
+
+/// A tree's regular files by path (relative to its root): size and modification time.
+pub type Stamps = std::collections::HashMap<PathBuf, (u64, Option<std::time::Duration>)>;
+
+/// The size and modification time of every regular file under `root`.
+pub fn stamps(root: &Path) -> Result<Stamps> {
+    let found = Mutex::new(Stamps::new());
+    bytes_unlike(root, |rel, meta| {
+        let stamp = (meta.len(), mtime(meta));
+        found.lock().unwrap().insert(rel.to_path_buf(), stamp);
+        true
+    })?;
+    Ok(found.into_inner().unwrap())
+}
+
+/// The bytes of `root`'s regular files new or changed since `before` was taken: what an
+/// incremental snapshot must read.
+pub fn bytes_changed_since(root: &Path, before: &Stamps) -> Result<u64> {
+    bytes_unlike(root, |rel, meta| {
+        before.get(rel) == Some(&(meta.len(), mtime(meta)))
+    })
+}
+
+/// Writes to `out` a sample of `root`'s file contents for the CPU floor's speeds: every
+/// regular file if they come to at most `max_bytes`, else an even share of them (every
+/// k-th in path order), concatenated. Returns the bytes written.
+pub fn sample_contents(root: &Path, out: &Path, max_bytes: u64) -> Result<u64> {
+    let files = Mutex::new(Vec::new());
+    bytes_unlike(root, |rel, meta| {
+        files.lock().unwrap().push((rel.to_path_buf(), meta.len()));
+        true
+    })?;
+    let mut files = files.into_inner().unwrap();
+    files.sort();
+    let total: u64 = files.iter().map(|f| f.1).sum();
+    let stride = total.div_ceil(max_bytes.max(1)).max(1) as usize;
+    let mut sample = fs::File::create(out)
+        .with_context(|| format!("cannot create the CPU floor's sample {}", out.display()))?;
+    let mut written = 0;
+    for (rel, _) in files.iter().step_by(stride) {
+        let path = root.join(rel);
+        let mut file =
+            fs::File::open(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        written += std::io::copy(&mut file, &mut sample)?;
+    }
+    sample.sync_all()?;
+    Ok(written)
+}
+
+fn same_stamp(a: &fs::Metadata, b: &fs::Metadata) -> bool {
+    a.len() == b.len() && mtime(a) == mtime(b)
+}
+
+/// The total size of `root`'s regular files for which `unchanged(path relative to root,
+/// its metadata)` is false.
+fn bytes_unlike(
+    root: &Path,
+    unchanged: impl Fn(&Path, &fs::Metadata) -> bool + Sync,
+) -> Result<u64> {
     let total = AtomicU64::new(0);
-    for_each_dir(&[src.to_path_buf()], thread_counts()[0], |dir| {
+    for_each_dir(&[root.to_path_buf()], thread_counts()[0], |dir| {
         let mut subdirs = Vec::new();
         for entry in fs::read_dir(dir)? {
             let entry = entry?;
             let meta = entry.metadata()?;
             if meta.is_dir() {
                 subdirs.push(entry.path());
-            } else if meta.is_file() {
-                let there = fs::symlink_metadata(dst.join(entry.path().strip_prefix(src)?));
-                let same = there.is_ok_and(|t| {
-                    t.is_file() && t.len() == meta.len() && mtime(&t) == mtime(&meta)
-                });
-                if !same {
-                    total.fetch_add(meta.len(), Ordering::Relaxed);
-                }
+            } else if meta.is_file() && !unchanged(entry.path().strip_prefix(root)?, &meta) {
+                total.fetch_add(meta.len(), Ordering::Relaxed);
             }
         }
         Ok(subdirs)
@@ -352,6 +417,30 @@ mod tests {
         fs::write(src.path().join("a/b/two"), vec![9u8; 250]).unwrap();
         fs::remove_file(dst.path().join("c/three")).unwrap();
         assert_eq!(changed_bytes(src.path(), dst.path()).unwrap(), 550);
+    }
+
+    #[test]
+    fn bytes_changed_since_counts_new_and_rewritten_files() {
+        let t = tempfile::tempdir().unwrap();
+        tree(t.path());
+        let before = stamps(t.path()).unwrap();
+        assert_eq!(before.len(), 3, "regular files only: {before:?}");
+        assert_eq!(bytes_changed_since(t.path(), &before).unwrap(), 0);
+        fs::write(t.path().join("a/one"), vec![5u8; 120]).unwrap();
+        fs::write(t.path().join("c/four"), vec![4u8; 40]).unwrap();
+        fs::remove_file(t.path().join("a/b/two")).unwrap();
+        assert_eq!(bytes_changed_since(t.path(), &before).unwrap(), 160);
+    }
+
+    #[test]
+    fn the_sample_takes_every_file_or_an_even_share() {
+        let (src, work) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        tree(src.path());
+        let out = work.path().join("sample");
+        assert_eq!(sample_contents(src.path(), &out, 1 << 20).unwrap(), 600);
+        assert_eq!(fs::metadata(&out).unwrap().len(), 600);
+        // 600 bytes in at most 300: every second file in path order (a/b/two, c/three).
+        assert_eq!(sample_contents(src.path(), &out, 300).unwrap(), 500);
     }
 
     #[test]

@@ -4,6 +4,9 @@
 #[allow(dead_code)] // shared with mover-bench
 #[path = "../charts.rs"]
 mod charts;
+#[allow(dead_code)] // the CPU floor, shared with mover-bench
+#[path = "../cpu.rs"]
+mod cpu;
 #[allow(dead_code)] // the device floor and --throttle, shared with mover-bench
 #[path = "../floor.rs"]
 mod floor;
@@ -13,12 +16,20 @@ mod prng;
 #[allow(dead_code)] // the bench's process helpers, shared with mover-bench
 #[path = "../process.rs"]
 mod process;
+#[allow(dead_code)] // the programs the CPU floor runs, shared with mover-bench
+#[path = "../tools.rs"]
+mod tools;
+#[allow(dead_code)] // the tree's floor, shared with mover-bench-tree
+#[path = "../treefloor.rs"]
+mod treefloor;
 #[allow(dead_code)] // shared with mover-bench-tree
 #[path = "../treefs.rs"]
 mod treefs;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use cpu::{CpuSpeed, CpuWork};
+use floor::{DeviceSpeed, MAX_OVER_FLOOR};
 use process::{ThenSync, drop_caches, run_checked, run_timed};
 use serde::Serialize;
 use std::{
@@ -26,6 +37,7 @@ use std::{
     path::{Path, PathBuf},
     process::{Command, ExitCode},
 };
+use treefloor::TreeFloor;
 use treefs::{
     Volume, check_identical, copy_sources, default_sources, describe_sources, edit_real_tree,
 };
@@ -48,6 +60,16 @@ each run's peak memory (wait4 ru_maxrss; mover <= restic). The tools run in turn
 order swapped every round; each step's median of --rounds rounds counts. Every restore
 is compared with the source by `rsync -aHAXnc --delete -i` (untimed; any itemized line
 is a failure). The edits of each round differ (seeded by the round).
+Each step also has a floor, measured in the same run: the largest of
+  walk    a parallel cold statx of the tree (first and incremental);
+  create  the tree's directories, empty files and symlinks made anew and synced (restore);
+  data    the bytes read and written, at the disk's direct speed (files read, mover's
+          packs written; a restore reads the packs and writes the files);
+  cpu     those bytes hashed (b3sum), the new ones compressed (zstd -3, a tree's level)
+          and sealed (ChaCha20-Poly1305), at the fastest speeds measured on this machine,
+          on a sample of the tree's own files, spread over every CPU.
+A step passes by its restic ratio or within 1.3x of its floor (the floor may leave no
+room for the ratio), and by mover's memory.
 Exit status: 0 all targets met, 2 some target missed, 1 error. Needs root, restic, rsync.";
 
 /// Benchmark tree snapshots against restic.
@@ -90,6 +112,9 @@ struct Run {
     max_rss_bytes: u64,
     /// (seconds, bytes read and written so far) while it ran.
     io_samples: Vec<(f64, u64)>,
+    /// What it printed (mover's snapshot JSON: what it read, stored and compressed).
+    #[serde(skip)]
+    stdout: Vec<u8>,
 }
 
 /// One step: each tool's median run, every round's seconds, and the ratios.
@@ -105,6 +130,13 @@ struct Step {
     speedup: f64,
     /// mover's peak RSS / restic's (at most 1 is the target).
     memory_ratio: f64,
+    /// The floor of mover's median round.
+    floor: TreeFloor,
+    /// mover's time / its floor.
+    over_floor: f64,
+    /// restic's time / the same floor.
+    restic_over_floor: f64,
+    /// The restic ratio or the floor met, and the memory.
     pass: bool,
 }
 
@@ -118,6 +150,9 @@ struct Results {
     restic_repo_bytes: u64,
     mover_repo_bytes: u64,
     repo_size_pass: bool,
+    /// The speeds the floors are made of.
+    disk: DeviceSpeed,
+    cpu: CpuSpeed,
 }
 
 fn main() -> ExitCode {
@@ -133,6 +168,9 @@ fn main() -> ExitCode {
 }
 
 const PASSWORD: &str = "bench-password";
+/// zstd level of the CPU floor: the level of a tree's blobs (`ZSTD_LEVEL` in snapshots'
+/// pack.rs; a /usr tar at level 1 came out 10% larger).
+const TREE_ZSTD_LEVEL: u32 = 3;
 
 /// The paths of one round.
 struct Paths {
@@ -172,6 +210,7 @@ fn run(args: &Args) -> Result<bool> {
     // The tree is copied in at full speed; the snapshots run on the slow disk.
     let _throttle =
         floor::Throttle::from_arg(&args.workdir, args.throttle, "mover-bench-snapshot-tree")?;
+    let speeds = Speeds::measure(&args.workdir, &src, &volume.mnt.join("floor-skeleton"))?;
     let paths = Paths {
         src: src.clone(),
         restic_repo: repos.join("restic"),
@@ -182,6 +221,7 @@ fn run(args: &Args) -> Result<bool> {
         mover_restore: volume.mnt.join("restore-mover"),
     };
     let mut runs: [[Vec<Run>; 2]; 3] = Default::default();
+    let mut floors: [Vec<TreeFloor>; 3] = Default::default();
     let mut sizes = Vec::new();
     for round in 0..args.rounds {
         eprintln!("== round {} of {}", round + 1, args.rounds);
@@ -210,14 +250,20 @@ fn run(args: &Args) -> Result<bool> {
                     .arg(&paths.src),
             )
         };
+        let before = treefloor::stamps(&paths.src)?;
         let (r, m) = in_turn(swap, "first", restic_first, mover_first)?;
+        floors[0].push(speeds.snapshot_floor(before.values().map(|s| s.0).sum(), &m)?);
         runs[0][0].push(r);
         runs[0][1].push(m);
         edit_real_tree(&paths.src, round as u64)?;
+        let changed = treefloor::bytes_changed_since(&paths.src, &before)?;
         let (r, m) = in_turn(swap, "incremental", restic_first, mover_first)?;
+        floors[1].push(speeds.snapshot_floor(changed, &m)?);
         runs[1][0].push(r);
         runs[1][1].push(m);
         sizes.push((du(&paths.restic_repo)?, du(&paths.mover_repo)?));
+        let tree_bytes = treefloor::bytes_changed_since(&paths.src, &Default::default())?;
+        floors[2].push(speeds.restore_floor(sizes[sizes.len() - 1].1, tree_bytes));
         let restic_restore = || -> Result<Run> {
             _ = fs::remove_dir_all(&paths.restic_restore);
             timed(
@@ -253,19 +299,24 @@ fn run(args: &Args) -> Result<bool> {
     for (i, [restic_runs, mover_runs]) in runs.into_iter().enumerate() {
         let rounds = |v: &[Run]| v.iter().map(|r| r.seconds).collect::<Vec<_>>();
         let (restic_rounds, mover_rounds) = (rounds(&restic_runs), rounds(&mover_runs));
+        let floor = floors[i][median_index(&mover_rounds)];
         let (restic, mover) = (median(restic_runs), median(mover_runs));
         let speedup = restic.seconds / mover.seconds;
         let memory_ratio = mover.max_rss_bytes as f64 / restic.max_rss_bytes.max(1) as f64;
+        let over_floor = mover.seconds / floor.seconds();
         steps.push(Step {
             name: names[i],
             target: targets[i],
-            pass: speedup >= targets[i] && memory_ratio <= 1.0,
+            pass: (speedup >= targets[i] || over_floor <= MAX_OVER_FLOOR) && memory_ratio <= 1.0,
+            restic_over_floor: restic.seconds / floor.seconds(),
             restic,
             mover,
             restic_rounds,
             mover_rounds,
             speedup,
             memory_ratio,
+            floor,
+            over_floor,
         });
     }
     sizes.sort_by_key(|&(r, m)| m as i128 - r as i128);
@@ -278,29 +329,51 @@ fn run(args: &Args) -> Result<bool> {
         restic_repo_bytes,
         mover_repo_bytes,
         repo_size_pass: mover_repo_bytes <= restic_repo_bytes,
+        disk: speeds.disk,
+        cpu: speeds.cpu,
     };
     let mib = |b: u64| b as f64 / 1048576.0;
     let mut table = String::new();
     use std::fmt::Write as _;
     writeln!(
         table,
-        "step          restic      mover  restic/mover  target   peak RSS restic / mover (mover/restic)"
+        "step          restic      mover  restic/mover  target    floor  mover/floor  \
+         peak RSS restic / mover (mover/restic)"
     )?;
     for s in &results.steps {
         writeln!(
             table,
-            "{:<12} {:>7.2}s {:>8.2}s {:>11.2}x {:>6.1}x   {:.0} / {:.0} MiB ({:.2})  {}",
+            "{:<12} {:>7.2}s {:>8.2}s {:>11.2}x {:>6.1}x {:>7.2}s {:>11.2}x   \
+             {:.0} / {:.0} MiB ({:.2})  {}",
             s.name,
             s.restic.seconds,
             s.mover.seconds,
             s.speedup,
             s.target,
+            s.floor.seconds(),
+            s.over_floor,
             mib(s.restic.max_rss_bytes),
             mib(s.mover.max_rss_bytes),
             s.memory_ratio,
             if s.pass { "PASS" } else { "FAIL" }
         )?;
     }
+    writeln!(
+        table,
+        "floors (a step passes by its restic ratio or within {MAX_OVER_FLOOR}x of its floor; \
+         restic's time / floor in brackets):"
+    )?;
+    for s in &results.steps {
+        writeln!(
+            table,
+            "  {:<12} {} ({:.2}x)",
+            s.name,
+            s.floor.describe(),
+            s.restic_over_floor
+        )?;
+    }
+    writeln!(table, "  disk: {}", results.disk.describe())?;
+    writeln!(table, "  CPU: {}", results.cpu.describe())?;
     writeln!(
         table,
         "repository after the incremental step: restic {:.0} MiB, mover {:.0} MiB  {}",
@@ -335,7 +408,8 @@ fn run(args: &Args) -> Result<bool> {
     Ok(results.repo_size_pass && results.steps.iter().all(|s| s.pass))
 }
 
-/// The HTML report: one I/O-over-time chart per step, the speed-ups and the memory.
+/// The HTML report: one I/O-over-time chart per step, the speed-ups, the times over the
+/// floors and the memory.
 fn write_report(dir: &Path, results: &Results, table: &str) -> Result<()> {
     use charts::{Bar, Figure, Series, bar_chart, rates, throughput_chart, write_page};
     fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -358,12 +432,13 @@ fn write_report(dir: &Path, results: &Results, table: &str) -> Result<()> {
                     points: rates(&s.mover.io_samples),
                 },
             ],
-            None,
+            Some(s.floor.seconds()),
         )?;
         figures.push(Figure {
             file,
             caption: format!(
-                "{}: I/O of each tool over time (median round, page cache dropped first)",
+                "{}: I/O of each tool over time (median round, page cache dropped first; \
+                 dashed: the floor)",
                 s.name
             ),
         });
@@ -387,6 +462,28 @@ fn write_report(dir: &Path, results: &Results, table: &str) -> Result<()> {
     figures.push(Figure {
         file: "speedup.svg".into(),
         caption: "restic's time / mover's, each step's median of the rounds".into(),
+    });
+    let over_floor: Vec<Bar> = results
+        .steps
+        .iter()
+        .map(|s| Bar {
+            label: format!("{}: mover", s.name),
+            value: s.over_floor,
+            target: Some(MAX_OVER_FLOOR),
+            pass: s.over_floor <= MAX_OVER_FLOOR,
+        })
+        .collect();
+    bar_chart(
+        &dir.join("floor.svg"),
+        "time over the floor",
+        "x the floor (target: black tick, at most)",
+        &over_floor,
+    )?;
+    figures.push(Figure {
+        file: "floor.svg".into(),
+        caption: "mover's time / its floor (the cold walk or the entries made, the bytes at \
+                  the disk's speed, the CPU's hashing, compressing and sealing), median round"
+            .into(),
     });
     let mib = |b: u64| b as f64 / 1048576.0;
     let mut memory = Vec::new();
@@ -478,7 +575,109 @@ fn timed(cmd: &mut Command) -> Result<Run> {
         cpu_seconds: r.cpu.as_secs_f64(),
         max_rss_bytes: r.max_rss_bytes,
         io_samples: r.io_samples,
+        stdout: r.stdout,
     })
+}
+
+/// What every round's floors are made of, measured once, on the disk as throttled.
+struct Speeds {
+    disk: DeviceSpeed,
+    cpu: CpuSpeed,
+    /// A cold walk of the tree.
+    walk: f64,
+    /// The tree's entries made.
+    create: f64,
+}
+
+impl Speeds {
+    /// Measures the disk under `workdir`, the CPU on a sample of `src`'s files, a cold
+    /// walk of `src` and its skeleton made under `scratch`.
+    fn measure(workdir: &Path, src: &Path, scratch: &Path) -> Result<Self> {
+        eprintln!(
+            "== the floor: the disk, the CPU on the tree's files, a cold walk, its entries made"
+        );
+        let disk = treefloor::disk_speed(workdir)?;
+        eprintln!("   disk: {}", disk.describe());
+        let cpu = tree_cpu_speed(workdir, src)?;
+        eprintln!("   CPU: {}", cpu.describe());
+        let walk = treefloor::walk_seconds(&[src])?;
+        let create = treefloor::create_seconds(src, scratch)?;
+        eprintln!("   walk {walk:.2} s, create {create:.2} s");
+        Ok(Self {
+            disk,
+            cpu,
+            walk,
+            create,
+        })
+    }
+
+    /// A snapshot's floor: the tree walked, `read` bytes of files read and hashed, and
+    /// what mover's `run` reports it stored: the new bytes compressed, the packs sealed
+    /// and written.
+    fn snapshot_floor(&self, read: u64, run: &Run) -> Result<TreeFloor> {
+        let (new, stored) = stored_bytes(run)?;
+        Ok(TreeFloor {
+            walk: self.walk,
+            create: 0.0,
+            data: self.disk.floor_seconds(read, stored),
+            cpu: self.cpu.floor_seconds(CpuWork {
+                hash: read,
+                compress: new,
+                seal: stored,
+            }),
+        })
+    }
+
+    /// A restore's floor: the tree's entries made, `repo` bytes of packs read and opened,
+    /// `tree` bytes of files written and hashed (decompressing left out: a floor may be
+    /// low, never high).
+    fn restore_floor(&self, repo: u64, tree: u64) -> TreeFloor {
+        TreeFloor {
+            walk: 0.0,
+            create: self.create,
+            data: self.disk.floor_seconds(repo, tree),
+            cpu: self.cpu.floor_seconds(CpuWork {
+                hash: tree,
+                compress: 0,
+                seal: repo,
+            }),
+        }
+    }
+}
+
+/// The CPU's speeds on a sample of `src`'s own files (up to 1 GiB of them, written to
+/// `workdir` and removed afterwards), compressing at a tree's zstd level.
+fn tree_cpu_speed(workdir: &Path, src: &Path) -> Result<CpuSpeed> {
+    // openssl with the agent phase's tools; zstd is the snapshot phase's, without restic
+    // (this bench takes restic from --restic).
+    let mut tools = tools::Tools::find(true, false)?;
+    tools.zstd =
+        Some(tools::find_program("zstd").context("the CPU floor needs `zstd` (apt install zstd)")?);
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let sample = workdir.join(".cpu-sample.tmp");
+    let speed = treefloor::sample_contents(src, &sample, 1 << 30)
+        .and_then(|_| CpuSpeed::measure(&tools, &sample, threads, TREE_ZSTD_LEVEL));
+    _ = fs::remove_file(&sample);
+    speed
+}
+
+/// What mover's snapshot JSON says it did: (new plaintext bytes, bytes stored in packs).
+fn stored_bytes(run: &Run) -> Result<(u64, u64)> {
+    let json: serde_json::Value = serde_json::from_slice(&run.stdout)
+        .context("`mover snapshot create --json` printed no JSON")?;
+    let field = |name: &str| {
+        json["summary"][name]
+            .as_u64()
+            .with_context(|| format!("no summary.{name} in mover's snapshot JSON: {json}"))
+    };
+    Ok((field("new_bytes")?, field("stored_bytes")?))
+}
+
+/// The round of the median of `seconds`, as [`median`] picks it.
+fn median_index(seconds: &[f64]) -> usize {
+    let mut order: Vec<usize> = (0..seconds.len()).collect();
+    order.sort_by(|&a, &b| seconds[a].total_cmp(&seconds[b]));
+    order[order.len() / 2]
 }
 
 /// The median run by time (the upper of an even count), with the highest peak memory.
