@@ -6,7 +6,7 @@
 //! - create: the new entries made (directories, empty files, symlinks), synced;
 //! - data: the changed files' bytes read once and written once at the disk's direct speed;
 //! - cpu: for a snapshot or a restore, those bytes hashed, compressed and sealed at the
-//!   fastest speeds measured on this machine ([`crate::cpu::CpuSpeed`]; none for a copy).
+//!   fastest speeds measured on this machine (`CpuSpeed` in cpu.rs; none for a copy).
 //!
 //! A job does at least each of these, so it takes at least the longest one.
 
