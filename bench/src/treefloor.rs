@@ -10,7 +10,8 @@
 //!
 //! A job does at least each of these, so it takes at least the longest one.
 
-use crate::floor::DeviceSpeed;
+use crate::charts::{Bar, bar_chart};
+use crate::floor::{DeviceSpeed, MAX_OVER_FLOOR};
 use anyhow::{Context, Result};
 use serde::Serialize;
 use std::{
@@ -52,6 +53,25 @@ impl TreeFloor {
             self.walk, self.create, self.data
         )
     }
+}
+
+/// A bar chart at `path` of each (label, time / floor) against [`MAX_OVER_FLOOR`].
+pub fn over_floor_chart(path: &Path, rows: &[(String, f64)]) -> Result<()> {
+    let bars: Vec<Bar> = rows
+        .iter()
+        .map(|(label, value)| Bar {
+            label: label.clone(),
+            value: *value,
+            target: Some(MAX_OVER_FLOOR),
+            pass: *value <= MAX_OVER_FLOOR,
+        })
+        .collect();
+    bar_chart(
+        path,
+        "time over the floor",
+        "x the floor (target: black tick, at most)",
+        &bars,
+    )
 }
 
 /// The disk holding `dir`, measured reading a file of its own: 1 GiB of random bytes
@@ -196,10 +216,9 @@ pub type Stamps = std::collections::HashMap<PathBuf, (u64, Option<std::time::Dur
 /// The size and modification time of every regular file under `root`.
 pub fn stamps(root: &Path) -> Result<Stamps> {
     let found = Mutex::new(Stamps::new());
-    bytes_unlike(root, |rel, meta| {
+    for_each_file(root, |rel, meta| {
         let stamp = (meta.len(), mtime(meta));
         found.lock().unwrap().insert(rel.to_path_buf(), stamp);
-        true
     })?;
     Ok(found.into_inner().unwrap())
 }
@@ -216,12 +235,10 @@ pub fn bytes_changed_since(root: &Path, before: &Stamps) -> Result<u64> {
 /// regular file if they come to at most `max_bytes`, else an even share of them (every
 /// k-th in path order), concatenated. Returns the bytes written.
 pub fn sample_contents(root: &Path, out: &Path, max_bytes: u64) -> Result<u64> {
-    let files = Mutex::new(Vec::new());
-    bytes_unlike(root, |rel, meta| {
-        files.lock().unwrap().push((rel.to_path_buf(), meta.len()));
-        true
-    })?;
-    let mut files = files.into_inner().unwrap();
+    let mut files: Vec<(PathBuf, u64)> = stamps(root)?
+        .into_iter()
+        .map(|(rel, (len, _))| (rel, len))
+        .collect();
     files.sort();
     let total: u64 = files.iter().map(|f| f.1).sum();
     let stride = total.div_ceil(max_bytes.max(1)).max(1) as usize;
@@ -249,6 +266,17 @@ fn bytes_unlike(
     unchanged: impl Fn(&Path, &fs::Metadata) -> bool + Sync,
 ) -> Result<u64> {
     let total = AtomicU64::new(0);
+    for_each_file(root, |rel, meta| {
+        if !unchanged(rel, meta) {
+            total.fetch_add(meta.len(), Ordering::Relaxed);
+        }
+    })?;
+    Ok(total.into_inner())
+}
+
+/// Calls `visit(path relative to root, its metadata)` for every regular file under
+/// `root`, from several threads.
+fn for_each_file(root: &Path, visit: impl Fn(&Path, &fs::Metadata) + Sync) -> Result<()> {
     for_each_dir(&[root.to_path_buf()], thread_counts()[0], |dir| {
         let mut subdirs = Vec::new();
         for entry in fs::read_dir(dir)? {
@@ -256,13 +284,12 @@ fn bytes_unlike(
             let meta = entry.metadata()?;
             if meta.is_dir() {
                 subdirs.push(entry.path());
-            } else if meta.is_file() && !unchanged(entry.path().strip_prefix(root)?, &meta) {
-                total.fetch_add(meta.len(), Ordering::Relaxed);
+            } else if meta.is_file() {
+                visit(entry.path().strip_prefix(root)?, &meta);
             }
         }
         Ok(subdirs)
-    })?;
-    Ok(total.into_inner())
+    })
 }
 
 fn mtime(meta: &fs::Metadata) -> Option<std::time::Duration> {

@@ -313,8 +313,9 @@ fn run(args: &Args) -> Result<bool> {
         r.pull_secs.push(pull);
         r.fill_secs.push(fill);
     }
+    let pulled_hash = hash(&pulled)?;
     for (export, image) in &dsts {
-        if (export == "vol" || fills.contains(export)) && hash(&pulled)? != hash(image)? {
+        if (export == "vol" || fills.contains(export)) && hash(image)? != pulled_hash {
             bail!("the hydrated volume {export} differs from the pulled one");
         }
     }

@@ -463,22 +463,12 @@ fn write_report(dir: &Path, results: &Results, table: &str) -> Result<()> {
         file: "speedup.svg".into(),
         caption: "restic's time / mover's, each step's median of the rounds".into(),
     });
-    let over_floor: Vec<Bar> = results
+    let over_floor: Vec<(String, f64)> = results
         .steps
         .iter()
-        .map(|s| Bar {
-            label: format!("{}: mover", s.name),
-            value: s.over_floor,
-            target: Some(MAX_OVER_FLOOR),
-            pass: s.over_floor <= MAX_OVER_FLOOR,
-        })
+        .map(|s| (format!("{}: mover", s.name), s.over_floor))
         .collect();
-    bar_chart(
-        &dir.join("floor.svg"),
-        "time over the floor",
-        "x the floor (target: black tick, at most)",
-        &over_floor,
-    )?;
+    treefloor::over_floor_chart(&dir.join("floor.svg"), &over_floor)?;
     figures.push(Figure {
         file: "floor.svg".into(),
         caption: "mover's time / its floor (the cold walk or the entries made, the bytes at \

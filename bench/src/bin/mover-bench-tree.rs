@@ -374,27 +374,17 @@ fn write_report(dir: &Path, steps: &[Step], sources: &[PathBuf], table: &str) ->
         &speedups,
     )?;
     bar_chart(&dir.join("memory.svg"), "peak memory (RSS)", "MiB", &memory)?;
-    let over_floor: Vec<Bar> = steps
+    let over_floor: Vec<(String, f64)> = steps
         .iter()
         .flat_map(|s| {
             [
                 ("mover", s.over_floor),
                 ("mover --replica", s.replica_over_floor),
             ]
-            .map(|(label, value)| Bar {
-                label: format!("{}: {label}", s.name),
-                value,
-                target: Some(MAX_OVER_FLOOR),
-                pass: value <= MAX_OVER_FLOOR,
-            })
+            .map(|(label, value)| (format!("{}: {label}", s.name), value))
         })
         .collect();
-    bar_chart(
-        &dir.join("floor.svg"),
-        "time over the floor",
-        "x the floor (target: black tick, at most)",
-        &over_floor,
-    )?;
+    treefloor::over_floor_chart(&dir.join("floor.svg"), &over_floor)?;
     figures.push(Figure {
         file: "speedup.svg".into(),
         caption: "rsync's time / mover's in each step".into(),
