@@ -673,6 +673,15 @@ fn a_cancelled_hydration_stops_serving_and_a_new_start_resumes_it() {
         std::fs::read(&p.dst_img).unwrap() == want,
         "a start after completion changed the volume"
     );
+    // With --overwrite it starts over: the source's data again, the write gone.
+    p.start(&["--overwrite"]);
+    p.wait();
+    assert_eq!(hydration_status(&p.dst, "dst")["phase"], "Complete");
+    assert_eq!(
+        blake3_of(&p.dst_img, SIZE),
+        blake3_of(&p.src_img, SIZE),
+        "a start with --overwrite after completion did not replace the volume"
+    );
 }
 
 #[test]

@@ -57,7 +57,10 @@ Examples:
         /// Filler requests in flight.
         #[arg(long, value_name = "N", default_value_t = 4)]
         concurrency: u32,
-        /// The export's image or device holds data: replace it.
+        /// The export's image or device holds data: replace it. A hydration of it that
+        /// completed is started over, even from the same source (without --overwrite,
+        /// a start again from that source returns at once and leaves the volume as it
+        /// is, so a retried start is harmless).
         #[arg(long)]
         overwrite: bool,
         /// Make the export if the agent has none of that name: a sparse image in the

@@ -356,8 +356,13 @@ impl Hydrations {
         if let Some(h) = self.get(&req.export) {
             let p = h.progress();
             // Started again after it completed (a cancel that came too late, or a
-            // retried start): the volume is already whole from that source.
-            if p.phase == Phase::Complete && self.started_from(&req.export, &req.source) {
+            // retried start): the volume is already whole from that source. With
+            // overwrite the caller wants the source's data again, over what clients
+            // wrote since: a fresh hydration (a complete one left no record).
+            if p.phase == Phase::Complete
+                && !req.overwrite
+                && self.started_from(&req.export, &req.source)
+            {
                 return Ok(h);
             }
             if p.phase != Phase::Complete && p.phase != Phase::Cancelled {
