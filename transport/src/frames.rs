@@ -129,7 +129,8 @@ pub fn written_frames(
 /// The frames of the pages of `data` for which `wanted(index)` holds, merged into runs;
 /// zero runs as zero frames, or, without `zeros`, left out. A page not wanted is not
 /// looked at: a cycle's window holds a few changed pages among zeros that only stand in
-/// for what was not read (checking each of them for zeros was 3% of a cycle's CPU).
+/// for what was not read (checking each of them for zeros was about 3% of the primary's
+/// CPU in a cycle).
 fn page_frames(
     data: &Bytes,
     offset: u64,
