@@ -533,6 +533,55 @@ fn on_xfs_writes_of_a_cycle_that_failed_after_its_point_in_time_go_with_the_next
     assert!(clones[0].ends_with(&format!("-{cycle}")), "{names:?}");
 }
 
+/// A catch-up holds the writers back only for its second pass: the first reclones what
+/// changed since the last cycle while they write, the second, frozen, what they wrote
+/// during the first. Writes that land between the two (a window widened by a pause) go
+/// with the cycle, and the pause is not in the hold the cycle reports.
+#[test]
+fn on_xfs_writes_after_the_unfrozen_catch_up_go_with_the_cycle_and_only_the_last_pass_holds_writers()
+ {
+    const AHEAD_MS: u64 = 3000;
+    let fs = ScratchFs::new("xfs", 512 * MIB);
+    let pause = format!("ahead-of-freeze={AHEAD_MS}");
+    let mut p = pair_with_env(fs.path(), &[("MOVER_PAUSE", &pause)], &[]);
+    p._fs = Some(fs);
+    // The freeze holds back a file system of its own: the test writes into the image
+    // only while the cycle waits between the passes, never while it is frozen.
+    let held = ScratchFs::new("ext4", 32 * MIB);
+    p.create_with("r", &["--freeze", held.path().to_str().unwrap()]);
+    let mut pages = scribble(&p.a_img, 60, 30);
+    let started = Instant::now();
+    let cycle = {
+        let agent = control(&p.a);
+        std::thread::spawn(move || replicate(&["sync", "r", "--agent", &agent]))
+    };
+    std::thread::sleep(Duration::from_millis(AHEAD_MS / 2));
+    pages.extend(scribble(&p.a_img, 61, 30));
+    ok(cycle.join().unwrap());
+    assert!(
+        started.elapsed() >= Duration::from_millis(AHEAD_MS),
+        "the cycle waited between its passes"
+    );
+    let s = status_of(&p.a, "r");
+    assert!(p.same(), "the writes of both moments arrived: {s}");
+    let c = &s["last_cycle"];
+    assert_eq!(c["bytes_shipped"], pages.len() as u64 * PAGE, "{s}");
+    let held_ms = c["writers_held_ms"].as_u64().unwrap();
+    assert!(
+        (1..AHEAD_MS).contains(&held_ms),
+        "writers held back for the frozen pass only, not the wait before it: {s}"
+    );
+    let m = p.a.http_get("/metrics");
+    let gauge = "mover_replication_writers_held_seconds{relationship=\"r\",role=\"primary\"} ";
+    let reported: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix(gauge))
+        .unwrap_or_else(|| panic!("{gauge} in {m}"))
+        .parse()
+        .unwrap();
+    assert_eq!(reported, held_ms as f64 / 1000.0, "{m}");
+}
+
 #[test]
 fn a_restarted_agent_thaws_the_file_system_a_killed_one_left_frozen() {
     let p = pair(&[]);

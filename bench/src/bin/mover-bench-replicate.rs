@@ -122,6 +122,10 @@ struct Round {
     /// mover's cycle / its floor.
     over_floor: f64,
     mover_cycle_ms: u64,
+    /// How long mover's cycle held the volume's writers back (its freeze), and how long
+    /// VolSync's point in time does (frozen, the image cloned, thawed: the floor's).
+    mover_writers_held_ms: u64,
+    volsync_writers_held_ms: u64,
     mover_bytes_read: u64,
     mover_read_percent: f64,
     mover_bytes_shipped: u64,
@@ -493,6 +497,8 @@ fn run(args: &Args) -> Result<bool> {
             floor_seconds,
             over_floor: m.elapsed.as_secs_f64() / floor_seconds,
             mover_cycle_ms: c["duration_ms"].as_u64().unwrap_or(0),
+            mover_writers_held_ms: c["writers_held_ms"].as_u64().unwrap_or(0),
+            volsync_writers_held_ms: (point_in_time * 1000.0).ceil() as u64,
             mover_bytes_read: read,
             mover_read_percent: read as f64 * 100.0 / size as f64,
             mover_bytes_shipped: c["bytes_shipped"].as_u64().unwrap_or(0),
@@ -505,11 +511,13 @@ fn run(args: &Args) -> Result<bool> {
             replica_pages_apart_from_rsyncs: apart,
         };
         eprintln!(
-            "   changed {:.2}%: mover {:.2} s ({:.1}x its floor; cycle {} ms, read {:.2}%, shipped {:.1} MiB, CPU {:.2} + {:.2} s), VolSync {:.2} s (sent {:.1} MiB): {:.1}x; agent RSS {:.0} MiB",
+            "   changed {:.2}%: mover {:.2} s ({:.1}x its floor; cycle {} ms, writers held {} ms against VolSync's {} ms, read {:.2}%, shipped {:.1} MiB, CPU {:.2} + {:.2} s), VolSync {:.2} s (sent {:.1} MiB): {:.1}x; agent RSS {:.0} MiB",
             row.changed_percent,
             row.mover_seconds,
             row.over_floor,
             row.mover_cycle_ms,
+            row.mover_writers_held_ms,
+            row.volsync_writers_held_ms,
             row.mover_read_percent,
             mib(row.mover_bytes_shipped),
             row.primary_cpu_seconds,

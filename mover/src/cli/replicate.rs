@@ -557,6 +557,7 @@ fn status_json(s: &control::Status) -> serde_json::Value {
             "bytes_shipped": c.bytes_shipped,
             "root": c.root,
             "final": c.r#final,
+            "writers_held_ms": c.writers_held_ms,
         })),
         "last_error": s.last_error,
         "missed_intervals": s.missed_intervals,
@@ -587,13 +588,17 @@ fn print_status(s: &control::Status, json: bool) {
     }
     match &s.last_cycle {
         Some(c) => println!(
-            "  last cycle {}: {} read, {} shipped in {:.2}s; RPO {}; {}{}",
+            "  last cycle {}: {} read, {} shipped in {:.2}s; RPO {}; {}{}{}",
             c.id,
             human(c.bytes_read),
             human(c.bytes_shipped),
             c.duration_ms as f64 / 1000.0,
             rpo(s),
             s.consistency,
+            match c.writers_held_ms {
+                0 => String::new(),
+                ms => format!(" (writers held back {ms} ms)"),
+            },
             if c.r#final {
                 " (final cycle of a demote)"
             } else {

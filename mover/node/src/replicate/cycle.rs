@@ -38,6 +38,8 @@ struct PointInTime {
     caught_up: bool,
     at_ms: i64,
     consistency: &'static str,
+    /// How long taking it held the volume's writers back, in ms.
+    held_ms: u64,
 }
 
 impl Drop for PointInTime {
@@ -98,7 +100,7 @@ fn take_point_in_time(
         let frozen = freeze_for(FREEZE_FOR_CLONE)?;
         let at_ms = now_ms();
         let cloned = extents::clone_fresh(source, &clone);
-        log_hold(name, held, "fresh clone");
+        let held_ms = log_hold(name, held, "fresh clone");
         match cloned {
             Ok(true) => {
                 // Thawed by the watchdog before the clone was done: not a point in time.
@@ -112,6 +114,7 @@ fn take_point_in_time(
                     caught_up: false,
                     at_ms,
                     consistency: POINT_IN_TIME,
+                    held_ms,
                 });
             }
             Ok(false) => {}
@@ -131,6 +134,7 @@ fn take_point_in_time(
         caught_up: false,
         consistency: CRASH_INCONSISTENT,
         at_ms: now_ms(),
+        held_ms: 0,
     })
 }
 
@@ -142,6 +146,11 @@ fn take_point_in_time(
 /// is kept only if the image's ctime, which any write moves, did not move meanwhile.
 /// `None`: no such hold, or the catch-up could not be made or kept; then a fresh clone,
 /// which the file system takes under one lock, is the point in time.
+///
+/// The writers are held back only for the last of two passes: the first, while they
+/// write, reclones what changed since the last cycle (most of the work: a remap per
+/// changed range, and the flush of the image's dirty pages); the second, frozen, finds
+/// and reclones only what was written during the first.
 fn catch_up_still(
     source: &Path,
     name: &str,
@@ -159,6 +168,21 @@ fn catch_up_still(
             }
         },
     };
+    // The first pass, unfrozen: whatever it leaves out, the second finds (it compares the
+    // whole extent maps again), and what it recloned is recorded as pending first.
+    let ahead = Instant::now();
+    match base.catch_up(source, name) {
+        Ok(_) => tracing::debug!(
+            relationship = name,
+            "clone caught up ahead of the freeze in {:.1} ms",
+            ahead.elapsed().as_secs_f64() * 1000.0
+        ),
+        Err(e) => tracing::debug!(
+            relationship = name,
+            "cannot catch up ahead of the freeze: {e}"
+        ),
+    }
+    mover_engine::node::pause("ahead-of-freeze");
     let held = Instant::now();
     let mut frozen = Vec::with_capacity(mounts.len());
     for m in &mounts {
@@ -184,7 +208,7 @@ fn catch_up_still(
     let caught_up = base.catch_up(source, name);
     let still = before.is_ok() && written().ok() == before.as_ref().ok().copied();
     let thawed = thaw_all(frozen);
-    log_hold(name, held, "catch-up under freeze");
+    let held_ms = log_hold(name, held, "catch-up under freeze");
     if let Err(e) = thawed {
         return Err(outlasted_freeze(source, "catch-up", e));
     }
@@ -195,6 +219,7 @@ fn catch_up_still(
             caught_up: true,
             at_ms,
             consistency: POINT_IN_TIME,
+            held_ms,
         })),
         // The ranges recloned are recorded as pending: the fresh clone's comparison with
         // the base stays right.
@@ -276,17 +301,21 @@ fn shipped(
         r#final: cycle.r#final,
         consistency: cycle.consistency.clone(),
         snapshot,
+        // The caller that took the point in time says how long it held writers.
+        writers_held_ms: 0,
     }
 }
 
 /// Says how long taking a point in time held the volume's writers back (a freeze, or
 /// the image's lock that a whole-file clone holds): what bench/pit-cost.sh reads.
-fn log_hold(name: &str, since: Instant, how: &str) {
+/// Returns it in ms, rounded up (0 stays for no hold at all), for the cycle's record.
+fn log_hold(name: &str, since: Instant, how: &str) -> u64 {
     let ms = since.elapsed().as_secs_f64() * 1000.0;
     tracing::debug!(
         relationship = name,
         "held writers back for {ms:.1} ms ({how})"
     );
+    ms.ceil() as u64
 }
 
 /// The error of a point in time (`what`: the clone, the catch-up) that the freeze's
@@ -600,11 +629,14 @@ pub async fn run(
             tracing::warn!(relationship = %spec.name, "cannot keep the cycle's clone: {e}; the next cycle reads every chunk");
         }
     }
-    Ok(shipped(
-        &cycle,
-        began,
-        (sum.source_bytes_read, sum.wire_bytes),
-        sum.root.unwrap_or_default(),
-        String::new(),
-    ))
+    Ok(CycleRecord {
+        writers_held_ms: pit.held_ms,
+        ..shipped(
+            &cycle,
+            began,
+            (sum.source_bytes_read, sum.wire_bytes),
+            sum.root.unwrap_or_default(),
+            String::new(),
+        )
+    })
 }

@@ -102,6 +102,7 @@ pub fn cycle_report(c: &CycleRecord) -> control::CycleReport {
         bytes_shipped: c.bytes_shipped,
         root: c.root.clone(),
         r#final: c.r#final,
+        writers_held_ms: c.writers_held_ms,
     }
 }
 

@@ -456,6 +456,12 @@ impl Runners {
                         (c.started_ms + c.duration_ms as i64) as f64 / 1000.0
                     ),
                 );
+                add(
+                    "mover_replication_writers_held_seconds",
+                    "gauge",
+                    "How long the last cycle's point in time held the volume's writers back (a freeze, or the lock a whole-file clone takes).",
+                    format!("{{{label}}} {}", c.writers_held_ms as f64 / 1000.0),
+                );
             }
             let mut cum = 0;
             for (i, n) in l.duration_counts.iter().enumerate() {

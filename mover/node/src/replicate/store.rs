@@ -121,6 +121,11 @@ pub struct CycleRecord {
     /// The CSI handle of the VolumeSnapshot it read ("": none).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub snapshot: String,
+    /// How long taking its point in time held the volume's writers back (a freeze, or
+    /// the lock a whole-file clone takes): the application's stall. 0: none, or a
+    /// record of a side that does not take points in time (the secondary's).
+    #[serde(default)]
+    pub writers_held_ms: u64,
 }
 
 /// An epoch change: the epoch, and the last cycle both sides held when it began.
